@@ -1,0 +1,52 @@
+"""guardrails: guards for PyTorch training loops.
+
+Wrap the loop once and a hang, a desync, a NaN, a SIGTERM or a bad batch becomes a
+precise error or a clean checkpoint::
+
+    import guardrails
+
+    with guardrails.guard(model, opt, loader, run_dir="runs/exp1") as g:
+        for batch in g:
+            loss = model(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+Everything public lives in this one namespace; the ``_``-prefixed modules are private.
+The library logs to ``logging.getLogger("guardrails")`` and installs no handler.
+"""
+
+from guardrails._component import Component
+from guardrails._errors import (
+    CheckpointError,
+    CollectiveMismatchError,
+    ConfigMismatchError,
+    GuardrailsError,
+    HangError,
+    NonFiniteError,
+    RankFailedError,
+    ResumeError,
+    UnevenDataError,
+)
+from guardrails._factory import guard
+from guardrails._guard import Guard
+from guardrails._telemetry import Telemetry, read_metrics
+from guardrails._version import __version__
+
+__all__ = [
+    "CheckpointError",
+    "CollectiveMismatchError",
+    "Component",
+    "ConfigMismatchError",
+    "Guard",
+    "GuardrailsError",
+    "HangError",
+    "NonFiniteError",
+    "RankFailedError",
+    "ResumeError",
+    "Telemetry",
+    "UnevenDataError",
+    "__version__",
+    "guard",
+    "read_metrics",
+]

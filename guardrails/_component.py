@@ -1,0 +1,55 @@
+"""The component protocol: how a guard (NanGuard, telemetry, GC, checkpoints...) plugs
+into the step lifecycle without the engine knowing its insides.
+
+A component subclasses :class:`Component` and overrides only the hooks it needs. The
+engine calls, in this order::
+
+    on_start(guard)              once, when the guard starts (hooks are installed)
+    on_batch(guard, batch)       after each batch is fetched from the loader
+    before_step(guard)           inside optimizer.step(), before the update
+    after_step(guard)            inside optimizer.step(), after the update; guard.step
+                                 already counts this step
+    on_end(guard, exc)           once, when the guard closes; exc is the exception
+                                 that ended the loop, or None
+
+Hooks a component does not override are never called (the engine dispatches only to
+overridden methods), so a component that is not needed costs nothing per step.
+Components run in the order given on start / batch / step and in reverse on end,
+like nested ``with`` blocks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from guardrails._guard import Guard
+
+HOOKS = ("on_start", "on_batch", "before_step", "after_step", "on_end")
+
+
+class Component:
+    """Base class for everything that plugs into a :class:`~guardrails.Guard`."""
+
+    #: Short name used in events and error messages.
+    name: str = "component"
+
+    def on_start(self, guard: Guard) -> None:
+        """The guard started: allocate buffers, open files."""
+
+    def on_batch(self, guard: Guard, batch: Any) -> None:
+        """A batch was fetched from the loader (before the user sees it)."""
+
+    def before_step(self, guard: Guard) -> None:
+        """``optimizer.step()`` was called; the parameters are not updated yet."""
+
+    def after_step(self, guard: Guard) -> None:
+        """The optimizer step finished; ``guard.step`` counts it."""
+
+    def on_end(self, guard: Guard, exc: BaseException | None) -> None:
+        """The guard is closing: flush, close files, restore what was changed."""
+
+
+def overrides(component: Component, hook: str) -> bool:
+    """Whether ``component`` defines its own ``hook`` (so the engine should call it)."""
+    return getattr(type(component), hook) is not getattr(Component, hook)

@@ -1,0 +1,160 @@
+"""The guardrails exception tree.
+
+Every error guardrails raises on purpose derives from :class:`GuardrailsError`, so one
+``except guardrails.GuardrailsError`` catches them all, and each subclass names one
+failure family from the debugging guides::
+
+    GuardrailsError                 rank, step, hint
+    ├── NonFiniteError              + cause        loss / grad went NaN or Inf
+    ├── CollectiveMismatchError     + per_rank     ranks issued different collectives
+    ├── HangError                   + stuck_ranks  no progress within hang_timeout_s
+    ├── RankFailedError             + failed_rank  another rank died
+    ├── UnevenDataError             + lengths      ranks ran out of data at different steps
+    ├── ConfigMismatchError         + fields       ranks disagree on model / config / versions
+    ├── CheckpointError             + path         a checkpoint is missing, truncated or corrupt
+    └── ResumeError                 + path         a checkpoint does not fit this model / run
+
+The contract, for code that catches them:
+
+* ``str(err)`` is the whole human message: what happened, where, the likely cause and
+  the fix. It is written for the person reading the log, in the seeds' voice.
+* The structured fields (``rank``, ``step`` and the specifics of each subclass) are what
+  programs should read; never parse the message.
+* ``hint`` is the "what to do" part alone, also included in the message.
+* Errors pickle with their fields, so they survive ``torch.multiprocessing`` and the
+  torchelastic error file.
+
+Misuse of the API (a wrong type, an unknown knob, iterating a closed guard) is not a
+training failure and raises the ordinary ``TypeError`` / ``ValueError`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GuardrailsError(Exception):
+    """Root of every error guardrails raises about a training run.
+
+    Args:
+        message: what happened, in words.
+        rank: the rank that observed the failure (``None`` outside distributed runs).
+        step: the optimizer step at which it was observed (``None`` before the first).
+        hint: what to do about it; appended to the message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        step: int | None = None,
+        hint: str | None = None,
+        **fields: Any,
+    ) -> None:
+        self.message = message
+        self.rank = rank
+        self.step = step
+        self.hint = hint
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self._fields = dict(fields)
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.step is not None:
+            where.append(f"step {self.step}")
+        text = f"[{', '.join(where)}] {self.message}" if where else self.message
+        if self.hint:
+            text += f"\n  fix: {self.hint}"
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only constructors do not pickle through BaseException's default
+        # (which replays self.args positionally); rebuild from the fields instead.
+        kwargs = {"rank": self.rank, "step": self.step, "hint": self.hint, **self._fields}
+        return (_rebuild, (type(self), self.message, kwargs))
+
+
+def _rebuild(cls: type[GuardrailsError], message: str, kwargs: dict[str, Any]) -> GuardrailsError:
+    return cls(message, **kwargs)
+
+
+class NonFiniteError(GuardrailsError):
+    """The loss or the gradients went NaN/Inf. ``cause`` classifies why
+    (``optimization_blowup``, ``bad_data``, ``numerics``, ``fp16_overflow``,
+    ``not_reproducible``)."""
+
+    cause: str | None
+
+    def __init__(self, message: str, *, cause: str | None = None, **kw: Any) -> None:
+        super().__init__(message, cause=cause, **kw)
+
+
+class CollectiveMismatchError(GuardrailsError):
+    """Ranks issued different collectives (op, shape, dtype or order).
+    ``per_rank`` maps each rank to what it issued."""
+
+    per_rank: dict[int, Any] | None
+
+    def __init__(self, message: str, *, per_rank: dict[int, Any] | None = None, **kw: Any) -> None:
+        super().__init__(message, per_rank=per_rank, **kw)
+
+
+class HangError(GuardrailsError):
+    """No rank-wide progress within ``hang_timeout_s``. ``stuck_ranks`` names the ranks
+    that stopped advancing."""
+
+    stuck_ranks: list[int] | None
+
+    def __init__(self, message: str, *, stuck_ranks: list[int] | None = None, **kw: Any) -> None:
+        super().__init__(message, stuck_ranks=stuck_ranks, **kw)
+
+
+class RankFailedError(GuardrailsError):
+    """Another rank died; ``failed_rank`` is the one that did."""
+
+    failed_rank: int | None
+
+    def __init__(self, message: str, *, failed_rank: int | None = None, **kw: Any) -> None:
+        super().__init__(message, failed_rank=failed_rank, **kw)
+
+
+class UnevenDataError(GuardrailsError):
+    """Ranks ran out of data at different steps; ``lengths`` maps rank to batches seen."""
+
+    lengths: dict[int, int] | None
+
+    def __init__(self, message: str, *, lengths: dict[int, int] | None = None, **kw: Any) -> None:
+        super().__init__(message, lengths=lengths, **kw)
+
+
+class ConfigMismatchError(GuardrailsError):
+    """Ranks disagree on something that must match; ``fields`` maps each differing
+    field to its value per rank."""
+
+    fields: dict[str, Any] | None
+
+    def __init__(self, message: str, *, fields: dict[str, Any] | None = None, **kw: Any) -> None:
+        super().__init__(message, fields=fields, **kw)
+
+
+class CheckpointError(GuardrailsError):
+    """A checkpoint could not be written or read back intact; ``path`` names the file."""
+
+    path: str | None
+
+    def __init__(self, message: str, *, path: str | None = None, **kw: Any) -> None:
+        super().__init__(message, path=path, **kw)
+
+
+class ResumeError(GuardrailsError):
+    """A checkpoint is intact but cannot be applied to this model / optimizer / run."""
+
+    path: str | None
+
+    def __init__(self, message: str, *, path: str | None = None, **kw: Any) -> None:
+        super().__init__(message, path=path, **kw)

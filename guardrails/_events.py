@@ -1,0 +1,55 @@
+"""The events log: one JSON object per line in ``run_dir/events.jsonl``.
+
+Events are rare (start, end, warnings, skips, saves), so each is written at once with
+a single ``os.write`` on an ``O_APPEND`` descriptor: a crash loses nothing already
+logged, and lines from several ranks sharing the file do not interleave (appends of
+one small buffer are atomic on local filesystems; on NFS, give each run its own dir).
+Read it with ``pandas.read_json(path, lines=True)`` or ``pyarrow.json.read_json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("guardrails")
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events to ``run_dir/events.jsonl`` and mirrors them to the
+    ``guardrails`` logger (INFO, or WARNING for ``level="warning"``)."""
+
+    def __init__(self, run_dir: Path, *, rank: int) -> None:
+        self.path = run_dir / EVENTS_FILE
+        self.rank = rank
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def emit(
+        self, kind: str, *, step: int, level: str = "info", message: str = "", **fields: Any
+    ) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "time": time.time(),
+            "rank": self.rank,
+            "step": step,
+            "kind": kind,
+            "level": level,
+            "message": message,
+            **fields,
+        }
+        if self._fd is not None:
+            line = json.dumps(record, default=str, separators=(",", ":")) + "\n"
+            os.write(self._fd, line.encode())
+        log = logger.warning if level == "warning" else logger.info
+        log("[rank %d step %d] %s%s", self.rank, step, kind, f": {message}" if message else "")
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
