@@ -1,0 +1,125 @@
+"""Structural performance facts, asserted without a clock:
+
+* the guard reads no device value on the host per step (no ``aten._local_scalar_dense``,
+  which is what ``.item()``, ``float(t)`` and ``bool(t)`` lower to);
+* the device work it adds per step is the same number of ops for a 3-tensor model and
+  a 120-tensor one (fused norms, not a kernel per parameter);
+* the Python calls it makes per step are the same number for both (no per-parameter
+  Python function calls).
+
+Wall-clock cost lives in benchmarks/, measured, never asserted here.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from conftest import Regressor, batches
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import guardrails
+
+PKG_DIR = str(Path(guardrails.__file__).parent)
+STEPS = 6
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def run_loop(depth, guarded, tmp_path, counter=None):
+    torch.manual_seed(0)
+    model = Regressor(depth=depth)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = batches(STEPS + 2)
+
+    def steps(it):
+        for i, (x, y) in enumerate(it):
+            if i == 2 and counter is not None:
+                counter.__enter__()  # skip the first steps: lazy state, first allocation
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        if counter is not None:
+            counter.__exit__(None, None, None)
+
+    if guarded:
+        # A ring longer than the run: the one copy per interval is not in the window.
+        with guardrails.guard(
+            model, opt, data, run_dir=tmp_path, metrics_every_n_steps=1000, progress=False
+        ) as g:
+            steps(g)
+    else:
+        steps(data)
+    return sum(1 for _ in model.parameters())
+
+
+def guard_ops(depth, tmp_path):
+    plain, guarded = OpCounter(), OpCounter()
+    n_params = run_loop(depth, False, tmp_path, plain)
+    run_loop(depth, True, tmp_path / f"g{depth}", guarded)
+    extra = guarded.ops.copy()
+    extra.subtract(plain.ops)
+    return n_params, {k: v for k, v in extra.items() if v}
+
+
+def test_no_host_read_of_device_values_per_step(tmp_path):
+    _, extra = guard_ops(2, tmp_path)
+    assert "aten._local_scalar_dense" not in extra
+    assert "aten.item" not in extra
+
+
+def test_device_ops_per_step_do_not_grow_with_the_model(tmp_path):
+    small_n, small = guard_ops(1, tmp_path)
+    big_n, big = guard_ops(60, tmp_path)
+    assert big_n >= 30 * small_n  # 4 vs 122 parameter tensors
+    assert small == big, (small, big)
+    # And it is a handful: fused norm, stack, norm of norms, one write into the ring.
+    assert sum(small.values()) <= 8 * STEPS, small
+
+
+def python_calls_per_step(depth, tmp_path):
+    """Python function calls made from guardrails code (and into it) over STEPS steps."""
+    torch.manual_seed(0)
+    model = Regressor(depth=depth)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    calls: Counter[str] = Counter()
+
+    def ours(frame):
+        return frame is not None and frame.f_code.co_filename.startswith(PKG_DIR)
+
+    def prof(frame, event, arg):
+        # Python functions in guardrails or called by it, and C functions it calls.
+        if event == "call" and (ours(frame) or ours(frame.f_back)):
+            calls[frame.f_code.co_name] += 1
+        elif event == "c_call" and ours(frame):
+            calls[f"c:{getattr(arg, '__name__', '?')}"] += 1
+
+    with guardrails.guard(
+        model, opt, batches(STEPS + 2), run_dir=tmp_path / f"p{depth}", metrics_every_n_steps=1000
+    ) as g:
+        for i, (x, y) in enumerate(g):
+            if i == 2:
+                sys.setprofile(prof)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        sys.setprofile(None)
+    return calls
+
+
+def test_python_calls_per_step_do_not_grow_with_the_model(tmp_path):
+    small = python_calls_per_step(1, tmp_path)
+    big = python_calls_per_step(60, tmp_path)
+    assert small == big, (small, big)
+    assert small["_after_step"] == STEPS and small["_before_step"] == STEPS
+    assert small["_pick_loss"] == STEPS

@@ -1,0 +1,226 @@
+"""metrics.parquet and events.jsonl hold what the loop computed, on real files."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import Regressor, batches, reference_grad_norm
+
+import guardrails
+
+
+def test_metrics_equal_what_the_loop_computed(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor(depth=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    expect = {"loss": [], "grad_norm": [], "lr": []}
+    n_steps = 13  # not a multiple of the ring length: the tail is flushed at close
+    with guardrails.guard(
+        model, opt, batches(n_steps), scheduler=sched, run_dir=tmp_path, metrics_every_n_steps=5
+    ) as g:
+        for x, y in g:
+            loss = model(x, y)
+            loss.backward()
+            expect["loss"].append(loss.item())
+            expect["grad_norm"].append(reference_grad_norm(model))
+            expect["lr"].append(opt.param_groups[0]["lr"])
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert rows["step"] == list(range(1, n_steps + 1))
+    assert rows["rank"] == [0] * n_steps
+    assert rows["loss"] == pytest.approx(expect["loss"], rel=1e-6)
+    assert rows["grad_norm"] == pytest.approx(expect["grad_norm"], rel=1e-5)
+    assert rows["lr"] == expect["lr"]  # exact: 1e-2 * 0.5**k
+    assert rows["skipped"] == [False] * n_steps
+    assert all(t > 0 for t in rows["step_time_s"])
+    assert all(m > 0 for m in rows["mem_peak_bytes"])  # peak RSS on CPU
+    assert rows["time"] == sorted(rows["time"])
+    assert len(set(rows["started_at"])) == 1
+
+
+def test_data_wait_and_tokens_per_second(tmp_path):
+    """A slow loader shows up as data-wait time; integer (batch, seq) batches give
+    tokens and tokens/s."""
+    torch.manual_seed(0)
+    emb = torch.nn.Sequential(
+        torch.nn.Embedding(50, 8), torch.nn.Flatten(), torch.nn.Linear(8 * 6, 1)
+    )
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    delay_s = 0.03
+
+    def slow_loader():
+        for _ in range(4):
+            time.sleep(delay_s)  # a starving input pipeline
+            yield torch.randint(0, 50, (5, 6))
+
+    with guardrails.guard(emb, opt, slow_loader(), run_dir=tmp_path) as g:
+        for ids in g:
+            emb(ids).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert all(w >= delay_s for w in rows["data_wait_s"])  # sleep is a lower bound
+    assert all(t >= w for t, w in zip(rows["step_time_s"], rows["data_wait_s"], strict=True))
+    assert rows["tokens"] == [30] * 4
+    for tps, tok, st in zip(rows["tokens_per_s"], rows["tokens"], rows["step_time_s"], strict=True):
+        assert tps == pytest.approx(tok / st)
+
+
+def test_tokens_per_batch_knob_overrides_inference(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, tokens_per_batch=1024) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert guardrails.read_metrics(tmp_path).column("tokens").to_pylist() == [1024, 1024]
+
+
+def test_float_batches_have_unknown_tokens(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert rows["tokens"] == [None, None] and rows["tokens_per_s"] == [None, None]
+
+
+def test_parts_are_plain_parquet_and_a_rerun_appends(tmp_path):
+    torch.manual_seed(0)
+    for _run in range(2):
+        model = Regressor()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with guardrails.guard(
+            model,
+            opt,
+            batches(7),
+            run_dir=tmp_path,
+            metrics_every_n_steps=2,
+            metrics_write_every_s=0,
+        ) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    parts = sorted((tmp_path / "metrics.parquet").glob("*.parquet"))
+    assert len(parts) == 8  # 4 flushes (2+2+2+1 rows) per run, one part each
+    assert not list((tmp_path / "metrics.parquet").glob(".tmp-*"))
+    # Readable without guardrails, as a directory dataset.
+    table = pq.read_table(tmp_path / "metrics.parquet")
+    assert table.num_rows == 14
+    starts = sorted(set(table.column("started_at").to_pylist()))
+    assert len(starts) == 2
+    for start in starts:
+        steps = [
+            s
+            for s, t in zip(
+                table.column("step").to_pylist(),
+                table.column("started_at").to_pylist(),
+                strict=True,
+            )
+            if t == start
+        ]
+        assert sorted(steps) == list(range(1, 8))
+
+
+def test_sigkill_keeps_every_part_written_before_it(tmp_path):
+    """A run killed with SIGKILL (no cleanup at all) keeps the metrics it flushed."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from conftest import Regressor, batches
+        import guardrails
+        torch.manual_seed(0)
+        model = Regressor()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with guardrails.guard(model, opt, batches(50), run_dir={str(tmp_path)!r},
+                              metrics_every_n_steps=5, metrics_write_every_s=0) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if g.step == 23:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert rows["step"] == list(range(1, 21))  # flushed at 5, 10, 15, 20; 21-23 were in the ring
+    assert all(not math.isnan(v) for v in rows["loss"])
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["start"]  # no "end": it really was killed
+
+
+def test_events_log(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        g.event("custom", message="hello", value=3)
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["kind"] for e in events] == ["start", "custom", "end"]
+    assert events[0]["components"] == ["telemetry"] and events[0]["device"] == "cpu"
+    assert events[1] == {**events[1], "step": 2, "message": "hello", "value": 3, "rank": 0}
+    assert events[2]["error"] is None
+
+
+def test_progress_bar_on_request_and_off_in_ci(tmp_path, capsys, monkeypatch):
+    torch.manual_seed(0)
+
+    def run(**kw):
+        model = Regressor()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with guardrails.guard(
+            model, opt, batches(6), run_dir=tmp_path, metrics_every_n_steps=2, **kw
+        ) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        return capsys.readouterr().err
+
+    err = run(progress=True)
+    assert "train" in err and "6step" in err.replace(" ", "") and "loss=" in err and "gnorm=" in err
+    monkeypatch.setenv("CI", "true")
+    assert "loss=" not in run()  # auto: off in CI
+    assert "loss=" not in run(progress=False)
+
+
+def test_metrics_off_is_a_real_no_op(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, metrics=False) as g:
+        assert g.components == []
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert not (tmp_path / "metrics.parquet").exists()
+    with pytest.raises(FileNotFoundError, match="no metrics at"):
+        guardrails.read_metrics(tmp_path)
