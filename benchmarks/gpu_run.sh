@@ -21,3 +21,5 @@ $B --model gpt2 --batch 2 --seq 1024 --steps 50 --repeats 7 2>&1 | tee -a "$OUT/
 $B --model gpt2 --batch 8 --seq 1024 --steps 30 --repeats 7 --compile 2>&1 | tee -a "$OUT/bench.txt"
 $B --model gpt2 --batch 2 --seq 1024 --steps 50 --repeats 7 --compile 2>&1 | tee -a "$OUT/bench.txt"
 python3 examples/train_gpt.py --steps 300 --sample 0 --run-dir /tmp/gpt_run 2>&1 | tee "$OUT/example.txt"
+python3 benchmarks/host_ops.py --device cuda --params 4 2>&1 | tee "$OUT/host_ops.txt"
+python3 benchmarks/host_ops.py --device cuda --params 148 2>&1 | tee -a "$OUT/host_ops.txt"
