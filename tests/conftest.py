@@ -35,3 +35,29 @@ def reference_grad_norm(model: nn.Module) -> float:
     """Total L2 grad norm computed the plain way, one tensor at a time."""
     norms = [p.grad.double().norm() for p in model.parameters() if p.grad is not None]
     return float(torch.stack(norms).norm())
+
+
+def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
+    """Train a fresh seeded Regressor with SGD for ``n_steps`` under
+    ``guardrails.guard(..., run_dir=run_dir, **knobs)``; ``inside(g)`` runs before the
+    block closes. Returns the (closed) guard."""
+    import guardrails
+
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(n_steps), run_dir=run_dir, **knobs) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        if inside is not None:
+            inside(g)
+    return g
+
+
+def read_events(run_dir) -> list[dict]:
+    import json
+    from pathlib import Path
+
+    return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import Regressor, batches
+from conftest import Regressor, batches, read_events
 from torch.utils.data import DataLoader, TensorDataset
 
 import guardrails
@@ -281,7 +279,7 @@ def test_exception_propagates_unchanged_and_everything_is_cleaned_up(tmp_path):
     assert hooks_installed(model, opt) == 0
     # What was measured before the failure is on disk.
     assert guardrails.read_metrics(tmp_path).column("step").to_pylist() == [1, 2, 3, 4, 5, 6]
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = read_events(tmp_path)
     assert events[-1]["kind"] == "end" and "user code failed" in events[-1]["error"]
 
 
@@ -388,7 +386,7 @@ def test_trainable_params_missing_from_optimizer_are_named(tmp_path):
     opt = torch.optim.SGD(model.net[0].parameters(), lr=0.1)  # LoRA-style wiring bug
     with guardrails.guard(model, opt, run_dir=tmp_path):
         pass
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = read_events(tmp_path)
     warn = [e for e in events if e["kind"] == "params_not_in_optimizer"]
     assert len(warn) == 1 and warn[0]["level"] == "warning"
     assert "net.2.weight" in warn[0]["params"] and "net.0.weight" not in warn[0]["params"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -14,7 +13,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import Regressor, batches, reference_grad_norm
+from conftest import Regressor, batches, guarded_run, read_events, reference_grad_norm
 
 import guardrails
 
@@ -80,47 +79,19 @@ def test_data_wait_and_tokens_per_second(tmp_path):
 
 
 def test_tokens_per_batch_knob_overrides_inference(tmp_path):
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, tokens_per_batch=1024) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+    guarded_run(tmp_path, tokens_per_batch=1024)
     assert guardrails.read_metrics(tmp_path).column("tokens").to_pylist() == [1024, 1024]
 
 
 def test_float_batches_have_unknown_tokens(tmp_path):
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+    guarded_run(tmp_path)
     rows = guardrails.read_metrics(tmp_path).to_pydict()
     assert rows["tokens"] == [None, None] and rows["tokens_per_s"] == [None, None]
 
 
 def test_parts_are_plain_parquet_and_a_rerun_appends(tmp_path):
-    torch.manual_seed(0)
     for _run in range(2):
-        model = Regressor()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with guardrails.guard(
-            model,
-            opt,
-            batches(7),
-            run_dir=tmp_path,
-            metrics_every_n_steps=2,
-            metrics_write_every_s=0,
-        ) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+        guarded_run(tmp_path, 7, metrics_every_n_steps=2, metrics_write_every_s=0)
     parts = sorted((tmp_path / "metrics.parquet").glob("*.parquet"))
     assert len(parts) == 8  # 4 flushes (2+2+2+1 rows) per run, one part each
     assert not list((tmp_path / "metrics.parquet").glob(".tmp-*"))
@@ -168,21 +139,13 @@ def test_sigkill_keeps_every_part_written_before_it(tmp_path):
     rows = guardrails.read_metrics(tmp_path).to_pydict()
     assert rows["step"] == list(range(1, 21))  # flushed at 5, 10, 15, 20; 21-23 were in the ring
     assert all(not math.isnan(v) for v in rows["loss"])
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = read_events(tmp_path)
     assert [e["kind"] for e in events] == ["start"]  # no "end": it really was killed
 
 
 def test_events_log(tmp_path):
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-        g.event("custom", message="hello", value=3)
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    guarded_run(tmp_path, inside=lambda g: g.event("custom", message="hello", value=3))
+    events = read_events(tmp_path)
     assert [e["kind"] for e in events] == ["start", "custom", "end"]
     assert events[0]["components"] == ["telemetry"] and events[0]["device"] == "cpu"
     assert events[1] == {**events[1], "step": 2, "message": "hello", "value": 3, "rank": 0}
@@ -190,18 +153,8 @@ def test_events_log(tmp_path):
 
 
 def test_progress_bar_on_request_and_off_in_ci(tmp_path, capsys, monkeypatch):
-    torch.manual_seed(0)
-
     def run(**kw):
-        model = Regressor()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with guardrails.guard(
-            model, opt, batches(6), run_dir=tmp_path, metrics_every_n_steps=2, **kw
-        ) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+        guarded_run(tmp_path, 6, metrics_every_n_steps=2, **kw)
         return capsys.readouterr().err
 
     err = run(progress=True)
@@ -212,15 +165,8 @@ def test_progress_bar_on_request_and_off_in_ci(tmp_path, capsys, monkeypatch):
 
 
 def test_metrics_off_is_a_real_no_op(tmp_path):
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, metrics=False) as g:
-        assert g.components == []
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+    g = guarded_run(tmp_path, metrics=False)
+    assert g.components == []
     assert not (tmp_path / "metrics.parquet").exists()
     with pytest.raises(FileNotFoundError, match="no metrics at"):
         guardrails.read_metrics(tmp_path)
