@@ -29,6 +29,7 @@ from guardrails._errors import (
     UnevenDataError,
 )
 from guardrails._factory import guard
+from guardrails._gc import GCScheduler
 from guardrails._guard import Guard
 from guardrails._telemetry import Telemetry, read_metrics
 from guardrails._version import __version__
@@ -38,6 +39,7 @@ __all__ = [
     "CollectiveMismatchError",
     "Component",
     "ConfigMismatchError",
+    "GCScheduler",
     "Guard",
     "GuardrailsError",
     "HangError",

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from guardrails._component import Component
+from guardrails._gc import GCScheduler
 from guardrails._guard import Guard, check_knobs
 from guardrails._telemetry import Telemetry
 
@@ -31,6 +32,7 @@ def guard(
     metrics_every_n_steps: int = 50,
     metrics_write_every_s: float = 60.0,
     tokens_per_batch: int | None = None,
+    gc_every_n_steps: int | None = 100,
     components: Sequence[Component] | None = None,
     **unknown: Any,
 ) -> Guard:
@@ -51,6 +53,9 @@ def guard(
         metrics_every_n_steps: one device-to-host copy of the metrics per this many
             steps (the only transfer telemetry makes). Default 50.
         metrics_write_every_s: at most one parquet part per this many seconds.
+        gc_every_n_steps: after the first step, freeze the survivors and run Python's
+            GC only every this many steps, at the same step on every rank (see
+            :class:`~guardrails.GCScheduler`); ``None`` leaves the GC alone.
         components: extra components, run after the defaults.
 
     Returns:
@@ -60,6 +65,8 @@ def guard(
     if unknown:
         check_knobs(unknown, _KNOBS, "guard")
     chosen: list[Component] = []
+    if gc_every_n_steps is not None:
+        chosen.append(GCScheduler(every_n_steps=gc_every_n_steps))
     if metrics:
         chosen.append(
             Telemetry(

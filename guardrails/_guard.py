@@ -120,6 +120,9 @@ class Guard:
         self.step_time_s = math.nan
         #: Seconds this step spent waiting in the loader's ``next()``.
         self.data_wait_s = 0.0
+        #: Seconds spent in Python's garbage collector since start, as timed by a
+        #: GCScheduler (cumulative; telemetry turns it into per-step ``gc_s``).
+        self.gc_total_s = 0.0
         #: Tokens fetched for this step, or ``None`` when unknown.
         self.tokens: int | None = None
         #: Learning rate of the first param group at this step (``nan`` if it is a

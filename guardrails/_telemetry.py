@@ -54,7 +54,16 @@ METRICS_DIR = "metrics.parquet"
 #: Device columns, in ring order. float32: the loss and norm are read for humans.
 DEVICE_COLUMNS = ("loss", "grad_norm", "skipped")
 #: Host columns, in ring order. float64 holds step counts and byte counts exactly.
-HOST_COLUMNS = ("step", "time", "lr", "step_time_s", "data_wait_s", "tokens", "mem_peak_bytes")
+HOST_COLUMNS = (
+    "step",
+    "time",
+    "lr",
+    "step_time_s",
+    "data_wait_s",
+    "tokens",
+    "gc_s",
+    "mem_peak_bytes",
+)
 
 #: The schema of ``metrics.parquet``; documented in the README.
 SCHEMA = pa.schema(
@@ -70,6 +79,7 @@ SCHEMA = pa.schema(
         ("data_wait_s", pa.float64()),  # time blocked in the loader's next()
         ("tokens", pa.int64()),  # tokens in the step (null when unknown)
         ("tokens_per_s", pa.float64()),
+        ("gc_s", pa.float64()),  # time in Python's GC during the step (GCScheduler)
         ("mem_peak_bytes", pa.int64()),  # CUDA max allocated so far / CPU peak RSS
         ("skipped", pa.bool_()),  # the update was skipped (NanGuard)
     ]
@@ -123,6 +133,7 @@ class Telemetry(Component):
         self._ring = torch.full((n, len(DEVICE_COLUMNS)), math.nan, device=guard.device)
         self._ring_rows = self._ring.unbind(0)  # views made once, not indexed per step
         self._host_rows: list[tuple[float, ...]] = []
+        self._gc_total = guard.gc_total_s
         self._nan = torch.full((), math.nan, device=guard.device)
         # float, not bool: a bool in the stack below sends it down a dtype-promoting
         # path that costs ~2.7 us more per step on CPU (measured, host_ops.py).
@@ -164,6 +175,7 @@ class Telemetry(Component):
                 guard.step_time_s,
                 guard.data_wait_s,
                 math.nan if guard.tokens is None else guard.tokens,
+                guard.gc_total_s,  # cumulative here; per step at flush
             )
         )
         if self._bar is not None:
@@ -203,6 +215,10 @@ class Telemetry(Component):
         # Peak memory only grows, so one reading per interval (not one per step) bounds
         # every row in it; it also keeps the per-step host path shorter.
         host[:, -1] = _mem_peak_bytes(self._device)
+        gc_total = host[:, HOST_COLUMNS.index("gc_s")]
+        last = gc_total[-1]
+        gc_total[:] = np.diff(gc_total, prepend=self._gc_total)  # cumulative -> per step
+        self._gc_total = last
         self._host_rows = []
         self._collect()
         self._pending = (slot, event, host, n)
@@ -269,6 +285,7 @@ def _to_table(dev: np.ndarray, host: np.ndarray, rank: int, started_at: float) -
         "data_wait_s": pa.array(cols["data_wait_s"]),
         "tokens": pa.array(np.nan_to_num(tokens).astype(np.int64), mask=np.isnan(tokens)),
         "tokens_per_s": pa.array(tps, mask=np.isnan(tps)),
+        "gc_s": pa.array(cols["gc_s"]),
         "mem_peak_bytes": pa.array(np.nan_to_num(mem).astype(np.int64), mask=np.isnan(mem)),
         "skipped": pa.array(cols["skipped"] > 0.5),
     }

@@ -16,6 +16,7 @@ EXPECTED_ALL = [
     "CollectiveMismatchError",
     "Component",
     "ConfigMismatchError",
+    "GCScheduler",
     "Guard",
     "GuardrailsError",
     "HangError",

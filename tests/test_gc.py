@@ -1,0 +1,136 @@
+"""GCScheduler against the real interpreter GC: aligned collections, measured pauses,
+and the previous GC state back exactly."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import Regressor, batches, read_events
+
+import guardrails
+from guardrails import GCScheduler, Guard, Telemetry
+
+
+class Node:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the cyclic GC frees it
+
+
+def train_with_garbage(tmp_path, sched, n_steps=10, garbage_per_step=3000, **guard_kw):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    enabled_inside = []
+    with Guard(model, opt, batches(n_steps), run_dir=tmp_path, components=[sched], **guard_kw) as g:
+        for x, y in g:
+            for _ in range(garbage_per_step):  # well over gen-0's threshold (700) per step
+                Node()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            enabled_inside.append(gc.isenabled())
+    return enabled_inside
+
+
+def test_collections_happen_only_at_scheduled_steps(tmp_path):
+    sched = GCScheduler(every_n_steps=3)
+    enabled_inside = train_with_garbage(tmp_path, sched)
+    # None automatic from the start; step 1: one full collection and the freeze; then
+    # generation 1 every 3 steps. The garbage per step would trigger ~4 automatic ones.
+    assert [(step, gen) for step, gen, _, _ in sched.pauses] == [(1, 2), (3, 1), (6, 1), (9, 1)]
+    assert enabled_inside == [False] * 10  # no automatic collection after step 1
+    assert all(collected >= 3000 for step, _, _, collected in sched.pauses if step > 1)
+    frozen = [e for e in read_events(tmp_path) if e["kind"] == "gc_frozen"]
+    assert len(frozen) == 1 and frozen[0]["step"] == 1 and frozen[0]["frozen"] > 0
+
+
+def test_full_collections_on_their_own_interval(tmp_path):
+    sched = GCScheduler(every_n_steps=2, full_every_n_steps=4)
+    train_with_garbage(tmp_path, sched, n_steps=8, garbage_per_step=10)
+    assert [(s, g) for s, g, _, _ in sched.pauses] == [(1, 2), (2, 1), (4, 2), (6, 1), (8, 2)]
+
+
+def test_previous_gc_state_comes_back_exactly(tmp_path):
+    before_threshold = gc.get_threshold()
+    gc.set_threshold(1234, 7, 3)
+    try:
+        train_with_garbage(tmp_path, GCScheduler(every_n_steps=3), n_steps=4, garbage_per_step=10)
+        assert gc.isenabled()
+        assert gc.get_threshold() == (1234, 7, 3)
+        assert gc.get_freeze_count() == 0
+        assert not any(
+            getattr(cb, "__self__", None).__class__ is GCScheduler for cb in gc.callbacks
+        )
+
+        gc.disable()
+        train_with_garbage(tmp_path, GCScheduler(every_n_steps=3), n_steps=4, garbage_per_step=10)
+        assert not gc.isenabled()  # it was off before: stays off
+    finally:
+        gc.enable()
+        gc.set_threshold(*before_threshold)
+
+
+def test_state_restored_when_the_loop_raises(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ZeroDivisionError):
+        with Guard(model, opt, batches(5), run_dir=tmp_path, components=[GCScheduler()]) as g:
+            for i, (x, y) in enumerate(g):
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if i == 2:
+                    1 / 0  # noqa: B018
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_an_application_freeze_is_respected(tmp_path):
+    gc.freeze()
+    try:
+        count = gc.get_freeze_count()
+        train_with_garbage(tmp_path, GCScheduler(every_n_steps=3), n_steps=3, garbage_per_step=10)
+        # Neither unfrozen nor added to (frozen objects can still die by refcount).
+        assert 0 < gc.get_freeze_count() <= count
+        kinds = [e["kind"] for e in read_events(tmp_path)]
+        assert "gc_freeze_skipped" in kinds
+    finally:
+        gc.unfreeze()
+
+
+def test_pauses_land_in_metrics_and_long_ones_in_events(tmp_path):
+    sched = GCScheduler(every_n_steps=3, long_pause_s=0.0)  # every pause counts as long
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The scheduler before telemetry (guard()'s order): each pause is in its own step's
+    # row. In the other order a pause is counted in the next step's row, never lost.
+    with Guard(model, opt, batches(7), run_dir=tmp_path, components=[sched, Telemetry()]) as g:
+        for x, y in g:
+            for _ in range(2000):
+                Node()
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    by_step = dict(zip(rows["step"], rows["gc_s"], strict=True))
+    assert {s for s, v in by_step.items() if v > 0} == {1, 3, 6}
+    assert sum(by_step.values()) == pytest.approx(sum(p for _, _, p, _ in sched.pauses))
+    long = [e for e in read_events(tmp_path) if e["kind"] == "gc_pause"]
+    assert [e["step"] for e in long] == [1, 3, 6] and long[1]["generation"] == 1
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"generation": 3}, "generation"),
+        ({"full_every_n_steps": 0}, "full_every_n_steps"),
+        ({"long_pause_s": -1}, "long_pause_s"),
+    ],
+)
+def test_bad_knobs(kw, match):
+    with pytest.raises(ValueError, match=match):
+        GCScheduler(**kw)
