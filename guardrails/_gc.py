@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 
 if TYPE_CHECKING:
@@ -55,24 +57,18 @@ class GCScheduler(Component):
         full_every_n_steps: int | None = None,
         long_pause_s: float = 0.1,
     ) -> None:
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        positive_int("every_n_steps", every_n_steps)
         if generation not in (0, 1, 2):
             raise ValueError(f"generation must be 0, 1 or 2, got {generation!r}")
-        if full_every_n_steps is not None and (
-            not isinstance(full_every_n_steps, int) or full_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"full_every_n_steps must be a positive int or None, got {full_every_n_steps!r}"
-            )
-        if not long_pause_s >= 0:
-            raise ValueError(f"long_pause_s must be >= 0, got {long_pause_s!r}")
+        positive_int("full_every_n_steps", full_every_n_steps, allow_none=True)
+        non_negative("long_pause_s", long_pause_s)
         self.every_n_steps = every_n_steps
         self.generation = generation
         self.full_every_n_steps = full_every_n_steps
         self.long_pause_s = float(long_pause_s)
-        #: Every timed collection: (step, generation, seconds, collected objects).
-        self.pauses: list[tuple[int, int, float, int]] = []
+        #: The last 10,000 timed collections: (step, generation, seconds, collected
+        #: objects). Bounded: collections we did not schedule could come every step.
+        self.pauses: deque[tuple[int, int, float, int]] = deque(maxlen=10_000)
         self._guard: Guard | None = None
         self._t0 = 0.0
         self._why: str | None = None  # set around our own collections
@@ -170,5 +166,8 @@ class GCScheduler(Component):
                 generation=gen,
                 pause_s=pause,
                 collected=info.get("collected"),
-                objects=len(gc.get_objects(gen)) if gen in (0, 1, 2) else None,
+                # Cheap counters only: gc.get_objects() here would walk (and allocate a
+                # list of) every object of the generation inside the GC callback.
+                counts=gc.get_count(),
+                frozen=gc.get_freeze_count(),
             )

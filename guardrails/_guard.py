@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from guardrails import _dist
+from guardrails._checks import positive_int
 from guardrails._component import HOOKS, Component, overrides
 from guardrails._events import EventLog
 
@@ -427,12 +428,7 @@ def _validate(
             raise TypeError(
                 f"components must be guardrails.Component instances, got {type(c).__name__}."
             )
-    if tokens_per_batch is not None and (
-        not isinstance(tokens_per_batch, int)
-        or isinstance(tokens_per_batch, bool)
-        or tokens_per_batch <= 0
-    ):
-        raise ValueError(f"tokens_per_batch must be a positive int, got {tokens_per_batch!r}")
+    positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
     return params
 
 

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 
 if TYPE_CHECKING:
@@ -108,10 +109,8 @@ class Telemetry(Component):
         write_every_s: float = 60.0,
         progress: bool | None = None,
     ) -> None:
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
-        if not write_every_s >= 0:
-            raise ValueError(f"write_every_s must be >= 0, got {write_every_s!r}")
+        positive_int("every_n_steps", every_n_steps)
+        non_negative("write_every_s", write_every_s)
         self.every_n_steps = every_n_steps
         self.write_every_s = float(write_every_s)
         self.progress = progress
@@ -160,13 +159,14 @@ class Telemetry(Component):
         # Copied, not referenced: a CUDA-graph output would be overwritten next step.
         torch.stack(
             (
-                self._nan if loss is None else loss.to(self._ring.device, non_blocking=True),
+                self._nan if loss is None else loss.to(self._device, non_blocking=True),
                 guard.grad_norm(),
                 self._zero if skipped is None else skipped,
             ),
             out=self._ring_rows[len(rows)],
         )
-        # A tuple append (~0.3 us) rather than seven numpy item writes (~1 us).
+        # A tuple append (~0.3 us) rather than seven numpy item writes (~1 us); its
+        # order is HOST_COLUMNS without the last (mem_peak_bytes, read at flush).
         rows.append(
             (
                 guard.step,
@@ -240,7 +240,7 @@ class Telemetry(Component):
         self._arrived.append((dev, host))
         latest = dict(zip(HOST_COLUMNS, host[-1].tolist(), strict=True))
         latest.update(zip(DEVICE_COLUMNS, dev[-1].tolist(), strict=True))
-        latest["tokens_per_s"] = latest["tokens"] / latest["step_time_s"]
+        latest["tokens_per_s"] = float(_tokens_per_s(host[-1:])[0])
         self.latest = latest
         if self._bar is not None:
             self._bar.set_postfix(_postfix(latest), refresh=False)
@@ -269,8 +269,7 @@ def _to_table(dev: np.ndarray, host: np.ndarray, rank: int, started_at: float) -
     cols.update(zip(DEVICE_COLUMNS, dev.T, strict=True))
     tokens = cols["tokens"]
     step_time = cols["step_time_s"]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        tps = tokens / step_time
+    tps = _tokens_per_s(host)
     mem = cols["mem_peak_bytes"]
     n = len(tokens)
     arrays = {
@@ -290,6 +289,12 @@ def _to_table(dev: np.ndarray, host: np.ndarray, rank: int, started_at: float) -
         "skipped": pa.array(cols["skipped"] > 0.5),
     }
     return pa.table(arrays, schema=SCHEMA)
+
+
+def _tokens_per_s(host: np.ndarray) -> np.ndarray:
+    """tokens / step_time_s for host rows; NaN where tokens are unknown."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return host[:, HOST_COLUMNS.index("tokens")] / host[:, HOST_COLUMNS.index("step_time_s")]
 
 
 def _postfix(row: dict[str, Any]) -> dict[str, str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -57,7 +60,4 @@ def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
 
 
 def read_events(run_dir) -> list[dict]:
-    import json
-    from pathlib import Path
-
     return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]

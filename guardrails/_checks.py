@@ -1,0 +1,21 @@
+"""Knob checks shared by the engine and every component, so the same mistake gets the
+same message wherever it is made."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def positive_int(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int >= 1 (or ``None`` if allowed)."""
+    if allow_none and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        either = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be a positive int{either}, got {value!r}")
+
+
+def non_negative(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a number >= 0 (NaN is refused too)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
