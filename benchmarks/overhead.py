@@ -13,14 +13,16 @@ medians) in microseconds and percent, and the spread across repeats as the half-
 of the interquartile range of the paired differences, a noise figure: an overhead
 smaller than it is below what this run can resolve.
 
-The guarded run uses the default components (today: telemetry with its one
-device-to-host copy every 50 steps, which lands inside the timed window), no tqdm bar.
+The guarded run uses the default components (GCScheduler, NanGuard, Telemetry), no
+tqdm bar. `--item` adds the hand-written NanGuard alternative (skip the step unless
+`isfinite(grad_norm).item()`), `--clip` clips the grad norm in every variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -81,8 +83,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_run(args, device, model, step_model, opt, data, guarded: bool) -> float:
-    """Seconds per step over `args.steps` timed steps."""
+VARIANTS = ("plain", "guarded", "item")
+
+
+def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
+    """Seconds per step over `args.steps` timed steps.
+
+    plain: the bare loop. guarded: the same loop under guardrails.guard() (defaults).
+    item: the hand-written alternative to NanGuard, skip the step when
+    ``torch.isfinite(grad_norm).item()`` is false (one host sync per step).
+    With --clip, every variant clips the grad norm to 1.0 (guarded: through
+    g.clip_grad_norm_, which shares its norm with the guard).
+    """
     amp = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if (device.type == "cuda" and args.bf16)
@@ -90,7 +102,10 @@ def one_run(args, device, model, step_model, opt, data, guarded: bool) -> float:
     )
     total = args.warmup + args.steps
 
-    def loop(batches):
+    params = list(model.parameters())
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def loop(batches, g=None):
         t0 = None
         for i, (x, y) in enumerate(batches):
             if i == args.warmup:
@@ -102,16 +117,23 @@ def one_run(args, device, model, step_model, opt, data, guarded: bool) -> float:
             else:
                 loss = step_model(x, y)
             loss.backward()
-            opt.step()
+            if variant == "item":
+                norm = clip(params, 1.0 if args.clip else math.inf)
+                if torch.isfinite(norm).item():  # the host sync NanGuard avoids
+                    opt.step()
+            else:
+                if args.clip:
+                    g.clip_grad_norm_(1.0) if g is not None else clip(params, 1.0)
+                opt.step()
             opt.zero_grad(set_to_none=True)
         sync(device)
         return (time.perf_counter() - t0) / args.steps
 
-    if not guarded:
+    if variant != "guarded":
         return loop(cycle(data, total))
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(step_model, opt, cycle(data, total), run_dir=d, progress=False) as g:
-            per_step = loop(g)
+            per_step = loop(g, g)
     return per_step
 
 
@@ -128,20 +150,22 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    p.add_argument("--clip", action="store_true", help="clip the grad norm to 1.0 in every variant")
+    p.add_argument("--item", action="store_true", help="also time the per-step .item() check")
     p.add_argument("--out", help="append a JSON line with the result here")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # a steadier clock; the guard's cost is single-threaded host work
     model, step_model, opt, data = build(args, device)
-    one_run(
-        args, device, model, step_model, opt, data, guarded=False
-    )  # compile / allocator warm-up
-    one_run(args, device, model, step_model, opt, data, guarded=True)
-    plain, guarded = [], []
+    variants = ["plain", "guarded"] + (["item"] if args.item else [])
+    for v in variants:  # compile / allocator / lazy optimizer state warm-up
+        one_run(args, device, model, step_model, opt, data, v)
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
-        plain.append(one_run(args, device, model, step_model, opt, data, guarded=False))
-        guarded.append(one_run(args, device, model, step_model, opt, data, guarded=True))
+        for v in variants:
+            times[v].append(one_run(args, device, model, step_model, opt, data, v))
+    plain, guarded = times["plain"], times["guarded"]
     diffs = sorted(g - q for g, q in zip(guarded, plain, strict=True))
     q1, _, q3 = statistics.quantiles(diffs, n=4)
     med_plain, med_guarded = statistics.median(plain), statistics.median(guarded)
@@ -163,7 +187,12 @@ def main() -> None:
         "overhead_pct": 100 * (med_guarded - med_plain) / med_plain,
         "paired_diff_median_us": statistics.median(diffs) * 1e6,
         "noise_us": (q3 - q1) / 2 * 1e6,
+        "clip": args.clip,
     }
+    if args.item:
+        med_item = statistics.median(times["item"])
+        result["item_step_us"] = med_item * 1e6
+        result["item_overhead_pct"] = 100 * (med_item - med_plain) / med_plain
     print(
         f"{result['device']} torch {result['torch']} model={args.model} "
         f"compile={args.compile} bf16={result['bf16']}\n"
@@ -173,6 +202,11 @@ def main() -> None:
         f"paired median {result['paired_diff_median_us']:+.1f} us, "
         f"noise +/-{result['noise_us']:.1f} us"
     )
+    if args.item:
+        print(
+            f"  isfinite(norm).item() per step: {result['item_step_us']:10.1f} us/step "
+            f"({result['item_overhead_pct']:+.2f}%)"
+        )
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -8,9 +8,18 @@ Project Gutenberg, public domain) is split into fixed 64-character windows; the 
 is ~0.8M parameters (4 layers, 128 wide). The default 500 steps take under a minute on
 2 CPU cores and take the loss from ~4.2 (uniform over 65 characters) to ~2.0.
 
-The only guardrails lines are the `with guardrails.guard(...)` and iterating `g`
-instead of the loader; the rest is an ordinary PyTorch loop. Metrics land in
-RUN_DIR/metrics.parquet and events in RUN_DIR/events.jsonl.
+The only guardrails lines are the `with guardrails.guard(...)`, iterating `g` instead
+of the loader and clipping through `g.clip_grad_norm_` (so clipping and NaN detection
+share one pass over the gradients); the rest is an ordinary PyTorch loop. Metrics land
+in RUN_DIR/metrics.parquet and events in RUN_DIR/events.jsonl.
+
+Planted faults, to see what the guard does with them (seed 003's two commonest NaNs):
+
+    python examples/train_gpt.py --inject bad_sample   # one sample's loss weight is NaN:
+        # the step is skipped, the run goes on; RUN_DIR/nonfinite/ holds the batch and
+        # events.jsonl names the sample
+    python examples/train_gpt.py --inject nan_lr       # the LR is set to 1e4 mid-run:
+        # steps are skipped, then NonFiniteError (cause optimization_blowup) stops it
 """
 
 from __future__ import annotations
@@ -37,20 +46,26 @@ DATA = Path(__file__).parent / "data" / "shakespeare.txt"
 
 
 class CharWindows(Dataset):
-    """Fixed windows of ``block_size + 1`` characters: input and next-char target."""
+    """Fixed windows of ``block_size + 1`` characters: input, next-char target and a
+    per-sample loss weight (1.0; real pipelines weight or mask samples this way)."""
 
     def __init__(self, text: str, block_size: int) -> None:
         self.chars = sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         self.data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
         self.block_size = block_size
+        #: ``--inject bad_sample``: the n-th item fetched gets a NaN weight.
+        self.poison_at: int | None = None
+        self._fetched = 0
 
     def __len__(self) -> int:
         return (len(self.data) - 1) // self.block_size
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         chunk = self.data[i * self.block_size : (i + 1) * self.block_size + 1]
-        return chunk[:-1], chunk[1:]
+        self._fetched += 1
+        weight = math.nan if self._fetched == self.poison_at else 1.0
+        return chunk[:-1], chunk[1:], torch.tensor(weight)
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
@@ -101,7 +116,12 @@ class GPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
@@ -109,7 +129,10 @@ class GPT(nn.Module):
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        if weights is None:
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        return (per_token.view_as(targets).mean(1) * weights).mean()
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -140,6 +163,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sample", type=int, default=200, help="characters to sample at the end (0: none)"
     )
+    p.add_argument(
+        "--inject",
+        choices=["bad_sample", "nan_lr"],
+        help="plant a fault at --inject-step: a NaN sample weight on rank 0, or LR 1e4",
+    )
+    p.add_argument("--inject-step", type=int, help="default: half way")
     return p.parse_args(argv)
 
 
@@ -170,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     raw_model = model
     if distributed:
         model = DDP(model, device_ids=[device.index] if use_cuda else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # fused=True: one kernel per step, and it takes NanGuard's on-device skip flag.
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=True)
     # Linear warmup over 10% of the steps, then cosine to 10% of the peak.
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -187,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{world} rank(s) on {device}, {args.steps} steps"
         )
 
+    inject_step = args.inject_step or args.steps // 2
+    if args.inject == "bad_sample" and rank == 0:
+        # The 4th sample of the first micro-batch of step `inject_step` (num_workers=0,
+        # so items are fetched in order).
+        data.poison_at = (inject_step - 1) * args.grad_accum * args.batch_size + 4
+
     t0 = time.perf_counter()
     micro = 0
     with guardrails.guard(model, opt, loader, scheduler=sched, run_dir=args.run_dir) as g:
@@ -194,13 +230,16 @@ def main(argv: list[str] | None = None) -> None:
         while g.step < args.steps:
             if distributed:
                 sampler.set_epoch(epoch)
-            for x, y in g:
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = model(x, y)  # a scalar: the guard records it, no .item() needed
+            for batch in g:
+                x, y, w = (t.to(device, non_blocking=True) for t in batch)
+                if args.inject == "nan_lr" and g.step + 1 == inject_step:
+                    sched.base_lrs = [1e4 for _ in sched.base_lrs]  # the fault
+                loss = model(x, y, w)  # a scalar: the guard records it, no .item() needed
                 (loss / args.grad_accum).backward()
                 micro += 1
                 if micro % args.grad_accum:
                     continue
+                g.clip_grad_norm_(1.0)  # shares its norm with the guard's NaN check
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 sched.step()

@@ -24,6 +24,7 @@ from guardrails._errors import (
     GuardrailsError,
     HangError,
     NonFiniteError,
+    OutOfMemoryError,
     RankFailedError,
     ResumeError,
     UnevenDataError,
@@ -31,6 +32,8 @@ from guardrails._errors import (
 from guardrails._factory import guard
 from guardrails._gc import GCScheduler
 from guardrails._guard import Guard
+from guardrails._memory import MemoryGuard
+from guardrails._nan import NanGuard
 from guardrails._telemetry import Telemetry, read_metrics
 from guardrails._version import __version__
 
@@ -43,7 +46,10 @@ __all__ = [
     "Guard",
     "GuardrailsError",
     "HangError",
+    "MemoryGuard",
+    "NanGuard",
     "NonFiniteError",
+    "OutOfMemoryError",
     "RankFailedError",
     "ResumeError",
     "Telemetry",

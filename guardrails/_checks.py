@@ -19,3 +19,9 @@ def non_negative(name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is a number >= 0 (NaN is refused too)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def fraction(name: str, value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is a number with 0 < value <= 1."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")

@@ -12,7 +12,10 @@ failure family from the debugging guides::
     ├── UnevenDataError             + lengths      ranks ran out of data at different steps
     ├── ConfigMismatchError         + fields       ranks disagree on model / config / versions
     ├── CheckpointError             + path         a checkpoint is missing, truncated or corrupt
-    └── ResumeError                 + path         a checkpoint does not fit this model / run
+    ├── ResumeError                 + path         a checkpoint does not fit this model / run
+    └── OutOfMemoryError            + phase, memory, largest_tensors, remedies, per_rank
+                                                   out of memory, explained (also a
+                                                   torch.OutOfMemoryError)
 
 The contract, for code that catches them:
 
@@ -31,6 +34,8 @@ training failure and raises the ordinary ``TypeError`` / ``ValueError`` instead.
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 
 class GuardrailsError(Exception):
@@ -158,3 +163,41 @@ class ResumeError(GuardrailsError):
 
     def __init__(self, message: str, *, path: str | None = None, **kw: Any) -> None:
         super().__init__(message, path=path, **kw)
+
+
+class OutOfMemoryError(GuardrailsError, torch.OutOfMemoryError):
+    """An out-of-memory error in the guarded loop, explained. ``phase`` says where
+    (``"data"``, ``"forward"``, ``"backward"``, ``"optimizer"``, ``"loop"``, ``"setup"``),
+    ``memory`` holds the allocator's numbers in bytes, ``largest_tensors`` the biggest
+    live tensors, ``remedies`` the seeds' fixes ranked by those numbers (keys, most
+    likely first) and ``per_rank`` other ranks' memory when distributed.
+
+    Also a ``torch.OutOfMemoryError`` (so a ``RuntimeError``): code that catches torch's
+    error keeps working. The error torch raised is its ``__cause__``."""
+
+    phase: str | None
+    memory: dict[str, Any] | None
+    largest_tensors: list[dict[str, Any]] | None
+    remedies: list[str] | None
+    per_rank: dict[int, Any] | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: str | None = None,
+        memory: dict[str, Any] | None = None,
+        largest_tensors: list[dict[str, Any]] | None = None,
+        remedies: list[str] | None = None,
+        per_rank: dict[int, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(
+            message,
+            phase=phase,
+            memory=memory,
+            largest_tensors=largest_tensors,
+            remedies=remedies,
+            per_rank=per_rank,
+            **kw,
+        )

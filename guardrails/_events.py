@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -43,9 +44,9 @@ class EventLog:
             **fields,
         }
         if self._fd is not None:
-            line = json.dumps(record, default=str, separators=(",", ":")) + "\n"
+            line = json.dumps(json_safe(record), default=str, separators=(",", ":")) + "\n"
             os.write(self._fd, line.encode())
-        log = logger.warning if level == "warning" else logger.info
+        log = {"warning": logger.warning, "error": logger.error}.get(level, logger.info)
         log("[rank %d step %d] %s%s", self.rank, step, kind, f": {message}" if message else "")
         return record
 
@@ -53,3 +54,16 @@ class EventLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats as the strings "nan", "inf", "-inf": strict JSON
+    (jq, JavaScript, most parsers) has no NaN or Infinity, and a NaN is exactly what
+    guardrails events report."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

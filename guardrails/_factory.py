@@ -17,6 +17,8 @@ from torch import nn
 from guardrails._component import Component
 from guardrails._gc import GCScheduler
 from guardrails._guard import Guard, check_knobs
+from guardrails._memory import MemoryGuard
+from guardrails._nan import NanGuard
 from guardrails._telemetry import Telemetry
 
 
@@ -33,6 +35,12 @@ def guard(
     metrics_write_every_s: float = 60.0,
     tokens_per_batch: int | None = None,
     gc_every_n_steps: int | None = 100,
+    leak_check_every_n_steps: int | None = 100,
+    data_starvation_window_steps: int | None = 100,
+    data_starvation_fraction: float = 0.3,
+    explain_oom: bool = True,
+    nan_policy: str | None = "skip",
+    max_consecutive_skips: int = 10,
     components: Sequence[Component] | None = None,
     **unknown: Any,
 ) -> Guard:
@@ -56,7 +64,27 @@ def guard(
         gc_every_n_steps: after the first step, freeze the survivors and run Python's
             GC only every this many steps, at the same step on every rank (see
             :class:`~guardrails.GCScheduler`); ``None`` leaves the GC alone.
-        components: extra components, run after the defaults.
+        leak_check_every_n_steps: read live Python objects and device memory every this
+            many steps (host counters, no sync) and report steady growth once as a
+            ``leak`` event naming what grows and what holds it (see
+            :class:`~guardrails.MemoryGuard`); ``None`` turns leak checks off. Default 100.
+        data_starvation_window_steps: report once (a ``data_starvation`` event) when,
+            over a window of this many steps, waiting for the loader takes at least
+            ``data_starvation_fraction`` of the step time; ``None`` turns it off.
+            Default 100.
+        data_starvation_fraction: see ``data_starvation_window_steps``. Default 0.3.
+        explain_oom: re-raise an out-of-memory error that ends the loop as
+            :class:`~guardrails.OutOfMemoryError` (still a ``torch.OutOfMemoryError``)
+            with where it happened, the memory summary, the largest tensors and ranked
+            remedies. Default True.
+        nan_policy: what a step with NaN/Inf gradients does (see
+            :class:`~guardrails.NanGuard`): ``"skip"`` (default) skips the update on
+            every rank and raises :class:`~guardrails.NonFiniteError` after
+            ``max_consecutive_skips`` in a row; ``"raise"`` skips and raises at once;
+            ``"warn"`` only logs; ``None`` turns NanGuard off.
+        max_consecutive_skips: see ``nan_policy``. Default 10.
+        components: extra components, run after the defaults. One of the same type as
+            a default (e.g. ``NanGuard(spike_factor=10)``) replaces that default.
 
     Returns:
         A :class:`~guardrails.Guard`, not yet started: use it in ``with`` (or call
@@ -67,6 +95,24 @@ def guard(
     chosen: list[Component] = []
     if gc_every_n_steps is not None:
         chosen.append(GCScheduler(every_n_steps=gc_every_n_steps))
+    if (
+        leak_check_every_n_steps is not None
+        or data_starvation_window_steps is not None
+        or explain_oom
+    ):
+        # After the GCScheduler: a leak check at a collection step sees the heap
+        # without that step's cyclic garbage.
+        chosen.append(
+            MemoryGuard(
+                leak_check_every_n_steps=leak_check_every_n_steps,
+                data_starvation_window_steps=data_starvation_window_steps,
+                data_starvation_fraction=data_starvation_fraction,
+                explain_oom=explain_oom,
+            )
+        )
+    if nan_policy is not None:
+        # Before Telemetry: it sets the step's `skipped` flag that telemetry records.
+        chosen.append(NanGuard(policy=nan_policy, max_consecutive_skips=max_consecutive_skips))
     if metrics:
         chosen.append(
             Telemetry(
@@ -75,7 +121,13 @@ def guard(
                 progress=progress,
             )
         )
-    chosen.extend(components or ())
+    given = list(components or ())
+    for i, default in enumerate(chosen):  # a given component takes its default's place
+        mine = [c for c in given if type(c) is type(default)]
+        if mine:
+            chosen[i] = mine[0]
+            given.remove(mine[0])
+    chosen += given
     return Guard(
         model,
         optimizer,

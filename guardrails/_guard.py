@@ -129,6 +129,18 @@ class Guard:
         #: Learning rate of the first param group at this step (``nan`` if it is a
         #: device tensor, which would cost a host sync to read).
         self.lr = math.nan
+        #: Whether a training forward has run under float16 autocast (NanGuard's
+        #: fp16-overflow diagnosis; bfloat16 does not overflow).
+        self.fp16_autocast = False
+        # Set while NanGuard replays a batch: its loss is not a training loss.
+        self._replaying = False
+        #: Where the loop is, for errors that must say so (an OOM): ``"setup"``,
+        #: ``"data"`` (in the loader's ``next()``), ``"forward"`` (in the model's
+        #: forward), ``"backward"`` (after a forward, before ``optimizer.step()``),
+        #: ``"optimizer"`` (in ``optimizer.step()``), ``"loop"`` (elsewhere in the loop
+        #: body). One attribute store at each point (~20 ns), nothing more.
+        self.phase = "setup"
+        self._replacement: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -148,7 +160,7 @@ class Guard:
             self._handles = [
                 self.optimizer.register_step_pre_hook(self._before_step),
                 self.optimizer.register_step_post_hook(self._after_step),
-                _wrap_forward(self.model, self._pick_loss),
+                _wrap_forward(self.model, self._pick_loss, self),
             ]
             for hook in HOOKS:
                 self._dispatch[hook] = [
@@ -175,7 +187,8 @@ class Guard:
 
         A component that fails while closing does not stop the others from closing;
         its error is raised afterwards, unless the loop is already failing with
-        ``exc``, which then stays the error the user sees.
+        ``exc``, which then stays the error the user sees, or becomes the one a
+        component explained it with (:meth:`replace_error`), raised ``from exc``.
         """
         if self._state != "started":
             self._state = "closed"
@@ -197,6 +210,17 @@ class Guard:
             self.events.close()
         if errors and exc is None:
             raise errors[0]
+        if exc is not None and self._replacement is not None:
+            replacement, self._replacement = self._replacement, None
+            raise replacement from exc
+
+    def replace_error(self, error: BaseException) -> None:
+        """From a component's ``on_end``: when the loop failed, raise ``error`` instead
+        of the loop's exception once the guard has closed, chained ``from`` it (the
+        original stays its ``__cause__``). For errors that explain another, like an
+        out-of-memory error with the memory summary. The first call wins."""
+        if self._replacement is None:
+            self._replacement = error
 
     def __enter__(self) -> Guard:
         return self.start()
@@ -227,12 +251,15 @@ class Guard:
         clock = time.perf_counter
         on_batch = self._dispatch["on_batch"]
         while True:
+            self.phase = "data"
             t0 = clock()
             try:
                 batch = next(it)
             except StopIteration:
+                self.phase = "loop"
                 return
             self._data_wait_s += clock() - t0
+            self.phase = "loop"
             if self._state != "started":
                 raise ValueError("the guard was closed while its loop was running")
             n = self.tokens_per_batch if self.tokens_per_batch is not None else _tokens(batch)
@@ -267,8 +294,13 @@ class Guard:
 
     def _pick_loss(self, output: Any) -> None:
         # Evaluation passes (no_grad or eval mode) are not training losses.
-        if not self.model.training or not torch.is_grad_enabled():
+        if self._replaying or not self.model.training or not torch.is_grad_enabled():
             return
+        # Two C calls (~0.2 us): fp16 autocast is the one that overflows at 65504.
+        if torch.is_autocast_enabled(self.device.type) and (
+            torch.get_autocast_dtype(self.device.type) == torch.float16
+        ):
+            self.fp16_autocast = True
         loss = _find_loss(output)
         if loss is None:
             return
@@ -314,14 +346,25 @@ class Guard:
             self._grad_norm = total.float()
         return total
 
-    def event(self, kind: str, *, level: str = "info", message: str = "", **fields: Any) -> None:
-        """Append an event to ``run_dir/events.jsonl`` (and the ``guardrails`` logger)."""
+    def event(
+        self,
+        kind: str,
+        *,
+        level: str = "info",
+        message: str = "",
+        step: int | None = None,
+        **fields: Any,
+    ) -> None:
+        """Append an event to ``run_dir/events.jsonl`` (and the ``guardrails`` logger).
+        ``step`` defaults to the steps completed so far."""
         if self.events is not None:
-            self.events.emit(kind, step=self.step, level=level, message=message, **fields)
+            step = self.step if step is None else step
+            self.events.emit(kind, step=step, level=level, message=message, **fields)
 
     # ------------------------------------------------------------------ optimizer hooks
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.phase = "optimizer"
         self.data_wait_s = self._data_wait_s
         self.tokens = self._tokens
         lr = optimizer.param_groups[0].get("lr", math.nan)
@@ -344,6 +387,7 @@ class Guard:
         self._auto_n = self._explicit_n = 0
         self._data_wait_s = 0.0
         self._tokens = None
+        self.phase = "loop"
 
     # ------------------------------------------------------------------ checks
 
@@ -451,10 +495,11 @@ class _Restore:
         self.remove = undo
 
 
-def _wrap_forward(model: nn.Module, on_output: Callable[[Any], None]) -> _Restore:
+def _wrap_forward(model: nn.Module, on_output: Callable[[Any], None], owner: Any) -> _Restore:
     """Set ``model.forward`` (on the instance) to call the current forward, then
-    ``on_output(output)``. The returned handle puts back exactly what was there: the
-    instance attribute a wrapper (torch.compile's, or another tool's) had set, or none.
+    ``on_output(output)``; ``owner.phase`` says whether the loop is inside the forward.
+    The returned handle puts back exactly what was there: the instance attribute a
+    wrapper (torch.compile's, or another tool's) had set, or none.
     """
     had_own = "forward" in model.__dict__
     previous = model.__dict__.get("forward")
@@ -462,7 +507,9 @@ def _wrap_forward(model: nn.Module, on_output: Callable[[Any], None]) -> _Restor
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        owner.phase = "forward"
         output = inner(*args, **kwargs)
+        owner.phase = "backward"  # until optimizer.step(): loss, backward, clipping
         on_output(output)
         return output
 

@@ -3,6 +3,7 @@ torchrun with two real gloo ranks (DDP)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 
 
-def run(args, tmp_path, timeout=600, torchrun=False):
+def run(args, tmp_path, timeout=600, torchrun=False, ok=True):
     env = {
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1" if torchrun else "2"),
@@ -33,7 +34,7 @@ def run(args, tmp_path, timeout=600, torchrun=False):
         env=env,
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
     return proc, guardrails.read_metrics(tmp_path / "run").to_pydict()
 
 
@@ -68,3 +69,20 @@ def test_torchrun_two_ranks_ddp(tmp_path):
     # losses differ because they read different shards.
     assert [gn for _, gn, _ in by_rank[0]] == [gn for _, gn, _ in by_rank[1]]
     assert [lo for _, _, lo in by_rank[0]] != [lo for _, _, lo in by_rank[1]]
+
+
+def test_inject_bad_sample_is_skipped_and_named(tmp_path):
+    proc, rows = run(["--steps", "30", "--inject", "bad_sample", "--sample", "0"], tmp_path)
+    assert [s for s, k in zip(rows["step"], rows["skipped"], strict=True) if k] == [15]
+    assert "done: 30 steps" in proc.stdout  # the run went on
+    assert "sample row(s) [3]" in proc.stderr and "tensor `2`" in proc.stderr
+    info = json.loads((tmp_path / "run/nonfinite/step00000015-rank0/info.json").read_text())
+    assert info["cause"] == "bad_data" and info["samples"] == [3]
+
+
+def test_inject_nan_lr_stops_with_an_optimization_blowup(tmp_path):
+    proc, rows = run(["--steps", "40", "--inject", "nan_lr", "--sample", "0"], tmp_path, ok=False)
+    assert "NonFiniteError" in proc.stderr and "[optimization_blowup]" in proc.stderr
+    assert "10 optimizer steps in a row" in proc.stderr and "lower the peak LR" in proc.stderr
+    skipped = [s for s, k in zip(rows["step"], rows["skipped"], strict=True) if k]
+    assert skipped and skipped[0] >= 20  # nothing skipped before the fault

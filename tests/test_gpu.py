@@ -86,3 +86,125 @@ def test_guarded_loop_never_syncs(tmp_path, compiled):
     assert all(v > 0 for v in rows["grad_norm"])
     assert all(m > 0 for m in rows["mem_peak_bytes"])
     assert rows["tokens"] == [16 * 64] * steps
+
+
+def _poison_loop(g, model, opt, bad_step, n_steps, before):
+    """Train under ``g``; at ``bad_step`` plant a NaN in one gradient (a device op, no
+    sync) and keep a device copy of the weights before the update."""
+    for i, (x, y) in enumerate(g):
+        if i == n_steps:
+            break
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        if i + 1 == bad_step:
+            next(model.parameters()).grad.mul_(float("nan"))
+            before.extend(p.detach().clone() for p in model.parameters())
+        opt.step()
+        if i + 1 == bad_step:
+            before.append([p.detach().clone() for p in model.parameters()])
+        opt.zero_grad(set_to_none=True)
+
+
+def test_nonfinite_step_is_skipped_on_device_without_a_sync(tmp_path):
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batches = data(device, 4)
+    loop(model, opt, batches)  # lazy optimizer state, allocator
+    before: list = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with guardrails.guard(model, opt, batches * 10, run_dir=tmp_path, progress=False) as g:
+            _poison_loop(g, model, opt, bad_step=7, n_steps=30, before=before)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    *params_before, params_after = before
+    assert all(torch.equal(a, b) for a, b in zip(params_before, params_after, strict=True))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    nan = next(c for c in g.components if isinstance(c, guardrails.NanGuard))
+    assert nan.nonfinite_steps == [7]
+    # The NaN was planted in the gradients, not made by the batch: replay is finite.
+    assert nan.diagnoses[0]["cause"] == "not_reproducible"
+    skipped = guardrails.read_metrics(tmp_path).to_pydict()["skipped"]
+    assert [i + 1 for i, s in enumerate(skipped) if s] == [7]
+
+
+def test_raise_policy_raises_within_two_check_intervals(tmp_path):
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batches = data(device, 4)
+    with pytest.raises(guardrails.NonFiniteError) as info:
+        with guardrails.guard(
+            model, opt, batches * 10, run_dir=tmp_path, progress=False, nan_policy="raise"
+        ) as g:
+            _poison_loop(g, model, opt, bad_step=13, n_steps=40, before=[])
+    assert info.value.step == 13
+    # The flags reach the host in one copy per 10 steps, read one interval later: the
+    # error comes at the same (deterministic) step on every rank, at most 20 steps late.
+    assert 13 <= g.step <= 13 + 2 * 10
+
+
+def test_a_non_fused_optimizer_pays_one_sync_per_step(tmp_path):
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    batches = data(device, 2)
+    loop(model, opt, batches)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            with guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False):
+                loop(model, opt, batches)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    events = (tmp_path / "events.jsonl").read_text()
+    assert "nan_guard_syncs" in events and "fused=True" in events
+
+
+def test_real_cuda_oom_is_explained(tmp_path):
+    """A micro-batch far too big for the card: a real CUDA OOM partway through the
+    forward comes out explained, and is still a torch.OutOfMemoryError."""
+    import gc
+
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    total = torch.cuda.get_device_properties(device).total_memory
+    # (B, 64) tokens whose 128-wide fp32 embeddings alone take a quarter of the card;
+    # the first block's activations (x + pos, layer norm, qkv) run past the rest.
+    huge = total // (4 * 64 * 128 * 4)
+    big = torch.zeros(huge, 64, dtype=torch.long, device=device)
+    batches = [*data(device, 2), (big, big)]
+    with pytest.raises(guardrails.OutOfMemoryError) as info:
+        with guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False) as g:
+            for x, y in g:
+                loss = model(x, y)  # fp32 activations
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    err = info.value
+    print(str(err))  # the message, for benchmarks/RESULTS.md
+    assert isinstance(err, torch.OutOfMemoryError)
+    assert isinstance(err.__cause__, torch.OutOfMemoryError)
+    assert "CUDA out of memory" in str(err.__cause__)
+    assert (err.phase, err.step, err.rank) == ("forward", 3, 0)
+    mem = err.memory
+    assert mem["device"] == "cuda:0" and mem["total"] == total
+    assert 0 < mem["allocated"] <= mem["reserved"] and mem["peak"] >= mem["allocated"]
+    assert mem["fragmentation"] == mem["reserved"] - mem["allocated"]
+    assert mem["requested"] > 0 and mem["by_kind"]["parameters"] > 0
+    # The activation the forward was holding is the largest live tensor; it is on the
+    # card and is a quarter of it (the embedding output, or a same-size successor).
+    top = err.largest_tensors[0]
+    assert top["device"] == "cuda:0" and top["bytes"] >= total // 5
+    assert {"activation_checkpointing", "smaller_micro_batch"} & set(err.remedies[:2])
+    assert "activation checkpointing" in err.hint
+    events = (tmp_path / "events.jsonl").read_text()
+    assert '"kind":"oom"' in events
+    assert g.step == 2
+    del err, info, big, batches
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated(device) < total // 10  # nothing kept alive

@@ -148,7 +148,8 @@ def test_events_log(tmp_path):
     guarded_run(tmp_path, inside=lambda g: g.event("custom", message="hello", value=3))
     events = [e for e in read_events(tmp_path) if not e["kind"].startswith("gc_")]
     assert [e["kind"] for e in events] == ["start", "custom", "end"]
-    assert events[0]["components"] == ["gc", "telemetry"] and events[0]["device"] == "cpu"
+    assert events[0]["components"] == ["gc", "memory", "nan", "telemetry"]
+    assert events[0]["device"] == "cpu"
     assert events[1] == {**events[1], "step": 2, "message": "hello", "value": 3, "rank": 0}
     assert events[2]["error"] is None
 
@@ -166,7 +167,15 @@ def test_progress_bar_on_request_and_off_in_ci(tmp_path, capsys, monkeypatch):
 
 
 def test_metrics_off_is_a_real_no_op(tmp_path):
-    g = guarded_run(tmp_path, metrics=False, gc_every_n_steps=None)
+    g = guarded_run(
+        tmp_path,
+        metrics=False,
+        gc_every_n_steps=None,
+        leak_check_every_n_steps=None,
+        data_starvation_window_steps=None,
+        explain_oom=False,
+        nan_policy=None,
+    )
     assert g.components == []
     assert not (tmp_path / "metrics.parquet").exists()
     with pytest.raises(FileNotFoundError, match="no metrics at"):

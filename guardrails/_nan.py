@@ -1,0 +1,584 @@
+"""NanGuard: a non-finite step never reaches the weights, and the error says why.
+
+Seed 003's playbook, as code. Per optimizer step, on the device and without a sync:
+
+* one ``torch.stack`` writes (loss, grad norm, 0) into a preallocated ring row, and one
+  ``_amp_foreach_non_finite_check_and_unscale_`` kernel (GradScaler's own check) turns
+  the row's last slot into the step's *found* flag: 1.0 when the gradients hold a NaN
+  or an Inf. The grad norm is the guard's shared one, so a user who clips through
+  ``g.clip_grad_norm_`` pays for one pass over the gradients, not two.
+* The update is skipped before it touches parameters or optimizer state:
+
+  - fused optimizers (``Adam/AdamW/SGD/Adagrad(fused=True)``) take that flag as
+    ``optimizer.found_inf``, exactly as GradScaler hands them its own; the fused kernel
+    leaves weights and state unchanged and undoes its step count. No sync at all.
+  - any other optimizer cannot be told on the device, so the flag is read on the host
+    before the update and, when set, the gradients are hidden (``p.grad = None``,
+    which every torch optimizer skips) for that one step and put back after. On a CUDA
+    device that read is one host sync per step (the seeds' "2-7% of a GPT-2 step"):
+    a start event says so and recommends ``fused=True``. On a CPU device it is free.
+
+* Ranks agree: under DDP the gradients are already all-reduced, so every rank computes
+  the same flag from the same bits. Other multi-rank setups (FSDP, a hand-written
+  distributed optimizer) all-reduce the flag (MAX) before using it.
+
+The host learns what happened lagged: on a CUDA device the ring is copied to pinned
+memory every ``check_every_n_steps`` steps and read one interval later (it has long
+finished, so nothing waits), and every rank processes the same rows at the same step,
+so a raise happens at the same step everywhere. On a CPU device the ring *is* host
+memory, read through a numpy view as each step happens (no dispatch, no sync).
+
+What the host does with the rows (``_diagnose.py`` has the details): robust running
+statistics of grad norm and loss flag spikes (events); the first non-finite step of a
+streak is diagnosed (bad data / fp16 overflow / optimisation blow-up / numerics in a
+module / not reproducible), its batch saved under ``run_dir/nonfinite/``; the policy
+then logs, raises, or raises after ``max_consecutive_skips`` skipped steps in a row.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from guardrails import _diagnose
+from guardrails._checks import non_negative, positive_int
+from guardrails._component import Component
+from guardrails._errors import NonFiniteError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from guardrails._guard import Guard
+
+POLICIES = ("skip", "raise", "warn")
+
+
+class NanGuard(Component):
+    """Detects non-finite gradients every step without a host sync, skips the update
+    on every rank, and explains the cause.
+
+    Args:
+        policy: ``"skip"`` (default): skip the update, log it, and raise
+            :class:`~guardrails.NonFiniteError` once ``max_consecutive_skips`` steps in
+            a row were skipped. ``"raise"``: skip and raise at the first one.
+            ``"warn"``: log only; the update goes through (weights may go NaN).
+        max_consecutive_skips: with ``"skip"``, raise after this many skipped steps in
+            a row. Default 10.
+        check_every_n_steps: on a CUDA device, the flags reach the host in one copy per
+            this many steps, so a raise comes up to twice this many steps after the
+            fault (the skip itself is immediate). Default 10.
+        spike_factor: a grad norm over this many times its running median is a spike.
+            Default 5.
+        loss_spike_factor: a (positive) loss over this many times its running median is
+            a spike. Default 4 (a language model's loss at 4x its median has diverged;
+            small-batch regression losses swing 2-3x by chance).
+        max_spike_events: log at most this many spike events per metric per run; later
+            spikes are still counted in ``NanGuard.spikes``. Default 20.
+        window_steps: how many recent steps the running medians and the health checks
+            look at. Default 100.
+        capture: keep each step's batch (references, no copies) until its flag is known,
+            and save the batch of a non-finite step to ``run_dir/nonfinite/``. Default
+            True. A loader that refills one buffer in place would save later data.
+        replay: diagnose a non-finite step by replaying its batch through the model
+            with forward hooks (weights, grads, optimizer state, buffers and RNG streams
+            are left as they were). Default True.
+        replay_fn: how to run the model on a batch, ``replay_fn(model, batch) ->
+            output``. Default: ``model(*batch)`` for a tuple/list, ``model(**batch)``
+            for a dict, ``model(batch)`` otherwise, with tensors moved to the model's
+            device.
+        max_diagnoses: diagnose (replay and save) at most this many streaks per run.
+            Default 3.
+    """
+
+    name = "nan"
+
+    def __init__(
+        self,
+        *,
+        policy: str = "skip",
+        max_consecutive_skips: int = 10,
+        check_every_n_steps: int = 10,
+        spike_factor: float = 5.0,
+        loss_spike_factor: float = 4.0,
+        max_spike_events: int = 20,
+        window_steps: int = 100,
+        capture: bool = True,
+        replay: bool = True,
+        replay_fn: Callable[[Any, Any], Any] | None = None,
+        max_diagnoses: int = 3,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        positive_int("max_consecutive_skips", max_consecutive_skips)
+        positive_int("check_every_n_steps", check_every_n_steps)
+        positive_int("window_steps", window_steps)
+        positive_int("max_diagnoses", max_diagnoses)
+        positive_int("max_spike_events", max_spike_events)
+        for knob, value in (
+            ("spike_factor", spike_factor),
+            ("loss_spike_factor", loss_spike_factor),
+        ):
+            non_negative(knob, value)
+            if value <= 1:
+                raise ValueError(f"{knob} must be > 1 (a multiple of the median), got {value!r}")
+        if replay_fn is not None and not callable(replay_fn):
+            raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
+        self.policy = policy
+        self.max_consecutive_skips = max_consecutive_skips
+        self.check_every_n_steps = check_every_n_steps
+        self.spike_factor = float(spike_factor)
+        self.loss_spike_factor = float(loss_spike_factor)
+        self.window_steps = window_steps
+        self.capture = capture
+        self.replay = replay
+        self.replay_fn = replay_fn
+        self.max_diagnoses = max_diagnoses
+        self.max_spike_events = max_spike_events
+        #: Steps whose update was skipped (or, with "warn", that were non-finite).
+        self.nonfinite_steps: list[int] = []
+        #: Diagnoses made this run (dicts: step, cause, message, path...).
+        self.diagnoses: list[dict[str, Any]] = []
+        #: Spikes seen (the last 1000): (step, "grad_norm" | "loss", value, median).
+        self.spikes: deque[tuple[int, str, float, float]] = deque(maxlen=1000)
+        self._spike_events = {"grad_norm": 0, "loss": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_start(self, guard: Guard) -> None:
+        self._guard = guard
+        opt = guard.optimizer
+        dev = guard.device
+        self._cuda = dev.type == "cuda"
+        self._skips = self.policy != "warn"
+        # GradScaler's contract with fused optimizers: they read `found_inf` in step().
+        self._fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
+        self._reduce = guard.world_size > 1 and not _is_ddp(guard.model)
+        n = self.check_every_n_steps if self._cuda else 1
+        self._ring = torch.zeros((n, 3), dtype=torch.float32, device=dev)
+        rows = self._ring.unbind(0)
+        # Views made once, not indexed per step (indexing is a Python->C call each).
+        self._rows = rows
+        self._norm_views = [[r[1:2]] for r in rows]
+        self._found_views = [r[2] for r in rows]
+        self._np = None if self._cuda else self._ring.numpy()  # CPU: host memory already
+        self._slots = (
+            [torch.empty_like(self._ring, device="cpu", pin_memory=True) for _ in range(2)]
+            if self._cuda
+            else []
+        )
+        self._slot = 0
+        self._pending: tuple[Tensor, Any, list[tuple[int, float]]] | None = None
+        self._i = 0
+        self._lrs: list[tuple[int, float]] = []  # (step, lr) of the rows in the ring
+        self._one = torch.ones((), device=dev)
+        self._nan = torch.full((), math.nan, device=dev)
+        self._zero = torch.zeros((), device=dev)
+        self._set_found = False
+        self._hidden: list[tuple[Tensor, Tensor]] = []
+        self._fp16_params = any(p.dtype == torch.float16 for p in guard._params)
+        self._scaler_seen = False
+        self._param_ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        # Host-side history: (step, loss, norm, lr) of recent steps, and sorted windows
+        # of recent finite values for O(log n) running medians.
+        self.history: deque[tuple[int, float, float, float]] = deque(maxlen=self.window_steps)
+        self._norm_win = _RunningMedian(self.window_steps)
+        self._loss_win = _RunningMedian(self.window_steps)
+        self._streak: list[int] = []
+        self._streak_diag: dict[str, Any] | None = None
+        self._batches: list[Any] = []
+        # Batches of steps whose flags the host has not read yet: at most two intervals.
+        self._recent: deque[tuple[int, list[Any]]] = deque(maxlen=2 * n + 2)
+        self._health = _Health(self.window_steps)
+        if self._skips and not self._fused and self._cuda:
+            guard.event(
+                "nan_guard_syncs",
+                level="warning",
+                message=(
+                    f"{type(opt).__name__} is not fused, so it cannot skip a non-finite "
+                    "update on the device: NanGuard reads the flag on the host before each "
+                    "update (one host sync per step, 2-7% of a GPT-2-small step). Build the "
+                    f"optimizer with fused=True (torch.optim.{type(opt).__name__}(..., "
+                    "fused=True) where supported) to make skipping free."
+                ),
+            )
+
+    def on_batch(self, guard: Guard, batch: Any) -> None:
+        if self.capture:
+            self._batches.append(batch)
+
+    def before_step(self, guard: Guard) -> None:
+        i = self._i
+        loss = guard.step_loss
+        # One kernel: (loss, grad norm, 0) straight into the ring row.
+        torch.stack(
+            (
+                self._nan if loss is None else loss.to(self._ring.device, non_blocking=True),
+                guard.grad_norm(),
+                self._zero,
+            ),
+            out=self._rows[i],
+        )
+        found = self._found_views[i]
+        # One kernel: sets found to 1.0 if the norm is NaN/Inf (and multiplies the norm
+        # slot by 1). A NaN or Inf in any gradient makes the total norm non-finite.
+        torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
+        if self._reduce:
+            # Without DDP the ranks' gradients (and flags) may differ: agree on MAX.
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        self._lrs.append((guard.step + 1, guard.lr))
+        if self._skips:
+            guard.skipped = found
+            self._skip_if(found, guard)
+        if self._np is not None:
+            # CPU: the row is host memory; read it now, through numpy (no dispatch).
+            loss_v, norm_v, bad = self._np[i].tolist()
+            self._observe(guard.step + 1, loss_v, norm_v, bad > 0.5, guard.lr, now=True)
+
+    def after_step(self, guard: Guard) -> None:
+        if self._set_found:
+            self._restore_found(guard.optimizer)
+        if self._hidden:
+            for p, g in self._hidden:
+                p.grad = g
+            self._hidden = []
+        if self.capture:
+            self._recent.append((guard.step, self._batches))
+            self._batches = []
+        self._health.after_step(guard, self._param_ids)
+        self._i += 1
+        if self._i == len(self._rows):
+            self._i = 0
+            if self._cuda:
+                self._flush()
+            else:
+                self._lrs = []
+
+    def on_end(self, guard: Guard, exc: BaseException | None) -> None:
+        if self._set_found:
+            self._restore_found(guard.optimizer)
+        for p, g in self._hidden:
+            p.grad = g
+        self._hidden = []
+        self._recent.clear()
+        self._batches = []
+        if self._cuda and exc is None:
+            # Rows not yet seen by the host: read them now (the run is over).
+            try:
+                if self._i:
+                    self._flush(n=self._i)
+                self._collect()
+            except NonFiniteError:
+                # Every step is over; the events say what happened. Raising here would
+                # turn a finished run into a failed one.
+                pass
+
+    # ------------------------------------------------------------------ skipping
+
+    def _skip_if(self, found: Tensor, guard: Guard) -> None:
+        opt = guard.optimizer
+        if self._fused:
+            prev = getattr(opt, "found_inf", None)
+            if prev is not None:
+                # A GradScaler got here first: skip if either of us says so.
+                self._scaler_seen = True
+                found = torch.maximum(prev, found.to(prev.device))
+            self._prev_found = prev
+            opt.found_inf = found
+            self._set_found = True
+            return
+        # Not fused: decide on the host. Free on CPU (host memory); a sync on CUDA.
+        bad = self._np[self._i, 2] > 0.5 if self._np is not None else bool(found.item())
+        if bad:
+            self._hidden = [
+                (p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None
+            ]
+            for p, _ in self._hidden:
+                p.grad = None
+
+    def _restore_found(self, opt: Any) -> None:
+        self._set_found = False
+        if self._prev_found is None:
+            opt.__dict__.pop("found_inf", None)
+        else:
+            opt.found_inf = self._prev_found
+
+    # ------------------------------------------------------------------ lagged read
+
+    def _flush(self, n: int | None = None) -> None:
+        """CUDA: copy the filled ring to pinned memory; process the previous copy."""
+        n = len(self._rows) if n is None else n
+        slot = self._slots[self._slot]
+        self._slot ^= 1
+        slot[:n].copy_(self._ring[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        lrs, self._lrs = self._lrs, []
+        self._collect()
+        self._pending = (slot[:n], event, lrs)
+
+    def _collect(self) -> None:
+        if self._pending is None:
+            return
+        rows, event, lrs = self._pending
+        self._pending = None
+        # Issued one interval ago: long finished, so this does not wait in practice.
+        event.synchronize()
+        for (step, lr), (loss_v, norm_v, bad) in zip(lrs, rows.tolist(), strict=True):
+            self._observe(step, loss_v, norm_v, bad > 0.5, lr, now=False)
+
+    # ------------------------------------------------------------------ host side
+
+    def _observe(
+        self, step: int, loss: float, norm: float, bad: bool, lr: float, *, now: bool
+    ) -> None:
+        """One step's values reached the host. ``now``: we are still inside that step
+        (before its update), so the weights are exactly the ones that produced it."""
+        guard = self._guard
+        if not bad:
+            if self._streak:
+                self._end_streak(step)
+            self._check_spikes(step, loss, norm)
+            self.history.append((step, loss, norm, lr))
+            self._health.observe(guard, step, loss, norm)
+            return
+        self.nonfinite_steps.append(step)
+        self._streak.append(step)
+        if len(self._streak) == 1:
+            self._streak_diag = self._diagnose(step, loss, norm, lr, now=now)
+        diag = self._streak_diag or {}
+        if self.policy == "raise" or (
+            self.policy == "skip" and len(self._streak) >= self.max_consecutive_skips
+        ):
+            raise self._error(diag)
+
+    def _diagnose(self, step: int, loss: float, norm: float, lr: float, *, now: bool) -> dict:
+        guard = self._guard
+        batches = self._batches_of(step, now=now)
+        diag = _diagnose.diagnose(
+            guard,
+            step=step,
+            loss=loss,
+            norm=norm,
+            lr=lr,
+            history=list(self.history),
+            batches=batches,
+            fp16=self._fp16_params or guard.fp16_autocast,
+            scaler=self._scaler_seen,
+            spike_factor=self.spike_factor,
+            loss_spike_factor=self.loss_spike_factor,
+            replay=self.replay and len(self.diagnoses) < self.max_diagnoses,
+            replay_fn=self.replay_fn,
+            weights_step=step - 1 if now else guard.step,
+            save=len(self.diagnoses) < self.max_diagnoses,
+        )
+        self.diagnoses.append(diag)
+        what = {"skip": "skipped", "raise": "skipped", "warn": "NOT skipped (policy warn)"}
+        guard.event(
+            "nonfinite",
+            level="warning",
+            message=f"non-finite gradients at step {step}, update {what[self.policy]}: "
+            + diag["message"],
+            **{k: v for k, v in diag.items() if k not in ("message", "rank")},
+        )
+        return diag
+
+    def _batches_of(self, step: int, *, now: bool) -> list[Any] | None:
+        if not self.capture:
+            return None
+        if now:
+            return self._batches or None
+        for s, b in self._recent:
+            if s == step:
+                return b or None
+        return None
+
+    def _end_streak(self, step: int) -> None:
+        first, n = self._streak[0], len(self._streak)
+        self._guard.event(
+            "nonfinite_recovered",
+            message=f"finite again at step {step} after {n} skipped step(s) from step {first}",
+            step=step,
+            first_step=first,
+            skipped=n,
+        )
+        self._streak = []
+        self._streak_diag = None
+
+    def _check_spikes(self, step: int, loss: float, norm: float) -> None:
+        for kind, value, win, factor in (
+            ("grad_norm", norm, self._norm_win, self.spike_factor),
+            ("loss", loss, self._loss_win, self.loss_spike_factor),
+        ):
+            if math.isnan(value):
+                continue
+            median = win.median()
+            if median is not None and median > 0 and value > factor * median:
+                self.spikes.append((step, kind, value, median))
+                self._spike_event(step, kind, value, median)
+            # Spikes too: one barely moves a median, and a lasting change of level
+            # (a new data mix) becomes the new normal after half a window.
+            win.add(value)
+
+    def _spike_event(self, step: int, kind: str, value: float, median: float) -> None:
+        n = self._spike_events[kind] = self._spike_events[kind] + 1
+        if n > self.max_spike_events:
+            return
+        last = n == self.max_spike_events
+        self._guard.event(
+            "spike",
+            level="warning",
+            message=(
+                f"{kind} {value:.4g} at step {step} is {value / median:.1f}x its running "
+                f"median {median:.4g}: the seeds' early warning before a NaN. If they "
+                "repeat: lower the LR, add warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
+                + (
+                    f" (This is the last {kind} spike logged; later ones are counted in "
+                    "NanGuard.spikes.)"
+                    if last
+                    else ""
+                )
+            ),
+            step=step,
+            metric=kind,
+            value=value,
+            median=median,
+        )
+
+    def _error(self, diag: dict[str, Any]) -> NonFiniteError:
+        guard = self._guard
+        streak = self._streak
+        if self.policy == "raise":
+            head = f"non-finite gradients at step {streak[0]} (update skipped). "
+        else:
+            head = (
+                f"{len(streak)} optimizer steps in a row had non-finite gradients "
+                f"(steps {streak[0]}-{streak[-1]}, all skipped; max_consecutive_skips="
+                f"{self.max_consecutive_skips}). First one: "
+            )
+        return NonFiniteError(
+            f"{head}[{diag.get('cause')}] {diag.get('message', '')}",
+            rank=guard.rank,
+            step=streak[0],
+            hint=diag.get("hint"),
+            cause=diag.get("cause"),
+            skipped_steps=list(streak),
+            batch_path=diag.get("path"),
+            module=diag.get("module"),
+            samples=diag.get("samples"),
+        )
+
+
+class _RunningMedian:
+    """The median of the last ``n`` values added: a sorted list kept with bisect
+    (O(log n) search plus a memmove of at most n floats per add; ~1 us at n=100)."""
+
+    def __init__(self, n: int) -> None:
+        self._order: deque[float] = deque()
+        self._sorted: list[float] = []
+        self._n = n
+
+    def add(self, value: float) -> None:
+        if len(self._order) == self._n:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._order.append(value)
+        bisect.insort(self._sorted, value)
+
+    def median(self) -> float | None:
+        # Twenty values before a spike can be told from noise (and from the fast
+        # early fall of the grad norm during warmup).
+        if len(self._sorted) < 20:
+            return None
+        return self._sorted[len(self._sorted) // 2]
+
+
+class _Health:
+    """Training-health warnings from the seeds' "loss not decreasing" list: optimizer
+    params that never get a gradient, all-zero gradients, a loss that does not fall."""
+
+    #: The first steps, each checked once for optimizer params without a gradient.
+    CHECK_GRADS_STEPS = 2
+
+    def __init__(self, window_steps: int) -> None:
+        self._window = window_steps
+        self._losses: list[float] = []
+        self._flat_checked = False
+        self._zero_warned = False
+        self._no_grad: set[str] | None = None
+
+    def after_step(self, guard: Guard, param_ids: set[int]) -> None:
+        # The first steps only: optimizer params that received no gradient in any of
+        # them. O(n_params) Python work, twice per run; nothing after.
+        if guard.step > self.CHECK_GRADS_STEPS or guard.rank != 0:
+            return
+        now = {
+            n
+            for n, p in guard.model.named_parameters()
+            if id(p) in param_ids and p.requires_grad and p.grad is None
+        }
+        self._no_grad = now if self._no_grad is None else self._no_grad & now
+        if guard.step < self.CHECK_GRADS_STEPS or not self._no_grad:
+            return
+        names = [n for n, _ in guard.model.named_parameters() if n in self._no_grad]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        guard.event(
+            "params_without_grad",
+            level="warning",
+            message=(
+                f"{len(names)} parameter(s) in the optimizer received no gradient in the "
+                f"first {guard.step} steps: {shown}. They never train: the forward does not "
+                "use them (a skipped branch, a detach(), a frozen sub-module feeding them), "
+                "or zero_grad(set_to_none=True) ran between backward and step."
+            ),
+            params=names,
+        )
+
+    def observe(self, guard: Guard, step: int, loss: float, norm: float) -> None:
+        if norm == 0.0 and not self._zero_warned:
+            self._zero_warned = True
+            guard.event(
+                "zero_grads",
+                level="warning",
+                message=(
+                    f"every gradient is exactly zero at step {step}: nothing trains. Check "
+                    "that the loss depends on the parameters (no detach / no_grad in the "
+                    "forward), and that zero_grad() runs before backward, not between "
+                    "backward and step."
+                ),
+            )
+        # Only the first window: "cannot learn at all" is the bug; a flat loss later
+        # is convergence (or noise around it).
+        if math.isnan(loss) or self._flat_checked:
+            return
+        self._losses.append(loss)
+        if len(self._losses) < self._window:
+            return
+        half = self._window // 2
+        first = float(np.median(self._losses[:half]))
+        second = float(np.median(self._losses[half:]))
+        self._losses = []
+        self._flat_checked = True
+        if second >= first:
+            guard.event(
+                "loss_not_decreasing",
+                level="warning",
+                message=(
+                    f"the loss did not decrease over steps {step - self._window + 1}-{step} "
+                    f"(median {first:.4g} -> {second:.4g}). Seed 003: overfit one batch "
+                    "first; check the LR (too low crawls, too high bounces), label/mask "
+                    "wiring, and that the optimizer holds the trainable parameters."
+                ),
+                first_half_median=first,
+                second_half_median=second,
+            )
+
+
+def _is_ddp(model: Any) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)

@@ -1,0 +1,460 @@
+"""NanGuard with planted faults: each test makes a real NaN/Inf happen in a real
+training loop and checks the skip (bitwise), the agreement between ranks, and the
+diagnosis (class, cause, step, rank, key words, saved batch)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Regressor, batches, read_events
+from safetensors.torch import load_file
+from torch import nn
+
+import guardrails
+from guardrails import NanGuard, NonFiniteError
+
+OPTIMIZERS = {
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, fused=True),
+}
+
+
+def poisoned(n: int, bad_step: int, row: int = 3, seed: int = 0):
+    """``n`` batches; the one for optimizer step ``bad_step`` (1-based) has an Inf in
+    sample ``row``."""
+    data = batches(n, seed=seed)
+    x, y = data[bad_step - 1]
+    x = x.clone()
+    x[row, 1] = math.inf
+    data[bad_step - 1] = (x, y)
+    return data
+
+
+def snapshot(model, opt):
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {
+        (i, k): v.clone() if isinstance(v, torch.Tensor) else v
+        for i, s in enumerate(opt.state.values())
+        for k, v in s.items()
+    }
+    return params, state
+
+
+def assert_same(a, b):
+    assert a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys()
+    for k in a[0]:
+        assert torch.equal(a[0][k], b[0][k]), k
+    for k in a[1]:
+        va, vb = a[1][k], b[1][k]
+        assert torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb, k
+
+
+# ---------------------------------------------------------------------- skipping
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_skipped_step_leaves_weights_and_optimizer_state_bitwise_unchanged(tmp_path, opt_name):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    bad_step = 4
+    seen = {}
+    with guardrails.guard(model, opt, poisoned(7, bad_step), run_dir=tmp_path) as g:
+        for x, y in g:
+            model(x, y).backward()
+            if g.step + 1 == bad_step:
+                seen["before"] = snapshot(model, opt)
+                grads = [p.grad for p in model.parameters()]
+            opt.step()
+            if g.step == bad_step:
+                seen["after"] = snapshot(model, opt)
+                # Grads hidden for a non-fused skip are put back, the same tensors.
+                assert all(p.grad is gr for p, gr in zip(model.parameters(), grads, strict=True))
+                assert not hasattr(opt, "found_inf")
+            opt.zero_grad()
+    assert_same(seen["before"], seen["after"])
+    final = snapshot(model, opt)
+    assert all(torch.isfinite(v).all() for v in final[0].values())
+    assert not torch.equal(final[0]["net.0.weight"], seen["after"][0]["net.0.weight"])
+
+    nan = next(c for c in g.components if isinstance(c, NanGuard))
+    assert nan.nonfinite_steps == [bad_step]
+    skipped = guardrails.read_metrics(tmp_path).to_pydict()
+    assert [s for s, k in zip(skipped["step"], skipped["skipped"], strict=True) if k] == [bad_step]
+    kinds = [e["kind"] for e in read_events(tmp_path)]
+    assert "nonfinite" in kinds and "nonfinite_recovered" in kinds
+
+
+def test_bad_sample_is_named_and_its_batch_saved(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with pytest.raises(NonFiniteError) as info:
+        with guardrails.guard(
+            model, opt, poisoned(8, 5, row=3), run_dir=tmp_path, nan_policy="raise"
+        ) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert err.cause == "bad_data"
+    assert (err.step, err.rank, err.samples) == (5, 0, [3])
+    assert g.step == 4  # raised inside step 5, before its update
+    text = str(err)
+    for words in ("NaN/Inf", "sample row(s) [3]", "rank 0", "step 5", "fix:"):
+        assert words in text
+    saved = Path(err.batch_path)
+    assert saved.parent == tmp_path / "nonfinite"
+    tensors = load_file(saved / "batch.safetensors")
+    assert torch.isinf(tensors["0.0"][3, 1]) and torch.isfinite(tensors["0.1"]).all()
+
+    def strict(token):
+        raise AssertionError(f"{token} is not JSON: jq and JavaScript cannot read it")
+
+    info_json = json.loads((saved / "info.json").read_text(), parse_constant=strict)
+    for line in (tmp_path / "events.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=strict)
+    assert info_json["grad_norm"] in ("nan", "inf")
+    assert info_json["cause"] == "bad_data" and info_json["samples"] == [3]
+    assert info_json["step"] == 5 and len(info_json["history"]) == 4
+
+
+def test_consecutive_skips_raise_after_the_limit(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = batches(12)
+    for i in range(3, 12):  # from step 4 on, every batch is poisoned
+        data[i] = (torch.full_like(data[i][0], math.nan), data[i][1])
+    with pytest.raises(NonFiniteError) as info:
+        with guardrails.guard(model, opt, data, run_dir=tmp_path, max_consecutive_skips=3) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert err.skipped_steps == [4, 5, 6] and err.step == 4
+    assert "3 optimizer steps in a row" in str(err) and "max_consecutive_skips=3" in str(err)
+    assert err.cause == "bad_data" and err.samples == list(range(8))
+    assert g.step == 5
+
+
+def test_warn_policy_lets_the_update_through(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guardrails.guard(model, opt, poisoned(5, 3), run_dir=tmp_path, nan_policy="warn") as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert not torch.isfinite(model.net[0].weight).all()  # what the guard prevents by default
+    events = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
+    assert len(events) == 1 and events[0]["step"] <= 3 and "NOT skipped" in events[0]["message"]
+    assert not any(guardrails.read_metrics(tmp_path).to_pydict()["skipped"])
+    assert g.step == 5
+
+
+# ---------------------------------------------------------------------- diagnosis
+
+
+class LogLayer(nn.Module):
+    """A custom layer with the seeds' numerics bug: log(0) once `broken` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        scale = torch.zeros_like(h) if self.broken else torch.ones_like(h)
+        return h + torch.log(scale)
+
+
+class Net(nn.Module):
+    """Linear -> BatchNorm -> Dropout -> LogLayer -> Linear, MSE loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(
+            nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Dropout(0.2), LogLayer(), nn.Linear(16, 1)
+        )
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.blocks(x).squeeze(-1), y)
+
+
+def run_net(tmp_path, *, guarded, bad_step=6, n=10, policy="skip"):
+    """Train Net with fused AdamW; LogLayer is broken during step ``bad_step``.
+    Unguarded, that step is skipped by hand (forward+backward, no update)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    data = batches(n)
+
+    def loop(it, step_of):
+        for i, (x, y) in enumerate(it):
+            model.blocks[3].broken = i + 1 == bad_step
+            model(x, y).backward()
+            if guarded or i + 1 != bad_step:
+                opt.step()
+            opt.zero_grad()
+            torch.rand(1)  # the loop's own RNG use after the step must line up too
+
+    if guarded:
+        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan_policy=policy) as g:
+            loop(g, lambda: g.step)
+        return model, g
+    loop(data, None)
+    return model, None
+
+
+def test_log_of_zero_is_numerics_naming_the_module(tmp_path):
+    with pytest.raises(NonFiniteError) as info:
+        run_net(tmp_path, guarded=True, policy="raise")
+    err = info.value
+    assert err.cause == "numerics" and err.step == 6
+    assert err.module == "blocks.3"
+    for words in ("`blocks.3` (LogLayer)", "first whose output is NaN/Inf", "input was finite"):
+        assert words in str(err)
+    assert "log(0)" in err.hint
+
+
+def test_replay_does_not_perturb_a_deterministic_run(tmp_path):
+    guarded, g = run_net(tmp_path / "a", guarded=True)
+    plain, _ = run_net(tmp_path / "b", guarded=False)
+    nan = next(c for c in g.components if isinstance(c, NanGuard))
+    assert nan.nonfinite_steps == [6] and nan.diagnoses[0]["cause"] == "numerics"
+    # Same weights, BatchNorm statistics and RNG position as a run where the faulty
+    # step was skipped by hand: the replay touched nothing of the run.
+    for (k, a), (_, b) in zip(
+        guarded.state_dict().items(), plain.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), k
+
+
+def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(NonFiniteError) as info:
+        with guardrails.guard(model, opt, batches(80), run_dir=tmp_path, nan_policy="raise") as g:
+            for x, y in g:
+                if g.step == 30:
+                    opt.param_groups[0]["lr"] = 1e8  # the fault: LR set huge mid-run
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert err.cause == "optimization_blowup", str(err)
+    assert err.step > 30
+    assert "lower the peak LR" in err.hint and "clip" in err.hint
+    assert "x its median" in str(err)
+
+
+class Linear2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 64), nn.Linear(64, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(self.a(x)).squeeze(-1), y)
+
+
+def test_fp16_without_a_scaler_is_fp16_overflow(tmp_path):
+    torch.manual_seed(0)
+    model = Linear2().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = [(x.half(), y.half()) for x, y in batches(6)]
+    x, y = data[3]
+    data[3] = ((x * 2e4).clamp(-6e4, 6e4), y)  # finite in fp16 (max 65504); the Linears overflow
+    assert torch.isfinite(data[3][0]).all()
+    with pytest.raises(NonFiniteError) as info:
+        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan_policy="raise") as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert err.cause == "fp16_overflow" and err.step == 4
+    # The replay names where it overflowed: here the MSE of the model's own forward.
+    assert err.module == "Linear2" and "overflowed first" in str(err)
+    assert "float16" in str(err) and "bfloat16" in err.hint and "GradScaler" in err.hint
+
+
+class Flaky(nn.Module):
+    """NaN on exactly one forward call, like a transient hardware fault."""
+
+    def __init__(self, at_call: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.calls = 0
+        self.at_call = at_call
+
+    def forward(self, x, y):
+        self.calls += 1
+        out = self.lin(x).squeeze(-1)
+        if self.calls == self.at_call:
+            out = out * math.nan
+        return nn.functional.mse_loss(out, y)
+
+
+def test_fault_that_does_not_replay_is_not_reproducible(tmp_path):
+    torch.manual_seed(0)
+    model = Flaky(at_call=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(NonFiniteError) as info:
+        with guardrails.guard(model, opt, batches(6), run_dir=tmp_path, nan_policy="raise") as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert err.cause == "not_reproducible" and err.step == 4
+    assert "same weights" in str(err) and "hardware" in err.hint
+    assert model.calls == 5  # one replay, and the guard did not count its loss
+
+
+# ---------------------------------------------------------------------- spikes, health
+
+
+def test_grad_norm_spike_is_an_event(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = batches(40)
+    x, y = data[29]
+    data[29] = (x * 50, y * 50)  # finite, but a 100x+ larger gradient at step 30
+    with guardrails.guard(model, opt, data, run_dir=tmp_path) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    spikes = [e for e in read_events(tmp_path) if e["kind"] == "spike"]
+    assert any(e["step"] == 30 and e["metric"] == "grad_norm" for e in spikes), spikes
+    assert "running median" in spikes[0]["message"]
+
+
+class HalfUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 1)
+        self.unused = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.used(x).squeeze(-1), y)
+
+
+def test_health_warnings_name_the_problem(tmp_path):
+    torch.manual_seed(0)
+    model = HalfUsed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # LR 0: the loss cannot fall
+    with guardrails.guard(
+        model, opt, batches(45), run_dir=tmp_path, components=[NanGuard(window_steps=40)]
+    ) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    events = {e["kind"]: e for e in read_events(tmp_path)}
+    assert events["params_without_grad"]["params"] == ["unused.weight", "unused.bias"]
+    assert (
+        "loss_not_decreasing" in events
+        and "overfit one batch" in events["loss_not_decreasing"]["message"]
+    )
+    assert "zero_grads" not in events
+
+
+def test_knobs_are_checked():
+    with pytest.raises(ValueError, match="policy must be one of skip, raise, warn"):
+        NanGuard(policy="ignore")
+    with pytest.raises(ValueError, match="spike_factor must be > 1"):
+        NanGuard(spike_factor=0.5)
+    with pytest.raises(ValueError, match="max_consecutive_skips must be a positive int"):
+        guardrails.guard(
+            Regressor(), torch.optim.SGD(Regressor().parameters(), lr=1), max_consecutive_skips=0
+        )
+    with pytest.raises(TypeError, match="Did you mean `nan_policy`"):
+        guardrails.guard(
+            Regressor(), torch.optim.SGD(Regressor().parameters(), lr=1), nan_polcy="raise"
+        )
+
+
+def test_a_given_nanguard_replaces_the_default(tmp_path):
+    model = Regressor()
+    mine = NanGuard(spike_factor=20)
+    g = guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=1), components=[mine])
+    names = [type(c).__name__ for c in g.components]
+    assert names.count("NanGuard") == 1 and names[-1] == "Telemetry"
+    assert g.components[names.index("NanGuard")] is mine
+    off = guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=1), nan_policy=None)
+    assert not any(isinstance(c, NanGuard) for c in off.components)
+
+
+# ---------------------------------------------------------------------- two ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, run_dir: str, out: str, ddp: bool) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        # Without DDP each rank trains on its own gradients (local SGD style), so only
+        # NanGuard's all-reduce of the flag makes rank 0 skip rank 1's bad step.
+        model = nn.parallel.DistributedDataParallel(Regressor()) if ddp else Regressor()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        # Rank 1's batch for step 3 holds an Inf in sample 5; rank 0's data is clean.
+        data = poisoned(6, 3, row=5, seed=rank) if rank == 1 else batches(6, seed=rank)
+        with guardrails.guard(model, opt, data, run_dir=run_dir) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        nan = next(c for c in g.components if isinstance(c, NanGuard))
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        torch.save(
+            {
+                "skipped": nan.nonfinite_steps,
+                "cause": nan.diagnoses[0]["cause"],
+                "samples": nan.diagnoses[0].get("samples"),
+                "weights": weights,
+                "steps": g.step,
+            },
+            f"{out}/rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no_ddp"])
+def test_two_ranks_skip_the_same_step(tmp_path, ddp):
+    import torch.multiprocessing as mp
+
+    args = (2, _free_port(), str(tmp_path / "run"), str(tmp_path), ddp)
+    mp.spawn(_ddp_worker, args=args, nprocs=2)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["skipped"] == r1["skipped"] == [3]
+    assert r0["steps"] == r1["steps"] == 6
+    if ddp:
+        assert torch.equal(r0["weights"], r1["weights"])  # still in sync after the skip
+    assert torch.isfinite(r0["weights"]).all()
+    assert (r1["cause"], r1["samples"]) == ("bad_data", [5])
+    assert r0["cause"] == "other_rank"
+    saved = sorted(p.name for p in (tmp_path / "run" / "nonfinite").iterdir())
+    assert saved == ["step00000003-rank0", "step00000003-rank1"]
