@@ -717,6 +717,11 @@ def _live_tensors(
 
 def _storage(t: Tensor) -> tuple[tuple[str, int], int] | None:
     """(key, bytes) of the memory behind ``t``; views of one storage share the key."""
+    # Only plain tensors and parameters own real memory we can key: a subclass may be
+    # a FakeTensor (torch.compile's tracing leftovers), whose data_ptr() warns and will
+    # raise, or a wrapper (DTensor) whose storage is not where its bytes are.
+    if type(t) not in (Tensor, torch.nn.Parameter) or t.is_meta:
+        return None
     try:
         s = t.untyped_storage()
         return (str(s.device), s.data_ptr()), int(s.nbytes())

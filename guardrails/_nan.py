@@ -37,7 +37,6 @@ then logs, raises, or raises after ``max_consecutive_skips`` skipped steps in a 
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -185,11 +184,12 @@ class NanGuard(Component):
         self._fp16_params = any(p.dtype == torch.float16 for p in guard._params)
         self._scaler_seen = False
         self._param_ids = {id(p) for g in opt.param_groups for p in g["params"]}
-        # Host-side history: (step, loss, norm, lr) of recent steps, and sorted windows
-        # of recent finite values for O(log n) running medians.
+        #: (step, loss, grad norm, lr) of the last ``window_steps`` finite steps.
         self.history: deque[tuple[int, float, float, float]] = deque(maxlen=self.window_steps)
-        self._norm_win = _RunningMedian(self.window_steps)
-        self._loss_win = _RunningMedian(self.window_steps)
+        self._pending: list[tuple[int, float, float, float]] = []  # finite, not judged yet
+        # The same steps' grad norms and (observed) losses, for the running medians.
+        self._norms: deque[float] = deque(maxlen=self.window_steps)
+        self._losses: deque[float] = deque(maxlen=self.window_steps)
         self._streak: list[int] = []
         self._streak_diag: dict[str, Any] | None = None
         self._batches: list[Any] = []
@@ -226,20 +226,33 @@ class NanGuard(Component):
             out=self._rows[i],
         )
         found = self._found_views[i]
-        # One kernel: sets found to 1.0 if the norm is NaN/Inf (and multiplies the norm
-        # slot by 1). A NaN or Inf in any gradient makes the total norm non-finite.
-        torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
+        step = guard.step + 1
+        self._lrs.append((step, guard.lr))
+        if self._np is None:
+            # CUDA, one kernel: found = 1.0 if the norm is NaN/Inf (the norm slot is
+            # multiplied by 1). A NaN or Inf in any gradient makes the total norm so.
+            torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
+            if self._reduce:
+                # Without DDP the ranks' gradients (and flags) may differ: agree on MAX.
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            if self._skips:
+                guard.skipped = found
+                self._skip_on_device(found, guard)
+            return
+        # CPU: the row is host memory, read through numpy (no dispatch, no sync), so
+        # the flag is decided here and the optimizer is only touched on a bad step.
+        loss_v, norm_v, _ = self._np[i].tolist()
+        bad = not math.isfinite(norm_v)
+        if bad:
+            found.fill_(1.0)
         if self._reduce:
-            # Without DDP the ranks' gradients (and flags) may differ: agree on MAX.
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        self._lrs.append((guard.step + 1, guard.lr))
+            bad = bool(self._np[i, 2] > 0.5)
         if self._skips:
             guard.skipped = found
-            self._skip_if(found, guard)
-        if self._np is not None:
-            # CPU: the row is host memory; read it now, through numpy (no dispatch).
-            loss_v, norm_v, bad = self._np[i].tolist()
-            self._observe(guard.step + 1, loss_v, norm_v, bad > 0.5, guard.lr, now=True)
+            if bad:
+                self._skip_now(found, guard)
+        self._observe(step, loss_v, norm_v, bad, guard.lr, now=True)
 
     def after_step(self, guard: Guard) -> None:
         if self._set_found:
@@ -268,39 +281,55 @@ class NanGuard(Component):
         self._hidden = []
         self._recent.clear()
         self._batches = []
-        if self._cuda and exc is None:
-            # Rows not yet seen by the host: read them now (the run is over).
-            try:
+        if exc is not None:
+            return
+        try:
+            if self._cuda:
+                # Rows not yet seen by the host: read them now (the run is over).
                 if self._i:
                     self._flush(n=self._i)
                 self._collect()
-            except NonFiniteError:
-                # Every step is over; the events say what happened. Raising here would
-                # turn a finished run into a failed one.
-                pass
+            self._judge()
+        except NonFiniteError:
+            # Every step is over; the events say what happened. Raising here would
+            # turn a finished run into a failed one.
+            pass
 
     # ------------------------------------------------------------------ skipping
 
-    def _skip_if(self, found: Tensor, guard: Guard) -> None:
-        opt = guard.optimizer
+    def _skip_on_device(self, found: Tensor, guard: Guard) -> None:
+        """CUDA: a fused optimizer takes the flag; any other costs a host read."""
         if self._fused:
-            prev = getattr(opt, "found_inf", None)
-            if prev is not None:
-                # A GradScaler got here first: skip if either of us says so.
-                self._scaler_seen = True
-                found = torch.maximum(prev, found.to(prev.device))
-            self._prev_found = prev
-            opt.found_inf = found
-            self._set_found = True
-            return
-        # Not fused: decide on the host. Free on CPU (host memory); a sync on CUDA.
-        bad = self._np[self._i, 2] > 0.5 if self._np is not None else bool(found.item())
-        if bad:
-            self._hidden = [
-                (p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None
-            ]
-            for p, _ in self._hidden:
-                p.grad = None
+            self._give_found_inf(found, guard.optimizer)
+        elif found.item():  # the one host sync per step of a non-fused optimizer
+            self._hide_grads(guard.optimizer)
+
+    def _skip_now(self, found: Tensor, guard: Guard) -> None:
+        """The host knows this step is bad (CPU): skip its update."""
+        if self._fused:
+            self._give_found_inf(found, guard.optimizer)
+        else:
+            self._hide_grads(guard.optimizer)
+
+    def _give_found_inf(self, found: Tensor, opt: Any) -> None:
+        # GradScaler's contract: a fused step() reads optimizer.found_inf and leaves
+        # weights and state untouched where it is nonzero (and undoes its step count).
+        prev = getattr(opt, "found_inf", None)
+        if prev is not None:
+            # A GradScaler got here first: skip if either of us says so.
+            self._scaler_seen = True
+            found = torch.maximum(prev, found.to(prev.device))
+        self._prev_found = prev
+        opt.found_inf = found
+        self._set_found = True
+
+    def _hide_grads(self, opt: Any) -> None:
+        # Every torch optimizer skips a parameter whose .grad is None; put back after.
+        self._hidden = [
+            (p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None
+        ]
+        for p, _ in self._hidden:
+            p.grad = None
 
     def _restore_found(self, opt: Any) -> None:
         self._set_found = False
@@ -339,15 +368,19 @@ class NanGuard(Component):
         self, step: int, loss: float, norm: float, bad: bool, lr: float, *, now: bool
     ) -> None:
         """One step's values reached the host. ``now``: we are still inside that step
-        (before its update), so the weights are exactly the ones that produced it."""
-        guard = self._guard
+        (before its update), so the weights are exactly the ones that produced it.
+
+        A finite step costs a list append here; finite steps are judged (spikes,
+        health) in blocks of ``check_every_n_steps`` by :meth:`_judge`, with one
+        numpy median per block instead of per step."""
         if not bad:
             if self._streak:
                 self._end_streak(step)
-            self._check_spikes(step, loss, norm)
-            self.history.append((step, loss, norm, lr))
-            self._health.observe(guard, step, loss, norm)
+            self._pending.append((step, loss, norm, lr))
+            if len(self._pending) >= self.check_every_n_steps:
+                self._judge()
             return
+        self._judge()  # the steps before it are the evidence
         self.nonfinite_steps.append(step)
         self._streak.append(step)
         if len(self._streak) == 1:
@@ -357,6 +390,29 @@ class NanGuard(Component):
             self.policy == "skip" and len(self._streak) >= self.max_consecutive_skips
         ):
             raise self._error(diag)
+
+    def _judge(self) -> None:
+        """Spike checks and health checks for the finite steps not judged yet, against
+        the medians of the history before them; then they join the history."""
+        rows, self._pending = self._pending, []
+        if not rows:
+            return
+        # Twenty steps before a spike can be told from noise (and from the fast early
+        # fall of the grad norm during warmup). sorted() of 100 floats: ~4 us a block.
+        for col, kind, factor, window in (
+            (2, "grad_norm", self.spike_factor, self._norms),
+            (1, "loss", self.loss_spike_factor, self._losses),
+        ):
+            if len(window) >= 20:
+                median = sorted(window)[len(window) // 2]
+                if median > 0:
+                    for row in rows:
+                        if row[col] > factor * median:
+                            self.spikes.append((row[0], kind, row[col], median))
+                            self._spike_event(row[0], kind, row[col], median)
+            window.extend(r[col] for r in rows if r[col] == r[col])  # NaN: no loss seen
+        self.history.extend(rows)
+        self._health.observe(self._guard, rows)
 
     def _diagnose(self, step: int, loss: float, norm: float, lr: float, *, now: bool) -> dict:
         guard = self._guard
@@ -411,21 +467,6 @@ class NanGuard(Component):
         self._streak = []
         self._streak_diag = None
 
-    def _check_spikes(self, step: int, loss: float, norm: float) -> None:
-        for kind, value, win, factor in (
-            ("grad_norm", norm, self._norm_win, self.spike_factor),
-            ("loss", loss, self._loss_win, self.loss_spike_factor),
-        ):
-            if math.isnan(value):
-                continue
-            median = win.median()
-            if median is not None and median > 0 and value > factor * median:
-                self.spikes.append((step, kind, value, median))
-                self._spike_event(step, kind, value, median)
-            # Spikes too: one barely moves a median, and a lasting change of level
-            # (a new data mix) becomes the new normal after half a window.
-            win.add(value)
-
     def _spike_event(self, step: int, kind: str, value: float, median: float) -> None:
         n = self._spike_events[kind] = self._spike_events[kind] + 1
         if n > self.max_spike_events:
@@ -475,30 +516,6 @@ class NanGuard(Component):
         )
 
 
-class _RunningMedian:
-    """The median of the last ``n`` values added: a sorted list kept with bisect
-    (O(log n) search plus a memmove of at most n floats per add; ~1 us at n=100)."""
-
-    def __init__(self, n: int) -> None:
-        self._order: deque[float] = deque()
-        self._sorted: list[float] = []
-        self._n = n
-
-    def add(self, value: float) -> None:
-        if len(self._order) == self._n:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._order.append(value)
-        bisect.insort(self._sorted, value)
-
-    def median(self) -> float | None:
-        # Twenty values before a spike can be told from noise (and from the fast
-        # early fall of the grad norm during warmup).
-        if len(self._sorted) < 20:
-            return None
-        return self._sorted[len(self._sorted) // 2]
-
-
 class _Health:
     """Training-health warnings from the seeds' "loss not decreasing" list: optimizer
     params that never get a gradient, all-zero gradients, a loss that does not fall."""
@@ -540,8 +557,11 @@ class _Health:
             params=names,
         )
 
-    def observe(self, guard: Guard, step: int, loss: float, norm: float) -> None:
-        if norm == 0.0 and not self._zero_warned:
+    def observe(self, guard: Guard, rows: list[tuple[int, float, float, float]]) -> None:
+        """Finite steps as (step, loss, norm, lr), in order."""
+        zero = next((r[0] for r in rows if r[2] == 0.0), None)
+        if zero is not None and not self._zero_warned:
+            step = zero
             self._zero_warned = True
             guard.event(
                 "zero_grads",
@@ -555,14 +575,16 @@ class _Health:
             )
         # Only the first window: "cannot learn at all" is the bug; a flat loss later
         # is convergence (or noise around it).
-        if math.isnan(loss) or self._flat_checked:
+        if self._flat_checked:
             return
-        self._losses.append(loss)
+        self._losses.extend(r[1] for r in rows if not math.isnan(r[1]))
         if len(self._losses) < self._window:
             return
+        step = rows[-1][0]
+        losses = self._losses[: self._window]
         half = self._window // 2
-        first = float(np.median(self._losses[:half]))
-        second = float(np.median(self._losses[half:]))
+        first = float(np.median(losses[:half]))
+        second = float(np.median(losses[half:]))
         self._losses = []
         self._flat_checked = True
         if second >= first:
