@@ -186,7 +186,7 @@ class NanGuard(Component):
         self._param_ids = {id(p) for g in opt.param_groups for p in g["params"]}
         #: (step, loss, grad norm, lr) of the last ``window_steps`` finite steps.
         self.history: deque[tuple[int, float, float, float]] = deque(maxlen=self.window_steps)
-        self._pending: list[tuple[int, float, float, float]] = []  # finite, not judged yet
+        self._unjudged: list[tuple[int, float, float, float]] = []  # finite, not judged yet
         # The same steps' grad norms and (observed) losses, for the running medians.
         self._norms: deque[float] = deque(maxlen=self.window_steps)
         self._losses: deque[float] = deque(maxlen=self.window_steps)
@@ -376,8 +376,8 @@ class NanGuard(Component):
         if not bad:
             if self._streak:
                 self._end_streak(step)
-            self._pending.append((step, loss, norm, lr))
-            if len(self._pending) >= self.check_every_n_steps:
+            self._unjudged.append((step, loss, norm, lr))
+            if len(self._unjudged) >= self.check_every_n_steps:
                 self._judge()
             return
         self._judge()  # the steps before it are the evidence
@@ -394,7 +394,7 @@ class NanGuard(Component):
     def _judge(self) -> None:
         """Spike checks and health checks for the finite steps not judged yet, against
         the medians of the history before them; then they join the history."""
-        rows, self._pending = self._pending, []
+        rows, self._unjudged = self._unjudged, []
         if not rows:
             return
         # Twenty steps before a spike can be told from noise (and from the fast early
