@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from guardrails import _dist
 from guardrails._checks import positive_int
 from guardrails._component import HOOKS, Component, overrides
+from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog
 
 logger = logging.getLogger("guardrails")
@@ -200,7 +201,8 @@ class Guard:
                 fn(self, exc)
             except Exception as err:
                 errors.append(err)
-                logger.exception("guardrails: %r failed while closing", fn)
+                if not isinstance(err, GuardrailsError):  # ours are raised on purpose
+                    logger.exception("guardrails: %r failed while closing", fn)
         for handle in self._handles:
             handle.remove()
         self._handles = []

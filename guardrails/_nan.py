@@ -97,6 +97,7 @@ class NanGuard(Component):
     """
 
     name = "nan"
+    _lagged_on_cpu = False  # tests: run the CUDA (lagged) host path on a CPU device
 
     def __init__(
         self,
@@ -155,25 +156,28 @@ class NanGuard(Component):
         opt = guard.optimizer
         dev = guard.device
         self._cuda = dev.type == "cuda"
+        # Lagged: flags reach the host in copies, one interval late (CUDA). Tests set
+        # `_lagged_on_cpu` to run that same path on a CPU device.
+        self._lagged = self._cuda or self._lagged_on_cpu
         self._skips = self.policy != "warn"
         # GradScaler's contract with fused optimizers: they read `found_inf` in step().
         self._fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
         self._reduce = guard.world_size > 1 and not _is_ddp(guard.model)
-        n = self.check_every_n_steps if self._cuda else 1
+        n = self.check_every_n_steps if self._lagged else 1
         self._ring = torch.zeros((n, 3), dtype=torch.float32, device=dev)
         rows = self._ring.unbind(0)
         # Views made once, not indexed per step (indexing is a Python->C call each).
         self._rows = rows
         self._norm_views = [[r[1:2]] for r in rows]
         self._found_views = [r[2] for r in rows]
-        self._np = None if self._cuda else self._ring.numpy()  # CPU: host memory already
+        self._np = None if self._lagged else self._ring.numpy()  # CPU: host memory already
         self._slots = (
-            [torch.empty_like(self._ring, device="cpu", pin_memory=True) for _ in range(2)]
-            if self._cuda
+            [torch.empty_like(self._ring, device="cpu", pin_memory=self._cuda) for _ in range(2)]
+            if self._lagged
             else []
         )
         self._slot = 0
-        self._pending: tuple[Tensor, Any, list[tuple[int, float]]] | None = None
+        self._pending: tuple[Tensor, Any, list[tuple[int, float]]] | None = None  # in flight
         self._i = 0
         self._lrs: list[tuple[int, float]] = []  # (step, lr) of the rows in the ring
         self._one = torch.ones((), device=dev)
@@ -229,7 +233,7 @@ class NanGuard(Component):
         step = guard.step + 1
         self._lrs.append((step, guard.lr))
         if self._np is None:
-            # CUDA, one kernel: found = 1.0 if the norm is NaN/Inf (the norm slot is
+            # CUDA (lagged), one kernel: found = 1.0 if the norm is NaN/Inf (the norm slot is
             # multiplied by 1). A NaN or Inf in any gradient makes the total norm so.
             torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
             if self._reduce:
@@ -268,7 +272,7 @@ class NanGuard(Component):
         self._i += 1
         if self._i == len(self._rows):
             self._i = 0
-            if self._cuda:
+            if self._lagged:
                 self._flush()
             else:
                 self._lrs = []
@@ -279,21 +283,21 @@ class NanGuard(Component):
         for p, g in self._hidden:
             p.grad = g
         self._hidden = []
+        if exc is None:
+            # Rows the host has not seen yet (lagged path): read them now, while the
+            # batches are still held. A streak past the limit raises here too: the run
+            # did not fail, but its last updates never happened, and the user must know.
+            try:
+                if self._lagged:
+                    if self._i:
+                        self._flush(n=self._i)
+                    self._collect()
+                self._judge()
+            finally:
+                self._recent.clear()
+                self._batches = []
         self._recent.clear()
         self._batches = []
-        if exc is not None:
-            return
-        try:
-            if self._cuda:
-                # Rows not yet seen by the host: read them now (the run is over).
-                if self._i:
-                    self._flush(n=self._i)
-                self._collect()
-            self._judge()
-        except NonFiniteError:
-            # Every step is over; the events say what happened. Raising here would
-            # turn a finished run into a failed one.
-            pass
 
     # ------------------------------------------------------------------ skipping
 
@@ -341,13 +345,15 @@ class NanGuard(Component):
     # ------------------------------------------------------------------ lagged read
 
     def _flush(self, n: int | None = None) -> None:
-        """CUDA: copy the filled ring to pinned memory; process the previous copy."""
+        """Copy the filled ring to (pinned) host memory; process the previous copy."""
         n = len(self._rows) if n is None else n
         slot = self._slots[self._slot]
         self._slot ^= 1
-        slot[:n].copy_(self._ring[:n], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        slot[:n].copy_(self._ring[:n], non_blocking=self._cuda)
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
         lrs, self._lrs = self._lrs, []
         self._collect()
         self._pending = (slot[:n], event, lrs)
@@ -358,7 +364,8 @@ class NanGuard(Component):
         rows, event, lrs = self._pending
         self._pending = None
         # Issued one interval ago: long finished, so this does not wait in practice.
-        event.synchronize()
+        if event is not None:
+            event.synchronize()
         for (step, lr), (loss_v, norm_v, bad) in zip(lrs, rows.tolist(), strict=True):
             self._observe(step, loss_v, norm_v, bad > 0.5, lr, now=False)
 

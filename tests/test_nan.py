@@ -60,8 +60,19 @@ def assert_same(a, b):
 # ---------------------------------------------------------------------- skipping
 
 
+@pytest.fixture(params=[False, True], ids=["cpu_path", "lagged_path"])
+def lagged(request, monkeypatch):
+    """Run each test twice: NanGuard's CPU path (flags read as each step happens) and
+    the lagged path a CUDA device takes (one copy per check interval, read one interval
+    later), which only the GPU machines would exercise otherwise."""
+    monkeypatch.setattr(NanGuard, "_lagged_on_cpu", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_skipped_step_leaves_weights_and_optimizer_state_bitwise_unchanged(tmp_path, opt_name):
+def test_skipped_step_leaves_weights_and_optimizer_state_bitwise_unchanged(
+    tmp_path, opt_name, lagged
+):
     torch.manual_seed(0)
     model = Regressor()
     opt = OPTIMIZERS[opt_name](model.parameters())
@@ -91,6 +102,28 @@ def test_skipped_step_leaves_weights_and_optimizer_state_bitwise_unchanged(tmp_p
     assert [s for s, k in zip(skipped["step"], skipped["skipped"], strict=True) if k] == [bad_step]
     kinds = [e["kind"] for e in read_events(tmp_path)]
     assert "nonfinite" in kinds and "nonfinite_recovered" in kinds
+
+
+def test_lagged_raise_comes_at_the_same_deterministic_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(NanGuard, "_lagged_on_cpu", True)
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with pytest.raises(NonFiniteError) as info:
+        with guardrails.guard(
+            model, opt, poisoned(40, 5), run_dir=tmp_path, nan_policy="raise"
+        ) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert (err.step, err.cause, err.samples) == (5, "bad_data", [3])
+    # Steps 1-10 are copied after step 10 and read after step 20: every rank raises
+    # there, whatever its speed, so no rank is left waiting in a collective.
+    assert g.step == 20
+    # The weights are the run's after 19 updates; step 5's never happened.
+    assert "weights_step" in json.loads((Path(err.batch_path) / "info.json").read_text())
 
 
 def test_bad_sample_is_named_and_its_batch_saved(tmp_path):
@@ -128,7 +161,7 @@ def test_bad_sample_is_named_and_its_batch_saved(tmp_path):
     assert info_json["step"] == 5 and len(info_json["history"]) == 4
 
 
-def test_consecutive_skips_raise_after_the_limit(tmp_path):
+def test_consecutive_skips_raise_after_the_limit(tmp_path, lagged):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -145,7 +178,9 @@ def test_consecutive_skips_raise_after_the_limit(tmp_path):
     assert err.skipped_steps == [4, 5, 6] and err.step == 4
     assert "3 optimizer steps in a row" in str(err) and "max_consecutive_skips=3" in str(err)
     assert err.cause == "bad_data" and err.samples == list(range(8))
-    assert g.step == 5
+    # The CPU path raises inside step 6; the lagged path learns of steps 1-12 only at
+    # close (one copy per 10 steps), and raises there: the run ended, its updates didn't.
+    assert g.step == (12 if lagged else 5)
 
 
 def test_warn_policy_lets_the_update_through(tmp_path):
