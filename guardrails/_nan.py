@@ -25,14 +25,24 @@ Seed 003's playbook, as code. Per optimizer step, on the device and without a sy
 The host learns what happened lagged: on a CUDA device the ring is copied to pinned
 memory every ``check_every_n_steps`` steps and read one interval later (it has long
 finished, so nothing waits), and every rank processes the same rows at the same step,
-so a raise happens at the same step everywhere. On a CPU device the ring *is* host
-memory, read through a numpy view as each step happens (no dispatch, no sync).
+so a raise happens at the same step everywhere (at most ``2 * check_every_n_steps``
+steps after the fault; a streak found only when the guard closes raises from close).
+On a CPU device the ring *is* host memory, read through a numpy view as each step
+happens (no dispatch, no sync): the flag is a float comparison there, so the
+finiteness kernel and ``found_inf`` are used only on a bad step.
 
-What the host does with the rows (``_diagnose.py`` has the details): robust running
-statistics of grad norm and loss flag spikes (events); the first non-finite step of a
-streak is diagnosed (bad data / fp16 overflow / optimisation blow-up / numerics in a
-module / not reproducible), its batch saved under ``run_dir/nonfinite/``; the policy
-then logs, raises, or raises after ``max_consecutive_skips`` skipped steps in a row.
+What the host does with the rows (``_diagnose.py`` has the details):
+
+* finite steps are judged in blocks of ``check_every_n_steps``: a grad norm or loss
+  over ``spike_factor`` / ``loss_spike_factor`` times its running median (the last
+  ``window_steps`` finite steps) is a ``spike`` event. These statistics live on the
+  host, not the device: the values are there anyway, lagged, so they cost no kernel.
+* the first non-finite step of a streak is diagnosed (bad data / fp16 overflow /
+  optimisation blow-up / numerics in a module / not reproducible / another rank), its
+  batch saved under ``run_dir/nonfinite/``; the policy then logs, raises, or raises
+  after ``max_consecutive_skips`` skipped steps in a row.
+* training-health warnings, once each: optimizer params that got no gradient in the
+  first steps, all-zero gradients, a loss that did not fall over the first window.
 """
 
 from __future__ import annotations
@@ -233,8 +243,8 @@ class NanGuard(Component):
         step = guard.step + 1
         self._lrs.append((step, guard.lr))
         if self._np is None:
-            # CUDA (lagged), one kernel: found = 1.0 if the norm is NaN/Inf (the norm slot is
-            # multiplied by 1). A NaN or Inf in any gradient makes the total norm so.
+            # CUDA (lagged), one kernel: found = 1.0 if the norm is NaN/Inf (the norm
+            # slot is multiplied by 1). A NaN or Inf in any gradient makes the norm so.
             torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
             if self._reduce:
                 # Without DDP the ranks' gradients (and flags) may differ: agree on MAX.
