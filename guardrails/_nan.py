@@ -233,7 +233,7 @@ class NanGuard(Component):
         # One kernel: (loss, grad norm, 0) straight into the ring row.
         torch.stack(
             (
-                self._nan if loss is None else loss.to(self._ring.device, non_blocking=True),
+                self._nan if loss is None else loss,
                 guard.grad_norm(),
                 self._zero,
             ),

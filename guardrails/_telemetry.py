@@ -159,7 +159,7 @@ class Telemetry(Component):
         # Copied, not referenced: a CUDA-graph output would be overwritten next step.
         torch.stack(
             (
-                self._nan if loss is None else loss.to(self._device, non_blocking=True),
+                self._nan if loss is None else loss,
                 guard.grad_norm(),
                 self._zero if skipped is None else skipped,
             ),
