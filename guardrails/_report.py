@@ -1,0 +1,580 @@
+"""``python -m guardrails report RUN_DIR``: a run's story from its metrics and events.
+
+Seed 003: "watch loss, grad-norm, LR and tokens/sec: they tell you which family before
+you dig". After a run (or a crash) the answers are in ``run_dir/metrics.parquet`` and
+``run_dir/events.jsonl``, spread over parquet parts and JSON lines; this command reads
+both and prints what happened, in order of what a post-mortem asks first: how far it
+got and how it ended, how fast, did it learn, what was skipped and why (the NaN
+diagnoses), where time went (GC, data wait) and what was warned about. It also draws
+loss, grad norm and LR over steps with skipped steps and spikes marked
+(``RUN_DIR/report.png``; matplotlib is the optional ``plot`` extra).
+
+A run_dir can hold several runs (restarts, resumes): runs are told apart by their
+``start`` events (one per rank) and the ``started_at`` column. The newest is reported
+unless ``--all``. A run killed mid-way has no ``end`` event and maybe no metrics part
+yet (parts are written every ``metrics_write_every_s`` and at close): the story says so
+and tells what it can from what is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from guardrails._events import EVENTS_FILE, json_safe
+from guardrails._telemetry import METRICS_DIR, read_metrics
+
+logger = logging.getLogger("guardrails")
+
+PLOT_HINT = 'PNG not written: matplotlib is missing; pip install "torch-guardrails[plot]"'
+_FIRST_LAST = 10  # loss "first" and "last": mean of this many steps
+#: Events shown as warnings in the story (each: kind -> short label).
+_WARNINGS = {
+    "leak": "leak",
+    "oom": "out of memory",
+    "data_starvation": "data starvation",
+    "loss_not_decreasing": "loss not decreasing",
+    "zero_grads": "zero gradients",
+    "params_without_grad": "params without grad",
+    "params_not_in_optimizer": "params not in optimizer",
+    "nan_guard_syncs": "host syncs",
+}
+#: Kinds the story tells in their own lines (the rest are counted under "other events").
+_TOLD = {
+    "start",
+    "end",
+    "nonfinite",
+    "nonfinite_recovered",
+    "spike",
+    "gc_pause",
+    "gc_frozen",
+    "gc_freeze_skipped",
+    "hang",
+    *_WARNINGS,
+}
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event in ``run_dir/events.jsonl``; a torn last line (a crash mid-write on a
+    filesystem without atomic appends) is skipped, with a log line."""
+    path = run_dir / EVENTS_FILE
+    if not path.exists():
+        return []
+    events = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            logger.warning("guardrails report: %s line %d is not JSON; skipped", path, n)
+    return events
+
+
+def _metrics_rows(run_dir: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    """Columns as numpy arrays (empty when nothing was written), and why if unreadable."""
+    try:
+        table = read_metrics(run_dir)
+    except FileNotFoundError:
+        return {}, f"no {METRICS_DIR} in {run_dir}"
+    except Exception as exc:  # a torn part from an old writer, a schema change
+        return {}, f"{METRICS_DIR} unreadable: {type(exc).__name__}: {exc}"
+    cols = {}
+    for name in table.column_names:
+        col = table.column(name)
+        if name in ("tokens", "mem_peak_bytes", "tokens_per_s"):
+            cols[name] = col.to_numpy(zero_copy_only=False).astype(np.float64)  # null -> nan
+        else:
+            cols[name] = col.to_numpy(zero_copy_only=False)
+    return cols, None
+
+
+class Run:
+    """One run: its start time per rank, its events and its metrics rows."""
+
+    def __init__(self, starts: dict[int, float]) -> None:
+        self.starts = starts  # rank -> start time (start event, else started_at)
+        self.events: list[dict[str, Any]] = []
+        self.rows: dict[str, np.ndarray] = {}
+
+    @property
+    def started(self) -> float:
+        return min(self.starts.values())
+
+
+def split_runs(events: list[dict[str, Any]], cols: dict[str, np.ndarray]) -> list[Run]:
+    """Group events and metrics rows into runs, oldest first. A new run begins at a
+    ``start`` of a rank the current run already has (every rank starts once per run)."""
+    starts: list[tuple[float, int]] = [
+        (float(e["time"]), int(e.get("rank", 0))) for e in events if e.get("kind") == "start"
+    ]
+    have = {r for _, r in starts}
+    if cols:  # ranks with metrics but no start event (events turned off)
+        pairs = set(zip(cols["rank"].tolist(), cols["started_at"].tolist(), strict=True))
+        starts += [(t, r) for r, t in pairs if r not in have]
+    starts.sort()
+    runs: list[Run] = []
+    for t, r in starts:
+        if not runs or r in runs[-1].starts:
+            runs.append(Run({}))
+        runs[-1].starts[r] = t
+    if not runs and events:  # events but no start (a truncated log): one run
+        runs.append(Run({int(events[0].get("rank", 0)): float(events[0]["time"])}))
+
+    def owner(rank: int, t: float) -> Run | None:
+        best = None
+        for run in runs:
+            s = run.starts.get(rank)
+            if s is not None and s <= t + 1e-6:
+                best = run
+        return best or (runs[0] if runs else None)
+
+    for e in events:
+        run = owner(int(e.get("rank", 0)), float(e.get("time", 0.0)))
+        if run is not None:
+            run.events.append(e)
+    if cols:
+        keys = list(zip(cols["rank"].tolist(), cols["started_at"].tolist(), strict=True))
+        which = {k: owner(int(k[0]), float(k[1])) for k in set(keys)}
+        for i, run in enumerate(runs):
+            mask = np.array([which[k] is run for k in keys], dtype=bool)
+            if mask.any():
+                runs[i].rows = {name: col[mask] for name, col in cols.items()}
+    return runs
+
+
+# ---------------------------------------------------------------------------- the story
+
+
+def summarize(run: Run, run_dir: Path) -> dict[str, Any]:
+    """The facts of one run, JSON-able: what ``--json`` prints and the text is made of."""
+    ev = run.events
+    rows = run.rows
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for e in ev:
+        by_kind.setdefault(e.get("kind", "?"), []).append(e)
+    start = next(iter(by_kind.get("start", [])), {})
+    ranks = sorted(run.starts)
+    s: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "started": _iso(run.started),
+        "ranks": ranks,
+        "world_size": start.get("world_size", len(ranks)),
+        "device": start.get("device"),
+        "components": start.get("components"),
+    }
+    steps = rows.get("step", np.array([], dtype=np.int64))
+    event_steps = [int(e.get("step", 0)) for e in ev]
+    s["metrics_rows"] = len(steps)
+    s["last_step"] = int(max([*steps.tolist(), *event_steps, 0]))
+    per_rank_steps = (
+        {int(r): int(steps[rows["rank"] == r].max()) for r in np.unique(rows["rank"])}
+        if len(steps)
+        else {}
+    )
+    s["steps_per_rank"] = per_rank_steps
+    ends = by_kind.get("end", [])
+    times = [*(e["time"] for e in ev), *rows.get("time", np.array([])).tolist()]
+    last_time = max(times) if times else run.started
+    s["wall_s"] = last_time - run.started
+
+    # Rank 0 (or the lowest rank with rows) tells the loss story: under DDP the grad
+    # norm is the same on every rank; losses differ by shard.
+    r0 = rows.get("rank")
+    if len(steps):
+        lead = int(np.min(r0))
+        m = r0 == lead
+        loss = rows["loss"][m].astype(np.float64)
+        gn = rows["grad_norm"][m].astype(np.float64)
+        lr = rows["lr"][m]
+        fin = loss[np.isfinite(loss)]
+        s["lead_rank"] = lead
+        s["loss_first"] = _mean(fin[:_FIRST_LAST])
+        s["loss_last"] = _mean(fin[-_FIRST_LAST:])
+        g = gn[np.isfinite(gn)]
+        s["grad_norm"] = (
+            None
+            if not len(g)
+            else {"min": float(g.min()), "median": float(np.median(g)), "max": float(g.max())}
+        )
+        lf = lr[np.isfinite(lr)]
+        s["lr"] = None if not len(lf) else {"min": float(lf.min()), "max": float(lf.max())}
+        tps = rows["tokens_per_s"]
+        per_rank_tps = {}
+        for r in np.unique(r0):
+            v = tps[(r0 == r) & (rows["step"] > 1)]  # step 1 includes start-up
+            v = v[np.isfinite(v)]
+            if len(v):
+                per_rank_tps[int(r)] = float(np.median(v))
+        s["tokens_per_s_median"] = per_rank_tps or None
+        st = rows["step_time_s"][m]
+        s["step_time_median_s"] = _median(st[1:] if len(st) > 1 else st)
+        later = rows["step"] > 1 if (rows["step"] > 1).any() else np.ones(len(steps), bool)
+        wait, total = rows["data_wait_s"][later], rows["step_time_s"][later]
+        ok = np.isfinite(wait) & np.isfinite(total)
+        s["data_wait_share"] = (
+            float(wait[ok].sum() / total[ok].sum()) if ok.any() and total[ok].sum() > 0 else None
+        )
+        s["gc_total_s"] = {int(r): float(np.nansum(rows["gc_s"][r0 == r])) for r in np.unique(r0)}
+        mem = rows["mem_peak_bytes"]
+        s["mem_peak_bytes"] = None if not np.isfinite(mem).any() else float(np.nanmax(mem))
+        sk = rows["skipped"].astype(bool)
+        s["skipped_steps"] = sorted({int(x) for x in rows["step"][sk]})
+    else:
+        s["skipped_steps"] = []
+    # Skips the metrics have not caught (a crash before the part was written).
+    for e in by_kind.get("nonfinite", []):
+        if "skipped" in e.get("message", "") and int(e["step"]) not in s["skipped_steps"]:
+            s["skipped_steps"] = sorted({*s["skipped_steps"], int(e["step"])})
+
+    s["spikes"] = [
+        {"step": e["step"], "rank": e.get("rank"), "message": e.get("message", "")}
+        for e in by_kind.get("spike", [])
+    ]
+    s["nonfinite"] = [
+        {
+            "step": e["step"],
+            "rank": e.get("rank"),
+            "cause": e.get("cause"),
+            "message": e.get("message", ""),
+            "path": _rel(e.get("path"), run_dir),
+        }
+        for e in by_kind.get("nonfinite", [])
+    ]
+    s["recovered"] = [
+        {"step": e["step"], "first_step": e.get("first_step"), "skipped": e.get("skipped")}
+        for e in by_kind.get("nonfinite_recovered", [])
+    ]
+    pauses = by_kind.get("gc_pause", [])
+    longest = max(pauses, key=lambda e: float(e.get("pause_s") or 0), default=None)
+    s["gc_longest_pause"] = (
+        None
+        if longest is None
+        else {
+            "step": longest["step"],
+            "rank": longest.get("rank"),
+            "pause_s": longest.get("pause_s"),
+            "scheduled": longest.get("scheduled"),
+        }
+    )
+    s["warnings"] = [
+        {"kind": e["kind"], "step": e["step"], "rank": e.get("rank"), "message": e.get("message")}
+        for kind in _WARNINGS
+        for e in by_kind.get(kind, [])
+    ]
+    s["hangs"] = [
+        {"step": e["step"], "rank": e.get("rank"), "message": e.get("message", "")}
+        for e in by_kind.get("hang", [])
+    ]
+    s["checkpoints"] = [
+        {"step": e["step"], "kind": e["kind"], "path": _rel(e.get("path"), run_dir)}
+        for k, es in by_kind.items()
+        if "checkpoint" in k or k == "save"
+        for e in es
+    ]
+    s["other_events"] = {
+        k: len(es) for k, es in sorted(by_kind.items()) if k not in _TOLD and "checkpoint" not in k
+    }
+    if ends:
+        errors = [e for e in ends if e.get("error")]
+        s["ended"] = {
+            "clean": not errors,
+            "ranks": sorted({e.get("rank") for e in ends}),
+            "step": max(int(e["step"]) for e in ends),
+            "error": errors[0]["error"] if errors else None,
+            "error_rank": errors[0].get("rank") if errors else None,
+        }
+        missing = sorted(set(ranks) - {e.get("rank") for e in ends})
+        s["ended"]["missing_ranks"] = missing
+    else:
+        s["ended"] = None
+    s["last_seen"] = _iso(last_time)
+    return s
+
+
+def story(s: dict[str, Any]) -> str:
+    """The text for a human, one fact per line."""
+    n_ranks = len(s["ranks"])
+    lines = [
+        f"run started {s['started']} in {s['run_dir']}: {n_ranks} rank(s)"
+        + (f" on {s['device']}" if s.get("device") else "")
+        + (f", components {', '.join(s['components'])}" if s.get("components") else ""),
+    ]
+    if s["metrics_rows"]:
+        per = s["steps_per_rank"]
+        uneven = len(set(per.values())) > 1
+        lines.append(
+            f"  steps        {s['last_step']} reached; {s['metrics_rows']} metric rows"
+            + (f" (per rank: {per})" if uneven else "")
+            + f"; wall time {_dur(s['wall_s'])}"
+            + (
+                f", step time median {s['step_time_median_s'] * 1e3:.3g} ms"
+                if s.get("step_time_median_s") is not None
+                else ""
+            )
+        )
+    else:
+        lines.append(
+            f"  steps        {s['last_step']} reached (from events); no metric rows were "
+            f"written: the run ended before its first part (parts are written every "
+            f"metrics_write_every_s, default 60 s, and at close); wall time {_dur(s['wall_s'])}"
+        )
+    tps = s.get("tokens_per_s_median")
+    if tps:
+        total = sum(tps.values())
+        lines.append(
+            f"  throughput   {total:,.0f} tokens/s median"
+            + (f" over {len(tps)} ranks ({total / len(tps):,.0f} per rank)" if len(tps) > 1 else "")
+        )
+    elif s["metrics_rows"]:
+        lines.append("  throughput   unknown (no token counts: pass tokens_per_batch=)")
+    if s.get("loss_first") is not None:
+        lines.append(
+            f"  loss         {s['loss_first']:.4g} (first {_FIRST_LAST} steps) -> "
+            f"{s['loss_last']:.4g} (last {_FIRST_LAST}), rank {s['lead_rank']}"
+        )
+    if s.get("grad_norm"):
+        g = s["grad_norm"]
+        lines.append(f"  grad norm    {g['min']:.3g} - {g['max']:.3g} (median {g['median']:.3g})")
+    if s.get("lr"):
+        lo, hi = s["lr"]["min"], s["lr"]["max"]
+        lines.append(f"  lr           {lo:.3g}" + (f" - {hi:.3g}" if hi != lo else " (constant)"))
+    sk = s["skipped_steps"]
+    lines.append(f"  skipped      {len(sk)} step(s)" + (f": {_short(sk)}" if sk else ""))
+    sp = s["spikes"]
+    lines.append(
+        f"  spikes       {len(sp)}" + (f": steps {_short([x['step'] for x in sp])}" if sp else "")
+    )
+    for x in sp[:5]:
+        lines.append(f"    step {x['step']} rank {x['rank']}: {x['message']}")
+    for d in s["nonfinite"]:
+        lines.append(f"  NaN/Inf      step {d['step']} rank {d['rank']}: cause {d['cause']}")
+        lines.append(f"    {d['message']}")
+        if d.get("path"):
+            lines.append(f"    batch and diagnosis saved in {d['path']}")
+    for r in s["recovered"]:
+        lines.append(
+            f"  recovered    at step {r['step']} after {r['skipped']} skipped step(s) "
+            f"from step {r['first_step']}"
+        )
+    gc_total = s.get("gc_total_s")
+    if gc_total is not None:
+        worst = max(gc_total.values()) if gc_total else 0.0
+        text = f"  GC           {worst:.2f} s total" + (
+            f" ({worst / s['wall_s']:.1%} of wall time)" if s["wall_s"] > 0 else ""
+        )
+        p = s.get("gc_longest_pause")
+        if p:
+            text += (
+                f"; longest pause {float(p['pause_s']) * 1e3:.0f} ms at step {p['step']}"
+                f" ({p['scheduled']})"
+            )
+        lines.append(text)
+    if s.get("data_wait_share") is not None:
+        share = s["data_wait_share"]
+        lines.append(
+            f"  data wait    {share:.1%} of step time"
+            + (" (data-starved: the accelerator idles)" if share >= 0.3 else "")
+        )
+    if s.get("mem_peak_bytes") is not None:
+        lines.append(f"  memory       peak {s['mem_peak_bytes'] / 2**20:,.0f} MiB")
+    w = s["warnings"]
+    lines.append(f"  warnings     {len(w) or 'none'}")
+    for x in w:
+        msg = (x["message"] or "").splitlines()[0] if x["message"] else ""
+        lines.append(f"    {_WARNINGS[x['kind']]} (step {x['step']}, rank {x['rank']}): {msg}")
+    h = s["hangs"]
+    lines.append(f"  hangs        {len(h) or 'none'}")
+    for x in h:
+        lines.append(f"    step {x['step']} rank {x['rank']}: {x['message']}")
+    if s["checkpoints"]:
+        c = s["checkpoints"]
+        lines.append(f"  checkpoints  {len(c)}: steps {_short([x['step'] for x in c])}")
+    if s["other_events"]:
+        lines.append(
+            "  other events " + ", ".join(f"{k} x{n}" for k, n in s["other_events"].items())
+        )
+    e = s["ended"]
+    if e is None:
+        lines.append(
+            f"  ended        no end event: the process died (SIGKILL / OOM killer / node "
+            f"failure) after step {s['last_step']}; last sign of life {s['last_seen']}"
+        )
+    elif e["error"]:
+        lines.append(
+            f"  ended        with an error at step {e['step']} on rank {e['error_rank']}: "
+            f"{e['error'].splitlines()[0]}"
+        )
+    else:
+        lines.append(f"  ended        cleanly at step {e['step']}")
+    if e is not None and e["missing_ranks"]:
+        lines.append(
+            f"               rank(s) {e['missing_ranks']} logged no end event: they died "
+            "(SIGKILL / OOM killer / node failure)"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the plot
+
+
+def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
+    """Loss, grad norm (log) and LR over steps, skipped steps and spikes marked.
+    False when matplotlib is missing or there are no rows to draw."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed; safe before pyplot is imported
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    rows = run.rows
+    if not len(rows.get("step", ())):
+        return False
+    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7.5), constrained_layout=True)
+    panels = (("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("lr", "LR", "linear"))
+    ranks = np.unique(rows["rank"])
+    for ax, (col, label, scale) in zip(axes, panels, strict=True):
+        for r in ranks:
+            m = rows["rank"] == r
+            x = rows["step"][m]
+            y = rows[col][m].astype(np.float64)
+            # NaN, not dropped: a skipped step shows as a gap in the line.
+            y[~np.isfinite(y) | ((y <= 0) if scale == "log" else False)] = np.nan
+            ax.plot(x, y, lw=1, label=f"rank {r}" if len(ranks) > 1 else None)
+            if col == "lr" and len(ranks) > 1:
+                break  # the same LR everywhere
+        ax.set_ylabel(label)
+        ax.set_yscale(scale)
+        ax.grid(alpha=0.3)
+        for i, step in enumerate(s["skipped_steps"]):
+            ax.axvline(step, color="red", alpha=0.5, lw=1, label="skipped" if i == 0 else None)
+        for i, sp in enumerate(s["spikes"]):
+            ax.axvline(sp["step"], color="orange", ls="--", lw=1, label="spike" if i == 0 else None)
+    axes[-1].set_xlabel("optimizer step")
+    axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    handles = axes[0].get_legend_handles_labels()
+    if handles[0]:
+        axes[0].legend(loc="upper right", fontsize="small")
+    end = s["ended"]
+    how = "no end event (died)" if end is None else ("error" if end["error"] else "clean")
+    axes[0].set_title(f"{s['run_dir']}: run started {s['started']}, ended {how}", fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _mean(a: np.ndarray) -> float | None:
+    return float(a.mean()) if len(a) else None
+
+
+def _median(a: np.ndarray) -> float | None:
+    a = a[np.isfinite(a)]
+    return float(np.median(a)) if len(a) else None
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S UTC"
+    )
+
+
+def _dur(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.2f} h"
+
+
+def _rel(path: str | None, run_dir: Path) -> str | None:
+    if not path:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(run_dir.resolve()))
+    except ValueError:
+        return path
+
+
+def _short(items: list[Any], n: int = 12) -> str:
+    shown = ", ".join(str(i) for i in items[:n])
+    return shown + (f", ... {len(items) - n} more" if len(items) > n else "")
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "report",
+        help="a run's story from metrics.parquet and events.jsonl, and a PNG",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("run_dir", type=Path, help="the guard's run_dir")
+    p.add_argument("--png", type=Path, help="where to write the plot (default RUN_DIR/report.png)")
+    p.add_argument("--no-png", action="store_true", help="do not draw the plot")
+    p.add_argument("--all", action="store_true", help="every run in RUN_DIR, not just the newest")
+    p.add_argument("--json", action="store_true", help="print the facts as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir: Path = args.run_dir
+    events = read_events(run_dir)
+    cols, why = _metrics_rows(run_dir)
+    if not events and not cols:
+        print(
+            f"guardrails report: nothing to report in {run_dir}: no {EVENTS_FILE} and "
+            f"{why}. Pass the run_dir given to guardrails.guard(run_dir=...)."
+        )
+        return 2
+    runs = split_runs(events, cols)
+    chosen = runs if args.all else runs[-1:]
+    facts = []
+    texts = []
+    for i, run in enumerate(chosen):
+        s = summarize(run, run_dir)
+        s["run"] = runs.index(run) + 1
+        s["runs_in_dir"] = len(runs)
+        if not args.no_png:
+            png = args.png or run_dir / "report.png"
+            if len(chosen) > 1:
+                png = png.with_name(f"{png.stem}-run{s['run']}{png.suffix}")
+            if plot(run, s, png):
+                s["png"] = str(png)
+            elif not run.rows:
+                s["png"] = None
+                s["png_note"] = "no metric rows to plot"
+            else:
+                s["png"] = None
+                s["png_note"] = PLOT_HINT
+        facts.append(s)
+        head = f"run {s['run']} of {s['runs_in_dir']}"
+        if len(runs) > 1 and not args.all and i == 0:
+            head += " (the newest; --all for every run)"
+        text = f"{head}\n{story(s)}"
+        if s.get("png"):
+            text += f"\n  plot         {s['png']}"
+        elif s.get("png_note"):
+            text += f"\n  plot         {s['png_note']}"
+        texts.append(text)
+    if args.json:
+        out = facts if args.all else facts[0]
+        print(json.dumps(json_safe(out), indent=2, default=str))
+    else:
+        print("\n\n".join(texts))
+    return 0

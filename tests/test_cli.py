@@ -1,0 +1,287 @@
+"""``python -m guardrails doctor`` and ``report``, run as real processes: doctor on this
+GPU-less machine and under torchrun (two gloo ranks), report on runs of the example (an
+injected NaN), on a run killed with SIGKILL mid-way and on a directory holding two runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_gpt.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def cli(*args, env=None, ok=True, timeout=120, cwd=None):
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for name in ("NCCL_DEBUG", "NCCL_P2P_DISABLE", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+        if name not in (env or {}):
+            full.pop(name, None)  # the developer's shell must not change the assertions
+    proc = subprocess.run(
+        [sys.executable, "-m", "guardrails", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full,
+        cwd=cwd or ROOT,
+    )
+    assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
+    return proc
+
+
+# ---------------------------------------------------------------------------- doctor
+
+
+def test_doctor_on_a_cpu_machine_flags_bad_env():
+    proc = cli(
+        "doctor",
+        env={
+            "NCCL_P2P_DISABLE": "1",
+            "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+            "PYTHONGC_THRESHOLD": "100000",
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin",
+        },
+    )
+    out = proc.stdout
+    assert f"torch {torch.__version__}, CUDA none (CPU build)" in out
+    assert "no GPU found:" in out and "nvidia-smi not found on PATH" in out
+    assert re.search(r"^  29500 \(default\): (free|in use)", out, re.M), out
+    assert "  NCCL_P2P_DISABLE=1" in out  # shown in the environment section
+    assert "BAD  NCCL_P2P_DISABLE: GPU peer-to-peer (NVLink / PCIe P2P) is off" in out
+    assert "WARN TORCH_DISTRIBUTED_DEBUG: =DETAIL" in out
+    assert "BAD  PYTHONGC_THRESHOLD: is not read by Python" in out
+    assert re.search(r"bf16: (native|not native)", out)
+
+
+def test_doctor_json_is_one_object():
+    proc = cli("doctor", "--json", env={"NCCL_IB_TIMEOUT": "1000", "NCCL_DEBUG": "INFO"})
+    report = json.loads(proc.stdout)
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["gpus"]["devices"] == [] and report["gpus"]["why"]
+    assert report["ports"][0]["port"] == 29500
+    flags = {f["name"]: f for f in report["flags"]}
+    assert (
+        flags["NCCL_IB_TIMEOUT"]["level"] == "bad"
+        and "exponent" in flags["NCCL_IB_TIMEOUT"]["message"]
+    )
+    assert "NCCL_DEBUG" not in flags  # set: no advice to set it
+    assert report["env"]["NCCL_IB_TIMEOUT"] == "1000"
+
+
+def test_doctor_names_the_process_holding_the_port():
+    # Another process listening, like a rank left over from a previous run.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+            "print(s.getsockname()[1], flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(holder.stdout.readline())
+        proc = cli("doctor", env={"MASTER_PORT": str(port)})
+    finally:
+        holder.kill()
+        holder.wait()
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"  {port} "))
+    assert f"{port} (MASTER_PORT): in use by pid {holder.pid} (" in line, line
+    assert f"stop it (`kill {holder.pid}`) or pick another port" in line
+
+
+def test_doctor_under_torchrun_compares_ranks(tmp_path):
+    # torchrun gives every rank the same environment; a wrapper gives each rank its own
+    # data directory, seed 004's "ranks that see different data directories".
+    wrapper = (
+        'if [ "$LOCAL_RANK" = 1 ]; then export DATA_DIR=/data/b; else export DATA_DIR=/data/a; '
+        f"fi; exec {sys.executable} -m guardrails doctor"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("NCCL_DEBUG", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            "bash",
+            "-c",
+            wrapper,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("guardrails doctor:") == 1, out  # rank 0 prints for both
+    assert "ranks: 2 reported" in out
+    assert 'env.DATA_DIR differs: rank 0: "/data/a"; rank 1: "/data/b"' in out
+    assert "differences between ranks: 1" in out  # RANK, LOCAL_RANK... are expected to differ
+    assert "(MASTER_PORT): in use by pid" in out and "rendezvous store (expected)" in out
+
+
+# ---------------------------------------------------------------------------- report
+
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    """The example with a NaN planted in sample row 3 of step 10's batch."""
+    tmp = tmp_path_factory.mktemp("nan_run")
+    args = ["--steps", "20", "--batch-size", "8", "--sample", "0", "--inject", "bad_sample"]
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--run-dir", str(tmp / "run"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        cwd=tmp,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return tmp / "run"
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000, len(data)  # three panels drawn
+
+
+def test_report_names_the_skipped_step_and_its_cause(nan_run):
+    out = cli("report", str(nan_run)).stdout
+    assert "run 1 of 1" in out and "1 rank(s) on cpu" in out
+    assert "  steps        20 reached; 20 metric rows" in out
+    assert re.search(r"throughput   [\d,]+ tokens/s median", out), out
+    assert re.search(r"loss         [\d.]+ \(first 10 steps\) -> [\d.]+ \(last 10\)", out)
+    assert "  skipped      1 step(s): 10" in out
+    assert "  NaN/Inf      step 10 rank 0: cause bad_data" in out
+    assert "tensor `2`, sample row(s) [3]" in out
+    assert "batch and diagnosis saved in nonfinite/step00000010-rank0" in out
+    assert "recovered    at step 11" in out
+    assert "  ended        cleanly at step 20" in out
+    assert f"plot         {nan_run / 'report.png'}" in out
+    assert_png(nan_run / "report.png")
+
+
+def test_report_json_and_png_path(nan_run, tmp_path):
+    png = tmp_path / "plots" / "nan.png"
+    facts = json.loads(cli("report", str(nan_run), "--json", "--png", str(png)).stdout)
+    assert facts["skipped_steps"] == [10] and facts["last_step"] == 20
+    (diag,) = facts["nonfinite"]
+    assert diag["cause"] == "bad_data" and "sample row(s) [3]" in diag["message"]
+    assert facts["ended"]["clean"] and facts["ended"]["error"] is None
+    assert 0 <= facts["data_wait_share"] < 1 and facts["gc_total_s"]["0"] >= 0
+    assert facts["png"] == str(png)
+    assert_png(png)
+
+
+CRASH = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    import guardrails
+    sys.path.insert(0, {tests!r})
+    from conftest import Regressor, batches
+
+    run_dir, write_every = sys.argv[1], float(sys.argv[2])
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # A first run that ends cleanly, then a second one in the same run_dir, killed.
+    with guardrails.guard(model, opt, batches(6), run_dir=run_dir, progress=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    with guardrails.guard(model, opt, batches(40), run_dir=run_dir, progress=False,
+                          metrics_every_n_steps=4, metrics_write_every_s=write_every) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == 14:
+                os.kill(os.getpid(), signal.SIGKILL)  # no close, no end event
+    """
+)
+
+
+def crashed_run(tmp_path: Path, write_every_s: float) -> Path:
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH.format(tests=str(ROOT / "tests")))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run_dir), str(write_every_s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr  # it really died by SIGKILL
+    return run_dir
+
+
+def test_report_on_a_run_killed_mid_way(tmp_path):
+    run_dir = crashed_run(tmp_path, write_every_s=0)  # a part every 4 steps
+    out = cli("report", str(run_dir)).stdout
+    assert "run 2 of 2 (the newest; --all for every run)" in out
+    # Parts for steps 1-12 were written; the events saw step 14's gc/start only, so
+    # the story's last step comes from the metrics.
+    assert "  steps        12 reached; 12 metric rows" in out, out
+    assert "throughput   unknown" in out  # float batches: no token counts
+    assert (
+        "  ended        no end event: the process died (SIGKILL / OOM killer / node failure) "
+        "after step 12" in out
+    )
+    assert_png(run_dir / "report.png")
+
+    both = cli("report", str(run_dir), "--all", "--no-png").stdout
+    assert "run 1 of 2" in both and "run 2 of 2" in both
+    assert "  steps        6 reached; 6 metric rows" in both
+    assert "  ended        cleanly at step 6" in both
+    assert not (run_dir / "report-run1.png").exists()  # --no-png
+
+
+def test_report_on_a_run_killed_before_its_first_metrics_part(tmp_path):
+    run_dir = crashed_run(tmp_path, write_every_s=3600)
+    facts = json.loads(cli("report", str(run_dir), "--json").stdout)
+    assert facts["run"] == 2 and facts["metrics_rows"] == 0 and facts["ended"] is None
+    assert facts["png"] is None and facts["png_note"] == "no metric rows to plot"
+    out = cli("report", str(run_dir), "--no-png").stdout
+    assert "no metric rows were written: the run ended before its first part" in out
+    assert "no end event: the process died" in out
+
+
+def test_report_without_matplotlib_still_tells_the_story(nan_run, tmp_path):
+    # A matplotlib that fails to import, first on the path: what a user without the
+    # `plot` extra sees.
+    fake = tmp_path / "site" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    png = tmp_path / "none.png"
+    out = cli(
+        "report", str(nan_run), "--png", str(png), env={"PYTHONPATH": str(tmp_path / "site")}
+    ).stdout
+    assert 'matplotlib is missing; pip install "torch-guardrails[plot]"' in out
+    assert "  skipped      1 step(s): 10" in out
+    assert not png.exists()
+
+
+def test_report_on_an_empty_dir_and_usage(tmp_path):
+    proc = cli("report", str(tmp_path), ok=False)
+    assert proc.returncode == 2 and "nothing to report" in proc.stdout
+    proc = cli(ok=False)
+    assert proc.returncode == 2 and "doctor" in proc.stderr and "report" in proc.stderr
