@@ -332,6 +332,9 @@ _CSV = "--format=csv,noheader,nounits"
 
 def _topology() -> dict[str, Any]:
     code, out = _run(["nvidia-smi", "topo", "-m"])
+    # nvidia-smi underlines the header with ANSI escapes even into a pipe (seen on an
+    # H200 host): strip them, they garble logs and JSON.
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
     if code == 0:
         return {"matrix": out}
     return {"matrix": None, "why": out or f"nvidia-smi topo -m exited {code}"}
