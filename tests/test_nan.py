@@ -104,41 +104,34 @@ def test_skipped_step_leaves_weights_and_optimizer_state_bitwise_unchanged(
     assert "nonfinite" in kinds and "nonfinite_recovered" in kinds
 
 
-def test_lagged_raise_comes_at_the_same_deterministic_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(NanGuard, "_lagged_on_cpu", True)
+def run_until_raise(run_dir, data):
+    """Train a Regressor with fused AdamW under nan_policy="raise" until NanGuard
+    raises; returns the error and the (closed) guard."""
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(
-            model, opt, poisoned(40, 5), run_dir=tmp_path, nan_policy="raise"
-        ) as g:
+        with guardrails.guard(model, opt, data, run_dir=run_dir, nan_policy="raise") as g:
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
                 opt.zero_grad()
-    err = info.value
+    return info.value, g
+
+
+def test_lagged_raise_comes_at_the_same_deterministic_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(NanGuard, "_lagged_on_cpu", True)
+    err, g = run_until_raise(tmp_path, poisoned(40, 5))
     assert (err.step, err.cause, err.samples) == (5, "bad_data", [3])
     # Steps 1-10 are copied after step 10 and read after step 20: every rank raises
     # there, whatever its speed, so no rank is left waiting in a collective.
     assert g.step == 20
-    # The weights are the run's after 19 updates; step 5's never happened.
-    assert "weights_step" in json.loads((Path(err.batch_path) / "info.json").read_text())
+    # The diagnosis saw the weights after step 20 (19 updates: step 5's never happened).
+    assert json.loads((Path(err.batch_path) / "info.json").read_text())["weights_step"] == 20
 
 
 def test_bad_sample_is_named_and_its_batch_saved(tmp_path):
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(
-            model, opt, poisoned(8, 5, row=3), run_dir=tmp_path, nan_policy="raise"
-        ) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-    err = info.value
+    err, g = run_until_raise(tmp_path, poisoned(8, 5, row=3))
     assert err.cause == "bad_data"
     assert (err.step, err.rank, err.samples) == (5, 0, [3])
     assert g.step == 4  # raised inside step 5, before its update
