@@ -86,3 +86,10 @@ def test_import_adds_no_logging_handler():
 
 def test_py_typed_marker_ships():
     assert (Path(guardrails.__file__).parent / "py.typed").is_file()
+
+
+def test_version_has_one_source():
+    # pyproject.toml reads it from guardrails/_version.py; the installed metadata agrees.
+    from importlib.metadata import version
+
+    assert version("torch-guardrails") == guardrails.__version__
