@@ -16,6 +16,7 @@ Everything public lives in this one namespace; the ``_``-prefixed modules are pr
 The library logs to ``logging.getLogger("guardrails")`` and installs no handler.
 """
 
+from guardrails._checkpoint import resume, save_checkpoint
 from guardrails._component import Component
 from guardrails._errors import (
     CheckpointError,
@@ -57,4 +58,6 @@ __all__ = [
     "__version__",
     "guard",
     "read_metrics",
+    "resume",
+    "save_checkpoint",
 ]

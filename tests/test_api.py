@@ -31,6 +31,8 @@ EXPECTED_ALL = [
     "__version__",
     "guard",
     "read_metrics",
+    "resume",
+    "save_checkpoint",
 ]
 
 ERRORS = [

@@ -88,7 +88,10 @@ def test_a_leak_of_plain_tensors_names_the_attribute_that_holds_them(tmp_path):
             opt.zero_grad()
     [leak] = events(tmp_path, "leak")
     assert leak["cause"] == "tensors"
-    assert leak["memory_bytes_per_step"] > 128 * 1024
+    # The census counts the kept tensors exactly; RSS (what "memory" is on CPU) grows by
+    # less when the allocator reuses pages an earlier test freed, so it is only bounded.
+    assert leak["tensor_bytes_per_step"] == pytest.approx(256 * 1024, rel=0.05)
+    assert leak["memory_bytes_per_step"] > 0
     assert leak["held_by"].startswith("`trainer.kept` (a list of")
     assert "64x1024 float32 cpu tensor" in leak["tensor"]
     assert "grad_fn" not in leak["tensor"]
