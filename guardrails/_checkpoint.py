@@ -79,6 +79,7 @@ from torch import Tensor, nn
 
 from guardrails import _dist
 from guardrails._errors import CheckpointError, ResumeError
+from guardrails._text import shorten
 from guardrails._version import __version__
 
 log = logging.getLogger("guardrails")
@@ -304,20 +305,10 @@ def resume(
             _check_optimizer(ckpt, step, optimizer, opt_sd)
         elif strict:
             raise _missing(ckpt, step, "optimizer")
-    sched_sd = None
-    if scheduler is not None:
-        if "scheduler.json" in files:
-            sched_sd = _decode(_read_json(ckpt / "scheduler.json"))
-        elif "scheduler.pt" in files:
-            sched_sd = torch.load(ckpt / "scheduler.pt", weights_only=True)
-        elif strict:
-            raise _missing(ckpt, step, "scheduler")
-    scaler_sd = None
-    if scaler is not None:
-        if "scaler.json" in files:
-            scaler_sd = _decode(_read_json(ckpt / "scaler.json"))
-        elif strict:
-            raise _missing(ckpt, step, "scaler")
+    sched_sd = (
+        None if scheduler is None else _component_state(ckpt, step, files, "scheduler", strict)
+    )
+    scaler_sd = None if scaler is None else _component_state(ckpt, step, files, "scaler", strict)
     rng = _read_json(ckpt / "rng.json") if "rng.json" in files else None
     rng_tensors = _read_tensors(ckpt / "rng.safetensors") if "rng.safetensors" in files else {}
     extras = _decode(_read_json(ckpt / "extras.json")) if "extras.json" in files else {}
@@ -522,6 +513,21 @@ def _check_optimizer(
             "param groups, as the run that saved it; to restart the optimizer from "
             "scratch, pass optimizer=None. Nothing was modified.",
         )
+
+
+def _component_state(
+    ckpt: Path, step: int, files: Mapping[str, Any], name: str, strict: bool
+) -> Any:
+    """The saved state_dict of an optional component (``scheduler``, ``scaler``): its
+    ``<name>.json``, or ``<name>.pt`` when it was not JSON-able; ``None`` if absent and
+    not ``strict``."""
+    if f"{name}.json" in files:
+        return _decode(_read_json(ckpt / f"{name}.json"))
+    if f"{name}.pt" in files:
+        return torch.load(ckpt / f"{name}.pt", weights_only=True)
+    if strict:
+        raise _missing(ckpt, step, name)
+    return None
 
 
 def _missing(ckpt: Path, step: int, what: str) -> ResumeError:
@@ -734,8 +740,7 @@ def _natural(key: str) -> tuple[str, int]:
 
 
 def _short(items: list[Any], n: int = 5) -> str:
-    shown = ", ".join(str(i) for i in items[:n])
-    return f"[{shown}{f', ... {len(items) - n} more' if len(items) > n else ''}]"
+    return f"[{shorten(items, n)}]"
 
 
 def _listing(path: Path, n: int = 8) -> str:

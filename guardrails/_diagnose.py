@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from guardrails._events import json_safe
+from guardrails._text import shorten
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -442,5 +443,4 @@ def _save(guard: Guard, step: int, batches: list[Any] | None, diag: dict[str, An
 
 
 def _short(items: list[Any], n: int = 8) -> str:
-    shown = ", ".join(str(i) for i in items[:n])
-    return f"[{shown}{f', ... {len(items) - n} more' if len(items) > n else ''}]"
+    return f"[{shorten(items, n)}]"

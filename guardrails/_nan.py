@@ -189,7 +189,7 @@ class NanGuard(Component):
         self._slot = 0
         self._pending: tuple[Tensor, Any, list[tuple[int, float]]] | None = None  # in flight
         self._i = 0
-        self._lrs: list[tuple[int, float]] = []  # (step, lr) of the rows in the ring
+        self._lrs: list[tuple[int, float]] = []  # lagged path: (step, lr) of the ring's rows
         self._one = torch.ones((), device=dev)
         self._nan = torch.full((), math.nan, device=dev)
         self._zero = torch.zeros((), device=dev)
@@ -241,8 +241,8 @@ class NanGuard(Component):
         )
         found = self._found_views[i]
         step = guard.step + 1
-        self._lrs.append((step, guard.lr))
         if self._np is None:
+            self._lrs.append((step, guard.lr))  # read back with the rows, one interval on
             # CUDA (lagged), one kernel: found = 1.0 if the norm is NaN/Inf (the norm
             # slot is multiplied by 1). A NaN or Inf in any gradient makes the norm so.
             torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
@@ -284,8 +284,6 @@ class NanGuard(Component):
             self._i = 0
             if self._lagged:
                 self._flush()
-            else:
-                self._lrs = []
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:

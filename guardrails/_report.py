@@ -29,6 +29,7 @@ import numpy as np
 
 from guardrails._events import EVENTS_FILE, json_safe
 from guardrails._telemetry import METRICS_DIR, read_metrics
+from guardrails._text import shorten
 
 logger = logging.getLogger("guardrails")
 
@@ -349,10 +350,11 @@ def story(s: dict[str, Any]) -> str:
         lo, hi = s["lr"]["min"], s["lr"]["max"]
         lines.append(f"  lr           {lo:.3g}" + (f" - {hi:.3g}" if hi != lo else " (constant)"))
     sk = s["skipped_steps"]
-    lines.append(f"  skipped      {len(sk)} step(s)" + (f": {_short(sk)}" if sk else ""))
+    lines.append(f"  skipped      {len(sk)} step(s)" + (f": {shorten(sk, 12)}" if sk else ""))
     sp = s["spikes"]
     lines.append(
-        f"  spikes       {len(sp)}" + (f": steps {_short([x['step'] for x in sp])}" if sp else "")
+        f"  spikes       {len(sp)}"
+        + (f": steps {shorten([x['step'] for x in sp], 12)}" if sp else "")
     )
     for x in sp[:5]:
         lines.append(f"    step {x['step']} rank {x['rank']}: {x['message']}")
@@ -398,7 +400,7 @@ def story(s: dict[str, Any]) -> str:
         lines.append(f"    step {x['step']} rank {x['rank']}: {x['message']}")
     if s["checkpoints"]:
         c = s["checkpoints"]
-        lines.append(f"  checkpoints  {len(c)}: steps {_short([x['step'] for x in c])}")
+        lines.append(f"  checkpoints  {len(c)}: steps {shorten([x['step'] for x in c], 12)}")
     if s["other_events"]:
         lines.append(
             "  other events " + ", ".join(f"{k} x{n}" for k, n in s["other_events"].items())
@@ -508,11 +510,6 @@ def _rel(path: str | None, run_dir: Path) -> str | None:
         return str(Path(path).resolve().relative_to(run_dir.resolve()))
     except ValueError:
         return path
-
-
-def _short(items: list[Any], n: int = 12) -> str:
-    shown = ", ".join(str(i) for i in items[:n])
-    return shown + (f", ... {len(items) - n} more" if len(items) > n else "")
 
 
 # ---------------------------------------------------------------------------- CLI
