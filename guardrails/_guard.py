@@ -24,11 +24,13 @@ with no Python call per parameter.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from os import PathLike
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from guardrails import _dist
+from guardrails import _dist, _store
 from guardrails._checks import positive_int
 from guardrails._component import HOOKS, Component, overrides
 from guardrails._errors import GuardrailsError
@@ -142,7 +144,27 @@ class Guard:
         #: ``"optimizer"`` (in ``optimizer.step()``), ``"loop"`` (elsewhere in the loop
         #: body). One attribute store at each point (~20 ns), nothing more.
         self.phase = "setup"
+        #: The collective the main thread is inside right now (set by the
+        #: CollectiveAuditor around each call: op, shapes, sequence number, call site),
+        #: or ``None``. Read by the watchdog from its thread.
+        self.collective: dict[str, Any] | None = None
+        #: Why progress is legitimately paused (``"checkpoint"``, ``"eval"``...), or
+        #: ``None``; the watchdog does not call a paused rank stuck. See
+        #: :meth:`pause_watchdog`.
+        self.paused: str | None = None
+        #: The user's own state, saved in every checkpoint and restored on resume
+        #: (JSON values: ``g.state["best_val"] = 1.23``).
+        self.state: dict[str, Any] = {}
+        #: This guard's number among the guards started in this process (the same on
+        #: every rank), which namespaces its side-channel keys.
+        self.generation = -1
+        #: A gloo group over every rank for rare agreements (see ``_store.py``), or
+        #: ``None`` in a single-process run. Never the training's group.
+        self.side_group: Any = None
         self._replacement: BaseException | None = None
+        # An error found by a background thread, raised by the main thread at its next
+        # step boundary (see fail_from_thread).
+        self._pending: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,6 +181,8 @@ class Guard:
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
         try:
+            self.generation = _store.next_generation()
+            self.side_group = _store.open_side_group()
             self._handles = [
                 self.optimizer.register_step_pre_hook(self._before_step),
                 self.optimizer.register_step_post_hook(self._after_step),
@@ -208,6 +232,8 @@ class Guard:
             handle.remove()
         self._handles = []
         self._dispatch = {h: [] for h in HOOKS}
+        _store.close_side_group(self.side_group)
+        self.side_group = None
         if self.events is not None:
             self.event("end", error=None if exc is None else f"{type(exc).__name__}: {exc}")
             self.events.close()
@@ -224,6 +250,50 @@ class Guard:
         out-of-memory error with the memory summary. The first call wins."""
         if self._replacement is None:
             self._replacement = error
+
+    def side_store(self, name: str) -> Any:
+        """A store for this guard's side-channel keys under ``name`` (see ``_store.py``),
+        or ``None`` when not distributed."""
+        return _store.side_store(self.generation, name)
+
+    @contextlib.contextmanager
+    def pause_watchdog(self, reason: str = "paused") -> Iterator[None]:
+        """Mark a long, legitimate pause (evaluation, a big save) so the watchdog does
+        not call this rank stuck::
+
+            with g.pause_watchdog("eval"):
+                evaluate(model)
+        """
+        previous, self.paused = self.paused, reason
+        try:
+            yield
+        finally:
+            self.paused = previous
+
+    def fail_from_thread(self, error: BaseException, *, grace_s: float = 5.0) -> None:
+        """From a background thread (watchdog, auditor): make the main thread raise
+        ``error`` at its next step boundary (next batch or next ``optimizer.step()``).
+        If it has not within ``grace_s`` (it is stuck in a collective or a C call that
+        Python cannot interrupt), end the process with the error reported, so the
+        launcher tears the job down instead of waiting for NCCL's timeout."""
+        if self._pending is not None:
+            return
+        self._pending = error
+
+        def last_resort() -> None:
+            if self._pending is error and self._state == "started":
+                from guardrails import _exit
+
+                _exit.die(error)
+
+        timer = threading.Timer(grace_s, last_resort)
+        timer.daemon = True
+        timer.start()
+
+    def _raise_pending(self) -> None:
+        error, self._pending = self._pending, None  # None: the timer stands down
+        assert error is not None
+        raise error
 
     def __enter__(self) -> Guard:
         return self.start()
@@ -263,6 +333,8 @@ class Guard:
                 return
             self._data_wait_s += clock() - t0
             self.phase = "loop"
+            if self._pending is not None:
+                self._raise_pending()
             if self._state != "started":
                 raise ValueError("the guard was closed while its loop was running")
             n = self.tokens_per_batch if self.tokens_per_batch is not None else _tokens(batch)
@@ -371,6 +443,8 @@ class Guard:
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.phase = "optimizer"
+        if self._pending is not None:
+            self._raise_pending()
         self.data_wait_s = self._data_wait_s
         self.tokens = self._tokens
         lr = optimizer.param_groups[0].get("lr", math.nan)
