@@ -148,6 +148,9 @@ class Guard:
         #: CollectiveAuditor around each call: op, shapes, sequence number, call site),
         #: or ``None``. Read by the watchdog from its thread.
         self.collective: dict[str, Any] | None = None
+        #: The running CollectiveAuditor, if any (GuardedDDP's comm hook reports the
+        #: gradient all-reduces to it).
+        self.auditor: Any = None
         #: Why progress is legitimately paused (``"checkpoint"``, ``"eval"``...), or
         #: ``None``; the watchdog does not call a paused rank stuck. See
         #: :meth:`pause_watchdog`.
