@@ -25,3 +25,11 @@ for r in (0, 1):
 PY
 python3 -m guardrails report /tmp/ddp_run --no-png 2>&1 | tee "$OUT/ddp_report.txt"
 ls /tmp/ddp_run/nonfinite | tee -a "$OUT/ddp_report.txt"
+# Pre-emption over NCCL: SIGTERM to rank 0 only at step 100; both ranks must stop at one
+# step and save; the same command resumes and finishes (issue 4).
+rm -rf /tmp/ddp_sig
+torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200 --sample 0 \
+  --inject sigterm --inject-step 100 --run-dir /tmp/ddp_sig 2>&1 | grep -E "stopped|exitcode|done" | tee "$OUT/ddp_sigterm.txt"
+torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 200 --sample 0 \
+  --inject sigterm --inject-step 100 --run-dir /tmp/ddp_sig 2>&1 | tail -2 | tee -a "$OUT/ddp_sigterm.txt"
+python3 -m guardrails inspect /tmp/ddp_sig 2>&1 | tee -a "$OUT/ddp_sigterm.txt"

@@ -28,3 +28,8 @@ python3 examples/train_gpt.py --steps 300 --sample 0 --run-dir /tmp/gpt_run 2>&1
 python3 examples/train_gpt.py --steps 300 --sample 0 --inject bad_sample --run-dir /tmp/gpt_bad 2>&1 | tee -a "$OUT/example.txt"
 cp -r /tmp/gpt_bad/nonfinite "$OUT/" 2>/dev/null
 python3 benchmarks/components.py --device cuda --repeats 9 2>&1 | tee "$OUT/components.txt"
+# Checkpoints (issue 4): SIGTERM-to-exit, periodic-save blocking time, torch.save.
+python3 benchmarks/checkpoint_bench.py --device cuda --model example --repeats 3 --out "$OUT" 2>&1 | grep -v stopped | tee -a "$OUT/checkpoint.txt"
+python3 benchmarks/checkpoint_bench.py --device cuda --model gpt2 --repeats 3 --out "$OUT" 2>&1 | grep -v stopped | tee -a "$OUT/checkpoint.txt"
+# The reference benchmark CLI (issue 8).
+python3 -m guardrails bench --size gpt2 --batch 8 --seq 1024 --steps 20 --repeats 5 --json "$OUT/bench_cli_8x1024.json" 2>&1 | tee "$OUT/bench_cli.txt"

@@ -20,6 +20,19 @@ Planted faults, to see what the guard does with them (seed 003's two commonest N
         # events.jsonl names the sample
     python examples/train_gpt.py --inject nan_lr       # the LR is set to 1e4 mid-run:
         # steps are skipped, then NonFiniteError (cause optimization_blowup) stops it
+    python examples/train_gpt.py --inject sigterm      # SIGTERM at half way (what a
+        # pre-emption sends): every rank stops at one step, saves RUN_DIR/checkpoints/
+        # step_<N> and exits 143; the same command again resumes and finishes the run,
+        # bitwise as if never interrupted
+    torchrun --nproc-per-node 2 examples/train_gpt.py --inject stuck --hang-timeout-s 10
+        # the last rank sleeps in Python at half way: within ~10 s every rank ends with
+        # HangError naming it, its line and every rank's stack (exit code 83)
+    torchrun --nproc-per-node 2 examples/train_gpt.py --inject desync
+        # at half way rank 0 alone enters a barrier (seed 002: "only rank 0 does something
+        # that includes a collective") before every rank's loss all-reduce: seen in ~0.5 s,
+        # and within ~6 s (ranks stuck in the collective get 5 s) every rank ends with
+        # CollectiveMismatchError naming both ranks' calls and lines (exit code 82)
+        # instead of gloo's 30-minute (NCCL: 10-minute) hang
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -165,16 +179,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--inject",
-        choices=["bad_sample", "nan_lr"],
-        help="plant a fault at --inject-step: a NaN sample weight on rank 0, or LR 1e4",
+        choices=["bad_sample", "nan_lr", "sigterm", "stuck", "desync"],
+        help="plant a fault at --inject-step: a NaN sample weight on rank 0, LR 1e4, or "
+        "SIGTERM to rank 0 (a pre-emption: run the same command again to resume)",
     )
     p.add_argument("--inject-step", type=int, help="default: half way")
+    p.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        help="watchdog timeout (default: automatic, 60-300 s); --inject stuck makes the "
+        "last rank sleep at --inject-step",
+    )
     return p.parse_args(argv)
 
 
+@guardrails.record  # our error as torchrun's root cause, a clean summary, exit codes
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.inject == "stuck" and not distributed:  # one process has nobody to hang
+        raise SystemExit("--inject stuck needs 2+ ranks: torchrun --nproc-per-node 2 ...")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if distributed:
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -225,17 +249,39 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     micro = 0
-    with guardrails.guard(model, opt, loader, scheduler=sched, run_dir=args.run_dir) as g:
-        epoch = 0
+    with guardrails.guard(
+        model,
+        opt,
+        loader,
+        scheduler=sched,
+        run_dir=args.run_dir,
+        hang_timeout_s=args.hang_timeout_s,
+    ) as g:
+        # resume="auto" (the default) has already restored the newest checkpoint in
+        # RUN_DIR/checkpoints if there is one: g.step and g.epoch continue from it.
         while g.step < args.steps:
             if distributed:
-                sampler.set_epoch(epoch)
+                sampler.set_epoch(g.epoch)
             for batch in g:
                 x, y, w = (t.to(device, non_blocking=True) for t in batch)
+                if args.inject == "stuck" and g.step == inject_step and rank == world - 1:
+                    print(
+                        f"inject: rank {rank} stuck at step {g.step} at {time.time():.3f}",
+                        flush=True,
+                    )
+                    time.sleep(3600)  # the fault: a rank that never reaches the all-reduce
                 if args.inject == "nan_lr" and g.step + 1 == inject_step:
                     sched.base_lrs = [1e4 for _ in sched.base_lrs]  # the fault
                 loss = model(x, y, w)  # a scalar: the guard records it, no .item() needed
                 (loss / args.grad_accum).backward()
+                if args.inject == "desync" and g.step == inject_step and distributed:
+                    print(
+                        f"inject: rank {rank} desync at step {g.step} at {time.time():.3f}",
+                        flush=True,
+                    )
+                    if rank == 0:
+                        dist.barrier()  # the fault: a collective in a rank-0-only branch
+                    dist.all_reduce(loss.detach().clone())  # every rank: loss for the log
                 micro += 1
                 if micro % args.grad_accum:
                     continue
@@ -243,9 +289,10 @@ def main(argv: list[str] | None = None) -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 sched.step()
+                if args.inject == "sigterm" and g.step == inject_step and rank == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler's pre-emption sends
                 if g.step >= args.steps:
                     break
-            epoch += 1
     elapsed = time.perf_counter() - t0
 
     if rank == 0:

@@ -16,48 +16,62 @@ Everything public lives in this one namespace; the ``_``-prefixed modules are pr
 The library logs to ``logging.getLogger("guardrails")`` and installs no handler.
 """
 
+from guardrails._audit import CollectiveAuditor
 from guardrails._checkpoint import resume, save_checkpoint
+from guardrails._checkpointer import SignalCheckpointer
 from guardrails._component import Component
+from guardrails._ddp import GuardedDDP
 from guardrails._errors import (
     CheckpointError,
     CollectiveMismatchError,
     ConfigMismatchError,
     GuardrailsError,
     HangError,
+    LaunchError,
     NonFiniteError,
     OutOfMemoryError,
     RankFailedError,
     ResumeError,
     UnevenDataError,
 )
+from guardrails._explain import explain
 from guardrails._factory import guard
 from guardrails._gc import GCScheduler
 from guardrails._guard import Guard
 from guardrails._memory import MemoryGuard
 from guardrails._nan import NanGuard
+from guardrails._record import record
 from guardrails._telemetry import Telemetry, read_metrics
 from guardrails._version import __version__
+from guardrails._watchdog import Watchdog
 
 __all__ = [
     "CheckpointError",
+    "CollectiveAuditor",
     "CollectiveMismatchError",
     "Component",
     "ConfigMismatchError",
     "GCScheduler",
     "Guard",
+    "GuardedDDP",
     "GuardrailsError",
     "HangError",
+    "LaunchError",
     "MemoryGuard",
     "NanGuard",
     "NonFiniteError",
     "OutOfMemoryError",
     "RankFailedError",
     "ResumeError",
+    "SignalCheckpointer",
     "Telemetry",
     "UnevenDataError",
+    "Watchdog",
     "__version__",
+    "explain",
     "guard",
     "read_metrics",
+    "record",
     "resume",
     "save_checkpoint",
 ]

@@ -14,7 +14,9 @@ import sys
 
 #: subcommand -> module with ``add_parser`` and ``main``.
 COMMANDS = {
+    "bench": "guardrails._bench",
     "doctor": "guardrails._doctor",
+    "inspect": "guardrails._inspect",
     "report": "guardrails._report",
 }
 
@@ -22,7 +24,8 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m guardrails",
-        description="guardrails: diagnose the environment (doctor) and summarise runs (report).",
+        description="guardrails: diagnose the environment (doctor), summarise runs (report), "
+        "list checkpoints (inspect) and measure the guards' cost (bench).",
     )
     sub = parser.add_subparsers(
         dest="command", metavar="{" + ",".join(COMMANDS) + "}", required=True

@@ -59,6 +59,7 @@ Only one process may save into a ``root`` at a time.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -77,7 +78,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from guardrails import _dist
+from guardrails import _dist, _sharded
 from guardrails._errors import CheckpointError, ResumeError
 from guardrails._text import shorten
 from guardrails._version import __version__
@@ -85,7 +86,8 @@ from guardrails._version import __version__
 log = logging.getLogger("guardrails")
 
 FORMAT = "guardrails-checkpoint"
-FORMAT_VERSION = 1
+#: 2: RNG streams moved from rng.* into per-rank rank<R>.* files (format 1 still reads).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
@@ -105,6 +107,240 @@ _ELEMENTWISE_STATE = frozenset(
 
 
 # ----------------------------------------------------------------------------- save
+
+
+class Part:
+    """What one rank writes into one checkpoint, already copied off the live objects, so
+    a writer thread can serialise it while training mutates the originals.
+
+    Staging is the only part of a save that must block training: device tensors are
+    copied to (pinned) host memory with ``non_blocking`` copies and one wait at the end
+    (:meth:`ready`), host tensors are cloned, and everything that is not a tensor is
+    serialised to bytes at once.
+    """
+
+    def __init__(self) -> None:
+        #: file name -> (tensors stored once each, alias key -> stored key)
+        self.tensors: dict[str, tuple[dict[str, Tensor], dict[str, str]]] = {}
+        #: file name -> the file's bytes (JSON, or torch.save for odd schedulers)
+        self.blobs: dict[str, bytes] = {}
+        #: Files already written into the temp dir by someone else (DCP shards), to be
+        #: hashed into the manifest.
+        self.sealed: list[Path] = []
+        self._copies_on_device = False
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(len(b) for b in self.blobs.values())
+        for unique, _ in self.tensors.values():
+            n += sum(t.numel() * t.element_size() for t in unique.values())
+        return n
+
+    def add_tensors(self, name: str, tensors: Mapping[str, Any], *, copy: bool) -> None:
+        """Stage ``tensors`` for ``name`` (a .safetensors file), each storage once.
+
+        safetensors refuses tensors that share memory (tied embeddings: ``lm_head.weight``
+        *is* ``embed.weight``). The same view under two keys is stored once and the other
+        key recorded as an alias; different views of one storage are copied apart.
+        ``copy``: clone host tensors too (the caller goes on mutating them).
+        """
+        unique: dict[str, Tensor] = {}
+        aliases: dict[str, str] = {}
+        by_view: dict[tuple[Any, ...], str] = {}
+        storages: set[int] = set()
+        for key, value in tensors.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"{name}: {key!r} is a {type(value).__name__}, not a tensor; "
+                    "guardrails checkpoints hold tensors here (get_extra_state() objects "
+                    "are not supported yet)"
+                )
+            t = value.detach()
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            view = (t.device, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if ptr and view in by_view:
+                aliases[key] = by_view[view]
+                continue
+            shared = ptr and (t.device, ptr) in storages
+            if ptr:
+                by_view[view] = key
+                storages.add((t.device, ptr))
+            if t.device.type != "cpu":
+                # Into pinned memory without waiting; ready() waits once for all of them.
+                t = t.to("cpu", non_blocking=True)
+                self._copies_on_device = True
+            elif shared or copy or not t.is_contiguous():
+                t = t.contiguous() if not (shared or copy) else t.clone()
+            unique[key] = t
+        self.tensors[name] = (unique, aliases)
+
+    def add_json(self, name: str, obj: Any) -> None:
+        self.blobs[name] = _dumps(obj)
+
+    def ready(self) -> None:
+        """Wait for the device-to-host copies (one sync per save, not per tensor)."""
+        if self._copies_on_device:
+            torch.cuda.synchronize()
+            self._copies_on_device = False
+
+    def write(self, directory: Path, files: dict[str, Any]) -> None:
+        """Write every file into ``directory``, fsynced, recording size and sha256."""
+        for name, (unique, aliases) in self.tensors.items():
+            path = directory / name
+            save_file(unique, str(path), metadata={ALIASES_KEY: json.dumps(aliases)})
+            _seal(path, files)
+        for name, data in self.blobs.items():
+            _write_bytes(directory / name, data, files)
+
+
+def stage_replicated(
+    *,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extras: Mapping[str, Any] | None = None,
+    copy: bool = True,
+    part: Part | None = None,
+) -> Part:
+    """Stage the state every rank holds the same copy of (written once, by rank 0).
+    ``model`` / ``optimizer`` ``None``: not here (absent, or sharded and saved by DCP)."""
+    part = part if part is not None else Part()
+    # Serialise the caller's values first: a TypeError for a bad extra must come before
+    # any file is touched.
+    part.add_json("extras.json", _encode(dict(extras or {}), "extras"))
+    if model is not None:
+        part.add_tensors("model.safetensors", model.state_dict(), copy=copy)
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        tensors: dict[str, Tensor] = {}
+        state = {str(idx): _encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
+        groups = _encode(list(sd["param_groups"]), "param_groups", tensors)
+        part.add_tensors("optimizer.safetensors", tensors, copy=copy)
+        part.add_json("optimizer.json", {"state": state, "param_groups": groups})
+    if scheduler is not None:
+        sd = dict(scheduler.state_dict())
+        try:
+            part.add_json("scheduler.json", _encode(sd, "scheduler"))
+        except TypeError as e:
+            # Schedulers with tensors or non-string keys in their state (rare, e.g. a
+            # custom one) are not JSON; torch.save keeps them exact. resume() reads this
+            # file with weights_only=True, so it can hold containers and tensors, never code.
+            log.debug("guardrails: scheduler state is not JSON (%s); using scheduler.pt", e)
+            buf = io.BytesIO()
+            torch.save(sd, buf)
+            part.blobs["scheduler.pt"] = buf.getvalue()
+    if scaler is not None:
+        part.add_json("scaler.json", _encode(scaler.state_dict(), "scaler"))
+    return part
+
+
+def stage_rank(
+    rank: int,
+    *,
+    state: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, Tensor] | None = None,
+    part: Part | None = None,
+) -> Part:
+    """Stage one rank's own state: every RNG stream, plus ``state`` (JSON: data position,
+    guard state) and ``tensors`` (e.g. the epoch-start RNG states)."""
+    part = part if part is not None else Part()
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    doc = {
+        "rank": rank,
+        "rng": {
+            "python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        },
+        **_encode(dict(state or {}), f"rank{rank}"),
+    }
+    rng = {"torch.cpu": torch.get_rng_state()}
+    # Only when CUDA is already initialized: reading the CUDA generators would otherwise
+    # create a context on every device (seconds, and memory on each GPU) just to save a
+    # state that nothing has drawn from.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch.cuda.{i}"] = s
+    part.add_json(f"{_rank_name(rank)}.json", doc)
+    part.add_tensors(f"{_rank_name(rank)}.safetensors", {**rng, **(tensors or {})}, copy=True)
+    return part
+
+
+def _rank_name(rank: int) -> str:
+    return f"rank{rank:05d}"
+
+
+def begin(root: Path, step: int, token: str) -> Path:
+    """The temporary directory a save of ``step`` writes into (every rank the same
+    name, from the save's ``token``), created if missing."""
+    tmp = root / f"{_TMP_PREFIX}step_{step}-{token}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def commit(
+    root: Path,
+    step: int,
+    tmp: Path,
+    files: dict[str, Any],
+    *,
+    world_size: int,
+    ranks: list[int],
+    keep_last: int | None,
+    delete_old: bool = True,
+) -> Path:
+    """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
+
+    Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
+    """
+    final = root / f"step_{step:09d}"
+    for name, rec in files.items():  # a rank that wrote to a disk rank 0 cannot see
+        f = tmp / name
+        if not f.is_file() or f.stat().st_size != rec["bytes"]:
+            raise CheckpointError(
+                f"{f} is missing or has the wrong size on rank 0 after its rank wrote it",
+                step=step,
+                path=str(f),
+                hint="run_dir must be on a file system every rank sees (a shared disk); "
+                "with node-local disks, point run_dir at shared storage.",
+            )
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "time": time.time(),
+        "guardrails": __version__,
+        "torch": torch.__version__,
+        "world_size": world_size,
+        "ranks": ranks,
+        "files": files,
+    }
+    # The manifest is the commit record of the files: written last, so its presence
+    # means every file above was fully written and fsynced.
+    _write_bytes(tmp / MANIFEST, _dumps(manifest), {})
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (a resumed run): replace it
+        trash = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+    if keep_last is not None:
+        _retain(root, keep_last, delete=delete_old)
+    return final
+
+
+def write_error(final: Path, step: int, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"could not write checkpoint {final}: {e}",
+        step=step,
+        path=str(final),
+        hint="check free space and permissions of the checkpoint directory; the "
+        "previous checkpoints under it are untouched.",
+    )
 
 
 def save_checkpoint(
@@ -134,8 +370,10 @@ def save_checkpoint(
             checkpoints under ``root`` (``None``: keep everything).
 
     Returns:
-        The committed directory. On ranks other than 0 nothing is written and the path
-        rank 0 writes is returned (replicated state; per-rank files are part 2).
+        The committed directory. In a distributed run only rank 0 writes (the
+        replicated state and its own RNG streams) and the others return the path rank
+        0 writes; a guard's checkpoints (``g.save_checkpoint()``, periodic and signal
+        saves) also hold every rank's RNG streams and data position.
 
     Raises:
         CheckpointError: the write failed (disk full, permissions); the previous
@@ -150,109 +388,39 @@ def save_checkpoint(
     rank = _dist.rank()
     if rank != 0:
         return final
-    # Serialize the caller's values first: a TypeError for a bad extra must come before
-    # any file is touched.
-    extras_json = _dumps(_encode(dict(extras or {}), "extras"))
-
     t0 = time.perf_counter()
+    part = stage_replicated(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        extras=extras,
+        copy=False,
+    )
+    stage_rank(0, part=part)
+    part.ready()
     root.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(root)
-    tmp = root / f"{_TMP_PREFIX}step_{step}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    remove_leftovers(root)
+    tmp = begin(root, step, uuid.uuid4().hex[:8])
     files: dict[str, dict[str, Any]] = {}
     try:
-        _write_tensors(tmp / "model.safetensors", model.state_dict(), files)
-        if optimizer is not None:
-            _save_optimizer(tmp, optimizer.state_dict(), files)
-        if scheduler is not None:
-            _save_scheduler(tmp, scheduler.state_dict(), files)
-        if scaler is not None:
-            _write_json(tmp / "scaler.json", _encode(scaler.state_dict(), "scaler"), files)
-        _save_rng(tmp, files)
-        _write_bytes(tmp / "extras.json", extras_json, files)
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "time": time.time(),
-            "guardrails": __version__,
-            "torch": torch.__version__,
-            "world_size": _dist.world_size(),
-            "rank": rank,
-            "files": files,
-        }
-        # The manifest is the commit record of the files: written last, so its presence
-        # means every file above was fully written and fsynced.
-        _write_bytes(tmp / MANIFEST, _dumps(manifest), {})
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            trash = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
+        part.write(tmp, files)
+        final = commit(
+            root, step, tmp, files, world_size=_dist.world_size(), ranks=[0], keep_last=keep_last
+        )
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, OSError):
             raise
-        raise CheckpointError(
-            f"could not write checkpoint {final}: {e}",
-            step=step,
-            path=str(final),
-            hint="check free space and permissions of the checkpoint directory; the "
-            "previous checkpoints under it are untouched.",
-        ) from e
-    total = sum(f["bytes"] for f in files.values())
+        raise write_error(final, step, e) from e
     log.info(
         "guardrails: checkpoint step %d committed to %s (%.1f MB in %.2f s)",
         step,
         final,
-        total / 1e6,
+        part.nbytes / 1e6,
         time.perf_counter() - t0,
     )
-    if keep_last is not None:
-        _retain(root, keep_last)
     return final
-
-
-def _save_optimizer(tmp: Path, sd: Mapping[str, Any], files: dict[str, Any]) -> None:
-    tensors: dict[str, Tensor] = {}
-    state = {str(idx): _encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
-    groups = _encode(list(sd["param_groups"]), "param_groups", tensors)
-    _write_tensors(tmp / "optimizer.safetensors", tensors, files)
-    _write_json(tmp / "optimizer.json", {"state": state, "param_groups": groups}, files)
-
-
-def _save_scheduler(tmp: Path, sd: Mapping[str, Any], files: dict[str, Any]) -> None:
-    try:
-        _write_json(tmp / "scheduler.json", _encode(dict(sd), "scheduler"), files)
-    except TypeError as e:
-        # Schedulers with tensors or non-string keys in their state (rare, e.g. a custom
-        # one) are not JSON; torch.save keeps them exact. resume() reads this file with
-        # weights_only=True, so it can hold containers and tensors but never code.
-        log.debug("guardrails: scheduler state is not JSON (%s); using scheduler.pt", e)
-        torch.save(dict(sd), tmp / "scheduler.pt")
-        _seal(tmp / "scheduler.pt", files)
-
-
-def _save_rng(tmp: Path, files: dict[str, Any]) -> None:
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    states = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-    }
-    tensors = {"torch.cpu": torch.get_rng_state()}
-    # Only when CUDA is already initialized: reading the CUDA generators would otherwise
-    # create a context on every device (seconds, and memory on each GPU) just to save a
-    # state that nothing has drawn from.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch.cuda.{i}"] = s
-    _write_json(tmp / "rng.json", states, files)
-    _write_tensors(tmp / "rng.safetensors", tensors, files)
 
 
 # --------------------------------------------------------------------------- resume
@@ -266,6 +434,7 @@ def resume(
     scheduler: Any = None,
     scaler: Any = None,
     strict: bool = True,
+    allow_world_size_change: bool = False,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler, scaler and every RNG from a checkpoint.
 
@@ -279,27 +448,80 @@ def resume(
             ``False``: missing and unexpected keys are allowed (loading a backbone into
             a model with a new head); shape mismatches are always an error, and a
             component passed without state in the checkpoint is left as it is.
+        allow_world_size_change: a checkpoint written by a different number of ranks
+            is a ``ResumeError`` unless this is ``True``; then the replicated state
+            (model, optimizer, scheduler, scaler, extras) is restored and the per-rank
+            state (RNG streams, data position) is not: each rank's share of the data
+            changes with the world size.
 
     Returns:
         ``{"step": int, "extras": dict, "path": str}``: continue training at
         ``step + 1``.
 
     Raises:
-        CheckpointError: no checkpoint there, or it is truncated / corrupt (the message
-            names the file and the previous valid checkpoint).
-        ResumeError: the checkpoint is intact but does not fit this model / optimizer
-            (the message lists the keys); nothing was modified.
+        ResumeError: no checkpoint there, every one is invalid (each listed with why),
+            or the checkpoint is intact but does not fit this model / optimizer / world
+            size (the message lists the keys); nothing was modified.
+        CheckpointError: the exact ``step_*`` directory given is truncated / corrupt
+            (the message names the file and the previous valid checkpoint).
     """
-    ckpt = _pick(Path(path))
+    out = load(
+        Path(path),
+        model,
+        optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        strict=strict,
+        allow_world_size_change=allow_world_size_change,
+    )
+    return {"step": out["step"], "extras": out["extras"], "path": out["path"]}
+
+
+def load(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    strict: bool = True,
+    allow_world_size_change: bool = False,
+    ckpt: Path | None = None,
+) -> dict[str, Any]:
+    """:func:`resume`, also returning this rank's own saved state (``rank_state``: the
+    JSON part, ``rank_tensors``), for the guard. ``ckpt``: the directory already picked
+    (every rank must load the same one)."""
+    ckpt = ckpt if ckpt is not None else _pick(path)
     manifest = _read_manifest(ckpt)
     step = int(manifest["step"])
     files = manifest["files"]
+    rank, world = _dist.rank(), _dist.world_size()
+    saved_world = int(manifest.get("world_size", 1))
+    if saved_world != world and not allow_world_size_change:
+        raise ResumeError(
+            f"checkpoint {ckpt} was written by {saved_world} rank(s); this run has {world}. "
+            "Restorable: the model, optimizer, scheduler, scaler and extras (every rank "
+            "holds the same copy). Not restorable: each rank's RNG streams and data "
+            "position, because each rank's share of the data changes with the world size",
+            step=step,
+            rank=rank,
+            path=str(ckpt),
+            hint=f"relaunch with {saved_world} rank(s) for an exact resume, or pass "
+            "allow_world_size_change=True (resume(...) or guard(..., "
+            "resume_allow_world_size_change=True)) to restore the replicated state and "
+            "start the interrupted pass over. Nothing was modified.",
+        )
 
     # 1. Read everything and check it against the live objects; nothing is modified yet.
-    model_sd = _read_tensors(ckpt / "model.safetensors")
-    _check_model(ckpt, step, model, model_sd, strict)
+    sharded = f"{_sharded.DCP_DIR}/.metadata" in files
+    model_sd: dict[str, Tensor] = {}
+    if sharded:
+        _sharded.check(ckpt, step, model)
+    else:
+        model_sd = _read_tensors(ckpt / "model.safetensors")
+        _check_model(ckpt, step, model, model_sd, strict)
     opt_sd = None
-    if optimizer is not None:
+    if optimizer is not None and not sharded:
         if "optimizer.json" in files:
             opt_sd = _load_optimizer(ckpt)
             _check_optimizer(ckpt, step, optimizer, opt_sd)
@@ -309,21 +531,54 @@ def resume(
         None if scheduler is None else _component_state(ckpt, step, files, "scheduler", strict)
     )
     scaler_sd = None if scaler is None else _component_state(ckpt, step, files, "scaler", strict)
-    rng = _read_json(ckpt / "rng.json") if "rng.json" in files else None
-    rng_tensors = _read_tensors(ckpt / "rng.safetensors") if "rng.safetensors" in files else {}
     extras = _decode(_read_json(ckpt / "extras.json")) if "extras.json" in files else {}
+    rank_state: dict[str, Any] = {}
+    rank_tensors: dict[str, Tensor] = {}
+    rng: Any = None
+    name = _rank_name(rank)
+    if saved_world != world:
+        log.warning(
+            "guardrails: %s was written by %d rank(s), this run has %d: restoring the "
+            "replicated state only (fresh RNG streams, the interrupted pass starts over)",
+            ckpt,
+            saved_world,
+            world,
+        )
+    elif f"{name}.json" in files:
+        rank_state = _decode(_read_json(ckpt / f"{name}.json"))
+        rank_tensors = _read_tensors(ckpt / f"{name}.safetensors")
+        rng = rank_state.pop("rng", None)
+    elif "rng.json" in files:  # format 1
+        rng = _read_json(ckpt / "rng.json")
+        rank_tensors = _read_tensors(ckpt / "rng.safetensors")
+    else:
+        log.warning(
+            "guardrails: %s holds no state of rank %d (it was saved by rank 0 alone, with "
+            "save_checkpoint()); this rank's RNG streams start fresh",
+            ckpt,
+            rank,
+        )
 
     # 2. Apply. Every check that can fail on a mismatch ran above.
-    model.load_state_dict(model_sd, strict=strict)
+    if sharded:
+        _sharded.load(ckpt, model, optimizer)  # a collective: every rank loads together
+    else:
+        model.load_state_dict(model_sd, strict=strict)
     if opt_sd is not None:
         optimizer.load_state_dict(opt_sd)  # type: ignore[union-attr]
     if sched_sd is not None:
         scheduler.load_state_dict(sched_sd)
     if scaler_sd is not None:
         scaler.load_state_dict(scaler_sd)
-    _restore_rng(rng, rng_tensors)
+    _restore_rng(rng, rank_tensors)
     log.info("guardrails: resumed from %s (step %d)", ckpt, step)
-    return {"step": step, "extras": extras, "path": str(ckpt)}
+    return {
+        "step": step,
+        "extras": extras,
+        "path": str(ckpt),
+        "rank_state": rank_state,
+        "rank_tensors": {k: v for k, v in rank_tensors.items() if not k.startswith("torch.")},
+    }
 
 
 #: The module-level name for symmetry with :func:`save_checkpoint`.
@@ -380,7 +635,7 @@ def _pick(path: Path) -> Path:
         raise _corrupt(path, *problem)
     candidates = list_checkpoints(path)
     if not candidates:
-        raise CheckpointError(
+        raise ResumeError(
             f"no checkpoint under {path}: {_listing(path)}",
             path=str(path),
             hint="pass the run's checkpoint directory (the one holding step_* "
@@ -395,7 +650,7 @@ def _pick(path: Path) -> Path:
             return ckpt
         skipped.append((ckpt.name, why))
     reasons = "; ".join(f"{n}: {w}" for n, w in skipped)
-    raise CheckpointError(
+    raise ResumeError(
         f"every checkpoint under {path} is invalid ({len(skipped)}): {reasons}",
         path=str(path),
         hint="no intact checkpoint is left to resume from: restore the directory from "
@@ -573,20 +828,33 @@ def _restore_rng(states: Mapping[str, Any] | None, tensors: Mapping[str, Tensor]
 # ------------------------------------------------------------------ retention, cleanup
 
 
-def _retain(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` valid checkpoints. Invalid ``step_*``
-    directories are left for a person to inspect (and are never counted as kept)."""
-    valid = [p for _, p in list_checkpoints(root) if verify_checkpoint(p) is None]
-    for p in valid[:-keep_last]:
+def _retain(root: Path, keep_last: int, *, delete: bool = True) -> None:
+    """Retire all but the newest ``keep_last`` committed checkpoints (those with a
+    manifest; directories without one are left for a person to inspect and never count
+    as kept). Retiring is a rename to ``.trash-*`` (atomic: a crash never leaves a
+    half-deleted ``step_*``); ``delete=False`` leaves the deleting to the next save, so
+    a save racing a SIGKILL is not slowed by it (deleting 3 files took ~30 ms here).
+
+    Committed, not verified: re-hashing every kept checkpoint at every save would read
+    them all again (seconds per GB); a checkpoint corrupted later is found by resume,
+    which verifies what it loads and falls back to the previous one.
+    """
+    committed = [p for _, p in list_checkpoints(root) if (p / MANIFEST).is_file()]
+    for p in committed[:-keep_last]:
         trash = root / f"{_TRASH_PREFIX}{p.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(p, trash)  # atomic: a crash mid-delete never leaves a partial step_*
-        shutil.rmtree(trash, ignore_errors=True)
-        log.debug("guardrails: retention removed %s (keep_last=%d)", p, keep_last)
+        os.rename(p, trash)
+        if delete:
+            shutil.rmtree(trash, ignore_errors=True)
+        log.debug("guardrails: retention retired %s (keep_last=%d)", p, keep_last)
     _fsync_dir(root)
 
 
-def _remove_leftovers(root: Path) -> None:
+def remove_leftovers(root: Path, keep: str | None = None) -> None:
+    """Remove temp and trash dirs of interrupted saves (except one whose name holds
+    ``keep``, the token of a save in progress)."""
     for p in root.iterdir():
+        if keep is not None and keep in p.name:
+            continue
         if p.is_dir() and p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
             log.info("guardrails: removing %s left by an interrupted save", p)
             shutil.rmtree(p, ignore_errors=True)
@@ -595,46 +863,8 @@ def _remove_leftovers(root: Path) -> None:
 # ------------------------------------------------------------------ files and encoding
 
 
-def _write_tensors(path: Path, tensors: Mapping[str, Any], files: dict[str, Any]) -> None:
-    """Save ``tensors`` to safetensors, storing each shared storage once.
-
-    safetensors refuses tensors that share memory (tied embeddings: ``lm_head.weight``
-    *is* ``embed.weight``). The same view under two keys is stored once and the other
-    key recorded as an alias; different views of one storage are copied apart.
-    """
-    unique: dict[str, Tensor] = {}
-    aliases: dict[str, str] = {}
-    by_view: dict[tuple[Any, ...], str] = {}
-    storages: set[int] = set()
-    for key, value in tensors.items():
-        if not isinstance(value, Tensor):
-            raise TypeError(
-                f"{path.name}: {key!r} is a {type(value).__name__}, not a tensor; "
-                "guardrails checkpoints hold tensors here (get_extra_state() objects "
-                "are not supported yet)"
-            )
-        t = value.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
-        view = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if ptr and view in by_view:
-            aliases[key] = by_view[view]
-            continue
-        if ptr and ptr in storages:
-            t = t.clone()
-        elif not t.is_contiguous():
-            t = t.contiguous()
-        if ptr:
-            by_view[view] = key
-            storages.add(ptr)
-        unique[key] = t
-    save_file(unique, str(path), metadata={ALIASES_KEY: json.dumps(aliases)})
-    _seal(path, files)
-
-
 def _read_tensors(path: Path) -> dict[str, Tensor]:
-    """Inverse of :func:`_write_tensors`: aliases point at the same tensor again."""
+    """Inverse of :meth:`Part.add_tensors`: aliases point at the same tensor again."""
     out: dict[str, Tensor] = {}
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -667,9 +897,9 @@ def _write_bytes(path: Path, data: bytes, files: dict[str, Any]) -> None:
     files[path.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _seal(path: Path, files: dict[str, Any]) -> None:
-    """fsync a file written by someone else (safetensors, torch.save) and record its
-    size and sha256, reading it back once in chunks."""
+def _seal(path: Path, files: dict[str, Any], name: str | None = None) -> None:
+    """fsync a file written by someone else (safetensors, torch.save, DCP) and record its
+    size and sha256 under ``name`` (default: its file name), reading it back once."""
     h = hashlib.sha256()
     size = 0
     with open(path, "rb+") as f:
@@ -677,7 +907,7 @@ def _seal(path: Path, files: dict[str, Any]) -> None:
             h.update(chunk)
             size += len(chunk)
         os.fsync(f.fileno())
-    files[path.name] = {"bytes": size, "sha256": h.hexdigest()}
+    files[name or path.name] = {"bytes": size, "sha256": h.hexdigest()}
 
 
 def _sha256(path: Path) -> str:

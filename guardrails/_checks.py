@@ -25,3 +25,25 @@ def fraction(name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is a number with 0 < value <= 1."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
         raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
+
+
+def positive(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is a number > 0 (or ``None`` if allowed)."""
+    if allow_none and value is None:
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        either = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be a number > 0{either}, got {value!r}")
+
+
+def mapping(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``TypeError`` unless ``value`` is a mapping (or ``None`` if allowed)."""
+    from collections.abc import Mapping
+
+    if allow_none and value is None:
+        return
+    if not isinstance(value, Mapping):
+        either = " or None" if allow_none else ""
+        raise TypeError(
+            f"{name} must be a mapping (a dict, vars(args)){either}, got {type(value).__name__}"
+        )

@@ -5,6 +5,11 @@ A component subclasses :class:`Component` and overrides only the hooks it needs.
 engine calls, in this order::
 
     on_start(guard)              once, when the guard starts (hooks are installed)
+    on_boundary(guard)           between steps: the loop body of the last optimizer
+                                 step has finished (scheduler stepped, grads zeroed)
+                                 and the next batch is about to be fetched; the one
+                                 point where model, optimizer, scheduler, RNG and data
+                                 position agree, so checkpoints are taken here
     on_batch(guard, batch)       after each batch is fetched from the loader
     before_step(guard)           inside optimizer.step(), before the update
     after_step(guard)            inside optimizer.step(), after the update; guard.step
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
-HOOKS = ("on_start", "on_batch", "before_step", "after_step", "on_end")
+HOOKS = ("on_start", "on_boundary", "on_batch", "before_step", "after_step", "on_end")
 
 
 class Component:
@@ -36,6 +41,10 @@ class Component:
 
     def on_start(self, guard: Guard) -> None:
         """The guard started: allocate buffers, open files."""
+
+    def on_boundary(self, guard: Guard) -> None:
+        """Between two optimizer steps, before the next batch is fetched (only in loops
+        that iterate the guard)."""
 
     def on_batch(self, guard: Guard, batch: Any) -> None:
         """A batch was fetched from the loader (before the user sees it)."""

@@ -11,6 +11,7 @@ failure family from the debugging guides::
     ├── RankFailedError             + failed_rank  another rank died
     ├── UnevenDataError             + lengths      ranks ran out of data at different steps
     ├── ConfigMismatchError         + fields       ranks disagree on model / config / versions
+    ├── LaunchError                 + check        the job was launched wrong (port, device, env)
     ├── CheckpointError             + path         a checkpoint is missing, truncated or corrupt
     ├── ResumeError                 + path         a checkpoint does not fit this model / run
     └── OutOfMemoryError            + phase, memory, largest_tensors, remedies, per_rank
@@ -101,12 +102,27 @@ class NonFiniteError(GuardrailsError):
 
 class CollectiveMismatchError(GuardrailsError):
     """Ranks issued different collectives (op, shape, dtype or order).
-    ``per_rank`` maps each rank to what it issued."""
+    ``per_rank`` maps each rank to what it issued as collective number ``seq`` on
+    ``group`` (``op``, ``shape``, ``dtype``, ``reduce_op``, ``root``, ``step``,
+    ``site`` as ``file:line``), or ``{"seq": None, "issued": n}`` for a rank that had
+    not issued that many yet. Raised by the :class:`~guardrails.CollectiveAuditor`."""
 
     per_rank: dict[int, Any] | None
+    #: The first collective number (1-based, per group) where the ranks differ.
+    seq: int | None
+    #: The process group's name (``"default"`` for the default group).
+    group: str | None
 
-    def __init__(self, message: str, *, per_rank: dict[int, Any] | None = None, **kw: Any) -> None:
-        super().__init__(message, per_rank=per_rank, **kw)
+    def __init__(
+        self,
+        message: str,
+        *,
+        per_rank: dict[int, Any] | None = None,
+        seq: int | None = None,
+        group: str | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(message, per_rank=per_rank, seq=seq, group=group, **kw)
 
 
 class HangError(GuardrailsError):
@@ -145,6 +161,19 @@ class ConfigMismatchError(GuardrailsError):
 
     def __init__(self, message: str, *, fields: dict[str, Any] | None = None, **kw: Any) -> None:
         super().__init__(message, fields=fields, **kw)
+
+
+class LaunchError(GuardrailsError):
+    """The job was launched in a way that cannot work (a port in use, a device ordinal
+    past the visible GPUs, a wrong ``WORLD_SIZE``...), found before the first step or
+    explained when torch failed on it. ``check`` names the check (``"master_port"``,
+    ``"local_rank"``, ``"master_addr"``, ``"world_size"``, ``"cuda_visible_devices"``,
+    ``"duplicate_device"``, ...)."""
+
+    check: str | None
+
+    def __init__(self, message: str, *, check: str | None = None, **kw: Any) -> None:
+        super().__init__(message, check=check, **kw)
 
 
 class CheckpointError(GuardrailsError):

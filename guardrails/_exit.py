@@ -1,29 +1,219 @@
-"""Ending a process that cannot end itself.
+"""Ending a process that cannot end itself, and reporting how it ended.
 
 A background thread (watchdog, auditor) that finds a fatal problem while the main
 thread is stuck in a collective or a C call cannot raise into it: Python delivers
 exceptions to the main thread only between bytecodes. So it reports and exits the
 process itself, non-zero, and the launcher (torchrun) tears the job down and shows the
 report instead of waiting out NCCL's 10 minutes or gloo's 30.
+
+Both ways out (:func:`die` from a thread, :func:`guardrails.record` from ``main``) share
+what is here: one exit code per error class, the torchelastic error file, the one-block
+summary on stderr and the process-group teardown.
+
+Exit codes (``EXIT_CODES``), one per error class so a launcher script or a scheduler can
+tell a hang from a NaN without parsing logs. They sit in 80-99, clear of the codes that
+already mean something: 1 (an uncaught Python exception), 2 (usage / argparse), 124
+(``timeout``), 126/127 (the shell), 128+N (killed by signal N: 130 Ctrl+C, 137 SIGKILL,
+143 SIGTERM)::
+
+    80  GuardrailsError (any other)     85  UnevenDataError
+    81  NonFiniteError                  86  ConfigMismatchError
+    82  CollectiveMismatchError         87  CheckpointError
+    83  HangError                       88  ResumeError
+    84  RankFailedError                 89  OutOfMemoryError
+                                        90  LaunchError
+
+A new error class gets the next free code here (a test checks that every class has its
+own).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import threading
+import time
+import traceback
 from typing import NoReturn
+
+from guardrails._errors import (
+    CheckpointError,
+    CollectiveMismatchError,
+    ConfigMismatchError,
+    GuardrailsError,
+    HangError,
+    LaunchError,
+    NonFiniteError,
+    OutOfMemoryError,
+    RankFailedError,
+    ResumeError,
+    UnevenDataError,
+)
 
 log = logging.getLogger("guardrails")
 
+#: Exit code per error class (see the module docstring). Looked up along the MRO, so a
+#: subclass gets its parent's code unless it has its own.
+EXIT_CODES: dict[type[BaseException], int] = {
+    GuardrailsError: 80,
+    NonFiniteError: 81,
+    CollectiveMismatchError: 82,
+    HangError: 83,
+    RankFailedError: 84,
+    UnevenDataError: 85,
+    ConfigMismatchError: 86,
+    CheckpointError: 87,
+    ResumeError: 88,
+    OutOfMemoryError: 89,
+    LaunchError: 90,
+}
 
-def die(error: BaseException, *, exit_code: int = 1) -> NoReturn:
-    """Report ``error`` on stderr and end this process at once with ``exit_code``."""
-    message = f"guardrails: {type(error).__name__}: {error}\n"
+# Aborting NCCL communicators can itself block on a wedged GPU or a peer; the process
+# is ending either way, so the teardown gets this long before os._exit goes ahead.
+_TEARDOWN_S = 3.0
+
+_lock = threading.Lock()  # one report per process: die() from two threads at once
+
+
+def code_for(error: BaseException) -> int:
+    """The process exit code for ``error``: its class's in ``EXIT_CODES``, else 1."""
+    for cls in type(error).__mro__:
+        if cls in EXIT_CODES:
+            return EXIT_CODES[cls]
+    return 1
+
+
+def summary(error: BaseException) -> str:
+    """The one block printed on stderr for a failing rank: rank, error class, exit code
+    and the whole actionable message."""
+    rank = getattr(error, "rank", None)
+    if rank is None:
+        rank = os.environ.get("RANK")
+    who = f"rank {rank}" if rank is not None else "this process"
+    bar = "=" * 72
+    return (
+        f"{bar}\nguardrails: {who} failed with {type(error).__name__} "
+        f"(exit code {code_for(error)})\n{error}\n{bar}\n"
+    )
+
+
+def write_error_file(error: BaseException, *, with_traceback: bool = True) -> str | None:
+    """Write ``error`` to ``$TORCHELASTIC_ERROR_FILE`` in the schema torchrun reads, and
+    return the path (``None`` when the variable is unset: not under torchrun).
+
+    The schema is torch's ``ErrorHandler.record_exception``
+    (torch/distributed/elastic/multiprocessing/errors/error_handler.py; the same keys
+    since torchelastic's first ``_write_error``, read by ``ProcessFailure`` in 2.13):
+    ``{"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp":
+    "<int seconds>"}}}``; torch ignores extra keys in ``extraInfo``.
+    ``ChildFailedError`` shows ``py_callstack`` as the root cause (falling back to
+    ``message``) and picks the failure with the smallest timestamp as root, so ours goes
+    there: the actionable message first, the traceback (if any) after it.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return None
+    shown = summary(error).strip("=\n") if isinstance(error, GuardrailsError) else str(error)
+    tb = ""
+    if with_traceback and error.__traceback__ is not None:
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    data = {
+        "message": {
+            "message": f"{type(error).__name__}: {error}",
+            "extraInfo": {
+                "py_callstack": shown + (f"\n\n{tb}" if tb else ""),
+                "timestamp": str(int(time.time())),  # torch's: whole seconds
+                "time": time.time(),  # ours, to time fault-to-error precisely
+                "error_class": type(error).__name__,
+                "exit_code": code_for(error),
+                "rank": getattr(error, "rank", None),
+                "step": getattr(error, "step", None),
+                # The structured fields (stuck_ranks, failed_rank, lengths...), for
+                # tools that read the file: never parse the message.
+                "fields": getattr(error, "_fields", {}),
+            },
+        }
+    }
     try:
-        log.error("%s", message.rstrip())
-        sys.stderr.write(message)
+        with open(path, "w") as f:
+            json.dump(data, f, default=str)
+    except OSError as exc:  # a report that cannot be written must not mask the error
+        log.warning("guardrails: could not write the error file %s: %s", path, exc)
+        return None
+    return path
+
+
+def release_process_group(*, abort: bool, timeout_s: float | None = None) -> None:
+    """Tear down every process group, giving up after ``timeout_s``.
+
+    ``abort=True`` (a failure): ``distributed_c10d._abort_process_group()`` (torch >= 2.5,
+    pytorch#132291: ``ncclCommAbort`` on every communicator in one NCCL group call, so
+    several communicators cannot deadlock each other, pytorch#119797; a no-op for gloo,
+    whose ``ProcessGroup.abort`` is the default no-op since pytorch#148798). On torch
+    2.4, which lacks it, each group's NCCL backend's ``abort()`` is called where present.
+    ``abort=False`` (a normal end): ``destroy_process_group()``. Either runs in a
+    daemon thread: on a wedged communicator even the abort can block, and the process
+    must end regardless.
+    """
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def teardown() -> None:
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            if not abort:
+                dist.destroy_process_group()
+            elif hasattr(c10d, "_abort_process_group"):
+                c10d._abort_process_group()
+            else:  # torch 2.4
+                import torch
+
+                for pg in list(c10d._world.pg_map):
+                    try:
+                        backend = pg._get_backend(torch.device("cuda"))
+                    except Exception:
+                        continue
+                    for name in ("abort", "_abort"):
+                        if hasattr(backend, name):
+                            getattr(backend, name)()
+                            break
+        except Exception as exc:
+            log.debug("guardrails: process group teardown failed: %s", exc)
+
+    if timeout_s is None:  # a normal destroy is no emergency: it gets longer
+        timeout_s = _TEARDOWN_S if abort else 10.0
+    worker = threading.Thread(target=teardown, name="guardrails-teardown", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        log.warning("guardrails: the process group did not tear down in %.0f s", timeout_s)
+
+
+def die(error: BaseException, *, exit_code: int | None = None) -> NoReturn:
+    """Report ``error`` and end this process at once, whatever the main thread is doing.
+
+    Writes the torchelastic error file, prints the summary on stderr, aborts the
+    process groups (bounded, see :func:`release_process_group`) and ``os._exit``\\ s with
+    the error's code. ``os._exit`` and not ``sys.exit``: the main thread may be inside a
+    C++ collective, and interpreter shutdown would wait for it.
+    """
+    code = code_for(error) if exit_code is None else exit_code
+    if not _lock.acquire(timeout=_TEARDOWN_S + 5):
+        os._exit(code)  # another thread is already reporting and stuck doing it
+    try:
+        write_error_file(error, with_traceback=False)
+        text = summary(error)
+        log.debug("guardrails: ending the process: %s", type(error).__name__)
+        sys.stderr.write(text)
         sys.stderr.flush()
         sys.stdout.flush()
+        release_process_group(abort=True)
     finally:
-        os._exit(exit_code)
+        os._exit(code)

@@ -7,19 +7,26 @@ not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
 from typing import Any
 
 import torch
 from torch import nn
 
+from guardrails._audit import CollectiveAuditor
+from guardrails._checkpointer import DEFAULT_SIGNALS, SignalCheckpointer
+from guardrails._checks import mapping, positive
 from guardrails._component import Component
+from guardrails._explain import ErrorExplainer
 from guardrails._gc import GCScheduler
 from guardrails._guard import Guard, check_knobs
 from guardrails._memory import MemoryGuard
 from guardrails._nan import NanGuard
+from guardrails._preflight import Preflight
+from guardrails._store import distributed
 from guardrails._telemetry import Telemetry
+from guardrails._watchdog import Watchdog
 
 
 def guard(
@@ -28,6 +35,7 @@ def guard(
     loader: Iterable[Any] | None = None,
     *,
     scheduler: Any = None,
+    scaler: Any = None,
     run_dir: str | PathLike[str] | None = None,
     progress: bool | None = None,
     metrics: bool = True,
@@ -41,6 +49,20 @@ def guard(
     explain_oom: bool = True,
     nan_policy: str | None = "skip",
     max_consecutive_skips: int = 10,
+    hang_timeout_s: float | None = None,
+    audit_collectives: bool = True,
+    resume: str | PathLike[str] | None = "auto",
+    save_on_signal: bool = True,
+    exit_on_signal: bool = True,
+    checkpoint_every_n_steps: int | None = None,
+    checkpoint_every_s: float | None = None,
+    keep_last_checkpoints: int | None = 3,
+    grace_s: float = 30.0,
+    resume_allow_world_size_change: bool = False,
+    preflight: bool = True,
+    config: Mapping[str, Any] | None = None,
+    even_batches: bool = False,
+    explain_errors: bool = True,
     components: Sequence[Component] | None = None,
     **unknown: Any,
 ) -> Guard:
@@ -83,6 +105,67 @@ def guard(
             ``max_consecutive_skips`` in a row; ``"raise"`` skips and raises at once;
             ``"warn"`` only logs; ``None`` turns NanGuard off.
         max_consecutive_skips: see ``nan_policy``. Default 10.
+        hang_timeout_s: distributed runs: seconds without progress on any rank before
+            the :class:`~guardrails.Watchdog` reports a ``HangError`` (or
+            ``RankFailedError`` / ``UnevenDataError``) naming the rank, where it is
+            and every rank's stack, and ends the job. ``None`` (default): 5x the
+            slowest step seen, within 60-300 s; the first step gets 600 s
+            (compilation). Mark long legitimate pauses with ``g.pause_watchdog()``.
+            Not installed in a single-process run.
+        audit_collectives: distributed runs: record every rank's collectives (op,
+            shapes, dtype, call site) and raise
+            :class:`~guardrails.CollectiveMismatchError` on every rank as soon as two
+            ranks' sequences differ (see :class:`~guardrails.CollectiveAuditor`): a few
+            microseconds of host work per collective, no extra collective. Default
+            True. Not installed in a single-process run.
+        scaler: the ``torch.amp.GradScaler``, if any: saved in checkpoints.
+        resume: ``"auto"`` (default): if ``run_dir/checkpoints`` holds a checkpoint,
+            continue from the newest valid one before the first batch (model,
+            optimizer, scheduler, scaler, ``g.state``, ``g.step``, every RNG, the data
+            position: bitwise the run that was never interrupted); a path: that
+            checkpoint (or the newest under it), which must exist; ``None``: start
+            fresh. A checkpoint that does not fit raises :class:`~guardrails.ResumeError`.
+        save_on_signal: on SIGTERM, SIGINT (Ctrl+C) or SIGUSR1, every rank stops at the
+            same step, saves a complete checkpoint and exits (see ``exit_on_signal``).
+            A second Ctrl+C exits at once. Default True.
+        exit_on_signal: after the signal save raise ``SystemExit(128 + signum)``;
+            ``False``: end ``for batch in g`` instead (``g.stopping`` says why).
+        checkpoint_every_n_steps: also save every this many steps (``None``: never).
+            Training blocks only to copy the state off the GPU; a thread writes it.
+        checkpoint_every_s: also save every this many seconds, at a step every rank
+            agrees on (``None``: never).
+        keep_last_checkpoints: keep the newest this many checkpoints (``None``: all).
+            Default 3.
+        grace_s: seconds the launcher allows between SIGTERM and SIGKILL (torchrun and
+            SLURM: 30); a save slower than 80% of it is reported at once.
+        resume_allow_world_size_change: resume a checkpoint written by a different
+            number of ranks (replicated state only; see :func:`guardrails.resume`).
+        preflight: distributed runs: at start, every rank exchanges once (over a gloo
+            side group) what must match and raises
+            :class:`~guardrails.ConfigMismatchError` on every rank, naming each
+            differing field with every rank's value: parameter names, shapes, dtypes
+            and initial-weight checksums; optimizer type and hyperparameters; loader
+            length, dataset length, batch size and the first batch's shapes; world
+            size, backend, device type, compute dtype; torch / CUDA / NCCL versions;
+            ``config``. Launch problems (``WORLD_SIZE`` vs the process group,
+            ``LOCAL_RANK`` vs visible GPUs, two ranks on one GPU) raise
+            :class:`~guardrails.LaunchError`. Also warns (``bf16_on_cpu`` event) about
+            bf16 compute on a CPU without native bf16. Costs one exchange at start
+            (~0.5 s for GPT-2 small on 2 CPU cores, dominated by the weight checksum)
+            and nothing per step. Default True; a no-op in a single-process run (except
+            the bf16 warning).
+        config: your run's settings (``vars(args)``, a dict from a YAML file), compared
+            across ranks by the preflight, key by key.
+        even_batches: distributed runs: stop every rank after the shortest rank's
+            number of batches, so uneven data ends the loop on every rank together
+            instead of hanging the longer ones (loaders with ``len()``: no per-step
+            cost; without: one side-group agreement per 16 batches). Differing loader
+            lengths are then an ``uneven_data`` event, not an error. Default False.
+        explain_errors: re-raise a known torch / NCCL / gloo / CUDA error that ends the
+            loop ("NCCL timeout", "Address already in use", "invalid device ordinal",
+            "Connection reset by peer"...) as the guardrails error of its family with
+            the cause and fix (see :func:`guardrails.explain`); the original is its
+            ``__cause__``. Default True.
         components: extra components, run after the defaults. One of the same type as
             a default (e.g. ``NanGuard(spike_factor=10)``) replaces that default.
 
@@ -92,7 +175,10 @@ def guard(
     """
     if unknown:
         check_knobs(unknown, _KNOBS, "guard")
-    chosen: list[Component] = []
+    mapping("config", config, allow_none=True)
+    # First: its on_end runs last, so a component's own explanation (an OOM, a
+    # collective mismatch) wins over the generic one (replace_error: first call wins).
+    chosen: list[Component] = [ErrorExplainer()] if explain_errors else []
     if gc_every_n_steps is not None:
         chosen.append(GCScheduler(every_n_steps=gc_every_n_steps))
     if (
@@ -113,12 +199,40 @@ def guard(
     if nan_policy is not None:
         # Before Telemetry: it sets the step's `skipped` flag that telemetry records.
         chosen.append(NanGuard(policy=nan_policy, max_consecutive_skips=max_consecutive_skips))
+    positive("hang_timeout_s", hang_timeout_s, allow_none=True)  # checked even when unused
+    if distributed():  # a single process has nobody to wait for: not installed at all
+        chosen.append(Watchdog(hang_timeout_s=hang_timeout_s))
+        if audit_collectives:
+            # After the watchdog: closing runs in reverse, so a mismatch that explains
+            # a peer's crash replaces the loop's error before "rank failed" would.
+            chosen.append(CollectiveAuditor())
     if metrics:
         chosen.append(
             Telemetry(
                 every_n_steps=metrics_every_n_steps,
                 write_every_s=metrics_write_every_s,
                 progress=progress,
+            )
+        )
+    if preflight or (even_batches and distributed()):
+        # After the watchdog (a rank that never arrives is then reported, not waited
+        # for) and the components whose on_end assumes their on_start ran (a mismatch
+        # ends start() here); before the checkpointer: the weights compared are the
+        # ones each rank built, not the resumed ones.
+        chosen.append(Preflight(config=config, even_batches=even_batches, check=preflight))
+    if save_on_signal or checkpoint_every_n_steps or checkpoint_every_s or resume is not None:
+        # Last: it resumes after the others started (their statistics are restored
+        # into them) and it closes first (its final save sees every component open).
+        chosen.append(
+            SignalCheckpointer(
+                every_n_steps=checkpoint_every_n_steps,
+                every_s=checkpoint_every_s,
+                keep_last=keep_last_checkpoints,
+                signals=DEFAULT_SIGNALS if save_on_signal else (),
+                exit_on_signal=exit_on_signal,
+                grace_s=grace_s,
+                resume=resume,
+                allow_world_size_change=resume_allow_world_size_change,
             )
         )
     given = list(components or ())
@@ -133,6 +247,7 @@ def guard(
         optimizer,
         loader,
         scheduler=scheduler,
+        scaler=scaler,
         run_dir=run_dir,
         components=chosen,
         tokens_per_batch=tokens_per_batch,

@@ -69,6 +69,7 @@ class Guard:
             ``None`` when the loop fetches its own data.
         scheduler: the LR scheduler, if any (kept for checkpoints; the LR itself is
             read from the optimizer).
+        scaler: the ``torch.amp.GradScaler``, if any (kept for checkpoints).
         run_dir: where metrics, events and checkpoints go. Default ``runs/<script>``,
             the same on every rank and across restarts of the same script.
         components: the components to run, in order.
@@ -83,6 +84,7 @@ class Guard:
         loader: Iterable[Any] | None = None,
         *,
         scheduler: Any = None,
+        scaler: Any = None,
         run_dir: str | PathLike[str] | None = None,
         components: Sequence[Component] | None = None,
         tokens_per_batch: int | None = None,
@@ -91,6 +93,7 @@ class Guard:
         self.optimizer = optimizer
         self.loader = loader
         self.scheduler = scheduler
+        self.scaler = scaler
         self.components: list[Component] = list(components or ())
         self.tokens_per_batch = tokens_per_batch
         self._params = _validate(model, optimizer, loader, self.components, tokens_per_batch)
@@ -99,8 +102,32 @@ class Guard:
         self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
         self._param_devices = {p.device for p in self._params}
 
-        #: Optimizer steps completed since the guard started (or was resumed).
+        #: Optimizer steps completed (counted from the checkpoint on a resumed run).
         self.step = 0
+        #: The pass over the loader in progress or next: it counts passes that ran to the
+        #: end (or were left mid-way by a ``break``). A resumed run's first pass
+        #: continues the interrupted one, so ``sampler.set_epoch(g.epoch)`` before each
+        #: ``for batch in g`` gives every pass the number it had in the first run.
+        self.epoch = 0
+        #: Batches fetched in the current pass.
+        self.batch_in_epoch = 0
+        # RNG states just before the current pass's iter(loader), so a resumed run can
+        # replay the pass's shuffle (see _data.py); None until the first pass.
+        self._epoch_start: dict[str, Any] | None = None
+        # Set by a resume: the data position the first pass continues from.
+        self._resume_position: dict[str, Any] | None = None
+        self._at_boundary = False
+        #: Why the loop is ending early (a signal save with ``exit_on_signal=False``), or
+        #: ``None``. Once set, ``for batch in g`` ends at once.
+        self.stopping: str | None = None
+        #: Set by a component that decided, while closing, that the process must exit
+        #: with this code once everything is closed (a signal that came at the end).
+        self.exit_code: int | None = None
+        #: ``(epoch, batches)`` of the last pass when its loader ran out
+        #: (``StopIteration``), ``None`` while a pass is going: the watchdog tells a rank
+        #: that ran out of data from one that is stuck. One tuple, stored before the
+        #: epoch counters move on, so a reader in another thread never sees it half-set.
+        self.exhausted_at: tuple[int, int] | None = None
         self.rank = 0
         self.world_size = 1
         self.events: EventLog | None = None
@@ -165,9 +192,16 @@ class Guard:
         #: ``None`` in a single-process run. Never the training's group.
         self.side_group: Any = None
         self._replacement: BaseException | None = None
+        # Set while a resume loads state: torch's set_state_dict for sharded optimizers
+        # runs a zero-grad optimizer.step() to create the state; not a training step.
+        self._quiet = False
         # An error found by a background thread, raised by the main thread at its next
         # step boundary (see fail_from_thread).
         self._pending: BaseException | None = None
+        #: Functions ``iterator -> iterator`` applied in order to each pass's
+        #: ``iter(loader)``, set by components at start (the preflight's first-batch
+        #: check, ``even_batches``' cut): once per pass, nothing per batch.
+        self.batch_wrappers: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -191,11 +225,16 @@ class Guard:
                 self.optimizer.register_step_post_hook(self._after_step),
                 _wrap_forward(self.model, self._pick_loss, self),
             ]
+            attach = getattr(self.model, "_guardrails_attach", None)
+            if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
+                self._handles.append(attach(self))
             for hook in HOOKS:
                 self._dispatch[hook] = [
                     getattr(c, hook) for c in self.components if overrides(c, hook)
                 ]
-            self._dispatch["on_end"].reverse()
+            # Filled as components start, so a start that fails closes only those that
+            # started (like nested `with` blocks): on_end never sees half-made state.
+            self._dispatch["on_end"] = []
             self._check_optimizer_coverage()
             self.event(
                 "start",
@@ -204,8 +243,11 @@ class Guard:
                 components=[c.name for c in self.components],
             )
             self._step_start = time.perf_counter()
-            for fn in self._dispatch["on_start"]:
-                fn(self)
+            for c in self.components:
+                if overrides(c, "on_start"):
+                    c.on_start(self)
+                if overrides(c, "on_end"):
+                    self._dispatch["on_end"].insert(0, c.on_end)  # reverse order
         except BaseException as exc:
             self.close(exc)
             raise
@@ -241,10 +283,14 @@ class Guard:
             self.event("end", error=None if exc is None else f"{type(exc).__name__}: {exc}")
             self.events.close()
         if errors and exc is None:
-            raise errors[0]
+            # Ours first: a component's diagnosis (a watchdog verdict) explains the
+            # plain error another component hit while closing (a peer gone mid-agree).
+            raise next((e for e in errors if isinstance(e, GuardrailsError)), errors[0])
         if exc is not None and self._replacement is not None:
             replacement, self._replacement = self._replacement, None
             raise replacement from exc
+        if exc is None and self.exit_code is not None:  # a signal save at the last step
+            raise SystemExit(self.exit_code)
 
     def replace_error(self, error: BaseException) -> None:
         """From a component's ``on_end``: when the loop failed, raise ``error`` instead
@@ -253,6 +299,20 @@ class Guard:
         out-of-memory error with the memory summary. The first call wins."""
         if self._replacement is None:
             self._replacement = error
+
+    def save_checkpoint(self) -> Path:
+        """Save a complete checkpoint now, synchronously, into ``run_dir/checkpoints``;
+        returns its directory. Call it at the same step on every rank, between steps
+        (not between a backward and its ``optimizer.step()``)."""
+        from guardrails._checkpointer import SignalCheckpointer
+
+        found = [c for c in self.components if isinstance(c, SignalCheckpointer)]
+        if self._state != "started" or not found:
+            raise ValueError(
+                "save_checkpoint() needs a started guard with a SignalCheckpointer (the "
+                "default unless guard(..., save_on_signal=False) with no periodic saves)"
+            )
+        return found[0].save(self)
 
     def side_store(self, name: str) -> Any:
         """A store for this guard's side-channel keys under ``name`` (see ``_store.py``),
@@ -323,18 +383,45 @@ class Guard:
         return self._batches(self.loader)
 
     def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        it = iter(loader)
+        from guardrails import _data
+
+        if self.stopping is not None:
+            return
+        position, self._resume_position = self._resume_position, None
+        if position is not None:  # continue the interrupted pass where it stopped
+            it, self._epoch_start = _data.resume_iter(loader, position, self)
+            self.batch_in_epoch = int(position["batch_in_epoch"])
+        else:
+            if self.batch_in_epoch:  # the last pass was left mid-way (a break): a new one
+                self.epoch += 1
+            self._epoch_start = _data.epoch_start(loader)
+            it = iter(loader)
+            self.batch_in_epoch = 0
+        for wrap in self.batch_wrappers:
+            it = wrap(it)
+        self.exhausted_at = None
         clock = time.perf_counter
         on_batch = self._dispatch["on_batch"]
+        on_boundary = self._dispatch["on_boundary"]
         while True:
+            if self._at_boundary:
+                self._at_boundary = False
+                for fn in on_boundary:
+                    fn(self)
+                if self.stopping is not None:
+                    return
             self.phase = "data"
             t0 = clock()
             try:
                 batch = next(it)
             except StopIteration:
                 self.phase = "loop"
+                self.exhausted_at = (self.epoch, self.batch_in_epoch)
+                self.epoch += 1  # set_epoch(g.epoch) before the next pass gets its number
+                self.batch_in_epoch = 0
                 return
             self._data_wait_s += clock() - t0
+            self.batch_in_epoch += 1
             self.phase = "loop"
             if self._pending is not None:
                 self._raise_pending()
@@ -445,6 +532,8 @@ class Guard:
     # ------------------------------------------------------------------ optimizer hooks
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._quiet:
+            return
         self.phase = "optimizer"
         if self._pending is not None:
             self._raise_pending()
@@ -459,6 +548,8 @@ class Guard:
             fn(self)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._quiet:
+            return
         self.step += 1
         now = time.perf_counter()
         self.step_time_s = now - self._step_start
@@ -470,6 +561,7 @@ class Guard:
         self._auto_n = self._explicit_n = 0
         self._data_wait_s = 0.0
         self._tokens = None
+        self._at_boundary = True
         self.phase = "loop"
 
     # ------------------------------------------------------------------ checks
@@ -664,4 +756,10 @@ def _total_norm(grads: list[Tensor], device: torch.device, multi_device: bool) -
     stacked = torch.stack(torch._foreach_norm(grads))
     if stacked.dtype != torch.float32:  # bf16/fp16 grads; skips a no-op call otherwise
         stacked = stacked.float()
-    return torch.linalg.vector_norm(stacked)
+    total = torch.linalg.vector_norm(stacked)
+    if hasattr(total, "full_tensor"):
+        # Sharded grads (FSDP2 / DTensor): the norm of local shards is partial; the
+        # whole one is an all-reduce over the mesh, the same one torch's own
+        # clip_grad_norm_ does for DTensors (one small collective per step).
+        total = total.full_tensor()
+    return total

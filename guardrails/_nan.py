@@ -285,6 +285,29 @@ class NanGuard(Component):
             if self._lagged:
                 self._flush()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The statistics a resumed run needs to judge spikes as the first run would
+        (the last ``window_steps`` finite losses and grad norms) and to count a skip
+        streak that spans the restart; saved in every checkpoint."""
+        return {
+            "norms": list(self._norms),
+            "losses": list(self._losses),
+            "history": [list(r) for r in self.history],
+            # Read but not yet judged (blocks of check_every_n_steps). On CUDA the rows
+            # still in the device ring (at most 2 intervals) are not saved.
+            "unjudged": [list(r) for r in self._unjudged],
+            "nonfinite_steps": self.nonfinite_steps[-1000:],
+            "streak": list(self._streak),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._norms.extend(state.get("norms", []))
+        self._losses.extend(state.get("losses", []))
+        self.history.extend(tuple(r) for r in state.get("history", []))
+        self._unjudged[:0] = [tuple(r) for r in state.get("unjudged", [])]
+        self.nonfinite_steps[:0] = state.get("nonfinite_steps", [])
+        self._streak = list(state.get("streak", []))
+
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
             self._restore_found(guard.optimizer)

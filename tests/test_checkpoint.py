@@ -240,7 +240,7 @@ def test_all_corrupt_or_missing_manifest(tmp_path):
     first, second = two_checkpoints(tmp_path)
     (first / "manifest.json").unlink()  # as if the save had died before committing
     (second / "extras.json").write_text('{"best": 1}')
-    with pytest.raises(guardrails.CheckpointError, match="every checkpoint") as err:
+    with pytest.raises(guardrails.ResumeError, match="every checkpoint") as err:
         guardrails.resume(tmp_path, Regressor())
     assert "did not finish" in str(err.value) and "extras.json" in str(err.value)
 
@@ -275,11 +275,11 @@ def test_model_mismatch_names_keys_and_leaves_model_untouched(tmp_path):
 
 
 def test_wrong_path_lists_what_is_there(tmp_path):
-    with pytest.raises(guardrails.CheckpointError, match="no checkpoint under .*does not exist"):
+    with pytest.raises(guardrails.ResumeError, match="no checkpoint under .*does not exist"):
         guardrails.resume(tmp_path / "nope", Regressor())
     (tmp_path / "events.jsonl").write_text("")
     (tmp_path / "nonfinite").mkdir()
-    with pytest.raises(guardrails.CheckpointError) as err:
+    with pytest.raises(guardrails.ResumeError) as err:
         guardrails.resume(tmp_path, Regressor())
     assert "events.jsonl" in str(err.value) and "nonfinite/" in str(err.value)
 
@@ -293,8 +293,10 @@ def test_keep_last_retention_and_leftover_cleanup(tmp_path):
         guardrails.save_checkpoint(tmp_path, step, model=model, optimizer=None, keep_last=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 5]
     assert not leftover.exists()
-    # An invalid newest checkpoint is not counted: keep_last=1 keeps the newest VALID one.
-    (tmp_path / "step_000000005" / "model.safetensors").write_bytes(b"junk")
+    # A step_* without a manifest is not counted (it never committed) and is left for
+    # a person to inspect. (Committed ones are not re-hashed at every save: resume
+    # verifies what it loads.)
+    (tmp_path / "step_000000005" / "manifest.json").unlink()
     guardrails.save_checkpoint(tmp_path, 6, model=model, optimizer=None, keep_last=1)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [5, 6]  # 5 kept for inspection
     assert guardrails.resume(tmp_path, Regressor())["step"] == 6

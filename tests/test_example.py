@@ -86,3 +86,33 @@ def test_inject_nan_lr_stops_with_an_optimization_blowup(tmp_path):
     assert "10 optimizer steps in a row" in proc.stderr and "lower the peak LR" in proc.stderr
     skipped = [s for s, k in zip(rows["step"], rows["skipped"], strict=True) if k]
     assert skipped and skipped[0] >= 20  # nothing skipped before the fault
+
+
+def test_inject_sigterm_saves_exits_and_the_same_command_resumes(tmp_path):
+    args = ["--steps", "40", "--inject", "sigterm", "--sample", "0"]
+    proc, _ = run(args, tmp_path, ok=False)
+    assert proc.returncode == 143, proc.stderr
+    assert "stopped at step 20" in proc.stderr and "run the same command" in proc.stderr
+    proc, metrics = run(args, tmp_path)  # the same command: resumes at step 20
+    assert "done: 40 steps" in proc.stdout
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert ckpts == ["step_000000020", "step_000000040"]
+    second = max(metrics["started_at"])
+    pairs = zip(metrics["step"], metrics["started_at"], strict=True)
+    resumed = [s for s, t in pairs if t == second]
+    assert min(resumed) == 21 and max(resumed) == 40
+
+
+def test_inject_desync_under_torchrun_names_both_calls(tmp_path):
+    args = ["--steps", "40", "--inject", "desync", "--sample", "0"]
+    proc, _ = run(args, tmp_path, torchrun=True, ok=False, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "CollectiveMismatchError" in out and "To enable traceback" not in out
+    assert "barrier" in out and "all_reduce" in out and "train_gpt.py:" in out
+
+
+def test_inject_stuck_under_torchrun_is_a_hang_error_naming_the_rank(tmp_path):
+    args = ["--steps", "40", "--inject", "stuck", "--hang-timeout-s", "3", "--sample", "0"]
+    proc, _ = run(args, tmp_path, torchrun=True, ok=False, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert "HangError" in out and "rank 1" in out and "time.sleep" in out

@@ -208,3 +208,50 @@ def test_real_cuda_oom_is_explained(tmp_path):
     gc.collect()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(device) < total // 10  # nothing kept alive
+
+
+def test_checkpoints_on_cuda_sync_only_at_saves_and_resume_bitwise(tmp_path):
+    """Periodic background saves of a CUDA model: the steps between saves stay sync-free
+    (the save itself is a declared sync: one wait for the device-to-host copies), and a
+    run resumed from step 10 ends bitwise equal to one that was never interrupted."""
+    device = torch.device("cuda")
+    batches = data(device, 4)
+
+    def run(run_dir, n_steps, every=None, sync_debug=False):
+        model = gpt(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        syncs = []
+        with guardrails.guard(
+            model,
+            opt,
+            batches * 10,
+            run_dir=run_dir,
+            progress=False,
+            checkpoint_every_n_steps=every,
+        ) as g:
+            for x, y in g:
+                torch.cuda.set_sync_debug_mode("error" if sync_debug else 0)
+                try:
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = model(x, y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                except RuntimeError as e:  # pragma: no cover - the assertion says which
+                    syncs.append((g.step, str(e)[:80]))
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                if g.step >= n_steps:
+                    break
+        return model, opt, syncs
+
+    straight, opt_a, _ = run(tmp_path / "a", 20)
+    _, _, syncs = run(tmp_path / "b", 10, every=5, sync_debug=True)
+    assert syncs == []  # the steps (boundaries excluded) never synced
+    names = sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*"))
+    assert names == ["step_000000005", "step_000000010"]
+    resumed, opt_b, _ = run(tmp_path / "b", 20)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -148,7 +148,15 @@ def test_events_log(tmp_path):
     guarded_run(tmp_path, inside=lambda g: g.event("custom", message="hello", value=3))
     events = [e for e in read_events(tmp_path) if not e["kind"].startswith("gc_")]
     assert [e["kind"] for e in events] == ["start", "custom", "end"]
-    assert events[0]["components"] == ["gc", "memory", "nan", "telemetry"]
+    assert events[0]["components"] == [
+        "explain",
+        "gc",
+        "memory",
+        "nan",
+        "telemetry",
+        "preflight",
+        "checkpoint",
+    ]
     assert events[0]["device"] == "cpu"
     assert events[1] == {**events[1], "step": 2, "message": "hello", "value": 3, "rank": 0}
     assert events[2]["error"] is None
@@ -175,6 +183,10 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
         data_starvation_window_steps=None,
         explain_oom=False,
         nan_policy=None,
+        explain_errors=False,
+        preflight=False,
+        save_on_signal=False,
+        resume=None,
     )
     assert g.components == []
     assert not (tmp_path / "metrics.parquet").exists()

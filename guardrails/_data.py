@@ -1,0 +1,178 @@
+"""The data position: where in the loader a checkpoint was taken, and how a resumed run
+continues from exactly there.
+
+Seed 003's resumed run that "sees different data" loses the position in two ways: it
+restarts the epoch (repeating samples) or it reshuffles (a different order). A position
+here is ``(epoch, batch_in_epoch)`` plus what is needed to reproduce the pass's order,
+and a resumed run continues it in one of three ways, the best the loader allows:
+
+1. ``state_dict``: the loader has ``state_dict()`` / ``load_state_dict()`` (torchdata's
+   ``StatefulDataLoader``, or your own): its state is saved and loaded; exact.
+2. ``replay``: a ``torch.utils.data.DataLoader`` over a map-style dataset. The pass's
+   shuffle is a function of the RNG state when the pass began (``RandomSampler`` draws
+   its seed from torch's default generator or its own ``generator``), so the guard
+   keeps those states from just before each ``iter(loader)`` (a ~5 KB copy per pass)
+   and, on resume, replays the pass's *indices* with them, drops the consumed batches
+   and loads only the rest: no sample is loaded twice. Exact for the order and for the
+   main process's RNG; with ``num_workers > 0`` the workers get the same base seed but
+   each remaining batch may land on a different worker than in the first run, so
+   random augmentations *inside* workers can differ.
+3. ``fast_forward``: any other iterable (a list, a generator, an ``IterableDataset``):
+   the consumed batches are fetched again and dropped, with a warning event that says
+   how long it took and how to avoid it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+if TYPE_CHECKING:
+    from guardrails._guard import Guard
+
+
+def stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+def _generators(loader: Any) -> dict[str, torch.Generator]:
+    """The torch generators a pass over ``loader`` draws from, besides the default one."""
+    gens: dict[str, torch.Generator] = {}
+    for name, owner in (("loader_generator", loader), ("sampler_generator", _sampler(loader))):
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not h for h in gens.values()):
+            gens[name] = g
+    return gens
+
+
+def _sampler(loader: Any) -> Any:
+    return getattr(loader, "sampler", None) if isinstance(loader, DataLoader) else None
+
+
+def epoch_start(loader: Any) -> dict[str, Tensor]:
+    """RNG states a pass's shuffle draws from, taken just before ``iter(loader)``."""
+    states = {"torch": torch.get_rng_state()}
+    for name, g in _generators(loader).items():
+        states[name] = g.get_state()
+    return states
+
+
+def _set_states(loader: Any, states: dict[str, Tensor]) -> None:
+    torch.set_rng_state(states["torch"])
+    for name, g in _generators(loader).items():
+        if name in states:
+            g.set_state(states[name])
+
+
+def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Any], dict[str, Tensor]]:
+    """``(position, loader_state, tensors)`` of ``guard``'s loader at a step boundary:
+    the JSON part, the loader's own ``state_dict()`` (or ``None``) and the tensors
+    (epoch-start RNG states) under ``epoch_start.*`` keys."""
+    loader = guard.loader
+    if stateful(loader):
+        kind = "state_dict"
+    elif _replayable(loader):
+        kind = "replay"
+    else:
+        kind = "fast_forward"
+    position: dict[str, Any] = {
+        "kind": kind,
+        "epoch": guard.epoch,
+        "batch_in_epoch": guard.batch_in_epoch,
+        "sampler_epoch": getattr(_sampler(loader), "epoch", None),
+    }
+    tensors = {f"epoch_start.{k}": v for k, v in (guard._epoch_start or {}).items()}
+    return position, loader.state_dict() if kind == "state_dict" else None, tensors
+
+
+def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    """Make ``guard``'s next pass continue ``position`` (called at resume)."""
+    position = dict(position)
+    position["epoch_start"] = {
+        k.removeprefix("epoch_start."): v
+        for k, v in tensors.items()
+        if k.startswith("epoch_start.")
+    }
+    guard.epoch = int(position["epoch"])
+    guard._resume_position = position
+
+
+def _replayable(loader: Any) -> bool:
+    return (
+        isinstance(loader, DataLoader)
+        and loader.batch_sampler is not None
+        and not isinstance(loader.dataset, IterableDataset)
+    )
+
+
+def resume_iter(loader: Any, position: dict[str, Any], guard: Guard) -> tuple[Any, Any]:
+    """An iterator over the rest of the interrupted pass, and that pass's epoch-start
+    RNG states (kept for the next checkpoint)."""
+    skip = int(position["batch_in_epoch"])
+    start = position.get("epoch_start") or None
+    saved_epoch = position.get("sampler_epoch")
+    live_epoch = getattr(_sampler(loader), "epoch", None)
+    if saved_epoch is not None and live_epoch != saved_epoch:
+        guard.event(
+            "data_epoch_mismatch",
+            level="warning",
+            message=f"the sampler is at epoch {live_epoch} but the checkpoint was taken in "
+            f"epoch {saved_epoch}: the resumed pass shuffles differently from the first run. "
+            "Call sampler.set_epoch() with the epoch counted from g.epoch "
+            "(for epoch in range(g.epoch, n_epochs): ...).",
+        )
+    if position["kind"] == "state_dict" and stateful(loader):
+        return iter(loader), start  # the loader's own state was loaded at resume
+    if position["kind"] == "replay" and _replayable(loader) and start is not None:
+        return _replay(loader, skip, start), start
+    return _fast_forward(loader, skip, start, guard), start
+
+
+def _replay(loader: DataLoader, skip: int, start: dict[str, Tensor]) -> Any:
+    now = epoch_start(loader)  # the checkpoint's states, restored by the resume
+    _set_states(loader, start)
+    # The order of draws in the first run: DataLoader's iterator takes the workers'
+    # base seed first (one int64 from loader.generator or the default generator,
+    # torch/utils/data/dataloader.py, _BaseDataLoaderIter.__init__), then the sampler
+    # draws its shuffle seed lazily, at the first index. Replay both, in that order.
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+    rest = list(itertools.islice(iter(loader.batch_sampler), skip, None))
+    _set_states(loader, start)
+    clone = copy.copy(loader)
+    # DataLoader refuses to set batch_sampler after __init__ (it guards the attribute);
+    # the clone is private to this pass, so set it underneath.
+    object.__setattr__(clone, "batch_sampler", rest)
+    object.__setattr__(clone, "_iterator", None)
+    it = iter(clone)  # draws the same base seed as the first run: same worker seeds
+    _set_states(loader, now)
+    return it
+
+
+def _fast_forward(loader: Any, skip: int, start: dict[str, Tensor] | None, guard: Guard) -> Any:
+    now = epoch_start(loader)
+    if start is not None:
+        _set_states(loader, start)
+    t0 = time.perf_counter()
+    it = iter(loader)
+    fetched = sum(1 for _ in itertools.islice(it, skip))
+    _set_states(loader, now)
+    if skip:
+        guard.event(
+            "data_fast_forward",
+            level="warning",
+            message=f"resumed mid-pass by fetching and dropping the {fetched} batches "
+            f"already trained on ({time.perf_counter() - t0:.1f} s): a "
+            f"{type(loader).__name__} cannot skip without loading. A DataLoader over a "
+            "map-style dataset, or a loader with state_dict()/load_state_dict() "
+            "(torchdata's StatefulDataLoader), resumes without loading them.",
+            batches=fetched,
+        )
+    return it

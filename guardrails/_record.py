@@ -1,0 +1,123 @@
+"""``@guardrails.record``: the end of a failing rank, told once and clearly.
+
+Seed 002, issue 1: torchrun's ``ChildFailedError`` shows "To enable traceback see:
+https://pytorch.org/docs/stable/elastic/errors.html" unless the worker wrote an error
+file. torch's own ``@record`` writes one with the traceback; this one writes the
+guardrails message (what happened, which rank, step, collective, the fix) where
+torchrun reads the root cause, prints it once per failing rank instead of a traceback,
+and exits with a code per error class (``_exit.EXIT_CODES``), with or without torchrun.
+
+Other exceptions keep torch's behaviour exactly: torch's ``ErrorHandler`` writes the
+traceback to the error file, and the exception propagates (traceback, exit code 1).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from guardrails import _exit
+from guardrails._errors import GuardrailsError
+
+log = logging.getLogger("guardrails")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def record(fn: F) -> F:
+    """Decorate ``main`` so a failure ends the process cleanly and reports itself::
+
+        @guardrails.record
+        def main():
+            ...
+
+        if __name__ == "__main__":
+            main()
+
+    While ``main`` runs, ``faulthandler`` is on for all threads (a segfault or a fatal
+    error prints every thread's Python stack; the previous state is restored after).
+    When ``main`` raises a :class:`~guardrails.GuardrailsError`:
+
+    * ``$TORCHELASTIC_ERROR_FILE`` (set by torchrun for each worker) gets the error in
+      the schema torchrun reads, so ``ChildFailedError`` shows our message as the root
+      cause;
+    * stderr gets one summary block: rank, error class, exit code, the message and fix;
+    * the process groups are aborted (a peer may be stuck in a collective; a normal
+      destroy could wait for it) and the process exits with the class's code
+      (80-99, see ``guardrails._exit``) through ``SystemExit``.
+
+    Any other exception: torch's ``@record`` behaviour (traceback in the error file,
+    the exception propagates), with the process group destroyed. A normal return also
+    destroys the process group if ``main`` left it up.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        was_enabled = faulthandler.is_enabled()
+        if not was_enabled:  # already on: keep the file its owner chose
+            _enable_faulthandler()
+        try:
+            result = fn(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code in (0, None):  # like torch's record: a clean sys.exit returns
+                _exit.release_process_group(abort=False)
+                return None
+            raise
+        except GuardrailsError as exc:
+            _exit.write_error_file(exc)
+            sys.stderr.write(_exit.summary(exc))
+            sys.stderr.flush()
+            _exit.release_process_group(abort=True)
+            raise SystemExit(_exit.code_for(exc)) from exc
+        except Exception as exc:
+            _torch_record_exception(exc)
+            _exit.release_process_group(abort=True)
+            raise
+        finally:
+            if not was_enabled:
+                faulthandler.disable()
+        _exit.release_process_group(abort=False)
+        return result
+
+    return cast(F, wrapper)
+
+
+def _enable_faulthandler() -> None:
+    """``faulthandler`` on for all threads, to stderr; to the real stderr when
+    ``sys.stderr`` was replaced by an object without a file descriptor (a test's capture,
+    a notebook), and not at all if neither has one (as torch's record: warn, go on)."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.enable(file=stream, all_threads=True)
+            return
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
+            continue
+    log.warning("guardrails: could not enable faulthandler: stderr has no file descriptor")
+
+
+def _torch_record_exception(exc: BaseException) -> None:
+    """torch's own handling of a non-guardrails exception (the traceback in the error
+    file, or a ``ChildFailedError``'s root cause copied up), so those stay as torch
+    users know them. Called inside the ``except`` block: the handler reads the
+    traceback from ``sys.exc_info``."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import (
+            ChildFailedError,
+            get_error_handler,
+        )
+    except ImportError:
+        return
+    handler = get_error_handler()
+    try:
+        if isinstance(exc, ChildFailedError):
+            _, failure = exc.get_first_failure()
+            if failure.error_file != "<N/A>":
+                handler.dump_error_file(failure.error_file, failure.exitcode)
+        else:
+            handler.record_exception(exc)
+    except Exception as err:  # reporting must never replace the user's error
+        log.warning("guardrails: could not write the error file: %s", err)

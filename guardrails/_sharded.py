@@ -1,0 +1,115 @@
+"""Sharded model and optimizer state (FSDP2 / DTensor) through
+``torch.distributed.checkpoint`` (DCP).
+
+Gathering a sharded model to rank 0 to write one ``model.safetensors`` would need the
+whole model in one process's memory (the reason it was sharded) and a gather over the
+training's process group. DCP instead has every rank write its own shards in parallel
+(``checkpoint/dcp/__<rank>_<i>.distcp``, plus ``.metadata`` from rank 0) and can load
+them back into a different sharding or world size. Around it, the guardrails checkpoint
+stays what it is for replicated state: per-rank RNG and data files, JSON for the
+scheduler / scaler / extras, one manifest that lists every DCP file with its size and
+sha256 (each rank hashes the files it wrote), and one atomic rename.
+
+DCP's save and load are collectives over the default process group, so a sharded save
+is synchronous (not in the background writer) and happens at the step boundary where
+every rank saves anyway. Only the state-dict APIs of
+``torch.distributed.checkpoint.state_dict`` are used (public since torch 2.2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from guardrails._errors import ResumeError
+
+DCP_DIR = "dcp"
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5 kept it private
+        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def save(directory: Path, rank: int, model: nn.Module, optimizer: Any) -> list[Path]:
+    """Write this rank's shards of model and optimizer under ``directory/dcp`` (every rank
+    calls it); returns the files this rank wrote."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    target = directory / DCP_DIR
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(target))
+    # FileSystemWriter names each rank's files __<rank>_<i>.distcp; rank 0 also writes
+    # the global .metadata once every rank's plan is in.
+    mine = sorted(target.glob(f"__{rank}_*.distcp"))
+    if rank == 0:
+        mine.append(target / ".metadata")
+    return mine
+
+
+def check(ckpt: Path, step: int, model: nn.Module) -> None:
+    """Before loading: the checkpoint's model keys and global shapes against the live
+    model's, so a mismatch is a ResumeError naming keys, with nothing modified."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    meta = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
+    saved = {
+        k.removeprefix("model."): tuple(getattr(v, "size", ()))
+        for k, v in meta.items()
+        if k.startswith("model.")
+    }
+    live = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    missing = sorted(set(live) - set(saved))
+    unexpected = sorted(set(saved) - set(live))
+    shapes = [
+        f"{k}: checkpoint {saved[k]} vs model {live[k]}"
+        for k in live
+        if k in saved and saved[k] != live[k]
+    ]
+    if missing or unexpected or shapes:
+        parts = []
+        if shapes:
+            parts.append(f"shape mismatch: {shapes[:5]}")
+        if missing:
+            parts.append(f"in the model but not the checkpoint: {missing[:5]}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not the model: {unexpected[:5]}")
+        raise ResumeError(
+            f"sharded checkpoint {ckpt} does not fit this model; " + "; ".join(parts),
+            step=step,
+            path=str(ckpt),
+            hint="build the model with the architecture that was saved (the sharding and "
+            "the world size may differ: DCP reshards). Nothing was modified.",
+        )
+
+
+def load(ckpt: Path, model: nn.Module, optimizer: Any) -> None:
+    """Load model and optimizer shards in place (every rank calls it); DCP reshards
+    when this run's sharding or world size differs from the saving run's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    if optimizer is None:
+        model_sd = {"model": get_model_state_dict(model)}
+        dcp.load(model_sd, checkpoint_id=str(ckpt / DCP_DIR))
+        set_model_state_dict(model, model_sd["model"])
+        return
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )

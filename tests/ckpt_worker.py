@@ -1,0 +1,128 @@
+"""A small training script for the checkpoint / signal tests, run as a real process.
+
+    python tests/ckpt_worker.py RUN_DIR OUT [--steps N] [--sigterm-at K] [--rank R
+        --world W --port P] [--every-n N] [--background]
+
+It trains a dropout MLP on a shuffled DataLoader (RandomSampler on one rank,
+DistributedSampler + DDP on several, gloo), with a LambdaLR schedule, under
+guardrails.guard(resume="auto"). With --sigterm-at K, the ranks in --kill-ranks send
+SIGTERM to themselves after step K (a real signal, delivered by the OS). At the end each
+rank writes its model and optimizer state to OUT.rank<R>.pt for bitwise comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import guardrails
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--sigterm-at", type=int, default=0)
+    p.add_argument("--kill-ranks", default="0")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--every-n", type=int, default=None)
+    p.add_argument("--background", action="store_true")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
+    a = p.parse_args()
+    if a.world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
+        dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
+
+    torch.manual_seed(0)  # same data and init everywhere; dropout draws differ per rank
+    x = torch.randn(64, 4)
+    y = x.sum(1, keepdim=True) + 0.1 * torch.randn(64, 1)
+    data = TensorDataset(x, y)
+    model: nn.Module = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+    torch.manual_seed(1000 + a.rank)
+    if a.world > 1:
+        sampler = DistributedSampler(data, shuffle=True, seed=7)
+        loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=a.workers)
+        if a.fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (a.world,))
+            for layer in (model[0], model[3]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            model = DDP(model)
+    else:
+        sampler = None
+        loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=a.workers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
+    kill = {int(r) for r in a.kill_ranks.split(",")}
+    with guardrails.guard(
+        model,
+        opt,
+        loader,
+        scheduler=sched,
+        run_dir=a.run_dir,
+        progress=False,
+        checkpoint_every_n_steps=a.every_n,
+        gc_every_n_steps=None,
+    ) as g:
+        for c in g.components:  # background writes only when asked
+            if isinstance(c, guardrails.SignalCheckpointer):
+                c.background = a.background
+                c.agree_every_s = 1e-6  # agree at every step: these steps take ~1 ms
+        g.state.setdefault("resumes", 0)
+        if g.step:
+            g.state["resumes"] += 1
+        while g.step < a.steps:
+            if sampler is not None:
+                sampler.set_epoch(g.epoch)
+            for xb, yb in g:
+                loss = nn.functional.mse_loss(model(xb), yb)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                if g.step == a.sigterm_at and a.rank in kill:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if g.step >= a.steps:
+                    break
+
+        def full(t):  # a DTensor shard -> the whole tensor (a collective), else a copy
+            return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+
+        opt_sd = opt.state_dict()
+        opt_sd["state"] = {
+            i: {k: full(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in opt_sd["state"].items()
+        }
+        state = {
+            "model": {k: full(v) for k, v in model.state_dict().items()},
+            "opt": opt_sd,
+            "sched": sched.state_dict(),
+            "step": g.step,
+            "epoch": g.epoch,
+            "resumes": g.state["resumes"],
+            "rng": torch.get_rng_state(),
+        }
+    torch.save(state, f"{a.out}.rank{a.rank}.pt")
+    if a.world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""One rank of a small DDP job with a planted fault, for the watchdog tests.
+
+    RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/hang_worker.py \
+        SCENARIO --hang-timeout-s 3 --out DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/hang_worker.py SCENARIO ...
+
+Scenarios (the fault is on rank 1 after FAULT_STEP optimizer steps, before its next
+forward): ``clean``, ``sleep`` (stuck in Python), ``pipe`` (blocked in a C read nobody
+writes to), ``kill`` (SIGKILLs itself; ``kill_rank0``: rank 0, the TCPStore's host,
+does), ``raise`` (a ValueError), ``uneven`` (rank 1
+has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside ``g.pause_watchdog``),
+``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation).
+Just before the fault, rank 1 writes the wall-clock time to ``DIR/fault_time``, so the
+caller can measure the time from fault to error. Real processes, real gloo, real
+signals; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import Regressor, batches
+
+import guardrails
+
+FAULT_STEP = 3
+
+
+def fault(kind: str, out: Path, g: guardrails.Guard, timeout_s: float) -> None:
+    (out / "fault_time").write_text(repr(time.time()))
+    if kind == "sleep":
+        time.sleep(3600)
+    elif kind == "pipe":
+        r, _w = os.pipe()
+        os.read(r, 1)  # nobody writes: blocked in the kernel, not in Python
+    elif kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "raise":
+        raise ValueError("boom: a bug on rank 1 only")
+    elif kind == "slowfirst":  # a first step slower than the timeout (compilation)
+        time.sleep(1.7 * timeout_s)
+    elif kind == "pause":
+        with g.pause_watchdog("eval"):
+            time.sleep(1.7 * timeout_s)
+
+
+@guardrails.record
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario")
+    p.add_argument("--hang-timeout-s", type=float, default=3.0)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--step-sleep-s", type=float, default=0.25)
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    dist.init_process_group(args.backend)
+    rank = dist.get_rank()
+    # "kill_rank0": the rank that hosts the TCPStore (init_method env://) dies.
+    kind, _, where = args.scenario.partition("_rank")
+    fault_rank = int(where) if where else 1
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        Regressor().to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    n = 4 if (args.scenario == "uneven" and rank == 1) else 12
+    # A generator, like a streaming loader over per-rank shards: no len(), so the
+    # uneven case is not caught at start by preflight's dataset-size check.
+    data = iter(batches(n, seed=rank))
+    with guardrails.guard(
+        model,
+        opt,
+        data,
+        run_dir=out / "run",
+        hang_timeout_s=args.hang_timeout_s,
+        metrics=False,
+        progress=False,
+    ) as g:
+        for x, y in g:
+            at = 0 if kind == "slowfirst" else FAULT_STEP
+            if rank == fault_rank and g.step == at:
+                fault(kind, out, g, args.hang_timeout_s)
+            model(x.to(device), y.to(device)).backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(args.step_sleep_s)
+            if g.step >= args.steps:
+                break
+        if args.scenario == "uneven" and rank == 1:
+            (out / "fault_time").write_text(repr(time.time()))
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("guardrails-watchdog")]
+    print(f"rank {rank}: clean end at step {g.step}; watchdog threads left: {alive}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

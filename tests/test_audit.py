@@ -1,0 +1,550 @@
+"""CollectiveAuditor: real processes, real gloo, real desyncs.
+
+Each multi-rank test launches this file as a script, one process per rank (or through
+``torch.distributed.run``), with a planted desync; every process must end within
+``BOUND_S`` and report a CollectiveMismatchError naming each rank's op and the test's
+own line. Where gloo itself kills a rank first (a size mismatch aborts the receiving
+process within milliseconds), the surviving rank reports the mismatch instead of gloo's
+"Connection reset by peer".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import Regressor, batches
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import guardrails
+from guardrails import CollectiveAuditor, CollectiveMismatchError, Guard
+from guardrails._audit import _HEADER, OPS, _History, _ring_dir, _sweep_stale_rings
+
+HERE = Path(__file__).resolve()
+BOUND_S = 90.0  # generous: 2 cores shared by several test runs; typical is ~10 s
+STEPS = 40
+
+
+def _line(marker: str) -> int:
+    """The line of this file that holds ``marker`` (the call site a report must name)."""
+    for i, text in enumerate(HERE.read_text().splitlines(), 1):
+        if text.rstrip().endswith(f"# <{marker}>"):
+            return i
+    raise AssertionError(marker)
+
+
+# ---------------------------------------------------------------------- the worker
+
+
+def _scenario_step(scenario: str, rank: int, step: int, model: torch.nn.Module) -> None:
+    """One step's collectives after backward: the planted fault, then the gradients'
+    all-reduce (DDP does its own, inside backward)."""
+    if step == 3:
+        if scenario == "extra_diff" and rank == 0:
+            dist.all_reduce(torch.ones(3))  # <extra_diff>
+        if scenario == "extra_same" and rank == 0:
+            dist.all_reduce(torch.ones(49))  # <extra_same>
+        if scenario == "rank0_branch" and rank == 0:
+            save_on_rank0(model)
+        if scenario == "swapped":
+            a, b = torch.ones(5), torch.ones(7, dtype=torch.float64)
+            if rank != 1:
+                dist.all_reduce(a)  # <swapped_a>
+                dist.all_reduce(b)
+            else:
+                dist.all_reduce(b)  # <swapped_b>
+                dist.all_reduce(a)
+    if not isinstance(model, DDP):
+        for p in model.parameters():
+            dist.all_reduce(p.grad)  # <grads>
+
+
+def save_on_rank0(model: torch.nn.Module) -> None:
+    """Seed 002's "only rank 0 does something that includes a collective"."""
+    dist.barrier()  # <rank0_branch>
+
+
+def recording_hook(g: Guard) -> Callable:
+    """A DDP comm hook as GuardedDDP's: report the bucket to the auditor, then all-reduce
+    it through the process group (not the intercepted Python API, so it counts once)."""
+
+    # No annotations: DDP checks them, and `from __future__ import annotations` makes
+    # them strings.
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        if g.auditor is not None:
+            site = f"DDP gradient all-reduce (bucket {bucket.index()})"
+            g.auditor.record("all_reduce", [buffer], reduce_op=dist.ReduceOp.SUM, site=site)
+        buffer.div_(dist.get_world_size())
+        fut = dist.distributed_c10d._get_default_group().allreduce([buffer]).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    return hook
+
+
+def _clean_extras(g: Guard, rank: int, result: dict) -> None:
+    """Inside a clean run: async and point-to-point calls, a record() from another
+    thread, our side group, and the per-call work on the main thread, counted."""
+    # Objects of rank-dependent sizes (torch pads them to one size): no mismatch, and
+    # torch's helpers calling intercepted functions are recorded at this line, once.
+    dist.broadcast_object_list([list(range(50)) if rank == 0 else None], src=0)  # <objects>
+    dist.all_gather_object([None, None], "x" * (10 + 500 * rank))
+    dist.gather_object("y" * (5 + 50 * rank), [None, None] if rank == 0 else None, dst=0)
+    with warnings.catch_warnings():  # deprecated in torch 2.13: calls all_gather_single
+        warnings.simplefilter("ignore")
+        dist.all_gather_into_tensor(torch.zeros(4), torch.ones(2))
+    result["objects"] = [(e[2], f"{e[8]}:{e[9]}") for e in list(g.auditor.recent)[-7:]]
+    work = dist.all_reduce(torch.ones(3), async_op=True)  # <async>
+    result["collective_after_async"] = g.collective
+    work.wait()
+    t = torch.zeros(2)
+    (dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)).wait()
+    (dist.send if rank == 0 else dist.recv)(t, 1 - rank)
+    th = threading.Thread(target=g.auditor.record, args=("all_reduce", [torch.ones(4)]))
+    th.start()
+    th.join()
+    dist.all_reduce(torch.ones(2), group=g.side_group)
+    result["recent"] = [(e[2], e[3], f"{e[8]}:{e[9]}") for e in g.auditor.recent]
+    result["calls"] = {n: _calls_per_collective(n) for n in (10, 40)}
+
+
+def _calls_per_collective(n: int) -> dict:
+    """Python calls into guardrails and store calls made on the main thread during
+    ``n`` all-reduces (sys.setprofile sees this thread only)."""
+    counts: dict[str, int] = {}
+    pkg = str(Path(guardrails.__file__).parent)
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(pkg):
+            counts[frame.f_code.co_name] = counts.get(frame.f_code.co_name, 0) + 1
+        elif event == "c_call" and isinstance(getattr(arg, "__self__", None), dist.Store):
+            counts["store." + arg.__name__] = counts.get("store." + arg.__name__, 0) + 1
+
+    t = torch.ones(4)
+    try:
+        for i in range(n + 1):
+            if i == 1:  # after the first call: a site's record is formatted once, cached
+                sys.setprofile(prof)
+            dist.all_reduce(t)
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+def worker(scenario: str, out: str) -> None:
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model: torch.nn.Module = Regressor(depth=1)
+    if scenario == "extra_same":
+        # DDP: one bucket, so every gradient all-reduce has the same shape and rank 0's
+        # extra call pairs with rank 1's next bucket without any backend error.
+        model = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    result: dict = {"rank": rank, "type": None}
+    modules = (dist, dist.distributed_c10d)
+    before = {(m.__name__, op): getattr(m, op, None) for m in modules for op in OPS}
+    try:
+        if scenario == "torchrun":
+            scenario = "rank0_branch"
+            g = guardrails.guard(
+                model, opt, batches(STEPS, seed=rank), run_dir=f"{out}/run", progress=False
+            )
+        else:
+            g = Guard(
+                model,
+                opt,
+                batches(STEPS, seed=rank),
+                run_dir=f"{out}/run",
+                components=[CollectiveAuditor(grace_s=2.0)],
+            )
+        if isinstance(model, DDP):
+            model.register_comm_hook(None, recording_hook(g))
+        with g:
+            for x, y in g:
+                model(x, y).backward()
+                _scenario_step(scenario, rank, g.step, model)
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.02)  # a step of 20 ms: the run outlives a few audit intervals
+            result["collective_after"] = g.collective
+            if scenario == "clean":
+                _clean_extras(g, rank, result)
+    except Exception as exc:
+        result.update(type=type(exc).__name__, message=str(exc))
+        if isinstance(exc, CollectiveMismatchError):
+            result.update(per_rank=exc.per_rank, seq=exc.seq, group=exc.group, err_rank=exc.rank)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+        sys.exit(1)
+    after = {(m.__name__, op): getattr(m, op, None) for m in modules for op in OPS}
+    result["restored"] = all(after[k] is v for k, v in before.items())
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- launching
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE.parents[1])]))
+    env.update(extra)
+    return env
+
+
+def run_ranks(tmp_path: Path, scenario: str, world: int = 2) -> list[dict]:
+    """Run ``world`` ranks of ``scenario``; return per rank: exit code, stderr, result."""
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE), scenario, str(tmp_path)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return _collect(procs, tmp_path, world)
+
+
+def _collect(procs: list[subprocess.Popen], tmp_path: Path, world: int) -> list[dict]:
+    deadline = time.monotonic() + BOUND_S
+    outs = []
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(err)
+    finally:
+        late = [p.pid for p in procs if p.poll() is None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        _remove_rings({p.pid for p in procs})
+        assert not late, f"processes still running after {BOUND_S} s: {late}"
+    runs = []
+    for rank in range(world):
+        f = tmp_path / f"rank{rank}.json"
+        result = json.loads(f.read_text()) if f.exists() else None
+        runs.append(
+            {
+                "code": procs[rank].returncode if len(procs) > rank else None,
+                "stderr": outs[rank] if len(outs) > rank else "",
+                "result": result,
+            }
+        )
+    return runs
+
+
+def _remove_rings(pids: set[int]) -> None:
+    """Remove the flight recorders our ranks could not: one aborted by gloo keeps its
+    file (it is what the survivor read)."""
+    for path in Path(_ring_dir()).glob("guardrails-audit-*"):
+        with contextlib.suppress(OSError, struct.error):
+            if _HEADER.unpack(path.read_bytes()[: _HEADER.size])[2] in pids:
+                path.unlink()
+
+
+def _report(run: dict) -> str | None:
+    """The CollectiveMismatchError text a rank showed: raised in the loop (result
+    file) or printed by the process ending itself while stuck in a collective."""
+    res = run["result"]
+    if res is not None and res["type"] == "CollectiveMismatchError":
+        return res["message"]
+    if "CollectiveMismatchError" in run["stderr"]:
+        return run["stderr"]
+    return None
+
+
+def assert_mismatch(
+    runs: list[dict], *, sites: list[str], ops: list[str], all_ranks: bool = False
+) -> list[str]:
+    """Every rank gloo did not abort (or, with ``all_ranks``, every rank) reports the
+    mismatch, naming every rank, the ops and the call sites; every rank exits non-zero."""
+    reports = []
+    for rank, run in enumerate(runs):
+        report = _report(run)
+        aborted = "Is there a distributed collective mismatch" in run["stderr"]
+        assert report is not None or (aborted and not all_ranks), (
+            rank,
+            run["code"],
+            run["stderr"][-3000:],
+        )
+        assert run["code"] != 0, rank
+        if report is not None:
+            reports.append(report)
+    assert reports, [r["stderr"][-2000:] for r in runs]
+    for text in reports:
+        assert "collective mismatch on the default group" in text
+        for rank in range(len(runs)):
+            assert f"rank {rank}:" in text, text
+        for site in sites:
+            assert f"test_audit.py:{_line(site)}" in text, (site, text)
+        for op in ops:
+            assert op in text, (op, text)
+        assert "fix:" in text
+    return reports
+
+
+# ---------------------------------------------------------------------- desyncs
+
+
+def test_extra_collective_with_another_shape(tmp_path):
+    # gloo aborts the rank that receives more bytes than it expects within milliseconds
+    # ("Is there a distributed collective mismatch"); the other rank's "Connection reset
+    # by peer" becomes the mismatch, read from the dead rank's flight recorder (the
+    # store died with rank 0 here: it hosts it outside torchrun).
+    runs = run_ranks(tmp_path, "extra_diff")
+    reports = assert_mismatch(runs, sites=["extra_diff", "grads"], ops=["all_reduce(SUM)"])
+    assert any("float32[3]" in text and "float32[8, 4]" in text for text in reports)
+
+
+def test_extra_same_shape_collective_pairing_with_ddp_does_not_pass_silently(tmp_path):
+    # Plain PyTorch raises nothing: rank 0's extra all_reduce pairs with rank 1's next
+    # DDP gradient bucket and training goes on with mixed-up gradients.
+    runs = run_ranks(tmp_path, "extra_same")
+    reports = assert_mismatch(runs, sites=["extra_same"], ops=["all_reduce(SUM)"], all_ranks=True)
+    assert all("DDP gradient all-reduce (bucket 0)" in text for text in reports)
+    for run in runs:
+        r = run["result"]
+        if r is None:  # ended itself while stuck in a collective: the report is on stderr
+            continue
+        per_rank = {int(k): v for k, v in r["per_rank"].items()}
+        assert per_rank[0]["site"].endswith(f"test_audit.py:{_line('extra_same')}")
+        assert per_rank[1]["site"] == "DDP gradient all-reduce (bucket 0)"
+        assert per_rank[0]["shape"] == per_rank[1]["shape"] == "[49]"
+        assert (per_rank[0]["step"], per_rank[1]["step"]) == (3, 4)
+        assert r["group"] == "default" and r["seq"] == per_rank[0]["seq"]
+        assert r["err_rank"] == r["rank"]
+
+
+def test_swapped_collectives_on_three_ranks(tmp_path):
+    runs = run_ranks(tmp_path, "swapped", world=3)
+    reports = assert_mismatch(runs, sites=["swapped_a", "swapped_b"], ops=["all_reduce"])
+    assert any("float32[5]" in t and "float64[7]" in t for t in reports)
+
+
+def test_collective_in_a_rank0_only_branch(tmp_path):
+    # gloo would wait 30 minutes here (rank 0 in a barrier, rank 1 in an all_reduce).
+    runs = run_ranks(tmp_path, "rank0_branch")
+    assert_mismatch(
+        runs, sites=["rank0_branch", "grads"], ops=["barrier", "all_reduce"], all_ranks=True
+    )
+
+
+def test_torchrun_and_guard_defaults(tmp_path):
+    # The whole stack as a user runs it: torchrun, guardrails.guard() defaults.
+    port = str(_free_port())
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        str(HERE),
+        "torchrun",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    # torchrun's summary names our error as the root cause (the rank that ended itself
+    # while stuck in the collective wrote it to torchrun's error file) ...
+    root_cause = err[err.index("Root Cause") :]
+    assert "CollectiveMismatchError" in root_cause, err[-3000:]
+    # ... and each rank either raised it in its loop or printed it when it ended itself.
+    for rank in range(2):
+        f = tmp_path / f"rank{rank}.json"
+        if f.exists():
+            text = json.loads(f.read_text())["message"]
+        else:
+            text = err[err.index(f"[rank {rank}, step") :]
+        assert f"test_audit.py:{_line('rank0_branch')}" in text
+        assert "barrier" in text and "all_reduce" in text
+
+
+# ---------------------------------------------------------------------- clean runs
+
+
+def test_clean_run_raises_nothing_and_records_o1_per_call(tmp_path):
+    runs = run_ranks(tmp_path, "clean")
+    for run in runs:
+        res = run["result"]
+        assert run["code"] == 0 and res is not None and res["type"] is None, run["stderr"][-3000:]
+        recent = res["recent"]
+        ops = [op for op, _, _ in recent]
+        # async and point-to-point calls are seen; the side group's all_reduce is not.
+        assert ops[-4:] == [
+            "all_reduce",
+            "isend" if res["rank"] == 0 else "irecv",
+            "send" if res["rank"] == 0 else "recv",  # once: torch's send calls isend
+            "all_reduce",
+        ]
+        assert recent[-1][2] == "DDP gradient all-reduce:0"  # record() from a thread
+        assert recent[-4][2].endswith("test_audit.py:" + str(_line("async")))
+        assert [kind for _, kind, _ in recent[-4:]] == ["coll", "p2p", "p2p", "coll"]
+        objects = res["objects"]
+        assert [op for op, _ in objects] == [
+            *("broadcast", "broadcast"),  # broadcast_object_list: sizes, then the bytes
+            *("all_gather", "all_gather"),  # all_gather_object
+            *("all_gather", "gather"),  # gather_object
+            "all_gather_into_tensor",  # not also all_gather_single, which it calls
+        ]
+        assert objects[0][1] == objects[1][1] == f"{HERE}:{_line('objects')}"
+        assert res["collective_after"] is None  # cleared after each blocking call
+        assert res["collective_after_async"] is None  # never set for an async one
+        assert res["restored"]  # every patched attribute is the original object again
+        # Per all_reduce on the main thread: a fixed number of Python calls into
+        # guardrails (the wrapper and its bookkeeping) and no store call at all.
+        few, many = res["calls"]["10"], res["calls"]["40"]
+        assert not any(k.startswith("store.") for k in many), many
+        assert {k: 4 * v for k, v in few.items()} == many, (few, many)
+        assert sum(few.values()) <= 6 * 10, few  # wrapper, bookkeeping, ring, dict
+
+
+# ---------------------------------------------------------------------- comparison
+
+
+def _history(calls: list[tuple[str, int, int]]) -> _History:
+    """A rank's record of ``(site, numel, step)`` all-reduces on the default group."""
+    h = _History("default", [0, 1])
+    for seq, (site, numel, step) in enumerate(calls, 1):
+        h.add(
+            (
+                None,
+                seq,
+                "all_reduce",
+                "coll",
+                torch.Size([numel]),
+                torch.float32,
+                None,
+                None,
+                site,
+                1,
+                step,
+                True,
+            )
+        )
+    return h
+
+
+def _steps(n: int, per_step: int = 3, start: int = 0) -> list[tuple[str, int, int]]:
+    return [(f"train.py:{k}", 10 + k, s) for s in range(start, start + n) for k in range(per_step)]
+
+
+def test_a_rank_ahead_is_compared_on_the_common_prefix_only():
+    # Rank 0 is 300 calls ahead (far past the published window): no mismatch, because
+    # the rolling-hash anchors cover the prefix both have issued.
+    ahead, behind = _history(_steps(200)), _history(_steps(100))
+    assert ahead.diverges_from(behind.published()) is None
+    assert behind.diverges_from(ahead.published()) is None
+    # Different lines issuing the same calls (a rank-dependent branch around a broadcast
+    # on each side) are legitimate: not a mismatch.
+    other_lines = _history([(f"other.py:{k}", n, st) for k, (_, n, st) in enumerate(_steps(100))])
+    assert other_lines.diverges_from(behind.published()) is None
+
+
+def test_divergence_is_found_inside_and_before_the_window():
+    calls = _steps(100)
+    changed = list(calls)
+    changed[290] = ("train.py:99", 999, changed[290][2])
+    a, b = _history(calls), _history(changed)
+    assert a.diverges_from(b.published()) == (291, 291)
+    # 200 calls later the difference is outside the published window; the anchors
+    # still catch it (located at the first anchor after it).
+    changed_early = list(calls)
+    changed_early[10] = ("train.py:99", 999, 3)
+    a, b = _history(calls + _steps(10, start=100)), _history(changed_early + _steps(10, start=100))
+    first, _ = a.diverges_from(b.published())
+    assert 11 <= first <= 64
+
+
+def test_same_shape_extra_call_is_blamed_where_the_lines_first_differ():
+    calls = _steps(10, per_step=1)
+    extra = [*calls[:5], ("train.py:50", 10, 5), *calls[5:]]  # same op and shape, step 5
+    a, b = _history(extra), _history(calls)
+    assert a.diverges_from(b.published()) == (6, 7)  # #6: other line; #7: other step
+
+
+def test_single_process_run_installs_nothing(tmp_path):
+    original = dist.all_reduce
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = guardrails.guard(model, opt, batches(2), run_dir=tmp_path, progress=False)
+    assert not any(isinstance(c, CollectiveAuditor) for c in g.components)
+    aud = CollectiveAuditor()
+    with Guard(model, opt, batches(2), run_dir=tmp_path, components=[aud]) as g2:
+        for x, y in g2:
+            assert dist.all_reduce is original
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert g2.auditor is None and aud._thread is None and dist.all_reduce is original
+    assert aud.record("all_reduce", [torch.ones(2)]) == -1
+
+
+def test_stale_flight_recorders_of_dead_processes_are_swept(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    paths = {}
+    for who, pid in (("dead", int(dead.stdout)), ("alive", os.getpid())):
+        path = Path(_ring_dir()) / f"guardrails-audit-test{os.getpid()}{who}-r0"
+        path.write_bytes(_HEADER.pack(b"GRAUDIT1", 0, pid, 64))
+        os.utime(path, (time.time() - 120, time.time() - 120))
+        paths[who] = path
+    try:
+        _sweep_stale_rings()
+        assert not paths["dead"].exists() and paths["alive"].exists()
+    finally:
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+
+
+def test_knobs_are_checked():
+    with pytest.raises(ValueError, match="interval_s"):
+        CollectiveAuditor(interval_s=0)
+    with pytest.raises(ValueError, match="close_wait_s"):
+        CollectiveAuditor(close_wait_s=-1)
+    with pytest.raises(TypeError, match="audit_collectives"):
+        guardrails.guard(Regressor(), torch.optim.SGD(Regressor().parameters()), audit_colectives=1)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2])

@@ -1,0 +1,24 @@
+"""`python -m guardrails bench` at a CI size: a well-formed table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+from guardrails.__main__ import main
+
+
+def test_bench_cli_tiny_on_cpu(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--device", "cpu", "--size", "tiny", "--batch", "2", "--seq", "16"]
+    args += ["--steps", "3", "--warmup", "1", "--repeats", "2", "--json", str(out)]
+    assert main([*args, "--variants", "guarded,only:NanGuard,item,isfinite"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].startswith("guardrails bench: tiny")
+    for name in ("plain", "guarded", "only:NanGuard", "item", "isfinite"):
+        assert f"\n{name} " in text
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"plain", "guarded", "only:NanGuard", "item", "isfinite"}
+    assert all(r["step_ms"] > 0 and r["noise_us"] >= 0 for r in rows.values())
+    assert rows["plain"]["overhead_us"] == 0 and len(result["times_s"]["guarded"]) == 2
+    assert result["size"] == "tiny" and result["world_size"] == 1 and result["params"] > 0

@@ -1,0 +1,143 @@
+"""``@guardrails.record`` and ``_exit``: the error file torchrun reads, the summary, the
+exit codes, faulthandler restored. Real files, real subprocesses for ``die``."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+import guardrails
+from guardrails import _errors
+from guardrails._exit import EXIT_CODES, code_for
+
+
+def _raise(error: BaseException):
+    @guardrails.record
+    def main() -> None:
+        raise error
+
+    return main
+
+
+def test_guardrails_error_goes_to_the_error_file_in_torchruns_schema(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    err = guardrails.HangError(
+        "rank 1 is stuck at step 7", rank=0, step=7, hint="look at rank 1", stuck_ranks=[1]
+    )
+    before = int(time.time())
+    with pytest.raises(SystemExit) as info:
+        _raise(err)()
+    assert info.value.code == 83
+    data = json.loads(path.read_text())
+    # torch's ErrorHandler.record_exception schema; ProcessFailure reads message and
+    # extraInfo.timestamp, ChildFailedError shows extraInfo.py_callstack.
+    msg = data["message"]
+    assert msg["message"].startswith("HangError: [rank 0, step 7] rank 1 is stuck")
+    extra = msg["extraInfo"]
+    assert int(extra["timestamp"]) >= before
+    assert "guardrails: rank 0 failed with HangError (exit code 83)" in extra["py_callstack"]
+    assert "fix: look at rank 1" in extra["py_callstack"]
+    assert extra["fields"] == {"stuck_ranks": [1]}
+    assert (extra["error_class"], extra["exit_code"], extra["rank"]) == ("HangError", 83, 0)
+    # torch's own reader accepts it and takes our text as the message.
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=83, error_file=str(path))
+    assert failure.message["extraInfo"]["py_callstack"] == extra["py_callstack"]
+    # One summary block on stderr, no traceback.
+    err_text = capsys.readouterr().err
+    assert err_text.count("guardrails: rank 0 failed with HangError") == 1
+    assert "Traceback" not in err_text
+
+
+def test_other_exceptions_keep_torchs_behaviour(tmp_path, monkeypatch):
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    with pytest.raises(KeyError, match="missing"):
+        _raise(KeyError("missing"))()
+    extra = json.loads(path.read_text())["message"]["extraInfo"]
+    assert "Traceback (most recent call last)" in extra["py_callstack"]
+    assert "KeyError" in extra["py_callstack"]
+
+
+def test_without_torchrun_no_file_but_same_exit_code(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        _raise(guardrails.UnevenDataError("rank 1 ran out", rank=1, lengths={0: 5, 1: 4}))()
+    assert info.value.code == 85
+    assert list(tmp_path.iterdir()) == []
+    assert "rank 1 failed with UnevenDataError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("enabled_before", [False, True])
+def test_faulthandler_on_inside_and_restored_after(enabled_before):
+    seen = []
+
+    @guardrails.record
+    def main() -> int:
+        seen.append(faulthandler.is_enabled())
+        return 7
+
+    was = faulthandler.is_enabled()
+    try:
+        (faulthandler.enable if enabled_before else faulthandler.disable)()
+        assert main() == 7
+        assert seen == [True]
+        assert faulthandler.is_enabled() is enabled_before
+        with pytest.raises(SystemExit):
+            _raise(guardrails.HangError("x"))()
+        assert faulthandler.is_enabled() is enabled_before
+    finally:
+        (faulthandler.enable if was else faulthandler.disable)()
+
+
+def test_clean_sys_exit_returns_like_torchs_record():
+    @guardrails.record
+    def main() -> None:
+        sys.exit(0)
+
+    assert main() is None
+
+
+def test_one_distinct_exit_code_per_error_class():
+    classes = [
+        getattr(_errors, name)
+        for name in dir(_errors)
+        if isinstance(getattr(_errors, name), type)
+        and issubclass(getattr(_errors, name), _errors.GuardrailsError)
+    ]
+    codes = {cls: code_for(cls("x")) for cls in classes}
+    assert all(80 <= c <= 99 for c in codes.values())
+    assert len(set(codes.values())) == len(codes), codes  # one per class
+    assert code_for(ValueError("x")) == 1
+    assert EXIT_CODES[guardrails.HangError] == 83
+
+
+def test_die_from_a_thread_ends_a_stuck_process(tmp_path):
+    """The last resort: the main thread blocked in a C call (a read nobody writes to),
+    a thread calls die(): error file, summary, the error's exit code."""
+    path = tmp_path / "error.json"
+    code = (
+        "import os, threading, time\n"
+        "import guardrails\n"
+        "from guardrails._exit import die\n"
+        "err = guardrails.RankFailedError('rank 1 died', rank=0, step=3, failed_rank=1)\n"
+        "threading.Timer(0.5, die, args=(err,)).start()\n"
+        "r, w = os.pipe()\n"
+        "os.read(r, 1)\n"
+    )
+    env = {"TORCHELASTIC_ERROR_FILE": str(path), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 84
+    assert proc.stderr.count("guardrails: rank 0 failed with RankFailedError") == 1
+    extra = json.loads(path.read_text())["message"]["extraInfo"]
+    assert extra["fields"] == {"failed_rank": 1}

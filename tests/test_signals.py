@@ -1,0 +1,339 @@
+"""SignalCheckpointer and resume="auto": real processes, real signals, real files.
+
+The training script is tests/ckpt_worker.py (dropout, a shuffling sampler, AdamW, a
+LambdaLR schedule; DDP over gloo with 2 ranks). "Exact" means bitwise: weights,
+optimizer state, scheduler state and the RNG state at the last step of a run that was
+stopped by SIGTERM and resumed equal those of a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Regressor, batches, read_events
+
+import guardrails
+
+WORKER = Path(__file__).with_name("ckpt_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(run_dir, out, *args, world=1, port=0, **popen):
+    """Start ``world`` worker processes; returns them (rank order)."""
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, str(WORKER), str(run_dir), str(out), *map(str, args)]
+        if world > 1:
+            cmd += ["--rank", str(rank), "--world", str(world), "--port", str(port)]
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+            )
+        )
+    return procs
+
+
+def _run(run_dir, out, *args, world=1):
+    procs = _launch(run_dir, out, *args, world=world, port=_port())
+    results = []
+    for p in procs:
+        text, _ = p.communicate(timeout=240)
+        results.append((p.returncode, text))
+    return results
+
+
+def _load(out, rank):
+    return torch.load(f"{out}.rank{rank}.pt", weights_only=False)
+
+
+def _assert_same(a, b):
+    assert a["step"] == b["step"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["opt"]["state"], b["opt"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for name in sa[i]:
+            assert torch.equal(sa[i][name], sb[i][name]), (i, name)
+    assert a["sched"] == b["sched"]
+    assert torch.equal(a["rng"], b["rng"])  # dropout and shuffling streams line up
+
+
+def test_sigterm_then_resume_is_bitwise_exact(tmp_path):
+    [(rc, text)] = _run(tmp_path / "straight", tmp_path / "a", "--steps", 24)
+    assert rc == 0, text
+    stopped = tmp_path / "stopped"
+    [(rc, text)] = _run(stopped, tmp_path / "b", "--steps", 24, "--sigterm-at", 5)
+    # 128 + SIGTERM: "terminated by a signal", after a complete save at step 5.
+    assert rc == 128 + signal.SIGTERM, text
+    assert "stopped at step 5" in text and "run the same command" in text
+    assert [p.name for p in (stopped / "checkpoints").iterdir()] == ["step_000000005"]
+    ev = [e for e in read_events(stopped) if e["kind"] == "stopped"]
+    assert ev and ev[0]["signal"] == "SIGTERM" and ev[0]["step"] == 5
+
+    # The same command again: resume="auto" continues from step 5 (mid-epoch: 16
+    # batches per pass) and runs past the epoch boundary to step 24.
+    [(rc, text)] = _run(stopped, tmp_path / "b", "--steps", 24, "--sigterm-at", 5)
+    assert rc == 0, text
+    a, b = _load(tmp_path / "a", 0), _load(tmp_path / "b", 0)
+    assert b["resumes"] == 1 and a["epoch"] == b["epoch"] == 1
+    _assert_same(a, b)
+    resumed = [e for e in read_events(stopped) if e["kind"] == "resumed"]
+    assert resumed[0]["step"] == 5
+
+
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(tmp_path):
+    results = _run(tmp_path / "straight", tmp_path / "a", "--steps", 30, world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    stopped = tmp_path / "stopped"
+    args = ("--steps", 30, "--sigterm-at", 11, "--kill-ranks", 1)
+    results = _run(stopped, tmp_path / "b", *args, world=2)
+    assert [rc for rc, _ in results] == [143, 143], results
+    (_, t0), (_, t1) = results
+    assert "SIGTERM received by another rank" in t0 and "received by this rank" in t1
+    steps = {e["step"] for e in read_events(stopped) if e["kind"] == "stopped"}
+    assert len(steps) == 1  # one agreed step, on both ranks
+    [ckpt] = (stopped / "checkpoints").iterdir()
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert {"rank00000.json", "rank00001.json", "rank00001.safetensors"} <= set(names)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["ranks"] == [0, 1]
+
+    results = _run(stopped, tmp_path / "b", *args, world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "a", rank), _load(tmp_path / "b", rank))
+
+
+def test_fsdp2_sharded_state_goes_through_dcp_and_resumes_exactly(tmp_path):
+    """FSDP2 (fully_shard on a CPU mesh, gloo): each rank writes its own shards with
+    torch.distributed.checkpoint, listed and checksummed in the one manifest; the
+    resumed run's full weights and optimizer state equal the uninterrupted run's."""
+    results = _run(tmp_path / "straight", tmp_path / "a", "--steps", 24, "--fsdp", world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    stopped = tmp_path / "stopped"
+    args = ("--steps", 24, "--sigterm-at", 9, "--kill-ranks", 0, "--fsdp")
+    results = _run(stopped, tmp_path / "b", *args, world=2)
+    assert [rc for rc, _ in results] == [143, 143], results
+    [ckpt] = (stopped / "checkpoints").iterdir()
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(files)
+    assert "model.safetensors" not in files  # never gathered to one rank
+    results = _run(stopped, tmp_path / "b", *args, world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "a", rank), _load(tmp_path / "b", rank))
+    # The load's own zero-grad optimizer step (torch's set_state_dict creating the
+    # state) is not a training step: no "zero_grads" warning, no extra step.
+    assert not [e for e in read_events(stopped) if e["kind"] == "zero_grads"]
+
+
+def test_sigkill_during_background_saves_always_leaves_a_loadable_checkpoint(tmp_path):
+    rng = random.Random(4)
+    run_dir = tmp_path / "run"
+    for trial in range(6):
+        [p] = _launch(run_dir, tmp_path / "x", "--steps", 100000, "--every-n", 3, "--background")
+        time.sleep(rng.uniform(1.5, 3.5))  # startup is ~1 s; then a save every 3 steps
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+        if not any((run_dir / "checkpoints").glob("step_*")):
+            continue  # killed before the first commit: nothing to check yet
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+        )
+        out = guardrails.resume(run_dir / "checkpoints", model)
+        assert out["step"] % 3 == 0, (trial, out)
+    assert len(list((run_dir / "checkpoints").glob("step_*"))) <= 3  # keep_last=3
+
+
+def test_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
+    script = (
+        "import time, torch, guardrails\n"
+        "m = torch.nn.Linear(2, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "def data():\n"
+        "    while True:\n"
+        "        time.sleep(30); yield torch.ones(1, 2)\n"  # a very slow loader
+        f"with guardrails.guard(m, o, data(), run_dir={str(tmp_path)!r}, progress=False) as g:\n"
+        "    print('ready', flush=True)\n"
+        "    for x in g:\n"
+        "        m(x).sum().backward(); o.step(); o.zero_grad()\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)  # first: only a flag (the loader is still sleeping)
+    time.sleep(0.5)
+    assert p.poll() is None
+    p.send_signal(signal.SIGINT)  # second: out now
+    _, err = p.communicate(timeout=20)
+    assert time.monotonic() - t0 < 15  # well before the 30 s batch arrives
+    assert p.returncode != 0 and b"KeyboardInterrupt" in err
+    assert not list((tmp_path / "checkpoints").glob("step_*"))
+
+
+def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = 0
+    with guardrails.guard(
+        model, opt, batches(10), run_dir=tmp_path, progress=False, exit_on_signal=False
+    ) as g:
+        assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            seen += 1
+            if g.step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning signal
+        for _ in g:  # a later pass ends at once too
+            raise AssertionError("a stopped guard yielded a batch")
+    assert seen == 3 and "SIGUSR1" in (g.stopping or "")
+    assert (tmp_path / "checkpoints" / "step_000000003" / "manifest.json").is_file()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_list_loader_resumes_by_fast_forward_with_state_and_warning(tmp_path):
+    def run(stop_at=None):
+        torch.manual_seed(0)
+        model = Regressor()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        with guardrails.guard(
+            model, opt, batches(10), run_dir=tmp_path, progress=False, exit_on_signal=False
+        ) as g:
+            g.state["best"] = g.state.get("best", 9.0) - 1.0
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if g.step == stop_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+        return model, g
+
+    straight, g1 = run()  # saves nothing: no periodic saves, no signal
+    run(stop_at=4)
+    resumed, g = run()
+    assert g.step == 10 and g.state["best"] == 7.0  # g.state saved and restored
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # NanGuard's statistics span the restart: the same spike window as the first run.
+    nan1, nan2 = (
+        next(c for c in x.components if isinstance(c, guardrails.NanGuard)) for x in (g1, g)
+    )
+    assert list(nan1.history) == list(nan2.history) and len(nan2.history) == 10
+    ff = [e for e in read_events(tmp_path) if e["kind"] == "data_fast_forward"]
+    assert ff and ff[0]["batches"] == 4 and "StatefulDataLoader" in ff[0]["message"]
+
+
+def test_periodic_saves_writer_error_and_grace_warning(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bad = guardrails.SignalCheckpointer(every_n_steps=2, directory=blocker, resume=None)
+    with pytest.raises(guardrails.CheckpointError, match="could not write checkpoint"):
+        with guardrails.guard(
+            model, opt, batches(6), run_dir=tmp_path, progress=False, components=[bad]
+        ) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+    # Raised in the main thread at a boundary after the writer failed (step 2's save),
+    # at the latest by the next save (step 4), which waits for the previous one.
+    assert g.step in (3, 4)
+
+    ck = guardrails.SignalCheckpointer(every_n_steps=2, grace_s=1e-6, keep_last=2)
+    with guardrails.guard(
+        model, opt, batches(7), run_dir=tmp_path / "ok", progress=False, components=[ck]
+    ) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    steps = sorted(p.name for p in (tmp_path / "ok" / "checkpoints").glob("step_*"))
+    assert steps == ["step_000000006", "step_000000007"]  # every 2, the end, keep_last=2
+    assert len(ck.save_times_s) == 4 and len(ck.blocking_times_s) == 4
+    slow = [e for e in read_events(tmp_path / "ok") if e["kind"] == "checkpoint_slow"]
+    assert len(slow) == 1 and "SIGKILL" in slow[0]["message"]
+
+
+def test_resume_errors(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # Explicit path with nothing there: an error, not a silent fresh start.
+    with pytest.raises(guardrails.ResumeError, match="no checkpoint under"):
+        guardrails.guard(model, opt, batches(1), run_dir=tmp_path, resume=tmp_path / "x").start()
+    # "auto" with nothing saved: a fresh run.
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, progress=False) as g:
+        assert g.step == 0
+        g.save_checkpoint()
+    ckpt = tmp_path / "checkpoints" / "step_000000000"
+
+    # Written by 2 ranks, resumed by 1: says what is and is not restorable.
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["world_size"] = 2
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(guardrails.ResumeError, match="written by 2 rank") as err:
+        guardrails.resume(ckpt, model, opt)
+    assert "Not restorable" in str(err.value) and "allow_world_size_change" in err.value.hint
+    assert guardrails.resume(ckpt, model, opt, allow_world_size_change=True)["step"] == 0
+
+    # Every checkpoint corrupt under resume="auto": an error that lists why.
+    (ckpt / "model.safetensors").write_bytes(b"junk")
+    with pytest.raises(guardrails.ResumeError, match="every checkpoint .* invalid") as err:
+        guardrails.guard(model, opt, batches(1), run_dir=tmp_path, progress=False).start()
+    assert "model.safetensors" in str(err.value) and "resume=None" in err.value.hint
+
+
+def test_inspect_cli_lists_validity_and_contents(tmp_path, capsys):
+    from guardrails.__main__ import main
+
+    assert main(["inspect", str(tmp_path)]) == 2
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters())
+    ck = guardrails.SignalCheckpointer(every_n_steps=2)
+    with guardrails.guard(
+        model, opt, batches(4), run_dir=tmp_path, progress=False, components=[ck]
+    ) as g:
+        g.state["best_val"] = 1.5
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 checkpoint(s)" in out and "step_000000004" in out.splitlines()[-1]
+    assert "optimizer" in out and "data position (epoch 0, batch 4, fast_forward)" in out
+    assert "guard state (nan)" in out and "extras (best_val)" in out
+    (tmp_path / "checkpoints" / "step_000000004" / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "checkpoints" / "step_000000002" / "manifest.json").unlink()
+    assert main(["inspect", str(tmp_path / "checkpoints")]) == 1
+    out = capsys.readouterr().out
+    assert out.count("INVALID") == 2 and "model.safetensors is truncated" in out
+    assert "resume would fail" in out

@@ -1,0 +1,360 @@
+"""The watchdog on real jobs: two real processes, real gloo, DDP, real signals.
+
+Each test starts ``tests/hang_worker.py`` twice (rank 0 and 1, each its own process
+with torchrun's environment variables, or under torchrun itself), plants one fault on
+rank 1, and checks every rank's exit code, the error class and fields in the
+torchelastic error file each rank wrote, key words of the message, and that every
+process ended within ``hang_timeout_s + 10 s`` of the fault (a correctness bound, not a
+speed claim; measured times are in the notes and RESULTS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import guardrails
+from guardrails import _watchdog
+from guardrails._exit import EXIT_CODES
+from guardrails._watchdog import Watchdog, auto_timeout_s
+
+WORKER = Path(__file__).parent / "hang_worker.py"
+TIMEOUT_S = 3.0
+# The spec's bound: every rank ends within hang_timeout_s + 10 s of the fault.
+BOUND_S = TIMEOUT_S + 10.0
+ROOT = Path(__file__).parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_ERROR_FILE"}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def start(scenario: str, out: Path) -> list[tuple[subprocess.Popen, Path]]:
+    """Start the two ranks as independent processes (so each ends on its own, as under
+    a launcher that does not kill the others), each with torchrun's variables and its
+    own torchelastic error file."""
+    out.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for r in range(2):
+        env = _env(
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_ERROR_FILE=str(out / f"error{r}.json"),
+        )
+        cmd = [sys.executable, str(WORKER), scenario, "--hang-timeout-s", str(TIMEOUT_S)]
+        log = out / f"rank{r}.log"
+        with open(log, "w") as f:
+            p = subprocess.Popen(
+                [*cmd, "--out", str(out)], env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
+            )
+        procs.append((p, log))
+    return procs
+
+
+def collect(jobs: dict[str, list[tuple[subprocess.Popen, Path]]], limit_s: float) -> dict:
+    """Wait for every process (polling, to time when each ended); per scenario and rank:
+    exit code, output, end time and error file (or None)."""
+    ended: dict[tuple[str, int], float] = {}
+    total = sum(len(procs) for procs in jobs.values())
+    deadline = time.time() + limit_s
+    while len(ended) < total and time.time() < deadline:
+        for name, procs in jobs.items():
+            for r, (p, _) in enumerate(procs):
+                if (name, r) not in ended and p.poll() is not None:
+                    ended[name, r] = time.time()
+        time.sleep(0.05)
+    results: dict[str, list[dict]] = {}
+    for name, procs in jobs.items():
+        results[name] = []
+        for r, (p, log) in enumerate(procs):
+            if p.poll() is None:  # over the limit: the test fails, leave nothing behind
+                p.kill()
+                p.wait()
+            err = log.parent / f"error{r}.json"
+            results[name].append(
+                {
+                    "rc": p.returncode,
+                    "out": log.read_text(),
+                    "ended": ended.get((name, r)),
+                    "error": json.loads(err.read_text()) if err.exists() else None,
+                    "dir": log.parent,
+                }
+            )
+    return results
+
+
+SCENARIOS = ["sleep", "pipe", "kill", "kill_rank0", "raise", "uneven", "pause", "slowfirst"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every scenario's job, run side by side (12 processes): on this 2-core machine
+    that takes ~1/3 of the time of one after the other; the time-to-error bound is
+    measured from each job's own fault, so the shared load only makes it stricter."""
+    base = tmp_path_factory.mktemp("watchdog")
+    jobs = {name: start(name, base / name) for name in SCENARIOS}
+    return collect(jobs, limit_s=150.0)
+
+
+def fault_time(results: list[dict]) -> float:
+    return float((results[0]["dir"] / "fault_time").read_text())
+
+
+def info(result: dict) -> dict:
+    assert result["error"] is not None, result["out"][-3000:]
+    return result["error"]["message"]["extraInfo"]
+
+
+def assert_bounded(results: list[dict]) -> None:
+    t0 = fault_time(results)
+    for r, res in enumerate(results):
+        assert res["ended"] is not None, f"rank {r} never ended:\n{res['out'][-3000:]}"
+        assert res["ended"] - t0 < BOUND_S, f"rank {r} took {res['ended'] - t0:.1f} s"
+
+
+# ---------------------------------------------------------------------- stuck ranks
+
+
+@pytest.mark.parametrize("scenario", ["sleep", "pipe"], ids=["python_sleep", "c_read"])
+def test_stuck_rank_is_named_with_every_stack(runs, scenario):
+    results = runs[scenario]
+    assert_bounded(results)
+    for r, res in enumerate(results):
+        assert res["rc"] == EXIT_CODES[guardrails.HangError] == 83, res["out"][-3000:]
+        extra = info(res)
+        assert extra["error_class"] == "HangError"
+        assert (extra["rank"], extra["fields"]["stuck_ranks"]) == (r, [1])
+        assert extra["step"] == 3
+        text = extra["py_callstack"]
+        assert "rank 1 is stuck at step 3" in text
+        assert "hang_worker.py:" in text and "outside any collective" in text
+        assert "rank 0 waits for it" in text and "DDP's gradient all-reduce" in text
+        # Every rank's own stack, captured by its own watchdog: rank 1's shows the fault.
+        stacks = extra["fields"]["stacks"]
+        fault_line = "time.sleep(3600)" if scenario == "sleep" else "os.read(r, 1)"
+        assert fault_line in stacks["1"]
+        assert ".backward()" in stacks["0"]
+        assert "pause_watchdog" in text  # the fix names the escape hatch
+        # One clean summary block on stderr.
+        assert res["out"].count(f"guardrails: rank {r} failed with HangError") == 1
+
+
+def test_dead_rank_sigkill(runs):
+    results = runs["kill"]
+    assert_bounded(results)
+    assert results[1]["rc"] == -9  # really killed, no error file
+    assert results[1]["error"] is None
+    r0 = results[0]
+    assert r0["rc"] == EXIT_CODES[guardrails.RankFailedError] == 84, r0["out"][-3000:]
+    extra = info(r0)
+    assert extra["error_class"] == "RankFailedError"
+    assert extra["fields"]["failed_rank"] == 1
+    assert extra["fields"]["reason"] == "killed"
+    assert extra["fields"]["last_step"] in (0, 1, 2, 3)  # its last heartbeat's step
+    assert extra["fields"]["log"].endswith("events.jsonl")
+    assert "rank 1 died" in extra["py_callstack"] and "SIGKILL" in extra["py_callstack"]
+
+
+def test_dead_store_host(runs):
+    """Rank 0 hosts the TCPStore (env:// without torchrun's agent): when it dies the
+    side channel dies with it, and rank 1 must still end, naming rank 0."""
+    results = runs["kill_rank0"]
+    assert_bounded(results)
+    assert results[0]["rc"] == -9
+    r1 = results[1]
+    assert r1["rc"] == 84, r1["out"][-3000:]
+    extra = info(r1)
+    assert extra["error_class"] == "RankFailedError"
+    assert extra["fields"]["failed_rank"] == 0
+
+
+def test_exception_on_one_rank_ends_the_other(runs):
+    results = runs["raise"]
+    assert_bounded(results)
+    r0, r1 = results
+    # The failing rank keeps torch's behaviour: traceback, exit 1, traceback in the file.
+    assert r1["rc"] == 1
+    assert "ValueError: boom" in r1["out"]
+    assert "Traceback" in info(r1)["py_callstack"]
+    # The other rank does not wait 30 minutes: it names rank 1 and its error.
+    assert r0["rc"] == 84, r0["out"][-3000:]
+    extra = info(r0)
+    assert extra["error_class"] == "RankFailedError"
+    assert extra["fields"]["failed_rank"] == 1 and extra["fields"]["reason"] == "exception"
+    assert extra["fields"]["last_step"] == 3
+    assert "ValueError: boom" in extra["py_callstack"]
+
+
+def test_uneven_data(runs):
+    results = runs["uneven"]
+    assert_bounded(results)
+    for r, res in enumerate(results):
+        assert res["rc"] == EXIT_CODES[guardrails.UnevenDataError] == 85, res["out"][-3000:]
+        extra = info(res)
+        assert extra["error_class"] == "UnevenDataError"
+        assert extra["rank"] == r
+        lengths = {int(k): v for k, v in extra["fields"]["lengths"].items()}
+        assert lengths[1] == 4 and lengths[0] > 4
+        assert extra["fields"]["exhausted_ranks"] == [1]
+        text = extra["py_callstack"]
+        assert "ran out on rank(s) 1" in text
+        assert "DistributedSampler" in text and "drop_last" in text
+
+
+# ---------------------------------------------------------------------- no false alarms
+
+
+def test_pause_watchdog_prevents_a_false_hang_and_a_clean_run_reports_nothing(runs):
+    results = runs["pause"]
+    for r, res in enumerate(results):
+        assert res["rc"] == 0, res["out"][-3000:]
+        assert res["error"] is None
+        # The thread was stopped and joined when the guard closed.
+        assert f"rank {r}: clean end at step 8; watchdog threads left: []" in res["out"]
+        assert "guardrails: rank" not in res["out"]  # no summary, no report
+    # The pause really outlasted the timeout (rank 0 waited in DDP's all-reduce for it).
+    assert results[0]["ended"] - fault_time(results) > 1.5 * TIMEOUT_S
+
+
+def test_a_slow_first_step_is_not_a_hang(runs):
+    """The first step (compilation, autotuning) gets first_step_timeout_s (600 s), not
+    hang_timeout_s: rank 1 takes 1.7x the timeout before its first forward."""
+    results = runs["slowfirst"]
+    for r, res in enumerate(results):
+        assert res["rc"] == 0, res["out"][-3000:]
+        assert f"rank {r}: clean end at step 8" in res["out"]
+    assert results[0]["ended"] - fault_time(results) > 1.5 * TIMEOUT_S
+
+
+# ---------------------------------------------------------------------- torchrun
+
+
+def test_torchrun_shows_our_message_as_root_cause(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        "sleep",
+        "--hang-timeout-s",
+        str(TIMEOUT_S),
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "ChildFailedError" in out
+    root = out.split("Root Cause (first observed failure):", 1)[1]
+    assert "exitcode  : 83" in root
+    assert "HangError" in root and "rank 1 is stuck at step 3" in root
+    assert "To enable traceback" not in out
+
+
+# ---------------------------------------------------------------------- in process
+
+
+def test_not_installed_in_a_single_process(tmp_path):
+    model = torch.nn.Linear(4, 1)
+    g = guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
+    assert not any(isinstance(c, Watchdog) for c in g.components)
+    # Used alone in a single process it starts no thread and touches nothing.
+    wd = Watchdog(hang_timeout_s=1)
+    with guardrails.Guard(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path, components=[wd]
+    ):
+        assert wd._thread is None and wd.timeout_s is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "5", True])
+def test_knobs_are_checked(tmp_path, bad):
+    with pytest.raises(ValueError, match="hang_timeout_s"):
+        Watchdog(hang_timeout_s=bad)
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="hang_timeout_s"):
+        guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=0.1), hang_timeout_s=bad)
+
+
+def test_auto_timeout_numbers():
+    assert auto_timeout_s(None) == _watchdog.AUTO_CAP_S == 300
+    assert auto_timeout_s(0.3) == _watchdog.AUTO_FLOOR_S == 60  # fast steps: the floor
+    assert auto_timeout_s(20.0) == 100.0  # 5x the slowest gap
+    assert auto_timeout_s(500.0) == 300  # never past the cap (half NCCL's 10 min)
+
+
+def test_where_reads_the_auditors_entry():
+    """The auditor sets ``guard.collective`` (``_audit.entry_dict``); the report names
+    the op, its number, shapes, dtype, group and call site from it."""
+    rec = {
+        "step": 3,
+        "phase": "backward",
+        "collective": {
+            "op": "all_reduce",
+            "seq": 12,
+            "group": "0",
+            "shapes": [4, 4],
+            "dtype": "torch.float32",
+            "site": "train.py:40",
+            "step": 3,
+        },
+    }
+    assert _watchdog._where(rec) == (
+        "in all_reduce #12 ([4, 4], torch.float32, group 0) at train.py:40"
+    )
+    assert _watchdog._in_collective(rec)
+    # Ordering for "who is behind": step, then phase, then collective number.
+    behind = {"step": 3, "phase": "loop", "collective": None}
+    assert _watchdog._progress_key(behind) < _watchdog._progress_key(rec)
+
+
+def test_auto_timeout_follows_the_step_gaps(tmp_path):
+    """hang_timeout_s=None: the first step since start gets 600 s; then 5x the longest
+    gap between steps, in [60, 300]; a marked pause is not a gap. Driven through the
+    watchdog's own sampling with a real (not started) Guard and explicit clock values."""
+    model = torch.nn.Linear(4, 1)
+    g = guardrails.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
+    wd = Watchdog()
+    wd._reset_clock(g, now=0.0)
+
+    def step(at: float) -> None:
+        g.step += 1
+        g.step_time_s = 1.0  # set by the engine after every optimizer step
+        wd._sample(g, at)
+
+    wd._sample(g, 1.0)
+    assert wd._timeout(g) == 600  # no optimizer step yet: compilation etc.
+    step(200.0)  # the first step: 200 s of compilation, not a gap
+    assert wd._timeout(g) == 300  # no gap seen yet: the cap
+    step(202.0)
+    assert wd._timeout(g) == 60  # 5 x 2 s, raised to the floor
+    step(232.0)
+    assert wd._timeout(g) == 150  # 5 x 30 s
+    g.paused = "eval"
+    wd._sample(g, 500.0)  # 268 s paused: not a step gap
+    g.paused = None
+    step(501.0)
+    assert wd._timeout(g) == 150
+    step(700.0)
+    assert wd._timeout(g) == 300  # 5 x 199 s, capped
