@@ -12,7 +12,8 @@
 # Per rank: exit code, error class, seconds from the fault to the error (the error
 # file's float `time`, written when the rank reported), and the first line of the error.
 # Results: OUT_DIR/hangs.json and OUT_DIR/hangs.md; logs under OUT_DIR/<mode>-<scenario>.
-# Knobs (env): BACKEND (nccl|gloo), HANG_TIMEOUT_S (5), CAP_S (60: wall-clock cap per
+# Knobs (env): SCENARIOS (a subset; ONLY=1 leaves out the example desync), BACKEND
+# (nccl|gloo), HANG_TIMEOUT_S (5), CAP_S (60: wall-clock cap per
 # run, `timeout`), MODES ("torchrun procs"), PYTHON (python3).
 set -u -o pipefail
 OUT=${1:?usage: gpu_hangs.sh OUT_DIR}
@@ -35,8 +36,8 @@ fi
 $PY -c "import torch; print('torch', torch.__version__)" >> "$OUT/machine.txt" \
   || { echo "gpu_hangs.sh: $PY cannot import torch (set PYTHON=...)" >&2; exit 1; }
 
-SCENARIOS="sleep pipe kill raise uneven example_stuck"
-if grep -q '"desync"' examples/train_gpt.py; then SCENARIOS="$SCENARIOS example_desync"; fi
+SCENARIOS=${SCENARIOS:-"sleep pipe kill raise uneven extra swap example_stuck"}
+if [ -z "${ONLY:-}" ] && grep -q '"desync"' examples/train_gpt.py; then SCENARIOS="$SCENARIOS example_desync"; fi
 
 free_port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); print(s.getsockname()[1])"; }
 

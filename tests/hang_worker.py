@@ -9,7 +9,11 @@ forward): ``clean``, ``sleep`` (stuck in Python), ``pipe`` (blocked in a C read 
 writes to), ``kill`` (SIGKILLs itself; ``kill_rank0``: rank 0, the TCPStore's host,
 does), ``raise`` (a ValueError), ``uneven`` (rank 1
 has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside ``g.pause_watchdog``),
-``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation).
+``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation),
+``extra`` (rank 1 issues an all_reduce of 3 elements that rank 0 never issues: it
+pairs with rank 0's next gradient bucket), ``swap`` (both ranks issue two all_reduces
+of different sizes, in opposite orders). ``extra`` and ``swap`` wrap the model in
+GuardedDDP, so the gradient buckets are part of the audited sequence.
 Just before the fault, rank 1 writes the wall-clock time to ``DIR/fault_time``, so the
 caller can measure the time from fault to error. Real processes, real gloo, real
 signals; nothing mocked.
@@ -37,9 +41,16 @@ import guardrails
 FAULT_STEP = 3
 
 
-def fault(kind: str, out: Path, g: guardrails.Guard, timeout_s: float) -> None:
+def fault(
+    kind: str, out: Path, g: guardrails.Guard, timeout_s: float, device: torch.device
+) -> None:
     (out / "fault_time").write_text(repr(time.time()))
-    if kind == "sleep":
+    if kind == "extra":
+        dist.all_reduce(torch.ones(3, device=device))  # a collective rank 0 never issues
+    elif kind == "swap":  # rank 0 issues (4, 7) below; this rank (7, 4)
+        dist.all_reduce(torch.ones(7, device=device))
+        dist.all_reduce(torch.ones(4, device=device))
+    elif kind == "sleep":
         time.sleep(3600)
     elif kind == "pipe":
         r, _w = os.pipe()
@@ -78,7 +89,10 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(
+    wrap = (
+        guardrails.GuardedDDP if kind in ("extra", "swap") else nn.parallel.DistributedDataParallel
+    )
+    model = wrap(
         Regressor().to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -98,7 +112,10 @@ def main() -> None:
         for x, y in g:
             at = 0 if kind == "slowfirst" else FAULT_STEP
             if rank == fault_rank and g.step == at:
-                fault(kind, out, g, args.hang_timeout_s)
+                fault(kind, out, g, args.hang_timeout_s, device)
+            elif kind == "swap" and g.step == at:
+                dist.all_reduce(torch.ones(4, device=device))
+                dist.all_reduce(torch.ones(7, device=device))
             model(x.to(device), y.to(device)).backward()
             opt.step()
             opt.zero_grad()

@@ -302,6 +302,15 @@ def test_resume_errors(tmp_path):
     assert "Not restorable" in str(err.value) and "allow_world_size_change" in err.value.hint
     assert guardrails.resume(ckpt, model, opt, allow_world_size_change=True)["step"] == 0
 
+    # Written by a newer guardrails: says which version to install.
+    manifest.update(world_size=1, format_version=99, guardrails="9.9.9")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(guardrails.ResumeError, match="format 99.*reads up to format 2") as err:
+        guardrails.resume(ckpt, model, opt)
+    assert "9.9.9" in err.value.hint
+    manifest.update(format_version=2)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
     # Every checkpoint corrupt under resume="auto": an error that lists why.
     (ckpt / "model.safetensors").write_bytes(b"junk")
     with pytest.raises(guardrails.ResumeError, match="every checkpoint .* invalid") as err:
