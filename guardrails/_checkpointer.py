@@ -100,6 +100,9 @@ class SignalCheckpointer(Component):
     """
 
     name = "checkpoint"
+    #: Never bypassed by benchmark mode: its saves and stop agreements must happen on
+    #: the steps every rank expects them.
+    essential = True
 
     def __init__(
         self,

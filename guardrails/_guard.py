@@ -75,6 +75,9 @@ class Guard:
         components: the components to run, in order.
         tokens_per_batch: tokens in one batch, for tokens/s. Default: inferred from
             the batch when its first tensor is an integer ``(batch, seq)`` tensor.
+        benchmark: measure the guard's own cost in this loop by sampling a few steps
+            with the components' per-step hooks bypassed (see ``_benchmark.py``); the
+            table goes to ``run_dir/benchmark.json`` and the log at close.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Guard:
         run_dir: str | PathLike[str] | None = None,
         components: Sequence[Component] | None = None,
         tokens_per_batch: int | None = None,
+        benchmark: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -134,6 +138,11 @@ class Guard:
         self._state = "new"  # new -> started -> closed
         self._handles: list[Any] = []
         self._dispatch: dict[str, list[Callable[..., Any]]] = {h: [] for h in HOOKS}
+        # The per-step hooks this step runs: the same table as _dispatch, except on the
+        # steps benchmark mode samples with some components bypassed (_benchmark.py).
+        self._live = self._dispatch
+        self.benchmark = benchmark
+        self._bench: Any = None
 
         # Per-step accumulators, reset after every optimizer step.
         self._auto_loss: Tensor | None = None
@@ -235,6 +244,7 @@ class Guard:
             # Filled as components start, so a start that fails closes only those that
             # started (like nested `with` blocks): on_end never sees half-made state.
             self._dispatch["on_end"] = []
+            self._live = self._dispatch
             self._check_optimizer_coverage()
             self.event(
                 "start",
@@ -248,6 +258,10 @@ class Guard:
                     c.on_start(self)
                 if overrides(c, "on_end"):
                     self._dispatch["on_end"].insert(0, c.on_end)  # reverse order
+            if self.benchmark:
+                from guardrails._benchmark import StepBenchmark
+
+                self._bench = StepBenchmark(self)
         except BaseException as exc:
             self.close(exc)
             raise
@@ -266,6 +280,12 @@ class Guard:
             return
         self._state = "closed"
         errors: list[BaseException] = []
+        if self._bench is not None:
+            bench, self._bench = self._bench, None
+            try:
+                bench.finish(self)
+            except Exception:  # a failed report must not hide the loop's own outcome
+                logger.exception("guardrails: benchmark mode could not report")
         for fn in self._dispatch["on_end"]:
             try:
                 fn(self, exc)
@@ -276,7 +296,7 @@ class Guard:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._dispatch = {h: [] for h in HOOKS}
+        self._dispatch = self._live = {h: [] for h in HOOKS}
         _store.close_side_group(self.side_group)
         self.side_group = None
         if self.events is not None:
@@ -401,12 +421,10 @@ class Guard:
             it = wrap(it)
         self.exhausted_at = None
         clock = time.perf_counter
-        on_batch = self._dispatch["on_batch"]
-        on_boundary = self._dispatch["on_boundary"]
         while True:
             if self._at_boundary:
                 self._at_boundary = False
-                for fn in on_boundary:
+                for fn in self._live["on_boundary"]:
                     fn(self)
                 if self.stopping is not None:
                     return
@@ -430,7 +448,7 @@ class Guard:
             n = self.tokens_per_batch if self.tokens_per_batch is not None else _tokens(batch)
             if n is not None:
                 self._tokens = n if self._tokens is None else self._tokens + n
-            for fn in on_batch:
+            for fn in self._live["on_batch"]:
                 fn(self, batch)
             yield batch
 
@@ -544,7 +562,7 @@ class Guard:
         if isinstance(lr, Tensor):
             lr = lr.item() if lr.device.type == "cpu" else math.nan
         self.lr = float(lr)
-        for fn in self._dispatch["before_step"]:
+        for fn in self._live["before_step"]:
             fn(self)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -554,8 +572,10 @@ class Guard:
         now = time.perf_counter()
         self.step_time_s = now - self._step_start
         self._step_start = now
-        for fn in self._dispatch["after_step"]:
+        for fn in self._live["after_step"]:
             fn(self)
+        if self._bench is not None:
+            self._bench.after_step(self)
         self._auto_loss = self._explicit_loss = self._step_loss = self._grad_norm = None
         self.skipped = None
         self._auto_n = self._explicit_n = 0

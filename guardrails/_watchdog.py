@@ -893,9 +893,11 @@ def _from_peer(exc: BaseException) -> bool:
     (gloo: "Connection reset/closed by peer"; NCCL: a DistBackendError)."""
     import torch.distributed as dist
 
+    text = str(exc).lower()
+    if "address already in use" in text or "eaddrinuse" in text:
+        return False  # this rank's own launch problem (the translator's LaunchError)
     if isinstance(exc, getattr(dist, "DistError", ())):  # DistBackendError, ... (torch 2.2+)
         return True
-    text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(
         s in text for s in ("gloo", "nccl", "connection", "peer", "timed out", "broken pipe")
     )
