@@ -27,6 +27,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=620)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--out", help="write the table (JSON) here")
     a = p.parse_args()
     device = torch.device(a.device)
@@ -34,6 +35,8 @@ def main() -> None:
     n_layer, n_head, n_embd, vocab = SIZES[a.size]
     model = RefGPT(n_layer, n_head, n_embd, vocab, a.seq).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if a.compile:
+        model = torch.compile(model)
     g = torch.Generator().manual_seed(0)
     data = [
         tuple(torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(device) for _ in range(2))
@@ -58,7 +61,10 @@ def main() -> None:
                     break
         table = json.loads((Path(d) / "benchmark.json").read_text())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}, {a.size} {a.batch}x{a.seq}, {a.steps} steps")
+    print(
+        f"{name}, torch {torch.__version__}, {a.size} {a.batch}x{a.seq}, {a.steps} steps, "
+        f"compile={a.compile}"
+    )
     print(render(table))
     if a.out:
         Path(a.out).write_text(json.dumps(table, indent=1))
