@@ -70,6 +70,8 @@ DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 #: How long rank 0 waits for the other ranks' files, and they for its commit: a rank
 #: that is this late has died or hung (the watchdog reports which).
 _COMMIT_TIMEOUT_S = 600.0
+#: How long rank 0 waits for the other ranks to read a commit's outcome.
+_ACK_WAIT_S = 10.0
 #: Warn when a save takes more than this share of the grace period: the step in flight
 #: when the signal comes must finish too.
 _GRACE_SHARE = 0.8
@@ -452,6 +454,7 @@ class SignalCheckpointer(Component):
         if guard.rank != 0:
             store.wait([f"{key}/commit"], timeout)
             result = json.loads(store.get(f"{key}/commit"))
+            store.add(f"{key}/ack", 1)  # rank 0 may exit (and take its store) after this
             if "error" in result:
                 raise CheckpointError(
                     f"checkpoint step {step} was not committed: {result['error']}",
@@ -502,6 +505,11 @@ class SignalCheckpointer(Component):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         store.set(f"{key}/commit", json.dumps({"path": str(final)}))
+        # Outside torchrun rank 0's process hosts the store: after a signal save it
+        # exits at once, so wait (briefly) until every rank has read the outcome.
+        deadline = time.monotonic() + _ACK_WAIT_S
+        while store.add(f"{key}/ack", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         return final
 
     def _wait_writer(self, *, raise_error: bool) -> None:

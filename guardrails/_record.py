@@ -66,6 +66,9 @@ def record(fn: F) -> F:
             if exc.code in (0, None):  # like torch's record: a clean sys.exit returns
                 _exit.release_process_group(abort=False)
                 return None
+            # A non-zero exit (a signal save's 128+signum, the user's sys.exit(1)): the
+            # process group goes too, bounded, in case a peer is still in a collective.
+            _exit.release_process_group(abort=True)
             raise
         except GuardrailsError as exc:
             _exit.write_error_file(exc)
