@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     ) as g:
         # resume="auto" (the default) has already restored the newest checkpoint in
         # RUN_DIR/checkpoints if there is one: g.step and g.epoch continue from it.
+        start_step = g.step
         while g.step < args.steps:
             if distributed:
                 sampler.set_epoch(g.epoch)
@@ -295,7 +296,12 @@ def main(argv: list[str] | None = None) -> None:
                     break
     elapsed = time.perf_counter() - t0
 
-    if rank == 0:
+    if rank == 0 and start_step >= args.steps:
+        print(
+            f"nothing to do: {args.run_dir} holds a run that already reached step "
+            f"{start_step} (resumed from its checkpoint); pass a new --run-dir or more --steps"
+        )
+    elif rank == 0:
         # Read back what the guard recorded: rank 0's rows of this run (a run_dir can
         # hold earlier runs too; `started_at` tells them apart).
         rows = guardrails.read_metrics(args.run_dir).to_pylist()

@@ -101,6 +101,8 @@ def test_inject_sigterm_saves_exits_and_the_same_command_resumes(tmp_path):
     pairs = zip(metrics["step"], metrics["started_at"], strict=True)
     resumed = [s for s, t in pairs if t == second]
     assert min(resumed) == 21 and max(resumed) == 40
+    proc, _ = run(args, tmp_path)  # once more: the run is finished, and says so
+    assert "nothing to do" in proc.stdout and "step 40" in proc.stdout
 
 
 def test_inject_desync_under_torchrun_names_both_calls(tmp_path):
