@@ -536,17 +536,9 @@ class CollectiveAuditor(Component):
         if self._ring is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._ring.path)
-        guard = self._guard
-        self.error = _error(verdict, self._rank, guard.step if guard is not None else None)
-        if guard is not None:
-            guard.event(
-                "collective_mismatch",
-                level="error",
-                message=str(self.error),
-                seq=verdict["seq"],
-                group=verdict["group"],
-            )
-            guard.fail_from_thread(self.error, grace_s=self.grace_s)
+        self._fail_quietly(verdict)
+        if self._guard is not None and self.error is not None:
+            self._guard.fail_from_thread(self.error, grace_s=self.grace_s)
 
     # ------------------------------------------------------------------ store traffic
 
@@ -690,6 +682,8 @@ class CollectiveAuditor(Component):
         return self.error
 
     def _fail_quietly(self, verdict: dict[str, Any]) -> None:
+        """Make the verdict this rank's error and log it (no raise: at close the caller
+        raises or replaces the loop's error itself)."""
         guard = self._guard
         self.error = _error(verdict, self._rank, guard.step if guard is not None else None)
         if guard is not None:

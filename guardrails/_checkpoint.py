@@ -169,8 +169,10 @@ class Part:
                 # Into pinned memory without waiting; ready() waits once for all of them.
                 t = t.to("cpu", non_blocking=True)
                 self._copies_on_device = True
-            elif shared or copy or not t.is_contiguous():
-                t = t.contiguous() if not (shared or copy) else t.clone()
+            elif shared or copy:  # a copy apart from the storage it shares / the caller
+                t = t.clone(memory_format=torch.contiguous_format)
+            elif not t.is_contiguous():  # safetensors stores contiguous tensors only
+                t = t.contiguous()
             unique[key] = t
         self.tensors[name] = (unique, aliases)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 from pathlib import Path
 
 import torch
@@ -61,3 +63,24 @@ def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
 
 def read_events(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a test's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 120.0) -> None:
+    """mp.spawn with a deadline: a hang fails the test instead of blocking the suite."""
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    end = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks still running after {deadline_s:.0f} s: a hang")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Regressor, batches
+from conftest import Regressor, batches, free_port
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import guardrails
@@ -198,12 +197,6 @@ def worker(scenario: str, out: str) -> None:
 # ---------------------------------------------------------------------- launching
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE.parents[1])]))
     env.update(extra)
@@ -212,7 +205,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def run_ranks(tmp_path: Path, scenario: str, world: int = 2) -> list[dict]:
     """Run ``world`` ranks of ``scenario``; return per rank: exit code, stderr, result."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(world):
         env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
@@ -355,7 +348,7 @@ def test_collective_in_a_rank0_only_branch(tmp_path):
 
 def test_torchrun_and_guard_defaults(tmp_path):
     # The whole stack as a user runs it: torchrun, guardrails.guard() defaults.
-    port = str(_free_port())
+    port = str(free_port())
     cmd = [
         sys.executable,
         "-m",

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches
-from test_preflight import _free_port, spawn
+from conftest import Regressor, batches, free_port, spawn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -147,7 +146,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    spawn(_worker, (2, _free_port(), str(out)))
+    spawn(_worker, (2, free_port(), str(out)))
     ranks = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     return {name: (ranks[0][name], ranks[1][name]) for name in CASES}
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, free_port, read_events
 from safetensors.torch import load_file
 from torch import nn
 
@@ -430,12 +429,6 @@ def test_a_given_nanguard_replaces_the_default(tmp_path):
 # ---------------------------------------------------------------------- two ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, run_dir: str, out: str, ddp: bool) -> None:
     import torch.distributed as dist
 
@@ -474,7 +467,7 @@ def _ddp_worker(rank: int, world: int, port: int, run_dir: str, out: str, ddp: b
 def test_two_ranks_skip_the_same_step(tmp_path, ddp):
     import torch.multiprocessing as mp
 
-    args = (2, _free_port(), str(tmp_path / "run"), str(tmp_path), ddp)
+    args = (2, free_port(), str(tmp_path / "run"), str(tmp_path), ddp)
     mp.spawn(_ddp_worker, args=args, nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["skipped"] == r1["skipped"] == [3]

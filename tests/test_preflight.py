@@ -18,33 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, free_port, read_events, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 import guardrails
 from guardrails._launch import check_launch, launch_problems
-
-DEADLINE_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = DEADLINE_S) -> None:
-    """mp.spawn with a deadline: a hang fails the test instead of blocking the suite."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    end = time.monotonic() + deadline_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline_s:.0f} s: a hang")
-
 
 # ---------------------------------------------------------------------- scenarios
 
@@ -203,7 +181,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight")
-    spawn(_worker, (2, _free_port(), str(out)))
+    spawn(_worker, (2, free_port(), str(out)))
     ranks = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     return {name: (ranks[0][name], ranks[1][name], out / name) for name in SCENARIOS}
 
@@ -341,7 +319,7 @@ def test_port_held_is_fine_under_torchrun_and_on_other_ranks(listening):
 
 
 def test_free_port_passes():
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0"}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0"}
     assert check_launch(env=env, device_type="cpu") == []
 
 

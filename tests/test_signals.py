@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,18 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, free_port, read_events
 
 import guardrails
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(run_dir, out, *args, world=1, port=0, **popen):
@@ -50,7 +43,7 @@ def _launch(run_dir, out, *args, world=1, port=0, **popen):
 
 
 def _run(run_dir, out, *args, world=1):
-    procs = _launch(run_dir, out, *args, world=world, port=_port())
+    procs = _launch(run_dir, out, *args, world=world, port=free_port())
     results = []
     for p in procs:
         text, _ = p.communicate(timeout=240)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 import guardrails
 from guardrails import _watchdog
@@ -33,12 +33,6 @@ BOUND_S = TIMEOUT_S + 10.0
 ROOT = Path(__file__).parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_ERROR_FILE"}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
@@ -49,7 +43,7 @@ def start(scenario: str, out: Path) -> list[tuple[subprocess.Popen, Path]]:
     a launcher that does not kill the others), each with torchrun's variables and its
     own torchelastic error file."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(2):
         env = _env(
