@@ -91,7 +91,8 @@ def test_a_leak_of_plain_tensors_names_the_attribute_that_holds_them(tmp_path):
     # The census counts the kept tensors exactly; RSS (what "memory" is on CPU) grows by
     # less when the allocator reuses pages an earlier test freed, so it is only bounded.
     assert leak["tensor_bytes_per_step"] == pytest.approx(256 * 1024, rel=0.05)
-    assert leak["memory_bytes_per_step"] > 0
+    # (0 seen in a fresh-clone CI run: every page came back from earlier tests' frees.)
+    assert 0 <= leak["memory_bytes_per_step"] < 8 * 256 * 1024
     assert leak["held_by"].startswith("`trainer.kept` (a list of")
     assert "64x1024 float32 cpu tensor" in leak["tensor"]
     assert "grad_fn" not in leak["tensor"]
