@@ -83,7 +83,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-VARIANTS = ("plain", "guarded", "item")
+VARIANTS = ("plain", "guarded", "graph_norm", "item")
+GRAPH_RUNS: list[dict[str, int]] = []  # the grad norm graph's counters, per guarded run
 
 
 def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
@@ -92,6 +93,8 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
     plain: the bare loop. guarded: the same loop under guardrails.guard() (defaults).
     item: the hand-written alternative to NanGuard, skip the step when
     ``torch.isfinite(grad_norm).item()`` is false (one host sync per step).
+    graph_norm: guarded, with ``graph_grad_norm=True`` (the grad norm replayed as a
+    CUDA graph when the gradients are where a captured graph expects them).
     With --clip, every variant clips the grad norm to 1.0 (guarded: through
     g.clip_grad_norm_, which shares its norm with the guard).
     """
@@ -129,11 +132,22 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
         sync(device)
         return (time.perf_counter() - t0) / args.steps
 
-    if variant != "guarded":
+    if variant not in ("guarded", "graph_norm"):
         return loop(cycle(data, total))
     with tempfile.TemporaryDirectory() as d:
-        with guardrails.guard(step_model, opt, cycle(data, total), run_dir=d, progress=False) as g:
+        with guardrails.guard(
+            step_model,
+            opt,
+            cycle(data, total),
+            run_dir=d,
+            progress=False,
+            graph_grad_norm=variant == "graph_norm",
+        ) as g:
             per_step = loop(g, g)
+        for line in (Path(d) / "events.jsonl").read_text().splitlines():
+            event = json.loads(line)
+            if event["kind"] == "grad_norm_graph":  # replays/eager/captures of this run
+                GRAPH_RUNS.append({k: event[k] for k in ("replays", "eager", "captures")})
     return per_step
 
 
@@ -152,13 +166,20 @@ def main() -> None:
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
     p.add_argument("--clip", action="store_true", help="clip the grad norm to 1.0 in every variant")
     p.add_argument("--item", action="store_true", help="also time the per-step .item() check")
+    p.add_argument(
+        "--graph-norm", action="store_true", help="also time the guard with graph_grad_norm=True"
+    )
     p.add_argument("--out", help="append a JSON line with the result here")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # a steadier clock; the guard's cost is single-threaded host work
     model, step_model, opt, data = build(args, device)
-    variants = ["plain", "guarded"] + (["item"] if args.item else [])
+    variants = (
+        ["plain", "guarded"]
+        + (["graph_norm"] if args.graph_norm else [])
+        + (["item"] if args.item else [])
+    )
     for v in variants:  # compile / allocator / lazy optimizer state warm-up
         one_run(args, device, model, step_model, opt, data, v)
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -189,6 +210,18 @@ def main() -> None:
         "noise_us": (q3 - q1) / 2 * 1e6,
         "clip": args.clip,
     }
+    if GRAPH_RUNS:
+        result["graph_replays"] = sum(r["replays"] for r in GRAPH_RUNS)
+        result["graph_eager"] = sum(r["eager"] for r in GRAPH_RUNS)
+        result["graph_captures"] = sum(r["captures"] for r in GRAPH_RUNS)
+    if args.graph_norm:
+        graph = times["graph_norm"]
+        g_diffs = sorted(e - q for e, q in zip(graph, plain, strict=True))
+        g1, _, g3 = statistics.quantiles(g_diffs, n=4)
+        result["graph_norm_step_us"] = statistics.median(graph) * 1e6
+        result["graph_norm_overhead_us"] = (statistics.median(graph) - med_plain) * 1e6
+        result["graph_norm_overhead_pct"] = 100 * (statistics.median(graph) - med_plain) / med_plain
+        result["graph_norm_noise_us"] = (g3 - g1) / 2 * 1e6
     if args.item:
         med_item = statistics.median(times["item"])
         result["item_step_us"] = med_item * 1e6
@@ -202,6 +235,18 @@ def main() -> None:
         f"paired median {result['paired_diff_median_us']:+.1f} us, "
         f"noise +/-{result['noise_us']:.1f} us"
     )
+    if GRAPH_RUNS:
+        print(
+            f"  grad norm graph: {result['graph_replays']} steps replayed, "
+            f"{result['graph_eager']} eager, {result['graph_captures']} captures"
+        )
+    if args.graph_norm:
+        print(
+            f"  guarded, graph_grad_norm {result['graph_norm_step_us']:10.1f} us/step "
+            f"({result['graph_norm_overhead_us']:+.1f} us, "
+            f"{result['graph_norm_overhead_pct']:+.2f}%, "
+            f"noise +/-{result['graph_norm_noise_us']:.1f})"
+        )
     if args.item:
         print(
             f"  isfinite(norm).item() per step: {result['item_step_us']:10.1f} us/step "

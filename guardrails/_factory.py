@@ -64,6 +64,7 @@ def guard(
     even_batches: bool = False,
     explain_errors: bool = True,
     benchmark: bool = False,
+    graph_grad_norm: bool = False,
     components: Sequence[Component] | None = None,
     **unknown: Any,
 ) -> Guard:
@@ -172,6 +173,16 @@ def guard(
             steps are not NaN-checked or recorded); at close a table of step time
             guarded vs bypassed, overhead with a 95% interval and per-component cost goes
             to ``run_dir/benchmark.json`` and the log. Default False.
+        graph_grad_norm: experimental, one CUDA device: compute the per-step grad norm
+            (shared by NanGuard, Telemetry and ``g.clip_grad_norm_``) by replaying a
+            CUDA graph of its kernels whenever the gradients are at addresses a graph
+            was captured with: one launch instead of one output tensor per gradient
+            (GPT-2 small: ~63 instead of ~535 us of host time per step, H100). Exact:
+            a step whose gradients are elsewhere is computed eagerly; a loop whose
+            gradients never settle goes back to eager by itself. A
+            ``grad_norm_graph`` event at the end counts replays. Default False until
+            its in-loop gain is measured (see benchmarks/RESULTS.md); no effect on
+            CPU, model-parallel or sharded (DTensor) models.
         components: extra components, run after the defaults. One of the same type as
             a default (e.g. ``NanGuard(spike_factor=10)``) replaces that default.
 
@@ -258,6 +269,7 @@ def guard(
         components=chosen,
         tokens_per_batch=tokens_per_batch,
         benchmark=benchmark,
+        graph_grad_norm=graph_grad_norm,
     )
 
 

@@ -17,9 +17,10 @@ What it hooks, and why each is enough:
 Nothing here reads a device value on the host: the loss and the grad norm stay device
 tensors, and components move them to the host lagged (see ``_telemetry.py``). Host work
 per step is a fixed number of Python calls whatever the model size; the one piece that
-touches every parameter is gathering ``p.grad`` for the fused norm, a single list
-comprehension (about 20 ns per parameter tensor, ~3 us for GPT-2 small's 148 tensors)
-with no Python call per parameter.
+touches every parameter is gathering ``p.grad`` for the fused norm (with
+``graph_grad_norm=True``: their addresses, to replay it as a CUDA graph), a single list
+comprehension (about 20-100 ns per parameter tensor, a few us for GPT-2 small's 148
+tensors) with no Python function call per parameter.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from guardrails._checks import positive_int
 from guardrails._component import HOOKS, Component, overrides
 from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog
+from guardrails._gradnorm import GradNorm, total_norm
 
 logger = logging.getLogger("guardrails")
 
@@ -78,6 +80,8 @@ class Guard:
         benchmark: measure the guard's own cost in this loop by sampling a few steps
             with the components' per-step hooks bypassed (see ``_benchmark.py``); the
             table goes to ``run_dir/benchmark.json`` and the log at close.
+        graph_grad_norm: replay the per-step grad norm as a CUDA graph (see
+            :func:`guardrails.guard`). Default False.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Guard:
         components: Sequence[Component] | None = None,
         tokens_per_batch: int | None = None,
         benchmark: bool = False,
+        graph_grad_norm: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -105,6 +110,11 @@ class Guard:
         self.device = self._params[0].device
         self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
         self._param_devices = {p.device for p in self._params}
+        #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
+        #: graph expects them (one launch instead of one output per gradient; opt-in,
+        #: see _gradnorm.py).
+        self.graph_grad_norm = graph_grad_norm
+        self._norm: GradNorm | None = None
 
         #: Optimizer steps completed (counted from the checkpoint on a resumed run).
         self.step = 0
@@ -252,6 +262,7 @@ class Guard:
                 device=str(self.device),
                 components=[c.name for c in self.components],
             )
+            self._norm = GradNorm(self._params, use_graph=self.graph_grad_norm)
             self._step_start = time.perf_counter()
             for c in self.components:
                 if overrides(c, "on_start"):
@@ -296,6 +307,12 @@ class Guard:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._norm is not None:
+            norm, self._norm = self._norm, None
+            if norm.enabled or norm.gave_up:
+                self.event("grad_norm_graph", **norm.close())
+            else:
+                norm.close()
         self._dispatch = self._live = {h: [] for h in HOOKS}
         _store.close_side_group(self.side_group)
         self.side_group = None
@@ -513,12 +530,16 @@ class Guard:
         """The total L2 norm of the gradients at this step, a 0-d float32 device tensor.
 
         Computed once per step with a fused ``_foreach_norm`` (one kernel per device and
-        dtype, not one per parameter) and shared by every component and by
+        dtype, not one per parameter), or replayed as a CUDA graph with
+        ``graph_grad_norm=True`` (``_gradnorm.py``), and shared by every component and by
         :meth:`clip_grad_norm_`. Valid from ``before_step`` on.
         """
         if self._grad_norm is None:
-            grads = [p.grad for p in self._params if p.grad is not None]
-            self._grad_norm = _total_norm(grads, self.device, len(self._param_devices) > 1)
+            if self._norm is None:  # before start or after close: plain and eager
+                grads = [p.grad for p in self._params if p.grad is not None]
+                self._grad_norm = total_norm(grads, self.device, len(self._param_devices) > 1)
+            else:
+                self._grad_norm = self._norm(self._params)
         return self._grad_norm
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -756,30 +777,3 @@ def _tokens(batch: Any) -> int | None:
     if isinstance(first, Tensor) and first.ndim == 2 and not first.is_floating_point():
         return first.numel()
     return None
-
-
-def _total_norm(grads: list[Tensor], device: torch.device, multi_device: bool) -> Tensor:
-    """L2 norm of all gradients as a float32 0-d tensor on ``device``, without a sync."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    if multi_device:
-        # Model parallel: one fused norm per device, summed on ``device``.
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
-        parts = [
-            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).float()).to(device)
-            for gs in by_device.values()
-        ]
-        return torch.linalg.vector_norm(torch.stack(parts))
-    # _foreach_norm: one multi-tensor kernel per dtype, not one launch per parameter.
-    stacked = torch.stack(torch._foreach_norm(grads))
-    if stacked.dtype != torch.float32:  # bf16/fp16 grads; skips a no-op call otherwise
-        stacked = stacked.float()
-    total = torch.linalg.vector_norm(stacked)
-    if hasattr(total, "full_tensor"):
-        # Sharded grads (FSDP2 / DTensor): the norm of local shards is partial; the
-        # whole one is an all-reduce over the mesh, the same one torch's own
-        # clip_grad_norm_ does for DTensors (one small collective per step).
-        total = total.full_tensor()
-    return total

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_events
 
 import guardrails
+from guardrails._gradnorm import MAX_MISSES, total_norm
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -255,3 +257,91 @@ def test_checkpoints_on_cuda_sync_only_at_saves_and_resume_bitwise(tmp_path):
         assert torch.equal(a, b)
     for sa, sb in zip(opt_a.state.values(), opt_b.state.values(), strict=True):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _linear_model(device):
+    # 4 MiB gradients: the allocator's large pool, where a warm loop's gradients can
+    # come back to the same blocks (small ones share blocks with every small tensor
+    # the loop keeps, like a list of per-step losses).
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(1024, 1024, bias=False),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024, bias=False),
+    ).to(device)
+
+
+def _graph_norm_loop(tmp_path, n_steps, before_norm):
+    """Train the linear model with graph_grad_norm=True under sync-debug "error";
+    ``before_norm(i, params)`` may move the gradients. Returns, per step, the norm
+    the guard gave (kept past the step: a replay must not overwrite it) and the eager
+    norm of the same gradients, and the run's grad_norm_graph event."""
+    device = torch.device("cuda")
+    model = _linear_model(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    params = list(model.parameters())
+    batches = [torch.randn(64, 1024, device=device) for _ in range(4)]
+    pairs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with guardrails.guard(
+            model,
+            opt,
+            batches * (n_steps // 4 + 1),
+            run_dir=tmp_path,
+            progress=False,
+            graph_grad_norm=True,
+        ) as g:
+            for i, x in enumerate(g):
+                if i == n_steps:
+                    break
+                model(x).square().mean().backward()
+                before_norm(i, params)
+                norm = g.grad_norm()
+                pairs.append((norm, total_norm([p.grad for p in params], device, False)))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for step, (graph, eager) in enumerate(pairs, 1):
+        # A stale read (another step's gradients) would give another step's norm.
+        torch.testing.assert_close(graph, eager, rtol=1e-6, atol=0, msg=f"step {step}")
+    assert len({v.item() for v, _ in pairs}) == n_steps  # every step its own value
+    [ev] = [e for e in read_events(tmp_path) if e["kind"] == "grad_norm_graph"]
+    return ev
+
+
+def test_graph_grad_norm_equals_the_eager_norm_and_never_reads_moved_gradients(tmp_path):
+    """Replays give the eager norm without a sync; once the gradients start moving (the
+    loop keeps old ones alive, so the allocator cannot hand their blocks back) every
+    step is computed eagerly (still equal), and after MAX_MISSES such steps the guard
+    gives the graph up."""
+    move_from = 12
+    kept = []
+
+    def move(i, params):
+        if i >= move_from:
+            kept.append([p.grad for p in params])  # held: new grads land elsewhere
+            for p in params:
+                p.grad = p.grad.clone()
+
+    ev = _graph_norm_loop(tmp_path, move_from + MAX_MISSES + 5, move)
+    assert ev["captures"] >= 1 and ev["replays"] >= move_from - 4, ev
+    assert ev["eager"] >= MAX_MISSES + 1 and "new addresses" in ev["gave_up"], ev
+
+
+def test_graph_grad_norm_keeps_one_graph_per_layout_the_gradients_cycle_through(tmp_path):
+    """Gradients that alternate between two sets of buffers (an allocator cycling
+    through two layouts) get two graphs, and every later step replays the right one."""
+    bufs: list[list[torch.Tensor]] = []
+
+    def alternate(i, params):
+        if not bufs:
+            bufs.extend([[torch.empty_like(p) for p in params] for _ in range(2)])
+        for p, buf in zip(params, bufs[i % 2], strict=True):
+            buf.copy_(p.grad)
+            p.grad = buf
+
+    n_steps = 24
+    ev = _graph_norm_loop(tmp_path, n_steps, alternate)
+    assert ev["captures"] == 2 and ev["replays"] == n_steps - 4 and ev["gave_up"] is None, ev

@@ -1,0 +1,174 @@
+"""The total gradient norm, once per step, and an opt-in CUDA graph of it whose host
+cost does not grow with the number of gradients.
+
+Eagerly the norm is three ops, ``vector_norm(stack(_foreach_norm(grads)))``, but
+``_foreach_norm`` returns one tensor per gradient: on GPT-2 small (148 gradients) the
+host spends ~535 us per step on the three (H100 host, ``benchmarks/grad_norm.py``).
+That is the guard's largest per-step host cost, and it lands on the step time whenever
+the loop is host-bound (GPT-2 small at 2x1024).
+
+With ``guard(..., graph_grad_norm=True)``, on one CUDA device, the same three ops are
+captured into a CUDA graph and replayed: one launch, the same kernels on the device
+(~63 us of host time per step instead of ~535, measured). A graph reads the gradients
+at the addresses it was captured with, so before each replay the guard looks the
+current addresses up (one ``data_ptr()`` per gradient) among the layouts it holds a
+graph for, and replays only on an exact match. Gradients freed by
+``zero_grad(set_to_none=True)`` come back from the caching allocator at addresses that
+depend on its state: a layout seen again within ``RECENT_LAYOUTS`` steps gets a graph
+(up to ``MAX_CAPTURES``); after ``MAX_MISSES`` eager steps in a row the guard stays
+eager for the run. Off by default: in the first loop measured (GPT-2 small, 8x1024,
+30-step runs) the gradients never came back to the previous step's addresses, and the
+layout cache written since has not been measured on a GPU yet (benchmarks/RESULTS.md).
+
+Never captured (eager, exactly as without the knob): CPU, gradients on several devices
+(model parallel), sharded gradients (DTensor: the norm is an all-reduce), a loop that is
+itself being captured.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger("guardrails")
+
+#: Captures allowed in one run before the guard stays eager (each costs ~1 ms of host
+#: time and one graph kept; a loop whose gradients move every step would otherwise
+#: capture every step).
+MAX_CAPTURES = 8
+#: Eager steps in a row (gradients at addresses no graph has) before giving up: the
+#: allocator's layout can take tens of steps to settle after the first ones.
+MAX_MISSES = 50
+#: A layout seen again among the last this many steps gets a graph: the allocator may
+#: cycle through a few (measured: GPT-2 small at 8x1024 never repeated the previous
+#: step's addresses in 20 steps).
+RECENT_LAYOUTS = 4
+
+
+def total_norm(grads: list[Tensor], device: torch.device, multi_device: bool) -> Tensor:
+    """L2 norm of all gradients as a float32 0-d tensor on ``device``, without a sync."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    if multi_device:
+        # Model parallel: one fused norm per device, summed on ``device``.
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        parts = [
+            torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).float()).to(device)
+            for gs in by_device.values()
+        ]
+        return torch.linalg.vector_norm(torch.stack(parts))
+    # _foreach_norm: one multi-tensor kernel per dtype, not one launch per parameter.
+    stacked = torch.stack(torch._foreach_norm(grads))
+    if stacked.dtype != torch.float32:  # bf16/fp16 grads; skips a no-op call otherwise
+        stacked = stacked.float()
+    total = torch.linalg.vector_norm(stacked)
+    if hasattr(total, "full_tensor"):
+        # Sharded grads (FSDP2 / DTensor): the norm of local shards is partial; the
+        # whole one is an all-reduce over the mesh, the same one torch's own
+        # clip_grad_norm_ does for DTensors (one small collective per step).
+        total = total.full_tensor()
+    return total
+
+
+class GradNorm:
+    """Computes :func:`total_norm` each step, replaying a CUDA graph of it when the
+    gradients are at addresses a graph was captured with (see the module docstring)."""
+
+    def __init__(self, params: list[Tensor], *, use_graph: bool) -> None:
+        self.device = params[0].device
+        self.multi_device = len({p.device for p in params}) > 1
+        # Sharded parameters (DTensor) have a full_tensor(); their norm is a collective.
+        sharded = any(hasattr(p, "full_tensor") for p in params)
+        self.enabled = (
+            use_graph and self.device.type == "cuda" and not self.multi_device and not sharded
+        )
+        # The gradients' addresses -> (graph, its output): one graph per layout the
+        # allocator cycles through.
+        self._graphs: dict[tuple[int, ...], tuple[Any, Tensor]] = {}
+        self._recent: deque[tuple[int, ...]] = deque(maxlen=RECENT_LAYOUTS)
+        self._misses = 0  # eager steps in a row
+        self._stream: Any = None
+        #: Counters for the end-of-run event: steps replayed, steps computed eagerly
+        #: while the graph was wanted, graphs captured.
+        self.replays = 0
+        self.eager = 0
+        self.captures = 0
+        #: Why the graph was given up during the run, or ``None``.
+        self.gave_up: str | None = None
+
+    def __call__(self, params: list[Tensor]) -> Tensor:
+        """The norm of ``params``' gradients (those that have one) this step."""
+        if not self.enabled:
+            grads = [p.grad for p in params if p.grad is not None]
+            return total_norm(grads, self.device, self.multi_device)
+        # One pass over the parameters, as the eager gather: each gradient's address, 0
+        # for none (so a different set of parameters with gradients never matches).
+        key = tuple([0 if (g := p.grad) is None else g.data_ptr() for p in params])
+        hit = self._graphs.get(key)
+        if hit is not None:
+            graph, out = hit
+            graph.replay()
+            self.replays += 1
+            self._misses = 0
+            # A clone (one small kernel): the graph's output is overwritten by the next
+            # replay, and a user may keep g.grad_norm() past this step.
+            return out.clone()
+        self.eager += 1
+        self._misses += 1
+        grads = [p.grad for p in params if p.grad is not None]
+        out = total_norm(grads, self.device, False)
+        if grads and not torch.cuda.is_current_stream_capturing():
+            if self._misses > MAX_MISSES:
+                self._give_up(f"the gradients were at new addresses {MAX_MISSES} steps in a row")
+            elif key in self._recent:  # a layout that came back: worth a graph
+                if self.captures == MAX_CAPTURES:
+                    self._give_up(f"the gradients kept moving after {MAX_CAPTURES} captures")
+                else:
+                    self._capture(grads, key)
+        self._recent.append(key)
+        return out
+
+    def _capture(self, grads: list[Tensor], key: tuple[int, ...]) -> None:
+        """Capture the norm's kernels on a side stream (capture needs one that is not
+        the default stream). Not ``torch.cuda.graph(...)``: its ``__enter__``
+        synchronizes the device, runs ``gc.collect()`` and empties the allocator's
+        cache, which would cost a host sync and move every gradient."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        # "thread_local": CUDA calls from other threads (a checkpoint writer copying to
+        # pinned memory) neither break this capture nor are broken by it.
+        with torch.cuda.stream(self._stream):
+            # Its own memory pool (a few KiB: the per-gradient norms), freed with it.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = total_norm(grads, self.device, False)
+            finally:
+                graph.capture_end()
+        current.wait_stream(self._stream)
+        self._graphs[key] = (graph, out)
+        self.captures += 1
+
+    def _give_up(self, why: str) -> None:
+        logger.debug("guardrails: grad norm stays eager: %s", why)
+        self.gave_up = why
+        self.enabled = False
+        self._graphs.clear()
+
+    def close(self) -> dict[str, Any]:
+        """Drop the graphs (their memory pools go with them); returns the counters."""
+        self._graphs.clear()
+        return {
+            "replays": self.replays,
+            "eager": self.eager,
+            "captures": self.captures,
+            "gave_up": self.gave_up,
+        }
