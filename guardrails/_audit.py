@@ -67,7 +67,9 @@ issued during the step's backward on every rank).
 Limits: only the ``torch.distributed`` module attributes are patched, so a function
 imported by name before the guard started (``from torch.distributed import
 all_reduce``), DDP's C++ reducer (unless reported through ``record``) and functional
-collectives (``torch.distributed._functional_collectives``) are not seen.
+collectives (``torch.distributed._functional_collectives``) are not seen. FSDP2
+(``fully_shard``) issues its all-gathers and reduce-scatters through the module
+functions, so they are seen and compared (tests/test_audit.py, gloo, torch 2.13).
 """
 
 from __future__ import annotations

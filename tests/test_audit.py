@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import Regressor, batches, free_port
+from conftest import Regressor, batches, free_port, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import guardrails
@@ -541,3 +541,43 @@ def test_knobs_are_checked():
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2])
+
+
+def _fsdp2_rank(rank: int, port: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = [torch.randn(4, 8) for _ in range(3)]
+        with guardrails.guard(model, opt, data, run_dir=Path(out, "run"), progress=False) as g:
+            for x in g:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            # (group, seq, op, kind, shape, ...): the raw entries, newest last.
+            calls = [(e[1], e[2], list(e[4] or ())) for e in g.auditor.recent]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(calls))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_collectives_are_audited(tmp_path):
+    """FSDP2 issues its all-gathers and reduce-scatters through the torch.distributed
+    module functions, so the auditor sees and compares them like any other call (and the
+    grad norm's DTensor all-reduce): 3 steps of a 2-layer model, 7 calls each."""
+    spawn(_fsdp2_rank, (free_port(), str(tmp_path)))
+    calls = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert calls[0] == calls[1]  # same sequence, ops and shapes on both ranks
+    ops = [op for _, op, _ in calls[0]]
+    per_step = ["all_gather_single"] * 4 + ["reduce_scatter_single"] * 2 + ["all_reduce"]
+    assert ops == per_step * 3, ops
+    assert [seq for seq, _, _ in calls[0]] == list(range(1, 22))
