@@ -127,6 +127,8 @@ class Part:
         #: Files already written into the temp dir by someone else (DCP shards), to be
         #: hashed into the manifest.
         self.sealed: list[Path] = []
+        #: A background sharded save's DCP future: its files are sealed once it is done.
+        self.dcp: Any = None
         self._copies_on_device = False
 
     @property

@@ -25,8 +25,10 @@ its data. What it does, and where the cost goes:
 * **Periodic saves block only for staging**: tensors are copied off the live objects
   (device to pinned host memory, one sync), then a writer thread serialises, fsyncs
   and commits while training goes on. The next save waits for the previous one; a
-  writer error is raised in the main thread at the next step boundary. The signal save
-  is synchronous (the process is about to exit).
+  writer error is raised in the main thread at the next step boundary. Sharded state
+  (FSDP2) is staged by DCP's ``async_save`` and written from its thread over a gloo
+  group only these saves use (``_sharded.py``). The signal save is synchronous (the
+  process is about to exit).
 * **Grace period**: torchrun and SLURM send SIGKILL 30 s after SIGTERM. Every save is
   timed; when one (staging + write + commit) takes more than 80% of ``grace_s`` a
   warning event says so at that save, long before the pre-emption that would lose it.
@@ -169,6 +171,9 @@ class SignalCheckpointer(Component):
         self._token = ""
         self._resumed = False
         self.root = Path()
+        # A gloo group only background sharded saves use (DCP's collectives from its
+        # thread); None when there are none.
+        self._dcp_group: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,6 +185,15 @@ class SignalCheckpointer(Component):
         self._last_save_t = self._check_t = time.monotonic()
         self._check_step = guard.step
         self._next_check = guard.step + 1
+        periodic = self.every_n_steps is not None or self.every_s is not None
+        if (
+            self.background
+            and periodic
+            and guard.world_size > 1
+            and _sharded.is_sharded(_unwrap(guard.model))
+        ):
+            # Every rank creates it here, at the same point (new_group is collective).
+            self._dcp_group = dist.new_group(backend="gloo")
         if threading.current_thread() is not threading.main_thread():
             if self.signals:
                 guard.event(
@@ -213,7 +227,12 @@ class SignalCheckpointer(Component):
                     self._save(guard, background=False)  # progress since the last save
         finally:
             self._restore_handlers()
-            self._wait_writer(raise_error=exc is None)
+            try:
+                self._wait_writer(raise_error=exc is None)
+            finally:
+                if self._dcp_group is not None:
+                    group, self._dcp_group = self._dcp_group, None
+                    dist.destroy_process_group(group)
 
     def _restore_handlers(self) -> None:
         for num, previous in self._previous.items():
@@ -311,16 +330,22 @@ class SignalCheckpointer(Component):
             part = _checkpoint.Part()
             bare = _unwrap(guard.model)
             sharded: list[Path] = []
-            if _sharded.is_sharded(bare):
-                # Every rank writes its own shards now, in the main thread: DCP's save
-                # is a collective over the training's process group.
-                background = False
+            is_sharded = _sharded.is_sharded(bare)
+            if is_sharded:
                 tmp = _checkpoint.begin(self.root, step, self._token)
-                sharded = _sharded.save(tmp, guard.rank, bare, guard.optimizer)
+                if background and self._dcp_group is not None:
+                    # Shards staged to host memory now; DCP writes them from its own
+                    # thread over our gloo group, and the writer thread waits for it.
+                    part.dcp = _sharded.save_async(tmp, bare, guard.optimizer, self._dcp_group)
+                else:
+                    # Every rank writes its own shards now, in the main thread: DCP's
+                    # save is a collective over the training's process group.
+                    background = False
+                    sharded = _sharded.save(tmp, guard.rank, bare, guard.optimizer)
             if guard.rank == 0:
                 _checkpoint.stage_replicated(
-                    model=None if sharded else bare,
-                    optimizer=None if sharded else guard.optimizer,
+                    model=None if is_sharded else bare,
+                    optimizer=None if is_sharded else guard.optimizer,
                     scheduler=guard.scheduler,
                     scaler=guard.scaler,
                     extras=guard.state,
@@ -387,6 +412,9 @@ class SignalCheckpointer(Component):
                 _checkpoint.remove_leftovers(root, keep=self._token)
             tmp = _checkpoint.begin(root, step, self._token)
             part.write(tmp, files)
+            if part.dcp is not None:  # a background sharded save: DCP's writes first
+                part.dcp.result()
+                part.sealed = _sharded.written(tmp, rank)
             for f in part.sealed:  # written by DCP: hash what this rank wrote
                 _checkpoint._seal(f, files, name=f"{_sharded.DCP_DIR}/{f.name}")
         except BaseException as e:
@@ -420,6 +448,8 @@ class SignalCheckpointer(Component):
             path=str(final),
             bytes=part.nbytes,
             seconds=round(took, 3),
+            background=threading.current_thread() is not threading.main_thread(),
+            sharded=bool(part.sealed),
         )
         if took > _GRACE_SHARE * self.grace_s and not self._warned_grace:
             self._warned_grace = True

@@ -10,14 +10,19 @@ stays what it is for replicated state: per-rank RNG and data files, JSON for the
 scheduler / scaler / extras, one manifest that lists every DCP file with its size and
 sha256 (each rank hashes the files it wrote), and one atomic rename.
 
-DCP's save and load are collectives over the default process group, so a sharded save
-is synchronous (not in the background writer) and happens at the step boundary where
-every rank saves anyway. Only the state-dict APIs of
-``torch.distributed.checkpoint.state_dict`` are used (public since torch 2.2).
+DCP's save and load are collectives. A signal save (and any save without a background
+writer) runs them over the default process group in the main thread, at the step
+boundary where every rank saves anyway. A periodic background save stages the shards in
+host memory in the main thread (the only part that blocks training) and lets
+``dcp.async_save`` write them from its own thread, with its collectives over a gloo
+group that only these saves use: a collective from another thread on the training's
+group could pair with the training's own and hang or corrupt both. Only the state-dict
+APIs of ``torch.distributed.checkpoint.state_dict`` are used (public since torch 2.2).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +49,28 @@ def save(directory: Path, rank: int, model: nn.Module, optimizer: Any) -> list[P
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / DCP_DIR))
+    return written(directory, rank)
+
+
+def save_async(directory: Path, model: nn.Module, optimizer: Any, group: Any) -> Future[Any]:
+    """Stage this rank's shards of model and optimizer in host memory now, and write
+    them under ``directory/dcp`` from DCP's own thread, its collectives over ``group``
+    (every rank calls it). The returned future is done when this rank's files are."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return dcp.async_save(  # type: ignore[return-value]
+        {"model": model_sd, "optim": optim_sd},
+        checkpoint_id=str(directory / DCP_DIR),
+        process_group=group,
+    )
+
+
+def written(directory: Path, rank: int) -> list[Path]:
+    """The DCP files this rank wrote under ``directory/dcp``."""
     target = directory / DCP_DIR
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(target))
     # FileSystemWriter names each rank's files __<rank>_<i>.distcp; rank 0 also writes
     # the global .metadata once every rank's plan is in.
     mine = sorted(target.glob(f"__{rank}_*.distcp"))

@@ -1,7 +1,7 @@
 """A small training script for the checkpoint / signal tests, run as a real process.
 
     python tests/ckpt_worker.py RUN_DIR OUT [--steps N] [--sigterm-at K] [--rank R
-        --world W --port P] [--every-n N] [--background]
+        --world W --port P] [--every-n N] [--background] [--crash-at K]
 
 It trains a dropout MLP on a shuffled DataLoader (RandomSampler on one rank,
 DistributedSampler + DDP on several, gloo), with a LambdaLR schedule, under
@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--every-n", type=int, default=None)
     p.add_argument("--background", action="store_true")
+    p.add_argument("--crash-at", type=int, default=0, help="os._exit(3) after this step")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     a = p.parse_args()
@@ -99,6 +100,8 @@ def main() -> None:
                 sched.step()
                 if g.step == a.sigterm_at and a.rank in kill:
                     os.kill(os.getpid(), signal.SIGTERM)
+                if g.step == a.crash_at:  # a crash: no signal save, writers cut off
+                    os._exit(3)
                 if g.step >= a.steps:
                     break
 

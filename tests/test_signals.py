@@ -137,6 +137,31 @@ def test_fsdp2_sharded_state_goes_through_dcp_and_resumes_exactly(tmp_path):
     assert not [e for e in read_events(stopped) if e["kind"] == "zero_grads"]
 
 
+def test_fsdp2_background_saves_are_written_by_dcp_off_the_main_thread_and_resume_exactly(
+    tmp_path,
+):
+    """Periodic sharded saves in the background: the shards are staged in the main
+    thread and written by DCP's async_save over a gloo group of the checkpointer's, the
+    writer thread commits them. A crash (no signal save) at step 14, then the same
+    command: it resumes from a background-written checkpoint, bitwise."""
+    results = _run(tmp_path / "straight", tmp_path / "a", "--steps", 24, "--fsdp", world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    crashed = tmp_path / "crashed"
+    args = ("--steps", 24, "--every-n", 4, "--background", "--fsdp")
+    results = _run(crashed, tmp_path / "b", *args, "--crash-at", 14, world=2)
+    assert [rc for rc, _ in results] == [3, 3], results
+    saves = [e for e in read_events(crashed) if e["kind"] == "checkpoint"]
+    assert saves and all(e["background"] and e["sharded"] for e in saves), saves
+    assert {e["step"] for e in saves} <= {4, 8, 12}, saves
+    newest = max((crashed / "checkpoints").glob("step_*"))
+    files = json.loads((newest / "manifest.json").read_text())["files"]
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(files)
+    results = _run(crashed, tmp_path / "b", *args, world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "a", rank), _load(tmp_path / "b", rank))
+
+
 def test_sigkill_during_background_saves_always_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(4)
     run_dir = tmp_path / "run"
