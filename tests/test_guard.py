@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, guarded_run, read_events
 from torch.utils.data import DataLoader, TensorDataset
 
 import guardrails
@@ -391,3 +391,16 @@ def test_trainable_params_missing_from_optimizer_are_named(tmp_path):
     assert len(warn) == 1 and warn[0]["level"] == "warning"
     assert "net.2.weight" in warn[0]["params"] and "net.0.weight" not in warn[0]["params"]
     assert "never be updated" in warn[0]["message"]
+
+
+def test_graph_grad_norm_is_a_real_no_op_off_cuda(tmp_path):
+    """graph_grad_norm=True on a CPU model changes nothing: the same grad norms, bitwise,
+    and no grad_norm_graph event (the graph path exists only on one CUDA device; its
+    tests are in test_gpu.py)."""
+    runs = {}
+    for on in (False, True):
+        guarded_run(tmp_path / str(on), n_steps=5, graph_grad_norm=on, progress=False)
+        runs[on] = guardrails.read_metrics(tmp_path / str(on)).to_pydict()["grad_norm"]
+        kinds = {e["kind"] for e in read_events(tmp_path / str(on))}
+        assert "grad_norm_graph" not in kinds
+    assert runs[True] == runs[False] and len(runs[True]) == 5
