@@ -85,9 +85,11 @@ class GradNorm:
         self.multi_device = len({p.device for p in params}) > 1
         # Sharded parameters (DTensor) have a full_tensor(); their norm is a collective.
         sharded = any(hasattr(p, "full_tensor") for p in params)
-        self.enabled = (
+        #: Whether the graph was asked for and can apply here (the end-of-run event).
+        self.wanted = (
             use_graph and self.device.type == "cuda" and not self.multi_device and not sharded
         )
+        self.enabled = self.wanted  # False once given up or closed: eager from then on
         # The gradients' addresses -> (graph, its output): one graph per layout the
         # allocator cycles through.
         self._graphs: dict[tuple[int, ...], tuple[Any, Tensor]] = {}
@@ -164,7 +166,9 @@ class GradNorm:
         self._graphs.clear()
 
     def close(self) -> dict[str, Any]:
-        """Drop the graphs (their memory pools go with them); returns the counters."""
+        """Drop the graphs (their memory pools go with them) and compute eagerly from
+        now on; returns the counters."""
+        self.enabled = False
         self._graphs.clear()
         return {
             "replays": self.replays,

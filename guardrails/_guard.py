@@ -46,7 +46,7 @@ from guardrails._checks import positive_int
 from guardrails._component import HOOKS, Component, overrides
 from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog
-from guardrails._gradnorm import GradNorm, total_norm
+from guardrails._gradnorm import GradNorm
 
 logger = logging.getLogger("guardrails")
 
@@ -109,12 +109,11 @@ class Guard:
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
         self.device = self._params[0].device
         self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
-        self._param_devices = {p.device for p in self._params}
         #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
         #: graph expects them (one launch instead of one output per gradient; opt-in,
         #: see _gradnorm.py).
         self.graph_grad_norm = graph_grad_norm
-        self._norm: GradNorm | None = None
+        self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
 
         #: Optimizer steps completed (counted from the checkpoint on a resumed run).
         self.step = 0
@@ -262,7 +261,6 @@ class Guard:
                 device=str(self.device),
                 components=[c.name for c in self.components],
             )
-            self._norm = GradNorm(self._params, use_graph=self.graph_grad_norm)
             self._step_start = time.perf_counter()
             for c in self.components:
                 if overrides(c, "on_start"):
@@ -307,12 +305,9 @@ class Guard:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._norm is not None:
-            norm, self._norm = self._norm, None
-            if norm.enabled or norm.gave_up:
-                self.event("grad_norm_graph", **norm.close())
-            else:
-                norm.close()
+        counts = self._norm.close()  # eager from here on
+        if self._norm.wanted:
+            self.event("grad_norm_graph", **counts)
         self._dispatch = self._live = {h: [] for h in HOOKS}
         _store.close_side_group(self.side_group)
         self.side_group = None
@@ -535,11 +530,7 @@ class Guard:
         :meth:`clip_grad_norm_`. Valid from ``before_step`` on.
         """
         if self._grad_norm is None:
-            if self._norm is None:  # before start or after close: plain and eager
-                grads = [p.grad for p in self._params if p.grad is not None]
-                self._grad_norm = total_norm(grads, self.device, len(self._param_devices) > 1)
-            else:
-                self._grad_norm = self._norm(self._params)
+            self._grad_norm = self._norm(self._params)
         return self._grad_norm
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
