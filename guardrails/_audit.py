@@ -367,6 +367,22 @@ class CollectiveAuditor(Component):
         audited._guardrails_audited = True  # type: ignore[attr-defined]
         return audited
 
+    def record_own(self, what: str, tensor: torch.Tensor) -> None:
+        """Record one of guardrails' own agreements (on its side group, never the
+        training's), made at a point of the loop every rank reaches, in the training
+        group's sequence as if it were there: a user's stray collective that one rank
+        issues where the others agree is then a mismatch naming both call sites,
+        instead of two ranks each waiting in a different group. Main thread only."""
+        if not self._active:
+            return
+        frame = sys._getframe(1)
+        for _ in range(_FRAME_WALK * 4):  # out of guardrails and torch: the loop's line
+            if not frame.f_code.co_filename.startswith(_OWN_DIRS) or frame.f_back is None:
+                break
+            frame = frame.f_back
+        code = frame.f_code
+        self._note(what, "coll", tensor, None, _MAX, None, code.co_filename, frame.f_lineno, True)
+
     def record(
         self,
         op: str,
@@ -912,6 +928,10 @@ def entry_dict(entry: tuple[Any, ...]) -> dict[str, Any]:
 
 
 _SUM = getattr(dist.ReduceOp, "SUM", None)
+_MAX = getattr(dist.ReduceOp, "MAX", None)
+#: Frames that are not the user's loop: guardrails' own, and torch's (an optimizer's
+#: step wrapper, an LR scheduler's).
+_OWN_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
 _TENSOR_KW = {
     "all_reduce": "tensor",
     "broadcast": "tensor",

@@ -79,6 +79,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from guardrails import _dist, _sharded
+from guardrails._checks import named
 from guardrails._errors import CheckpointError, ResumeError
 from guardrails._text import shorten
 from guardrails._version import __version__
@@ -87,7 +88,11 @@ log = logging.getLogger("guardrails")
 
 FORMAT = "guardrails-checkpoint"
 #: 2: RNG streams moved from rng.* into per-rank rank<R>.* files (format 1 still reads).
-FORMAT_VERSION = 2
+#: 3: several optimizers / schedulers (optimizer.<name>.*), optimizer state saved per
+#: rank where the ranks hold different parts (rank<R>.optimizer.*), the parameter
+#: shapes each optimizer state was saved for, and a "contents" table in the manifest
+#: (formats 1 and 2 still read).
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
@@ -197,43 +202,72 @@ class Part:
             _write_bytes(directory / name, data, files)
 
 
+def stems(kind: str, names: list[str]) -> dict[str, str]:
+    """The file stem of each optimizer / scheduler: ``optimizer`` for a lone one named
+    so (formats 1-2), else ``optimizer.<name>``."""
+    if names == [kind]:
+        return {kind: kind}
+    return {n: f"{kind}.{re.sub(r'[^A-Za-z0-9_-]', '_', n)}" for n in names}
+
+
+def per_rank(optimizer: Any) -> Any:
+    """The optimizer whose ``state_dict()`` this rank saves: ZeroRedundancyOptimizer's
+    own needs a consolidation collective and holds every rank's shard; its local
+    optimizer holds this rank's, which is what this rank saves and loads."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def stage_optimizer(part: Part, stem: str, optimizer: Any, *, copy: bool = True) -> None:
+    """Stage ``optimizer``'s state as ``<stem>.safetensors`` + ``<stem>.json``, with the
+    shapes of the parameters it was saved for (the resume's check: a state tensor need
+    not have its parameter's shape, like Muon's stacked momentum)."""
+    opt = per_rank(optimizer)
+    sd = opt.state_dict()
+    tensors: dict[str, Tensor] = {}
+    state = {str(idx): _encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
+    groups = _encode(list(sd["param_groups"]), "param_groups", tensors)
+    shapes = [list(p.shape) for g in opt.param_groups for p in g["params"]]
+    part.add_tensors(f"{stem}.safetensors", tensors, copy=copy)
+    part.add_json(f"{stem}.json", {"state": state, "param_groups": groups, "param_shapes": shapes})
+
+
 def stage_replicated(
     *,
     model: nn.Module | None,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any = None,
+    optimizers: Mapping[str, Any] | None,
+    schedulers: Mapping[str, Any] | None = None,
     scaler: Any = None,
     extras: Mapping[str, Any] | None = None,
     copy: bool = True,
     part: Part | None = None,
 ) -> Part:
     """Stage the state every rank holds the same copy of (written once, by rank 0).
-    ``model`` / ``optimizer`` ``None``: not here (absent, or sharded and saved by DCP)."""
+    ``model`` ``None``: not here (absent, or sharded and saved by DCP); ``optimizers``:
+    those whose state every rank holds the same copy of, by name."""
     part = part if part is not None else Part()
     # Serialise the caller's values first: a TypeError for a bad extra must come before
     # any file is touched.
     part.add_json("extras.json", _encode(dict(extras or {}), "extras"))
     if model is not None:
         part.add_tensors("model.safetensors", model.state_dict(), copy=copy)
-    if optimizer is not None:
-        sd = optimizer.state_dict()
-        tensors: dict[str, Tensor] = {}
-        state = {str(idx): _encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
-        groups = _encode(list(sd["param_groups"]), "param_groups", tensors)
-        part.add_tensors("optimizer.safetensors", tensors, copy=copy)
-        part.add_json("optimizer.json", {"state": state, "param_groups": groups})
-    if scheduler is not None:
-        sd = dict(scheduler.state_dict())
+    optimizers = dict(optimizers or {})
+    for name, stem in stems("optimizer", list(optimizers)).items():
+        stage_optimizer(part, stem, optimizers[name], copy=copy)
+    schedulers = dict(schedulers or {})
+    for name, stem in stems("scheduler", list(schedulers)).items():
+        sd = dict(schedulers[name].state_dict())
         try:
-            part.add_json("scheduler.json", _encode(sd, "scheduler"))
+            part.add_json(f"{stem}.json", _encode(sd, stem))
         except TypeError as e:
             # Schedulers with tensors or non-string keys in their state (rare, e.g. a
             # custom one) are not JSON; torch.save keeps them exact. resume() reads this
             # file with weights_only=True, so it can hold containers and tensors, never code.
-            log.debug("guardrails: scheduler state is not JSON (%s); using scheduler.pt", e)
+            log.debug("guardrails: scheduler state is not JSON (%s); using %s.pt", e, stem)
             buf = io.BytesIO()
             torch.save(sd, buf)
-            part.blobs["scheduler.pt"] = buf.getvalue()
+            part.blobs[f"{stem}.pt"] = buf.getvalue()
     if scaler is not None:
         part.add_json("scaler.json", _encode(scaler.state_dict(), "scaler"))
     return part
@@ -244,11 +278,16 @@ def stage_rank(
     *,
     state: Mapping[str, Any] | None = None,
     tensors: Mapping[str, Tensor] | None = None,
+    optimizers: Mapping[str, Any] | None = None,
     part: Part | None = None,
 ) -> Part:
     """Stage one rank's own state: every RNG stream, plus ``state`` (JSON: data position,
-    guard state) and ``tensors`` (e.g. the epoch-start RNG states)."""
+    guard state), ``tensors`` (e.g. the epoch-start RNG states) and the state of the
+    ``optimizers`` whose state differs per rank (``rank<R>.<stem>.*``; ``optimizers``
+    maps their stem to the optimizer)."""
     part = part if part is not None else Part()
+    for stem, optimizer in (optimizers or {}).items():
+        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer)
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     doc = {
@@ -293,10 +332,13 @@ def commit(
     ranks: list[int],
     keep_last: int | None,
     delete_old: bool = True,
+    contents: Mapping[str, Any] | None = None,
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
 
     Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
+    ``contents``: which optimizers and schedulers the checkpoint holds, and where (see
+    :func:`contents_of`).
     """
     final = root / f"step_{step:09d}"
     for name, rec in files.items():  # a rank that wrote to a disk rank 0 cannot see
@@ -318,6 +360,7 @@ def commit(
         "torch": torch.__version__,
         "world_size": world_size,
         "ranks": ranks,
+        "contents": dict(contents or {}),
         "files": files,
     }
     # The manifest is the commit record of the files: written last, so its presence
@@ -337,6 +380,40 @@ def commit(
     return final
 
 
+def contents_of(
+    optimizers: Mapping[str, Any], schedulers: Mapping[str, Any], per_rank_names: set[str]
+) -> dict[str, Any]:
+    """The manifest's ``contents``: each optimizer's file stem and whether every rank
+    saved its own part, each scheduler's stem."""
+    return {
+        "optimizers": {
+            name: {"file": stem, "per_rank": name in per_rank_names}
+            for name, stem in stems("optimizer", list(optimizers)).items()
+        },
+        "schedulers": stems("scheduler", list(schedulers)),
+    }
+
+
+def _contents(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A manifest's ``contents``; for formats 1-2 (one optimizer and scheduler, saved
+    by rank 0), what its file names say."""
+    if "contents" in manifest:
+        return manifest["contents"]
+    files = manifest["files"]
+    return {
+        "optimizers": (
+            {"optimizer": {"file": "optimizer", "per_rank": False}}
+            if "optimizer.json" in files
+            else {}
+        ),
+        "schedulers": (
+            {"scheduler": "scheduler"}
+            if "scheduler.json" in files or "scheduler.pt" in files
+            else {}
+        ),
+    }
+
+
 def write_error(final: Path, step: int, e: BaseException) -> CheckpointError:
     return CheckpointError(
         f"could not write checkpoint {final}: {e}",
@@ -352,7 +429,7 @@ def save_checkpoint(
     step: int,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Any,
     scheduler: Any = None,
     scaler: Any = None,
     extras: Mapping[str, Any] | None = None,
@@ -365,8 +442,10 @@ def save_checkpoint(
         step: the optimizer step this state is *after*; also the directory name.
         model: its ``state_dict()`` goes to ``model.safetensors``.
         optimizer: its ``state_dict()`` goes to ``optimizer.safetensors`` + ``.json``
-            (``None``: no optimizer state is saved).
-        scheduler: an LR scheduler (anything with ``state_dict()``), optional.
+            (``None``: no optimizer state is saved); several as a list or a dict by
+            name go to ``optimizer.<name>.*``.
+        scheduler: an LR scheduler (anything with ``state_dict()``), optional; or
+            several, like ``optimizer``.
         scaler: a ``torch.amp.GradScaler``, optional.
         extras: the caller's own state (``{"best_val": 1.92, "epoch": 3}``); JSON values
             only, a ``TypeError`` says which key is not.
@@ -389,14 +468,23 @@ def save_checkpoint(
         raise ValueError(f"step must be >= 0, got {step}")
     root = Path(root)
     final = root / f"step_{step:09d}"
+    optimizers = {} if optimizer is None else named("optimizer", optimizer, torch.optim.Optimizer)
+    schedulers = {} if scheduler is None else named("scheduler", scheduler, object)
+    if _dist.world_size() > 1 and any(per_rank(o) is not o for o in optimizers.values()):
+        raise ValueError(
+            "save_checkpoint() writes rank 0's copy of the state, but a "
+            "ZeroRedundancyOptimizer holds a different shard on every rank. Save with "
+            "the guard instead (g.save_checkpoint(), periodic or signal saves): every "
+            "rank writes its own part."
+        )
     rank = _dist.rank()
     if rank != 0:
         return final
     t0 = time.perf_counter()
     part = stage_replicated(
         model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        optimizers=optimizers,
+        schedulers=schedulers,
         scaler=scaler,
         extras=extras,
         copy=False,
@@ -410,7 +498,14 @@ def save_checkpoint(
     try:
         part.write(tmp, files)
         final = commit(
-            root, step, tmp, files, world_size=_dist.world_size(), ranks=[0], keep_last=keep_last
+            root,
+            step,
+            tmp,
+            files,
+            world_size=_dist.world_size(),
+            ranks=[0],
+            keep_last=keep_last,
+            contents=contents_of(optimizers, schedulers, set()),
         )
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -484,7 +579,7 @@ def resume(
 def load(
     path: Path,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     *,
     scheduler: Any = None,
     scaler: Any = None,
@@ -517,6 +612,9 @@ def load(
         )
 
     # 1. Read everything and check it against the live objects; nothing is modified yet.
+    contents = _contents(manifest)
+    optimizers = {} if optimizer is None else named("optimizer", optimizer, torch.optim.Optimizer)
+    schedulers = {} if scheduler is None else named("scheduler", scheduler, object)
     sharded = f"{_sharded.DCP_DIR}/.metadata" in files
     model_sd: dict[str, Tensor] = {}
     if sharded:
@@ -524,16 +622,31 @@ def load(
     else:
         model_sd = _read_tensors(ckpt / "model.safetensors")
         _check_model(ckpt, step, model, model_sd, strict)
-    opt_sd = None
-    if optimizer is not None and not sharded:
-        if "optimizer.json" in files:
-            opt_sd = _load_optimizer(ckpt)
-            _check_optimizer(ckpt, step, optimizer, opt_sd)
-        elif strict:
-            raise _missing(ckpt, step, "optimizer")
-    sched_sd = (
-        None if scheduler is None else _component_state(ckpt, step, files, "scheduler", strict)
-    )
+    opt_sds: list[tuple[Any, dict[str, Any]]] = []
+    pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
+    for name, opt, saved in pairs:
+        stem = saved["file"]
+        if saved.get("per_rank"):
+            if saved_world != world:
+                raise ResumeError(
+                    f"checkpoint {ckpt} holds optimizer {name!r}'s state in {saved_world} "
+                    f"per-rank parts (a sharded optimizer: each rank holds a different "
+                    f"part); this run has {world} rank(s), and the parts cannot be "
+                    "redistributed",
+                    step=step,
+                    rank=rank,
+                    path=str(ckpt),
+                    hint=f"relaunch with {saved_world} rank(s), or start fresh "
+                    "(guard(..., resume=None)). Nothing was modified.",
+                )
+            stem = f"{_rank_name(rank)}.{stem}"
+        sd = _load_optimizer(ckpt, stem)
+        _check_optimizer(ckpt, step, name if len(optimizers) > 1 else None, opt, sd, model)
+        opt_sds.append((opt, sd))
+    sched_sds = [
+        (sched, _component_state(ckpt, step, files, saved, strict))
+        for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict)
+    ]
     scaler_sd = None if scaler is None else _component_state(ckpt, step, files, "scaler", strict)
     extras = _decode(_read_json(ckpt / "extras.json")) if "extras.json" in files else {}
     rank_state: dict[str, Any] = {}
@@ -565,13 +678,15 @@ def load(
 
     # 2. Apply. Every check that can fail on a mismatch ran above.
     if sharded:
-        _sharded.load(ckpt, model, optimizer)  # a collective: every rank loads together
+        # A collective: every rank loads together (one optimizer with sharded state).
+        _sharded.load(ckpt, model, next(iter(optimizers.values()), None))
     else:
         model.load_state_dict(model_sd, strict=strict)
-    if opt_sd is not None:
-        optimizer.load_state_dict(opt_sd)  # type: ignore[union-attr]
-    if sched_sd is not None:
-        scheduler.load_state_dict(sched_sd)
+    for opt, sd in opt_sds:
+        per_rank(opt).load_state_dict(sd)
+    for sched, sd in sched_sds:
+        if sd is not None:
+            sched.load_state_dict(sd)
     if scaler_sd is not None:
         scaler.load_state_dict(scaler_sd)
     _restore_rng(rng, rank_tensors)
@@ -602,6 +717,21 @@ def _problem(ckpt: Path) -> tuple[str, str] | None:
         manifest = _read_manifest(ckpt)
     except CheckpointError as e:
         return str(e.path), e.message
+    world = int(manifest.get("world_size", 1))
+    for name, entry in _contents(manifest)["optimizers"].items():
+        if not entry.get("per_rank"):
+            continue
+        missing = [
+            r
+            for r in range(world)
+            if f"{_rank_name(r)}.{entry['file']}.json" not in manifest["files"]
+        ]
+        if missing:
+            f = ckpt / f"{_rank_name(missing[0])}.{entry['file']}.json"
+            return str(f), (
+                f"rank(s) {_short(missing)}'s part of optimizer {name!r}'s state is missing "
+                f"from {ckpt.name} (each of the {world} ranks holds a different part)"
+            )
     for name, rec in manifest["files"].items():
         f = ckpt / name
         if not f.is_file():
@@ -739,10 +869,53 @@ def _check_model(
         )
 
 
+def _pair(
+    ckpt: Path,
+    step: int,
+    kind: str,
+    live: Mapping[str, Any],
+    contents: Mapping[str, Any],
+    strict: bool,
+) -> list[tuple[str, Any, Any]]:
+    """``(name, live object, what the manifest says of it)`` for each live optimizer /
+    scheduler: matched by name, or the lone one to the lone one."""
+    saved = contents[f"{kind}s"]
+    if not live:
+        return []
+    if not saved:
+        if strict:
+            raise _missing(ckpt, step, kind)
+        return []
+    if len(live) == 1 and len(saved) == 1:
+        return [(next(iter(live)), next(iter(live.values())), next(iter(saved.values())))]
+    unknown = [n for n in live if n not in saved]
+    if unknown and strict:
+        raise ResumeError(
+            f"checkpoint {ckpt} holds no {kind} named {_short(unknown)}: it holds "
+            f"{_short(list(saved))}, this run has {_short(list(live))}",
+            step=step,
+            path=str(ckpt),
+            hint=f"pass the {kind}s under the names they were saved with (the keys of the "
+            f"dict, or their positions in the list, given to guard()). Nothing was modified.",
+        )
+    return [(n, obj, saved[n]) for n, obj in live.items() if n in saved]
+
+
 def _check_optimizer(
-    ckpt: Path, step: int, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+    ckpt: Path,
+    step: int,
+    name: str | None,
+    optimizer: Any,
+    saved: Mapping[str, Any],
+    model: nn.Module,
 ) -> None:
-    groups = optimizer.param_groups
+    """The saved state fits ``optimizer``: the same param groups, the same number of
+    parameters in each, each parameter the shape it had when saved. The state tensors
+    themselves are trusted to fit (a state need not have its parameter's shape: Muon
+    keeps one stacked momentum per group of parameters)."""
+    opt = per_rank(optimizer)
+    which = "optimizer" if name is None else f"optimizer {name!r}"
+    groups = opt.param_groups
     saved_groups = saved["param_groups"]
     problems = []
     if len(groups) != len(saved_groups):
@@ -754,18 +927,27 @@ def _check_optimizer(
                     f"group {i}: {len(s['params'])} parameters saved, {len(g['params'])} now"
                 )
     if not problems:
+        names = {id(p): n for n, p in model.named_parameters()}
         params = [p for g in groups for p in g["params"]]
         ids = [i for s in saved_groups for i in s["params"]]
-        for idx, p in zip(ids, params, strict=True):
-            for name, v in saved["state"].get(idx, {}).items():
-                if name in _ELEMENTWISE_STATE and isinstance(v, Tensor) and v.shape != p.shape:
+        shapes = saved.get("param_shapes")
+        for pos, (idx, p) in enumerate(zip(ids, params, strict=True)):
+            label = f"param {idx}" + (f" (`{names[id(p)]}`)" if id(p) in names else "")
+            if shapes is not None:  # format 3: the shape each parameter was saved with
+                if tuple(shapes[pos]) != tuple(p.shape):
                     problems.append(
-                        f"param {idx} {name}: checkpoint {tuple(v.shape)} vs "
-                        f"parameter {tuple(p.shape)}"
+                        f"{label}: saved for shape {tuple(shapes[pos])}, the parameter is "
+                        f"{tuple(p.shape)} now"
+                    )
+                continue
+            for key, v in saved["state"].get(idx, {}).items():  # formats 1-2
+                if key in _ELEMENTWISE_STATE and isinstance(v, Tensor) and v.shape != p.shape:
+                    problems.append(
+                        f"{label} {key}: checkpoint {tuple(v.shape)} vs parameter {tuple(p.shape)}"
                     )
     if problems:
         raise ResumeError(
-            f"checkpoint {ckpt} optimizer state does not fit this optimizer; " + _short(problems),
+            f"checkpoint {ckpt} {which} state does not fit this {which}; " + _short(problems),
             step=step,
             path=str(ckpt),
             hint="build the optimizer over the same parameters, in the same order and "
@@ -799,11 +981,14 @@ def _missing(ckpt: Path, step: int, what: str) -> ResumeError:
     )
 
 
-def _load_optimizer(ckpt: Path) -> dict[str, Any]:
-    tensors = _read_tensors(ckpt / "optimizer.safetensors")
-    raw = _read_json(ckpt / "optimizer.json")
+def _load_optimizer(ckpt: Path, stem: str = "optimizer") -> dict[str, Any]:
+    tensors = _read_tensors(ckpt / f"{stem}.safetensors")
+    raw = _read_json(ckpt / f"{stem}.json")
     state = {int(k): _decode(v, tensors) for k, v in raw["state"].items()}
-    return {"state": state, "param_groups": _decode(raw["param_groups"], tensors)}
+    out = {"state": state, "param_groups": _decode(raw["param_groups"], tensors)}
+    if "param_shapes" in raw:
+        out["param_shapes"] = raw["param_shapes"]
+    return out
 
 
 def _restore_rng(states: Mapping[str, Any] | None, tensors: Mapping[str, Tensor]) -> None:
@@ -959,6 +1144,8 @@ def _encode(obj: Any, where: str, tensors: dict[str, Tensor] | None = None) -> A
 def _decode(obj: Any, tensors: Mapping[str, Tensor] | None = None) -> Any:
     if isinstance(obj, list):
         return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, tuple):  # decoded once already, without the tensors
+        return tuple(_decode(v, tensors) for v in obj)
     if isinstance(obj, dict):
         if set(obj) == {"__tuple__"}:
             return tuple(_decode(v, tensors) for v in obj["__tuple__"])

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from guardrails import _checkpoint, _data, _sharded
+from guardrails import _checkpoint, _data, _dist, _sharded
 from guardrails._checks import positive_int
 from guardrails._component import Component
 from guardrails._diagnose import _unwrap
@@ -174,11 +174,25 @@ class SignalCheckpointer(Component):
         # A gloo group only background sharded saves use (DCP's collectives from its
         # thread); None when there are none.
         self._dcp_group: Any = None
+        # Optimizers whose state differs per rank: every rank saves its own part.
+        self._per_rank: set[str] = set()
+        self._contents: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, guard: Guard) -> None:
         self.root = self.directory or guard.run_dir / "checkpoints"
+        if guard.world_size > 1:
+            # A sharded optimizer (ZeroRedundancyOptimizer, or one that reduces the
+            # gradients inside its step, like nanochat's: then the ranks' gradients, and
+            # so their states, differ) holds a different part on every rank.
+            agree = all(_dist.grads_agree(m) for m in guard.models.values())
+            self._per_rank = {
+                name
+                for name, opt in guard.optimizers.items()
+                if _checkpoint.per_rank(opt) is not opt or not agree
+            }
+        self._contents = _checkpoint.contents_of(guard.optimizers, guard.schedulers, self._per_rank)
         self._token = self._agree_token(guard)
         if self.resume is not None:
             self._resume(guard)
@@ -259,8 +273,6 @@ class SignalCheckpointer(Component):
                 self._save_due = True
         elif guard.step >= self._next_check:
             self._agree(guard)
-        if guard.loader is None:  # no batch boundary to wait for: act after the step
-            self.on_boundary(guard)
 
     def _agree(self, guard: Guard) -> None:
         """One all-reduce over the side group, at a step every rank reaches, decides
@@ -342,17 +354,22 @@ class SignalCheckpointer(Component):
                     # save is a collective over the training's process group.
                     background = False
                     sharded = _sharded.save(tmp, guard.rank, bare, guard.optimizer)
+            stems = _checkpoint.stems("optimizer", list(guard.optimizers))
+            replicated = {
+                n: o
+                for n, o in guard.optimizers.items()
+                if not is_sharded and n not in self._per_rank
+            }
             if guard.rank == 0:
                 _checkpoint.stage_replicated(
                     model=None if is_sharded else bare,
-                    optimizer=None if is_sharded else guard.optimizer,
-                    scheduler=guard.scheduler,
+                    optimizers=replicated,
+                    schedulers=guard.schedulers,
                     scaler=guard.scaler,
                     extras=guard.state,
                     part=part,
                 )
-            position, loader_state, tensors = _data.save_position(guard)
-            loader_json = _checkpoint._encode(loader_state, "loader", tensors)
+            position, tensors = _data.save_position(guard)
             components = {
                 c.name: c.state_dict()  # type: ignore[attr-defined]
                 for c in guard.components
@@ -361,10 +378,15 @@ class SignalCheckpointer(Component):
             state = {
                 "step": step,
                 "data": position,
-                "loader": loader_json,
                 "components": components,
             }
-            _checkpoint.stage_rank(guard.rank, state=state, tensors=tensors, part=part)
+            _checkpoint.stage_rank(
+                guard.rank,
+                state=state,
+                tensors=tensors,
+                optimizers={stems[n]: guard.optimizers[n] for n in sorted(self._per_rank)},
+                part=part,
+            )
             part.ready()
             self._last_saved_step = step
             self._last_save_t = time.monotonic()
@@ -435,6 +457,7 @@ class SignalCheckpointer(Component):
                 ranks=[0],
                 keep_last=self.keep_last,
                 delete_old=not final_save,
+                contents=self._contents,
             )
         else:
             store.set(f"{key}/files/{rank}", json.dumps(files))
@@ -529,6 +552,7 @@ class SignalCheckpointer(Component):
                 ranks=list(range(world)),
                 keep_last=self.keep_last,
                 delete_old=not final_save,
+                contents=self._contents,
             )
         except BaseException as e:
             store.set(f"{key}/commit", json.dumps({"error": f"{type(e).__name__}: {e}"}))
@@ -608,8 +632,8 @@ class SignalCheckpointer(Component):
             out = _checkpoint.load(
                 where,
                 _unwrap(guard.model),
-                guard.optimizer,
-                scheduler=guard.scheduler,
+                guard.optimizers,
+                scheduler=guard.schedulers or None,
                 scaler=guard.scaler,
                 allow_world_size_change=self.allow_world_size_change,
                 ckpt=Path(chosen),
@@ -620,12 +644,11 @@ class SignalCheckpointer(Component):
         guard.state.clear()
         guard.state.update(out["extras"])
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
-        if "data" in rank_state:
-            loader = guard.loader
-            if rank_state.get("loader") is not None and _data.stateful(loader):
-                loader.load_state_dict(_checkpoint._decode(rank_state["loader"], tensors))  # type: ignore[union-attr]
-            if loader is not None:
-                _data.load_position(guard, rank_state["data"], tensors)
+        if "data" in rank_state and guard.loader is not None:
+            position = rank_state["data"]
+            if "loader" in rank_state:  # format 2 kept the loader's state beside it
+                position = {**position, "loader": rank_state["loader"]}
+            _data.load_position(guard, position, tensors)
         saved = rank_state.get("components", {})
         for c in guard.components:
             if c.name in saved and callable(getattr(c, "load_state_dict", None)):

@@ -3,6 +3,7 @@ same message wherever it is made."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -47,3 +48,29 @@ def mapping(name: str, value: Any, *, allow_none: bool = False) -> None:
         raise TypeError(
             f"{name} must be a mapping (a dict, vars(args)){either}, got {type(value).__name__}"
         )
+
+
+def named(what: str, value: Any, kind: type) -> dict[str, Any]:
+    """One object, or several as a list / tuple / dict, as an ordered dict by name: a
+    single one is named ``what``, a list's by position (``"0"``, ``"1"``...)."""
+    if isinstance(value, kind) and not isinstance(value, (list, tuple, Mapping)):
+        named = {what: value}
+    elif isinstance(value, Mapping):
+        named = {str(k): v for k, v in value.items()}
+    elif isinstance(value, (list, tuple)):
+        named = {str(i): v for i, v in enumerate(value)}
+    else:
+        named = {what: value}
+    if not named:
+        raise ValueError(f"guard() got an empty collection as `{what}`; pass at least one.")
+    for name, v in named.items():
+        if not isinstance(v, kind):
+            shown = what if len(named) == 1 and name == what else f"{what} {name!r}"
+            needs = {
+                "model": "the nn.Module being trained (a DDP or torch.compile wrapper is "
+                "fine), or a list / dict of them",
+                "optimizer": "a torch.optim.Optimizer (the one whose step() updates the "
+                "model), or a list / dict of them",
+            }.get(what, kind.__name__)
+            raise TypeError(f"guard() needs {needs} as `{what}`; {shown} is a {type(v).__name__}.")
+    return named

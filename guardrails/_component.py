@@ -7,13 +7,21 @@ engine calls, in this order::
     on_start(guard)              once, when the guard starts (hooks are installed)
     on_boundary(guard)           between steps: the loop body of the last optimizer
                                  step has finished (scheduler stepped, grads zeroed)
-                                 and the next batch is about to be fetched; the one
-                                 point where model, optimizer, scheduler, RNG and data
-                                 position agree, so checkpoints are taken here
+                                 and the next step has not started (its batch not
+                                 fetched, or, in a loop that prefetches, its first
+                                 forward not run); the one point where model,
+                                 optimizer, scheduler, RNG and data position agree,
+                                 so checkpoints are taken here
     on_batch(guard, batch)       after each batch is fetched from the loader
-    before_step(guard)           inside optimizer.step(), before the update
+    before_step(guard)           inside optimizer.step(), before the update; may call
+                                 guard.skip_update() to leave the update out
     after_step(guard)            inside optimizer.step(), after the update; guard.step
                                  already counts this step
+    before_extra_step(guard, name)
+    after_extra_step(guard, name)
+                                 the same around a step of another optimizer (a GAN's
+                                 second one, by its name in guard.optimizers); these
+                                 steps belong to the guard's current step
     on_end(guard, exc)           once, when the guard closes; exc is the exception
                                  that ended the loop, or None
 
@@ -30,7 +38,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
-HOOKS = ("on_start", "on_boundary", "on_batch", "before_step", "after_step", "on_end")
+HOOKS = (
+    "on_start",
+    "on_boundary",
+    "on_batch",
+    "before_step",
+    "after_step",
+    "before_extra_step",
+    "after_extra_step",
+    "on_end",
+)
 
 
 class Component:
@@ -54,6 +71,13 @@ class Component:
 
     def after_step(self, guard: Guard) -> None:
         """The optimizer step finished; ``guard.step`` counts it."""
+
+    def before_extra_step(self, guard: Guard, name: str) -> None:
+        """Another optimizer's ``step()`` (``guard.optimizers[name]``) was called; its
+        parameters are not updated yet."""
+
+    def after_extra_step(self, guard: Guard, name: str) -> None:
+        """Another optimizer's step finished."""
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         """The guard is closing: flush, close files, restore what was changed."""

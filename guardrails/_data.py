@@ -66,16 +66,36 @@ def epoch_start(loader: Any) -> dict[str, Tensor]:
 
 
 def _set_states(loader: Any, states: dict[str, Tensor]) -> None:
-    torch.set_rng_state(states["torch"])
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
     for name, g in _generators(loader).items():
         if name in states:
             g.set_state(states[name])
 
 
-def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Any], dict[str, Tensor]]:
-    """``(position, loader_state, tensors)`` of ``guard``'s loader at a step boundary:
-    the JSON part, the loader's own ``state_dict()`` (or ``None``) and the tensors
-    (epoch-start RNG states) under ``epoch_start.*`` keys."""
+def trained_position(guard: Guard) -> tuple[int, int, dict[str, Tensor] | None]:
+    """``(epoch, batch_in_epoch, epoch-start RNG states)`` after the batches the
+    completed steps trained on: the position at the last step's last training forward
+    (``guard._trained_at``), not the batches fetched, which in a loop that prefetches
+    are one more. A position at the very end of a pass whose next pass has started
+    (the prefetched batch was that pass's first) is the next pass's start."""
+    epoch, batch, start = guard._trained_at or (
+        guard.epoch,
+        guard.batch_in_epoch,
+        guard._epoch_start,
+    )
+    if epoch < guard.epoch and guard.exhausted_at in (None, (epoch, batch)):
+        return guard.epoch, 0, guard._epoch_start
+    return epoch, batch, start
+
+
+def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(position, tensors)`` of ``guard``'s loader at a step boundary: the JSON part
+    (with the loader's own ``state_dict()`` when it has one) and its tensors: the
+    epoch-start RNG states under ``epoch_start.*``, the loader's and sampler's own
+    generators as they are now under ``current.*`` (the next pass draws from them)."""
+    from guardrails._checkpoint import _encode
+
     loader = guard.loader
     if stateful(loader):
         kind = "state_dict"
@@ -83,24 +103,48 @@ def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Any], dict[st
         kind = "replay"
     else:
         kind = "fast_forward"
+    epoch, batch, start = trained_position(guard)
     position: dict[str, Any] = {
         "kind": kind,
-        "epoch": guard.epoch,
-        "batch_in_epoch": guard.batch_in_epoch,
+        "epoch": epoch,
+        "batch_in_epoch": batch,
         "sampler_epoch": getattr(_sampler(loader), "epoch", None),
     }
-    tensors = {f"epoch_start.{k}": v for k, v in (guard._epoch_start or {}).items()}
-    return position, loader.state_dict() if kind == "state_dict" else None, tensors
+    tensors = {f"epoch_start.{k}": v for k, v in (start or {}).items()}
+    for name, g in _generators(loader).items():
+        tensors[f"current.{name}"] = g.get_state()
+    if kind == "state_dict":
+        position["loader"] = _encode(loader.state_dict(), "loader", tensors)
+        # The loader's own state is past the batches a prefetching loop fetched for
+        # the next step; they are saved and handed out first on resume (no rewind).
+        position["held"] = _encode(list(guard._fetched), "held", tensors)
+    return position, tensors
 
 
 def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Tensor]) -> None:
     """Make ``guard``'s next pass continue ``position`` (called at resume)."""
+    from guardrails._checkpoint import _decode
+
     position = dict(position)
     position["epoch_start"] = {
         k.removeprefix("epoch_start."): v
         for k, v in tensors.items()
         if k.startswith("epoch_start.")
     }
+    loader = guard.loader
+    if position.get("loader") is not None and stateful(loader):
+        loader.load_state_dict(_decode(position["loader"], tensors))  # type: ignore[union-attr]
+    # Fresh copies: a tensor read from the checkpoint's file may sit at an alignment
+    # that sends CPU matmuls down another kernel (last-bit differences, measured).
+    position["held"] = _decode(
+        position.get("held") or [], {k: v.clone() for k, v in tensors.items()}
+    )
+    # The generators a DataLoader / sampler owns are not among the RNG streams a
+    # checkpoint restores: without this, a resumed run's next pass would draw from a
+    # freshly seeded generator and repeat the first pass's order.
+    for name, g in _generators(loader).items():
+        if f"current.{name}" in tensors:
+            g.set_state(tensors[f"current.{name}"])
     guard.epoch = int(position["epoch"])
     guard._resume_position = position
 
@@ -130,7 +174,9 @@ def resume_iter(loader: Any, position: dict[str, Any], guard: Guard) -> tuple[An
             "(for epoch in range(g.epoch, n_epochs): ...).",
         )
     if position["kind"] == "state_dict" and stateful(loader):
-        return iter(loader), start  # the loader's own state was loaded at resume
+        # The loader's own state was loaded at resume; the batches fetched beyond the
+        # trained position come first.
+        return itertools.chain(position.get("held") or [], iter(loader)), start
     if position["kind"] == "replay" and _replayable(loader) and start is not None:
         return _replay(loader, skip, start), start
     return _fast_forward(loader, skip, start, guard), start
@@ -145,6 +191,10 @@ def _replay(loader: DataLoader, skip: int, start: dict[str, Tensor]) -> Any:
     # draws its shuffle seed lazily, at the first index. Replay both, in that order.
     torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
     rest = list(itertools.islice(iter(loader.batch_sampler), skip, None))
+    # Where the loader's own generators stand once the pass is over: RandomSampler
+    # draws once more as its iterator runs out (its trailing randperm for the
+    # remainder, torch/utils/data/sampler.py), so the next pass starts from there.
+    end = {name: g.get_state() for name, g in _generators(loader).items()}
     _set_states(loader, start)
     clone = copy.copy(loader)
     # DataLoader refuses to set batch_sampler after __init__ (it guards the attribute);
@@ -153,7 +203,13 @@ def _replay(loader: DataLoader, skip: int, start: dict[str, Tensor]) -> Any:
     object.__setattr__(clone, "_iterator", None)
     it = iter(clone)  # draws the same base seed as the first run: same worker seeds
     _set_states(loader, now)
-    return it
+    return _then(it, lambda: _set_states(loader, end))
+
+
+def _then(it: Any, done: Any) -> Any:
+    """``it``'s items, then ``done()`` once it is exhausted."""
+    yield from it
+    done()
 
 
 def _fast_forward(loader: Any, skip: int, start: dict[str, Tensor] | None, guard: Guard) -> Any:

@@ -2,24 +2,34 @@
 
 Runs only after a non-finite step was detected (rare), so it may sync and allocate:
 
-1. ``bad_data``: the batch itself holds NaN/Inf. Named down to the micro-batch, the
-   tensor inside the batch and the sample rows (and dataset indices when the batch
-   carries an ``index``/``indices``/``idx`` entry).
+The evidence is what the step really trained on: the arguments of its training
+forward calls (recorded by reference by the engine, micro-batches of gradient
+accumulation included; in a loop that prefetches, not the batch fetched for the next
+step), and the batches it fetched.
+
+1. ``bad_data``: a forward input or the step's batch holds NaN/Inf. Named down to the
+   forward call (micro-batch), the argument or batch entry and the sample rows (and
+   dataset indices when the batch carries an ``index``/``indices``/``idx`` entry).
 2. ``fp16_overflow``: float16 parameters or float16 autocast with no GradScaler seen:
    anything over 65504 becomes Inf.
 3. ``optimization_blowup``: "a spike one step before the NaN": the grad norm or the
    loss jumped (``spike_factor`` times the running median) in the last few finite
    steps, or the LR jumped. Reported with the numbers.
-4. ``numerics``: the inputs are finite, yet replaying the batch through the model with
-   forward hooks finds a module whose output is non-finite: the first such module in
-   call order is named, with its type and whether its input was finite. If the
-   forward is finite but the replayed gradients are not, the parameters whose
-   gradients went non-finite are named (a backward-only fault such as sqrt at 0).
-5. ``not_reproducible``: the replay is finite: suspect hardware or a race. In a
-   multi-rank run a finite local replay means the fault came from another rank
-   through the gradient all-reduce: ``other_rank`` (that rank's report names it).
-6. ``unknown``: no batch to replay (the loop does not iterate the guard, or capture /
-   replay is off).
+4. ``numerics``: the inputs are finite, yet re-running the step's forward calls (the
+   same arguments) with forward hooks finds a module whose output is non-finite: the
+   first such module in call order is named, with its type and whether its input was
+   finite. If the forward is finite but the replayed gradients are not, the
+   parameters whose gradients went non-finite are named (a backward-only fault such
+   as sqrt at 0).
+5. ``outside_model``: the forward replays finite and returns no loss, so the loss (and
+   its backward) was computed outside the model (``criterion(model(x), y)``) and
+   cannot be replayed: said plainly, with what to look at.
+6. ``other_rank``: this rank's own gradients were finite (the ranks agree on the
+   flag), or its replay is finite while gradients are all-reduced: another rank's
+   report names the fault. ``not_reproducible``: a single rank's replay is finite:
+   suspect hardware or a race.
+7. ``unknown``: nothing to replay (no training forward went through the guard's
+   model, or capture / replay is off).
 
 The replay leaves the run exactly as it was: ``torch.autograd.grad`` returns gradients
 instead of accumulating into ``.grad``; buffers (BatchNorm statistics) are copied back;
@@ -29,6 +39,7 @@ replay's loss; DDP / torch.compile wrappers are bypassed so no collective is iss
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import statistics
@@ -78,10 +89,17 @@ HINTS = {
         "read the other ranks' diagnosis (events.jsonl, run_dir/nonfinite/): the rank "
         "whose batch or replay is non-finite is where the fault is."
     ),
+    "outside_model": (
+        "look at what the loop computes from the model's output: the loss function's "
+        "inputs (targets, weights, masks: the saved batch), a custom loss (log(0), a "
+        "division by zero, a mean over an empty mask); to let guardrails replay the loss "
+        "too, return it from the model or pass guard(..., replay_fn=lambda model, batch: "
+        "loss_of(model, batch))."
+    ),
     "unknown": (
-        "iterate the guard (for batch in g) with capture=True and replay=True so the batch "
-        "can be replayed, or pass replay_fn=lambda model, batch: ... if the model is not "
-        "called as model(*batch)."
+        "call the model passed to guard() for the training forward (guardrails records "
+        "its calls), keep NanGuard's capture=True and replay=True, or pass "
+        "guard(..., replay_fn=lambda model, batch: ...) to say how to run a batch."
     ),
 }
 
@@ -110,7 +128,10 @@ def _diagnose(
     norm: float,
     lr: float,
     history: list[tuple[int, float, float, float]],
+    calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] | None,
     batches: list[Any] | None,
+    other_rank: bool,
+    optimizer: str | None,
     fp16: bool,
     scaler: bool,
     spike_factor: float,
@@ -129,19 +150,28 @@ def _diagnose(
         "weights_step": weights_step,
         "history": [list(h) for h in history[-20:]],
     }
-    bad = _nonfinite_samples(batches) if batches else []
+    if optimizer is not None:
+        diag["optimizer"] = optimizer
+    inputs = [_call_inputs(m, args, kwargs) for m, args, kwargs in calls or ()]
+    # The forward inputs first (what the model saw), then the batches the step fetched
+    # (a target or weight the loss outside the model used).
+    bad = [("forward call", *b) for b in _nonfinite_samples(inputs)] if inputs else []
+    if not bad and batches:
+        bad = [("batch", *b) for b in _nonfinite_samples(batches)]
     blowup = _blowup_evidence(history, lr, spike_factor, loss_spike_factor)
     found: dict[str, Any] = {}
-    if replay and batches and not bad:
-        found = _replay(guard, batches, replay_fn)
+    if replay and not bad and not other_rank and (calls or batches):
+        found = _replay(guard, calls, batches, replay_fn)
     diag.update(found)
 
     if bad:
-        mb, key, rows, dataset_rows = bad[0]
-        where = f"micro-batch {mb}, " if len(batches or ()) > 1 else ""
+        what, mb, key, rows, dataset_rows = bad[0]
+        n = len(inputs) if what == "forward call" else len(batches or ())
+        where = f"{what} {mb + 1} of {n}, " if n > 1 else ""
+        entry = "argument" if what == "forward call" else "entry"
         diag.update(cause="bad_data", samples=rows, tensor=key, dataset_indices=dataset_rows)
         msg = (
-            f"the batch itself holds NaN/Inf: {where}tensor `{key}`, sample row(s) "
+            f"the step's data holds NaN/Inf: {where}{entry} `{key}`, sample row(s) "
             f"{_short(rows)} of the batch on rank {guard.rank}"
         )
         if dataset_rows is not None:
@@ -167,6 +197,14 @@ def _diagnose(
         )
         if found.get("params_finite") is False:
             msg += " and its own parameters hold NaN/Inf (they were already corrupt)"
+        if found.get("rows"):
+            n = len(inputs) if replay_fn is None else len(batches or ())
+            where = f" of forward call {found['call'] + 1} of {n}" if n > 1 else ""
+            diag["samples"] = found["rows"]
+            msg += (
+                f"; only sample row(s) {_short(found['rows'])}{where} of the batch on rank "
+                f"{guard.rank} go non-finite there: the data of those samples triggers it"
+            )
     elif found.get("grad_params"):
         diag["cause"] = "numerics"
         names = found["grad_params"]
@@ -176,12 +214,28 @@ def _diagnose(
             "a norm of a zero vector, atan2(0, 0))"
         )
         diag["module"] = names[-1].rsplit(".", 1)[0]
-    elif found.get("replayed") and guard.world_size > 1:
+    elif other_rank:
         diag["cause"] = "other_rank"
         msg = (
-            f"this rank's batch, forward and backward replay finite: the NaN/Inf reached "
-            f"its gradients from another rank (gradients are all-reduced); the other "
-            f"ranks' reports under {guard.run_dir / NONFINITE_DIR} name the culprit"
+            f"this rank's own gradients were finite: another rank's were not, and every "
+            f"rank skips the step together; the other ranks' reports under "
+            f"{guard.run_dir / NONFINITE_DIR} name the culprit"
+        )
+    elif found.get("replayed") and found.get("no_loss") and guard.world_size == 1:
+        diag["cause"] = "outside_model"
+        msg = (
+            "the step's forward calls replay finite and the model returns no loss, so the "
+            "NaN/Inf arose after the model, in the loss or its backward, which the loop "
+            "computes itself (e.g. criterion(logits, y)) and guardrails cannot replay"
+        )
+    elif found.get("replayed") and guard.world_size > 1:
+        diag["cause"] = "other_rank"
+        replayed = "forward replays" if found.get("no_loss") else "forward and backward replay"
+        msg = (
+            f"this rank's data is finite and its {replayed} finite: the NaN/Inf most "
+            f"likely reached its gradients from another rank (gradients are all-reduced)"
+            + (", or arose in the loss computed outside the model" if found.get("no_loss") else "")
+            + f"; the other ranks' reports under {guard.run_dir / NONFINITE_DIR} name the culprit"
         )
     elif found.get("replayed"):
         diag["cause"] = "not_reproducible"
@@ -196,12 +250,17 @@ def _diagnose(
         msg = f"replaying the same batch on {same} gives a finite loss and gradients"
     else:
         diag["cause"] = "unknown"
-        why = found.get("replay_error") or "there was no batch to replay"
+        why = found.get("replay_error") or (
+            "no training forward of the guarded model was recorded for this step, so "
+            "there was nothing to replay"
+            if replay
+            else "replay is off"
+        )
         msg = f"could not classify: {why}"
     diag["message"] = msg
     diag["hint"] = HINTS[diag["cause"]]
     if save:
-        diag["path"] = _save(guard, step, batches, diag)
+        diag["path"] = _save(guard, step, inputs, batches, diag)
         diag["message"] += f". Saved to {diag['path']}"
     return diag
 
@@ -290,10 +349,15 @@ def _dataset_index(batch: Any) -> Tensor | None:
 # ---------------------------------------------------------------------- replay
 
 
-def _replay(guard: Guard, batches: list[Any], replay_fn: Callable[[Any, Any], Any] | None) -> dict:
-    """Run the step's batches through the bare model with a forward hook on every
-    module; then, if the forward is finite, take the gradients with autograd.grad.
-    Everything the run owns is left as it was."""
+def _replay(
+    guard: Guard,
+    calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] | None,
+    batches: list[Any] | None,
+    replay_fn: Callable[[Any, Any], Any] | None,
+) -> dict:
+    """Re-run the step's forward calls (or ``replay_fn`` over its batches) on the bare
+    model(s) with a forward hook on every module; then, if the forward is finite, take
+    the gradients with autograd.grad. Everything the run owns is left as it was."""
     from guardrails._guard import _find_loss
 
     model = _unwrap(guard.model)
@@ -301,6 +365,7 @@ def _replay(guard: Guard, batches: list[Any], replay_fn: Callable[[Any, Any], An
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     first: dict[str, Any] = {}
+    current = {"call": 0, "rows": 0}  # the call being replayed and its batch size
 
     def hook(name: str) -> Callable[..., None]:
         def fn(mod: nn.Module, args: Any, out: Any) -> None:
@@ -311,24 +376,38 @@ def _replay(guard: Guard, batches: list[Any], replay_fn: Callable[[Any, Any], An
                     module_type=type(mod).__name__,
                     input_finite=_finite(args),
                     params_finite=all(bool(torch.isfinite(p).all()) for p in own),
+                    call=current["call"],
                 )
+                rows = _bad_rows(out, current["rows"])
+                if rows is not None:  # only some samples: their data triggers it
+                    first["rows"] = rows
 
         return fn
 
+    # What to run: replay_fn over the fetched batches, or the calls as the loop made
+    # them, on the bare module (no DDP collective, no recompilation).
+    runs: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
+    if replay_fn is not None:
+        runs = [(replay_fn, (model, _to(b, device)), {}) for b in batches or ()]
+    else:
+        runs = [(_unwrap(m), a, k) for m, a, k in calls or ()]
+    if not runs:
+        return {}
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
     devices = [device] if device.type == "cuda" else []
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"no_loss": True}
     guard._replaying = True
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            for batch in batches:
-                batch = _to(batch, device)
-                out = replay_fn(model, batch) if replay_fn is not None else _call(model, batch)
+            for i, (fn, args, kwargs) in enumerate(runs):
+                current.update(call=i, rows=_batch_size(args, kwargs))
+                out = fn(*args, **kwargs)
                 if first:
                     break
                 loss = _find_loss(out)
                 if loss is None or not named:
                     continue
+                result["no_loss"] = False
                 grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
                 bad = [
                     n
@@ -340,9 +419,10 @@ def _replay(guard: Guard, batches: list[Any], replay_fn: Callable[[Any, Any], An
                     break
         result["replayed"] = True
     except Exception as exc:  # the user's model; report, never mask the real fault
+        how = "replay_fn" if replay_fn is not None else "the step's forward calls"
         result["replay_error"] = (
-            f"replaying the batch raised {type(exc).__name__}: {exc} "
-            "(pass replay_fn=lambda model, batch: ... to NanGuard)"
+            f"replaying {how} raised {type(exc).__name__}: {exc} "
+            "(pass guard(..., replay_fn=lambda model, batch: ...) to say how to run a batch)"
         )
     finally:
         guard._replaying = False
@@ -355,6 +435,43 @@ def _replay(guard: Guard, batches: list[Any], replay_fn: Callable[[Any, Any], An
     return result
 
 
+def _batch_size(args: Any, kwargs: Any) -> int:
+    """The leading size of a call's first tensor argument (its batch), or 0."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor) and a.ndim:
+            return a.shape[0]
+    return 0
+
+
+def _bad_rows(out: Any, batch: int) -> list[int] | None:
+    """The rows (samples) of a module's output that hold NaN/Inf, when its leading
+    dimension is the batch's and not every row does; else ``None``."""
+    t = (
+        out
+        if isinstance(out, Tensor)
+        else next(
+            (o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, Tensor)),
+            None,
+        )
+    )
+    if t is None or t.ndim == 0 or batch < 2 or t.shape[0] != batch or not t.is_floating_point():
+        return None
+    bad = (~torch.isfinite(t.detach())).reshape(batch, -1).any(1)
+    rows = bad.nonzero().flatten().tolist()
+    return rows if 0 < len(rows) < batch else None
+
+
+def _call_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict:
+    """A forward call's arguments as one mapping by the names in the model's
+    ``forward`` signature (``idx``, ``targets``...), or ``arg0``, ``arg1``... when the
+    signature cannot bind them."""
+    try:
+        bound = inspect.signature(_unwrap(module).forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
+    return dict(bound.arguments)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     # DDP would all-reduce during the replay's backward; the compiled wrapper would
     # recompile for the hooks. The bare module runs the same weights.
@@ -365,14 +482,6 @@ def _unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def _call(model: nn.Module, batch: Any) -> Any:
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -418,18 +527,32 @@ def _flatten(batch: Any, prefix: str = "") -> dict[str, Tensor]:
     return out
 
 
-def _save(guard: Guard, step: int, batches: list[Any] | None, diag: dict[str, Any]) -> str:
-    """Write the batch (safetensors) and the diagnosis (JSON) to
-    ``run_dir/nonfinite/step<N>-rank<R>/``, atomically (temp dir, then rename)."""
+def _save(
+    guard: Guard,
+    step: int,
+    inputs: list[dict[str, Any]],
+    batches: list[Any] | None,
+    diag: dict[str, Any],
+) -> str:
+    """Write the step's forward inputs and batches (safetensors) and the diagnosis
+    (JSON) to ``run_dir/nonfinite/step<N>-rank<R>/``, atomically (temp dir, rename).
+    Keys: ``call<i>.<argument>`` and ``batch<i>.<entry>``."""
     root = guard.run_dir / NONFINITE_DIR
     final = root / f"step{step:08d}-rank{guard.rank}"
     tmp = root / f".tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     tensors = {}
-    for mb, batch in enumerate(batches or ()):
-        for key, t in _flatten(batch).items():
-            # safetensors wants contiguous CPU tensors that share no storage.
-            tensors[f"{mb}.{key}"] = t.detach().to("cpu").contiguous().clone()
+    stored: set[tuple[Any, ...]] = set()
+    for prefix, items in (("call", inputs), ("batch", batches or ())):
+        for mb, item in enumerate(items):
+            for key, t in _flatten(item).items():
+                # A batch entry the forward got as is was saved as its argument already.
+                view = (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
+                if prefix == "batch" and view in stored:
+                    continue
+                stored.add(view)
+                # safetensors wants contiguous CPU tensors that share no storage.
+                tensors[f"{prefix}{mb}.{key}"] = t.detach().to("cpu").contiguous().clone()
     if tensors:
         save_file(tensors, str(tmp / "batch.safetensors"))
     info = {k: v for k, v in diag.items() if k != "path"}

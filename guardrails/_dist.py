@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 
@@ -38,3 +39,19 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def grads_agree(model: torch.nn.Module) -> bool:
+    """Whether every rank holds the same gradients at ``optimizer.step()``: DDP
+    all-reduced them in the backward (wrapped outside or inside ``torch.compile``), or
+    they are DTensors whose norm is global (FSDP2). Otherwise (a distributed optimizer
+    that reduces inside its step, like nanochat's) they differ per rank."""
+    from guardrails._sharded import is_sharded
+
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return True
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return is_sharded(model)
+        model = inner

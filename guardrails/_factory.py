@@ -7,11 +7,10 @@ not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from os import PathLike
 from typing import Any
 
-import torch
 from torch import nn
 
 from guardrails._audit import CollectiveAuditor
@@ -20,7 +19,7 @@ from guardrails._checks import mapping, positive
 from guardrails._component import Component
 from guardrails._explain import ErrorExplainer
 from guardrails._gc import GCScheduler
-from guardrails._guard import Guard, check_knobs
+from guardrails._guard import Guard, Optimizers, check_knobs
 from guardrails._memory import MemoryGuard
 from guardrails._nan import NanGuard
 from guardrails._preflight import Preflight
@@ -30,8 +29,8 @@ from guardrails._watchdog import Watchdog
 
 
 def guard(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
+    optimizer: Optimizers,
     loader: Iterable[Any] | None = None,
     *,
     scheduler: Any = None,
@@ -49,6 +48,7 @@ def guard(
     explain_oom: bool = True,
     nan_policy: str | None = "skip",
     max_consecutive_skips: int = 10,
+    replay_fn: Callable[[Any, Any], Any] | None = None,
     hang_timeout_s: float | None = None,
     audit_collectives: bool = True,
     resume: str | PathLike[str] | None = "auto",
@@ -76,6 +76,15 @@ def guard(
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
+
+    Several optimizers (a GAN, actor-critic) are one guard: pass every model and every
+    optimizer, as lists or dicts by name::
+
+        with guardrails.guard([gen, disc], [opt_g, opt_d], loader) as g:
+
+    Every optimizer's steps are guarded (a NaN in the discriminator's step never
+    reaches its weights), ``g.step`` counts the first optimizer's steps, and one
+    checkpoint holds every model, optimizer and scheduler.
 
     Args:
         model, optimizer, loader, scheduler, run_dir, tokens_per_batch: see
@@ -107,6 +116,12 @@ def guard(
             ``max_consecutive_skips`` in a row; ``"raise"`` skips and raises at once;
             ``"warn"`` only logs; ``None`` turns NanGuard off.
         max_consecutive_skips: see ``nan_policy``. Default 10.
+        replay_fn: how NanGuard replays a non-finite step's batch to find its cause,
+            ``replay_fn(model, batch) -> output or loss``. Default ``None``: re-run the
+            step's training forward calls with the arguments they were given (the
+            guard records them), which needs no help for ``model(x, y)``,
+            ``model(**batch)`` or ``criterion(model(x), y)`` loops; give it to replay a
+            loss computed outside the model too.
         hang_timeout_s: distributed runs: seconds without progress on any rank before
             the :class:`~guardrails.Watchdog` reports a ``HangError`` (or
             ``RankFailedError`` / ``UnevenDataError``) naming the rank, where it is
@@ -270,6 +285,7 @@ def guard(
         tokens_per_batch=tokens_per_batch,
         benchmark=benchmark,
         graph_grad_norm=graph_grad_norm,
+        replay_fn=replay_fn,
     )
 
 

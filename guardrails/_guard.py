@@ -4,15 +4,36 @@ What it hooks, and why each is enough:
 
 * the loader, by being iterated in its place: every ``next()`` is timed (data
   starvation is a failure family of its own) and shown to the components;
-* ``optimizer.step()``, through the optimizer's public step pre/post hooks
-  (``Optimizer.register_step_pre_hook``): the step counter is the optimizer step, so
-  gradient accumulation (several backwards per step) needs nothing special;
-* the model's forward, wrapped on the instance (``model.forward``, restored on close)
-  to pick up a scalar loss the model returns (``loss``, ``(logits, loss)``,
-  ``{"loss": ...}``, ``output.loss``). Models that return logits call
-  :meth:`Guard.observe` instead. Not a forward hook: any hook sends
-  ``Module.__call__`` down its slow path, measured at ~15 us per call on CPU, more
-  than everything else the engine does per step; the wrapper costs ~1 us.
+* ``optimizer.step()``, wrapped on the instance (``opt.step``, restored on close), not
+  through torch's step pre-hooks: a hook cannot stop the update, and a non-finite step
+  must not reach an optimizer that would crash on, or be corrupted by, its gradients
+  (:meth:`Guard.skip_update`). The step counter is the first optimizer's step, so
+  gradient accumulation (several backwards per step) needs nothing special; with
+  several optimizers (a GAN), every one is wrapped and guarded, and the others' steps
+  between two of the first one's belong to the same step;
+* the model's forward, wrapped on the instance (``model.forward``, restored on close):
+  it records the arguments of each training forward of the step (by reference: the
+  inputs the step really trained on, which a prefetching loop fetched one step
+  earlier), picks up a scalar loss the model returns (``loss``, ``(logits, loss)``,
+  ``{"loss": ...}``, ``output.loss``; models that return logits call
+  :meth:`Guard.observe`), and tells the engine where the step boundary is. Not a
+  forward hook: any hook sends ``Module.__call__`` down its slow path, measured at
+  ~15 us per call on CPU, more than everything else the engine does per step; the
+  wrapper costs ~1 us.
+
+**The step boundary** (:meth:`~guardrails.Component.on_boundary`, where checkpoints
+are taken) is the first point after an optimizer step where model, optimizer,
+scheduler, RNG and data position agree: the loop body finished (scheduler stepped,
+gradients zeroed) and the next step has not started. The engine arms it after each
+step and fires it at the first of: the next batch fetched through the guard, or the
+next training forward (in loops that prefetch the next batch before
+``optimizer.step()``, or that do not iterate the guard; with several optimizers only
+in those loops, since a GAN's second model runs its forward after the first model's
+step), or at the latest at the next ``optimizer.step()``.
+
+**The data position** a checkpoint saves is the batches *trained*, not fetched: the
+loader position at the step's last training forward. A loop that prefetched the next
+batch resumes with that batch, not after it.
 
 Nothing here reads a device value on the host: the loss and the grad norm stay device
 tensors, and components move them to the host lagged (see ``_telemetry.py``). Host work
@@ -33,6 +54,7 @@ import math
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
@@ -42,13 +64,21 @@ import torch
 from torch import Tensor, nn
 
 from guardrails import _dist, _store
-from guardrails._checks import positive_int
+from guardrails._checks import named, positive_int
 from guardrails._component import HOOKS, Component, overrides
 from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog
 from guardrails._gradnorm import GradNorm
 
 logger = logging.getLogger("guardrails")
+
+#: What ``optimizer`` may be: one optimizer, or several as a list or a dict by name.
+Optimizers = (
+    torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer]
+)
+
+#: The guard started in this process and not closed yet (one at a time).
+_running: Guard | None = None
 
 
 class Guard:
@@ -64,13 +94,17 @@ class Guard:
     it changed.
 
     Args:
-        model: the ``nn.Module`` being trained (a DDP / compiled wrapper is fine).
-        optimizer: the ``torch.optim.Optimizer`` that steps it; must own (some of)
-            ``model``'s parameters.
+        model: the ``nn.Module`` being trained (a DDP / compiled wrapper is fine), or a
+            list / dict of modules trained together (a GAN's generator and
+            discriminator), checkpointed as one ``nn.ModuleDict``.
+        optimizer: the ``torch.optim.Optimizer`` that steps it, or a list / dict of
+            them (a GAN's two). Every one must own some of the model's parameters and
+            every one's steps are guarded; ``g.step`` counts the first one's steps
+            (the others' steps between two of its steps belong to the same step).
         loader: any iterable of batches (``DataLoader``, a generator, a list), or
             ``None`` when the loop fetches its own data.
-        scheduler: the LR scheduler, if any (kept for checkpoints; the LR itself is
-            read from the optimizer).
+        scheduler: the LR scheduler, if any, or a list / dict of them (kept for
+            checkpoints; the LR itself is read from the optimizer).
         scaler: the ``torch.amp.GradScaler``, if any (kept for checkpoints).
         run_dir: where metrics, events and checkpoints go. Default ``runs/<script>``,
             the same on every rank and across restarts of the same script.
@@ -86,8 +120,8 @@ class Guard:
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
+        optimizer: Optimizers,
         loader: Iterable[Any] | None = None,
         *,
         scheduler: Any = None,
@@ -97,15 +131,43 @@ class Guard:
         tokens_per_batch: int | None = None,
         benchmark: bool = False,
         graph_grad_norm: bool = False,
+        replay_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
-        self.model = model
-        self.optimizer = optimizer
+        #: The modules whose forward is wrapped: the model, or each one given.
+        self.models: dict[str, nn.Module] = named("model", model, nn.Module)
+        #: The model: the one given, or an ``nn.ModuleDict`` of the ones given.
+        self.model: nn.Module = (
+            model if isinstance(model, nn.Module) else nn.ModuleDict(self.models)
+        )
+        #: Every optimizer by name (``"0"``, ``"1"``... for a list; the keys of a dict).
+        self.optimizers: dict[str, torch.optim.Optimizer] = named(
+            "optimizer", optimizer, torch.optim.Optimizer
+        )
+        #: The first optimizer: its steps are the guard's steps.
+        self.optimizer = next(iter(self.optimizers.values()))
         self.loader = loader
-        self.scheduler = scheduler
+        #: Every scheduler by name, like :attr:`optimizers` (empty without one).
+        self.schedulers: dict[str, Any] = (
+            {} if scheduler is None else named("scheduler", scheduler, object)
+        )
+        self.scheduler = next(iter(self.schedulers.values()), None)
         self.scaler = scaler
         self.components: list[Component] = list(components or ())
         self.tokens_per_batch = tokens_per_batch
-        self._params = _validate(model, optimizer, loader, self.components, tokens_per_batch)
+        if replay_fn is not None and not callable(replay_fn):
+            raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
+        #: How to replay a non-finite step's batch: ``replay_fn(model, batch)``, or
+        #: ``None`` to re-run the step's recorded forward calls as they were made.
+        self.replay_fn = replay_fn
+        self._params = _validate(
+            self.model, self.optimizers, loader, self.components, tokens_per_batch
+        )
+        if len(self.optimizers) > 1:
+            # The step's grad norm and NaN flag are the first optimizer's: another's
+            # gradients (a GAN's generator, left from its last backward) are checked
+            # at that optimizer's own step.
+            first = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+            self._params = [p for p in self._params if id(p) in first]
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
         self.device = self._params[0].device
         self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
@@ -141,6 +203,29 @@ class Guard:
         #: that ran out of data from one that is stuck. One tuple, stored before the
         #: epoch counters move on, so a reader in another thread never sees it half-set.
         self.exhausted_at: tuple[int, int] | None = None
+        #: The forward calls of the current step, as ``(module, args, kwargs)`` (by
+        #: reference; no copy), training forwards only: what the step trained on.
+        self.step_calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = []
+        #: The batches the current step trained on: fetched through the guard before
+        #: one of its training forwards (a prefetched batch belongs to the next step).
+        self.step_batches: list[Any] = []
+        # Batches fetched since the last training forward (the next step's, in a loop
+        # that prefetches).
+        self._fetched: list[Any] = []
+        self._n_fetched = 0  # batches fetched through the guard, all passes
+        # The data position at the last training forward: (epoch, batch_in_epoch,
+        # epoch-start RNG states). What a checkpoint saves (_data.save_position).
+        self._trained_at: tuple[int, int, dict[str, Any] | None] | None = None
+        self._forward_seen = False  # a training forward since the last step
+        # Fire the boundary at the next training forward too, not only at the next
+        # fetch: set at each step from what the loop does (see the module docstring).
+        self._fire_on_forward = True
+        self._skip = False  # set by skip_update(): the wrapper does not call step()
+        # (tensor, version) of the step's forward arguments, to notice a loader that
+        # refills them in place; then copy them instead (see _check_refill).
+        self._arg_versions: list[tuple[Tensor, int]] = []
+        self._copy_inputs = False
+        self._warned_not_iterated = False
         self.rank = 0
         self.world_size = 1
         self.events: EventLog | None = None
@@ -230,19 +315,30 @@ class Guard:
                 f"this guard is already {self._state}; a Guard runs once. "
                 "Build a new one with guardrails.guard(...) for another loop."
             )
+        global _running
+        if _running is not None:
+            raise ValueError(
+                f"another guard is already running in this process ({_running!r}); one "
+                "guard guards one loop. Two guards would both checkpoint (resuming their "
+                "models from different steps) and fight over the garbage collector and "
+                "the signal handlers. Pass every model and optimizer to one guard: "
+                "guardrails.guard([gen, disc], [opt_g, opt_d], loader) (or dicts by "
+                "name); close the first guard before starting another."
+            )
         self.rank = _dist.rank()
         self.world_size = _dist.world_size()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
+        _running = self
         try:
             self.generation = _store.next_generation()
             self.side_group = _store.open_side_group()
             self._handles = [
-                self.optimizer.register_step_pre_hook(self._before_step),
-                self.optimizer.register_step_post_hook(self._after_step),
-                _wrap_forward(self.model, self._pick_loss, self),
+                _wrap_step(opt, name, self, counted=i == 0)
+                for i, (name, opt) in enumerate(self.optimizers.items())
             ]
+            self._handles += [_wrap_forward(m, self) for m in self.models.values()]
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
                 self._handles.append(attach(self))
@@ -284,10 +380,13 @@ class Guard:
         ``exc``, which then stays the error the user sees, or becomes the one a
         component explained it with (:meth:`replace_error`), raised ``from exc``.
         """
+        global _running
         if self._state != "started":
             self._state = "closed"
             return
         self._state = "closed"
+        if _running is self:
+            _running = None
         errors: list[BaseException] = []
         if self._bench is not None:
             bench, self._bench = self._bench, None
@@ -435,9 +534,7 @@ class Guard:
         clock = time.perf_counter
         while True:
             if self._at_boundary:
-                self._at_boundary = False
-                for fn in self._live["on_boundary"]:
-                    fn(self)
+                self._boundary()
                 if self.stopping is not None:
                     return
             self.phase = "data"
@@ -452,6 +549,10 @@ class Guard:
                 return
             self._data_wait_s += clock() - t0
             self.batch_in_epoch += 1
+            self._n_fetched += 1
+            self._fetched.append(batch)
+            if self._arg_versions and not self._copy_inputs:
+                self._check_refill()
             self.phase = "loop"
             if self._pending is not None:
                 self._raise_pending()
@@ -487,10 +588,64 @@ class Guard:
             self._explicit_loss = self._explicit_loss + loss
         self._explicit_n += 1
 
-    def _pick_loss(self, output: Any) -> None:
-        # Evaluation passes (no_grad or eval mode) are not training losses.
-        if self._replaying or not self.model.training or not torch.is_grad_enabled():
+    def _check_refill(self) -> None:
+        """After a fetch: whether a tensor a training forward got was written in place
+        since (its version counter moved): a loader that refills one buffer per batch
+        (nanochat's yields views of a reused device buffer). Then the step's recorded
+        inputs would show later data, so from now on each training forward's tensor
+        arguments are copied (one device copy each; reported once)."""
+        changed = [t for t, v in self._arg_versions if t._version != v]
+        self._arg_versions = []
+        if not changed:
             return
+        self._copy_inputs = True
+        nbytes = sum(t.numel() * t.element_size() for t in changed)
+        self.event(
+            "inputs_refilled",
+            message=(
+                "the loader wrote a batch the model had already trained on in place (it "
+                "reuses one buffer): guardrails now keeps a copy of each training "
+                f"forward's tensor arguments ({nbytes / 1e6:.2f} MB a micro-batch, held "
+                "for about 20 steps on a GPU) so that a non-finite step's report shows "
+                "the data the step saw."
+            ),
+            bytes=nbytes,
+        )
+
+    def _boundary(self) -> None:
+        """The last step's loop body is done and the next step has not started: run
+        the components' ``on_boundary`` (checkpoints, stop agreement)."""
+        self._at_boundary = False
+        for fn in self._live["on_boundary"]:
+            fn(self)
+
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict) -> bool:
+        """Before a wrapped forward runs: whether it is a training forward (grad enabled,
+        module in train mode, not NanGuard's replay); if so, record its inputs, the data
+        position it trains at, and fire a pending step boundary where the loop's shape
+        calls for it (before the forward draws from the RNG)."""
+        # Evaluation passes (no_grad or eval mode) are not training forwards.
+        if self._replaying or not module.training or not torch.is_grad_enabled():
+            return False
+        if self._at_boundary and self._fire_on_forward:
+            self._boundary()
+        if not self._forward_seen:  # the step's first forward
+            self._forward_seen = True
+            self._arg_versions = []
+        if self._copy_inputs:
+            # The loader refills its buffers in place: keep what this forward saw.
+            args = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+            kwargs = {k: v.clone() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        else:
+            self._arg_versions += [(a, a._version) for a in args if isinstance(a, Tensor)]
+        self.step_calls.append((module, args, kwargs))
+        if self._fetched:  # the batches fetched since the last forward are this step's
+            self.step_batches += self._fetched
+            self._fetched = []
+        self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
+        return True
+
+    def _pick_loss(self, output: Any) -> None:
         # Two C calls (~0.2 us): fp16 autocast is the one that overflows at 65504.
         if torch.is_autocast_enabled(self._device_type) and (
             torch.get_autocast_dtype(self._device_type) == torch.float16
@@ -561,25 +716,33 @@ class Guard:
 
     # ------------------------------------------------------------------ optimizer hooks
 
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._quiet:
-            return
+    def skip_update(self) -> None:
+        """From a component's ``before_step`` / ``before_extra_step``: do not call this
+        optimizer step at all (the wrapper returns ``None`` without calling it), so
+        weights and optimizer state stay bitwise as they were whatever the optimizer
+        does with its gradients. The step still counts and ``after_step`` runs."""
+        self._skip = True
+
+    def _before_step(self) -> None:
         self.phase = "optimizer"
         if self._pending is not None:
             self._raise_pending()
+        if self._at_boundary:
+            # Neither a fetch nor a training forward since the last step (several
+            # steps per batch, or a model called around the guard's wrapper): the
+            # boundary is due now at the latest, before this update.
+            self._boundary()
+        if not self._forward_seen:  # no forward observed: the fetch position it is
+            self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
+            self.step_batches += self._fetched
+            self._fetched = []
         self.data_wait_s = self._data_wait_s
         self.tokens = self._tokens
-        lr = optimizer.param_groups[0].get("lr", math.nan)
-        # A tensor LR on the device would cost a sync to read; record nan instead.
-        if isinstance(lr, Tensor):
-            lr = lr.item() if lr.device.type == "cpu" else math.nan
-        self.lr = float(lr)
+        self.lr = _lr(self.optimizer)
         for fn in self._live["before_step"]:
             fn(self)
 
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._quiet:
-            return
+    def _after_step(self) -> None:
         self.step += 1
         now = time.perf_counter()
         self.step_time_s = now - self._step_start
@@ -593,7 +756,42 @@ class Guard:
         self._auto_n = self._explicit_n = 0
         self._data_wait_s = 0.0
         self._tokens = None
+        self.step_calls = []
+        self.step_batches = []
+        # A batch fetched after this step's last forward was prefetched for the next
+        # step: the next step's boundary must come at its forward, which runs before
+        # any further fetch. So must it in a loop that does not iterate the guard.
+        # With several optimizers (a GAN) a training forward can follow the first
+        # optimizer's step inside the same iteration, so there only those loops do.
+        prefetched = self._forward_seen and bool(self._fetched)
+        self._fire_on_forward = len(self.optimizers) == 1 or prefetched or not self._n_fetched
+        self._forward_seen = False
+        if self.loader is not None and not self._n_fetched and not self._warned_not_iterated:
+            self._warned_not_iterated = True
+            self.event(
+                "loader_not_iterated",
+                level="warning",
+                message=(
+                    "the guard was given a loader but no batch came through it by the end "
+                    f"of step {self.step}: the loop iterates the loader itself, so the data "
+                    "position cannot be saved (a resumed run would start its data over) "
+                    "and a non-finite step's batch is unknown. Iterate the guard instead: "
+                    "`for batch in g:` or `it = iter(g); batch = next(it)`."
+                ),
+            )
         self._at_boundary = True
+        self.phase = "loop"
+
+    def _before_extra_step(self, name: str) -> None:
+        self.phase = "optimizer"
+        if self._pending is not None:
+            self._raise_pending()
+        for fn in self._live["before_extra_step"]:
+            fn(self, name)
+
+    def _after_extra_step(self, name: str) -> None:
+        for fn in self._live["after_extra_step"]:
+            fn(self, name)
         self.phase = "loop"
 
     # ------------------------------------------------------------------ checks
@@ -603,7 +801,12 @@ class Guard:
         seeds' "frozen params / LoRA wiring" failure: loss does not decrease)."""
         if self.rank != 0:
             return
-        owned = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        owned = {
+            id(p)
+            for opt in self.optimizers.values()
+            for group in opt.param_groups
+            for p in group["params"]
+        }
         missing = [
             name
             for name, p in self.model.named_parameters()
@@ -637,38 +840,42 @@ class Guard:
 
 
 def _validate(
-    model: Any,
-    optimizer: Any,
+    model: nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
     loader: Any,
     components: list[Component],
     tokens_per_batch: Any,
 ) -> list[nn.Parameter]:
     """Every argument check in one place; returns the model's parameters."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"guard() needs the nn.Module being trained as `model`, got {type(model).__name__}. "
-            "Pass the model itself (a DDP or torch.compile wrapper is fine)."
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "guard() needs a torch.optim.Optimizer as `optimizer`, "
-            f"got {type(optimizer).__name__}. "
-            "Pass the optimizer whose step() updates the model."
-        )
     params = list(model.parameters())
     if not params:
         raise ValueError(
             f"the model ({type(model).__name__}) has no parameters, so there is nothing to "
             "train or guard. Pass the module that holds the weights."
         )
-    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    if not any(id(p) in owned for p in params):
-        raise ValueError(
-            "the optimizer owns none of the model's parameters, so optimizer.step() would "
-            "never change this model. It was probably built from another model instance "
-            "(a copy, or one re-created after the optimizer). Build it from this model: "
-            "torch.optim.AdamW(model.parameters(), ...)."
-        )
+    ids = {id(p) for p in params}
+    if len({id(o) for o in optimizers.values()}) < len(optimizers):
+        raise ValueError("the same optimizer was passed twice; pass each one once.")
+    seen: dict[int, str] = {}  # parameter id -> the optimizer that owns it
+    for name, optimizer in optimizers.items():
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        which = "the optimizer" if len(optimizers) == 1 else f"optimizer {name!r}"
+        if not owned & ids:
+            raise ValueError(
+                f"{which} owns none of the model's parameters, so its step() would "
+                "never change this model. It was probably built from another model "
+                "instance (a copy, or one re-created after the optimizer), or the model "
+                "it trains was not passed: build it from this model "
+                "(torch.optim.AdamW(model.parameters(), ...)), or pass every model: "
+                "guard([gen, disc], [opt_g, opt_d], ...)."
+            )
+        shared = next((seen[i] for i in owned if i in seen), None)
+        if shared is not None:
+            raise ValueError(
+                f"optimizers {shared!r} and {name!r} both own a parameter: each parameter "
+                "must be updated by one optimizer. Split the parameters between them."
+            )
+        seen.update(dict.fromkeys(owned, name))
     if loader is not None and not isinstance(loader, Iterable):
         raise TypeError(
             f"`loader` must be an iterable of batches (DataLoader, generator, list), "
@@ -702,11 +909,12 @@ class _Restore:
         self.remove = undo
 
 
-def _wrap_forward(model: nn.Module, on_output: Callable[[Any], None], owner: Any) -> _Restore:
-    """Set ``model.forward`` (on the instance) to call the current forward, then
-    ``on_output(output)``; ``owner.phase`` says whether the loop is inside the forward.
-    The returned handle puts back exactly what was there: the instance attribute a
-    wrapper (torch.compile's, or another tool's) had set, or none.
+def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
+    """Set ``model.forward`` (on the instance) to tell ``guard`` about the call, call the
+    current forward, then hand its output to ``guard``; ``guard.phase`` says whether the
+    loop is inside the forward. The returned handle puts back exactly what was there:
+    the instance attribute a wrapper (torch.compile's, or another tool's) had set, or
+    none.
     """
     had_own = "forward" in model.__dict__
     previous = model.__dict__.get("forward")
@@ -714,10 +922,12 @@ def _wrap_forward(model: nn.Module, on_output: Callable[[Any], None], owner: Any
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        owner.phase = "forward"
+        training = guard._on_forward(model, args, kwargs)
+        guard.phase = "forward"
         output = inner(*args, **kwargs)
-        owner.phase = "backward"  # until optimizer.step(): loss, backward, clipping
-        on_output(output)
+        guard.phase = "backward"  # until optimizer.step(): loss, backward, clipping
+        if training:
+            guard._pick_loss(output)
         return output
 
     model.forward = forward  # type: ignore[method-assign]
@@ -729,6 +939,56 @@ def _wrap_forward(model: nn.Module, on_output: Callable[[Any], None], owner: Any
             model.__dict__.pop("forward", None)
 
     return _Restore(undo)
+
+
+def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: bool) -> _Restore:
+    """Set ``opt.step`` (on the instance) to run the guard around the current step, and
+    to leave the update out when a component asked for it (:meth:`Guard.skip_update`).
+    ``counted``: this optimizer's steps are the guard's steps.
+
+    A bound method, like the one it replaces: torch's LR schedulers wrap
+    ``optimizer.step`` too and read its ``__func__`` (one created inside the guard
+    wraps this one). The handle puts back exactly what was there (a scheduler's wrapper
+    made before the guard, or nothing).
+    """
+    had_own = "step" in opt.__dict__
+    previous = opt.__dict__.get("step")
+    inner = opt.step
+    before = guard._before_step if counted else functools.partial(guard._before_extra_step, name)
+    after = guard._after_step if counted else functools.partial(guard._after_extra_step, name)
+
+    @functools.wraps(inner)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A sharded resume's set_state_dict steps the optimizer to create its state.
+        if guard._quiet:
+            return inner(*args, **kwargs)
+        guard._skip = False
+        before()
+        if guard._skip:
+            guard._skip = False
+            out = None  # skipped: weights and optimizer state untouched
+        else:
+            out = inner(*args, **kwargs)
+        after()
+        return out
+
+    opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if had_own:
+            opt.step = previous  # type: ignore[method-assign]
+        else:
+            opt.__dict__.pop("step", None)
+
+    return _Restore(undo)
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float:
+    """The first param group's LR (``nan`` for a device tensor: reading it would sync)."""
+    lr = optimizer.param_groups[0].get("lr", math.nan)
+    if isinstance(lr, Tensor):
+        return lr.item() if lr.device.type == "cpu" else math.nan
+    return float(lr)
 
 
 def _default_run_dir() -> Path:

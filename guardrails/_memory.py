@@ -672,7 +672,8 @@ def _live_tensors(
             names[id(p.grad)] = ("gradient", f"{pname}.grad")
             named.append(p.grad)
     by_id = {id(p): n for n, p in guard.model.named_parameters()}
-    for p, state in guard.optimizer.state.items():
+    states = [(p, s) for opt in guard.optimizers.values() for p, s in opt.state.items()]
+    for p, state in states:
         for key, value in state.items() if isinstance(state, dict) else ():
             if isinstance(value, Tensor):
                 names[id(value)] = ("optimizer_state", f"{key} of {by_id.get(id(p), '?')}")

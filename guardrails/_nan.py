@@ -13,14 +13,23 @@ Seed 003's playbook, as code. Per optimizer step, on the device and without a sy
     ``optimizer.found_inf``, exactly as GradScaler hands them its own; the fused kernel
     leaves weights and state unchanged and undoes its step count. No sync at all.
   - any other optimizer cannot be told on the device, so the flag is read on the host
-    before the update and, when set, the gradients are hidden (``p.grad = None``,
-    which every torch optimizer skips) for that one step and put back after. On a CUDA
+    before the update and, when set, the optimizer's ``step()`` is not called at all
+    for that step (:meth:`Guard.skip_update`): weights and state stay bitwise as they
+    were, whatever the optimizer would have done with the gradients (one that reads
+    every ``p.grad``, a sharded one that all-reduces inside ``step()``). On a CUDA
     device that read is one host sync per step (the seeds' "2-7% of a GPT-2 step"):
     a start event says so and recommends ``fused=True``. On a CPU device it is free.
 
-* Ranks agree: under DDP the gradients are already all-reduced, so every rank computes
-  the same flag from the same bits. Other multi-rank setups (FSDP, a hand-written
-  distributed optimizer) all-reduce the flag (MAX) before using it.
+* Ranks agree: under DDP (and FSDP2, whose grad norm is global) every rank computes
+  the same flag from the same gradients. Where the ranks' gradients differ at
+  ``step()`` (a distributed optimizer that reduces them inside its step, like
+  nanochat's or ``ZeroRedundancyOptimizer`` without DDP), the flag is agreed (MAX)
+  over the guard's own gloo side group, never the training's process group, so no
+  collective of the user's can ever pair with it: one host read and one small gloo
+  all-reduce per step.
+* Several optimizers (a GAN): each one's step is checked over its own parameters'
+  gradients (on the host: one read per step of the second and later optimizers) and
+  skipped the same way; the diagnosis names the optimizer.
 
 The host learns what happened lagged: on a CUDA device the ring is copied to pinned
 memory every ``check_every_n_steps`` steps and read one interval later (it has long
@@ -56,10 +65,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from guardrails import _diagnose
+from guardrails import _diagnose, _dist, _gradnorm
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 from guardrails._errors import NonFiniteError
+from guardrails._guard import _lr
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -99,9 +109,9 @@ class NanGuard(Component):
             with forward hooks (weights, grads, optimizer state, buffers and RNG streams
             are left as they were). Default True.
         replay_fn: how to run the model on a batch, ``replay_fn(model, batch) ->
-            output``. Default: ``model(*batch)`` for a tuple/list, ``model(**batch)``
-            for a dict, ``model(batch)`` otherwise, with tensors moved to the model's
-            device.
+            output`` (the bare model, and each batch the step fetched). Default (also
+            ``guard(..., replay_fn=...)``): re-run the step's training forward calls
+            with the arguments they were given.
         max_diagnoses: diagnose (replay and save) at most this many streaks per run.
             Default 3.
     """
@@ -172,7 +182,12 @@ class NanGuard(Component):
         self._skips = self.policy != "warn"
         # GradScaler's contract with fused optimizers: they read `found_inf` in step().
         self._fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
-        self._reduce = guard.world_size > 1 and not _is_ddp(guard.model)
+        # Gradients that differ across ranks at step(): agree on the flag (host path).
+        self._reduce = guard.world_size > 1 and not all(
+            _dist.grads_agree(m) for m in guard.models.values()
+        )
+        # Steps whose agreed flag was set by another rank (this rank's was finite).
+        self._foreign: set[int] = set()
         n = self.check_every_n_steps if self._lagged else 1
         self._ring = torch.zeros((n, 3), dtype=torch.float32, device=dev)
         rows = self._ring.unbind(0)
@@ -194,7 +209,6 @@ class NanGuard(Component):
         self._nan = torch.full((), math.nan, device=dev)
         self._zero = torch.zeros((), device=dev)
         self._set_found = False
-        self._hidden: list[tuple[Tensor, Tensor]] = []
         self._fp16_params = any(p.dtype == torch.float16 for p in guard._params)
         self._scaler_seen = False
         self._param_ids = {id(p) for g in opt.param_groups for p in g["params"]}
@@ -206,11 +220,30 @@ class NanGuard(Component):
         self._losses: deque[float] = deque(maxlen=self.window_steps)
         self._streak: list[int] = []
         self._streak_diag: dict[str, Any] | None = None
-        self._batches: list[Any] = []
-        # Batches of steps whose flags the host has not read yet: at most two intervals.
-        self._recent: deque[tuple[int, list[Any]]] = deque(maxlen=2 * n + 2)
+        # (forward calls, fetched batches) of steps whose flags the host has not read
+        # yet: at most two intervals.
+        self._recent: deque[tuple[int, Any, Any]] = deque(maxlen=2 * n + 2)
         self._health = _Health(self.window_steps)
-        if self._skips and not self._fused and self._cuda:
+        # The other optimizers' parameters and skip streaks (several optimizers).
+        self._extra = {
+            name: [p for g in o.param_groups for p in g["params"]]
+            for name, o in list(guard.optimizers.items())[1:]
+        }
+        self._extra_streaks: dict[str, list[int]] = {name: [] for name in self._extra}
+        self._streak_diags: dict[str, dict[str, Any]] = {}
+        if self._skips and self._cuda and self._reduce:
+            guard.event(
+                "nan_guard_syncs",
+                level="warning",
+                message=(
+                    "the ranks' gradients differ at optimizer.step() (no DDP: the "
+                    "optimizer reduces them itself), so NanGuard agrees on the non-finite "
+                    "flag on the host before each update: one host sync and one small gloo "
+                    "all-reduce per step. Wrapping the model in DDP makes the gradients "
+                    "agree before the step and skipping free with a fused optimizer."
+                ),
+            )
+        elif self._skips and not self._fused and self._cuda:
             guard.event(
                 "nan_guard_syncs",
                 level="warning",
@@ -222,10 +255,6 @@ class NanGuard(Component):
                     "fused=True) where supported) to make skipping free."
                 ),
             )
-
-    def on_batch(self, guard: Guard, batch: Any) -> None:
-        if self.capture:
-            self._batches.append(batch)
 
     def before_step(self, guard: Guard) -> None:
         i = self._i
@@ -247,8 +276,13 @@ class NanGuard(Component):
             # slot is multiplied by 1). A NaN or Inf in any gradient makes the norm so.
             torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
             if self._reduce:
-                # Without DDP the ranks' gradients (and flags) may differ: agree on MAX.
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+                # The ranks' flags may differ: agree on the host (one read per step).
+                if self._agree(guard, bool(found.item())):
+                    found.fill_(1.0)
+                    if self._skips:
+                        guard.skipped = found
+                        self._skip_now(found, guard)
+                return
             if self._skips:
                 guard.skipped = found
                 self._skip_on_device(found, guard)
@@ -257,33 +291,68 @@ class NanGuard(Component):
         # the flag is decided here and the optimizer is only touched on a bad step.
         loss_v, norm_v, _ = self._np[i].tolist()
         bad = not math.isfinite(norm_v)
+        if self._reduce:
+            bad = self._agree(guard, bad)
         if bad:
             found.fill_(1.0)
-        if self._reduce:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
-            bad = bool(self._np[i, 2] > 0.5)
         if self._skips:
             guard.skipped = found
             if bad:
                 self._skip_now(found, guard)
         self._observe(step, loss_v, norm_v, bad, guard.lr, now=True)
 
+    def _agree(self, guard: Guard, bad: bool) -> bool:
+        """Whether any rank's flag is set: a MAX all-reduce of this rank's over the
+        guard's gloo side group (never the training's group)."""
+        flag = torch.tensor([float(bad)])
+        if guard.auditor is not None:  # in the training's sequence: see record_own
+            guard.auditor.record_own("guardrails NaN-flag agreement", flag)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=guard.side_group)
+        agreed = bool(flag[0] > 0.5)
+        if agreed and not bad:
+            self._foreign.add(guard.step + 1)
+        return agreed
+
     def after_step(self, guard: Guard) -> None:
         if self._set_found:
             self._restore_found(guard.optimizer)
-        if self._hidden:
-            for p, g in self._hidden:
-                p.grad = g
-            self._hidden = []
         if self.capture:
-            self._recent.append((guard.step, self._batches))
-            self._batches = []
+            self._recent.append((guard.step, guard.step_calls, guard.step_batches))
         self._health.after_step(guard, self._param_ids)
         self._i += 1
         if self._i == len(self._rows):
             self._i = 0
             if self._lagged:
                 self._flush()
+
+    def before_extra_step(self, guard: Guard, name: str) -> None:
+        """Another optimizer's step: its own parameters' gradients, checked on the host
+        (one read), skipped like the first optimizer's."""
+        grads = [p.grad for p in self._extra[name] if p.grad is not None]
+        norm = _gradnorm.total_norm(grads, guard.device, guard._norm.multi_device)
+        bad = not math.isfinite(float(norm))
+        if self._reduce:
+            bad = self._agree(guard, bad)
+        streak = self._extra_streaks[name]
+        if not bad:
+            if streak:
+                self._end_streak(guard.step + 1, streak=streak, optimizer=name)
+                streak.clear()
+            return
+        if self._skips:
+            guard.skip_update()
+        step = guard.step + 1
+        self.nonfinite_steps.append(step)
+        streak.append(step)
+        if len(streak) == 1:
+            lr = _lr(guard.optimizers[name])
+            self._streak_diags[name] = self._diagnose(
+                step, math.nan, float(norm), lr, now=True, optimizer=name
+            )
+        if self.policy == "raise" or (
+            self.policy == "skip" and len(streak) >= self.max_consecutive_skips
+        ):
+            raise self._error(self._streak_diags.get(name) or {}, streak=streak, optimizer=name)
 
     def state_dict(self) -> dict[str, Any]:
         """The statistics a resumed run needs to judge spikes as the first run would
@@ -311,9 +380,6 @@ class NanGuard(Component):
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
             self._restore_found(guard.optimizer)
-        for p, g in self._hidden:
-            p.grad = g
-        self._hidden = []
         if exc is None:
             # Rows the host has not seen yet (lagged path): read them now, while the
             # batches are still held. A streak past the limit raises here too: the run
@@ -326,9 +392,7 @@ class NanGuard(Component):
                 self._judge()
             finally:
                 self._recent.clear()
-                self._batches = []
         self._recent.clear()
-        self._batches = []
 
     # ------------------------------------------------------------------ skipping
 
@@ -337,14 +401,16 @@ class NanGuard(Component):
         if self._fused:
             self._give_found_inf(found, guard.optimizer)
         elif found.item():  # the one host sync per step of a non-fused optimizer
-            self._hide_grads(guard.optimizer)
+            guard.skip_update()
 
     def _skip_now(self, found: Tensor, guard: Guard) -> None:
-        """The host knows this step is bad (CPU): skip its update."""
+        """The host knows this step is bad: skip its update."""
         if self._fused:
             self._give_found_inf(found, guard.optimizer)
         else:
-            self._hide_grads(guard.optimizer)
+            # The optimizer's step() is not called at all: nothing an optimizer does
+            # with non-finite (or missing) gradients can reach weights or state.
+            guard.skip_update()
 
     def _give_found_inf(self, found: Tensor, opt: Any) -> None:
         # GradScaler's contract: a fused step() reads optimizer.found_inf and leaves
@@ -357,14 +423,6 @@ class NanGuard(Component):
         self._prev_found = prev
         opt.found_inf = found
         self._set_found = True
-
-    def _hide_grads(self, opt: Any) -> None:
-        # Every torch optimizer skips a parameter whose .grad is None; put back after.
-        self._hidden = [
-            (p, p.grad) for g in opt.param_groups for p in g["params"] if p.grad is not None
-        ]
-        for p, _ in self._hidden:
-            p.grad = None
 
     def _restore_found(self, opt: Any) -> None:
         self._set_found = False
@@ -452,9 +510,18 @@ class NanGuard(Component):
         self.history.extend(rows)
         self._health.observe(self._guard, rows)
 
-    def _diagnose(self, step: int, loss: float, norm: float, lr: float, *, now: bool) -> dict:
+    def _diagnose(
+        self,
+        step: int,
+        loss: float,
+        norm: float,
+        lr: float,
+        *,
+        now: bool,
+        optimizer: str | None = None,
+    ) -> dict:
         guard = self._guard
-        batches = self._batches_of(step, now=now)
+        calls, batches = self._inputs_of(step, now=now)
         diag = _diagnose.diagnose(
             guard,
             step=step,
@@ -462,13 +529,16 @@ class NanGuard(Component):
             norm=norm,
             lr=lr,
             history=list(self.history),
+            calls=calls,
             batches=batches,
+            other_rank=step in self._foreign,
+            optimizer=optimizer,
             fp16=self._fp16_params or guard.fp16_autocast,
             scaler=self._scaler_seen,
             spike_factor=self.spike_factor,
             loss_spike_factor=self.loss_spike_factor,
             replay=self.replay and len(self.diagnoses) < self.max_diagnoses,
-            replay_fn=self.replay_fn,
+            replay_fn=self.replay_fn or guard.replay_fn,
             weights_step=step - 1 if now else guard.step,
             save=len(self.diagnoses) < self.max_diagnoses,
         )
@@ -483,27 +553,36 @@ class NanGuard(Component):
         )
         return diag
 
-    def _batches_of(self, step: int, *, now: bool) -> list[Any] | None:
+    def _inputs_of(self, step: int, *, now: bool) -> tuple[Any, Any]:
+        """``(forward calls, fetched batches)`` of ``step``, or ``(None, None)`` when
+        not captured (any longer)."""
         if not self.capture:
-            return None
+            return None, None
         if now:
-            return self._batches or None
-        for s, b in self._recent:
+            return self._guard.step_calls or None, self._guard.step_batches or None
+        for s, calls, batches in self._recent:
             if s == step:
-                return b or None
-        return None
+                return calls or None, batches or None
+        return None, None
 
-    def _end_streak(self, step: int) -> None:
-        first, n = self._streak[0], len(self._streak)
+    def _end_streak(
+        self, step: int, *, streak: list[int] | None = None, optimizer: str | None = None
+    ) -> None:
+        streak = self._streak if streak is None else streak
+        first, n = streak[0], len(streak)
+        whose = "" if optimizer is None else f"optimizer {optimizer!r}: "
         self._guard.event(
             "nonfinite_recovered",
-            message=f"finite again at step {step} after {n} skipped step(s) from step {first}",
+            message=f"{whose}finite again at step {step} after {n} skipped step(s) from "
+            f"step {first}",
             step=step,
             first_step=first,
             skipped=n,
+            **({} if optimizer is None else {"optimizer": optimizer}),
         )
-        self._streak = []
-        self._streak_diag = None
+        if optimizer is None:
+            self._streak = []
+            self._streak_diag = None
 
     def _spike_event(self, step: int, kind: str, value: float, median: float) -> None:
         n = self._spike_events[kind] = self._spike_events[kind] + 1
@@ -530,14 +609,21 @@ class NanGuard(Component):
             median=median,
         )
 
-    def _error(self, diag: dict[str, Any]) -> NonFiniteError:
+    def _error(
+        self,
+        diag: dict[str, Any],
+        *,
+        streak: list[int] | None = None,
+        optimizer: str | None = None,
+    ) -> NonFiniteError:
         guard = self._guard
-        streak = self._streak
+        streak = self._streak if streak is None else streak
+        whose = "" if optimizer is None else f" of optimizer {optimizer!r}"
         if self.policy == "raise":
-            head = f"non-finite gradients at step {streak[0]} (update skipped). "
+            head = f"non-finite gradients{whose} at step {streak[0]} (update skipped). "
         else:
             head = (
-                f"{len(streak)} optimizer steps in a row had non-finite gradients "
+                f"{len(streak)} optimizer steps{whose} in a row had non-finite gradients "
                 f"(steps {streak[0]}-{streak[-1]}, all skipped; max_consecutive_skips="
                 f"{self.max_consecutive_skips}). First one: "
             )
@@ -638,7 +724,3 @@ class _Health:
                 first_half_median=first,
                 second_half_median=second,
             )
-
-
-def _is_ddp(model: Any) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)

@@ -209,7 +209,8 @@ class Preflight(Component):
         }
         facts.update(_versions())
         facts.update(_compute(guard))
-        facts.update(_optimizer_facts(guard.optimizer))
+        for name, opt in guard.optimizers.items():
+            facts.update(_optimizer_facts(opt, "optimizer" if len(guard.optimizers) == 1 else name))
         if loader is not None:
             facts["loader.len"] = out["len"]
             dataset = getattr(loader, "dataset", None)
@@ -504,13 +505,16 @@ def _compute(guard: Guard) -> dict[str, Any]:
     return out
 
 
-def _optimizer_facts(opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _optimizer_facts(opt: torch.optim.Optimizer, name: str = "optimizer") -> dict[str, Any]:
+    """Type and hyperparameters of one optimizer (``name``: ``optimizer``, or its name
+    among several: ``optimizer.D.lr``)."""
+    top = "optimizer" if name == "optimizer" else f"optimizer.{name}"
     out: dict[str, Any] = {
-        "optimizer.type": type(opt).__name__,
-        "optimizer.groups": len(opt.param_groups),
+        f"{top}.type": type(opt).__name__,
+        f"{top}.groups": len(opt.param_groups),
     }
     for i, group in enumerate(opt.param_groups):
-        prefix = "optimizer." if len(opt.param_groups) == 1 else f"optimizer.group{i}."
+        prefix = f"{top}." if len(opt.param_groups) == 1 else f"{top}.group{i}."
         out[prefix + "params"] = len(group["params"])
         for k, v in sorted(group.items()):
             if k != "params":

@@ -222,9 +222,11 @@ class Watchdog(Component):
                 guard.replace_error(explained)
                 self._announce(guard, "aborted", explained)
                 return
-        if exc is not None:
+        if exc is not None and not (isinstance(exc, SystemExit) and guard.stopping is not None):
             self._announce(guard, "failed", exc)
             return
+        # Closed normally, or exiting after the signal save every rank agreed on (the
+        # other ranks are stopping at the same step: nobody waits for this one).
         self._announce(guard, "closed", None)
         if guard.exhausted_at is not None:
             uneven = self._check_uneven_at_end(guard)

@@ -29,7 +29,7 @@ from conftest import Regressor, batches, free_port, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import guardrails
-from guardrails import CollectiveAuditor, CollectiveMismatchError, Guard
+from guardrails import CollectiveAuditor, CollectiveMismatchError, Guard, NanGuard
 from guardrails._audit import _HEADER, OPS, _History, _ring_dir, _sweep_stale_rings
 
 HERE = Path(__file__).resolve()
@@ -69,6 +69,10 @@ def _scenario_step(scenario: str, rank: int, step: int, model: torch.nn.Module) 
     if not isinstance(model, DDP):
         for p in model.parameters():
             dist.all_reduce(p.grad)  # <grads>
+    if step == 3 and scenario == "stray_flag" and rank == 0:
+        # The size and place of a NaN flag agreement: before guardrails agreed on its
+        # own group, this paired with it and rank 1 skipped a healthy step.
+        dist.all_reduce(torch.ones(1))  # <stray_flag>
 
 
 def save_on_rank0(model: torch.nn.Module) -> None:
@@ -163,12 +167,15 @@ def worker(scenario: str, out: str) -> None:
                 model, opt, batches(STEPS, seed=rank), run_dir=f"{out}/run", progress=False
             )
         else:
+            # No DDP: the ranks' gradients differ at step() (the loop all-reduces them
+            # itself), so NanGuard agrees on its flag every step.
+            nan = [NanGuard()] if scenario == "stray_flag" else []
             g = Guard(
                 model,
                 opt,
                 batches(STEPS, seed=rank),
                 run_dir=f"{out}/run",
-                components=[CollectiveAuditor(grace_s=2.0)],
+                components=[*nan, CollectiveAuditor(grace_s=2.0)],
             )
         if isinstance(model, DDP):
             model.register_comm_hook(None, recording_hook(g))
@@ -176,7 +183,7 @@ def worker(scenario: str, out: str) -> None:
             for x, y in g:
                 model(x, y).backward()
                 _scenario_step(scenario, rank, g.step, model)
-                opt.step()
+                opt.step()  # <step>
                 opt.zero_grad()
                 time.sleep(0.02)  # a step of 20 ms: the run outlives a few audit intervals
             result["collective_after"] = g.collective
@@ -330,6 +337,20 @@ def test_extra_same_shape_collective_pairing_with_ddp_does_not_pass_silently(tmp
         assert (per_rank[0]["step"], per_rank[1]["step"]) == (3, 4)
         assert r["group"] == "default" and r["seq"] == per_rank[0]["seq"]
         assert r["err_rank"] == r["rank"]
+
+
+def test_a_stray_flag_sized_all_reduce_is_a_mismatch_not_a_false_skip(tmp_path):
+    # guardrails' own agreements (NanGuard's flag here) run on its gloo side group, so
+    # a user's stray 1-float all_reduce on rank 0 cannot pair with one of them; the
+    # agreement is in the auditor's sequence, so the stray call is named against it
+    # (rather than rank 0 waiting on the training's group and rank 1 on guardrails').
+    runs = run_ranks(tmp_path, "stray_flag")
+    reports = assert_mismatch(
+        runs, sites=["stray_flag", "step"], ops=["all_reduce(SUM)"], all_ranks=True
+    )
+    assert all("guardrails NaN-flag agreement" in text for text in reports)
+    events = [json.loads(line) for line in (tmp_path / "run/events.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["kind"].startswith("nonfinite")] == []
 
 
 def test_swapped_collectives_on_three_ranks(tmp_path):
@@ -572,12 +593,14 @@ def _fsdp2_rank(rank: int, port: int, out: str) -> None:
 
 def test_fsdp2_collectives_are_audited(tmp_path):
     """FSDP2 issues its all-gathers and reduce-scatters through the torch.distributed
-    module functions, so the auditor sees and compares them like any other call (and the
-    grad norm's DTensor all-reduce): 3 steps of a 2-layer model, 7 calls each."""
+    module functions, so the auditor sees and compares them like any other call: 3 steps
+    of a 2-layer model, 6 calls each. None of them is guardrails': the grad norm is
+    global (DTensor), so the NaN flag needs no agreement, and guardrails' own
+    agreements run on its side group, never the training's."""
     spawn(_fsdp2_rank, (free_port(), str(tmp_path)))
     calls = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert calls[0] == calls[1]  # same sequence, ops and shapes on both ranks
     ops = [op for _, op, _ in calls[0]]
-    per_step = ["all_gather_single"] * 4 + ["reduce_scatter_single"] * 2 + ["all_reduce"]
+    per_step = ["all_gather_single"] * 4 + ["reduce_scatter_single"] * 2
     assert ops == per_step * 3, ops
-    assert [seq for seq, _, _ in calls[0]] == list(range(1, 22))
+    assert [seq for seq, _, _ in calls[0]] == list(range(1, 19))

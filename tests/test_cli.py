@@ -170,7 +170,7 @@ def test_report_names_the_skipped_step_and_its_cause(nan_run):
     assert re.search(r"loss         [\d.]+ \(first 10 steps\) -> [\d.]+ \(last 10\)", out)
     assert "  skipped      1 step(s): 10" in out
     assert "  NaN/Inf      step 10 rank 0: cause bad_data" in out
-    assert "tensor `2`, sample row(s) [3]" in out
+    assert "argument `weights`, sample row(s) [3]" in out
     assert "batch and diagnosis saved in nonfinite/step00000010-rank0" in out
     assert "recovered    at step 11" in out
     assert "  ended        cleanly at step 20" in out

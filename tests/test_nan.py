@@ -140,7 +140,10 @@ def test_bad_sample_is_named_and_its_batch_saved(tmp_path):
     saved = Path(err.batch_path)
     assert saved.parent == tmp_path / "nonfinite"
     tensors = load_file(saved / "batch.safetensors")
-    assert torch.isinf(tensors["0.0"][3, 1]) and torch.isfinite(tensors["0.1"]).all()
+    # The forward's arguments as it got them (model(x, y)); the fetched batch is the
+    # same two tensors, saved once.
+    assert sorted(tensors) == ["call0.x", "call0.y"]
+    assert torch.isinf(tensors["call0.x"][3, 1]) and torch.isfinite(tensors["call0.y"]).all()
 
     def strict(token):
         raise AssertionError(f"{token} is not JSON: jq and JavaScript cannot read it")

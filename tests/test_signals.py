@@ -342,7 +342,7 @@ def test_resume_errors(tmp_path):
     # Written by a newer guardrails: says which version to install.
     manifest.update(world_size=1, format_version=99, guardrails="9.9.9")
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(guardrails.ResumeError, match="format 99.*reads up to format 2") as err:
+    with pytest.raises(guardrails.ResumeError, match="format 99.*reads up to format 3") as err:
         guardrails.resume(ckpt, model, opt)
     assert "9.9.9" in err.value.hint
     manifest.update(format_version=2)

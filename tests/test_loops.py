@@ -1,0 +1,495 @@
+"""The guard follows the step as real loops run it: prefetching generator loaders,
+criterion(model(x), y), gradient accumulation, optimizers that read every gradient or
+hold a shard of the state per rank, GANs with two optimizers, seeded loaders.
+
+Stop-and-resume tests run tests/loop_worker.py in real processes with a real SIGTERM
+and compare, bitwise, the final state of a run that was stopped and resumed with one
+that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Regressor, batches, free_port, read_events
+from safetensors.torch import load_file
+from torch import nn
+
+import guardrails
+
+WORKER = Path(__file__).with_name("loop_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------- stop and resume
+
+
+def _run(shape, run_dir, out, *args, world=1):
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, str(WORKER), shape, str(run_dir), str(out), *map(str, args)]
+        if world > 1:
+            cmd += ["--rank", str(rank), "--world", str(world), "--port", str(port)]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, **pipes))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+
+
+def _assert_equal(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)
+
+
+def _stop_and_resume(tmp_path, shape, steps, stop_at, world=1, stop_rank=0, extra=()):
+    """A run of ``steps`` never interrupted vs one SIGTERMed (on ``stop_rank``) at
+    ``stop_at`` and re-run with the same command: the final states, bitwise."""
+    run_args = ("--steps", steps, *extra)
+    straight = _run(shape, tmp_path / "a", tmp_path / "a", *run_args, world=world)
+    assert all(rc == 0 for rc, _ in straight), straight
+    args = (*run_args, "--sigterm-at", stop_at, "--sigterm-rank", stop_rank)
+    stopped = _run(shape, tmp_path / "b", tmp_path / "b", *args, world=world)
+    assert all(rc == 128 + signal.SIGTERM for rc, _ in stopped), stopped
+    ckpts = sorted(p.name for p in (tmp_path / "b/checkpoints").iterdir())
+    # Several ranks stop at the first step they agree on after the signal (the worker
+    # agrees every few ms); one stops at once.
+    assert len(ckpts) == 1 and stop_at <= int(ckpts[0][5:]) <= stop_at + 3, ckpts
+    stopped_at = tmp_path / "b/checkpoints" / ckpts[0]
+    resumed = _run(shape, tmp_path / "b", tmp_path / "b", *run_args, world=world)
+    assert all(rc == 0 for rc, _ in resumed), resumed
+    for rank in range(world):
+        a = torch.load(f"{tmp_path}/a.rank{rank}.pt", weights_only=False)
+        b = torch.load(f"{tmp_path}/b.rank{rank}.pt", weights_only=False)
+        _assert_equal(a, b, f"rank{rank}")
+    resumed = [e for e in read_events(tmp_path / "b") if e["kind"] == "resumed"]
+    assert [e["path"] for e in resumed] == [str(stopped_at)] * world
+    return stopped_at
+
+
+def test_prefetching_generator_loop_resumes_bitwise(tmp_path):
+    # nanochat's shape: the loop has always fetched one batch more than it trained on,
+    # so a position counted in batches fetched resumes one batch late.
+    stopped_at = _stop_and_resume(tmp_path, "prefetch", steps=10, stop_at=4)
+    assert stopped_at.name == "step_000000004"
+    ckpt = json.loads((stopped_at / "rank00000.json").read_text())
+    assert ckpt["data"]["batch_in_epoch"] == 8  # 4 steps x 2 micro-batches trained (9 fetched)
+
+
+def test_gan_with_two_optimizers_resumes_both_bitwise(tmp_path):
+    # One checkpoint holds G, D, both optimizers and D's scheduler; crossing an epoch.
+    stopped_at = _stop_and_resume(tmp_path, "gan", steps=14, stop_at=7)
+    manifest = json.loads((stopped_at / "manifest.json").read_text())
+    assert {"optimizer.G.json", "optimizer.D.json", "scheduler.D.json"} <= set(manifest["files"])
+
+
+def test_seeded_loader_resume_does_not_repeat_an_epoch(tmp_path):
+    # DataLoader(generator=torch.Generator().manual_seed(7)): the next epoch's order
+    # comes from the loader's own generator, which the checkpoint must carry.
+    _stop_and_resume(tmp_path, "seeded", steps=14, stop_at=3)
+
+
+def test_zero_redundancy_optimizer_skips_and_saves_every_ranks_shard(tmp_path):
+    # A NaN sample on rank 0 at step 2: ZeroRedundancyOptimizer.step() (which
+    # broadcasts each rank's updated shard) is called on neither rank; then SIGTERM on
+    # rank 1 at step 3, and the resume restores each rank's half of the AdamW state.
+    ckpt = _stop_and_resume(
+        tmp_path, "zero", steps=10, stop_at=3, world=2, stop_rank=1, extra=("--nan-at", 2)
+    )
+    skips = [e for e in read_events(tmp_path / "b") if e["kind"] == "nonfinite"]
+    assert sorted((e["rank"], e["step"]) for e in skips) == [(0, 2), (1, 2)]
+    assert {e["rank"]: e["cause"] for e in skips} == {0: "bad_data", 1: "other_rank"}
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["contents"]["optimizers"]["optimizer"]["per_rank"] is True
+    assert {"rank00000.optimizer.json", "rank00001.optimizer.json"} <= set(manifest["files"])
+    assert "optimizer.json" not in manifest["files"]
+    # A copy that lost rank 1's part is invalid, and says whose part is missing.
+    bad = tmp_path / "copy" / ckpt.name
+    bad.parent.mkdir()
+    subprocess.run(["cp", "-r", str(ckpt), str(bad)], check=True)
+    manifest["files"] = {
+        k: v for k, v in manifest["files"].items() if not k.startswith("rank00001.optimizer")
+    }
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    why = guardrails._checkpoint.verify_checkpoint(bad)
+    assert why is not None and "rank(s) [1]" in why and "optimizer" in why, why
+    out = subprocess.run(
+        [sys.executable, "-m", "guardrails", "inspect", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1 and "rank(s) [1]" in out.stdout, out.stdout
+
+
+# ---------------------------------------------------------------------- skipping
+
+
+class GradShapeSGD(torch.optim.Optimizer):
+    """An optimizer that, like nanochat's Muon, reads ``p.grad.shape`` of every param
+    (it stacks them): a skip that sets ``p.grad = None`` crashes it."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                assert p.grad.shape == p.shape  # AttributeError on a None grad
+                state = self.state[p]
+                buf = state.setdefault("momentum", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                p.add_(buf, alpha=-group["lr"])
+
+
+def _snapshot(model, opt):
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return weights, state
+
+
+def test_skip_never_calls_an_optimizer_that_reads_every_grad(tmp_path):
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = GradShapeSGD(model.parameters())
+    data = batches(8)
+    data[5][0][3, 1] = float("nan")  # sample row 3 of step 6's batch
+    with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            if g.step == 5:
+                before = _snapshot(model, opt)
+            opt.step()
+            if g.step == 6:
+                after = _snapshot(model, opt)
+            opt.zero_grad()
+    assert g.step == 8
+    _assert_equal(before[0], after[0])  # weights bitwise
+    assert before[1].keys() == after[1].keys()
+    for k in before[1]:
+        _assert_equal(before[1][k], after[1][k])
+    (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
+    assert (ev["step"], ev["cause"], ev["samples"]) == (6, "bad_data", [3])
+
+
+def test_gan_nan_in_discriminator_never_reaches_its_weights(tmp_path):
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(2, 4), nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc))
+    bce = nn.functional.binary_cross_entropy_with_logits
+    real = torch.randn(10, 8, 4)
+    real[4, 2] = float("inf")  # one real sample of iteration 5
+    with guardrails.guard([gen, disc], [opt_g, opt_d], real, run_dir=tmp_path) as g:
+        for i, x in enumerate(g):
+            fake = gen(torch.randn(8, 2))
+            d_loss = bce(disc(x).squeeze(1), torch.ones(8))
+            d_loss = d_loss + bce(disc(fake.detach()).squeeze(1), torch.zeros(8))
+            opt_d.zero_grad()
+            d_loss.backward()
+            d_before = [p.clone() for p in disc.parameters()]
+            opt_d.step()
+            if i == 4:  # D's update skipped, bitwise
+                after = list(disc.parameters())
+                assert all(torch.equal(a, b) for a, b in zip(d_before, after, strict=True))
+            opt_g.zero_grad()
+            bce(disc(fake).squeeze(1), torch.ones(8)).backward()
+            opt_g.step()
+    assert g.step == 10  # G's steps count; D's belong to them
+    assert all(torch.isfinite(p).all() for p in disc.parameters())
+    (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
+    assert (ev["optimizer"], ev["step"], ev["cause"], ev["samples"]) == ("1", 5, "bad_data", [2])
+    assert "forward call" in ev["message"]
+
+
+def test_two_guards_in_one_process_fail_fast(tmp_path):
+    model, other = Regressor(), Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(other.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, run_dir=tmp_path / "a"):
+        with pytest.raises(ValueError, match="another guard is already running") as err:
+            guardrails.guard(other, opt2, run_dir=tmp_path / "b").start()
+        assert "guardrails.guard([gen, disc], [opt_g, opt_d]" in str(err.value)
+    with guardrails.guard(other, opt2, run_dir=tmp_path / "b"):  # after close: fine
+        pass
+
+
+def test_one_parameter_in_two_optimizers_is_refused(tmp_path):
+    model = Regressor()
+    a = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = torch.optim.SGD(model.net[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="both own a parameter"):
+        guardrails.guard(model, {"a": a, "b": b}, run_dir=tmp_path)
+    with pytest.raises(TypeError, match="optimizer 'x' is a str"):
+        guardrails.guard(model, {"a": a, "x": "sgd"}, run_dir=tmp_path)
+
+
+# ---------------------------------------------------------------------- what the step saw
+
+
+class LogOfLarge(nn.Module):
+    """A numerics bug: takes the log of its input when a value is large (log of the
+    negative entries: NaN, from finite inputs)."""
+
+    def forward(self, x):
+        return x.log() if (x.abs() > 1e3).any() else x
+
+
+class Classifier(nn.Module):
+    """Returns logits; the loop computes the loss (``criterion(model(x), y)``)."""
+
+    def __init__(self, poison_layer: bool = False) -> None:
+        super().__init__()
+        layers = [LogOfLarge()] if poison_layer else []
+        self.body = nn.Sequential(*layers, nn.Linear(4, 8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _criterion_run(tmp_path, x_bad=None, y_weight_bad=False, poison_layer=False, accum=1):
+    torch.manual_seed(0)
+    model = Classifier(poison_layer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss(reduction="none")
+    g_ = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(8, 4, generator=g_), torch.randint(0, 3, (8,), generator=g_), torch.ones(8))
+        for _ in range(12)
+    ]
+    if x_bad is not None:
+        data[x_bad[0]][0][x_bad[1], 2] = float("nan") if not poison_layer else 1e4
+    if y_weight_bad:
+        data[5][2][6] = float("nan")  # a per-sample loss weight the model never sees
+    with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=False) as g:
+        for i, (x, y, w) in enumerate(g):
+            loss = (crit(model(x), y) * w).mean() / accum
+            g.observe(loss)
+            loss.backward()
+            if (i + 1) % accum == 0:
+                opt.step()
+                opt.zero_grad()
+    return [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
+
+
+def test_criterion_loop_bad_input_is_named_by_its_argument(tmp_path):
+    (ev,) = _criterion_run(tmp_path, x_bad=(5, 3))
+    assert (ev["step"], ev["cause"], ev["samples"]) == (6, "bad_data", [3])
+    assert "argument `x`" in ev["message"]
+
+
+def test_criterion_loop_numerics_names_the_module(tmp_path):
+    (ev,) = _criterion_run(tmp_path, x_bad=(5, 1), poison_layer=True)
+    assert ev["cause"] == "numerics" and ev["module"] == "body.0", ev
+    assert "LogOfLarge" in ev["message"] and "its input was finite" in ev["message"]
+
+
+def test_criterion_loop_bad_loss_weight_is_found_in_the_batch(tmp_path):
+    (ev,) = _criterion_run(tmp_path, y_weight_bad=True)
+    assert (ev["step"], ev["cause"], ev["samples"]) == (6, "bad_data", [6])
+    assert "batch" in ev["message"] and "entry `2`" in ev["message"]
+
+
+def test_gradient_accumulation_names_the_micro_batch(tmp_path):
+    (ev,) = _criterion_run(tmp_path, x_bad=(5, 3), accum=4)
+    # Batches 4-7 are step 2; batch 5 is its second forward call.
+    assert (ev["step"], ev["cause"], ev["samples"]) == (2, "bad_data", [3])
+    assert "forward call 2 of 4" in ev["message"], ev["message"]
+
+
+def test_loss_outside_the_model_is_said_plainly(tmp_path):
+    # The fault is in the loss: replaying the forward is finite and returns no loss.
+    torch.manual_seed(0)
+    model = Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(8), run_dir=tmp_path, progress=False) as g:
+        for x, y in g:
+            logits = model(x)
+            loss = logits.mean() * (float("nan") if g.step == 3 else 1.0) + 0 * y.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
+    assert ev["cause"] == "outside_model", ev
+    assert "computes itself" in ev["message"] and "replay_fn" in ev["hint"]
+
+
+def test_loop_iterating_its_loader_still_stops_at_the_next_step(tmp_path):
+    # The guard got the loader but the loop iterates the loader itself: warned once,
+    # and a signal is still acted on at the next step (at the next training forward).
+    model, loader = Regressor(), batches(30)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = guardrails.guard(model, opt, loader, run_dir=tmp_path)
+    with pytest.raises(SystemExit) as stop, g:
+        for x, y in loader:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == 10:
+                signal.raise_signal(signal.SIGTERM)
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert g.step == 10
+    kinds = [e["kind"] for e in read_events(tmp_path)]
+    assert kinds.count("loader_not_iterated") == 1 and "stopped" in kinds
+    assert (tmp_path / "checkpoints/step_000000010").is_dir()
+
+
+# ---------------------------------------------------------------------- in-process resume
+
+
+class CountingLoader:
+    """A loader with its own ``state_dict()`` (like torchdata's StatefulDataLoader): its
+    state counts the batches it handed out, so it is past a prefetched one."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.data = batches(n, seed=3)
+        self.pos = 0
+
+    def __iter__(self):
+        while self.pos < len(self.data):
+            self.pos += 1
+            yield self.data[self.pos - 1]
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def _prefetch_train(run_dir, steps, stop_at=None):
+    """A prefetching loop over a CountingLoader; SIGTERM after step ``stop_at``."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with guardrails.guard(model, opt, CountingLoader(), run_dir=run_dir, progress=False) as g:
+        it = iter(g)
+        x, y = next(it)
+        while g.step < steps:
+            model(x, y).backward()
+            x, y = next(it)  # the next batch, fetched before the step
+            opt.step()
+            opt.zero_grad()
+            if g.step == stop_at:
+                signal.raise_signal(signal.SIGTERM)
+    return model.state_dict(), opt.state_dict()
+
+
+def test_stateful_loader_in_a_prefetching_loop_resumes_bitwise(tmp_path):
+    want = _prefetch_train(tmp_path / "a", steps=12)
+    with pytest.raises(SystemExit):
+        _prefetch_train(tmp_path / "b", steps=12, stop_at=5)
+    rank = json.loads((tmp_path / "b/checkpoints/step_000000005/rank00000.json").read_text())
+    assert rank["data"]["loader"] == {"pos": 6}  # the loader's own state: 6 handed out
+    assert len(rank["data"]["held"]) == 1  # the prefetched batch, handed out first
+    got = _prefetch_train(tmp_path / "b", steps=12)
+    _assert_equal(want, got)
+
+
+class StackedMomentum(torch.optim.Optimizer):
+    """Muon-like: one momentum buffer per param group, stacking its parameters, kept
+    under the group's first parameter (its shape is not that parameter's)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = group["params"]
+            grads = torch.stack([p.grad for p in params])
+            buf = self.state[params[0]].setdefault("momentum_buffer", torch.zeros_like(grads))
+            buf.mul_(0.9).add_(grads)
+            for p, b in zip(params, buf, strict=True):
+                p.add_(b, alpha=-group["lr"])
+
+
+def test_optimizer_state_of_another_shape_resumes_and_a_real_mismatch_is_named(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = StackedMomentum([model[0].weight, model[1].weight])
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=opt)
+    fresh = StackedMomentum([model[0].weight, model[1].weight])
+    guardrails.resume(tmp_path, model, fresh)  # (2, 4, 4) state for a (4, 4) param
+    _assert_equal(opt.state_dict(), fresh.state_dict())
+    # Built over other parameters (a bias where a weight was): named, nothing loaded.
+    other = StackedMomentum([model[0].weight, model[1].bias])
+    with pytest.raises(guardrails.ResumeError, match=r"param 1 \(`1.bias`\): saved for shape"):
+        guardrails.resume(tmp_path, model, other)
+    assert other.state_dict()["state"] == {}
+
+
+# ---------------------------------------------------------------------- nanochat's data
+
+
+class TokenModel(nn.Module):
+    """Token ids in, a loss out; token 99 embeds to NaN (a poisoned embedding row: a
+    fault that travels with the sample, though ids cannot hold a NaN themselves)."""
+
+    class PoisonedEmbedding(nn.Embedding):
+        def forward(self, ids):
+            out = super().forward(ids)
+            return torch.where((ids == 99).unsqueeze(-1), float("nan"), out)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = self.PoisonedEmbedding(100, 8)
+        self.head = nn.Linear(8, 100)
+
+    def forward(self, x, y):
+        logits = self.head(self.wte(x))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def refilling_loader(n: int, poison_at: int):
+    """nanochat's loader in miniature: every batch is a view of one buffer, refilled
+    in place by the next ``next()``. Batch ``poison_at`` has token 99 in row 3."""
+    g = torch.Generator().manual_seed(0)
+    buf = torch.zeros(2, 8, 6, dtype=torch.long)
+    for i in range(n):
+        buf.copy_(torch.randint(0, 99, (2, 8, 6), generator=g))
+        if i == poison_at:
+            buf[0, 3, 2] = 99
+        yield buf[0], buf[1], {"batch": i}
+
+
+def test_refilled_buffer_and_token_ids_report_the_sample_the_step_trained_on(tmp_path):
+    torch.manual_seed(0)
+    model = TokenModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = refilling_loader(12, poison_at=6)
+    with guardrails.guard(model, opt, loader, run_dir=tmp_path, progress=False) as g:
+        it = iter(g)
+        x, y, _ = next(it)
+        while g.step < 10:
+            model(x, y).backward()
+            x, y, _ = next(it)  # prefetch: refills the buffer x and y view
+            opt.step()
+            opt.zero_grad()
+    events = read_events(tmp_path)
+    assert [e["kind"] for e in events].count("inputs_refilled") == 1
+    (ev,) = [e for e in events if e["kind"] == "nonfinite"]
+    # Batch 6 (the 7th) was trained on by step 7, and its row 3 is the culprit.
+    assert (ev["step"], ev["cause"], ev["module"], ev["samples"]) == (7, "numerics", "wte", [3])
+    assert "sample row(s) [3]" in ev["message"], ev["message"]
+    saved = load_file(Path(ev["path"]) / "batch.safetensors")
+    assert int(saved["call0.x"][3, 2]) == 99  # the data the step saw, not the refill
