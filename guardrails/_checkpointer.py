@@ -321,10 +321,12 @@ class SignalCheckpointer(Component):
         )
         guard.event("stopped", level="warning", message=message, signal=name, path=str(path))
         guard.stopping = message
-        if self.exit_on_signal and exit_now:
-            raise SystemExit(128 + self._stop_signal)
-        if self.exit_on_signal:  # closing already: the engine exits once all is closed
+        if self.exit_on_signal:
+            # Closing already: the engine exits with it once all is closed; else it is
+            # the code of the exit raised here (and of a close at the interpreter's exit).
             guard.exit_code = 128 + self._stop_signal
+            if exit_now:
+                raise SystemExit(guard.exit_code)
 
     # ------------------------------------------------------------------ saving
 

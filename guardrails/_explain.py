@@ -295,7 +295,8 @@ def _context(guard: Guard | None) -> dict[str, Any]:
         "world_size": getattr(guard, "world_size", 1),
     }
     # The call in flight (set by the auditor around a blocking collective), else the
-    # auditor's most recent entry. The auditor clears guard.auditor when it closes,
+    # auditor's most recent entry of the loop's own (not guardrails' agreements, which
+    # the auditor records too). The auditor clears guard.auditor when it closes,
     # before this component's on_end: find it among the guard's components.
     collective = getattr(guard, "collective", None)
     auditor = getattr(guard, "auditor", None) or next(
@@ -307,7 +308,8 @@ def _context(guard: Guard | None) -> dict[str, Any]:
         try:
             from guardrails._audit import entry_dict
 
-            collective = entry_dict(recent[-1])
+            mine = [e for e in recent if not str(e[2]).startswith("guardrails ")]
+            collective = entry_dict(mine[-1]) if mine else None
         except Exception:  # another auditor version: say nothing rather than fail
             collective = None
     ctx["collective"] = collective

@@ -46,6 +46,7 @@ tensors) with no Python function call per parameter.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import difflib
 import functools
@@ -195,8 +196,10 @@ class Guard:
         #: Why the loop is ending early (a signal save with ``exit_on_signal=False``), or
         #: ``None``. Once set, ``for batch in g`` ends at once.
         self.stopping: str | None = None
-        #: Set by a component that decided, while closing, that the process must exit
-        #: with this code once everything is closed (a signal that came at the end).
+        #: Set by a component that decided the process must exit with this code (a
+        #: signal save: 128 + signum). Raised as ``SystemExit`` by the component in the
+        #: loop, or by :meth:`close` once everything is closed when it was decided
+        #: while closing (a signal that came at the end).
         self.exit_code: int | None = None
         #: ``(epoch, batches)`` of the last pass when its loader ran out
         #: (``StopIteration``), ``None`` while a pass is going: the watchdog tells a rank
@@ -331,6 +334,9 @@ class Guard:
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
         _running = self
+        # A flat script's `g = guard(...).start()` whose loop ends by an exception never
+        # reaches its g.close(): close at the interpreter's exit instead.
+        atexit.register(self._close_at_exit)
         try:
             self.generation = _store.next_generation()
             self.side_group = _store.open_side_group()
@@ -387,6 +393,7 @@ class Guard:
         self._state = "closed"
         if _running is self:
             _running = None
+        atexit.unregister(self._close_at_exit)
         errors: list[BaseException] = []
         if self._bench is not None:
             bench, self._bench = self._bench, None
@@ -422,6 +429,19 @@ class Guard:
             raise replacement from exc
         if exc is None and self.exit_code is not None:  # a signal save at the last step
             raise SystemExit(self.exit_code)
+
+    def _close_at_exit(self) -> None:
+        """At the interpreter's exit, a guard still open: close it with the exception
+        that ended the script (an uncaught one, or the guard's own signal stop)."""
+        if self._state != "started":
+            return
+        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if exc is None and self.exit_code is not None:  # the guard's own signal stop
+            exc = SystemExit(self.exit_code)
+        try:
+            self.close(exc)
+        except BaseException as err:  # the process is ending; say so, do not raise
+            logger.warning("guardrails: closing the guard at exit raised %r", err)
 
     def replace_error(self, error: BaseException) -> None:
         """From a component's ``on_end``: when the loop failed, raise ``error`` instead

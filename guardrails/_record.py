@@ -63,6 +63,7 @@ def record(fn: F) -> F:
         try:
             result = fn(*args, **kwargs)
         except SystemExit as exc:
+            _close_running_guard(exc)
             if exc.code in (0, None):  # like torch's record: a clean sys.exit returns
                 _exit.release_process_group(abort=False)
                 return None
@@ -71,12 +72,14 @@ def record(fn: F) -> F:
             _exit.release_process_group(abort=True)
             raise
         except GuardrailsError as exc:
+            _close_running_guard(exc)
             _exit.write_error_file(exc)
             sys.stderr.write(_exit.summary(exc))
             sys.stderr.flush()
             _exit.release_process_group(abort=True)
             raise SystemExit(_exit.code_for(exc)) from exc
         except Exception as exc:
+            _close_running_guard(exc)
             _torch_record_exception(exc)
             _exit.release_process_group(abort=True)
             raise
@@ -87,6 +90,22 @@ def record(fn: F) -> F:
         return result
 
     return cast(F, wrapper)
+
+
+def _close_running_guard(exc: BaseException) -> None:
+    """Close a guard ``main`` started and left open (a flat script's
+    ``g = guard(...).start()`` with no ``with``), before the process groups go: its
+    metrics are flushed, its ``end`` event written, its threads and its gloo group
+    released (a gloo group left to the interpreter's exit can abort the process)."""
+    from guardrails import _guard
+
+    running = _guard._running
+    if running is None:
+        return
+    try:
+        running.close(exc)
+    except BaseException as err:  # the error that ends the process is already chosen
+        log.debug("guardrails: closing the guard after %r raised %r", exc, err)
 
 
 def _enable_faulthandler() -> None:

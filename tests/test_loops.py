@@ -493,3 +493,46 @@ def test_refilled_buffer_and_token_ids_report_the_sample_the_step_trained_on(tmp
     assert "sample row(s) [3]" in ev["message"], ev["message"]
     saved = load_file(Path(ev["path"]) / "batch.safetensors")
     assert int(saved["call0.x"][3, 2]) == 99  # the data the step saw, not the refill
+
+
+FLAT_SCRIPT = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import Regressor, batches
+import guardrails
+
+torch.manual_seed(0)
+model = Regressor()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = batches(40)
+if sys.argv[2] == "nan":
+    data[12][0][3, 1] = float("nan")
+g = guardrails.guard(model, opt, data, run_dir=sys.argv[1], nan_policy="raise").start()
+for x, y in g:  # no `with`, no main(): nanochat's shape
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    if sys.argv[2] == "sigterm" and g.step == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+g.close()
+"""
+
+
+@pytest.mark.parametrize("fault", ["sigterm", "nan"])
+def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, fault):
+    # The loop ends by the guard's own SystemExit (a signal save) or an uncaught
+    # NonFiniteError, so `g.close()` never runs: the guard closes itself at the
+    # interpreter's exit, flushing metrics and writing its end event.
+    script = tmp_path / "train.py"
+    script.write_text(FLAT_SCRIPT.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), fault],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == (143 if fault == "sigterm" else 1), proc.stderr
+    (end,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "end"]
+    assert end["error"].startswith("SystemExit: 143" if fault == "sigterm" else "NonFiniteError")
+    rows = guardrails.read_metrics(tmp_path / "run").num_rows
+    assert rows == (5 if fault == "sigterm" else 12), rows
