@@ -380,10 +380,12 @@ class NanGuard(Component):
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
             self._restore_found(guard.optimizer)
-        if exc is None:
+        if exc is None or guard.stopping is not None:
             # Rows the host has not seen yet (lagged path): read them now, while the
-            # batches are still held. A streak past the limit raises here too: the run
-            # did not fail, but its last updates never happened, and the user must know.
+            # batches are still held, also when the loop ends by a signal stop (the
+            # skipped steps of its last ~20 steps would otherwise go unreported). A
+            # streak past the limit raises here too: the run did not fail, but its last
+            # updates never happened, and the user must know.
             try:
                 if self._lagged:
                     if self._i:

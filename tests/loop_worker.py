@@ -17,6 +17,11 @@ Shapes:
              sample on rank 0.
   seeded     a DataLoader shuffling with its own seeded generator, several epochs (the
              shipped example's loader), SGD with momentum.
+  distopt    nanochat's optimizer in miniature: no DDP; the optimizer all-reduces the
+             gradients inside step() and each rank updates (and keeps the momentum of)
+             its own half of the parameters, then broadcasts them; --nan-at too.
+
+--device cuda runs zero and distopt on one GPU per rank over NCCL.
 """
 
 from __future__ import annotations
@@ -55,6 +60,36 @@ class Net(nn.Module):
 def data(n: int = 48, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, generator=g))
+
+
+class DistSGD(torch.optim.Optimizer):
+    """SGD with momentum that reduces the gradients itself (inside ``step()``, on the
+    training's process group) and shards the update: parameter i is updated, and its
+    momentum kept, by rank i % world, then broadcast. So the ranks' gradients differ
+    at ``step()`` and so does their optimizer state (like nanochat's MuonAdamW)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+            if i % world == rank:
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                p.add_(buf, alpha=-self.param_groups[0]["lr"])
+            dist.broadcast(p, src=i % world)
+
+
+def nan_at(args: argparse.Namespace, g: guardrails.Guard, x: torch.Tensor, rank: int):
+    if g.step + 1 == args.nan_at and rank == 0:
+        x = x.clone()
+        x[2, 1] = float("nan")  # a bad sample on rank 0: every rank skips the step
+    return x
 
 
 def signal_at(args: argparse.Namespace, step: int, rank: int) -> None:
@@ -131,7 +166,8 @@ def zero(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data.distributed import DistributedSampler
 
-    model = DDP(Net())
+    dev = torch.device(args.device, rank if args.device == "cuda" else None)
+    model = DDP(Net().to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = ZeroRedundancyOptimizer(
         model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, foreach=False
     )
@@ -147,9 +183,7 @@ def zero(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
         for epoch in range(g.epoch, 100):
             sampler.set_epoch(epoch)
             for x, y in g:
-                if g.step + 1 == args.nan_at and rank == 0:
-                    x = x.clone()
-                    x[2, 1] = float("nan")  # a bad sample on rank 0: both ranks skip
+                x, y = nan_at(args, g, x.to(dev), rank), y.to(dev)
                 model(x, y).backward()
                 opt.step()
                 opt.zero_grad()
@@ -159,6 +193,34 @@ def zero(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
             if g.step == args.steps:
                 break
     return {"model": model.module.state_dict(), "opt": opt.optim.state_dict()}
+
+
+def distopt(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
+    from torch.utils.data.distributed import DistributedSampler
+
+    dev = torch.device(args.device, rank if args.device == "cuda" else None)
+    model = Net().to(dev)
+    opt = DistSGD(model.parameters())
+    dataset = data(64)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=8, sampler=sampler)
+    agree = guardrails.SignalCheckpointer(agree_every_s=0.01)  # see zero()
+    with guardrails.guard(
+        model, opt, loader, run_dir=run_dir, progress=False, components=[agree]
+    ) as g:
+        for epoch in range(g.epoch, 100):
+            sampler.set_epoch(epoch)
+            for x, y in g:
+                x, y = nan_at(args, g, x.to(dev), rank), y.to(dev)
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                signal_at(args, g.step, rank)
+                if g.step == args.steps:
+                    break
+            if g.step == args.steps:
+                break
+    return {"model": model.state_dict(), "opt": opt.state_dict()}
 
 
 def seeded(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
@@ -181,7 +243,7 @@ def seeded(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
     return {"model": model.state_dict(), "opt": opt.state_dict()}
 
 
-SHAPES = {"prefetch": prefetch, "gan": gan, "zero": zero, "seeded": seeded}
+SHAPES = {"prefetch": prefetch, "gan": gan, "zero": zero, "seeded": seeded, "distopt": distopt}
 
 
 def main() -> None:
@@ -192,7 +254,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sigterm-at", type=int, default=-1)
     p.add_argument("--sigterm-rank", type=int, default=0)
-    p.add_argument("--nan-at", type=int, default=-1, help="zero: a NaN sample at this step")
+    p.add_argument("--nan-at", type=int, default=-1, help="zero, distopt: a NaN sample")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
     p.add_argument("--port", type=int, default=0)
@@ -200,7 +263,10 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-        dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+        if args.device == "cuda":
+            torch.cuda.set_device(args.rank)
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=args.rank, world_size=args.world)
     torch.manual_seed(0)
     state = SHAPES[args.shape](args, args.run_dir, args.rank)
     state["rng"] = torch.get_rng_state()

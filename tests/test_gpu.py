@@ -345,3 +345,18 @@ def test_graph_grad_norm_keeps_one_graph_per_layout_the_gradients_cycle_through(
     n_steps = 24
     ev = _graph_norm_loop(tmp_path, n_steps, alternate)
     assert ev["captures"] == 2 and ev["replays"] == n_steps - 4 and ev["gave_up"] is None, ev
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("shape", ["zero", "distopt"])
+def test_sharded_optimizers_skip_together_and_resume_bitwise_on_nccl(tmp_path, shape):
+    """tests/test_loops.py's ZeroRedundancyOptimizer and reduce-inside-step loops on 2
+    GPUs over NCCL: a NaN sample on rank 0 at step 2 is skipped on both ranks (the flag
+    agreed over guardrails' gloo group where the gradients differ), SIGTERM on rank 1
+    at step 3 saves every rank's optimizer part, the resume ends bitwise equal."""
+    from test_loops import _stop_and_resume
+
+    extra = ("--nan-at", 2, "--device", "cuda")
+    _stop_and_resume(tmp_path, shape, steps=10, stop_at=3, world=2, stop_rank=1, extra=extra)
+    skips = [e for e in read_events(tmp_path / "b") if e["kind"] == "nonfinite"]
+    assert sorted((e["rank"], e["step"]) for e in skips) == [(0, 2), (1, 2)]

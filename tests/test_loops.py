@@ -105,6 +105,21 @@ def test_seeded_loader_resume_does_not_repeat_an_epoch(tmp_path):
     _stop_and_resume(tmp_path, "seeded", steps=14, stop_at=3)
 
 
+def test_optimizer_that_reduces_inside_its_step_skips_together_and_resumes(tmp_path):
+    # nanochat's shape: no DDP, so the ranks' gradients differ at step() and the NaN
+    # flag is agreed (over guardrails' own group); the optimizer's state is per rank.
+    ckpt = _stop_and_resume(
+        tmp_path, "distopt", steps=10, stop_at=3, world=2, stop_rank=1, extra=("--nan-at", 2)
+    )
+    skips = [e for e in read_events(tmp_path / "b") if e["kind"] == "nonfinite"]
+    assert {e["rank"]: (e["step"], e["cause"]) for e in skips} == {
+        0: (2, "bad_data"),
+        1: (2, "other_rank"),
+    }
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["contents"]["optimizers"]["optimizer"]["per_rank"] is True
+
+
 def test_zero_redundancy_optimizer_skips_and_saves_every_ranks_shard(tmp_path):
     # A NaN sample on rank 0 at step 2: ZeroRedundancyOptimizer.step() (which
     # broadcasts each rank's updated shard) is called on neither rank; then SIGTERM on
@@ -536,3 +551,23 @@ def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, faul
     assert end["error"].startswith("SystemExit: 143" if fault == "sigterm" else "NonFiniteError")
     rows = guardrails.read_metrics(tmp_path / "run").num_rows
     assert rows == (5 if fault == "sigterm" else 12), rows
+
+
+def test_a_signal_stop_reports_the_skips_the_lagged_read_had_not_reached(tmp_path, monkeypatch):
+    # On a GPU the host reads NanGuard's flags ~10-20 steps late; a SIGTERM stop before
+    # that read must still report the skipped step (the CPU runs the GPU's lagged path).
+    monkeypatch.setattr(guardrails.NanGuard, "_lagged_on_cpu", True)
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(20)
+    data[1][0][2, 1] = float("nan")  # step 2
+    with pytest.raises(SystemExit), guardrails.guard(model, opt, data, run_dir=tmp_path) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == 4:
+                signal.raise_signal(signal.SIGTERM)
+    (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
+    assert (ev["step"], ev["cause"], ev["samples"]) == (2, "bad_data", [2])
