@@ -929,15 +929,27 @@ class _Restore:
         self.remove = undo
 
 
+def _set_on_instance(obj: Any, name: str, value: Any) -> _Restore:
+    """Set ``obj.<name>`` on the instance; the handle puts back exactly what was there:
+    the instance attribute a wrapper (torch.compile's, an LR scheduler's, another
+    tool's) had set, or none."""
+    had_own = name in obj.__dict__
+    previous = obj.__dict__.get(name)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if had_own:
+            setattr(obj, name, previous)
+        else:
+            obj.__dict__.pop(name, None)
+
+    return _Restore(undo)
+
+
 def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
     """Set ``model.forward`` (on the instance) to tell ``guard`` about the call, call the
     current forward, then hand its output to ``guard``; ``guard.phase`` says whether the
-    loop is inside the forward. The returned handle puts back exactly what was there:
-    the instance attribute a wrapper (torch.compile's, or another tool's) had set, or
-    none.
-    """
-    had_own = "forward" in model.__dict__
-    previous = model.__dict__.get("forward")
+    loop is inside the forward."""
     inner = model.forward
 
     @functools.wraps(inner)
@@ -950,15 +962,7 @@ def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
             guard._pick_loss(output)
         return output
 
-    model.forward = forward  # type: ignore[method-assign]
-
-    def undo() -> None:
-        if had_own:
-            model.forward = previous  # type: ignore[method-assign]
-        else:
-            model.__dict__.pop("forward", None)
-
-    return _Restore(undo)
+    return _set_on_instance(model, "forward", forward)
 
 
 def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: bool) -> _Restore:
@@ -968,11 +972,8 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
 
     A bound method, like the one it replaces: torch's LR schedulers wrap
     ``optimizer.step`` too and read its ``__func__`` (one created inside the guard
-    wraps this one). The handle puts back exactly what was there (a scheduler's wrapper
-    made before the guard, or nothing).
+    wraps this one).
     """
-    had_own = "step" in opt.__dict__
-    previous = opt.__dict__.get("step")
     inner = opt.step
     before = guard._before_step if counted else functools.partial(guard._before_extra_step, name)
     after = guard._after_step if counted else functools.partial(guard._after_extra_step, name)
@@ -992,15 +993,7 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
         after()
         return out
 
-    opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
-
-    def undo() -> None:
-        if had_own:
-            opt.step = previous  # type: ignore[method-assign]
-        else:
-            opt.__dict__.pop("step", None)
-
-    return _Restore(undo)
+    return _set_on_instance(opt, "step", types.MethodType(step, opt))
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:

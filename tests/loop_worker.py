@@ -27,6 +27,7 @@ Shapes:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -97,6 +98,19 @@ def signal_at(args: argparse.Namespace, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def epochs(g: guardrails.Guard, args: argparse.Namespace, rank: int, sampler=None):
+    """The batches of every pass through ``g`` from ``g.epoch`` on, until step
+    ``args.steps``; after each step's loop body, the planted SIGTERM."""
+    for epoch in range(g.epoch, 100):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        for batch in g:
+            yield batch
+            signal_at(args, g.step, rank)
+            if g.step == args.steps:
+                return
+
+
 def prefetch(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
     def loader():  # nanochat-style: an endless generator that yields its own state
         g = torch.Generator().manual_seed(1 + rank)
@@ -135,24 +149,18 @@ def gan(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
     with guardrails.guard(
         models, opts, loader, scheduler={"D": sched_d}, run_dir=run_dir, progress=False
     ) as g:
-        for _ in range(g.epoch, 100):
-            for real, _ in g:
-                fake = gen(torch.randn(8, 2))
-                d_real, d_fake = disc(real), disc(fake.detach())
-                d_loss = bce(d_real, torch.ones(8)) + bce(d_fake, torch.zeros(8))
-                opt_d.zero_grad()
-                d_loss.backward()
-                opt_d.step()
-                sched_d.step()
-                g_loss = bce(disc(fake), torch.ones(8))
-                opt_g.zero_grad()
-                g_loss.backward()
-                opt_g.step()
-                signal_at(args, g.step, rank)
-                if g.step == args.steps:
-                    break
-            if g.step == args.steps:
-                break
+        for real, _ in epochs(g, args, rank):
+            fake = gen(torch.randn(8, 2))
+            d_real, d_fake = disc(real), disc(fake.detach())
+            d_loss = bce(d_real, torch.ones(8)) + bce(d_fake, torch.zeros(8))
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            sched_d.step()
+            g_loss = bce(disc(fake), torch.ones(8))
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
     return {
         "model": {**gen.state_dict(), **{f"d.{k}": v for k, v in disc.state_dict().items()}},
         "opt": opt_d.state_dict(),
@@ -161,16 +169,22 @@ def gan(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
     }
 
 
-def zero(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
+def sharded(args: argparse.Namespace, run_dir: str, rank: int, *, zero: bool) -> dict:
+    """``zero``: DDP + ZeroRedundancyOptimizer; else no DDP and DistSGD (the gradients
+    reduced inside step()). Both keep a different part of the state on every rank."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data.distributed import DistributedSampler
 
     dev = torch.device(args.device, rank if args.device == "cuda" else None)
-    model = DDP(Net().to(dev), device_ids=[dev.index] if dev.type == "cuda" else None)
-    opt = ZeroRedundancyOptimizer(
-        model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, foreach=False
-    )
+    bare = Net().to(dev)
+    if zero:
+        model: nn.Module = DDP(bare, device_ids=[dev.index] if dev.type == "cuda" else None)
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2, foreach=False
+        )
+    else:
+        model, opt = bare, DistSGD(bare.parameters())
     dataset = data(64)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=8, sampler=sampler)
@@ -180,47 +194,13 @@ def zero(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
     with guardrails.guard(
         model, opt, loader, run_dir=run_dir, progress=False, components=[agree]
     ) as g:
-        for epoch in range(g.epoch, 100):
-            sampler.set_epoch(epoch)
-            for x, y in g:
-                x, y = nan_at(args, g, x.to(dev), rank), y.to(dev)
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                signal_at(args, g.step, rank)
-                if g.step == args.steps:
-                    break
-            if g.step == args.steps:
-                break
-    return {"model": model.module.state_dict(), "opt": opt.optim.state_dict()}
-
-
-def distopt(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
-    from torch.utils.data.distributed import DistributedSampler
-
-    dev = torch.device(args.device, rank if args.device == "cuda" else None)
-    model = Net().to(dev)
-    opt = DistSGD(model.parameters())
-    dataset = data(64)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=8, sampler=sampler)
-    agree = guardrails.SignalCheckpointer(agree_every_s=0.01)  # see zero()
-    with guardrails.guard(
-        model, opt, loader, run_dir=run_dir, progress=False, components=[agree]
-    ) as g:
-        for epoch in range(g.epoch, 100):
-            sampler.set_epoch(epoch)
-            for x, y in g:
-                x, y = nan_at(args, g, x.to(dev), rank), y.to(dev)
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                signal_at(args, g.step, rank)
-                if g.step == args.steps:
-                    break
-            if g.step == args.steps:
-                break
-    return {"model": model.state_dict(), "opt": opt.state_dict()}
+        for x, y in epochs(g, args, rank, sampler):
+            x, y = nan_at(args, g, x.to(dev), rank), y.to(dev)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    local = opt.optim if zero else opt  # ZeroRedundancyOptimizer: this rank's shard
+    return {"model": bare.state_dict(), "opt": local.state_dict()}
 
 
 def seeded(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
@@ -230,20 +210,20 @@ def seeded(args: argparse.Namespace, run_dir: str, rank: int) -> dict:
         data(40), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(7)
     )
     with guardrails.guard(model, opt, loader, run_dir=run_dir, progress=False) as g:
-        for _ in range(g.epoch, 100):
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                signal_at(args, g.step, rank)
-                if g.step == args.steps:
-                    break
-            if g.step == args.steps:
-                break
+        for x, y in epochs(g, args, rank):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
     return {"model": model.state_dict(), "opt": opt.state_dict()}
 
 
-SHAPES = {"prefetch": prefetch, "gan": gan, "zero": zero, "seeded": seeded, "distopt": distopt}
+SHAPES = {
+    "prefetch": prefetch,
+    "gan": gan,
+    "zero": functools.partial(sharded, zero=True),
+    "distopt": functools.partial(sharded, zero=False),
+    "seeded": seeded,
+}
 
 
 def main() -> None:
