@@ -61,7 +61,6 @@ import torch.distributed as dist
 from guardrails import _checkpoint, _data, _dist, _sharded
 from guardrails._checks import positive_int
 from guardrails._component import Component
-from guardrails._diagnose import _unwrap
 from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
 
 if TYPE_CHECKING:
@@ -204,7 +203,7 @@ class SignalCheckpointer(Component):
             self.background
             and periodic
             and guard.world_size > 1
-            and _sharded.is_sharded(_unwrap(guard.model))
+            and _sharded.is_sharded(_dist.unwrap(guard.model))
         ):
             # Every rank creates it here, at the same point (new_group is collective).
             self._dcp_group = dist.new_group(backend="gloo")
@@ -342,7 +341,7 @@ class SignalCheckpointer(Component):
         paused, guard.paused = guard.paused, "checkpoint"
         try:
             part = _checkpoint.Part()
-            bare = _unwrap(guard.model)
+            bare = _dist.unwrap(guard.model)
             sharded: list[Path] = []
             is_sharded = _sharded.is_sharded(bare)
             if is_sharded:
@@ -633,7 +632,7 @@ class SignalCheckpointer(Component):
         try:
             out = _checkpoint.load(
                 where,
-                _unwrap(guard.model),
+                _dist.unwrap(guard.model),
                 guard.optimizers,
                 scheduler=guard.schedulers or None,
                 scaler=guard.scaler,

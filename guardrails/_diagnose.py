@@ -51,6 +51,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from guardrails import _dist
 from guardrails._events import json_safe
 from guardrails._text import shorten
 
@@ -360,7 +361,7 @@ def _replay(
     the gradients with autograd.grad. Everything the run owns is left as it was."""
     from guardrails._guard import _find_loss
 
-    model = _unwrap(guard.model)
+    model = _dist.unwrap(guard.model)
     device = guard.device
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -390,7 +391,7 @@ def _replay(
     if replay_fn is not None:
         runs = [(replay_fn, (model, _to(b, device)), {}) for b in batches or ()]
     else:
-        runs = [(_unwrap(m), a, k) for m, a, k in calls or ()]
+        runs = [(_dist.unwrap(m), a, k) for m, a, k in calls or ()]
     if not runs:
         return {}
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
@@ -466,22 +467,10 @@ def _call_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     ``forward`` signature (``idx``, ``targets``...), or ``arg0``, ``arg1``... when the
     signature cannot bind them."""
     try:
-        bound = inspect.signature(_unwrap(module).forward).bind_partial(*args, **kwargs)
+        bound = inspect.signature(_dist.unwrap(module).forward).bind_partial(*args, **kwargs)
     except (TypeError, ValueError):
         return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
     return dict(bound.arguments)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    # DDP would all-reduce during the replay's backward; the compiled wrapper would
-    # recompile for the hooks. The bare module runs the same weights.
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
 
 
 def _to(batch: Any, device: torch.device) -> Any:

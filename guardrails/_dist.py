@@ -41,6 +41,31 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """``model`` and every module it wraps, outermost first: DDP's ``.module`` and
+    torch.compile's ``._orig_mod``, in any order (nanoGPT's ``DDP(compile(m))``,
+    ``compile(DDP(m))``). Modules are never tested for truth (a module with
+    ``__len__``, like ``nn.Sequential``, can be falsy)."""
+    chain = [model]
+    for _ in range(8):
+        m = chain[-1]
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            inner = m.module
+        else:
+            inner = getattr(m, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        chain.append(inner)
+    return chain
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare module under DDP / torch.compile wrappers: the one whose weights and
+    ``state_dict()`` keys are the model's own (no ``module.`` / ``_orig_mod.`` prefix),
+    and whose forward issues no collective and compiles nothing."""
+    return wrappers(model)[-1]
+
+
 def grads_agree(model: torch.nn.Module) -> bool:
     """Whether every rank holds the same gradients at ``optimizer.step()``: DDP
     all-reduced them in the backward (wrapped outside or inside ``torch.compile``), or
@@ -48,10 +73,6 @@ def grads_agree(model: torch.nn.Module) -> bool:
     that reduces inside its step, like nanochat's) they differ per rank."""
     from guardrails._sharded import is_sharded
 
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            return True
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return is_sharded(model)
-        model = inner
+    chain = wrappers(model)
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return any(isinstance(m, ddp) for m in chain) or is_sharded(chain[-1])

@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from guardrails import _dist
 from guardrails._checks import mapping
 from guardrails._component import Component
 from guardrails._errors import ConfigMismatchError, LaunchError
@@ -205,7 +206,7 @@ class Preflight(Component):
             "world_size": guard.world_size,
             "backend": str(dist.get_backend()),
             "device_type": guard.device.type,
-            "model.type": type(_unwrap(guard.model)).__name__,
+            "model.type": type(_dist.unwrap(guard.model)).__name__,
         }
         facts.update(_versions())
         facts.update(_compute(guard))
@@ -309,15 +310,6 @@ class Preflight(Component):
 
 
 # ---------------------------------------------------------------------- parameters
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    for _ in range(4):  # DDP / compile / FSDP wrappers
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
 
 
 def _sharded(model: nn.Module, params: list[torch.Tensor]) -> bool:

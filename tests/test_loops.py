@@ -571,3 +571,80 @@ def test_a_signal_stop_reports_the_skips_the_lagged_read_had_not_reached(tmp_pat
                 signal.raise_signal(signal.SIGTERM)
     (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
     assert (ev["step"], ev["cause"], ev["samples"]) == (2, "bad_data", [2])
+
+
+# ---------------------------------------------------------------------- wrapping orders
+
+
+class NoLen(nn.Module):
+    """A model that cannot be tested for truth: ``bool(module)`` calls its ``__len__``,
+    which raises, as nanoGPT's did under ``DDP(torch.compile(model))`` at guard start
+    ("TypeError: MLP does not support len()"). A guard must never test a module so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def __len__(self) -> int:
+        raise TypeError(f"{type(self).__name__} does not support len()")
+
+
+def _wrapping_orders_rank(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    results = {}
+    try:
+        for order in ("ddp", "ddp(compile)", "compile(ddp)", "compile", "fsdp2", "compile(fsdp2)"):
+            torch.manual_seed(0)
+            bare = NoLen()
+            keys = sorted(bare.state_dict())
+            if "fsdp2" in order:
+                fully_shard(bare, mesh=init_device_mesh("cpu", (2,)))
+            model = {
+                "ddp": lambda m: DDP(m),
+                "ddp(compile)": lambda m: DDP(torch.compile(m)),
+                "compile(ddp)": lambda m: torch.compile(DDP(m)),
+                "compile": torch.compile,
+                "fsdp2": lambda m: m,
+                "compile(fsdp2)": torch.compile,
+            }[order](bare)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            run = Path(out, order)
+            with guardrails.guard(model, opt, run_dir=run, progress=False) as g:
+                nan = next(c for c in g.components if isinstance(c, guardrails.NanGuard))
+                saved = g.save_checkpoint()
+            files = json.loads((saved / "manifest.json").read_text())["files"]
+            if "fsdp2" in order:
+                results[order] = {"reduce": nan._reduce, "sharded": "dcp/.metadata" in files}
+            else:
+                stored = sorted(load_file(saved / "model.safetensors"))
+                results[order] = {"reduce": nan._reduce, "bare_keys": stored == keys}
+    except Exception as exc:
+        results["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def test_every_wrapping_order_of_ddp_fsdp2_and_compile_starts_and_saves_bare_keys(tmp_path):
+    # Guard start (preflight), NanGuard's choice and a checkpoint, for each order. The
+    # forward is never run, so nothing compiles: the wrappers alone are what is tested.
+    from conftest import spawn
+
+    spawn(_wrapping_orders_rank, (free_port(), str(tmp_path)))
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "error" not in got, got
+        for order in ("ddp", "ddp(compile)", "compile(ddp)"):
+            assert got[order] == {"reduce": False, "bare_keys": True}, (order, got)
+        # No DDP: the ranks' gradients may differ, so the flag is agreed.
+        assert got["compile"] == {"reduce": True, "bare_keys": True}
+        for order in ("fsdp2", "compile(fsdp2)"):  # the grad norm is global: no agreement
+            assert got[order] == {"reduce": False, "sharded": True}, (order, got)
