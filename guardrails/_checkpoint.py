@@ -858,14 +858,22 @@ def _check_model(
             f"in the checkpoint but not the model ({len(unexpected)}): {_short(unexpected)}"
         )
     if problems:
+        hint = (
+            "build the model with the same architecture and config that was saved "
+            "(width, depth, vocab size, wrappers such as DDP or torch.compile add a "
+            "'module.' / '_orig_mod.' prefix)"
+        )
+        if not shapes:  # only keys differ: loading the matching part can work
+            hint += (
+                "; to load only the matching part, e.g. a backbone under a new head, pass "
+                "strict=False"
+            )
         raise ResumeError(
             f"checkpoint {ckpt} does not fit this model; " + "; ".join(problems),
             step=step,
             path=str(ckpt),
-            hint="build the model with the same architecture and config that was saved "
-            "(width, depth, vocab size, wrappers such as DDP or torch.compile add a "
-            "'module.' / '_orig_mod.' prefix); to load only the matching part, e.g. a "
-            "backbone under a new head, pass strict=False. The model was not modified.",
+            hint=hint + ". The model was not modified.",
+            remedy=None if shapes else "strict",
         )
 
 
@@ -953,6 +961,7 @@ def _check_optimizer(
             hint="build the optimizer over the same parameters, in the same order and "
             "param groups, as the run that saved it; to restart the optimizer from "
             "scratch, pass optimizer=None. Nothing was modified.",
+            remedy="no_optimizer",
         )
 
 
@@ -978,6 +987,7 @@ def _missing(ckpt: Path, step: int, what: str) -> ResumeError:
         path=str(ckpt),
         hint=f"pass {what}=None to keep this {what} as it is, or strict=False to skip "
         "what the checkpoint lacks. Nothing was modified.",
+        remedy=f"no_{what}",
     )
 
 

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from guardrails import _checkpoint, _data, _dist, _sharded
+from guardrails import _checkpoint, _data, _dist, _exit, _sharded
 from guardrails._checks import positive_int
 from guardrails._component import Component
 from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
@@ -319,13 +319,15 @@ class SignalCheckpointer(Component):
             "guard(..., resume='auto') continues from it."
         )
         guard.event("stopped", level="warning", message=message, signal=name, path=str(path))
-        guard.stopping = message
+        # Said again by torchrun (the error file @guardrails.record writes) as why the
+        # rank exited non-zero, instead of "To enable traceback see ...".
+        guard.stopping = f"pre-empted by {name} at step {guard.step}: {message}"
         if self.exit_on_signal:
             # Closing already: the engine exits with it once all is closed; else it is
             # the code of the exit raised here (and of a close at the interpreter's exit).
             guard.exit_code = 128 + self._stop_signal
             if exit_now:
-                raise SystemExit(guard.exit_code)
+                raise _exit.stop_exit(guard.exit_code, guard.stopping)
 
     # ------------------------------------------------------------------ saving
 
@@ -584,6 +586,50 @@ class SignalCheckpointer(Component):
 
     # ------------------------------------------------------------------ resume
 
+    def _load(self, guard: Guard, where: Path, ckpt: Path) -> dict[str, Any]:
+        """``_checkpoint.load`` for the guard, whose ``ResumeError`` says how to fix it
+        in ``guard()``'s terms (``guard()`` has no ``strict`` and takes every optimizer
+        and scheduler it guards)."""
+        try:
+            return _checkpoint.load(
+                where,
+                _dist.unwrap(guard.model),
+                guard.optimizers,
+                scheduler=guard.schedulers or None,
+                scaler=guard.scaler,
+                allow_world_size_change=self.allow_world_size_change,
+                ckpt=ckpt,
+            )
+        except ResumeError as e:
+            remedy = getattr(e, "remedy", None)
+            fresh = (
+                "or start fresh with guard(..., resume=None) or a new run_dir (the "
+                "checkpoints are kept). Nothing was modified."
+            )
+            if remedy == "strict":
+                raise e.rehint(
+                    "build the model with the same architecture and config that was saved; "
+                    "to load only the matching part (a backbone under a new head), call "
+                    f"guardrails.resume('{ckpt}', model, strict=False) before the guard and "
+                    "pass guard(..., resume=None); " + fresh
+                ) from None
+            if remedy == "no_optimizer":
+                raise e.rehint(
+                    "build the optimizer over the same parameters, in the same order and "
+                    "param groups, as the run that saved it; to restart the optimizer from "
+                    f"scratch, call guardrails.resume('{ckpt}', model) before the guard and "
+                    "pass guard(..., resume=None); " + fresh
+                ) from None
+            if remedy is not None and remedy.startswith("no_"):
+                what = remedy[3:]
+                raise e.rehint(
+                    f"the checkpoint holds no {what}: resume it without one (leave "
+                    f"{what}= out of guard(...)), or call guardrails.resume('{ckpt}', "
+                    f"model, optimizer, strict=False) before the guard and pass "
+                    "guard(..., resume=None); " + fresh
+                ) from None
+            raise
+
     def _agree_token(self, guard: Guard) -> str:
         """One name per guard for this run's temp directories, the same on every rank."""
         store = guard.side_store("checkpoint")
@@ -608,7 +654,7 @@ class SignalCheckpointer(Component):
                 if store is not None:
                     store.set("resume", json.dumps({"error": str(e)}))
                 if auto and isinstance(e, ResumeError):
-                    e.hint = (
+                    e.rehint(
                         "every checkpoint under the run's checkpoint directory is invalid; "
                         "pass resume=None to start fresh (they are kept), or resume= a "
                         "specific checkpoint."
@@ -630,15 +676,7 @@ class SignalCheckpointer(Component):
             return
         guard._quiet = True  # a sharded load may step the optimizer to create its state
         try:
-            out = _checkpoint.load(
-                where,
-                _dist.unwrap(guard.model),
-                guard.optimizers,
-                scheduler=guard.schedulers or None,
-                scaler=guard.scaler,
-                allow_world_size_change=self.allow_world_size_change,
-                ckpt=Path(chosen),
-            )
+            out = self._load(guard, where, Path(chosen))
         finally:
             guard._quiet = False
         guard.step = self._last_saved_step = out["step"]

@@ -67,6 +67,14 @@ class GuardrailsError(Exception):
         self._fields = dict(fields)
         super().__init__(self._render())
 
+    def rehint(self, hint: str) -> GuardrailsError:
+        """Replace the "what to do" part (and the rendered message with it): for a
+        caller that knows the fix in the terms of the API the user called. Returns
+        ``self``, to ``raise err.rehint(...)``."""
+        self.hint = hint
+        self.args = (self._render(),)
+        return self
+
     def _render(self) -> str:
         where = []
         if self.rank is not None:

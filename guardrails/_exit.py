@@ -77,8 +77,19 @@ _TEARDOWN_S = 3.0
 _lock = threading.Lock()  # one report per process: die() from two threads at once
 
 
+def stop_exit(code: int, message: str) -> SystemExit:
+    """The ``SystemExit`` of a planned stop (a signal save: ``128 + signum``), carrying
+    what happened for ``@guardrails.record`` to put in torchrun's error file."""
+    exc = SystemExit(code)
+    exc.guardrails_message = message  # type: ignore[attr-defined]
+    return exc
+
+
 def code_for(error: BaseException) -> int:
-    """The process exit code for ``error``: its class's in ``EXIT_CODES``, else 1."""
+    """The process exit code for ``error``: its class's in ``EXIT_CODES``, a
+    ``SystemExit``'s own code, else 1."""
+    if isinstance(error, SystemExit) and isinstance(error.code, int):
+        return error.code
     for cls in type(error).__mro__:
         if cls in EXIT_CODES:
             return EXIT_CODES[cls]
@@ -115,13 +126,17 @@ def write_error_file(error: BaseException, *, with_traceback: bool = True) -> st
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return None
-    shown = summary(error).strip("=\n") if isinstance(error, GuardrailsError) else str(error)
+    planned = getattr(error, "guardrails_message", None)  # a signal stop (stop_exit)
+    if isinstance(error, GuardrailsError):
+        shown = summary(error).strip("=\n")
+    else:
+        shown = planned or str(error)
     tb = ""
     if with_traceback and error.__traceback__ is not None:
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     data = {
         "message": {
-            "message": f"{type(error).__name__}: {error}",
+            "message": planned or f"{type(error).__name__}: {error}",
             "extraInfo": {
                 "py_callstack": shown + (f"\n\n{tb}" if tb else ""),
                 "timestamp": str(int(time.time())),  # torch's: whole seconds

@@ -428,7 +428,9 @@ class Guard:
             replacement, self._replacement = self._replacement, None
             raise replacement from exc
         if exc is None and self.exit_code is not None:  # a signal save at the last step
-            raise SystemExit(self.exit_code)
+            from guardrails import _exit
+
+            raise _exit.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
 
     def _close_at_exit(self) -> None:
         """At the interpreter's exit, a guard still open: close it with the exception

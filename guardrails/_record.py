@@ -64,6 +64,8 @@ def record(fn: F) -> F:
             result = fn(*args, **kwargs)
         except SystemExit as exc:
             _close_running_guard(exc)
+            if getattr(exc, "guardrails_message", None):  # a signal stop: say so
+                _exit.write_error_file(exc, with_traceback=False)
             if exc.code in (0, None):  # like torch's record: a clean sys.exit returns
                 _exit.release_process_group(abort=False)
                 return None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, read_events
+from conftest import Regressor, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
 from torch import nn
 
@@ -648,3 +648,42 @@ def test_every_wrapping_order_of_ddp_fsdp2_and_compile_starts_and_saves_bare_key
         assert got["compile"] == {"reduce": True, "bare_keys": True}
         for order in ("fsdp2", "compile(fsdp2)"):  # the grad norm is global: no agreement
             assert got[order] == {"reduce": False, "sharded": True}, (order, got)
+
+
+# ---------------------------------------------------------------------- fixes that work
+
+
+class WithHead(Regressor):
+    """The Regressor with one more parameter: a checkpoint's keys are a subset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(1, 1)
+
+
+def test_every_fix_a_resume_error_suggests_works_with_guard(tmp_path):
+    # guard() has no strict=: a resume that does not fit says what to do with the API
+    # that raised it, and each suggestion is carried out here.
+    guarded_run(tmp_path, n_steps=3, checkpoint_every_n_steps=3)
+    ckpt = tmp_path / "checkpoints" / "step_000000003"
+    model = WithHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(guardrails.ResumeError) as err:
+        guardrails.guard(model, opt, run_dir=tmp_path).start()
+    text = str(err.value)
+    assert "guardrails.resume(" in text and "strict=False" in text and "resume=None" in text
+    assert "guard(..., strict" not in text
+    guardrails.resume(ckpt, model, strict=False)  # the suggestion, as written
+    with guardrails.guard(model, opt, run_dir=tmp_path, resume=None) as g:
+        assert g.step == 0
+
+    # A scheduler the checkpoint does not hold: leave it out, or resume(..., strict=False).
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(guardrails.ResumeError) as err:
+        guardrails.guard(model, opt, scheduler=sched, run_dir=tmp_path).start()
+    assert "leave scheduler= out of guard(...)" in str(err.value)
+    with guardrails.guard(model, opt, run_dir=tmp_path) as g:
+        assert g.step == 3
+    guardrails.resume(ckpt, model, opt, scheduler=sched, strict=False)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +143,49 @@ def test_die_from_a_thread_ends_a_stuck_process(tmp_path):
     assert proc.stderr.count("guardrails: rank 0 failed with RankFailedError") == 1
     extra = json.loads(path.read_text())["message"]["extraInfo"]
     assert extra["fields"] == {"failed_rank": 1}
+
+
+PREEMPTED = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import Regressor, batches
+import guardrails
+
+@guardrails.record
+def main():
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(20), run_dir=sys.argv[1]) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+main()
+"""
+
+
+def test_a_preemption_says_so_in_the_error_file(tmp_path):
+    # torchrun shows the error file of a rank that exited non-zero as the root cause:
+    # after a signal save that is what happened and what to do, not "To enable
+    # traceback see ...".
+    script = tmp_path / "train.py"
+    script.write_text(PREEMPTED.format(tests=str(Path(__file__).parent)))
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 143, proc.stderr
+    msg = json.loads(error_file.read_text())["message"]
+    assert msg["message"].startswith("pre-empted by SIGTERM at step 5: SIGTERM received")
+    assert "checkpoints/step_000000005" in msg["message"]
+    assert "run the same command" in msg["message"]
+    assert msg["extraInfo"]["exit_code"] == 143
