@@ -18,6 +18,7 @@ COMMANDS = {
     "doctor": "guardrails._doctor",
     "inspect": "guardrails._inspect",
     "report": "guardrails._report",
+    "run": "guardrails.run",
 }
 
 
@@ -25,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m guardrails",
         description="guardrails: diagnose the environment (doctor), summarise runs (report), "
-        "list checkpoints (inspect) and measure the guards' cost (bench).",
+        "list checkpoints (inspect), measure the guards' cost (bench) and run a script with "
+        "no main() under @guardrails.record (run).",
     )
     sub = parser.add_subparsers(
         dest="command", metavar="{" + ",".join(COMMANDS) + "}", required=True

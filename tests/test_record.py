@@ -189,3 +189,63 @@ def test_a_preemption_says_so_in_the_error_file(tmp_path):
     assert "checkpoints/step_000000005" in msg["message"]
     assert "run the same command" in msg["message"]
     assert msg["extraInfo"]["exit_code"] == 143
+
+
+NONFINITE_FLAT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import Regressor, batches
+import guardrails
+
+torch.manual_seed(0)
+model = Regressor()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = batches(10)
+data[3][0][0, 0] = float("nan")
+g = guardrails.guard(model, opt, data, run_dir=sys.argv[1], nan_policy="raise").start()
+for x, y in g:  # a flat script: no main() to decorate
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+g.close()
+"""
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [["-m", "guardrails", "run"], ["-m", "guardrails.run"], ["-m", "guardrails.run", "-m"]],
+)
+def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
+    # `python -m guardrails run SCRIPT`, `python -m guardrails.run SCRIPT` and its
+    # `-m MODULE` form (torchrun ... -m guardrails.run -m scripts.base_train): the same
+    # error file, summary and exit code as a decorated main().
+    (tmp_path / "flat_train.py").write_text(NONFINITE_FLAT.format(tests=str(Path(__file__).parent)))
+    target = "flat_train" if launch[-1] == "-m" else str(tmp_path / "flat_train.py")
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    proc = subprocess.run(
+        [sys.executable, *launch, target, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 81, proc.stderr
+    assert proc.stderr.count("failed with NonFiniteError (exit code 81)") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    extra = json.loads(error_file.read_text())["message"]["extraInfo"]
+    assert (extra["error_class"], extra["exit_code"]) == ("NonFiniteError", 81)
+    events = [json.loads(x) for x in (tmp_path / "run/events.jsonl").read_text().splitlines()]
+    (end,) = [e for e in events if e["kind"] == "end"]
+    assert end["error"].startswith("NonFiniteError")
+
+
+def test_the_launcher_says_what_it_needs(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "guardrails.run", str(tmp_path / "missing.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and "no such script" in proc.stderr and "usage:" in proc.stderr
