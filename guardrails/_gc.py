@@ -16,12 +16,20 @@ Every collection (ours or anyone's) is timed through ``gc.callbacks`` and lands 
 
 On close the previous state comes back exactly: enabled flag, thresholds, and the
 frozen set (unfrozen only if it was empty before; an application that froze objects
-itself keeps them frozen and guardrails does not freeze on top of it).
+itself keeps them frozen and guardrails does not freeze on top of it). An application
+that manages the GC itself during the run (nanochat freezes and disables it after its
+first step) keeps what it set: the frozen set is then larger than guardrails left it,
+and close leaves the enabled flag and the frozen set alone.
+
+A resumed run freezes after its own first step, like a fresh one. A long collection
+that torch.compile runs while compiling (it calls ``gc.collect()``) is reported as
+information, not as a warning: it is not a stall of the training loop's making.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -31,6 +39,18 @@ from guardrails._component import Component
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
+
+
+def _compiling() -> bool:
+    """Whether this collection runs inside torch.compile's compiler (Dynamo or
+    Inductor on the stack). Walked only for a long pause, which is rare."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "torch/_dynamo" in name or "torch/_inductor" in name:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class GCScheduler(Component):
@@ -77,12 +97,13 @@ class GCScheduler(Component):
         self._guard = guard
         self._saved = (gc.isenabled(), gc.get_threshold())
         self._froze = False
+        self._frozen_left: int | None = None  # the frozen count guardrails left
         gc.callbacks.append(self._on_gc)
         gc.disable()
 
     def after_step(self, guard: Guard) -> None:
         step = guard.step
-        if step == 1:
+        if self._frozen_left is None:  # this run's first step (a resumed run's too)
             self._freeze(guard)
             return
         if self.full_every_n_steps and step % self.full_every_n_steps == 0:
@@ -100,10 +121,16 @@ class GCScheduler(Component):
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
-        if self._froze:
-            gc.unfreeze()
         enabled, threshold = self._saved
         gc.set_threshold(*threshold)
+        if self._frozen_left is not None and gc.get_freeze_count() > self._frozen_left:
+            # The application froze objects itself during the run (the frozen set only
+            # shrinks on its own, as frozen objects die): it manages the GC, and what it
+            # set (frozen set, enabled flag) is kept.
+            self._guard = None
+            return
+        if self._froze:
+            gc.unfreeze()
         if enabled:
             gc.enable()
         else:
@@ -125,6 +152,7 @@ class GCScheduler(Component):
                     "guardrails leaves the frozen set as it is"
                 ),
             )
+        self._frozen_left = gc.get_freeze_count()
         guard.event("gc_frozen", frozen=gc.get_freeze_count(), every_n_steps=self.every_n_steps)
 
     def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
@@ -143,6 +171,9 @@ class GCScheduler(Component):
             why = self._why
             if why == "freeze":
                 level, advice = "info", "the one full collection before freezing; expected"
+            elif _compiling():
+                level = "info"
+                advice = "torch.compile collected while compiling (a one-off, not a stall)"
             elif why == "scheduled":
                 level = "warning"
                 advice = (

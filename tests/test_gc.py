@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, guarded_run, read_events
 
 import guardrails
 from guardrails import GCScheduler, Guard, Telemetry
@@ -167,3 +167,72 @@ def test_an_unscheduled_collection_is_named_as_such(tmp_path):
 def test_bad_knobs(kw, match):
     with pytest.raises(ValueError, match=match):
         GCScheduler(**kw)
+
+
+def test_an_application_that_manages_the_gc_during_the_run_keeps_its_settings(tmp_path):
+    # nanochat: after its first step, gc.collect(); gc.freeze(); gc.disable(). Closing
+    # the guard must not re-enable the GC nor unfreeze what the application froze.
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with Guard(model, opt, batches(4), run_dir=tmp_path, components=[GCScheduler()]) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if g.step == 1:
+                    keep = [[] for _ in range(100)]  # noqa: F841 (objects the app freezes)
+                    gc.collect()
+                    gc.freeze()
+                    gc.disable()
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_a_resumed_run_freezes_after_its_own_first_step(tmp_path):
+    guarded_run(tmp_path, n_steps=3, checkpoint_every_n_steps=3)
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(6), run_dir=tmp_path) as g:
+        assert g.step == 3
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == 4:
+                assert gc.get_freeze_count() > 0  # frozen after step 4, this run's first
+    frozen = [e for e in read_events(tmp_path) if e["kind"] == "gc_frozen"]
+    assert [e["step"] for e in frozen] == [1, 4]
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
+def test_a_collection_inside_torch_compile_is_information_not_a_warning(tmp_path):
+    # torch.compile calls gc.collect() while it compiles (the first step's forward):
+    # a long pause there is not a stall of the loop's making. The compiler is stood in
+    # for by code whose file is under torch/_dynamo, as the collector's stack shows it.
+    compiler = {}
+    exec(
+        compile("def compile_graph():\n    gc.collect()\n", "torch/_dynamo/x.py", "exec"),
+        {"gc": gc},
+        compiler,
+    )
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = GCScheduler(long_pause_s=0.0)
+    with Guard(model, opt, batches(3), run_dir=tmp_path, components=[sched]) as g:
+        for i, (x, y) in enumerate(g):
+            if i == 0:
+                compiler["compile_graph"]()
+            if i == 2:
+                gc.collect()  # the application's own: still a warning
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    pauses = [e for e in read_events(tmp_path) if e["kind"] == "gc_pause" and not e["scheduled"]]
+    assert [(e["step"], e["level"]) for e in pauses] == [(0, "info"), (2, "warning")]
+    assert "torch.compile" in pauses[0]["message"]
