@@ -50,6 +50,7 @@ def guard(
     max_consecutive_skips: int = 10,
     replay_fn: Callable[[Any, Any], Any] | None = None,
     hang_timeout_s: float | None = None,
+    first_step_timeout_s: float = 600.0,
     audit_collectives: bool = True,
     resume: str | PathLike[str] | None = "auto",
     save_on_signal: bool = True,
@@ -129,6 +130,10 @@ def guard(
             slowest step seen, within 60-300 s; the first step gets 600 s
             (compilation). Mark long legitimate pauses with ``g.pause_watchdog()``.
             Not installed in a single-process run.
+        first_step_timeout_s: distributed runs: the watchdog's allowance for the first
+            optimizer step (compilation, autotuning, NCCL's lazy communicator setup), for
+            a rank inside its step; a rank still waiting for its first batch from its
+            loader gets ``hang_timeout_s``. Default 600 s (NCCL's own timeout).
         audit_collectives: distributed runs: record every rank's collectives (op,
             shapes, dtype, call site) and raise
             :class:`~guardrails.CollectiveMismatchError` on every rank as soon as two
@@ -232,8 +237,11 @@ def guard(
         # Before Telemetry: it sets the step's `skipped` flag that telemetry records.
         chosen.append(NanGuard(policy=nan_policy, max_consecutive_skips=max_consecutive_skips))
     positive("hang_timeout_s", hang_timeout_s, allow_none=True)  # checked even when unused
+    positive("first_step_timeout_s", first_step_timeout_s)
     if distributed():  # a single process has nobody to wait for: not installed at all
-        chosen.append(Watchdog(hang_timeout_s=hang_timeout_s))
+        chosen.append(
+            Watchdog(hang_timeout_s=hang_timeout_s, first_step_timeout_s=first_step_timeout_s)
+        )
         if audit_collectives:
             # After the watchdog: closing runs in reverse, so a mismatch that explains
             # a peer's crash replaces the loop's error before "rank failed" would.

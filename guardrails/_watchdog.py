@@ -335,7 +335,11 @@ class Watchdog(Component):
             if self.hang_timeout_s is not None
             else (auto_timeout_s(self._longest_gap))
         )
-        if math.isnan(guard.step_time_s):  # no optimizer step yet since start
+        # The first step's allowance (compilation, autotuning, communicator setup) is
+        # for a rank inside its step; a rank that has not fetched its first batch is
+        # waiting for its loader, which no compiler explains: the ranks that wait for it
+        # in a collective should hear within the hang timeout, not in 10 minutes.
+        if math.isnan(guard.step_time_s) and guard.phase != "data":
             return max(t, self.first_step_timeout_s)
         return t
 

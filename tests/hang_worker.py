@@ -10,6 +10,7 @@ writes to), ``kill`` (SIGKILLs itself; ``kill_rank0``: rank 0, the TCPStore's ho
 does), ``raise`` (a ValueError), ``uneven`` (rank 1
 has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside ``g.pause_watchdog``),
 ``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation),
+``firstbatch`` (rank 1's loader never yields its first batch),
 ``extra`` (rank 1 issues an all_reduce of 3 elements that rank 0 never issues: it
 pairs with rank 0's next gradient bucket), ``swap`` (both ranks issue two all_reduces
 of different sizes, in opposite orders). ``extra`` and ``swap`` wrap the model in
@@ -66,6 +67,14 @@ def fault(
             time.sleep(1.7 * timeout_s)
 
 
+def never_yields(out: Path):
+    """A loader whose first batch never comes (a data directory it cannot read, a
+    shard server that never answers): stuck before the first step."""
+    (out / "fault_time").write_text(repr(time.time()))
+    time.sleep(3600)
+    yield
+
+
 @guardrails.record
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -100,6 +109,8 @@ def main() -> None:
     # A generator, like a streaming loader over per-rank shards: no len(), so the
     # uneven case is not caught at start by preflight's dataset-size check.
     data = iter(batches(n, seed=rank))
+    if kind == "firstbatch" and rank == fault_rank:
+        data = never_yields(out)
     with guardrails.guard(
         model,
         opt,

@@ -96,7 +96,17 @@ def collect(jobs: dict[str, list[tuple[subprocess.Popen, Path]]], limit_s: float
     return results
 
 
-SCENARIOS = ["sleep", "pipe", "kill", "kill_rank0", "raise", "uneven", "pause", "slowfirst"]
+SCENARIOS = [
+    "sleep",
+    "pipe",
+    "kill",
+    "kill_rank0",
+    "raise",
+    "uneven",
+    "pause",
+    "slowfirst",
+    "firstbatch",
+]
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +247,20 @@ def test_a_slow_first_step_is_not_a_hang(runs):
         assert res["rc"] == 0, res["out"][-3000:]
         assert f"rank {r}: clean end at step 8" in res["out"]
     assert results[0]["ended"] - fault_time(results) > 1.5 * TIMEOUT_S
+
+
+def test_a_loader_that_never_yields_its_first_batch_is_a_hang_within_the_timeout(runs):
+    """The first step's allowance is for a rank inside its step (compilation), not for
+    one waiting for its loader: rank 1's first batch never comes, and both ranks end
+    with a HangError naming it within the hang timeout (3 s here), not after 600 s."""
+    results = runs["firstbatch"]
+    assert_bounded(results)
+    for r, res in enumerate(results):
+        assert res["rc"] == EXIT_CODES[guardrails.HangError], res["out"][-3000:]
+        extra = info(res)
+        assert (extra["rank"], extra["step"], extra["fields"]["stuck_ranks"]) == (r, 0, [1])
+        assert "rank 1 is stuck at step 0" in extra["py_callstack"]
+        assert "never_yields" in extra["fields"]["stacks"]["1"]
 
 
 # ---------------------------------------------------------------------- torchrun
