@@ -191,26 +191,6 @@ def test_a_preemption_says_so_in_the_error_file(tmp_path):
     assert msg["extraInfo"]["exit_code"] == 143
 
 
-NONFINITE_FLAT = """
-import sys, torch
-sys.path.insert(0, {tests!r})
-from conftest import Regressor, batches
-import guardrails
-
-torch.manual_seed(0)
-model = Regressor()
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-data = batches(10)
-data[3][0][0, 0] = float("nan")
-g = guardrails.guard(model, opt, data, run_dir=sys.argv[1], nan_policy="raise").start()
-for x, y in g:  # a flat script: no main() to decorate
-    model(x, y).backward()
-    opt.step()
-    opt.zero_grad()
-g.close()
-"""
-
-
 @pytest.mark.parametrize(
     "launch",
     [["-m", "guardrails", "run"], ["-m", "guardrails.run"], ["-m", "guardrails.run", "-m"]],
@@ -219,12 +199,14 @@ def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
     # `python -m guardrails run SCRIPT`, `python -m guardrails.run SCRIPT` and its
     # `-m MODULE` form (torchrun ... -m guardrails.run -m scripts.base_train): the same
     # error file, summary and exit code as a decorated main().
-    (tmp_path / "flat_train.py").write_text(NONFINITE_FLAT.format(tests=str(Path(__file__).parent)))
+    from test_loops import FLAT_SCRIPT  # a flat script; "nan": NonFiniteError at step 13
+
+    (tmp_path / "flat_train.py").write_text(FLAT_SCRIPT.format(tests=str(Path(__file__).parent)))
     target = "flat_train" if launch[-1] == "-m" else str(tmp_path / "flat_train.py")
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
     proc = subprocess.run(
-        [sys.executable, *launch, target, str(tmp_path / "run")],
+        [sys.executable, *launch, target, str(tmp_path / "run"), "nan"],
         capture_output=True,
         text=True,
         timeout=120,
