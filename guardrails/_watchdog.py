@@ -222,17 +222,29 @@ class Watchdog(Component):
                 guard.replace_error(explained)
                 self._announce(guard, "aborted", explained)
                 return
-        if exc is not None and not (isinstance(exc, SystemExit) and guard.stopping is not None):
+        # A loop that calls next() by hand ends with the StopIteration of the guard's
+        # iterator (or the RuntimeError a generator turns it into) when its data runs
+        # out: that is running out of data, not a failure.
+        ran_out = (
+            exc is not None
+            and guard.exhausted_at is not None
+            and (isinstance(exc, StopIteration) or isinstance(exc.__cause__, StopIteration))
+        )
+        planned = isinstance(exc, SystemExit) and guard.stopping is not None
+        if exc is not None and not (ran_out or planned):
             self._announce(guard, "failed", exc)
             return
-        # Closed normally, or exiting after the signal save every rank agreed on (the
-        # other ranks are stopping at the same step: nobody waits for this one).
+        # Closed normally, ran out of data, or exiting after the signal save every rank
+        # agreed on (the other ranks are stopping at the same step: nobody waits).
         self._announce(guard, "closed", None)
         if guard.exhausted_at is not None:
             uneven = self._check_uneven_at_end(guard)
             if uneven is not None:
                 self.error = uneven
                 guard.event("uneven_data", level="error", message=uneven.message)
+                if exc is not None:  # the StopIteration becomes what it means
+                    guard.replace_error(uneven)
+                    return
                 raise uneven
 
     # ------------------------------------------------------------------ the thread

@@ -10,7 +10,8 @@ writes to), ``kill`` (SIGKILLs itself; ``kill_rank0``: rank 0, the TCPStore's ho
 does), ``raise`` (a ValueError), ``uneven`` (rank 1
 has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside ``g.pause_watchdog``),
 ``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation),
-``firstbatch`` (rank 1's loader never yields its first batch),
+``firstbatch`` (rank 1's loader never yields its first batch), ``unevennext`` (as
+``uneven``, with a loop that calls ``next()`` by hand),
 ``extra`` (rank 1 issues an all_reduce of 3 elements that rank 0 never issues: it
 pairs with rank 0's next gradient bucket), ``swap`` (both ranks issue two all_reduces
 of different sizes, in opposite orders). ``extra`` and ``swap`` wrap the model in
@@ -105,7 +106,7 @@ def main() -> None:
         Regressor().to(device), device_ids=[device.index] if device.type == "cuda" else None
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    n = 4 if (args.scenario == "uneven" and rank == 1) else 12
+    n = 4 if (args.scenario in ("uneven", "unevennext") and rank == 1) else 12
     # A generator, like a streaming loader over per-rank shards: no len(), so the
     # uneven case is not caught at start by preflight's dataset-size check.
     data = iter(batches(n, seed=rank))
@@ -120,7 +121,17 @@ def main() -> None:
         metrics=False,
         progress=False,
     ) as g:
-        for x, y in g:
+        if kind == "unevennext":  # the loop fetches by hand: next() raises at the end
+            it = iter(g)
+            while g.step < args.steps:
+                x, y = next(it)
+                model(x.to(device), y.to(device)).backward()
+                opt.step()
+                opt.zero_grad()
+                time.sleep(args.step_sleep_s)
+                if rank == 1 and g.step == 4:
+                    (out / "fault_time").write_text(repr(time.time()))
+        for x, y in g if kind != "unevennext" else ():
             at = 0 if kind == "slowfirst" else FAULT_STEP
             if rank == fault_rank and g.step == at:
                 fault(kind, out, g, args.hang_timeout_s, device)
