@@ -188,9 +188,10 @@ def sharded(args: argparse.Namespace, run_dir: str, rank: int, *, zero: bool) ->
     dataset = data(64)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=8, sampler=sampler)
-    # The ranks agree on a signal every 10 ms instead of every second: the test's
-    # steps are a few ms long and the run must stop before it ends.
-    agree = guardrails.SignalCheckpointer(agree_every_s=0.01)
+    # The ranks agree on a signal at every step instead of about once a second (the
+    # interval in steps is round(agree_every_s / step time), at least 1): the test's
+    # steps are a few ms long and the run must stop at the step after the signal.
+    agree = guardrails.SignalCheckpointer(agree_every_s=1e-6)
     with guardrails.guard(
         model, opt, loader, run_dir=run_dir, progress=False, components=[agree]
     ) as g:
