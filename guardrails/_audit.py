@@ -381,7 +381,8 @@ class CollectiveAuditor(Component):
                 break
             frame = frame.f_back
         code = frame.f_code
-        self._note(what, "coll", tensor, None, _MAX, None, code.co_filename, frame.f_lineno, True)
+        op = f"{OWN_PREFIX}{what}"
+        self._note(op, "coll", tensor, None, _MAX, None, code.co_filename, frame.f_lineno, True)
 
     def record(
         self,
@@ -929,6 +930,15 @@ def entry_dict(entry: tuple[Any, ...]) -> dict[str, Any]:
 
 _SUM = getattr(dist.ReduceOp, "SUM", None)
 _MAX = getattr(dist.ReduceOp, "MAX", None)
+#: How guardrails' own agreements are named in the audited sequence (see record_own).
+OWN_PREFIX = "guardrails "
+
+
+def is_own(entry: tuple[Any, ...]) -> bool:
+    """Whether an audited entry is one of guardrails' own agreements (record_own)."""
+    return str(entry[2]).startswith(OWN_PREFIX)
+
+
 #: Frames that are not the user's loop: guardrails' own, and torch's (an optimizer's
 #: step wrapper, an LR scheduler's).
 _OWN_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))

@@ -778,6 +778,7 @@ class Guard:
         self._auto_n = self._explicit_n = 0
         self._data_wait_s = 0.0
         self._tokens = None
+        # New lists, not cleared ones: NanGuard keeps this step's for its lagged read.
         self.step_calls = []
         self.step_batches = []
         # A batch fetched after this step's last forward was prefetched for the next

@@ -306,7 +306,7 @@ class NanGuard(Component):
         guard's gloo side group (never the training's group)."""
         flag = torch.tensor([float(bad)])
         if guard.auditor is not None:  # in the training's sequence: see record_own
-            guard.auditor.record_own("guardrails NaN-flag agreement", flag)
+            guard.auditor.record_own("NaN-flag agreement", flag)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=guard.side_group)
         agreed = bool(flag[0] > 0.5)
         if agreed and not bad:
@@ -330,7 +330,8 @@ class NanGuard(Component):
         (one read), skipped like the first optimizer's."""
         grads = [p.grad for p in self._extra[name] if p.grad is not None]
         norm = _gradnorm.total_norm(grads, guard.device, guard._norm.multi_device)
-        bad = not math.isfinite(float(norm))
+        norm_v = float(norm)  # the one host read of this optimizer's step
+        bad = not math.isfinite(norm_v)
         if self._reduce:
             bad = self._agree(guard, bad)
         streak = self._extra_streaks[name]
@@ -347,7 +348,7 @@ class NanGuard(Component):
         if len(streak) == 1:
             lr = _lr(guard.optimizers[name])
             self._streak_diags[name] = self._diagnose(
-                step, math.nan, float(norm), lr, now=True, optimizer=name
+                step, math.nan, norm_v, lr, now=True, optimizer=name
             )
         if self.policy == "raise" or (
             self.policy == "skip" and len(streak) >= self.max_consecutive_skips
