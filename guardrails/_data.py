@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from guardrails import _dist
+
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
@@ -46,7 +48,8 @@ def stateful(loader: Any) -> bool:
 def _generators(loader: Any) -> dict[str, torch.Generator]:
     """The torch generators a pass over ``loader`` draws from, besides the default one."""
     gens: dict[str, torch.Generator] = {}
-    for name, owner in (("loader_generator", loader), ("sampler_generator", _sampler(loader))):
+    owners = (("loader_generator", _dist.inner(loader)), ("sampler_generator", _sampler(loader)))
+    for name, owner in owners:
         g = getattr(owner, "generator", None)
         if isinstance(g, torch.Generator) and all(g is not h for h in gens.values()):
             gens[name] = g
@@ -54,7 +57,20 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
 
 
 def _sampler(loader: Any) -> Any:
-    return getattr(loader, "sampler", None) if isinstance(loader, DataLoader) else None
+    """The sampler that draws a pass's indices: the one the loader's batch sampler reads
+    (``DataLoader(batch_sampler=BatchSampler(RandomSampler(...)))`` leaves
+    ``loader.sampler`` an unused SequentialSampler; accelerate's BatchSamplerShard
+    wraps the user's BatchSampler), else ``loader.sampler``. Under accelerate's
+    prepared loader, the DataLoader it iterates (``_dist.inner``)."""
+    loader = _dist.inner(loader)
+    if not isinstance(loader, DataLoader):
+        return None
+    batches = loader.batch_sampler
+    for _ in range(4):
+        if hasattr(batches, "sampler"):
+            return batches.sampler
+        batches = getattr(batches, "batch_sampler", None)
+    return loader.sampler
 
 
 def epoch_start(loader: Any) -> dict[str, Tensor]:
@@ -91,13 +107,13 @@ def trained_position(guard: Guard) -> tuple[int, int, dict[str, Tensor] | None]:
 
 def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(position, tensors)`` of ``guard``'s loader at a step boundary: the JSON part
-    (with the loader's own ``state_dict()`` when it has one) and its tensors: the
-    epoch-start RNG states under ``epoch_start.*``, the loader's and sampler's own
-    generators as they are now under ``current.*`` (the next pass draws from them)."""
-    from guardrails._checkpoint import _encode
-
+    (with the loader's own ``state_dict()`` when it has one that works) and its
+    tensors: the epoch-start RNG states under ``epoch_start.*``, the loader's and
+    sampler's own generators as they are now under ``current.*`` (the next pass draws
+    from them)."""
     loader = guard.loader
-    if stateful(loader):
+    own = _own_state(guard, loader)
+    if own is not None:
         kind = "state_dict"
     elif _replayable(loader):
         kind = "replay"
@@ -113,12 +129,52 @@ def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
     tensors = {f"epoch_start.{k}": v for k, v in (start or {}).items()}
     for name, g in _generators(loader).items():
         tensors[f"current.{name}"] = g.get_state()
-    if kind == "state_dict":
-        position["loader"] = _encode(loader.state_dict(), "loader", tensors)
-        # The loader's own state is past the batches a prefetching loop fetched for
-        # the next step; they are saved and handed out first on resume (no rewind).
-        position["held"] = _encode(list(guard._fetched), "held", tensors)
+    if own is not None:
+        position.update(own[0])
+        tensors.update(own[1])
     return position, tensors
+
+
+def _own_state(guard: Guard, loader: Any) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+    """The loader's own ``state_dict()`` and the batches fetched past the trained
+    position, encoded (``(position entries, tensors)``); ``None`` when the loader has no
+    ``state_dict()``, or when it raised or cannot be stored: then the position is kept
+    as a count of batches (replay or fast-forward), with one warning, and this guard
+    does not call it again. A save never fails on the data position."""
+    from guardrails._checkpoint import _encode
+
+    if not stateful(loader) or guard._loader_state_error is not None:
+        return None
+    tensors: dict[str, Tensor] = {}
+    try:
+        entries = {
+            "loader": _encode(loader.state_dict(), "loader", tensors),
+            # The loader's own state is past the batches a prefetching loop fetched for
+            # the next step; they are saved and handed out first on resume (no rewind).
+            "held": _encode(list(guard._fetched), "held", tensors),
+        }
+    except Exception as exc:  # the user's / a library's loader: any failure, same fallback
+        guard._loader_state_error = f"{type(exc).__name__}: {exc}"
+        name = type(loader).__name__  # type(): accelerate's loaders claim DataLoader
+        how = (
+            "replays the pass's order and loads only the batches not trained on yet"
+            if _replayable(loader)
+            else "fetches and drops the batches already trained on in the interrupted "
+            "pass (the same order; each one is loaded again)"
+        )
+        guard.event(
+            "loader_state_unavailable",
+            level="warning",
+            message=f"{name}.state_dict() failed ({guard._loader_state_error}), so "
+            f"checkpoints keep this loader's position as a count of batches: a resumed "
+            f"run {how}. Nothing to do unless that is too slow; a loader whose "
+            "state_dict() / load_state_dict() work resumes from its own state.",
+            loader=name,
+            error=guard._loader_state_error,
+            resume="replay" if _replayable(loader) else "fast_forward",
+        )
+        return None
+    return entries, tensors
 
 
 def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Tensor]) -> None:
@@ -150,8 +206,12 @@ def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Ten
 
 
 def _replayable(loader: Any) -> bool:
+    # Not a wrapper such as accelerate's prepared loader (which claims DataLoader as its
+    # __class__): its own __iter__ places batches on the device and syncs the shuffle
+    # across ranks, and ignores a batch_sampler set on a copy, so it is fast-forwarded.
     return (
-        isinstance(loader, DataLoader)
+        _dist.inner(loader) is loader
+        and isinstance(loader, DataLoader)
         and loader.batch_sampler is not None
         and not isinstance(loader.dataset, IterableDataset)
     )
@@ -221,14 +281,21 @@ def _fast_forward(loader: Any, skip: int, start: dict[str, Tensor] | None, guard
     fetched = sum(1 for _ in itertools.islice(it, skip))
     _set_states(loader, now)
     if skip:
+        # A library's wrapper of a DataLoader (accelerate's prepared loader) runs its own
+        # iteration (device placement, the ranks' shuffle sync): it is not replayed.
+        how = (
+            "wraps a DataLoader and iterates it itself"
+            if _dist.inner(loader) is not loader
+            else "cannot skip without loading. A DataLoader over a map-style dataset, or a "
+            "loader with state_dict()/load_state_dict() (torchdata's StatefulDataLoader), "
+            "resumes without loading them"
+        )
         guard.event(
             "data_fast_forward",
             level="warning",
             message=f"resumed mid-pass by fetching and dropping the {fetched} batches "
             f"already trained on ({time.perf_counter() - t0:.1f} s): a "
-            f"{type(loader).__name__} cannot skip without loading. A DataLoader over a "
-            "map-style dataset, or a loader with state_dict()/load_state_dict() "
-            "(torchdata's StatefulDataLoader), resumes without loading them.",
+            f"{type(loader).__name__} {how}.",
             batches=fetched,
         )
     return it

@@ -389,12 +389,12 @@ class CountingLoader:
         self.pos = state["pos"]
 
 
-def _prefetch_train(run_dir, steps, stop_at=None):
+def _prefetch_train(run_dir, steps, stop_at=None, loader_cls=CountingLoader):
     """A prefetching loop over a CountingLoader; SIGTERM after step ``stop_at``."""
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with guardrails.guard(model, opt, CountingLoader(), run_dir=run_dir, progress=False) as g:
+    with guardrails.guard(model, opt, loader_cls(), run_dir=run_dir, progress=False) as g:
         it = iter(g)
         x, y = next(it)
         while g.step < steps:
@@ -416,6 +416,46 @@ def test_stateful_loader_in_a_prefetching_loop_resumes_bitwise(tmp_path):
     assert len(rank["data"]["held"]) == 1  # the prefetched batch, handed out first
     got = _prefetch_train(tmp_path / "b", steps=12)
     _assert_equal(want, got)
+
+
+class BrokenStateLoader(CountingLoader):
+    """``state_dict()`` raises, as accelerate's prepared loader over a plain DataLoader
+    does."""
+
+    def state_dict(self):
+        raise AttributeError("'DataLoader' object has no attribute 'dl_state_dict'")
+
+
+class UnstorableStateLoader(CountingLoader):
+    """``state_dict()`` returns what a checkpoint cannot store (a set)."""
+
+    def state_dict(self):
+        return {"seen": {self.pos}}
+
+
+@pytest.mark.parametrize(
+    ("loader_cls", "error"),
+    [(BrokenStateLoader, "AttributeError"), (UnstorableStateLoader, "TypeError")],
+)
+def test_loader_whose_state_dict_fails_resumes_by_a_counted_fast_forward(
+    tmp_path, loader_cls, error
+):
+    # The save does not fail on the data position (it used to, and saved nothing): it
+    # keeps a count instead, says so once, and the resume fetches and drops the batches.
+    want = _prefetch_train(tmp_path / "a", steps=12, loader_cls=loader_cls)
+    with pytest.raises(SystemExit):
+        _prefetch_train(tmp_path / "b", steps=12, stop_at=5, loader_cls=loader_cls)
+    rank = json.loads((tmp_path / "b/checkpoints/step_000000005/rank00000.json").read_text())
+    assert rank["data"]["kind"] == "fast_forward" and rank["data"]["batch_in_epoch"] == 5
+    assert "loader" not in rank["data"] and "held" not in rank["data"]
+    (warned,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "loader_state_unavailable"]
+    assert warned["level"] == "warning" and warned["loader"] == loader_cls.__name__
+    assert warned["error"].startswith(error) and warned["resume"] == "fast_forward"
+    assert f"{loader_cls.__name__}.state_dict() failed" in warned["message"]
+    got = _prefetch_train(tmp_path / "b", steps=12, loader_cls=loader_cls)
+    _assert_equal(want, got)
+    (ff,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "data_fast_forward"]
+    assert ff["batches"] == 5
 
 
 class StackedMomentum(torch.optim.Optimizer):
