@@ -44,7 +44,10 @@ its data. What it does, and where the cost goes:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import select
 import shutil
 import signal
 import threading
@@ -76,6 +79,13 @@ _ACK_WAIT_S = 10.0
 #: Warn when a save takes more than this share of the grace period: the step in flight
 #: when the signal comes must finish too.
 _GRACE_SHARE = 0.8
+# After a stop signal, a rank whose main thread shows no progress (no step, batch, phase
+# or collective) for this long cannot reach a step boundary to save: it is stuck (in a
+# collective waiting for a stuck peer, in its loader, in a C call where Python signal
+# handlers never run) and exits with 128+signum. 5 s: several steps of any model that
+# advertises progress per phase; well inside torchrun's and SLURM's 30 s before SIGKILL,
+# which is what such a rank got before, with nothing written.
+_SIGNAL_STUCK_S = 5.0
 
 
 class SignalCheckpointer(Component):
@@ -156,6 +166,10 @@ class SignalCheckpointer(Component):
         self.blocking_times_s: list[float] = []
         self._signal: int | None = None  # set by the handler: the only thing it does
         self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the wakeup fd
+        self._previous_wakeup = -1
+        self._watcher: threading.Thread | None = None
+        self._watched_signal: int | None = None  # what the watcher thread saw
         self._stop_at: int | None = None
         self._stop_signal = 0
         self._save_due = False
@@ -220,9 +234,115 @@ class SignalCheckpointer(Component):
         for name in self.signals:
             num = getattr(signal, name)
             self._previous[num] = signal.signal(num, self._on_signal)
+        if self.signals:
+            self._watch_signals(guard)
+
+    def _watch_signals(self, guard: Guard) -> None:
+        """A thread that learns of a stop signal even while the main thread is stuck.
+
+        Python runs a signal handler only when the main thread executes bytecode, so a
+        rank blocked in a collective or a C call never runs ours: it ignored its
+        launcher's SIGTERM until the SIGKILL 30 s later. The C-level handler also writes
+        the signal number to the wakeup fd (``signal.set_wakeup_fd``), which this thread
+        reads; bytes for a wakeup fd set before ours (asyncio's) are passed on to it."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except (ValueError, OSError):  # not the main thread, or an unusable fd
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._wakeup = (read_fd, write_fd)
+        nums = {int(getattr(signal, name)) for name in self.signals}
+        self._watcher = threading.Thread(
+            target=self._watch, args=(guard, read_fd, nums), name="guardrails-signals", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch(self, guard: Guard, read_fd: int, nums: set[int]) -> None:
+        from guardrails._watchdog import main_thread_site, progress_key
+
+        signum = 0
+        key: Any = None
+        since = 0.0
+        while True:
+            timeout = None if not signum else 0.5
+            ready, _, _ = select.select([read_fd], [], [], timeout)
+            if ready:
+                try:
+                    data = os.read(read_fd, 64)
+                except OSError:
+                    return
+                if not data:  # closed at on_end
+                    return
+                if self._previous_wakeup >= 0:
+                    with contextlib.suppress(OSError):
+                        os.write(self._previous_wakeup, data)
+                if not signum:
+                    signum = next((b for b in data if b in nums), 0)
+                    self._watched_signal = signum or None
+                    key, since = progress_key(guard), time.monotonic()
+            if not signum or self._stop_at is not None or guard.stopping is not None:
+                continue  # no signal yet, or the stop is under way: its save is bounded
+            now = time.monotonic()
+            here = progress_key(guard)
+            if here != key or guard.paused:
+                key, since = here, now
+                continue
+            step_s = guard.step_time_s if guard.step_time_s == guard.step_time_s else 0.0
+            wait_s = min(self.grace_s / 2, max(_SIGNAL_STUCK_S, 3 * step_s))
+            if now - since < wait_s:
+                continue
+            name = signal.Signals(signum).name
+            message = (
+                f"{name} received at step {guard.step}, but this rank made no progress "
+                f"for {now - since:.0f} s after it (its main thread is at "
+                f"{main_thread_site()}), so it could not reach a step boundary to save: "
+                f"exited without a checkpoint; {self._last_checkpoint()}. If the job "
+                "should have saved, see why this rank was stuck (the other ranks' "
+                "reports, or the watchdog's)."
+            )
+            guard.die(_exit.stop_exit(128 + signum, message))
+            return
+
+    def _last_checkpoint(self) -> str:
+        if self.last_path is not None:
+            return f"the last checkpoint is {self.last_path}"
+        return "no checkpoint was saved in this run"
+
+    def _unwatch_signals(self) -> None:
+        if self._wakeup is None:
+            return
+        read_fd, write_fd = self._wakeup
+        self._wakeup = None
+        with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
+            signal.set_wakeup_fd(self._previous_wakeup)
+        os.close(write_fd)  # the thread reads EOF and ends
+        if self._watcher is not None:
+            self._watcher.join(1.0)
+            self._watcher = None
+        os.close(read_fd)
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         try:
+            signum = self._signal or self._watched_signal
+            if signum and self._stop_at is None and isinstance(exc, Exception):
+                # Pre-empted before a stop could be agreed, then failed: under a
+                # launcher's SIGTERM to every rank, a peer that could not save left,
+                # and this rank's collective failed for it. The signal is what
+                # happened; a "rank 1 died" report would be a false alarm.
+                name = signal.Signals(signum).name
+                guard.replace_error(
+                    _exit.stop_exit(
+                        128 + signum,
+                        f"{name} received at step {guard.step}; before the ranks could "
+                        f"agree to stop and save, this rank failed with "
+                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                        f" (another rank ending on the same signal): exited without a "
+                        f"checkpoint; {self._last_checkpoint()}.",
+                    )
+                )
             if exc is None and guard.stopping is None:
                 if guard.side_group is not None:
                     # A signal that came after the last agreement must still stop every
@@ -248,8 +368,9 @@ class SignalCheckpointer(Component):
                     dist.destroy_process_group(group)
 
     def _restore_handlers(self) -> None:
+        self._unwatch_signals()
         for num, previous in self._previous.items():
-            signal.signal(num, previous)
+            _exit.restore_handler(num, previous)  # after a failing close's hold, if any
         self._previous = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:

@@ -24,6 +24,11 @@ engine calls, in this order::
                                  steps belong to the guard's current step
     on_end(guard, exc)           once, when the guard closes; exc is the exception
                                  that ended the loop, or None
+    on_abort(guard, error)       instead of on_end, when the process is ended from a
+                                 background thread (guard.die: the main thread is stuck
+                                 in a collective, a C call or its loader): save what
+                                 the host already holds, from this thread, within
+                                 seconds, touching neither the device nor a collective
 
 Hooks a component does not override are never called (the engine dispatches only to
 overridden methods), so a component that is not needed costs nothing per step.
@@ -47,6 +52,7 @@ HOOKS = (
     "before_extra_step",
     "after_extra_step",
     "on_end",
+    "on_abort",
 )
 
 
@@ -81,6 +87,11 @@ class Component:
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         """The guard is closing: flush, close files, restore what was changed."""
+
+    def on_abort(self, guard: Guard, error: BaseException) -> None:
+        """The process is about to end with ``error`` from a background thread while the
+        main thread is stuck: write what the host holds (no device work, no collective,
+        no lock the main thread may hold); the process exits right after."""
 
 
 def overrides(component: Component, hook: str) -> bool:

@@ -29,14 +29,18 @@ own).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from guardrails._errors import (
     CheckpointError,
@@ -70,11 +74,31 @@ EXIT_CODES: dict[type[BaseException], int] = {
     LaunchError: 90,
 }
 
+# The metrics and the end event of a process ended from a thread: writing a few parquet
+# rows takes milliseconds; 5 s is for a slow filesystem, well inside torchrun's 30 s.
+_LAST_WORDS_S = 5.0
 # Aborting NCCL communicators can itself block on a wedged GPU or a peer; the process
 # is ending either way, so the teardown gets this long before os._exit goes ahead.
 _TEARDOWN_S = 3.0
 
 _lock = threading.Lock()  # one report per process: die() from two threads at once
+
+# A process that is ending with a report (a failing guard's close, @record writing the
+# error file) holds SIGTERM until the report is out. torchrun SIGTERMs every other rank
+# the moment one exits: a survivor explaining the failure (the auditor reading a gloo-
+# aborted peer's flight recorder, a watchdog verdict) was killed mid-report (-15, no
+# error file) before this.
+_HELD_SIGNALS = ("SIGTERM",)
+_hold_depth = 0
+_held_previous: dict[int, Any] = {}
+_held_signal: int | None = None
+#: Set while ``@guardrails.record`` runs ``main``: it writes the report and releases
+#: the hold, so a failing guard's close leaves the hold to it.
+recording = 0
+
+# Daemonic children (DataLoader workers) get this long after SIGTERM before SIGKILL: a
+# worker stuck in I/O may not run its SIGTERM handler at once.
+_CHILDREN_GRACE_S = 1.0
 
 
 def stop_exit(code: int, message: str) -> SystemExit:
@@ -104,6 +128,9 @@ def summary(error: BaseException) -> str:
         rank = os.environ.get("RANK")
     who = f"rank {rank}" if rank is not None else "this process"
     bar = "=" * 72
+    planned = getattr(error, "guardrails_message", None)  # a signal stop (stop_exit)
+    if planned:
+        return f"{bar}\nguardrails: {who} exited with code {code_for(error)}: {planned}\n{bar}\n"
     return (
         f"{bar}\nguardrails: {who} failed with {type(error).__name__} "
         f"(exit code {code_for(error)})\n{error}\n{bar}\n"
@@ -119,26 +146,43 @@ def write_error_file(error: BaseException, *, with_traceback: bool = True) -> st
     since torchelastic's first ``_write_error``, read by ``ProcessFailure`` in 2.13):
     ``{"message": {"message": ..., "extraInfo": {"py_callstack": ..., "timestamp":
     "<int seconds>"}}}``; torch ignores extra keys in ``extraInfo``.
-    ``ChildFailedError`` shows ``py_callstack`` as the root cause (falling back to
-    ``message``) and picks the failure with the smallest timestamp as root, so ours goes
-    there: the actionable message first, the traceback (if any) after it.
+    ``ChildFailedError`` shows ``py_callstack`` for every failed rank (falling back to
+    ``message``) and picks the failure with the smallest timestamp as root.
+
+    Each rank has already printed its whole report (:func:`summary`) on its own stderr,
+    which torchrun passes through, so ``py_callstack`` gets one line (what happened, on
+    which rank, at which step, and where the whole report is): before, torchrun's
+    summary repeated every rank's report and its traceback, the same diagnosis up to 6
+    times for 2 ranks. The whole report and the traceback stay in the file, under
+    ``extraInfo.report`` and ``extraInfo.traceback``, for tools that read it.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return None
     planned = getattr(error, "guardrails_message", None)  # a signal stop (stop_exit)
-    if isinstance(error, GuardrailsError):
-        shown = summary(error).strip("=\n")
-    else:
-        shown = planned or str(error)
+    report = summary(error).strip("=\n") if isinstance(error, GuardrailsError) else None
     tb = ""
     if with_traceback and error.__traceback__ is not None:
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if planned:
+        line = planned
+    elif isinstance(error, GuardrailsError):
+        head = str(error).splitlines()[0] if str(error) else type(error).__name__
+        rank = getattr(error, "rank", None)
+        where = "this rank's" if rank is None else f"rank {rank}'s"
+        line = (
+            f"{type(error).__name__} (exit code {code_for(error)}): {head} "
+            f"(the whole report is on {where} stderr above)"
+        )
+    else:
+        line = f"{type(error).__name__}: {error}" + (f"\n\n{tb}" if tb else "")
     data = {
         "message": {
             "message": planned or f"{type(error).__name__}: {error}",
             "extraInfo": {
-                "py_callstack": shown + (f"\n\n{tb}" if tb else ""),
+                "py_callstack": line,
+                "report": report or planned or str(error),
+                "traceback": tb,
                 "timestamp": str(int(time.time())),  # torch's: whole seconds
                 "time": time.time(),  # ours, to time fault-to-error precisely
                 "error_class": type(error).__name__,
@@ -211,24 +255,116 @@ def release_process_group(*, abort: bool, timeout_s: float | None = None) -> Non
         log.warning("guardrails: the process group did not tear down in %.0f s", timeout_s)
 
 
-def die(error: BaseException, *, exit_code: int | None = None) -> NoReturn:
+def hold_signals() -> None:
+    """Hold SIGTERM (note it, do not die of it) until :func:`release_signals`; nests.
+    Main thread only (a no-op elsewhere: Python installs handlers there only)."""
+    global _hold_depth
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _hold_depth == 0:
+        for name in _HELD_SIGNALS:
+            num = getattr(signal, name)
+            _held_previous[num] = signal.signal(num, _note_signal)
+    _hold_depth += 1
+
+
+def release_signals(*, deliver: bool, all_holds: bool = False) -> None:
+    """End one hold (``all_holds``: every hold). At the last one the handlers found are
+    back and, with ``deliver``, a signal that came meanwhile is raised again now, so a
+    launcher's SIGTERM is obeyed, just after the report instead of during it."""
+    global _hold_depth, _held_signal
+    if _hold_depth == 0 or threading.current_thread() is not threading.main_thread():
+        return
+    _hold_depth = 0 if all_holds else _hold_depth - 1
+    if _hold_depth:
+        return
+    for num, previous in _held_previous.items():
+        signal.signal(num, previous)
+    _held_previous.clear()
+    held, _held_signal = _held_signal, None
+    if held is not None and deliver:
+        signal.raise_signal(held)
+
+
+def restore_handler(num: int, handler: Any) -> None:
+    """``signal.signal(num, handler)`` for a component putting back the handler it found;
+    during a hold, the handler is put back when the hold ends instead."""
+    if _hold_depth and num in _held_previous:
+        _held_previous[num] = handler
+        return
+    signal.signal(num, handler)
+
+
+def _note_signal(signum: int, frame: Any) -> None:
+    global _held_signal
+    _held_signal = signum
+
+
+def end_children() -> None:
+    """Terminate this process's daemonic ``multiprocessing`` children (DataLoader
+    workers): ``os._exit`` skips the interpreter's exit, which would have, so a worker
+    stuck in I/O outlived the job. SIGTERM, then SIGKILL after a second. Non-daemonic
+    children are left alone, as a normal exit would wait for them rather than end them."""
+    try:
+        children = [p for p in multiprocessing.active_children() if p.daemon]
+    except Exception:
+        return
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.terminate()
+    deadline = time.monotonic() + _CHILDREN_GRACE_S
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.join(max(0.0, deadline - time.monotonic()))
+            if child.is_alive():
+                child.kill()
+
+
+def die(
+    error: BaseException,
+    *,
+    exit_code: int | None = None,
+    last_words: Callable[[BaseException], None] | None = None,
+) -> NoReturn:
     """Report ``error`` and end this process at once, whatever the main thread is doing.
 
-    Writes the torchelastic error file, prints the summary on stderr, aborts the
-    process groups (bounded, see :func:`release_process_group`) and ``os._exit``\\ s with
-    the error's code. ``os._exit`` and not ``sys.exit``: the main thread may be inside a
-    C++ collective, and interpreter shutdown would wait for it.
+    Runs ``last_words(error)`` (the guard's: flush the metrics the host holds, write the
+    ``end`` event), bounded by :data:`_LAST_WORDS_S`; writes the torchelastic error
+    file, prints the summary on stderr, ends the daemonic children (:func:`end_children`),
+    aborts the process groups (bounded, see :func:`release_process_group`) and
+    ``os._exit``\\ s with the error's code. ``os._exit`` and not ``sys.exit``: the main
+    thread may be inside a C++ collective, and interpreter shutdown would wait for it.
     """
     code = code_for(error) if exit_code is None else exit_code
-    if not _lock.acquire(timeout=_TEARDOWN_S + 5):
+    if not _lock.acquire(timeout=_TEARDOWN_S + _LAST_WORDS_S + 5):
         os._exit(code)  # another thread is already reporting and stuck doing it
     try:
+        if last_words is not None:
+            _bounded(lambda: last_words(error), _LAST_WORDS_S, "saying its last words")
         write_error_file(error, with_traceback=False)
         text = summary(error)
         log.debug("guardrails: ending the process: %s", type(error).__name__)
         sys.stderr.write(text)
         sys.stderr.flush()
         sys.stdout.flush()
+        end_children()
         release_process_group(abort=True)
     finally:
         os._exit(code)
+
+
+def _bounded(fn: Callable[[], None], timeout_s: float, what: str) -> None:
+    """Run ``fn`` in a daemon thread for at most ``timeout_s``: the main thread that is
+    stuck may hold what ``fn`` needs (a stalled filesystem, a lock)."""
+
+    def run() -> None:
+        try:
+            fn()
+        except Exception as exc:
+            log.debug("guardrails: %s failed: %s", what, exc)
+
+    worker = threading.Thread(target=run, name="guardrails-last-words", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        log.warning("guardrails: gave up %s after %.0f s", what, timeout_s)

@@ -16,7 +16,10 @@ from __future__ import annotations
 import faulthandler
 import functools
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -60,9 +63,11 @@ def record(fn: F) -> F:
         was_enabled = faulthandler.is_enabled()
         if not was_enabled:  # already on: keep the file its owner chose
             _enable_faulthandler()
+        _exit.recording += 1
         try:
             result = fn(*args, **kwargs)
         except SystemExit as exc:
+            _exit.hold_signals()  # the report first; see _exit.hold_signals
             _close_running_guard(exc)
             if getattr(exc, "guardrails_message", None):  # a signal stop: say so
                 _exit.write_error_file(exc, with_traceback=False)
@@ -72,26 +77,46 @@ def record(fn: F) -> F:
             # A non-zero exit (a signal save's 128+signum, the user's sys.exit(1)): the
             # process group goes too, bounded, in case a peer is still in a collective.
             _exit.release_process_group(abort=True)
+            _reported(_exit.code_for(exc))
             raise
         except GuardrailsError as exc:
+            _exit.hold_signals()
             _close_running_guard(exc)
             _exit.write_error_file(exc)
             sys.stderr.write(_exit.summary(exc))
             sys.stderr.flush()
             _exit.release_process_group(abort=True)
+            _reported(_exit.code_for(exc))
             raise SystemExit(_exit.code_for(exc)) from exc
         except Exception as exc:
+            _exit.hold_signals()
             _close_running_guard(exc)
             _torch_record_exception(exc)
             _exit.release_process_group(abort=True)
+            _reported(1)
             raise
         finally:
+            _exit.recording -= 1
+            _exit.release_signals(deliver=False, all_holds=True)
             if not was_enabled:
                 faulthandler.disable()
         _exit.release_process_group(abort=False)
         return result
 
     return cast(F, wrapper)
+
+
+def _reported(code: int) -> None:
+    """The report is out and the process is on its way out with ``code``: a launcher's
+    SIGTERM from here on (torchrun sends one to every rank as soon as one exits) ends it
+    with that code at once, rather than as "killed by SIGTERM" (-15), which hid the
+    rank's own outcome in torchrun's summary. Only under torchrun (its workers have
+    ``TORCHELASTIC_RUN_ID``): a ``main`` called in-process (a test, a notebook) keeps
+    its handlers."""
+    _exit.release_signals(deliver=False, all_holds=True)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if under_torchrun and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
 
 
 def _close_running_guard(exc: BaseException) -> None:

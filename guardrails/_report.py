@@ -46,6 +46,13 @@ _WARNINGS = {
     "params_not_in_optimizer": "params not in optimizer",
     "nan_guard_syncs": "host syncs",
 }
+#: The verdicts that end a run (watchdog, auditor), by event kind.
+_FAILURES = {
+    "hang": "hang",
+    "rank_failed": "rank failed",
+    "uneven_data": "uneven data",
+    "collective_mismatch": "collective mismatch",
+}
 #: Kinds the story tells in their own lines (the rest are counted under "other events").
 _TOLD = {
     "start",
@@ -56,7 +63,7 @@ _TOLD = {
     "gc_pause",
     "gc_frozen",
     "gc_freeze_skipped",
-    "hang",
+    *_FAILURES,
     *_WARNINGS,
 }
 
@@ -272,9 +279,21 @@ def summarize(run: Run, run_dir: Path) -> dict[str, Any]:
         for kind in _WARNINGS
         for e in by_kind.get(kind, [])
     ]
-    s["hangs"] = [
-        {"step": e["step"], "rank": e.get("rank"), "message": e.get("message", "")}
-        for e in by_kind.get("hang", [])
+    # What ended the run, told once: every rank reports the same verdict (the
+    # watchdog's and the auditor's are agreed across ranks), so identical ones merge.
+    failures: dict[tuple[str, int, str], list[int]] = {}
+    for kind in _FAILURES:
+        for e in by_kind.get(kind, []):
+            key = (kind, int(e["step"]), e.get("message", ""))
+            failures.setdefault(key, []).append(e.get("rank"))
+    s["failures"] = [
+        {
+            "kind": kind,
+            "step": step,
+            "ranks": sorted(r for r in ranks if r is not None),
+            "message": message,
+        }
+        for (kind, step, message), ranks in failures.items()
     ]
     s["checkpoints"] = [
         {"step": e["step"], "kind": e["kind"], "path": _rel(e.get("path"), run_dir)}
@@ -293,6 +312,7 @@ def summarize(run: Run, run_dir: Path) -> dict[str, Any]:
             "step": max(int(e["step"]) for e in ends),
             "error": errors[0]["error"] if errors else None,
             "error_rank": errors[0].get("rank") if errors else None,
+            "aborted": bool(errors[0].get("aborted")) if errors else False,
         }
         missing = sorted(set(ranks) - {e.get("rank") for e in ends})
         s["ended"]["missing_ranks"] = missing
@@ -394,10 +414,12 @@ def story(s: dict[str, Any]) -> str:
     for x in w:
         msg = (x["message"] or "").splitlines()[0] if x["message"] else ""
         lines.append(f"    {_WARNINGS[x['kind']]} (step {x['step']}, rank {x['rank']}): {msg}")
-    h = s["hangs"]
-    lines.append(f"  hangs        {len(h) or 'none'}")
-    for x in h:
-        lines.append(f"    step {x['step']} rank {x['rank']}: {x['message']}")
+    f = s["failures"]
+    lines.append(f"  failures     {len(f) or 'none'}")
+    for x in f:
+        who = ", ".join(str(r) for r in x["ranks"])
+        head = (x["message"] or "").splitlines()[0] if x["message"] else ""
+        lines.append(f"    {_FAILURES[x['kind']]} at step {x['step']} (rank(s) {who}): {head}")
     if s["checkpoints"]:
         c = s["checkpoints"]
         lines.append(f"  checkpoints  {len(c)}: steps {shorten([x['step'] for x in c], 12)}")
@@ -412,9 +434,10 @@ def story(s: dict[str, Any]) -> str:
             f"failure) after step {s['last_step']}; last sign of life {s['last_seen']}"
         )
     elif e["error"]:
+        how = " (ended by guardrails while stuck)" if e.get("aborted") else ""
         lines.append(
-            f"  ended        with an error at step {e['step']} on rank {e['error_rank']}: "
-            f"{e['error'].splitlines()[0]}"
+            f"  ended        with an error at step {e['step']} on rank {e['error_rank']}"
+            f"{how}: {e['error'].splitlines()[0]}"
         )
     else:
         lines.append(f"  ended        cleanly at step {e['step']}")

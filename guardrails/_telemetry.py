@@ -210,8 +210,17 @@ class Telemetry(Component):
             event.record()
         else:
             slot[:n].copy_(self._ring[:n])
-        host = np.empty((n, len(HOST_COLUMNS)))
-        host[:, :-1] = self._host_rows
+        host = self._host_block(self._host_rows)
+        self._host_rows = []
+        self._collect()
+        self._pending = (slot, event, host, n)
+        if not self._cuda:
+            self._collect()  # nothing to wait for on CPU: publish at once
+
+    def _host_block(self, rows: list[tuple[float, ...]]) -> np.ndarray:
+        """The host columns of ``rows`` as one array, GC time made per step."""
+        host = np.empty((len(rows), len(HOST_COLUMNS)))
+        host[:, :-1] = rows
         # Peak memory only grows, so one reading per interval (not one per step) bounds
         # every row in it; it also keeps the per-step host path shorter.
         host[:, -1] = _mem_peak_bytes(self._device)
@@ -219,11 +228,25 @@ class Telemetry(Component):
         last = gc_total[-1]
         gc_total[:] = np.diff(gc_total, prepend=self._gc_total)  # cumulative -> per step
         self._gc_total = last
-        self._host_rows = []
-        self._collect()
-        self._pending = (slot, event, host, n)
-        if not self._cuda:
-            self._collect()  # nothing to wait for on CPU: publish at once
+        return host
+
+    def on_abort(self, guard: Guard, error: BaseException) -> None:
+        # The main thread is stuck (guard.die): write the rows the host holds. On CUDA
+        # the newest rows' device columns (loss, grad norm, skipped) stay NaN: reading
+        # them would queue behind the stuck kernel or collective. Before this, a rank
+        # the watchdog ended lost every row since its last part (up to 60 s of steps).
+        pending = self._pending
+        if pending is not None and (pending[1] is None or pending[1].query()):
+            self._collect()
+        rows = list(self._host_rows)  # a snapshot: the main thread may still append
+        if rows:
+            n = len(rows)
+            if self._cuda:
+                dev = np.full((n, len(DEVICE_COLUMNS)), math.nan)
+            else:
+                dev = self._ring[:n].numpy().astype(np.float64)
+            self._arrived.append((dev, self._host_block(rows)))
+        self._write()
 
     def _collect(self) -> None:
         """Take the pending copy once the device has finished it. Called one interval

@@ -318,13 +318,7 @@ class Watchdog(Component):
 
     def _sample(self, guard: Guard, now: float) -> None:
         """Update this rank's progress clock from what the main thread advertises."""
-        coll = guard.collective
-        key = (
-            guard.step,
-            _here(guard),
-            guard.phase,
-            None if coll is None else (coll.get("seq"), coll.get("op")),
-        )
+        key = progress_key(guard)
         if key != self._last_key or guard.paused:
             self._last_key = key
             self._last_progress = now
@@ -469,9 +463,7 @@ class Watchdog(Component):
             # collective. End the process ourselves unless close() finishes first.
             def last_resort() -> None:
                 if not self._closed.is_set():
-                    from guardrails import _exit
-
-                    _exit.die(error)
+                    guard.die(error)
 
             timer = threading.Timer(self.fail_grace_s, last_resort)
             timer.daemon = True
@@ -887,6 +879,31 @@ def _past(a: tuple[int, int], b: tuple[int, int]) -> bool:
     """Whether position ``a`` is past ``b`` in the same pass over the data. A peer in a
     later pass also ran out of this one (it may just be quicker to start the next)."""
     return a[0] == b[0] and a[1] > b[1]
+
+
+def progress_key(guard: Guard) -> tuple[Any, ...]:
+    """What the main thread advertises, as one comparable value: it changes whenever the
+    rank makes progress (a step, a batch, a phase, a collective)."""
+    coll = guard.collective
+    return (
+        guard.step,
+        _here(guard),
+        guard.phase,
+        None if coll is None else (coll.get("seq"), coll.get("op")),
+    )
+
+
+def main_thread_site() -> str:
+    """Where the main thread is, in the user's code: ``file:line (function)`` of its
+    innermost frame outside torch, guardrails and the standard library."""
+    frames = _frames(_stack(threading.main_thread().ident or 0))
+    for path, line, func in reversed(frames):
+        if _is_user(path):
+            return f"{os.path.basename(path)}:{line} ({func})"
+    if frames:
+        path, line, func = frames[-1]
+        return f"{os.path.basename(path)}:{line} ({func})"
+    return "an unknown place"
 
 
 def _here(guard: Guard) -> tuple[int, int]:

@@ -14,7 +14,10 @@ has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside ``g.pause_watchdog
 ``uneven``, with a loop that calls ``next()`` by hand),
 ``extra`` (rank 1 issues an all_reduce of 3 elements that rank 0 never issues: it
 pairs with rank 0's next gradient bucket), ``swap`` (both ranks issue two all_reduces
-of different sizes, in opposite orders). ``extra`` and ``swap`` wrap the model in
+of different sizes, in opposite orders), ``workerstuck`` (rank 1's DataLoader worker
+hangs in ``__getitem__``; its pid goes to ``DIR/worker_pid``), ``sigterm`` (rank 1 is
+blocked in a C read, as ``pipe``, with a 60 s hang timeout, and each rank sends itself
+SIGTERM 1 s after the fault, as a launcher does). ``extra`` and ``swap`` wrap the model in
 GuardedDDP, so the gradient buckets are part of the audited sequence.
 Just before the fault, rank 1 writes the wall-clock time to ``DIR/fault_time``, so the
 caller can measure the time from fault to error. Real processes, real gloo, real
@@ -68,6 +71,36 @@ def fault(
             time.sleep(1.7 * timeout_s)
 
 
+class StuckWorkerData(torch.utils.data.Dataset):
+    """Batches from a DataLoader worker process; item ``at`` never comes back (the
+    worker is stuck in I/O), so the main thread waits on the worker forever."""
+
+    def __init__(self, out: Path, items: list, at: int) -> None:
+        self.out, self.items, self.at = out, items, at
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        if i == self.at:
+            (self.out / "worker_pid").write_text(str(os.getpid()))
+            (self.out / "fault_time").write_text(repr(time.time()))
+            time.sleep(3600)
+        return self.items[i]
+
+
+def sigterm_after_fault(out: Path, delay_s: float) -> None:
+    """What a launcher does to every rank: SIGTERM, once the fault has happened."""
+
+    def send() -> None:
+        while not (out / "fault_time").exists():
+            time.sleep(0.05)
+        time.sleep(delay_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
 def never_yields(out: Path):
     """A loader whose first batch never comes (a data directory it cannot read, a
     shard server that never answers): stuck before the first step."""
@@ -85,7 +118,10 @@ def main() -> None:
     p.add_argument("--step-sleep-s", type=float, default=0.25)
     p.add_argument("--backend", default="gloo")
     p.add_argument("--out", required=True)
+    p.add_argument("--metrics", action="store_true")
     args = p.parse_args()
+    if args.scenario == "sigterm":  # the stop must come from the signal, not the watchdog
+        args.hang_timeout_s = 60.0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -112,13 +148,20 @@ def main() -> None:
     data = iter(batches(n, seed=rank))
     if kind == "firstbatch" and rank == fault_rank:
         data = never_yields(out)
+    if kind == "workerstuck":
+        stuck_at = FAULT_STEP + 1 if rank == fault_rank else -1
+        data = torch.utils.data.DataLoader(
+            StuckWorkerData(out, batches(n, seed=rank), stuck_at), batch_size=None, num_workers=1
+        )
+    if kind == "sigterm":
+        sigterm_after_fault(out, delay_s=1.0)
     with guardrails.guard(
         model,
         opt,
         data,
         run_dir=out / "run",
         hang_timeout_s=args.hang_timeout_s,
-        metrics=False,
+        metrics=args.metrics or kind in ("sigterm", "sleep"),
         progress=False,
     ) as g:
         if kind == "unevennext":  # the loop fetches by hand: next() raises at the end
@@ -133,8 +176,8 @@ def main() -> None:
                     (out / "fault_time").write_text(repr(time.time()))
         for x, y in g if kind != "unevennext" else ():
             at = 0 if kind == "slowfirst" else FAULT_STEP
-            if rank == fault_rank and g.step == at:
-                fault(kind, out, g, args.hang_timeout_s, device)
+            if rank == fault_rank and g.step == at and kind not in ("workerstuck",):
+                fault("pipe" if kind == "sigterm" else kind, out, g, args.hang_timeout_s, device)
             elif kind == "swap" and g.step == at:
                 dist.all_reduce(torch.ones(4, device=device))
                 dist.all_reduce(torch.ones(7, device=device))

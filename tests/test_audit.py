@@ -161,8 +161,8 @@ def worker(scenario: str, out: str) -> None:
     modules = (dist, dist.distributed_c10d)
     before = {(m.__name__, op): getattr(m, op, None) for m in modules for op in OPS}
     try:
-        if scenario == "torchrun":
-            scenario = "rank0_branch"
+        if scenario.startswith("torchrun"):
+            scenario = scenario.partition(":")[2] or "rank0_branch"
             g = guardrails.guard(
                 model, opt, batches(STEPS, seed=rank), run_dir=f"{out}/run", progress=False
             )
@@ -367,8 +367,7 @@ def test_collective_in_a_rank0_only_branch(tmp_path):
     )
 
 
-def test_torchrun_and_guard_defaults(tmp_path):
-    # The whole stack as a user runs it: torchrun, guardrails.guard() defaults.
+def _torchrun(tmp_path: Path, scenario: str) -> tuple[int, str]:
     port = str(free_port())
     cmd = [
         sys.executable,
@@ -381,7 +380,7 @@ def test_torchrun_and_guard_defaults(tmp_path):
         "--master-port",
         port,
         str(HERE),
-        "torchrun",
+        scenario,
         str(tmp_path),
     ]
     proc = subprocess.Popen(
@@ -393,7 +392,13 @@ def test_torchrun_and_guard_defaults(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode != 0
+    return proc.returncode, err
+
+
+def test_torchrun_and_guard_defaults(tmp_path):
+    # The whole stack as a user runs it: torchrun, guardrails.guard() defaults.
+    code, err = _torchrun(tmp_path, "torchrun")
+    assert code != 0
     # torchrun's summary names our error as the root cause (the rank that ended itself
     # while stuck in the collective wrote it to torchrun's error file) ...
     root_cause = err[err.index("Root Cause") :]
@@ -407,6 +412,23 @@ def test_torchrun_and_guard_defaults(tmp_path):
             text = err[err.index(f"[rank {rank}, step") :]
         assert f"test_audit.py:{_line('rank0_branch')}" in text
         assert "barrier" in text and "all_reduce" in text
+
+
+def test_gloo_abort_under_torchrun_is_explained_by_the_survivor(tmp_path):
+    """gloo aborts rank 0 (it receives 32 bytes where it expects 4) and torchrun at once
+    sends SIGTERM to rank 1, which is then explaining the mismatch from rank 0's flight
+    recorder: the explanation is finished and reported (the guard holds SIGTERM while it
+    closes with an error); before, rank 1 died of the SIGTERM (-15) with nothing said."""
+    code, err = _torchrun(tmp_path, "torchrun:extra_diff")
+    assert code != 0
+    survivor = json.loads((tmp_path / "rank1.json").read_text())
+    assert survivor["type"] == "CollectiveMismatchError", survivor
+    text = survivor["message"]
+    assert "rank 0:" in text and "rank 1:" in text
+    assert "float32[3]" in text and "float32[8, 4]" in text
+    assert f"test_audit.py:{_line('extra_diff')}" in text
+    assert f"test_audit.py:{_line('grads')}" in text
+    assert "(SIGTERM)" not in err, err[-3000:]
 
 
 # ---------------------------------------------------------------------- clean runs

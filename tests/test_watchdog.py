@@ -107,6 +107,8 @@ SCENARIOS = [
     "slowfirst",
     "firstbatch",
     "unevennext",
+    "workerstuck",
+    "sigterm",
 ]
 
 
@@ -149,8 +151,12 @@ def test_stuck_rank_is_named_with_every_stack(runs, scenario):
         assert extra["error_class"] == "HangError"
         assert (extra["rank"], extra["fields"]["stuck_ranks"]) == (r, [1])
         assert extra["step"] == 3
-        text = extra["py_callstack"]
+        text = extra["report"]
         assert "rank 1 is stuck at step 3" in text
+        # torchrun's summary shows py_callstack per rank: one line, not the report again.
+        assert "\n" not in extra["py_callstack"]
+        assert extra["py_callstack"].startswith("HangError (exit code 83): [rank")
+        assert "rank 1 is stuck at step 3" in extra["py_callstack"]
         assert "hang_worker.py:" in text and "outside any collective" in text
         assert "rank 0 waits for it" in text and "DDP's gradient all-reduce" in text
         # Every rank's own stack, captured by its own watchdog: rank 1's shows the fault.
@@ -161,6 +167,77 @@ def test_stuck_rank_is_named_with_every_stack(runs, scenario):
         assert "pause_watchdog" in text  # the fix names the escape hatch
         # One clean summary block on stderr.
         assert res["out"].count(f"guardrails: rank {r} failed with HangError") == 1
+    if scenario == "sleep":
+        assert_last_words(results[0]["dir"] / "run", "HangError: [rank {r}, step 3]", steps=3)
+
+
+def assert_last_words(run_dir: Path, error: str, *, steps: int) -> None:
+    """Both ranks wrote their metrics rows and an ``end`` event with the error: rank 1,
+    ended from a thread while stuck (guard.die), too; rank 0 either so or, if rank 1's
+    exit reached its collective first, by closing normally. A run guardrails ends never
+    reads as one the OOM killer took."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    ends = {e["rank"]: e for e in events if e["kind"] == "end"}
+    assert sorted(ends) == [0, 1], events[-4:]
+    assert ends[1]["aborted"] is True
+    for r, end in ends.items():
+        assert end["step"] == steps
+        assert end["error"].startswith(error.format(r=r)), end["error"]
+    rows = guardrails.read_metrics(run_dir).to_pylist()
+    for r in (0, 1):
+        assert sorted(x["step"] for x in rows if x["rank"] == r) == list(range(1, steps + 1))
+        assert all(x["loss"] == x["loss"] for x in rows)  # CPU: the device columns too
+
+
+def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
+    """Rank 1 is blocked in a C read and rank 0 in DDP's all-reduce waiting for it: no
+    Python signal handler can run on either. Each gets SIGTERM (as torchrun sends it)
+    1 s after the fault, with the watchdog's timeout at 60 s: each exits 143 within
+    seconds, saying it could not save and where it was stuck."""
+    results = runs["sigterm"]
+    t0 = fault_time(results)
+    for r, res in enumerate(results):
+        assert res["rc"] == 143, res["out"][-3000:]
+        # 1 s to the signal, 5 s without progress, about a second to report: well
+        # before torchrun's SIGKILL at 30 s (the bound leaves room for a loaded CI).
+        assert res["ended"] - t0 < 1 + 5 + 8, res["ended"] - t0
+        extra = info(res)
+        assert extra["exit_code"] == 143
+        line = extra["py_callstack"]
+        assert line.startswith("SIGTERM received at step 3")
+        assert "exited without a checkpoint; no checkpoint was saved in this run" in line
+        if r == 1 or "no progress" in line:  # else rank 1's exit failed its collective
+            assert "but this rank made no progress for 5 s" in line
+            assert "could not reach a step boundary to save" in line
+            where = "(fault)" if r == 1 else "(main)"
+            assert "hang_worker.py:" in line and where in line, line
+            assert res["out"].count(f"guardrails: rank {r} exited with code 143") == 1
+        else:
+            assert "before the ranks could agree to stop and save" in line, line
+    assert_last_words(results[0]["dir"] / "run", "SIGTERM received at step 3", steps=3)
+
+
+def test_a_stuck_dataloader_worker_ends_with_its_rank(runs):
+    """Rank 1's DataLoader worker hangs in I/O: the watchdog names rank 1 as stuck in its
+    loader, and the worker process does not outlive the job."""
+    results = runs["workerstuck"]
+    assert_bounded(results)
+    for res in results:
+        assert res["rc"] == 83, res["out"][-3000:]
+    assert "stuck at step 4, in the loader's next()" in info(results[1])["report"]
+    pid = int((results[0]["dir"] / "worker_pid").read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"DataLoader worker {pid} outlived its rank"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended; only its exit status is left
 
 
 def test_dead_rank_sigkill(runs):
@@ -176,7 +253,7 @@ def test_dead_rank_sigkill(runs):
     assert extra["fields"]["reason"] == "killed"
     assert extra["fields"]["last_step"] in (0, 1, 2, 3)  # its last heartbeat's step
     assert extra["fields"]["log"].endswith("events.jsonl")
-    assert "rank 1 died" in extra["py_callstack"] and "SIGKILL" in extra["py_callstack"]
+    assert "rank 1 died" in extra["report"] and "SIGKILL" in extra["report"]
 
 
 def test_dead_store_host(runs):
@@ -206,7 +283,7 @@ def test_exception_on_one_rank_ends_the_other(runs):
     assert extra["error_class"] == "RankFailedError"
     assert extra["fields"]["failed_rank"] == 1 and extra["fields"]["reason"] == "exception"
     assert extra["fields"]["last_step"] == 3
-    assert "ValueError: boom" in extra["py_callstack"]
+    assert "ValueError: boom" in extra["report"]
 
 
 @pytest.mark.parametrize("scenario", ["uneven", "unevennext"], ids=["for_loop", "next_by_hand"])
@@ -223,7 +300,7 @@ def test_uneven_data(runs, scenario):
         lengths = {int(k): v for k, v in extra["fields"]["lengths"].items()}
         assert lengths[1] == 4 and lengths[0] > 4
         assert extra["fields"]["exhausted_ranks"] == [1]
-        text = extra["py_callstack"]
+        text = extra["report"]
         assert "ran out on rank(s) 1" in text
         assert "DistributedSampler" in text and "drop_last" in text
 
@@ -263,7 +340,7 @@ def test_a_loader_that_never_yields_its_first_batch_is_a_hang_within_the_timeout
         assert res["rc"] == EXIT_CODES[guardrails.HangError], res["out"][-3000:]
         extra = info(res)
         assert (extra["rank"], extra["step"], extra["fields"]["stuck_ranks"]) == (r, 0, [1])
-        assert "rank 1 is stuck at step 0" in extra["py_callstack"]
+        assert "rank 1 is stuck at step 0" in extra["report"]
         assert "never_yields" in extra["fields"]["stacks"]["1"]
 
 
