@@ -367,7 +367,7 @@ class CollectiveAuditor(Component):
         audited._guardrails_audited = True  # type: ignore[attr-defined]
         return audited
 
-    def record_own(self, what: str, tensor: torch.Tensor) -> None:
+    def record_own(self, what: str, tensor: torch.Tensor, reduce_op: Any = None) -> None:
         """Record one of guardrails' own agreements (on its side group, never the
         training's), made at a point of the loop every rank reaches, in the training
         group's sequence as if it were there: a user's stray collective that one rank
@@ -382,7 +382,8 @@ class CollectiveAuditor(Component):
             frame = frame.f_back
         code = frame.f_code
         op = f"{OWN_PREFIX}{what}"
-        self._note(op, "coll", tensor, None, _MAX, None, code.co_filename, frame.f_lineno, True)
+        how = _MAX if reduce_op is None else reduce_op  # the reduce op it runs with
+        self._note(op, "coll", tensor, None, how, None, code.co_filename, frame.f_lineno, True)
 
     def record(
         self,

@@ -6,6 +6,7 @@ Read once at guard start; nothing here issues a collective.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,78 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     ``state_dict()`` keys are the model's own (no ``module.`` / ``_orig_mod.`` prefix),
     and whose forward issues no collective and compiles nothing."""
     return wrappers(model)[-1]
+
+
+#: Wrappers that keep the user's object under one attribute and delegate to it, by
+#: ``(module, class)`` of the wrapper or a base of it: HF accelerate's
+#: ``prepare()``d optimizer and loaders (DataLoaderShard, DataLoaderDispatcher and
+#: SkipDataLoader all derive from DataLoaderAdapter). Matched by name, so guardrails
+#: does not import accelerate; and by ``type()``, since a prepared loader reports
+#: ``DataLoader`` as its ``__class__`` (``isinstance`` cannot tell them apart).
+DELEGATES = {
+    ("accelerate.optimizer", "AcceleratedOptimizer"): "optimizer",
+    ("accelerate.data_loader", "DataLoaderAdapter"): "base_dataloader",
+}
+
+
+def delegates(obj: Any) -> list[Any]:
+    """``obj`` and every object it delegates to, outermost first: an accelerate
+    ``AcceleratedOptimizer``'s ``.optimizer``, a prepared loader's ``.base_dataloader``
+    (the ``torch.utils.data.DataLoader`` it iterates). Not modules: see
+    :func:`wrappers`."""
+    chain = [obj]
+    for _ in range(4):
+        attr = next(
+            (
+                DELEGATES[key]
+                for c in type(chain[-1]).__mro__
+                if (key := (c.__module__, c.__qualname__)) in DELEGATES
+            ),
+            None,
+        )
+        wrapped = None if attr is None else vars(chain[-1]).get(attr)
+        if wrapped is None:
+            break
+        chain.append(wrapped)
+    return chain
+
+
+def inner(obj: Any) -> Any:
+    """The user's own object under a library's wrapper (:func:`delegates`): the torch
+    optimizer whose ``step()`` updates the weights and which reads ``found_inf``, the
+    DataLoader whose sampler and generators decide a pass's order."""
+    return delegates(obj)[-1]
+
+
+def accumulating(optimizer: Any) -> Any:
+    """For an accelerate ``AcceleratedOptimizer``: a function telling whether its
+    ``step()`` is a no-op right now (inside ``accelerator.accumulate()`` before the
+    micro-batch that syncs, it returns without stepping). ``None`` for any other
+    optimizer: every ``step()`` is a step."""
+    state = vars(optimizer).get("gradient_state") if len(delegates(optimizer)) > 1 else None
+    return None if state is None else lambda: not state.sync_gradients
+
+
+def own_scaler(optimizer: Any) -> Any:
+    """The enabled GradScaler an accelerate ``AcceleratedOptimizer`` runs inside its
+    ``step()`` (``Accelerator(mixed_precision="fp16")``), or ``None``."""
+    scaler = vars(optimizer).get("scaler") if len(delegates(optimizer)) > 1 else None
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def overflowed(scaler: Any, optimizer: Any) -> bool:
+    """Unscale ``optimizer``'s gradients now, as ``scaler.step()`` would before deciding
+    (``GradScaler.unscale_``, the documented step before clipping), and return whether
+    they overflowed. Its ``step()`` then skips the update without unscaling again. A
+    no-op returning the recorded verdict when they were unscaled already this step
+    (the user clipped). One host read, the one the scaler's own step makes anyway."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.READY:
+        scaler.unscale_(optimizer)
+    found = state["found_inf_per_device"]
+    return bool(sum(v.item() for v in found.values())) if found else False
 
 
 def grads_agree(model: torch.nn.Module) -> bool:

@@ -106,7 +106,8 @@ class Guard:
             ``None`` when the loop fetches its own data.
         scheduler: the LR scheduler, if any, or a list / dict of them (kept for
             checkpoints; the LR itself is read from the optimizer).
-        scaler: the ``torch.amp.GradScaler``, if any (kept for checkpoints).
+        scaler: the ``torch.amp.GradScaler``, if any (kept for checkpoints; accelerate's
+            prepared optimizer's own is found).
         run_dir: where metrics, events and checkpoints go. Default ``runs/<script>``,
             the same on every rank and across restarts of the same script.
         components: the components to run, in order.
@@ -152,7 +153,9 @@ class Guard:
             {} if scheduler is None else named("scheduler", scheduler, object)
         )
         self.scheduler = next(iter(self.schedulers.values()), None)
-        self.scaler = scaler
+        # accelerate's fp16 GradScaler lives in its prepared optimizer: checkpointed
+        # like one passed here (a resume without it restarts the loss scale).
+        self.scaler = scaler if scaler is not None else _dist.own_scaler(self.optimizer)
         self.components: list[Component] = list(components or ())
         self.tokens_per_batch = tokens_per_batch
         if replay_fn is not None and not callable(replay_fn):
@@ -192,6 +195,9 @@ class Guard:
         self._epoch_start: dict[str, Any] | None = None
         # Set by a resume: the data position the first pass continues from.
         self._resume_position: dict[str, Any] | None = None
+        # Why the loader's state_dict() could not be saved, once it failed (reported
+        # once; later saves keep the position as a count, see _data._own_state).
+        self._loader_state_error: str | None = None
         self._at_boundary = False
         #: Why the loop is ending early (a signal save with ``exit_on_signal=False``), or
         #: ``None``. Once set, ``for batch in g`` ends at once.
@@ -250,6 +256,15 @@ class Guard:
         #: Set by a component that skipped this step's update (a 0-d bool device
         #: tensor, so the decision can stay on the device); ``None`` = not skipped.
         self.skipped: Tensor | None = None
+        #: Why this step is skipped before any component looked, or ``None``:
+        #: ``"fp16_overflow"`` when a GradScaler did not call ``optimizer.step()`` (its
+        #: gradients overflowed at the current scale). Components record such a step
+        #: as skipped and do not judge it (it is the scaler's normal calibration).
+        self.skip_cause: str | None = None
+        #: With ``skip_cause`` ``"fp16_overflow"``: the GradScaler that skipped.
+        self.skip_scaler: Any = None
+        self._opt_steps = 0  # optimizer.step() calls that reached a wrapper
+        self._scaler_warned = False
         self._step_loss: Tensor | None = None
         self._data_wait_s = 0.0
         self._tokens: int | None = None
@@ -345,6 +360,7 @@ class Guard:
                 for i, (name, opt) in enumerate(self.optimizers.items())
             ]
             self._handles += [_wrap_forward(m, self) for m in self.models.values()]
+            self._handles.append(_wrap_scaler_step(self))
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
                 self._handles.append(attach(self))
@@ -355,6 +371,7 @@ class Guard:
             # Filled as components start, so a start that fails closes only those that
             # started (like nested `with` blocks): on_end never sees half-made state.
             self._dispatch["on_end"] = []
+            self._dispatch["on_abort"] = []
             self._live = self._dispatch
             self._check_optimizer_coverage()
             self.event(
@@ -369,6 +386,8 @@ class Guard:
                     c.on_start(self)
                 if overrides(c, "on_end"):
                     self._dispatch["on_end"].insert(0, c.on_end)  # reverse order
+                if overrides(c, "on_abort"):
+                    self._dispatch["on_abort"].insert(0, c.on_abort)
             if self.benchmark:
                 from guardrails._benchmark import StepBenchmark
 
@@ -394,6 +413,23 @@ class Guard:
         if _running is self:
             _running = None
         atexit.unregister(self._close_at_exit)
+        from guardrails import _exit
+
+        failing = exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt))
+        if failing:
+            # The diagnosis is written while closing (the auditor, the watchdog): a
+            # launcher's SIGTERM must not end the process in the middle of it.
+            _exit.hold_signals()
+        try:
+            self._close(exc)
+        finally:
+            if failing and not _exit.recording:  # else @record releases, after its report
+                # A SIGTERM that came meanwhile is dropped, not raised again: the error
+                # is on its way out to the loop's code (its handler, then the process's
+                # exit), which a re-raised SIGTERM would kill before it could run.
+                _exit.release_signals(deliver=False)
+
+    def _close(self, exc: BaseException | None) -> None:
         errors: list[BaseException] = []
         if self._bench is not None:
             bench, self._bench = self._bench, None
@@ -417,13 +453,19 @@ class Guard:
         self._dispatch = self._live = {h: [] for h in HOOKS}
         _store.close_side_group(self.side_group)
         self.side_group = None
-        if self.events is not None:
-            self.event("end", error=None if exc is None else f"{type(exc).__name__}: {exc}")
-            self.events.close()
-        if errors and exc is None:
+        # The error the user will see: the loop's own, or the one a component explained
+        # it with, or a component's failure while closing.
+        if exc is not None:
+            final = self._replacement or exc
+        elif errors:
             # Ours first: a component's diagnosis (a watchdog verdict) explains the
             # plain error another component hit while closing (a peer gone mid-agree).
-            raise next((e for e in errors if isinstance(e, GuardrailsError)), errors[0])
+            final = next((e for e in errors if isinstance(e, GuardrailsError)), errors[0])
+        else:
+            final = None
+        self._end_event(final)
+        if final is not None and exc is None:
+            raise final
         if exc is not None and self._replacement is not None:
             replacement, self._replacement = self._replacement, None
             raise replacement from exc
@@ -431,6 +473,37 @@ class Guard:
             from guardrails import _exit
 
             raise _exit.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
+
+    def _end_event(self, error: BaseException | None, **fields: Any) -> None:
+        """The run's last event, once: how it ended (``error``: ``None`` for a clean
+        end; a signal stop's ``SystemExit`` is named by ``g.stopping``)."""
+        events, self.events = self.events, None
+        if events is None:
+            return
+        text = None
+        if error is not None:
+            text = getattr(error, "guardrails_message", None) or f"{type(error).__name__}: {error}"
+        step = self.step
+        events.emit("end", step=step, error=text, **fields)
+        events.close()
+
+    def die(self, error: BaseException, *, exit_code: int | None = None) -> None:
+        """From a background thread, when the main thread cannot be reached (stuck in a
+        collective, a C call, a loader): end the process now with ``error`` reported,
+        after the components' last words (:meth:`Component.on_abort`: the metrics the
+        host holds) and the ``end`` event, so a run guardrails ends never looks like
+        one the OOM killer took."""
+        from guardrails import _exit
+
+        _exit.die(error, exit_code=exit_code, last_words=self._last_words)
+
+    def _last_words(self, error: BaseException) -> None:
+        for fn in self._dispatch["on_abort"]:
+            try:
+                fn(self, error)
+            except Exception as exc:  # the process ends either way; the rest still run
+                logger.debug("guardrails: %r failed while aborting: %s", fn, exc)
+        self._end_event(error, aborted=True)
 
     def _close_at_exit(self) -> None:
         """At the interpreter's exit, a guard still open: close it with the exception
@@ -498,9 +571,7 @@ class Guard:
 
         def last_resort() -> None:
             if self._pending is error and self._state == "started":
-                from guardrails import _exit
-
-                _exit.die(error)
+                self.die(error)
 
         timer = threading.Timer(grace_s, last_resort)
         timer.daemon = True
@@ -805,6 +876,37 @@ class Guard:
         self._at_boundary = True
         self.phase = "loop"
 
+    def _scaler_skipped(self, name: str, scaler: Any) -> None:
+        """A GradScaler's ``step(optimizer)`` returned without calling
+        ``optimizer.step()``: its gradients overflowed. The iteration is still a step,
+        skipped (its row, its loss; not merged into the next one), and components see
+        ``skip_cause`` instead of judging inf gradients as a fault."""
+        if scaler is not self.scaler and not self._scaler_warned:
+            self._scaler_warned = True
+            if any(c.name == "checkpoint" for c in self.components):
+                self.event(
+                    "scaler_not_saved",
+                    level="warning",
+                    message=(
+                        "a GradScaler steps this optimizer but was not given to the guard, "
+                        "so its scale is not in the checkpoints: a resumed run starts from "
+                        "the initial scale and skips steps again while it calibrates. "
+                        "Pass it: guardrails.guard(..., scaler=scaler)."
+                    ),
+                )
+        self.skip_cause, self.skip_scaler = "fp16_overflow", scaler
+        try:
+            if name == next(iter(self.optimizers)):
+                self._before_step()
+                self._skip = False
+                self._after_step()
+            else:
+                self._before_extra_step(name)
+                self._skip = False
+                self._after_extra_step(name)
+        finally:
+            self.skip_cause = self.skip_scaler = None
+
     def _before_extra_step(self, name: str) -> None:
         self.phase = "optimizer"
         if self._pending is not None:
@@ -980,23 +1082,78 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
     inner = opt.step
     before = guard._before_step if counted else functools.partial(guard._before_extra_step, name)
     after = guard._after_step if counted else functools.partial(guard._after_extra_step, name)
+    # accelerate's prepared optimizer: inside accelerator.accumulate(), step() returns
+    # without stepping until the micro-batch that syncs. Those calls are not steps
+    # (counted, g.step would count micro-batches and a checkpoint could fall between
+    # them, losing the accumulated gradients).
+    idle = _dist.accumulating(opt)
+    # With fp16 its step() runs a GradScaler: a skipped step still goes in, and the
+    # scaler, finding the same non-finite gradients, leaves weights and state alone and
+    # lowers its scale. Left out, the scale never drops and every later step overflows
+    # (measured: NonFiniteError after 10 steps).
+    scaler = _dist.own_scaler(opt)
 
     @functools.wraps(inner)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         # A sharded resume's set_state_dict steps the optimizer to create its state.
-        if guard._quiet:
+        if guard._quiet or (idle is not None and idle()):
             return inner(*args, **kwargs)
         guard._skip = False
-        before()
-        if guard._skip:
+        guard._opt_steps += 1
+        if scaler is not None and _dist.overflowed(scaler, _dist.inner(opt)):
+            # The scaler inside step() will skip this update: its normal calibration,
+            # told to components as such (not judged as non-finite gradients), and
+            # the gradients they see are unscaled, as the update would have used.
+            guard.skip_cause, guard.skip_scaler = "fp16_overflow", scaler
+        try:
+            before()
+        finally:
+            guard.skip_cause = guard.skip_scaler = None
+        if guard._skip and scaler is None:
             guard._skip = False
             out = None  # skipped: weights and optimizer state untouched
         else:
+            guard._skip = False
             out = inner(*args, **kwargs)
         after()
         return out
 
     return _set_on_instance(opt, "step", types.MethodType(step, opt))
+
+
+def _wrap_scaler_step(guard: Guard) -> _Restore:
+    """Set ``torch.amp.GradScaler.step`` (the class's, restored exactly at close) to tell
+    ``guard`` when a scaler skips one of its optimizers' steps.
+
+    A GradScaler with a non-fused optimizer does not call ``optimizer.step()`` when the
+    gradients overflowed, so the guard saw no step at all: no skipped row, no event,
+    and the next row's loss averaged two iterations. The class, not an instance: the
+    scaler is rarely passed to the guard (``torch.cuda.amp.GradScaler`` subclasses it
+    without overriding ``step``). The check costs a dict lookup per ``scaler.step()``;
+    the scaler has already read its overflow flag on the host (``.item()``) by then.
+    """
+    from torch.amp import GradScaler
+
+    inner = GradScaler.__dict__["step"]
+    names = {id(opt): name for name, opt in guard.optimizers.items()}
+
+    @functools.wraps(inner)
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        name = names.get(id(optimizer))
+        if name is None or guard._state != "started" or not scaler.is_enabled():
+            return inner(scaler, optimizer, *args, **kwargs)
+        calls = guard._opt_steps
+        out = inner(scaler, optimizer, *args, **kwargs)
+        if guard._opt_steps == calls:  # the scaler left the step out: overflow
+            guard._scaler_skipped(name, scaler)
+        return out
+
+    GradScaler.step = step  # type: ignore[method-assign]
+
+    def undo() -> None:
+        GradScaler.step = inner  # type: ignore[method-assign]
+
+    return _Restore(undo)
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:

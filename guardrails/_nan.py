@@ -23,10 +23,13 @@ Seed 003's playbook, as code. Per optimizer step, on the device and without a sy
 * Ranks agree: under DDP (and FSDP2, whose grad norm is global) every rank computes
   the same flag from the same gradients. Where the ranks' gradients differ at
   ``step()`` (a distributed optimizer that reduces them inside its step, like
-  nanochat's or ``ZeroRedundancyOptimizer`` without DDP), the flag is agreed (MAX)
-  over the guard's own gloo side group, never the training's process group, so no
-  collective of the user's can ever pair with it: one host read and one small gloo
-  all-reduce per step.
+  nanochat's or ``ZeroRedundancyOptimizer`` without DDP), the flag is agreed (any
+  rank's set flag sets everyone's) over the guard's own gloo side group, never the
+  training's process group, so no collective of the user's can ever pair with it: one
+  host read and one small gloo all-reduce per step. The same all-reduce carries each
+  rank's squared grad norm, so spikes are judged on the root mean square of the
+  ranks' grad norms, the same number on every rank (a rank-local norm made each rank
+  judge its own noise).
 * Several optimizers (a GAN): each one's step is checked over its own parameters'
   gradients (on the host: one read per step of the second and later optimizers) and
   skipped the same way; the diagnosis names the optimizer.
@@ -43,8 +46,11 @@ finiteness kernel and ``found_inf`` are used only on a bad step.
 What the host does with the rows (``_diagnose.py`` has the details):
 
 * finite steps are judged in blocks of ``check_every_n_steps``: a grad norm or loss
-  over ``spike_factor`` / ``loss_spike_factor`` times its running median (the last
-  ``window_steps`` finite steps) is a ``spike`` event. These statistics live on the
+  is a ``spike`` event when it jumps above its recent trend (the median of the last
+  20 finite steps) by both ``spike_factor`` / ``loss_spike_factor`` times and
+  ``SPIKE_SWINGS`` times its usual step-to-step swing (over the last
+  ``window_steps``), so a steady rise (a grad norm climbing through an LR warmdown) is
+  never a spike and a noisy metric needs a bigger jump. These statistics live on the
   host, not the device: the values are there anyway, lagged, so they cost no kernel.
 * the first non-finite step of a streak is diagnosed (bad data / fp16 overflow /
   optimisation blow-up / numerics in a module / not reproducible / another rank), its
@@ -58,6 +64,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import islice
+from operator import sub
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -77,6 +85,23 @@ if TYPE_CHECKING:
     from guardrails._guard import Guard
 
 POLICIES = ("skip", "raise", "warn")
+#: The ring row's flag for a step a GradScaler skipped itself (1.0: non-finite).
+SCALER_SKIP = 2.0
+
+#: A value is judged against the median of this many finite values just before it
+#: (its trend). Twenty steps can tell a spike from noise, and follow a trend: a grad
+#: norm climbing 3% a step (20x over 100 steps) sits 1.4x over the median of its last
+#: 20, where the old rule (5x the median of the last 100, as of its block) saw it at
+#: 4.4-5.7x and flagged the climb.
+TREND_STEPS = 20
+#: ...and it must also clear the trend by this many times the metric's usual
+#: step-to-step swing (a robust standard deviation of the change of log(value) from
+#: one step to the next, over ``window_steps``; a trend barely moves it). On 45 healthy
+#: CPU runs (57,700 steps: nanochat, the README example, MLP classifiers, 2-16 sample
+#: regressions on pure noise) the old rule flagged 393 steps, the 20-step median alone
+#: 449 (small-batch noise), with 4 swings 0 and with 3.5 3; 5 keeps a margin and still
+#: catches a 10x grad-norm jump in every language-model run tried (benchmarks/RESULTS.md).
+SPIKE_SWINGS = 5.0
 
 
 class NanGuard(Component):
@@ -93,15 +118,21 @@ class NanGuard(Component):
         check_every_n_steps: on a CUDA device, the flags reach the host in one copy per
             this many steps, so a raise comes up to twice this many steps after the
             fault (the skip itself is immediate). Default 10.
-        spike_factor: a grad norm over this many times its running median is a spike.
-            Default 5.
-        loss_spike_factor: a (positive) loss over this many times its running median is
-            a spike. Default 4 (a language model's loss at 4x its median has diverged;
-            small-batch regression losses swing 2-3x by chance).
+        spike_factor: a grad norm over this many times its running median (the median
+            of the last 20 finite steps) is a spike, if the jump is also more than
+            ``SPIKE_SWINGS`` (5) times the norm's usual step-to-step swing: a noisy norm
+            needs a bigger jump, a steady rise is never a spike. Default 5. Where the
+            ranks' gradients differ at ``step()`` the norm judged is the root mean
+            square of the ranks' grad norms, the same on every rank.
+        loss_spike_factor: the same for the loss (judged while the last
+            ``window_steps`` losses are all positive). Default 4 (a language model's
+            loss at 4x its median has diverged; small-batch regression losses swing
+            2-3x by chance, and the swing rule raises their bar further).
         max_spike_events: log at most this many spike events per metric per run; later
             spikes are still counted in ``NanGuard.spikes``. Default 20.
-        window_steps: how many recent steps the running medians and the health checks
-            look at. Default 100.
+        window_steps: how many recent steps the health checks, the diagnosis's history
+            and the step-to-step swing of the spike rule look at (spikes are judged
+            from 20 finite steps on). Default 100.
         capture: keep each step's batch (references, no copies) until its flag is known,
             and save the batch of a non-finite step to ``run_dir/nonfinite/``. Default
             True. A loader that refills one buffer in place would save later data.
@@ -165,6 +196,9 @@ class NanGuard(Component):
         self.nonfinite_steps: list[int] = []
         #: Diagnoses made this run (dicts: step, cause, message, path...).
         self.diagnoses: list[dict[str, Any]] = []
+        #: Steps a GradScaler skipped itself (its gradients overflowed at its scale).
+        self.scaler_skips: list[int] = []
+        self._scaler_streak: list[int] = []
         #: Spikes seen (the last 1000): (step, "grad_norm" | "loss", value, median).
         self.spikes: deque[tuple[int, str, float, float]] = deque(maxlen=1000)
         self._spike_events = {"grad_norm": 0, "loss": 0}
@@ -173,7 +207,9 @@ class NanGuard(Component):
 
     def on_start(self, guard: Guard) -> None:
         self._guard = guard
-        opt = guard.optimizer
+        # The torch optimizer under accelerate's prepared one: a fused step() reads
+        # found_inf from itself, not from the wrapper (_dist.inner).
+        opt = self._opt = _dist.inner(guard.optimizer)
         dev = guard.device
         self._cuda = dev.type == "cuda"
         # Lagged: flags reach the host in copies, one interval late (CUDA). Tests set
@@ -188,6 +224,10 @@ class NanGuard(Component):
         )
         # Steps whose agreed flag was set by another rank (this rank's was finite).
         self._foreign: set[int] = set()
+        # Lagged path with self._reduce: step -> the ranks' grad norm, until its row is read.
+        self._rank_norms: dict[int, float] = {}
+        # Lagged path: step -> the scale a GradScaler skipped it at, until its row is read.
+        self._scales: dict[int, float] = {}
         n = self.check_every_n_steps if self._lagged else 1
         self._ring = torch.zeros((n, 3), dtype=torch.float32, device=dev)
         rows = self._ring.unbind(0)
@@ -270,14 +310,22 @@ class NanGuard(Component):
         )
         found = self._found_views[i]
         step = guard.step + 1
+        if guard.skip_cause is not None:
+            self._scaler_skipped(guard, step, found)
+            return
         if self._np is None:
             self._lrs.append((step, guard.lr))  # read back with the rows, one interval on
             # CUDA (lagged), one kernel: found = 1.0 if the norm is NaN/Inf (the norm
             # slot is multiplied by 1). A NaN or Inf in any gradient makes the norm so.
             torch._amp_foreach_non_finite_check_and_unscale_(self._norm_views[i], found, self._one)
             if self._reduce:
-                # The ranks' flags may differ: agree on the host (one read per step).
-                if self._agree(guard, bool(found.item())):
+                # The ranks' flags may differ: agree on the host (one read per step: the
+                # row, not only the flag, so the agreement can carry the norm too).
+                _, norm_v, flag = self._rows[i].tolist()
+                bad, norm_v = self._agree(guard, flag > 0.5, norm_v)
+                if not bad:  # judged by the ranks' norm when the row is read back
+                    self._rank_norms[step] = norm_v
+                if bad:
                     found.fill_(1.0)
                     if self._skips:
                         guard.skipped = found
@@ -292,7 +340,7 @@ class NanGuard(Component):
         loss_v, norm_v, _ = self._np[i].tolist()
         bad = not math.isfinite(norm_v)
         if self._reduce:
-            bad = self._agree(guard, bad)
+            bad, norm_v = self._agree(guard, bad, norm_v)
         if bad:
             found.fill_(1.0)
         if self._skips:
@@ -301,21 +349,90 @@ class NanGuard(Component):
                 self._skip_now(found, guard)
         self._observe(step, loss_v, norm_v, bad, guard.lr, now=True)
 
-    def _agree(self, guard: Guard, bad: bool) -> bool:
-        """Whether any rank's flag is set: a MAX all-reduce of this rank's over the
-        guard's gloo side group (never the training's group)."""
-        flag = torch.tensor([float(bad)])
+    def _scaler_skipped(self, guard: Guard, step: int, found: Tensor) -> None:
+        """A GradScaler leaves this step's update out itself (``guard.skip_cause``): the
+        row says so (flag ``SCALER_SKIP``), nothing is judged or diagnosed here."""
+        found.fill_(SCALER_SKIP)
+        guard.skipped = found
+        if self._reduce:  # in step with the other ranks' agreement (their scalers
+            self._agree(guard, False, 0.0)  # may not have skipped: ranks differ here)
+        # The scale that overflowed (the scaler halves it in update()): one host read,
+        # on skipped steps only, after the scaler's own read of its overflow flag.
+        scaler = guard.skip_scaler
+        scale = float(scaler.get_scale()) if scaler is not None else math.nan
+        if self._np is None:
+            self._lrs.append((step, guard.lr))
+            self._scales[step] = scale
+            return
+        self._scaler_skip(step, scale)
+
+    def _scaler_skip(self, step: int, scale: float) -> None:
+        """A scaler-skipped step reached the host: an info event (its normal dynamic
+        scaling: a few at the start while the scale calibrates, then about one per
+        ``growth_interval`` steps when it tries a higher one), and an error when the
+        scaler skips on and on while its scale collapses: then the gradients are not
+        finite at any scale, a NaN rather than an overflow."""
+        self.scaler_skips.append(step)
+        streak = self._scaler_streak
+        if streak and streak[-1] != step - 1:
+            streak.clear()
+        streak.append(step)
+        n = len(self.scaler_skips)
+        if n <= self.max_spike_events:
+            last = n == self.max_spike_events
+            self._guard.event(
+                "scaler_skip",
+                step=step,
+                cause="fp16_overflow",
+                scale=scale,
+                message=(
+                    f"GradScaler skipped step {step}: the fp16 gradients overflowed at "
+                    f"scale {scale:g}, so it left the update out and lowers its scale (its "
+                    "normal calibration, not a fault)"
+                    + (" (the last one logged; later ones: NanGuard.scaler_skips)" if last else "")
+                ),
+            )
+        if (
+            self.policy != "warn"
+            and len(streak) >= self.max_consecutive_skips
+            and scale == scale
+            and scale < 1.0
+        ):
+            raise NonFiniteError(
+                f"GradScaler skipped {len(streak)} steps in a row (steps {streak[0]}-"
+                f"{streak[-1]}) and its scale fell to {scale:g}: the gradients are not "
+                "finite at any scale, so this is not an fp16 overflow but a NaN or Inf in "
+                "the loss or the model (or gradients beyond fp16's range even unscaled).",
+                hint=(
+                    "check the loss and the data of those steps; run a few steps in "
+                    "float32 (no autocast, no scaler) to see where the first NaN comes "
+                    "from, or use bfloat16, which needs no scaler"
+                ),
+                cause="fp16_overflow",
+                step=streak[0],
+                rank=self._guard.rank,
+            )
+
+    def _agree(self, guard: Guard, bad: bool, norm: float = 0.0) -> tuple[bool, float]:
+        """``(bad, norm)``: whether any rank's flag is set, and the grad norm to record
+        for the step: on a finite step the root mean square of the ranks' grad norms
+        (the same number on every rank, so every rank judges the same spikes), on a bad
+        one this rank's own (its diagnosis's evidence). One SUM all-reduce of (flag,
+        norm ** 2) over the guard's gloo side group (never the training's group): a
+        sum of 0/1 flags over 0.5 is exactly their MAX."""
+        both = torch.tensor([float(bad), norm * norm], dtype=torch.float64)
         if guard.auditor is not None:  # in the training's sequence: see record_own
-            guard.auditor.record_own("NaN-flag agreement", flag)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=guard.side_group)
-        agreed = bool(flag[0] > 0.5)
+            guard.auditor.record_own("NaN-flag agreement", both, dist.ReduceOp.SUM)
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=guard.side_group)
+        flags, squares = both.tolist()
+        agreed = flags > 0.5
         if agreed and not bad:
             self._foreign.add(guard.step + 1)
-        return agreed
+        return agreed, norm if agreed else math.sqrt(squares / guard.world_size)
 
     def after_step(self, guard: Guard) -> None:
         if self._set_found:
-            self._restore_found(guard.optimizer)
+            self._restore_found(self._opt)
         if self.capture:
             self._recent.append((guard.step, guard.step_calls, guard.step_batches))
         self._health.after_step(guard, self._param_ids)
@@ -328,12 +445,16 @@ class NanGuard(Component):
     def before_extra_step(self, guard: Guard, name: str) -> None:
         """Another optimizer's step: its own parameters' gradients, checked on the host
         (one read), skipped like the first optimizer's."""
+        if guard.skip_cause is not None:  # its GradScaler skipped it: see _scaler_skip
+            scaler = guard.skip_scaler
+            self._scaler_skip(guard.step + 1, math.nan if scaler is None else scaler.get_scale())
+            return
         grads = [p.grad for p in self._extra[name] if p.grad is not None]
         norm = _gradnorm.total_norm(grads, guard.device, guard._norm.multi_device)
         norm_v = float(norm)  # the one host read of this optimizer's step
         bad = not math.isfinite(norm_v)
         if self._reduce:
-            bad = self._agree(guard, bad)
+            bad, _ = self._agree(guard, bad)
         streak = self._extra_streaks[name]
         if not bad:
             if streak:
@@ -380,7 +501,7 @@ class NanGuard(Component):
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
-            self._restore_found(guard.optimizer)
+            self._restore_found(self._opt)
         if exc is None or guard.stopping is not None:
             # Rows the host has not seen yet (lagged path): read them now, while the
             # batches are still held, also when the loop ends by a signal stop (the
@@ -402,14 +523,14 @@ class NanGuard(Component):
     def _skip_on_device(self, found: Tensor, guard: Guard) -> None:
         """CUDA: a fused optimizer takes the flag; any other costs a host read."""
         if self._fused:
-            self._give_found_inf(found, guard.optimizer)
+            self._give_found_inf(found, self._opt)
         elif found.item():  # the one host sync per step of a non-fused optimizer
             guard.skip_update()
 
     def _skip_now(self, found: Tensor, guard: Guard) -> None:
         """The host knows this step is bad: skip its update."""
         if self._fused:
-            self._give_found_inf(found, guard.optimizer)
+            self._give_found_inf(found, self._opt)
         else:
             # The optimizer's step() is not called at all: nothing an optimizer does
             # with non-finite (or missing) gradients can reach weights or state.
@@ -458,7 +579,13 @@ class NanGuard(Component):
         # Issued one interval ago: long finished, so this does not wait in practice.
         if event is not None:
             event.synchronize()
+        rank_norms = self._rank_norms
         for (step, lr), (loss_v, norm_v, bad) in zip(lrs, rows.tolist(), strict=True):
+            if bad > 1.5:  # SCALER_SKIP
+                self._scaler_skip(step, self._scales.pop(step, math.nan))
+                continue
+            if rank_norms:  # the ranks' norm, agreed in before_step (this rank's in the row)
+                norm_v = rank_norms.pop(step, norm_v)
             self._observe(step, loss_v, norm_v, bad > 0.5, lr, now=False)
 
     # ------------------------------------------------------------------ host side
@@ -492,24 +619,21 @@ class NanGuard(Component):
 
     def _judge(self) -> None:
         """Spike checks and health checks for the finite steps not judged yet, against
-        the medians of the history before them; then they join the history."""
+        the statistics of the steps before them; then they join the history."""
         rows, self._unjudged = self._unjudged, []
         if not rows:
             return
-        # Twenty steps before a spike can be told from noise (and from the fast early
-        # fall of the grad norm during warmup). sorted() of 100 floats: ~4 us a block.
         for col, kind, factor, window in (
             (2, "grad_norm", self.spike_factor, self._norms),
             (1, "loss", self.loss_spike_factor, self._losses),
         ):
-            if len(window) >= 20:
-                median = sorted(window)[len(window) // 2]
-                if median > 0:
-                    for row in rows:
-                        if row[col] > factor * median:
-                            self.spikes.append((row[0], kind, row[col], median))
-                            self._spike_event(row[0], kind, row[col], median)
-            window.extend(r[col] for r in rows if r[col] == r[col])  # NaN: no loss seen
+            values = [r[col] for r in rows]
+            for i, median, threshold in _spikes(window, values, factor):
+                step, value = rows[i][0], values[i]
+                self.spikes.append((step, kind, value, median))
+                self._spike_event(step, kind, value, median, threshold)
+            # NaN: no loss seen; an Inf loss with finite grads is not a level to judge by
+            window.extend(v for v in values if -math.inf < v < math.inf)
         self.history.extend(rows)
         self._health.observe(self._guard, rows)
 
@@ -587,18 +711,28 @@ class NanGuard(Component):
             self._streak = []
             self._streak_diag = None
 
-    def _spike_event(self, step: int, kind: str, value: float, median: float) -> None:
+    def _spike_event(
+        self, step: int, kind: str, value: float, median: float, threshold: float
+    ) -> None:
         n = self._spike_events[kind] = self._spike_events[kind] + 1
         if n > self.max_spike_events:
             return
         last = n == self.max_spike_events
+        what = kind
+        if kind == "grad_norm" and self._reduce:
+            what = f"grad_norm (root mean square of the {self._guard.world_size} ranks')"
+        knob = "spike_factor" if kind == "grad_norm" else "loss_spike_factor"
+        factor = self.spike_factor if kind == "grad_norm" else self.loss_spike_factor
         self._guard.event(
             "spike",
             level="warning",
             message=(
-                f"{kind} {value:.4g} at step {step} is {value / median:.1f}x its running "
-                f"median {median:.4g}: the seeds' early warning before a NaN. If they "
-                "repeat: lower the LR, add warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
+                f"{what} {value:.4g} at step {step} is {value / median:.1f}x its running "
+                f"median {median:.4g} (last {TREND_STEPS} steps; a spike here is over "
+                f"{threshold / median:.1f}x: {knob}={factor:g}, higher where it swings more "
+                "from step to step): "
+                "the seeds' early warning before a NaN. If they repeat: lower the LR, add "
+                "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
                 + (
                     f" (This is the last {kind} spike logged; later ones are counted in "
                     "NanGuard.spikes.)"
@@ -610,6 +744,7 @@ class NanGuard(Component):
             metric=kind,
             value=value,
             median=median,
+            threshold=threshold,
         )
 
     def _error(
@@ -641,6 +776,53 @@ class NanGuard(Component):
             module=diag.get("module"),
             samples=diag.get("samples"),
         )
+
+
+def _spikes(
+    window: deque[float], values: list[float], factor: float
+) -> list[tuple[int, float, float]]:
+    """``(index, median, threshold)`` of each spike among ``values`` (a block of steps,
+    in order, just after ``window``): a value over ``threshold``, the median of the
+    ``TREND_STEPS`` finite values just before it times ``factor``, or times
+    ``SPIKE_SWINGS`` step-to-step swings where the metric (over ``window``) is noisier.
+    Nothing is judged before ``TREND_STEPS`` values, nor while a value <= 0 is in the
+    window (a loss that can be zero or negative has no "x times its median").
+
+    In log space: a ratio is a distance, and a grad norm's noise is multiplicative.
+    A block with no value over ``factor`` times the lowest value around it cannot hold
+    a spike and costs ~2 us a metric (2-core VM; every block of the nanochat and
+    README-example runs): the swing is measured only for the others (~18 us), and a
+    value's own median only where it clears the bar over that lowest value
+    (benchmarks/RESULTS.md)."""
+    n = len(window)
+    if n < TREND_STEPS:
+        return []
+    recent = list(islice(window, n - TREND_STEPS, n))
+    lowest = min(recent)  # no median of these values and the block's is lower
+    for value in values:
+        if value < lowest:  # NaN: False
+            lowest = value
+    cut = factor * lowest
+    if not any(value > cut for value in values) or min(window) <= 0:
+        return []
+    logs = list(map(math.log, window))
+    # The median absolute change of log(value) from one step to the next, as the
+    # standard deviation of one step's noise (x 1.4826 / sqrt 2, were it Gaussian and
+    # independent): a trend adds only its slope, a 3%/step climb 0.03.
+    moves = sorted(map(abs, map(sub, logs[1:], logs)))
+    bar = max(factor, math.exp(SPIKE_SWINGS * 1.0483 * moves[len(moves) // 2]))
+    out = []
+    for i, value in enumerate(values):
+        if value > bar * lowest:
+            median = sorted(recent[-TREND_STEPS:])[TREND_STEPS // 2]
+            if value > bar * median:
+                out.append((i, median, bar * median))
+        if not -math.inf < value < math.inf:
+            continue  # NaN: no loss seen; an Inf loss with finite grads is no level
+        if value <= 0:
+            break  # in the window of the values after it: those are not judged
+        recent.append(value)
+    return out
 
 
 class _Health:

@@ -360,3 +360,52 @@ def test_sharded_optimizers_skip_together_and_resume_bitwise_on_nccl(tmp_path, s
     _stop_and_resume(tmp_path, shape, steps=10, stop_at=3, world=2, stop_rank=1, extra=extra)
     skips = [e for e in read_events(tmp_path / "b") if e["kind"] == "nonfinite"]
     assert sorted((e["rank"], e["step"]) for e in skips) == [(0, 2), (1, 2)]
+
+
+def test_fp16_gradscaler_skips_are_skipped_rows_not_warnings(tmp_path):
+    """fp16 autocast with a GradScaler and a non-fused optimizer on CUDA: the scaler's
+    calibration at its initial scale skips real steps (the overflows are the model's
+    own, not planted). Each is a skipped row and an info event of its own; nothing
+    warns; the weights equal an unguarded run's."""
+
+    def run(guarded: bool):
+        device = torch.device("cuda")
+        model = gpt(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # not fused: scaler skips
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)
+        scales = []
+
+        def train(batches):
+            for x, y in batches:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x, y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                scales.append(scaler.get_scale())
+
+        if not guarded:
+            train(data(device, 30))
+            return model, scales, None
+        with guardrails.guard(
+            model, opt, data(device, 30), run_dir=tmp_path, scaler=scaler, progress=False
+        ) as g:
+            train(g)
+        return model, scales, g
+
+    plain, scales0, _ = run(False)
+    model, scales, g = run(True)
+    assert scales == scales0
+    skipped_by_scaler = [i + 1 for i in range(1, 30) if scales[i] < scales[i - 1]]
+    if scales[0] < 2.0**24:
+        skipped_by_scaler.insert(0, 1)
+    assert skipped_by_scaler, "no overflow at 2**24: raise init_scale"
+    assert g.step == 30
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    rows = guardrails.read_metrics(tmp_path).to_pylist()
+    assert sorted(r["step"] for r in rows if r["skipped"]) == skipped_by_scaler
+    events = read_events(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "scaler_skip"] == skipped_by_scaler
+    assert [e for e in events if e["level"] != "info" and e["kind"] != "nan_guard_syncs"] == []
