@@ -22,15 +22,109 @@ APIs of ``torch.distributed.checkpoint.state_dict`` are used (public since torch
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import importlib
+import pathlib
+import pickle
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from guardrails._errors import ResumeError
+from guardrails._errors import CheckpointError, ResumeError
 
 DCP_DIR = "dcp"
+
+# DCP's ``.metadata`` is a pickle, and DCP reads it with ``pickle.load``: a checkpoint
+# directory anyone can write to (shared storage, a copied-in checkpoint) could run code
+# at every resume, also of a model that is not sharded (the manifest decides the path).
+# guardrails reads it with an unpickler that builds only what DCP's metadata is made of
+# (read off torch 2.11-2.13's: the dataclasses and enums of these modules, torch.Size,
+# dtypes / layouts / memory formats, torch.serialization._get_layout, pathlib paths).
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+_PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _allowed(module, name)
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return found
+
+
+def _allowed(module: str, name: str) -> Any:
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        kinds = (torch.dtype, torch.layout, torch.memory_format)
+        return obj if name == "Size" or isinstance(obj, kinds) else None
+    if (module, name) == ("torch.serialization", "_get_layout"):
+        return torch.serialization._get_layout
+    if module == "pathlib" and name in _PATHS:
+        return getattr(pathlib, name)
+    if module in _DCP_MODULES:
+        obj = getattr(importlib.import_module(module), name, None)
+        if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+            return obj
+    return None
+
+
+def read_metadata(directory: Path) -> Any:
+    """DCP's metadata under ``directory``, built by :class:`_MetadataUnpickler`: a
+    ``CheckpointError`` naming the object when it holds anything else."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = directory / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"{path} holds {exc}, which DCP's checkpoint metadata never does: refusing to "
+            "unpickle it (unpickling can run code). Nothing was loaded or modified.",
+            path=str(path),
+            hint="resume only from checkpoints this job or a trusted one wrote; remove this "
+            "checkpoint directory, or resume from an older one by its step_* path",
+        ) from None
+    except (OSError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{path} cannot be read as DCP metadata ({type(exc).__name__}: {exc}). "
+            "Nothing was loaded or modified.",
+            path=str(path),
+            hint="the checkpoint is damaged: resume from an older one by its step_* path",
+        ) from None
+    if not isinstance(meta, Metadata):
+        raise CheckpointError(
+            f"{path} holds a {type(meta).__name__}, not DCP metadata. Nothing was loaded.",
+            path=str(path),
+            hint="the checkpoint is damaged: resume from an older one by its step_* path",
+        )
+    return meta
+
+
+def _reader(directory: Path) -> Any:
+    """DCP's file-system reader for ``directory``, reading its metadata with the
+    restricted unpickler (:func:`read_metadata`) instead of ``pickle.load``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            # As FileSystemReader.read_metadata (torch 2.13), with the safe unpickler.
+            meta = read_metadata(directory)
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return Reader(str(directory))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -82,10 +176,9 @@ def written(directory: Path, rank: int) -> list[Path]:
 def check(ckpt: Path, step: int, model: nn.Module) -> None:
     """Before loading: the checkpoint's model keys and global shapes against the live
     model's, so a mismatch is a ResumeError naming keys, with nothing modified."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    meta = dcp.FileSystemReader(str(ckpt / DCP_DIR)).read_metadata().state_dict_metadata
+    meta = read_metadata(ckpt / DCP_DIR).state_dict_metadata
     saved = {
         k.removeprefix("model."): tuple(getattr(v, "size", ()))
         for k, v in meta.items()
@@ -129,12 +222,12 @@ def load(ckpt: Path, model: nn.Module, optimizer: Any) -> None:
 
     if optimizer is None:
         model_sd = {"model": get_model_state_dict(model)}
-        dcp.load(model_sd, checkpoint_id=str(ckpt / DCP_DIR))
+        dcp.load(model_sd, storage_reader=_reader(ckpt / DCP_DIR))
         set_model_state_dict(model, model_sd["model"])
         return
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt / DCP_DIR))
+    dcp.load(state, storage_reader=_reader(ckpt / DCP_DIR))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

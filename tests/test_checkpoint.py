@@ -319,3 +319,84 @@ def test_missing_component_state_is_a_resume_error(tmp_path):
     with pytest.raises(guardrails.ResumeError, match="no optimizer state"):
         guardrails.resume(ckpt, model, opt)
     assert guardrails.resume(ckpt, model, opt, strict=False)["step"] == 1
+
+
+class _Planted:
+    """What an attacker who can write into a checkpoint directory plants: a pickle
+    whose loading runs a command (here: it writes a marker file)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "code ran"))
+
+
+def _plant_dcp_metadata(ckpt: Path, payload: bytes) -> None:
+    """Add ``dcp/.metadata`` to a checkpoint and to its manifest, with the right size
+    and sha256: the manifest is no defence against someone who can write the dir."""
+    import hashlib
+    import json
+
+    (ckpt / "dcp").mkdir()
+    (ckpt / "dcp/.metadata").write_bytes(payload)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["dcp/.metadata"] = {
+        "bytes": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_planted_pickle_in_a_checkpoint_never_runs(tmp_path):
+    """DCP's metadata is a pickle that DCP reads with pickle.load, and a manifest entry
+    ``dcp/.metadata`` sends the load down the sharded path, for a plain model too. The
+    guard reads it with an unpickler that builds only what DCP metadata is made of."""
+    import pickle
+
+    _, second = two_checkpoints(tmp_path)
+    marker = tmp_path / "pwned"
+    _plant_dcp_metadata(second, pickle.dumps(_Planted(str(marker))))
+    assert verify_checkpoint(second) is None  # sizes and hashes check out
+    model = Regressor()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(guardrails.CheckpointError) as info:
+        guardrails.resume(second, model)
+    assert not marker.exists(), "unpickling the checkpoint ran code"
+    text = str(info.value)
+    assert "refusing to unpickle it" in text and "write_text" in text  # what it held
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # The same through the guard's resume: refused before anything ran or changed.
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with pytest.raises(guardrails.CheckpointError, match="refusing to unpickle it"):
+        guardrails.guard(
+            model, opt, run_dir=tmp_path / "run", resume=second, progress=False
+        ).start()
+    assert not marker.exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_real_dcp_metadata_reads_as_pickle_reads_it(tmp_path):
+    """The restricted unpickler builds a real DCP checkpoint's metadata (model and AdamW
+    state, written by torch's own dcp.save) exactly as pickle does."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from guardrails._sharded import read_metadata
+
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters())
+    for x, y in batches(2):
+        model(x, y).backward()
+        opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path))
+    ours = read_metadata(tmp_path)
+    theirs = pickle.loads((tmp_path / ".metadata").read_bytes())
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data
