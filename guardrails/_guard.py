@@ -415,10 +415,15 @@ class Guard:
         atexit.unregister(self._close_at_exit)
         from guardrails import _exit
 
-        failing = exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt))
+        # Ending with an error, or with a signal stop's non-zero exit: the diagnosis (the
+        # auditor's, the watchdog's) or the last save is finished while closing, and a
+        # launcher's SIGTERM (torchrun sends one to every rank as soon as one exits)
+        # must not end the process in the middle of it: it showed as -15 on a rank that
+        # had saved, or as no report at all.
+        failing = exc is not None and not isinstance(exc, KeyboardInterrupt)
+        if isinstance(exc, SystemExit):
+            failing = exc.code not in (0, None)
         if failing:
-            # The diagnosis is written while closing (the auditor, the watchdog): a
-            # launcher's SIGTERM must not end the process in the middle of it.
             _exit.hold_signals()
         try:
             self._close(exc)
