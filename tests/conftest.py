@@ -84,3 +84,20 @@ def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 120.0) -> None:
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"ranks still running after {deadline_s:.0f} s: a hang")
+
+
+def assert_state_equal(a, b, path="state") -> None:
+    """Nested state (dicts, lists, tensors, plain values) bitwise equal, naming the first
+    path that differs: resumed runs against uninterrupted ones."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_state_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_state_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, (path, a, b)

@@ -23,7 +23,7 @@ pytest.importorskip("transformers", reason="the transformers tests need HF trans
 
 import pyarrow.parquet as pq
 import torch
-from conftest import read_events
+from conftest import assert_state_equal, read_events
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
@@ -40,21 +40,6 @@ def _run(run_dir: Path, *args: object) -> tuple[int, str]:
     cmd = [sys.executable, str(WORKER), str(run_dir), str(run_dir), *map(str, args)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     return proc.returncode, proc.stdout + proc.stderr
-
-
-def _assert_equal(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, (path, a, b)
 
 
 def test_accelerate_prepared_loop_stops_on_sigterm_and_resumes_bitwise(tmp_path):
@@ -95,7 +80,7 @@ def test_accelerate_prepared_loop_stops_on_sigterm_and_resumes_bitwise(tmp_path)
     assert [e["path"] for e in events if e["kind"] == "resumed"] == [str(ckpt)]
     (ff,) = [e for e in events if e["kind"] == "data_fast_forward"]
     assert ff["batches"] == 6 and "DataLoaderShard" in ff["message"]
-    _assert_equal(straight, torch.load(tmp_path / "b.rank0.pt", weights_only=False))
+    assert_state_equal(straight, torch.load(tmp_path / "b.rank0.pt", weights_only=False))
 
 
 def test_transformers_model_output_loss_bad_labels_and_module_replay(tmp_path):

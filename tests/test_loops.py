@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, guarded_run, read_events
+from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
 from torch import nn
 
@@ -43,21 +43,6 @@ def _run(shape, run_dir, out, *args, world=1):
     return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
 
 
-def _assert_equal(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for k in a:
-            _assert_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, (path, a, b)
-
-
 def _stop_and_resume(tmp_path, shape, steps, stop_at, world=1, stop_rank=0, extra=()):
     """A run of ``steps`` never interrupted vs one SIGTERMed (on ``stop_rank``) at
     ``stop_at`` and re-run with the same command: the final states, bitwise."""
@@ -77,7 +62,7 @@ def _stop_and_resume(tmp_path, shape, steps, stop_at, world=1, stop_rank=0, extr
     for rank in range(world):
         a = torch.load(f"{tmp_path}/a.rank{rank}.pt", weights_only=False)
         b = torch.load(f"{tmp_path}/b.rank{rank}.pt", weights_only=False)
-        _assert_equal(a, b, f"rank{rank}")
+        assert_state_equal(a, b, f"rank{rank}")
     resumed = [e for e in read_events(tmp_path / "b") if e["kind"] == "resumed"]
     assert [e["path"] for e in resumed] == [str(stopped_at)] * world
     return stopped_at
@@ -196,10 +181,10 @@ def test_skip_never_calls_an_optimizer_that_reads_every_grad(tmp_path):
                 after = _snapshot(model, opt)
             opt.zero_grad()
     assert g.step == 8
-    _assert_equal(before[0], after[0])  # weights bitwise
+    assert_state_equal(before[0], after[0])  # weights bitwise
     assert before[1].keys() == after[1].keys()
     for k in before[1]:
-        _assert_equal(before[1][k], after[1][k])
+        assert_state_equal(before[1][k], after[1][k])
     (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
     assert (ev["step"], ev["cause"], ev["samples"]) == (6, "bad_data", [3])
 
@@ -415,7 +400,7 @@ def test_stateful_loader_in_a_prefetching_loop_resumes_bitwise(tmp_path):
     assert rank["data"]["loader"] == {"pos": 6}  # the loader's own state: 6 handed out
     assert len(rank["data"]["held"]) == 1  # the prefetched batch, handed out first
     got = _prefetch_train(tmp_path / "b", steps=12)
-    _assert_equal(want, got)
+    assert_state_equal(want, got)
 
 
 class BrokenStateLoader(CountingLoader):
@@ -453,7 +438,7 @@ def test_loader_whose_state_dict_fails_resumes_by_a_counted_fast_forward(
     assert warned["error"].startswith(error) and warned["resume"] == "fast_forward"
     assert f"{loader_cls.__name__}.state_dict() failed" in warned["message"]
     got = _prefetch_train(tmp_path / "b", steps=12, loader_cls=loader_cls)
-    _assert_equal(want, got)
+    assert_state_equal(want, got)
     (ff,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "data_fast_forward"]
     assert ff["batches"] == 5
 
@@ -485,7 +470,7 @@ def test_optimizer_state_of_another_shape_resumes_and_a_real_mismatch_is_named(t
     guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=opt)
     fresh = StackedMomentum([model[0].weight, model[1].weight])
     guardrails.resume(tmp_path, model, fresh)  # (2, 4, 4) state for a (4, 4) param
-    _assert_equal(opt.state_dict(), fresh.state_dict())
+    assert_state_equal(opt.state_dict(), fresh.state_dict())
     # Built over other parameters (a bias where a weight was): named, nothing loaded.
     other = StackedMomentum([model[0].weight, model[1].bias])
     with pytest.raises(guardrails.ResumeError, match=r"param 1 \(`1.bias`\): saved for shape"):
