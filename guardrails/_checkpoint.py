@@ -94,6 +94,11 @@ FORMAT = "guardrails-checkpoint"
 #: (formats 1 and 2 still read).
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
+#: The manifest's checksum of itself (sha256 of its JSON without this key): the file
+#: sizes and hashes protect the other files, this protects the step, the file list and
+#: those hashes (a 1-bit flip turned "step": 6 into 7 and the run went on at step 7).
+#: Optional on read: checkpoints written before it still load.
+SELF_HASH = "manifest_sha256"
 STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
@@ -365,6 +370,7 @@ def commit(
     }
     # The manifest is the commit record of the files: written last, so its presence
     # means every file above was fully written and fsynced.
+    manifest[SELF_HASH] = _self_hash(manifest)
     _write_bytes(tmp / MANIFEST, _dumps(manifest), {})
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again (a resumed run): replace it
@@ -732,8 +738,12 @@ def _problem(ckpt: Path) -> tuple[str, str] | None:
                 f"rank(s) {_short(missing)}'s part of optimizer {name!r}'s state is missing "
                 f"from {ckpt.name} (each of the {world} ranks holds a different part)"
             )
+    inside = ckpt.resolve()
     for name, rec in manifest["files"].items():
         f = ckpt / name
+        if f.is_symlink() or not f.resolve().is_relative_to(inside):
+            why = f"{f} is a link (to {f.resolve()}): a checkpoint holds only its own files"
+            return str(f), why
         if not f.is_file():
             return str(f), f"{f} is missing"
         size = f.stat().st_size
@@ -820,10 +830,15 @@ def _read_manifest(ckpt: Path) -> dict[str, Any]:
         manifest = json.loads(f.read_text())
         files = manifest["files"]
         fmt, version = manifest["format"], int(manifest["format_version"])
-        int(manifest["step"])
+        if int(manifest["step"]) < 0:
+            raise ValueError(f"step {manifest['step']} is negative")
         if not isinstance(files, dict):
             raise TypeError("files is not a mapping")
-    except (ValueError, KeyError, TypeError) as e:
+        for name in files:
+            # Every file inside the checkpoint directory: no absolute paths, no "..".
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"file {name!r} is outside the checkpoint directory")
+    except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as e:
         raise CheckpointError(f"{f} is corrupt: {e}", path=str(f)) from e
     if fmt != FORMAT:
         raise CheckpointError(f"{f} is not a guardrails checkpoint manifest", path=str(f))
@@ -833,6 +848,12 @@ def _read_manifest(ckpt: Path) -> dict[str, Any]:
             f"reads up to format {FORMAT_VERSION}",
             path=str(ckpt),
             hint=f"upgrade guardrails to the version that wrote it ({manifest.get('guardrails')}).",
+        )
+    if SELF_HASH in manifest and manifest[SELF_HASH] != _self_hash(manifest):
+        raise CheckpointError(
+            f"{f} is corrupt: its own checksum does not match its contents (the step, the "
+            "file list or a file's size or hash was changed after it was written)",
+            path=str(f),
         )
     return manifest
 
@@ -1080,6 +1101,11 @@ def _write_json(path: Path, obj: Any, files: dict[str, Any]) -> None:
 
 def _read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def _self_hash(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != SELF_HASH}
+    return hashlib.sha256(_dumps(body)).hexdigest()
 
 
 def _dumps(obj: Any) -> bytes:

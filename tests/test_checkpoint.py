@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 import guardrails
-from guardrails._checkpoint import list_checkpoints, verify_checkpoint
+from guardrails._checkpoint import _self_hash, list_checkpoints, verify_checkpoint
 
 
 class DropoutNet(nn.Module):
@@ -345,6 +345,7 @@ def _plant_dcp_metadata(ckpt: Path, payload: bytes) -> None:
         "bytes": len(payload),
         "sha256": hashlib.sha256(payload).hexdigest(),
     }
+    manifest["manifest_sha256"] = _self_hash(manifest)  # damage protection, not a MAC
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -400,3 +401,46 @@ def test_real_dcp_metadata_reads_as_pickle_reads_it(tmp_path):
     theirs = pickle.loads((tmp_path / ".metadata").read_bytes())
     assert ours.state_dict_metadata == theirs.state_dict_metadata
     assert ours.storage_data == theirs.storage_data
+
+
+def test_a_manifest_that_changed_after_it_was_written_is_corrupt(tmp_path):
+    """A bit flip in the manifest (its step, a file's size or hash) is caught by its
+    own checksum: the exact checkpoint is a CheckpointError naming the manifest, and a
+    resume from the root falls back to the previous valid checkpoint."""
+    _, second = two_checkpoints(tmp_path)
+    raw = (second / "manifest.json").read_bytes()
+    (second / "manifest.json").write_bytes(raw.replace(b'"step": 4', b'"step": 5', 1))
+    assert "its own checksum does not match" in verify_checkpoint(second)
+    with pytest.raises(guardrails.CheckpointError, match="manifest.json is corrupt"):
+        guardrails.resume(second, Regressor())
+    assert guardrails.resume(tmp_path, Regressor())["step"] == 3  # the previous one
+
+
+@pytest.mark.parametrize("how", ["dotdot", "symlink", "negative_step"])
+def test_a_checkpoint_holds_only_its_own_files(tmp_path, how):
+    """Names that leave the checkpoint directory, links out of it, and a negative step
+    make the checkpoint invalid (the manifest's own checksum recomputed, as someone
+    editing it would): nothing outside the directory is read."""
+    import json
+
+    _, second = two_checkpoints(tmp_path)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not yours")
+    manifest = json.loads((second / "manifest.json").read_text())
+    if how == "dotdot":
+        manifest["files"]["../outside.bin"] = manifest["files"].pop("model.safetensors")
+    elif how == "negative_step":
+        manifest["step"] = -1
+    else:
+        (second / "model.safetensors").unlink()
+        (second / "model.safetensors").symlink_to(outside)
+    manifest["manifest_sha256"] = _self_hash(manifest)
+    (second / "manifest.json").write_text(json.dumps(manifest))
+    why = verify_checkpoint(second)
+    expected = {
+        "dotdot": "outside the checkpoint directory",
+        "symlink": "is a link",
+        "negative_step": "is negative",
+    }[how]
+    assert why is not None and expected in why, why
+    assert guardrails.resume(tmp_path, Regressor())["step"] == 3

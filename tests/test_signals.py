@@ -22,6 +22,7 @@ import torch
 from conftest import Regressor, batches, free_port, read_events
 
 import guardrails
+from guardrails._checkpoint import _self_hash
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -333,6 +334,7 @@ def test_resume_errors(tmp_path):
     # Written by 2 ranks, resumed by 1: says what is and is not restorable.
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["world_size"] = 2
+    manifest["manifest_sha256"] = _self_hash(manifest)  # as the other writer would
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(guardrails.ResumeError, match="written by 2 rank") as err:
         guardrails.resume(ckpt, model, opt)
@@ -341,11 +343,13 @@ def test_resume_errors(tmp_path):
 
     # Written by a newer guardrails: says which version to install.
     manifest.update(world_size=1, format_version=99, guardrails="9.9.9")
+    manifest["manifest_sha256"] = _self_hash(manifest)  # as the other writer would
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(guardrails.ResumeError, match="format 99.*reads up to format 3") as err:
         guardrails.resume(ckpt, model, opt)
     assert "9.9.9" in err.value.hint
     manifest.update(format_version=2)
+    manifest["manifest_sha256"] = _self_hash(manifest)  # as the other writer would
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
     # Every checkpoint corrupt under resume="auto": an error that lists why.
