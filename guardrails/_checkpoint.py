@@ -397,6 +397,17 @@ def contents_of(
             for name, stem in stems("optimizer", list(optimizers)).items()
         },
         "schedulers": stems("scheduler", list(schedulers)),
+        # Checked before anything is applied at resume: another class's state loads
+        # half-way (AdamW's into SGD(momentum) was accepted, then the first step died
+        # with KeyError 'momentum'; StepLR's into LambdaLR raised after the model and
+        # optimizer were overwritten).
+        "classes": {
+            **{
+                f"optimizer:{name}": type(per_rank(opt)).__name__
+                for name, opt in optimizers.items()
+            },
+            **{f"scheduler:{name}": type(s).__name__ for name, s in schedulers.items()},
+        },
     }
 
 
@@ -628,6 +639,7 @@ def load(
     else:
         model_sd = _read_tensors(ckpt / "model.safetensors")
         _check_model(ckpt, step, model, model_sd, strict)
+    _check_classes(ckpt, step, contents, optimizers, schedulers)
     opt_sds: list[tuple[Any, dict[str, Any]]] = []
     pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
     for name, opt, saved in pairs:
@@ -654,6 +666,16 @@ def load(
         for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict)
     ]
     scaler_sd = None if scaler is None else _component_state(ckpt, step, files, "scaler", strict)
+    if scaler_sd is not None and not scaler_sd and scaler.is_enabled():
+        raise ResumeError(
+            f"checkpoint {ckpt} holds the state of a disabled GradScaler; this run's is "
+            "enabled, so there is no scale to continue from",
+            step=step,
+            path=str(ckpt),
+            hint="resume with the scaler as it was saved (enabled=False), or without it: "
+            "leave scaler= out and the scaler starts from its initial scale. Nothing was "
+            "modified.",
+        )
     extras = _decode(_read_json(ckpt / "extras.json")) if "extras.json" in files else {}
     rank_state: dict[str, Any] = {}
     rank_tensors: dict[str, Tensor] = {}
@@ -983,6 +1005,35 @@ def _check_optimizer(
             "param groups, as the run that saved it; to restart the optimizer from "
             "scratch, pass optimizer=None. Nothing was modified.",
             remedy="no_optimizer",
+        )
+
+
+def _check_classes(
+    ckpt: Path,
+    step: int,
+    contents: Mapping[str, Any],
+    optimizers: Mapping[str, Any],
+    schedulers: Mapping[str, Any],
+) -> None:
+    """Each optimizer and scheduler is of the class whose state was saved (checkpoints
+    that record classes: written by guardrails 0.2 since this check)."""
+    saved = contents.get("classes") or {}
+    wrong = []
+    for kind, objs in (("optimizer", optimizers), ("scheduler", schedulers)):
+        for name, obj in objs.items():
+            was = saved.get(f"{kind}:{name}")
+            now = type(per_rank(obj) if kind == "optimizer" else obj).__name__
+            if was is not None and was != now:
+                who = kind if len(objs) == 1 else f"{kind} {name!r}"
+                wrong.append(f"the {who} was saved from {was}, this run's is {now}")
+    if wrong:
+        raise ResumeError(
+            f"checkpoint {ckpt} does not fit this run: " + "; ".join(wrong) + " (another "
+            "class's state would load half-way and fail later)",
+            step=step,
+            path=str(ckpt),
+            hint="resume with the classes that saved it, or start this configuration as a "
+            "new run (a new run_dir, or guard(..., resume=None)). Nothing was modified.",
         )
 
 

@@ -444,3 +444,34 @@ def test_a_checkpoint_holds_only_its_own_files(tmp_path, how):
     }[how]
     assert why is not None and expected in why, why
     assert guardrails.resume(tmp_path, Regressor())["step"] == 3
+
+
+@pytest.mark.parametrize("what", ["optimizer", "scheduler", "scaler"])
+def test_another_class_or_a_disabled_scaler_is_refused_before_anything_changes(tmp_path, what):
+    """AdamW's state into SGD(momentum), StepLR's into LambdaLR, a disabled scaler's into
+    an enabled one: a ResumeError naming both, and model, optimizer, scheduler and scaler
+    are exactly as before (these loaded half-way, or failed at the first step)."""
+    model, opt, sched, _ = make_run(0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    guardrails.save_checkpoint(
+        tmp_path, 3, model=model, optimizer=opt, scheduler=sched, scaler=scaler
+    )
+    model2, opt2, sched2, scaler2 = make_run(1)
+    if what == "optimizer":
+        opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+        sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=3)
+        match = "the optimizer was saved from AdamW, this run's is SGD"
+    elif what == "scheduler":
+        sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
+        match = "the scheduler was saved from StepLR, this run's is LambdaLR"
+    else:
+        match = "state of a disabled GradScaler"
+    before = snapshot(model2, opt2)
+    sched_before, scale_before = sched2.state_dict(), scaler2.state_dict()
+    with pytest.raises(guardrails.ResumeError, match=match) as info:
+        guardrails.resume(
+            tmp_path, model2, opt2, scheduler=sched2, scaler=scaler2 if what == "scaler" else None
+        )
+    assert "Nothing was modified" in str(info.value)
+    assert bitwise_equal(before, snapshot(model2, opt2))
+    assert sched2.state_dict() == sched_before and scaler2.state_dict() == scale_before
