@@ -502,7 +502,7 @@ def env_flags(env: dict[str, str]) -> list[dict[str, str]]:
                 level,
                 "NCCL_IB_DISABLE",
                 "InfiniBand / RoCE is off, so traffic between nodes goes over TCP sockets "
-                "(seed 002 lists it as a network workaround). "
+                "(a common workaround for a broken IB network). "
                 + (
                     "This job spans nodes: expect much slower all-reduces; unset it unless "
                     "IB is broken on this cluster."

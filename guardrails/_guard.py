@@ -488,8 +488,7 @@ class Guard:
         text = None
         if error is not None:
             text = getattr(error, "guardrails_message", None) or f"{type(error).__name__}: {error}"
-        step = self.step
-        events.emit("end", step=step, error=text, **fields)
+        events.emit("end", step=self.step, error=text, **fields)
         events.close()
 
     def die(self, error: BaseException, *, exit_code: int | None = None) -> None:

@@ -104,6 +104,13 @@ TREND_STEPS = 20
 SPIKE_SWINGS = 5.0
 
 
+def _skip_scale(guard: Guard) -> float:
+    """The scale a GradScaler's skipped step overflowed at (it halves it in update()):
+    one host read, on skipped steps only, after the scaler's own read of its flag."""
+    scaler = guard.skip_scaler
+    return math.nan if scaler is None else float(scaler.get_scale())
+
+
 class NanGuard(Component):
     """Detects non-finite gradients every step without a host sync, skips the update
     on every rank, and explains the cause.
@@ -356,10 +363,7 @@ class NanGuard(Component):
         guard.skipped = found
         if self._reduce:  # in step with the other ranks' agreement (their scalers
             self._agree(guard, False, 0.0)  # may not have skipped: ranks differ here)
-        # The scale that overflowed (the scaler halves it in update()): one host read,
-        # on skipped steps only, after the scaler's own read of its overflow flag.
-        scaler = guard.skip_scaler
-        scale = float(scaler.get_scale()) if scaler is not None else math.nan
+        scale = _skip_scale(guard)
         if self._np is None:
             self._lrs.append((step, guard.lr))
             self._scales[step] = scale
@@ -446,8 +450,7 @@ class NanGuard(Component):
         """Another optimizer's step: its own parameters' gradients, checked on the host
         (one read), skipped like the first optimizer's."""
         if guard.skip_cause is not None:  # its GradScaler skipped it: see _scaler_skip
-            scaler = guard.skip_scaler
-            self._scaler_skip(guard.step + 1, math.nan if scaler is None else scaler.get_scale())
+            self._scaler_skip(guard.step + 1, _skip_scale(guard))
             return
         grads = [p.grad for p in self._extra[name] if p.grad is not None]
         norm = _gradnorm.total_norm(grads, guard.device, guard._norm.multi_device)
@@ -731,7 +734,7 @@ class NanGuard(Component):
                 f"median {median:.4g} (last {TREND_STEPS} steps; a spike here is over "
                 f"{threshold / median:.1f}x: {knob}={factor:g}, higher where it swings more "
                 "from step to step): "
-                "the seeds' early warning before a NaN. If they repeat: lower the LR, add "
+                "often the early warning before a NaN. If they repeat: lower the LR, add "
                 "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
                 + (
                     f" (This is the last {kind} spike logged; later ones are counted in "
