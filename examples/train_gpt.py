@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         loader,
         scheduler=sched,
         run_dir=args.run_dir,
-        hang_timeout_s=args.hang_timeout_s,
+        watchdog={"hang_timeout_s": args.hang_timeout_s},
     ) as g:
         # resume="auto" (the default) has already restored the newest checkpoint in
         # RUN_DIR/checkpoints if there is one: g.step and g.epoch continue from it.

@@ -34,12 +34,13 @@ from guardrails._errors import (
     ResumeError,
     UnevenDataError,
 )
-from guardrails._explain import explain
+from guardrails._explain import ErrorExplainer, explain
 from guardrails._factory import guard
 from guardrails._gc import GCScheduler
 from guardrails._guard import Guard
 from guardrails._memory import MemoryGuard
 from guardrails._nan import NanGuard
+from guardrails._preflight import Preflight
 from guardrails._record import record
 from guardrails._telemetry import Telemetry, read_metrics
 from guardrails._version import __version__
@@ -51,6 +52,7 @@ __all__ = [
     "CollectiveMismatchError",
     "Component",
     "ConfigMismatchError",
+    "ErrorExplainer",
     "GCScheduler",
     "Guard",
     "GuardedDDP",
@@ -61,6 +63,7 @@ __all__ = [
     "NanGuard",
     "NonFiniteError",
     "OutOfMemoryError",
+    "Preflight",
     "RankFailedError",
     "ResumeError",
     "SignalCheckpointer",

@@ -88,6 +88,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,7 @@ import torch.distributed as dist
 from guardrails import _dist
 from guardrails._checks import non_negative
 from guardrails._component import Component
+from guardrails._config import configure
 from guardrails._errors import CollectiveMismatchError
 
 if TYPE_CHECKING:
@@ -167,43 +169,54 @@ class _Group:
 class CollectiveAuditor(Component):
     """Records every rank's collectives and raises
     :class:`~guardrails.CollectiveMismatchError` on every rank as soon as two ranks'
-    sequences differ. A no-op in a single-process run.
+    sequences differ. A no-op in a single-process run. Knobs:
+    :class:`CollectiveAuditor.Config` (``guardrails.guard(audit=...)``)."""
 
-    Args:
-        interval_s: how often the background thread publishes this rank's fingerprint
-            and compares (seconds). Default 0.25: a mismatch is seen in about two
-            intervals; each costs this rank at most 4 store calls (set its record,
-            check for a verdict, check and get the leader's), all off the main thread.
-        close_wait_s: on close, how long to wait for the other ranks' final records
-            before the last comparison. Default 1 s: ranks that finish the same loop
-            close within milliseconds of each other; only a rank that never arrives
-            (dead, stuck, or still training after this one ran out of data) makes a
-            close wait that long.
-        grace_s: once a mismatch is known, how long the main thread may stay inside a
-            collective before the process ends non-zero (``Guard.fail_from_thread``).
-        flight_recorder: keep the last 64 calls in a memory-mapped file so a rank on
-            the same host can explain a peer that the backend aborted. Default True.
-    """
+    @dataclass(kw_only=True)
+    class Config:
+        """CollectiveAuditor's knobs.
+
+        Attributes:
+            interval_s: how often the background thread publishes this rank's
+                fingerprint and compares (seconds). Default 0.25: a mismatch is seen in
+                about two intervals; each costs this rank at most 4 store calls (set
+                its record, check for a verdict, check and get the leader's), all off
+                the main thread.
+            close_wait_s: on close, how long to wait for the other ranks' final records
+                before the last comparison. Default 1 s: ranks that finish the same
+                loop close within milliseconds of each other; only a rank that never
+                arrives (dead, stuck, or still training after this one ran out of data)
+                makes a close wait that long.
+            abort_after_s: once a mismatch is known, how long the main thread may stay
+                inside a collective before the process ends non-zero
+                (``Guard.fail_from_thread``). Default 5 s.
+            flight_recorder: keep the last 64 calls in a memory-mapped file so a rank on
+                the same host can explain a peer that the backend aborted. Default True.
+        """
+
+        interval_s: float = 0.25
+        close_wait_s: float = 1.0
+        abort_after_s: float = 5.0
+        flight_recorder: bool = True
+
+        def __post_init__(self) -> None:
+            non_negative("interval_s", self.interval_s)
+            if not self.interval_s > 0:
+                raise ValueError(f"interval_s must be > 0, got {self.interval_s!r}")
+            non_negative("close_wait_s", self.close_wait_s)
+            non_negative("abort_after_s", self.abort_after_s)
+            self.interval_s = float(self.interval_s)
+            self.close_wait_s = float(self.close_wait_s)
+            self.abort_after_s = float(self.abort_after_s)
+            self.flight_recorder = bool(self.flight_recorder)
 
     name = "audit"
+    # Closing runs in reverse: a mismatch that explains a peer's crash replaces the
+    # loop's error before the watchdog's "rank failed" would.
+    after = ("watchdog",)
 
-    def __init__(
-        self,
-        *,
-        interval_s: float = 0.25,
-        close_wait_s: float = 1.0,
-        grace_s: float = 5.0,
-        flight_recorder: bool = True,
-    ) -> None:
-        non_negative("interval_s", interval_s)
-        if not interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
-        non_negative("close_wait_s", close_wait_s)
-        non_negative("grace_s", grace_s)
-        self.interval_s = float(interval_s)
-        self.close_wait_s = float(close_wait_s)
-        self.grace_s = float(grace_s)
-        self.flight_recorder = bool(flight_recorder)
+    def __init__(self, config: CollectiveAuditor.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
         #: The most recent calls of this rank (raw tuples, newest last).
         self.recent: deque[tuple[Any, ...]] = deque(maxlen=32)
         #: The mismatch found, once found (the error raised on this rank).
@@ -255,7 +268,7 @@ class CollectiveAuditor(Component):
             self._ring = _Ring.create(_ring_path(self._token, self._rank), self._rank)
         self._active = True
         self._patch()
-        guard.auditor = self
+        guard.shared.auditor = self
         self._thread = threading.Thread(target=self._run, name="guardrails-audit", daemon=True)
         self._thread.start()
 
@@ -264,8 +277,8 @@ class CollectiveAuditor(Component):
             return
         self._active = False
         self._unpatch()
-        if guard.auditor is self:
-            guard.auditor = None
+        if guard.shared.auditor is self:
+            guard.shared.auditor = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
@@ -352,12 +365,13 @@ class CollectiveAuditor(Component):
             ):
                 guard = auditor._guard
                 if guard is not None:  # blocking: the watchdog may look while we wait
-                    previous = guard.collective
-                    guard.collective = entry_dict(entry)
+                    shared = guard.shared
+                    previous = shared.collective
+                    shared.collective = entry_dict(entry)
                     try:
                         return fn(*args, **kwargs)
                     finally:
-                        guard.collective = previous
+                        shared.collective = previous
             return fn(*args, **kwargs)
 
         audited.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -558,7 +572,7 @@ class CollectiveAuditor(Component):
                 os.unlink(self._ring.path)
         self._fail_quietly(verdict)
         if self._guard is not None and self.error is not None:
-            self._guard.fail_from_thread(self.error, grace_s=self.grace_s)
+            self._guard.fail_from_thread(self.error, abort_after_s=self.abort_after_s)
 
     # ------------------------------------------------------------------ store traffic
 

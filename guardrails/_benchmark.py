@@ -52,11 +52,11 @@ _COMPONENT = 15
 class StepBenchmark:
     """The engine's benchmark mode (see the module docstring). One per guard."""
 
-    def __init__(self, guard: Guard) -> None:
+    def __init__(self, guard: Guard, full: dict[str, list[Any]]) -> None:
+        """``full``: the engine's hook table, every component's per-step hooks."""
         self._cuda = guard.device.type == "cuda"
-        full = guard._dispatch
         self.tables: dict[str, dict[str, list[Any]]] = {"guarded": full}
-        essential = [c for c in guard.components if getattr(c, "essential", False)]
+        essential = [c for c in guard.components if c.essential]
         self.tables["bypassed"] = _without(
             full, [c for c in guard.components if c not in essential]
         )
@@ -84,9 +84,9 @@ class StepBenchmark:
             return f"only {self.optional[block % len(self.optional)].name} bypassed"
         return None
 
-    def after_step(self, guard: Guard) -> None:
-        """End of step ``guard.step``: mark its end if it or the next one is sampled,
-        and switch the hooks for the next step."""
+    def after_step(self, guard: Guard) -> dict[str, list[Any]]:
+        """End of step ``guard.step``: mark its end if it or the next one is sampled;
+        returns the hook table the engine runs the next step with."""
         step = guard.step
         nxt = self.mode_for(step + 1)
         if step in self._modes or nxt is not None:
@@ -98,10 +98,9 @@ class StepBenchmark:
                 self._marks[step] = time.perf_counter()
         if nxt is not None:
             self._modes[step + 1] = nxt
-        guard._live = self.tables[nxt] if nxt is not None else self.tables["guarded"]
+        return self.tables[nxt] if nxt is not None else self.tables["guarded"]
 
     def finish(self, guard: Guard) -> dict[str, Any] | None:
-        guard._live = guard._dispatch
         if self._cuda:
             torch.cuda.synchronize()  # once, at close: the events are read now
         samples: dict[str, list[float]] = {m: [] for m in self.tables}

@@ -53,6 +53,7 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from os import PathLike
 from pathlib import Path
@@ -64,6 +65,7 @@ import torch.distributed as dist
 from guardrails import _checkpoint, _data, _dist, _exit, _sharded
 from guardrails._checks import positive_int
 from guardrails._component import Component
+from guardrails._config import configure
 from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
 
 if TYPE_CHECKING:
@@ -90,73 +92,105 @@ _SIGNAL_STUCK_S = 5.0
 
 class SignalCheckpointer(Component):
     """Checkpoints on SIGTERM / SIGINT / SIGUSR1 and every N steps or seconds, agreed on
-    by every rank, and the resume that continues exactly.
+    by every rank, and the resume that continues exactly. Knobs:
+    :class:`SignalCheckpointer.Config` (``guardrails.guard(checkpoint=...)``)."""
 
-    Args:
-        every_n_steps: save after every this many optimizer steps (``None``: never).
-        every_s: save when this many seconds have passed since the last save, at a step
-            every rank agrees on (``None``: never).
-        keep_last: keep the newest this many checkpoints (``None``: all).
-        signals: signal names that trigger save-and-stop; ``()`` installs no handler.
-        exit_on_signal: after the signal save, raise ``SystemExit(128 + signum)`` (the
-            shell's "terminated by signal" code; the checkpoint is complete). ``False``:
-            end the loop instead (``for batch in g`` stops; ``g.stopping`` says why).
-        grace_s: the launcher's time between SIGTERM and SIGKILL (30 s for torchrun and
-            SLURM's default); a save slower than 80% of it is reported.
-        background: periodic saves write in a thread (blocking only for staging).
-        resume: ``"auto"``: continue from the newest valid checkpoint under the
-            checkpoint directory if there is one; a path: from that checkpoint (or the
-            newest under it; missing is an error); ``None``: start fresh.
-        allow_world_size_change: see :func:`guardrails.resume`.
-        directory: where checkpoints go; default ``run_dir/checkpoints``.
-        agree_every_s: target seconds between the ranks' agreements (multi-rank only).
-    """
+    @dataclass(kw_only=True)
+    class Config:
+        """SignalCheckpointer's knobs.
+
+        Attributes:
+            every_n_steps: save after every this many optimizer steps (``None``:
+                never). Training blocks only to copy the state off the GPU; a thread
+                writes it.
+            every_s: save when this many seconds have passed since the last save, at a
+                step every rank agrees on (``None``: never).
+            keep_last: keep the newest this many checkpoints (``None``: all). Default 3.
+            save_on_signal: on SIGTERM, SIGINT (Ctrl+C) or SIGUSR1 (see ``signals``),
+                every rank stops at the same step, saves a complete checkpoint and
+                exits (see ``exit_on_signal``). A second Ctrl+C exits at once. Default
+                True.
+            signals: the signal names that trigger save-and-stop with
+                ``save_on_signal``. Default SIGTERM, SIGINT, SIGUSR1.
+            exit_on_signal: after the signal save, raise ``SystemExit(128 + signum)``
+                (the shell's "terminated by signal" code; the checkpoint is complete).
+                ``False``: end the loop instead (``for batch in g`` stops;
+                ``g.stopping`` says why).
+            grace_s: the launcher's time between SIGTERM and SIGKILL (30 s for torchrun
+                and SLURM's default); a save slower than 80% of it is reported at once.
+            background: periodic saves write in a thread (blocking only for staging).
+            resume: ``"auto"`` (default): if the checkpoint directory holds a
+                checkpoint, continue from the newest valid one before the first batch
+                (model, optimizer, scheduler, scaler, ``g.state``, ``g.step``, every RNG,
+                the data position: bitwise the run that was never interrupted); a path:
+                that checkpoint (or the newest under it), which must exist; ``None``:
+                start fresh. A checkpoint that does not fit raises
+                :class:`~guardrails.ResumeError`. ``guard(resume=...)`` sets it.
+            allow_world_size_change: resume a checkpoint written by a different number
+                of ranks (replicated state only; see :func:`guardrails.resume`).
+            directory: where checkpoints go; default ``run_dir/checkpoints``.
+            agree_every_s: target seconds between the ranks' agreements (multi-rank
+                only). Default 1.
+        """
+
+        every_n_steps: int | None = None
+        every_s: float | None = None
+        keep_last: int | None = 3
+        save_on_signal: bool = True
+        signals: tuple[str, ...] = DEFAULT_SIGNALS
+        exit_on_signal: bool = True
+        grace_s: float = 30.0
+        background: bool = True
+        resume: str | PathLike[str] | None = "auto"
+        allow_world_size_change: bool = False
+        directory: str | PathLike[str] | None = None
+        agree_every_s: float = 1.0
+
+        def __post_init__(self) -> None:
+            if self.every_n_steps is not None:
+                positive_int("checkpoint_every_n_steps", self.every_n_steps)
+            if self.keep_last is not None:
+                positive_int("keep_last_checkpoints", self.keep_last)
+            for value, what in ((self.every_s, "checkpoint_every_s"), (self.grace_s, "grace_s")):
+                if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                    raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+            agree = self.agree_every_s
+            if not (isinstance(agree, (int, float)) and agree > 0):
+                raise ValueError(f"agree_every_s must be > 0, got {agree!r}")
+            self.agree_every_s = float(agree)
+            unknown = [
+                s for s in self.signals if not isinstance(getattr(signal, s, None), signal.Signals)
+            ]
+            if unknown and set(unknown) - {"SIGUSR1"}:  # SIGUSR1 does not exist on Windows
+                raise ValueError(f"unknown signal name(s) {unknown}; use e.g. 'SIGTERM', 'SIGINT'")
+            self.signals = tuple(s for s in self.signals if s not in unknown)
+            if not self.save_on_signal:
+                self.signals = ()
+            if isinstance(self.resume, bool):
+                raise TypeError("resume takes 'auto', a path, or None (not a bool)")
+            if self.directory is not None:
+                self.directory = Path(self.directory)
+
+        @property
+        def does_anything(self) -> bool:
+            """Whether it has anything to do (``guard()`` leaves it out if not): a
+            signal to handle, a periodic save or a resume to look for."""
+            return bool(
+                self.signals or self.every_n_steps or self.every_s or self.resume is not None
+            )
 
     name = "checkpoint"
+    saves_checkpoints = True
     #: Never bypassed by benchmark mode: its saves and stop agreements must happen on
     #: the steps every rank expects them.
     essential = True
+    # Last among the defaults: it resumes after the others started (their statistics
+    # are restored into them) and it closes first (its final save sees every
+    # component open).
+    after = ("explain", "gc", "memory", "nan", "watchdog", "audit", "telemetry", "preflight")
 
-    def __init__(
-        self,
-        *,
-        every_n_steps: int | None = None,
-        every_s: float | None = None,
-        keep_last: int | None = 3,
-        signals: tuple[str, ...] = DEFAULT_SIGNALS,
-        exit_on_signal: bool = True,
-        grace_s: float = 30.0,
-        background: bool = True,
-        resume: str | PathLike[str] | None = "auto",
-        allow_world_size_change: bool = False,
-        directory: str | PathLike[str] | None = None,
-        agree_every_s: float = 1.0,
-    ) -> None:
-        if every_n_steps is not None:
-            positive_int("checkpoint_every_n_steps", every_n_steps)
-        if keep_last is not None:
-            positive_int("keep_last_checkpoints", keep_last)
-        for value, what in ((every_s, "checkpoint_every_s"), (grace_s, "grace_s")):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
-        if not (isinstance(agree_every_s, (int, float)) and agree_every_s > 0):
-            raise ValueError(f"agree_every_s must be > 0, got {agree_every_s!r}")
-        unknown = [s for s in signals if not isinstance(getattr(signal, s, None), signal.Signals)]
-        if unknown and set(unknown) - {"SIGUSR1"}:  # SIGUSR1 does not exist on Windows
-            raise ValueError(f"unknown signal name(s) {unknown}; use e.g. 'SIGTERM', 'SIGINT'")
-        if isinstance(resume, bool):
-            raise TypeError("resume takes 'auto', a path, or None (not a bool)")
-        self.every_n_steps = every_n_steps
-        self.every_s = every_s
-        self.keep_last = keep_last
-        self.signals = tuple(s for s in signals if s not in unknown)
-        self.exit_on_signal = exit_on_signal
-        self.grace_s = grace_s
-        self.background = background
-        self.resume = resume
-        self.allow_world_size_change = allow_world_size_change
-        self.directory = None if directory is None else Path(directory)
-        self.agree_every_s = float(agree_every_s)
+    def __init__(self, config: SignalCheckpointer.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
 
         #: The last committed checkpoint (``None`` until one is).
         self.last_path: Path | None = None
@@ -402,9 +436,8 @@ class SignalCheckpointer(Component):
         steps = 1 if per_step <= 0 else min(10_000, max(1, round(self.agree_every_s / per_step)))
         due = self.every_s is not None and now - self._last_save_t >= self.every_s
         flags = torch.tensor([float(self._signal or 0), float(due), -float(steps)])
-        phase, guard.phase = guard.phase, "agree"
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=guard.side_group)
-        guard.phase = phase
+        with guard.in_phase("agree"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=guard.side_group)
         signum, due_any, steps = int(flags[0]), bool(flags[1]), int(-flags[2])
         if signum and self._stop_at is None:
             self._stop_at, self._stop_signal = guard.step, signum
@@ -442,13 +475,15 @@ class SignalCheckpointer(Component):
         guard.event("stopped", level="warning", message=message, signal=name, path=str(path))
         # Said again by torchrun (the error file @guardrails.record writes) as why the
         # rank exited non-zero, instead of "To enable traceback see ...".
-        guard.stopping = f"pre-empted by {name} at step {guard.step}: {message}"
-        if self.exit_on_signal:
-            # Closing already: the engine exits with it once all is closed; else it is
-            # the code of the exit raised here (and of a close at the interpreter's exit).
-            guard.exit_code = 128 + self._stop_signal
-            if exit_now:
-                raise _exit.stop_exit(guard.exit_code, guard.stopping)
+        reason = f"pre-empted by {name} at step {guard.step}: {message}"
+        if not self.exit_on_signal:
+            guard.request_stop(reason)
+            return
+        # Closing already: the engine exits with it once all is closed; else it is the
+        # code of the exit raised here (and of a close at the interpreter's exit).
+        guard.request_stop(reason, exit_code=128 + self._stop_signal)
+        if exit_now:
+            raise _exit.stop_exit(128 + self._stop_signal, reason)
 
     # ------------------------------------------------------------------ saving
 
@@ -461,8 +496,7 @@ class SignalCheckpointer(Component):
         self._wait_writer(raise_error=True)  # the next save waits for the previous one
         t0 = time.perf_counter()
         step = guard.step
-        paused, guard.paused = guard.paused, "checkpoint"
-        try:
+        with guard.pause_watchdog("checkpoint"):
             part = _checkpoint.Part()
             bare = _dist.unwrap(guard.model)
             sharded: list[Path] = []
@@ -495,9 +529,7 @@ class SignalCheckpointer(Component):
                 )
             position, tensors = _data.save_position(guard)
             components = {
-                c.name: c.state_dict()  # type: ignore[attr-defined]
-                for c in guard.components
-                if callable(getattr(c, "state_dict", None))
+                c.name: state for c in guard.components if (state := c.state_dict()) is not None
             }
             state = {
                 "step": step,
@@ -528,8 +560,6 @@ class SignalCheckpointer(Component):
             path = self._write(guard, step, part, t0, final_save=final_save)
             self.blocking_times_s.append(time.perf_counter() - t0)
             return path
-        finally:
-            guard.paused = paused
 
     def _write_safely(self, guard: Guard, step: int, part: _checkpoint.Part, t0: float) -> None:
         try:
@@ -795,24 +825,18 @@ class SignalCheckpointer(Component):
             chosen = got["path"]
         if not chosen:
             return
-        guard._quiet = True  # a sharded load may step the optimizer to create its state
-        try:
+        with guard.quiet():  # a sharded load may step the optimizer to create its state
             out = self._load(guard, where, Path(chosen))
-        finally:
-            guard._quiet = False
-        guard.step = self._last_saved_step = out["step"]
-        guard.state.clear()
-        guard.state.update(out["extras"])
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
-        if "data" in rank_state and guard.loader is not None:
-            position = rank_state["data"]
-            if "loader" in rank_state:  # format 2 kept the loader's state beside it
-                position = {**position, "loader": rank_state["loader"]}
-            _data.load_position(guard, position, tensors)
+        position = rank_state.get("data")
+        if position is not None and "loader" in rank_state:  # format 2 kept it beside
+            position = {**position, "loader": rank_state["loader"]}
+        self._last_saved_step = out["step"]
+        guard.resume_from(out["step"], state=out["extras"], position=position, tensors=tensors)
         saved = rank_state.get("components", {})
         for c in guard.components:
-            if c.name in saved and callable(getattr(c, "load_state_dict", None)):
-                c.load_state_dict(saved[c.name])  # type: ignore[attr-defined]
+            if c.name in saved:
+                c.load_state_dict(saved[c.name])
         self.last_path = Path(out["path"])
         self._resumed = True
         guard.event("resumed", step=guard.step, path=out["path"])

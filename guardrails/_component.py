@@ -34,11 +34,37 @@ Hooks a component does not override are never called (the engine dispatches only
 overridden methods), so a component that is not needed costs nothing per step.
 Components run in the order given on start / batch / step and in reverse on end,
 like nested ``with`` blocks.
+
+Besides its hooks, a component declares (class attributes, checked by the engine when
+the guard is built):
+
+* ``name``: unique among a guard's components; it keys the component's state in
+  checkpoints, its events and its row in benchmark mode's table.
+* ``Config``: the dataclass of its knobs, documented and validated once, where the
+  component is defined; ``Component(config)`` or ``Component(**knobs)`` build it, and
+  ``guardrails.guard(<section>=Component.Config(...))`` passes it.
+* ``after`` / ``before``: names of components that, when present, must run before /
+  after this one (e.g. the checkpointer restores every other component's state, so it
+  comes after them); a guard built in another order is refused with the reason.
+* ``essential``: its per-step hooks keep the ranks in step (a stop agreement), so
+  benchmark mode never bypasses them.
+* ``saves_checkpoints``: it answers :meth:`Guard.save_checkpoint` through ``save``.
+* ``state_dict()`` / ``load_state_dict()``: what it keeps across a resume (statistics,
+  counters), saved in every checkpoint under its ``name``; ``None``: nothing.
+
+A component never writes the guard's state: it reads ``guard.step``, ``guard.phase``
+and the rest (``_state.py`` declares them, each with its one writer) and asks the
+engine for changes through the guard's services (``request_stop``, ``skip_update``,
+``record_skip``, ``pause_watchdog``, ``in_phase``, ``quiet``, ``replaying``,
+``resume_from``, ``fail_from_thread``, ``wrap_batches``, ``replace_error``). Values one
+component produces for another go in ``guard.shared``, one writer a field.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -59,8 +85,20 @@ HOOKS = (
 class Component:
     """Base class for everything that plugs into a :class:`~guardrails.Guard`."""
 
-    #: Short name used in events and error messages.
+    #: Unique among a guard's components: keys its checkpoint state, events and
+    #: benchmark rows. Set it on the class, or on an instance when one class is used
+    #: twice (two components named alike are refused).
     name: str = "component"
+    #: Its knobs as a dataclass (``None``: it has none). See ``_config.py``.
+    Config: ClassVar[type[Any] | None] = None
+    #: Names of components that, when present, must come before this one.
+    after: ClassVar[tuple[str, ...]] = ()
+    #: Names of components that, when present, must come after this one.
+    before: ClassVar[tuple[str, ...]] = ()
+    #: Its per-step hooks keep the ranks in step: benchmark mode never bypasses them.
+    essential: ClassVar[bool] = False
+    #: It saves checkpoints: :meth:`Guard.save_checkpoint` calls its :meth:`save`.
+    saves_checkpoints: ClassVar[bool] = False
 
     def on_start(self, guard: Guard) -> None:
         """The guard started: allocate buffers, open files."""
@@ -93,7 +131,49 @@ class Component:
         main thread is stuck: write what the host holds (no device work, no collective,
         no lock the main thread may hold); the process exits right after."""
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """What this component keeps across a resume (JSON values), or ``None``."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, at resume (after ``on_start``)."""
+
+    def save(self, guard: Guard) -> Path:
+        """With ``saves_checkpoints``: save a checkpoint now; returns its directory."""
+        raise NotImplementedError(f"{type(self).__name__} does not save checkpoints")
+
 
 def overrides(component: Component, hook: str) -> bool:
     """Whether ``component`` defines its own ``hook`` (so the engine should call it)."""
     return getattr(type(component), hook) is not getattr(Component, hook)
+
+
+def check_components(components: Sequence[Component]) -> None:
+    """The protocol's checks, when a guard is built: unique names, and every ``after``
+    / ``before`` constraint between the components present."""
+    where: dict[str, int] = {}
+    for i, c in enumerate(components):
+        if c.name in where:
+            other = components[where[c.name]]
+            raise ValueError(
+                f"two components are named {c.name!r} ({type(other).__name__} and "
+                f"{type(c).__name__}): the name keys each one's state in checkpoints and "
+                "its events, so it must be unique. Give each its own `name` (on the class, or "
+                "on the instance when one class is used twice)."
+            )
+        where[c.name] = i
+    for i, c in enumerate(components):
+        for name in c.after:
+            if where.get(name, -1) > i:
+                raise ValueError(_order(c, components[where[name]], "after"))
+        for name in c.before:
+            if where.get(name, len(components)) < i:
+                raise ValueError(_order(c, components[where[name]], "before"))
+
+
+def _order(c: Component, other: Component, how: str) -> str:
+    return (
+        f"{type(c).__name__} ({c.name!r}) must run {how} {type(other).__name__} "
+        f"({other.name!r}) ({type(c).__name__}.{how}); reorder `components`, or pass "
+        "only your extra components to guardrails.guard(), which places the defaults."
+    )

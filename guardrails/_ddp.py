@@ -22,7 +22,7 @@ Three additions, public DDP API only:
   plain DDP's (tested with 2 ranks); for other sizes they may differ in the last bit.
   The all-reduce is issued on the ``ProcessGroup`` object (``group.allreduce``), not
   through ``torch.distributed.all_reduce``, which the auditor patches: the bucket is
-  reported once, through ``guard.auditor.record(...)``, with the bucket index as site.
+  reported once, through ``guard.shared.auditor.record(...)``, with the bucket index as site.
 * **Its errors explained**: "Expected to have finished reduction in the prior
   iteration" (parameters that got no gradient) is re-raised, chained, naming the
   parameters (DDP gives their indices only, or names with TORCH_DISTRIBUTED_DEBUG) and
@@ -194,7 +194,7 @@ def _audited_allreduce(state: weakref.ref[GuardedDDP], bucket: Any) -> torch.fut
     group = ddp.process_group if ddp is not None else dist.group.WORLD
     tensor = bucket.buffer()
     guard = ddp._guardrails_guard if ddp is not None else None
-    auditor = getattr(guard, "auditor", None) if guard is not None else None
+    auditor = guard.shared.auditor if guard is not None else None
     record = getattr(auditor, "record", None)
     if record is not None:
         record(

@@ -296,13 +296,10 @@ def _context(guard: Guard | None) -> dict[str, Any]:
     }
     # The call in flight (set by the auditor around a blocking collective), else the
     # auditor's most recent entry of the loop's own (not guardrails' agreements, which
-    # the auditor records too). The auditor clears guard.auditor when it closes,
-    # before this component's on_end: find it among the guard's components.
-    collective = getattr(guard, "collective", None)
-    auditor = getattr(guard, "auditor", None) or next(
-        (c for c in getattr(guard, "components", ()) if type(c).__name__ == "CollectiveAuditor"),
-        None,
-    )
+    # the auditor records too). The auditor leaves guard.shared when it closes,
+    # before this component's on_end: find it among the guard's components by name.
+    collective = guard.shared.collective
+    auditor = guard.shared.auditor or guard.component("audit")
     recent = getattr(auditor, "recent", None)
     if collective is None and recent:
         try:
@@ -393,9 +390,21 @@ class ErrorExplainer(Component):
     """Re-raises a known torch / NCCL / gloo / CUDA error that ends the guarded loop as
     the guardrails error of its family, explained (see :func:`explain`); the original
     is its ``__cause__``. Out-of-memory errors are left to
-    :class:`~guardrails.MemoryGuard`."""
+    :class:`~guardrails.MemoryGuard`. No knobs: ``guardrails.guard(explain=False)``
+    leaves it out."""
+
+    @dataclass(kw_only=True)
+    class Config:
+        """ErrorExplainer has no knobs: the section only turns it on or off."""
 
     name = "explain"
+    # First: its on_end runs last, so a component's own explanation (an OOM, a
+    # collective mismatch, a hang) wins over the generic one (replace_error: the first
+    # call wins).
+    before = ("memory", "nan", "watchdog", "audit", "checkpoint")
+
+    def __init__(self, config: ErrorExplainer.Config | None = None, /) -> None:
+        self.config = config or ErrorExplainer.Config()
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if exc is None or not isinstance(exc, Exception):

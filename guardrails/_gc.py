@@ -32,10 +32,12 @@ import gc
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
+from guardrails._config import configure
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -54,38 +56,43 @@ def _compiling() -> bool:
 
 
 class GCScheduler(Component):
-    """Runs Python's garbage collector only at aligned step boundaries.
+    """Runs Python's garbage collector only at aligned step boundaries. Knobs:
+    :class:`GCScheduler.Config` (``guardrails.guard(gc=...)``)."""
 
-    Args:
-        every_n_steps: collect generations ``0..generation`` every this many optimizer
-            steps. Default 100.
-        generation: the oldest generation collected on schedule (0, 1 or 2). Default 1:
-            young objects only, the frozen long-lived ones are never scanned.
-        full_every_n_steps: also run a full collection every this many steps; ``None``
-            (default) never does.
-        long_pause_s: a collection longer than this is logged as a ``gc_pause`` event.
-            Default 0.1 s.
-    """
+    @dataclass(kw_only=True)
+    class Config:
+        """GCScheduler's knobs.
+
+        Attributes:
+            every_n_steps: after the first step, freeze the survivors and collect
+                generations ``0..generation`` only every this many optimizer steps, at
+                the same step on every rank. Default 100.
+            generation: the oldest generation collected on schedule (0, 1 or 2).
+                Default 1: young objects only, the frozen long-lived ones are never
+                scanned.
+            full_every_n_steps: also run a full collection every this many steps;
+                ``None`` (default) never does.
+            long_pause_s: a collection longer than this is logged as a ``gc_pause``
+                event. Default 0.1 s.
+        """
+
+        every_n_steps: int = 100
+        generation: int = 1
+        full_every_n_steps: int | None = None
+        long_pause_s: float = 0.1
+
+        def __post_init__(self) -> None:
+            positive_int("every_n_steps", self.every_n_steps)
+            if self.generation not in (0, 1, 2):
+                raise ValueError(f"generation must be 0, 1 or 2, got {self.generation!r}")
+            positive_int("full_every_n_steps", self.full_every_n_steps, allow_none=True)
+            non_negative("long_pause_s", self.long_pause_s)
+            self.long_pause_s = float(self.long_pause_s)
 
     name = "gc"
 
-    def __init__(
-        self,
-        *,
-        every_n_steps: int = 100,
-        generation: int = 1,
-        full_every_n_steps: int | None = None,
-        long_pause_s: float = 0.1,
-    ) -> None:
-        positive_int("every_n_steps", every_n_steps)
-        if generation not in (0, 1, 2):
-            raise ValueError(f"generation must be 0, 1 or 2, got {generation!r}")
-        positive_int("full_every_n_steps", full_every_n_steps, allow_none=True)
-        non_negative("long_pause_s", long_pause_s)
-        self.every_n_steps = every_n_steps
-        self.generation = generation
-        self.full_every_n_steps = full_every_n_steps
-        self.long_pause_s = float(long_pause_s)
+    def __init__(self, config: GCScheduler.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
         #: The last 10,000 timed collections: (step, generation, seconds, collected
         #: objects). Bounded: collections we did not schedule could come every step.
         self.pauses: deque[tuple[int, int, float, int]] = deque(maxlen=10_000)
@@ -164,7 +171,7 @@ class GCScheduler(Component):
         if guard is None:
             return
         pause = time.perf_counter() - self._t0
-        guard.gc_total_s += pause
+        guard.shared.gc_total_s += pause
         gen = info.get("generation", -1)
         self.pauses.append((guard.step, gen, pause, info.get("collected", 0)))
         if pause > self.long_pause_s:

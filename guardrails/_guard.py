@@ -66,10 +66,11 @@ from torch import Tensor, nn
 
 from guardrails import _dist, _store
 from guardrails._checks import named, positive_int
-from guardrails._component import HOOKS, Component, overrides
+from guardrails._component import HOOKS, Component, check_components, overrides
 from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog
-from guardrails._gradnorm import GradNorm
+from guardrails._gradnorm import GradNorm, total_norm
+from guardrails._state import Shared, StepState
 
 logger = logging.getLogger("guardrails")
 
@@ -82,7 +83,7 @@ Optimizers = (
 _running: Guard | None = None
 
 
-class Guard:
+class Guard(StepState):
     """Guards one training loop. Build it with :func:`guardrails.guard` for the default
     components, or directly with the components you want::
 
@@ -135,6 +136,10 @@ class Guard:
         graph_grad_norm: bool = False,
         replay_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
+        StepState.__init__(self)  # the published fields: step, epoch, phase... (_state.py)
+        #: What components produce for each other (the collective in flight, GC time),
+        #: each field with one writer: see ``_state.Shared``.
+        self.shared = Shared()
         #: The modules whose forward is wrapped: the model, or each one given.
         self.models: dict[str, nn.Module] = named("model", model, nn.Module)
         #: The model: the one given, or an ``nn.ModuleDict`` of the ones given.
@@ -181,15 +186,6 @@ class Guard:
         self.graph_grad_norm = graph_grad_norm
         self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
 
-        #: Optimizer steps completed (counted from the checkpoint on a resumed run).
-        self.step = 0
-        #: The pass over the loader in progress or next: it counts passes that ran to the
-        #: end (or were left mid-way by a ``break``). A resumed run's first pass
-        #: continues the interrupted one, so ``sampler.set_epoch(g.epoch)`` before each
-        #: ``for batch in g`` gives every pass the number it had in the first run.
-        self.epoch = 0
-        #: Batches fetched in the current pass.
-        self.batch_in_epoch = 0
         # RNG states just before the current pass's iter(loader), so a resumed run can
         # replay the pass's shuffle (see _data.py); None until the first pass.
         self._epoch_start: dict[str, Any] | None = None
@@ -199,25 +195,6 @@ class Guard:
         # once; later saves keep the position as a count, see _data._own_state).
         self._loader_state_error: str | None = None
         self._at_boundary = False
-        #: Why the loop is ending early (a signal save with ``exit_on_signal=False``), or
-        #: ``None``. Once set, ``for batch in g`` ends at once.
-        self.stopping: str | None = None
-        #: Set by a component that decided the process must exit with this code (a
-        #: signal save: 128 + signum). Raised as ``SystemExit`` by the component in the
-        #: loop, or by :meth:`close` once everything is closed when it was decided
-        #: while closing (a signal that came at the end).
-        self.exit_code: int | None = None
-        #: ``(epoch, batches)`` of the last pass when its loader ran out
-        #: (``StopIteration``), ``None`` while a pass is going: the watchdog tells a rank
-        #: that ran out of data from one that is stuck. One tuple, stored before the
-        #: epoch counters move on, so a reader in another thread never sees it half-set.
-        self.exhausted_at: tuple[int, int] | None = None
-        #: The forward calls of the current step, as ``(module, args, kwargs)`` (by
-        #: reference; no copy), training forwards only: what the step trained on.
-        self.step_calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] = []
-        #: The batches the current step trained on: fetched through the guard before
-        #: one of its training forwards (a prefetched batch belongs to the next step).
-        self.step_batches: list[Any] = []
         # Batches fetched since the last training forward (the next step's, in a loop
         # that prefetches).
         self._fetched: list[Any] = []
@@ -253,56 +230,14 @@ class Guard:
         self._explicit_loss: Tensor | None = None
         self._explicit_n = 0
         self._grad_norm: Tensor | None = None
-        #: Set by a component that skipped this step's update (a 0-d bool device
-        #: tensor, so the decision can stay on the device); ``None`` = not skipped.
-        self.skipped: Tensor | None = None
-        #: Why this step is skipped before any component looked, or ``None``:
-        #: ``"fp16_overflow"`` when a GradScaler did not call ``optimizer.step()`` (its
-        #: gradients overflowed at the current scale). Components record such a step
-        #: as skipped and do not judge it (it is the scaler's normal calibration).
-        self.skip_cause: str | None = None
-        #: With ``skip_cause`` ``"fp16_overflow"``: the GradScaler that skipped.
-        self.skip_scaler: Any = None
         self._opt_steps = 0  # optimizer.step() calls that reached a wrapper
         self._scaler_warned = False
         self._step_loss: Tensor | None = None
         self._data_wait_s = 0.0
         self._tokens: int | None = None
         self._step_start = 0.0
-        #: Seconds from the end of the previous step to the end of this one (host clock).
-        self.step_time_s = math.nan
-        #: Seconds this step spent waiting in the loader's ``next()``.
-        self.data_wait_s = 0.0
-        #: Seconds spent in Python's garbage collector since start, as timed by a
-        #: GCScheduler (cumulative; telemetry turns it into per-step ``gc_s``).
-        self.gc_total_s = 0.0
-        #: Tokens fetched for this step, or ``None`` when unknown.
-        self.tokens: int | None = None
-        #: Learning rate of the first param group at this step (``nan`` if it is a
-        #: device tensor, which would cost a host sync to read).
-        self.lr = math.nan
-        #: Whether a training forward has run under float16 autocast (NanGuard's
-        #: fp16-overflow diagnosis; bfloat16 does not overflow).
-        self.fp16_autocast = False
-        # Set while NanGuard replays a batch: its loss is not a training loss.
+        # Set while NanGuard replays a batch (replaying()): its loss is not a training loss.
         self._replaying = False
-        #: Where the loop is, for errors that must say so (an OOM): ``"setup"``,
-        #: ``"data"`` (in the loader's ``next()``), ``"forward"`` (in the model's
-        #: forward), ``"backward"`` (after a forward, before ``optimizer.step()``),
-        #: ``"optimizer"`` (in ``optimizer.step()``), ``"loop"`` (elsewhere in the loop
-        #: body). One attribute store at each point (~20 ns), nothing more.
-        self.phase = "setup"
-        #: The collective the main thread is inside right now (set by the
-        #: CollectiveAuditor around each call: op, shapes, sequence number, call site),
-        #: or ``None``. Read by the watchdog from its thread.
-        self.collective: dict[str, Any] | None = None
-        #: The running CollectiveAuditor, if any (GuardedDDP's comm hook reports the
-        #: gradient all-reduces to it).
-        self.auditor: Any = None
-        #: Why progress is legitimately paused (``"checkpoint"``, ``"eval"``...), or
-        #: ``None``; the watchdog does not call a paused rank stuck. See
-        #: :meth:`pause_watchdog`.
-        self.paused: str | None = None
         #: The user's own state, saved in every checkpoint and restored on resume
         #: (JSON values: ``g.state["best_val"] = 1.23``).
         self.state: dict[str, Any] = {}
@@ -313,16 +248,15 @@ class Guard:
         #: ``None`` in a single-process run. Never the training's group.
         self.side_group: Any = None
         self._replacement: BaseException | None = None
-        # Set while a resume loads state: torch's set_state_dict for sharded optimizers
-        # runs a zero-grad optimizer.step() to create the state; not a training step.
+        # Set inside quiet(): optimizer steps there are not training steps (a sharded
+        # resume's set_state_dict runs a zero-grad step() to create the state).
         self._quiet = False
         # An error found by a background thread, raised by the main thread at its next
         # step boundary (see fail_from_thread).
         self._pending: BaseException | None = None
-        #: Functions ``iterator -> iterator`` applied in order to each pass's
-        #: ``iter(loader)``, set by components at start (the preflight's first-batch
-        #: check, ``even_batches``' cut): once per pass, nothing per batch.
-        self.batch_wrappers: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
+        # Functions iterator -> iterator applied in order to each pass's iter(loader),
+        # added by components at start through wrap_batches(): once per pass.
+        self._batch_wrappers: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -391,7 +325,7 @@ class Guard:
             if self.benchmark:
                 from guardrails._benchmark import StepBenchmark
 
-                self._bench = StepBenchmark(self)
+                self._bench = StepBenchmark(self, self._dispatch)
         except BaseException as exc:
             self.close(exc)
             raise
@@ -438,6 +372,7 @@ class Guard:
         errors: list[BaseException] = []
         if self._bench is not None:
             bench, self._bench = self._bench, None
+            self._live = self._dispatch
             try:
                 bench.finish(self)
             except Exception:  # a failed report must not hide the loop's own outcome
@@ -530,19 +465,30 @@ class Guard:
         if self._replacement is None:
             self._replacement = error
 
+    # ------------------------------------------------------------------ services
+    # What a component asks of the engine instead of writing its state (_state.py).
+
+    @property
+    def running(self) -> bool:
+        """Whether the guard is started and not closed yet."""
+        return self._state == "started"
+
+    def component(self, name: str) -> Component | None:
+        """This guard's component named ``name`` (names are unique), or ``None``."""
+        return next((c for c in self.components if c.name == name), None)
+
     def save_checkpoint(self) -> Path:
         """Save a complete checkpoint now, synchronously, into ``run_dir/checkpoints``;
         returns its directory. Call it at the same step on every rank, between steps
-        (not between a backward and its ``optimizer.step()``)."""
-        from guardrails._checkpointer import SignalCheckpointer
-
-        found = [c for c in self.components if isinstance(c, SignalCheckpointer)]
-        if self._state != "started" or not found:
+        (not between a backward and its ``optimizer.step()``). Asked of the component
+        that saves checkpoints (``Component.saves_checkpoints``)."""
+        saver = next((c for c in self.components if c.saves_checkpoints), None)
+        if self._state != "started" or saver is None:
             raise ValueError(
-                "save_checkpoint() needs a started guard with a SignalCheckpointer (the "
-                "default unless guard(..., save_on_signal=False) with no periodic saves)"
+                "save_checkpoint() needs a started guard that saves checkpoints (the "
+                "default, unless guard(..., checkpoint=False))"
             )
-        return found[0].save(self)
+        return saver.save(self)
 
     def side_store(self, name: str) -> Any:
         """A store for this guard's side-channel keys under ``name`` (see ``_store.py``),
@@ -563,23 +509,100 @@ class Guard:
         finally:
             self.paused = previous
 
-    def fail_from_thread(self, error: BaseException, *, grace_s: float = 5.0) -> None:
+    @contextlib.contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """Components: the main thread is in ``phase`` inside this block (``"agree"``:
+        a guardrails agreement between ranks), so a hang or an error there is reported
+        as such; the loop's phase is back afterwards."""
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Components: ``optimizer.step()`` calls inside this block are not training
+        steps (a sharded resume's ``set_state_dict`` steps the optimizer with zero
+        gradients to create its state): not counted, not seen by components."""
+        self._quiet = True
+        try:
+            yield
+        finally:
+            self._quiet = False
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Components: forwards inside this block re-run a step to diagnose it; they
+        are not training forwards (their loss is not the step's, their inputs not
+        recorded)."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+
+    def request_stop(self, reason: str, *, exit_code: int | None = None) -> None:
+        """Components: end ``for batch in g`` at the next step boundary, ``reason`` in
+        :attr:`stopping`; with ``exit_code``, the process exits with it once the guard
+        has closed (a signal save: 128 + signum)."""
+        self.stopping = reason
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def record_skip(self, flag: Tensor) -> None:
+        """Components, in ``before_step``: this step's skip decision as a 0-d device
+        tensor (non-zero: the update is left out, see :meth:`skip_update`), published
+        as :attr:`skipped` for the components that record it; reset after the step."""
+        self.skipped = flag
+
+    def wrap_batches(self, wrap: Callable[[Iterator[Any]], Iterator[Any]]) -> None:
+        """Components, at start: apply ``wrap`` (iterator -> iterator) to each pass's
+        ``iter(loader)``, after the wrappers added before it. Once per pass, nothing
+        per batch (the preflight's first-batch check, ``even_batches``' cut)."""
+        self._batch_wrappers.append(wrap)
+
+    def resume_from(
+        self,
+        step: int,
+        *,
+        state: Mapping[str, Any] | None = None,
+        position: dict[str, Any] | None = None,
+        tensors: dict[str, Tensor] | None = None,
+    ) -> None:
+        """The checkpointer, at start: continue from a checkpoint of step ``step``:
+        the user's :attr:`state`, and the data position the first pass continues from
+        (``position`` and its ``tensors``, as ``_data.save_position`` wrote them)."""
+        self.step = step
+        if state is not None:
+            self.state.clear()
+            self.state.update(state)
+        if position is not None and self.loader is not None:
+            from guardrails import _data
+
+            _data.load_position(self, position, tensors or {})
+
+    def fail_from_thread(self, error: BaseException, *, abort_after_s: float = 5.0) -> bool:
         """From a background thread (watchdog, auditor): make the main thread raise
         ``error`` at its next step boundary (next batch or next ``optimizer.step()``).
-        If it has not within ``grace_s`` (it is stuck in a collective or a C call that
-        Python cannot interrupt), end the process with the error reported, so the
-        launcher tears the job down instead of waiting for NCCL's timeout."""
-        if self._pending is not None:
-            return
+        If it has not within ``abort_after_s`` (it is stuck in a collective or a C call
+        that Python cannot interrupt), end the process with the error reported, so the
+        launcher tears the job down instead of waiting for NCCL's timeout.
+
+        Returns whether ``error`` was taken: ``False`` when another error is already on
+        its way (the first one is the diagnosis) or the guard is not running."""
+        if self._pending is not None or self._state != "started":
+            return False
         self._pending = error
 
         def last_resort() -> None:
             if self._pending is error and self._state == "started":
                 self.die(error)
 
-        timer = threading.Timer(grace_s, last_resort)
+        timer = threading.Timer(abort_after_s, last_resort)
         timer.daemon = True
         timer.start()
+        return True
 
     def _raise_pending(self) -> None:
         error, self._pending = self._pending, None  # None: the timer stands down
@@ -625,7 +648,7 @@ class Guard:
             self._epoch_start = _data.epoch_start(loader)
             it = iter(loader)
             self.batch_in_epoch = 0
-        for wrap in self.batch_wrappers:
+        for wrap in self._batch_wrappers:
             it = wrap(it)
         self.exhausted_at = None
         clock = time.perf_counter
@@ -758,6 +781,22 @@ class Guard:
     # ------------------------------------------------------------------ per-step values
 
     @property
+    def collective(self) -> dict[str, Any] | None:
+        """The collective the main thread is inside now (``guard.shared.collective``)."""
+        return self.shared.collective
+
+    @property
+    def auditor(self) -> Any:
+        """The running CollectiveAuditor, or ``None`` (``guard.shared.auditor``)."""
+        return self.shared.auditor
+
+    @property
+    def gc_total_s(self) -> float:
+        """Seconds in Python's GC since start, timed by the GCScheduler
+        (``guard.shared.gc_total_s``)."""
+        return self.shared.gc_total_s
+
+    @property
     def step_loss(self) -> Tensor | None:
         """This step's loss as a 0-d tensor on the guard's device (mean over
         micro-batches), or ``None`` when the model returned none and nothing was
@@ -784,6 +823,18 @@ class Guard:
         if self._grad_norm is None:
             self._grad_norm = self._norm(self._params)
         return self._grad_norm
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters whose gradients the step's :meth:`grad_norm` covers (the
+        first optimizer's)."""
+        return self._params
+
+    def total_norm(self, grads: list[Tensor]) -> Tensor:
+        """The total L2 norm of ``grads`` computed as the step's is (fused, on the
+        guard's device, across devices for a model-parallel model): for another
+        optimizer's gradients. A 0-d float32 device tensor; no sync."""
+        return total_norm(grads, self.device, self._norm.multi_device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the model's parameters, sharing its
@@ -846,8 +897,8 @@ class Guard:
         self._step_start = now
         for fn in self._live["after_step"]:
             fn(self)
-        if self._bench is not None:
-            self._bench.after_step(self)
+        if self._bench is not None:  # benchmark mode picks the next step's hooks
+            self._live = self._bench.after_step(self)
         self._auto_loss = self._explicit_loss = self._step_loss = self._grad_norm = None
         self.skipped = None
         self._auto_n = self._explicit_n = 0
@@ -887,7 +938,7 @@ class Guard:
         ``skip_cause`` instead of judging inf gradients as a fault."""
         if scaler is not self.scaler and not self._scaler_warned:
             self._scaler_warned = True
-            if any(c.name == "checkpoint" for c in self.components):
+            if any(c.saves_checkpoints for c in self.components):
                 self.event(
                     "scaler_not_saved",
                     level="warning",
@@ -1015,6 +1066,7 @@ def _validate(
             raise TypeError(
                 f"components must be guardrails.Component instances, got {type(c).__name__}."
             )
+    check_components(components)
     positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
     return params
 

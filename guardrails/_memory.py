@@ -69,6 +69,7 @@ from torch import Tensor
 
 from guardrails._checks import fraction, positive_int
 from guardrails._component import Component
+from guardrails._config import configure
 from guardrails._errors import OutOfMemoryError
 
 if TYPE_CHECKING:
@@ -107,44 +108,62 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 class MemoryGuard(Component):
     """Reports growing memory (leaks) and data starvation, and explains out-of-memory
-    errors.
+    errors. Knobs: :class:`MemoryGuard.Config` (``guardrails.guard(memory=...)``)."""
 
-    Args:
-        leak_check_every_n_steps: read the leak counters every this many optimizer
-            steps (host counters only, no device sync). ``None`` turns leak detection
-            off. Default 100.
-        leak_window_checks: suspect a leak after growth at this many consecutive checks,
-            then confirm it with a census of live objects. Default 4.
-        data_starvation_window_steps: judge the share of step time spent waiting for
-            data over windows of this many steps. ``None`` turns the report off.
-            Default 100.
-        data_starvation_fraction: report when the data wait is at least this fraction
-            of the step time over a window. Default 0.3.
-        explain_oom: re-raise an out-of-memory error that ends the loop as
-            :class:`~guardrails.OutOfMemoryError` with the memory summary and remedies.
-            Default True.
-    """
+    @dataclass(kw_only=True)
+    class Config:
+        """MemoryGuard's knobs.
+
+        Attributes:
+            leak_check_every_n_steps: read live Python objects and device memory every
+                this many optimizer steps (host counters only, no device sync) and
+                report steady growth once as a ``leak`` event naming what grows and
+                what holds it. ``None`` turns leak detection off. Default 100.
+            leak_window_checks: suspect a leak after growth at this many consecutive
+                checks, then confirm it with a census of live objects. Default 4.
+            data_starvation_window_steps: report once (a ``data_starvation`` event)
+                when, over a window of this many steps, waiting for the loader takes at
+                least ``data_starvation_fraction`` of the step time. ``None`` turns the
+                report off. Default 100.
+            data_starvation_fraction: see ``data_starvation_window_steps``. Default 0.3.
+            explain_oom: re-raise an out-of-memory error that ends the loop as
+                :class:`~guardrails.OutOfMemoryError` (still a
+                ``torch.OutOfMemoryError``) with where it happened, the memory summary,
+                the largest tensors and ranked remedies. Default True.
+        """
+
+        leak_check_every_n_steps: int | None = 100
+        leak_window_checks: int = 4
+        data_starvation_window_steps: int | None = 100
+        data_starvation_fraction: float = 0.3
+        explain_oom: bool = True
+
+        def __post_init__(self) -> None:
+            positive_int("leak_check_every_n_steps", self.leak_check_every_n_steps, allow_none=True)
+            positive_int("leak_window_checks", self.leak_window_checks)
+            positive_int(
+                "data_starvation_window_steps", self.data_starvation_window_steps, allow_none=True
+            )
+            fraction("data_starvation_fraction", self.data_starvation_fraction)
+            self.data_starvation_fraction = float(self.data_starvation_fraction)
+            self.explain_oom = bool(self.explain_oom)
+
+        @property
+        def does_anything(self) -> bool:
+            """Whether any of its three features is on (``guard()`` leaves it out if not)."""
+            return (
+                self.leak_check_every_n_steps is not None
+                or self.data_starvation_window_steps is not None
+                or self.explain_oom
+            )
 
     name = "memory"
+    # A leak check at a collection step must see the heap without that step's cyclic
+    # garbage: the GC scheduler's after_step collects first.
+    after = ("gc",)
 
-    def __init__(
-        self,
-        *,
-        leak_check_every_n_steps: int | None = 100,
-        leak_window_checks: int = 4,
-        data_starvation_window_steps: int | None = 100,
-        data_starvation_fraction: float = 0.3,
-        explain_oom: bool = True,
-    ) -> None:
-        positive_int("leak_check_every_n_steps", leak_check_every_n_steps, allow_none=True)
-        positive_int("leak_window_checks", leak_window_checks)
-        positive_int("data_starvation_window_steps", data_starvation_window_steps, allow_none=True)
-        fraction("data_starvation_fraction", data_starvation_fraction)
-        self.leak_check_every_n_steps = leak_check_every_n_steps
-        self.leak_window_checks = leak_window_checks
-        self.data_starvation_window_steps = data_starvation_window_steps
-        self.data_starvation_fraction = float(data_starvation_fraction)
-        self.explain_oom = bool(explain_oom)
+    def __init__(self, config: MemoryGuard.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
         #: The fields of the ``leak`` event once reported, else ``None``.
         self.leak: dict[str, Any] | None = None
         #: The fields of the ``data_starvation`` event once reported, else ``None``.

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from itertools import islice
 from operator import sub
 from typing import TYPE_CHECKING, Any
@@ -73,9 +74,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from guardrails import _diagnose, _dist, _gradnorm
+from guardrails import _diagnose, _dist
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
+from guardrails._config import configure
 from guardrails._errors import NonFiniteError
 from guardrails._guard import _lr
 
@@ -113,92 +115,93 @@ def _skip_scale(guard: Guard) -> float:
 
 class NanGuard(Component):
     """Detects non-finite gradients every step without a host sync, skips the update
-    on every rank, and explains the cause.
-
-    Args:
-        policy: ``"skip"`` (default): skip the update, log it, and raise
-            :class:`~guardrails.NonFiniteError` once ``max_consecutive_skips`` steps in
-            a row were skipped. ``"raise"``: skip and raise at the first one.
-            ``"warn"``: log only; the update goes through (weights may go NaN).
-        max_consecutive_skips: with ``"skip"``, raise after this many skipped steps in
-            a row. Default 10.
-        check_every_n_steps: on a CUDA device, the flags reach the host in one copy per
-            this many steps, so a raise comes up to twice this many steps after the
-            fault (the skip itself is immediate). Default 10.
-        spike_factor: a grad norm over this many times its running median (the median
-            of the last 20 finite steps) is a spike, if the jump is also more than
-            ``SPIKE_SWINGS`` (5) times the norm's usual step-to-step swing: a noisy norm
-            needs a bigger jump, a steady rise is never a spike. Default 5. Where the
-            ranks' gradients differ at ``step()`` the norm judged is the root mean
-            square of the ranks' grad norms, the same on every rank.
-        loss_spike_factor: the same for the loss (judged while the last
-            ``window_steps`` losses are all positive). Default 4 (a language model's
-            loss at 4x its median has diverged; small-batch regression losses swing
-            2-3x by chance, and the swing rule raises their bar further).
-        max_spike_events: log at most this many spike events per metric per run; later
-            spikes are still counted in ``NanGuard.spikes``. Default 20.
-        window_steps: how many recent steps the health checks, the diagnosis's history
-            and the step-to-step swing of the spike rule look at (spikes are judged
-            from 20 finite steps on). Default 100.
-        capture: keep each step's batch (references, no copies) until its flag is known,
-            and save the batch of a non-finite step to ``run_dir/nonfinite/``. Default
-            True. A loader that refills one buffer in place would save later data.
-        replay: diagnose a non-finite step by replaying its batch through the model
-            with forward hooks (weights, grads, optimizer state, buffers and RNG streams
-            are left as they were). Default True.
-        replay_fn: how to run the model on a batch, ``replay_fn(model, batch) ->
-            output`` (the bare model, and each batch the step fetched). Default (also
-            ``guard(..., replay_fn=...)``): re-run the step's training forward calls
-            with the arguments they were given.
-        max_diagnoses: diagnose (replay and save) at most this many streaks per run.
-            Default 3.
+    on every rank, and explains the cause. Knobs: :class:`NanGuard.Config`
+    (``NanGuard(policy="raise")``, or ``guardrails.guard(nan={"policy": "raise"})``).
     """
 
+    @dataclass(kw_only=True)
+    class Config:
+        """NanGuard's knobs.
+
+        Attributes:
+            policy: ``"skip"`` (default): skip the update, log it, and raise
+                :class:`~guardrails.NonFiniteError` once ``max_consecutive_skips`` steps
+                in a row were skipped. ``"raise"``: skip and raise at the first one.
+                ``"warn"``: log only; the update goes through (weights may go NaN).
+            max_consecutive_skips: with ``"skip"``, raise after this many skipped steps
+                in a row. Default 10.
+            check_every_n_steps: on a CUDA device, the flags reach the host in one copy
+                per this many steps, so a raise comes up to twice this many steps after
+                the fault (the skip itself is immediate). Default 10.
+            spike_factor: a grad norm over this many times its running median (the
+                median of the last 20 finite steps) is a spike, if the jump is also more
+                than ``SPIKE_SWINGS`` (5) times the norm's usual step-to-step swing: a
+                noisy norm needs a bigger jump, a steady rise is never a spike. Default
+                5. Where the ranks' gradients differ at ``step()`` the norm judged is
+                the root mean square of the ranks' grad norms, the same on every rank.
+            loss_spike_factor: the same for the loss (judged while the last
+                ``window_steps`` losses are all positive). Default 4 (a language model's
+                loss at 4x its median has diverged; small-batch regression losses swing
+                2-3x by chance, and the swing rule raises their bar further).
+            max_spike_events: log at most this many spike events per metric per run;
+                later spikes are still counted in ``NanGuard.spikes``. Default 20.
+            window_steps: how many recent steps the health checks, the diagnosis's
+                history and the step-to-step swing of the spike rule look at (spikes
+                are judged from 20 finite steps on). Default 100.
+            capture: keep each step's batch (references, no copies) until its flag is
+                known, and save the batch of a non-finite step to
+                ``run_dir/nonfinite/``. Default True. A loader that refills one buffer
+                in place would save later data.
+            replay: diagnose a non-finite step by replaying its batch through the model
+                with forward hooks (weights, grads, optimizer state, buffers and RNG
+                streams are left as they were). Default True.
+            replay_fn: how to run the model on a batch, ``replay_fn(model, batch) ->
+                output`` (the bare model, and each batch the step fetched). Default
+                (also ``guard(..., replay_fn=...)``): re-run the step's training
+                forward calls with the arguments they were given.
+            max_diagnoses: diagnose (replay and save) at most this many streaks per
+                run. Default 3.
+        """
+
+        policy: str = "skip"
+        max_consecutive_skips: int = 10
+        check_every_n_steps: int = 10
+        spike_factor: float = 5.0
+        loss_spike_factor: float = 4.0
+        max_spike_events: int = 20
+        window_steps: int = 100
+        capture: bool = True
+        replay: bool = True
+        replay_fn: Callable[[Any, Any], Any] | None = None
+        max_diagnoses: int = 3
+
+        def __post_init__(self) -> None:
+            if self.policy not in POLICIES:
+                raise ValueError(
+                    f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}"
+                )
+            positive_int("max_consecutive_skips", self.max_consecutive_skips)
+            positive_int("check_every_n_steps", self.check_every_n_steps)
+            positive_int("window_steps", self.window_steps)
+            positive_int("max_diagnoses", self.max_diagnoses)
+            positive_int("max_spike_events", self.max_spike_events)
+            for knob in ("spike_factor", "loss_spike_factor"):
+                value = getattr(self, knob)
+                non_negative(knob, value)
+                if value <= 1:
+                    raise ValueError(
+                        f"{knob} must be > 1 (a multiple of the median), got {value!r}"
+                    )
+                setattr(self, knob, float(value))
+            if self.replay_fn is not None and not callable(self.replay_fn):
+                raise TypeError(f"replay_fn must be callable(model, batch), got {self.replay_fn!r}")
+
     name = "nan"
+    before = ("telemetry",)  # it publishes the step's skip flag that telemetry records
     _lagged_on_cpu = False  # tests: run the CUDA (lagged) host path on a CPU device
 
-    def __init__(
-        self,
-        *,
-        policy: str = "skip",
-        max_consecutive_skips: int = 10,
-        check_every_n_steps: int = 10,
-        spike_factor: float = 5.0,
-        loss_spike_factor: float = 4.0,
-        max_spike_events: int = 20,
-        window_steps: int = 100,
-        capture: bool = True,
-        replay: bool = True,
-        replay_fn: Callable[[Any, Any], Any] | None = None,
-        max_diagnoses: int = 3,
-    ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        positive_int("max_consecutive_skips", max_consecutive_skips)
-        positive_int("check_every_n_steps", check_every_n_steps)
-        positive_int("window_steps", window_steps)
-        positive_int("max_diagnoses", max_diagnoses)
-        positive_int("max_spike_events", max_spike_events)
-        for knob, value in (
-            ("spike_factor", spike_factor),
-            ("loss_spike_factor", loss_spike_factor),
-        ):
-            non_negative(knob, value)
-            if value <= 1:
-                raise ValueError(f"{knob} must be > 1 (a multiple of the median), got {value!r}")
-        if replay_fn is not None and not callable(replay_fn):
-            raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
-        self.policy = policy
-        self.max_consecutive_skips = max_consecutive_skips
-        self.check_every_n_steps = check_every_n_steps
-        self.spike_factor = float(spike_factor)
-        self.loss_spike_factor = float(loss_spike_factor)
-        self.window_steps = window_steps
-        self.capture = capture
-        self.replay = replay
-        self.replay_fn = replay_fn
-        self.max_diagnoses = max_diagnoses
-        self.max_spike_events = max_spike_events
+    def __init__(self, config: NanGuard.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
         #: Steps whose update was skipped (or, with "warn", that were non-finite).
         self.nonfinite_steps: list[int] = []
         #: Diagnoses made this run (dicts: step, cause, message, path...).
@@ -256,7 +259,7 @@ class NanGuard(Component):
         self._nan = torch.full((), math.nan, device=dev)
         self._zero = torch.zeros((), device=dev)
         self._set_found = False
-        self._fp16_params = any(p.dtype == torch.float16 for p in guard._params)
+        self._fp16_params = any(p.dtype == torch.float16 for p in guard.params)
         self._scaler_seen = False
         self._param_ids = {id(p) for g in opt.param_groups for p in g["params"]}
         #: (step, loss, grad norm, lr) of the last ``window_steps`` finite steps.
@@ -335,11 +338,11 @@ class NanGuard(Component):
                 if bad:
                     found.fill_(1.0)
                     if self._skips:
-                        guard.skipped = found
+                        guard.record_skip(found)
                         self._skip_now(found, guard)
                 return
             if self._skips:
-                guard.skipped = found
+                guard.record_skip(found)
                 self._skip_on_device(found, guard)
             return
         # CPU: the row is host memory, read through numpy (no dispatch, no sync), so
@@ -351,7 +354,7 @@ class NanGuard(Component):
         if bad:
             found.fill_(1.0)
         if self._skips:
-            guard.skipped = found
+            guard.record_skip(found)
             if bad:
                 self._skip_now(found, guard)
         self._observe(step, loss_v, norm_v, bad, guard.lr, now=True)
@@ -360,7 +363,7 @@ class NanGuard(Component):
         """A GradScaler leaves this step's update out itself (``guard.skip_cause``): the
         row says so (flag ``SCALER_SKIP``), nothing is judged or diagnosed here."""
         found.fill_(SCALER_SKIP)
-        guard.skipped = found
+        guard.record_skip(found)
         if self._reduce:  # in step with the other ranks' agreement (their scalers
             self._agree(guard, False, 0.0)  # may not have skipped: ranks differ here)
         scale = _skip_scale(guard)
@@ -425,8 +428,8 @@ class NanGuard(Component):
         norm ** 2) over the guard's gloo side group (never the training's group): a
         sum of 0/1 flags over 0.5 is exactly their MAX."""
         both = torch.tensor([float(bad), norm * norm], dtype=torch.float64)
-        if guard.auditor is not None:  # in the training's sequence: see record_own
-            guard.auditor.record_own("NaN-flag agreement", both, dist.ReduceOp.SUM)
+        if guard.shared.auditor is not None:  # in the training's sequence: see record_own
+            guard.shared.auditor.record_own("NaN-flag agreement", both, dist.ReduceOp.SUM)
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=guard.side_group)
         flags, squares = both.tolist()
         agreed = flags > 0.5
@@ -453,7 +456,7 @@ class NanGuard(Component):
             self._scaler_skip(guard.step + 1, _skip_scale(guard))
             return
         grads = [p.grad for p in self._extra[name] if p.grad is not None]
-        norm = _gradnorm.total_norm(grads, guard.device, guard._norm.multi_device)
+        norm = guard.total_norm(grads)
         norm_v = float(norm)  # the one host read of this optimizer's step
         bad = not math.isfinite(norm_v)
         if self._reduce:

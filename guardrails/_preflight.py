@@ -63,6 +63,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,7 @@ from torch import nn
 from guardrails import _dist
 from guardrails._checks import mapping
 from guardrails._component import Component
+from guardrails._config import configure
 from guardrails._errors import ConfigMismatchError, LaunchError
 from guardrails._text import shorten
 
@@ -130,29 +132,53 @@ class Preflight(Component):
     and optionally stops every rank together at the shortest rank's data.
 
     A real no-op outside a distributed run (nothing exchanged, nothing wrapped), except
-    for the local bf16-on-CPU warning.
-
-    Args:
-        config: the run's own settings (``vars(args)``, a dict from a YAML file):
-            compared across ranks, key by key (nested mappings flattened with ``.``).
-        even_batches: stop every rank after the shortest rank's number of batches
-            (then differing loader lengths are an event, not an error).
-        check: compare the facts across ranks; ``False`` keeps only ``even_batches``.
+    for the local bf16-on-CPU warning. Knobs: :class:`Preflight.Config`
+    (``guardrails.guard(preflight=...)``).
     """
 
-    name = "preflight"
+    @dataclass(kw_only=True)
+    class Config:
+        """Preflight's knobs.
 
-    def __init__(
-        self,
-        *,
-        config: Mapping[str, Any] | None = None,
-        even_batches: bool = False,
-        check: bool = True,
-    ) -> None:
-        mapping("config", config, allow_none=True)
-        self.config = dict(config) if config is not None else None
-        self.even_batches = bool(even_batches)
-        self.check = bool(check)
+        Attributes:
+            check: compare across ranks, once at start over a gloo side group, what
+                must match, and raise :class:`~guardrails.ConfigMismatchError` on every
+                rank naming each differing field with every rank's value: parameter
+                names, shapes, dtypes and initial-weight checksums; optimizer type and
+                hyperparameters; loader length, dataset length, batch size and the
+                first batch's shapes; world size, backend, device type, compute dtype;
+                torch / CUDA / NCCL versions; ``run_config``. ``False`` keeps only
+                ``even_batches``. Default True.
+            run_config: the run's own settings (``vars(args)``, a dict from a YAML
+                file), compared across ranks key by key (nested mappings flattened with
+                ``.``); ``guard(config=...)`` sets it.
+            even_batches: stop every rank after the shortest rank's number of batches,
+                so uneven data ends the loop on every rank together instead of hanging
+                the longer ones (loaders with ``len()``: no per-step cost; without: one
+                side-group agreement per 16 batches). Differing loader lengths are then
+                an ``uneven_data`` event, not an error. Default False.
+        """
+
+        check: bool = True
+        run_config: Mapping[str, Any] | None = None
+        even_batches: bool = False
+
+        def __post_init__(self) -> None:
+            mapping("config", self.run_config, allow_none=True)
+            if self.run_config is not None:
+                self.run_config = dict(self.run_config)
+            self.even_batches = bool(self.even_batches)
+            self.check = bool(self.check)
+
+    name = "preflight"
+    # After the watchdog (a rank that never arrives is then reported, not waited for);
+    # before the checkpointer: the weights compared are the ones each rank built, not
+    # the resumed ones.
+    after = ("watchdog",)
+    before = ("checkpoint",)
+
+    def __init__(self, config: Preflight.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
         #: Batches per pass every rank stops after (even_batches with len()), or None.
         self.batch_limit: int | None = None
         #: Seconds the start exchange took on this rank (facts + exchange + compare).
@@ -174,12 +200,9 @@ class Preflight(Component):
         dist.all_gather_object(gathered, mine, group=guard.side_group)
         self._decide(guard, gathered)
         self.seconds = time.perf_counter() - t0
-        wrappers = getattr(guard, "batch_wrappers", None)
         self._batch_pending = self.check and guard.loader is not None
-        if wrappers is not None and (
-            self._batch_pending or self.batch_limit is not None or self._chunked
-        ):
-            wrappers.append(self._wrap)
+        if self._batch_pending or self.batch_limit is not None or self._chunked:
+            guard.wrap_batches(self._wrap)
         guard.event(
             "preflight",
             message=f"ranks agree ({self.seconds * 1e3:.0f} ms)",
@@ -218,8 +241,8 @@ class Preflight(Component):
             facts["loader.dataset_len"] = _len(dataset) if dataset is not None else None
             facts["loader.batch_size"] = getattr(loader, "batch_size", None)
             facts["loader.drop_last"] = getattr(loader, "drop_last", None)
-        if self.config is not None:
-            facts.update({f"config.{k}": v for k, v in _flatten(self.config).items()})
+        if self.run_config is not None:
+            facts.update({f"config.{k}": v for k, v in _flatten(self.run_config).items()})
         out["facts"] = {k: _plain(v) for k, v in facts.items()}
         out["params"] = param_table(guard.model)
         problems = _launch.launch_problems(device_type=guard.device.type, device_chosen=True)

@@ -29,6 +29,7 @@ import os
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from tqdm.auto import tqdm
 
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
+from guardrails._config import configure
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -89,31 +91,36 @@ SCHEMA = pa.schema(
 
 class Telemetry(Component):
     """Records the per-step signals to ``run_dir/metrics.parquet`` and draws the bar.
+    Knobs: :class:`Telemetry.Config` (``guardrails.guard(metrics=...)``)."""
 
-    Args:
-        every_n_steps: ring length: one device-to-host copy per this many steps. Larger
-            means fewer copies and older values on the bar. Default 50.
-        write_every_s: at most one parquet part file per this many seconds (and one at
-            close). Bounds both the number of files and what a SIGKILL can lose.
-            Default 60.
-        progress: show the tqdm bar on rank 0. ``None`` (default): only when stderr is
-            a terminal and ``CI`` is not set.
-    """
+    @dataclass(kw_only=True)
+    class Config:
+        """Telemetry's knobs.
+
+        Attributes:
+            every_n_steps: ring length: one device-to-host copy per this many steps (the
+                only transfer telemetry makes). Larger means fewer copies and older
+                values on the bar. Default 50.
+            write_every_s: at most one parquet part file per this many seconds (and one
+                at close). Bounds both the number of files and what a SIGKILL can lose.
+                Default 60.
+            progress: show the tqdm bar on rank 0. ``None`` (default): only when stderr
+                is a terminal and ``CI`` is not set.
+        """
+
+        every_n_steps: int = 50
+        write_every_s: float = 60.0
+        progress: bool | None = None
+
+        def __post_init__(self) -> None:
+            positive_int("every_n_steps", self.every_n_steps)
+            non_negative("write_every_s", self.write_every_s)
+            self.write_every_s = float(self.write_every_s)
 
     name = "telemetry"
 
-    def __init__(
-        self,
-        *,
-        every_n_steps: int = 50,
-        write_every_s: float = 60.0,
-        progress: bool | None = None,
-    ) -> None:
-        positive_int("every_n_steps", every_n_steps)
-        non_negative("write_every_s", write_every_s)
-        self.every_n_steps = every_n_steps
-        self.write_every_s = float(write_every_s)
-        self.progress = progress
+    def __init__(self, config: Telemetry.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
         #: The newest row that reached the host (a dict of column -> value), or None.
         self.latest: dict[str, Any] | None = None
         self.rows_written = 0
@@ -132,7 +139,7 @@ class Telemetry(Component):
         self._ring = torch.full((n, len(DEVICE_COLUMNS)), math.nan, device=guard.device)
         self._ring_rows = self._ring.unbind(0)  # views made once, not indexed per step
         self._host_rows: list[tuple[float, ...]] = []
-        self._gc_total = guard.gc_total_s
+        self._gc_total = guard.shared.gc_total_s
         self._nan = torch.full((), math.nan, device=guard.device)
         # float, not bool: a bool in the stack below sends it down a dtype-promoting
         # path that costs ~2.7 us more per step on CPU (measured, host_ops.py).
@@ -175,7 +182,7 @@ class Telemetry(Component):
                 guard.step_time_s,
                 guard.data_wait_s,
                 math.nan if guard.tokens is None else guard.tokens,
-                guard.gc_total_s,  # cumulative here; per step at flush
+                guard.shared.gc_total_s,  # cumulative here; per step at flush
             )
         )
         if self._bar is not None:

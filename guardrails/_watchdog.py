@@ -57,12 +57,14 @@ import sysconfig
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guardrails import _dist
 from guardrails._checks import positive
 from guardrails._component import Component
+from guardrails._config import configure
 from guardrails._errors import GuardrailsError, HangError, RankFailedError, UnevenDataError
 
 if TYPE_CHECKING:
@@ -119,43 +121,56 @@ def auto_timeout_s(longest_gap_s: float | None) -> float:
 class Watchdog(Component):
     """Turns a hang, a dead rank or uneven data into ``HangError``, ``RankFailedError`` or
     ``UnevenDataError`` on every rank, within ``hang_timeout_s``. Distributed runs only;
-    a real no-op in a single process.
+    a real no-op in a single process. Knobs: :class:`Watchdog.Config`
+    (``guardrails.guard(watchdog=...)``)."""
 
-    Args:
-        hang_timeout_s: seconds without progress (no step, batch or collective advancing)
-            before it is a hang. ``None`` (default): 5x the longest gap between two
-            steps seen so far, at least 60 s and at most 300 s (300 s until a gap after
-            the first step is seen). See ``AUTO_*`` above for why these numbers.
-        first_step_timeout_s: the timeout while this rank has not finished its first
-            optimizer step (compilation, autotuning, communicator setup). Default 600 s
-            (NCCL's own default), or ``hang_timeout_s`` if that is longer.
-        heartbeat_every_s: how often the thread samples and publishes. Default 1 s, or
-            a quarter of ``hang_timeout_s`` when that is under 4 s.
-        fail_grace_s: after a verdict, how long the main thread gets to raise it at a
-            step boundary before the process reports and exits by itself. Default 2 s:
-            a rank idle for the whole timeout is not about to reach a boundary.
-    """
+    @dataclass(kw_only=True)
+    class Config:
+        """Watchdog's knobs.
+
+        Attributes:
+            hang_timeout_s: seconds without progress on any rank (no step, batch or
+                collective advancing) before the watchdog reports a ``HangError`` (or
+                ``RankFailedError`` / ``UnevenDataError``) naming the rank, where it is
+                and every rank's stack, and ends the job. ``None`` (default): 5x the
+                longest gap between two steps seen so far, at least 60 s and at most
+                300 s (300 s until a gap after the first step is seen); see ``AUTO_*``
+                in ``_watchdog.py`` for why these numbers. Mark long legitimate pauses
+                with ``g.pause_watchdog()``.
+            first_step_timeout_s: the allowance for a rank inside its first optimizer
+                step (compilation, autotuning, NCCL's lazy communicator setup); a rank
+                still waiting for its first batch gets ``hang_timeout_s``. Default
+                600 s (NCCL's own timeout), or ``hang_timeout_s`` if that is longer.
+            heartbeat_every_s: how often the thread samples and publishes. Default 1 s,
+                or a quarter of ``hang_timeout_s`` when that is under 4 s.
+            abort_after_s: after a verdict, how long the main thread gets to raise it at
+                a step boundary before the process reports and exits by itself. Default
+                2 s: a rank idle for the whole timeout is not about to reach a boundary.
+        """
+
+        hang_timeout_s: float | None = None
+        first_step_timeout_s: float = FIRST_STEP_TIMEOUT_S
+        heartbeat_every_s: float | None = None
+        abort_after_s: float = 2.0
+
+        def __post_init__(self) -> None:
+            positive("hang_timeout_s", self.hang_timeout_s, allow_none=True)
+            positive("first_step_timeout_s", self.first_step_timeout_s)
+            positive("heartbeat_every_s", self.heartbeat_every_s, allow_none=True)
+            positive("abort_after_s", self.abort_after_s)
+            if self.hang_timeout_s is not None:
+                self.hang_timeout_s = float(self.hang_timeout_s)
+            self.first_step_timeout_s = float(self.first_step_timeout_s)
+            if self.heartbeat_every_s is None:
+                timeout = self.hang_timeout_s
+                self.heartbeat_every_s = 1.0 if timeout is None else min(1.0, timeout / 4)
+            self.heartbeat_every_s = float(self.heartbeat_every_s)
+            self.abort_after_s = float(self.abort_after_s)
 
     name = "watchdog"
 
-    def __init__(
-        self,
-        *,
-        hang_timeout_s: float | None = None,
-        first_step_timeout_s: float = FIRST_STEP_TIMEOUT_S,
-        heartbeat_every_s: float | None = None,
-        fail_grace_s: float = 2.0,
-    ) -> None:
-        positive("hang_timeout_s", hang_timeout_s, allow_none=True)
-        positive("first_step_timeout_s", first_step_timeout_s)
-        positive("heartbeat_every_s", heartbeat_every_s, allow_none=True)
-        positive("fail_grace_s", fail_grace_s)
-        self.hang_timeout_s = None if hang_timeout_s is None else float(hang_timeout_s)
-        self.first_step_timeout_s = float(first_step_timeout_s)
-        if heartbeat_every_s is None:
-            heartbeat_every_s = 1.0 if hang_timeout_s is None else min(1.0, hang_timeout_s / 4)
-        self.heartbeat_every_s = float(heartbeat_every_s)
-        self.fail_grace_s = float(fail_grace_s)
+    def __init__(self, config: Watchdog.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
         #: The error this watchdog concluded (on any rank), or ``None``.
         self.error: GuardrailsError | None = None
         self._guard: Guard | None = None
@@ -358,7 +373,7 @@ class Watchdog(Component):
 
     def _record(self, guard: Guard, now: float, *, idle: float = 0.0) -> dict[str, Any]:
         self._seq += 1
-        coll = guard.collective
+        coll = guard.shared.collective
         here = _here(guard)
         return {
             "rank": self._rank,
@@ -451,13 +466,13 @@ class Watchdog(Component):
             guard.event(kind, level="error", message=error.message.splitlines()[0])
         except Exception:
             pass
-        guard.fail_from_thread(error, grace_s=self.fail_grace_s)
-        if guard._pending is not error and guard._state == "started":
+        taken = guard.fail_from_thread(error, abort_after_s=self.abort_after_s)
+        if not taken and guard.running:
             # Another component's error is already on its way (the auditor's
             # mismatch): that one is the diagnosis, this watchdog stands aside.
             self.error = None
             return
-        if guard._state != "started":
+        if not guard.running:
             # The main thread is inside close() (fail_from_thread's last resort only
             # covers a running loop): maybe blocked in another component's closing
             # collective. End the process ourselves unless close() finishes first.
@@ -465,7 +480,7 @@ class Watchdog(Component):
                 if not self._closed.is_set():
                     guard.die(error)
 
-            timer = threading.Timer(self.fail_grace_s, last_resort)
+            timer = threading.Timer(self.abort_after_s, last_resort)
             timer.daemon = True
             timer.start()
 
@@ -531,7 +546,8 @@ class Watchdog(Component):
 
     def _waiting(self, guard: Guard) -> bool:
         """Whether this rank's main thread is waiting on other ranks right now."""
-        return _in_collective({"collective": guard.collective, "_stack": _stack(self._main_ident)})
+        stack = _stack(self._main_ident)
+        return _in_collective({"collective": guard.shared.collective, "_stack": stack})
 
     def _dead_peers(
         self,
@@ -884,7 +900,7 @@ def _past(a: tuple[int, int], b: tuple[int, int]) -> bool:
 def progress_key(guard: Guard) -> tuple[Any, ...]:
     """What the main thread advertises, as one comparable value: it changes whenever the
     rank makes progress (a step, a batch, a phase, a collective)."""
-    coll = guard.collective
+    coll = guard.shared.collective
     return (
         guard.step,
         _here(guard),

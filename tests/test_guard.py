@@ -211,7 +211,7 @@ def test_components_end_in_reverse_order_and_see_the_exception(tmp_path):
     class Tagged(Recorder):
         def __init__(self, log, tag):
             super().__init__(log)
-            self.tag = tag
+            self.tag = self.name = tag  # two of one class: each its own name
 
         def on_end(self, guard, exc):
             order.append(self.tag)

@@ -375,7 +375,7 @@ def test_preflight_is_a_no_op_in_one_process(tmp_path):
             opt.step()
             opt.zero_grad()
     pre = next(c for c in g.components if isinstance(c, Preflight))
-    assert pre.seconds is None and g.batch_wrappers == []
+    assert pre.seconds is None and g._batch_wrappers == []
     assert not any(e["kind"] == "preflight" for e in read_events(tmp_path))
     with pytest.raises(TypeError, match="config must be a mapping"):
         guardrails.guard(model, opt, config=["lr", 1])

@@ -12,6 +12,8 @@ Wall-clock cost lives in benchmarks/, measured, never asserted here.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import sys
 from collections import Counter
 from pathlib import Path
@@ -133,3 +135,83 @@ def test_python_calls_per_step_do_not_grow_with_the_model(tmp_path):
     assert small == big, (small, big)
     assert small["_after_step"] == STEPS and small["_before_step"] == STEPS
     assert small["_pick_loss"] == STEPS
+
+
+# ---------------------------------------------------------------------- the contract
+# ARCHITECTURE.md's rules that can be read off the code: who writes the guard's state,
+# and what each component declares.
+
+_PKG = Path(guardrails.__file__).parent
+
+
+def _assignments(tree: ast.AST):
+    """Every attribute assignment target in ``tree``: (node, dotted target)."""
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if isinstance(el, ast.Attribute):
+                    yield el, ast.unparse(el)
+
+
+def test_only_the_engine_writes_the_guard_and_each_shared_field_has_one_writer():
+    from guardrails._state import ENGINE_MODULES, SHARED_WRITERS
+
+    offences = []
+    for path in sorted(_PKG.glob("_*.py")):
+        module = path.stem
+        tree = ast.parse(path.read_text())
+        for node, target in _assignments(tree):
+            parts = target.split(".")
+            if "shared" in parts[:-1]:  # guard.shared.<field> = ...
+                field = parts[-1]
+                if SHARED_WRITERS.get(field) != module:
+                    offences.append(f"{module}:{node.lineno} writes shared {field}")
+            elif module not in ENGINE_MODULES and (
+                parts[0] == "guard" or target.startswith("self._guard.")
+            ):
+                offences.append(f"{module}:{node.lineno} writes {target}")
+    assert offences == [], "components ask the engine through services:\n" + "\n".join(offences)
+    from guardrails._state import Shared
+
+    # Every declared shared field has a writer, and every writer a declared field.
+    assert set(SHARED_WRITERS) == {f.name for f in dataclasses.fields(Shared)}
+
+
+def test_every_default_component_declares_the_protocol():
+    from guardrails._factory import SECTIONS
+
+    names = set()
+    for cls in SECTIONS.values():
+        assert "name" in vars(cls) and cls.name not in names, cls
+        names.add(cls.name)
+        assert dataclasses.is_dataclass(cls.Config), cls
+        doc = cls.Config.__doc__ or ""
+        for field in dataclasses.fields(cls.Config):  # each knob documented, once, there
+            assert f"{field.name}:" in doc, f"{cls.__name__}.Config.{field.name} undocumented"
+        for other in (*cls.after, *cls.before):  # constraints name real components
+            assert other in {c.name for c in SECTIONS.values()}, (cls, other)
+    # The defaults, in SECTIONS order, satisfy every constraint they declare.
+    from guardrails._component import check_components
+
+    check_components([cls() for cls in SECTIONS.values()])
+
+
+def test_the_engine_imports_no_component():
+    """The engine reaches components only through the protocol, so a component can be
+    removed without touching it (ARCHITECTURE.md: who may import whom)."""
+    from guardrails._factory import SECTIONS
+
+    components = {cls.__module__.rsplit(".", 1)[1] for cls in SECTIONS.values()}
+    for engine in ("_guard", "_component", "_state", "_config", "_data", "_benchmark"):
+        tree = ast.parse((_PKG / f"{engine}.py").read_text())
+        imported = set()
+        for node in ast.walk(tree):  # lazy imports inside functions included
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.rsplit(".", 1)[-1])
+                imported.update(a.name for a in node.names)
+        assert not imported & components, f"{engine} imports {imported & components}"
