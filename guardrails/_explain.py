@@ -373,9 +373,9 @@ def _port_hint(port: int) -> str:
     import os
 
     try:
-        from guardrails._doctor import _port_holders
+        from guardrails._probes import port_holders
 
-        holders = _port_holders(port) or []
+        holders = port_holders(port) or []
     except Exception:
         return ""
     if not holders:

@@ -307,9 +307,9 @@ def _master_port(env: dict[str, str], *_: Any) -> list[LaunchProblem]:
     rank = _int(env.get("RANK")) or 0
     if port is None or rank != 0 or not _is_local(env.get("MASTER_ADDR", "localhost")):
         return []
-    from guardrails._doctor import _port_status
+    from guardrails._probes import port_status
 
-    status = _port_status(port)
+    status = port_status(port)
     if status.get("status") != "in use":
         return []
     holders = status.get("holders") or []

@@ -724,10 +724,10 @@ def _warn_bf16_on_cpu(guard: Guard) -> None:
         )
     if not bf16:
         return
-    from guardrails._doctor import _cpu
+    from guardrails._probes import cpu_info
 
     try:
-        native = _cpu().get("bf16_native")
+        native = cpu_info().get("bf16_native")
     except Exception:
         return
     if native is False:
