@@ -162,7 +162,7 @@ def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
                     tag,
                     f"is throttling ({', '.join(active)}): SM clock {d.get('sm_clock_mhz')} of "
                     f"max {d.get('sm_clock_max_mhz')} MHz. One slow GPU slows every rank "
-                    "(seed 002); check cooling and power limits.",
+                    "(each collective waits for the slowest); check cooling and power limits.",
                 )
             )
         clock, top, util = d.get("sm_clock_mhz"), d.get("sm_clock_max_mhz"), d.get("util_pct")
@@ -193,7 +193,8 @@ def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
                 f"pid {p['pid']}",
                 f"holds {_mib(p.get('used_mib'))} on GPU {p['gpu']} ({(p['name'] or '?')[:80]}). "
                 "If it is left from a previous run (a zombie), it takes memory and can keep "
-                f"the rendezvous port: `kill {p['pid']}` (seed 002: 'Address already in use').",
+                f"the rendezvous port (the next launch fails with 'Address already in use'): "
+                f"`kill {p['pid']}`.",
             )
         )
     return flags
@@ -206,8 +207,9 @@ def _cpu_flags(cpu: dict[str, Any]) -> list[dict[str, str]]:
                 "info",
                 "CPU bf16",
                 "this CPU has no native bf16 (no avx512_bf16 / amx_bf16): bf16 math on CPU is "
-                "emulated through float32 and can be many times slower (seed 004's CPU run "
-                "auto-picked bf16 because a GPU was present). Train CPU runs in float32.",
+                "emulated through float32 and can be many times slower (a CPU run ends up in "
+                "bf16 when code picks the dtype because a GPU is present). Train CPU runs in "
+                "float32.",
             )
         ]
     return []

@@ -184,8 +184,8 @@ _IB_OFF = (
     "workaround for a broken IB network)."
 )
 _NOT_READ = (
-    "is not read by Python or PyTorch (a seed recommends it, but nothing looks at it): it "
-    "does nothing."
+    "is not read by Python or PyTorch (tuning advice recommends it, but nothing looks at it): "
+    "it does nothing."
 )
 
 #: The rules, in the order doctor lists their findings.
@@ -225,8 +225,8 @@ ENV_RULES: tuple[EnvRule, ...] = (
         "bad",
         lambda e: e.ib_timeout is not None and not 1 <= e.ib_timeout <= 31,
         "={e.ib_timeout} is out of range: it is an exponent (timeout = 4.096 us x 2^value, "
-        "NCCL's default 20, about 4 s), valid 1-31; seed 002's 1000 is not a number of "
-        "seconds.",
+        "NCCL's default 20, about 4 s), valid 1-31; it is not a number of seconds (1000 "
+        "does not mean 1000 s).",
         "Use 22-23 for large or lossy fabrics. It is not the collective timeout either: that "
         "is init_process_group(timeout=...).",
     ),
@@ -322,7 +322,7 @@ ENV_RULES: tuple[EnvRule, ...] = (
         lambda e: bool(e.visible) and e.local_rank is not None and e.local_rank >= e.n_visible,
         "={value} shows {e.n_visible} device(s) but LOCAL_RANK is {e.local_rank}: "
         "torch.cuda.set_device({e.local_rank}) fails with 'invalid device ordinal'.",
-        "Seed 002: let torchrun assign the GPUs (no per-process CUDA_VISIBLE_DEVICES); to "
+        "Let torchrun assign the GPUs (no per-process CUDA_VISIBLE_DEVICES); to "
         "restrict them, set it once for the whole torchrun command, covering nproc_per_node "
         "devices.",
     ),
@@ -363,7 +363,7 @@ ENV_RULES: tuple[EnvRule, ...] = (
                 "warn",
                 lambda e, var=var: e.ifname_wireless(var),
                 "={value} is a wireless interface: every step's gradient all-reduce crosses it "
-                "and will dominate the step time (seed 004).",
+                "and will dominate the step time.",
                 "Use a wired link.",
             ),
         )

@@ -927,7 +927,7 @@ class Guard:
 
     def _check_optimizer_coverage(self) -> None:
         """Warn about trainable parameters the optimizer will never update (the
-        seeds' "frozen params / LoRA wiring" failure: loss does not decrease)."""
+        frozen-params / LoRA-wiring failure: the loss does not decrease)."""
         if self.rank != 0:
             return
         owned = {

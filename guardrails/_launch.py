@@ -306,8 +306,8 @@ def _devices(
             if per_process
             else f"start at most {device_count} processes per node "
             f"(--nproc_per_node={device_count}), or list more GPUs in "
-            "CUDA_VISIBLE_DEVICES (seed: don't set CUDA_VISIBLE_DEVICES manually unless you "
-            "must; torchrun assigns them)."
+            "CUDA_VISIBLE_DEVICES (do not set CUDA_VISIBLE_DEVICES by hand unless you must: "
+            "torchrun assigns the GPUs)."
         )
         out.append(
             LaunchProblem(
@@ -416,7 +416,7 @@ def _master_addr(env: dict[str, str], *_: Any) -> list[LaunchProblem]:
                 f"MASTER_ADDR={addr!r} is unreachable from this host ({os.strerror(code)}, "
                 f"port {port}).",
                 "check the address and the network between nodes; with several interfaces "
-                "pin the right one (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, seed 004).",
+                "pin the right one (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).",
             )
         ]
     return []

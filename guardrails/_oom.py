@@ -361,7 +361,7 @@ def _oom_remedies(
     per_rank: dict[int, Any] | None,
     leak: dict[str, Any] | None,
 ) -> list[tuple[str, str]]:
-    """The seeds' OOM remedies, each scored by what the numbers say; best first."""
+    """The usual OOM remedies, each scored by what the numbers say; best first."""
     scored: list[tuple[int, str, str]] = []
     kinds = memory["by_kind"]
     allocated = memory.get("allocated")

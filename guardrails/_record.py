@@ -1,6 +1,6 @@
 """``@guardrails.record``: the end of a failing rank, told once and clearly.
 
-Seed 002, issue 1: torchrun's ``ChildFailedError`` shows "To enable traceback see:
+torchrun's ``ChildFailedError`` shows "To enable traceback see:
 https://pytorch.org/docs/stable/elastic/errors.html" unless the worker wrote an error
 file. torch's own ``@record`` writes one with the traceback; this one writes the
 guardrails message (what happened, which rank, step, collective, the fix) where
