@@ -17,7 +17,7 @@ import torch
 
 import guardrails
 from guardrails._bench import SIZES, RefGPT
-from guardrails._benchmark import render
+from guardrails._benchmark_mode import render
 
 
 def main() -> None:

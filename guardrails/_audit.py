@@ -1,7 +1,7 @@
 """CollectiveAuditor: every rank's sequence of collectives, compared across ranks off
 the hot path, so a desync is an error naming each rank's call instead of a hang.
 
-Seeds 001/002 ("barrier mismatch", "only rank 0 does something that includes a
+Collective mismatches ("barrier mismatch", "only rank 0 does something that includes a
 collective") end today in a 10-minute NCCL timeout, a 30-minute gloo one, or gloo's
 "Is there a distributed collective mismatch in your code?" with no rank, op or line;
 and an extra *same-shape* all_reduce on one rank raises nothing at all: it silently

@@ -1,30 +1,51 @@
 """Checkpoints that are complete, atomic and verified, and the exact resume that reads them.
 
-Seed 003 ("Can't reproduce / resume") lists what a resumed run silently loses: the
-optimizer moments, the LR schedule position, the loss scale, the RNG streams (so dropout
-and shuffling differ), and, worst, the checkpoint itself when the job was killed halfway
-through ``torch.save``. This module is part 1 of issue 4: the on-disk format, the atomic
-commit, checksum verification, retention and :func:`resume`. Signals, periodic and
-background saves and the data-loader position are part 2.
+A resumed run silently loses whatever the checkpoint left out: the optimizer moments,
+the LR schedule position, the loss scale, the RNG streams (so dropout and shuffling
+differ, and the run cannot be reproduced), and, worst, the checkpoint itself when the
+job was killed halfway through ``torch.save``. This module is the on-disk format, the
+atomic commit, checksum verification, retention and :func:`resume`; signals, periodic
+and background saves and the data-loader position are :mod:`guardrails._checkpointer`,
+sharded (FSDP2 / DTensor) model and optimizer state :mod:`guardrails._sharded`.
 
-The format (``format_version`` 1), one directory per committed step::
+The format (``format_version`` 3; formats 1 and 2 still read), one directory per
+committed step::
 
     root/
       step_000001200/
         model.safetensors       model.state_dict(); each storage once, tied keys recorded
                                 as aliases in the header metadata ("guardrails.aliases")
-        optimizer.safetensors   every tensor of optimizer.state_dict()["state"],
-                                keyed "<param_idx>.<name>" (e.g. "3.exp_avg")
+        optimizer.safetensors   every tensor of optimizer.state_dict(), keyed
+                                "<param_idx>.<name>" (e.g. "3.exp_avg")
         optimizer.json          param_groups and the non-tensor state, tensors referenced
-                                as {"__tensor__": "3.exp_avg"}
-        scheduler.json          scheduler.state_dict() (scheduler.pt when not JSON-able)
+                                as {"__tensor__": "3.exp_avg"}, and the shapes of the
+                                parameters the state was saved for
+        optimizer.<name>.*      the same, per optimizer, when the guard has several
+        scheduler.json          scheduler.state_dict() (scheduler.pt when not JSON-able;
+                                scheduler.<name>.* when several)
         scaler.json             GradScaler.state_dict()
-        rng.json                python random and numpy states
-        rng.safetensors         torch CPU generator, CUDA generator per device
         extras.json             the caller's extras (JSON values only)
+        rank00000.json          each rank's own state: python and numpy RNG, the data
+        rank00000.safetensors   position, the guard's state; torch CPU and CUDA RNG
+        rank00001.* ...         (one pair per rank)
+        rank00000.optimizer.*   optimizer state that differs per rank (a
+                                ZeroRedundancyOptimizer's shard), one set per rank
+        dcp/                    sharded model and optimizer state, written by every rank
+                                through torch.distributed.checkpoint (instead of
+                                model.safetensors and optimizer.*)
         manifest.json           written LAST: bytes and sha256 of every file above, step,
-                                time, versions, world size and rank
+                                time, versions, world size and ranks; "contents" (each
+                                optimizer's and scheduler's file stem, whether it was
+                                saved per rank, and their classes, checked before
+                                anything is applied at resume); and "manifest_sha256",
+                                the manifest's hash of itself
       step_000001300/ ...
+
+What each format added: 2 moved the RNG streams from ``rng.json`` / ``rng.safetensors``
+(rank 0's only) into the per-rank ``rank<R>.*`` files; 3 added several optimizers and
+schedulers, optimizer state saved per rank, the parameter shapes, and ``contents``.
+``manifest_sha256`` and the classes in ``contents`` are optional on read, so
+checkpoints written before them still load.
 
 Why a crash at any instant leaves the previous checkpoint loadable. A save writes into
 ``root/.tmp-step_<N>-<uuid>/``, a name no reader ever picks (readers only look at
@@ -41,17 +62,21 @@ So at every instant ``step_<N>`` either does not exist or is complete:
   then deleted, so a half-deleted one never carries a ``step_*`` name; the newest valid
   checkpoint is never deleted.
 
-Readers trust nothing: a checkpoint counts as valid only when ``manifest.json`` parses
-and every file it lists has the recorded size and sha256. Resuming from a run directory
+Readers trust nothing: a checkpoint counts as valid only when ``manifest.json`` parses,
+matches its own ``manifest_sha256`` (a flipped bit in the manifest could otherwise
+change the step or a file's recorded hash), names no file outside its directory, and
+every file it lists has the recorded size and sha256. Resuming from a run directory
 takes the newest valid one and logs why each newer one was skipped (a disk that filled
-up, a bit flip in transit, a truncated copy). Everything is checked (checksums, then key
-names and shapes against the model and optimizer) before anything is loaded, so a
-``CheckpointError`` or ``ResumeError`` leaves the model exactly as it was.
+up, a bit flip in transit, a truncated copy). Everything is checked (checksums, the
+saved classes, then key names and shapes against the model and optimizer) before
+anything is loaded, so a ``CheckpointError`` or ``ResumeError`` leaves the model,
+optimizer, scheduler and scaler exactly as they were.
 
-Distributed runs: in this part rank 0 writes everything, which is complete for replicated
-state (DDP, where every rank holds the same weights and optimizer state); other ranks
-return without writing. Per-rank files (per-rank RNG, data position), the cross-rank
-agreement on the step and sharded (FSDP/DTensor) state come in part 2.
+Distributed runs: :func:`save_checkpoint` called directly writes rank 0's copy, which
+is complete for replicated state (DDP, where every rank holds the same weights and
+optimizer state); other ranks return without writing. The guard's saves write every
+rank's own files into one temp directory, and rank 0 writes the manifest and renames:
+one atomic commit for the whole job (:mod:`guardrails._checkpointer`).
 
 Only one process may save into a ``root`` at a time.
 """

@@ -1,9 +1,9 @@
 """SignalCheckpointer: pre-emption, Ctrl+C and periodic saves that lose nothing, and the
 resume that reads them back.
 
-Seed 003's "emergency recovery" is what this replaces: a job killed by the scheduler
-with 30 s notice, a checkpoint from three hours ago, and a resumed run that reshuffles
-its data. What it does, and where the cost goes:
+It replaces the usual emergency recovery: a job killed by the scheduler with 30 s
+notice, a checkpoint from three hours ago, and a resumed run that reshuffles its data.
+What it does, and where the cost goes:
 
 * **Signals set a flag, nothing else.** SIGTERM (torchrun, Kubernetes, SLURM at the
   end), SIGINT (Ctrl+C) and SIGUSR1 (SLURM's ``--signal`` warning) only record which

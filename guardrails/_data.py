@@ -1,7 +1,7 @@
 """The data position: where in the loader a checkpoint was taken, and how a resumed run
 continues from exactly there.
 
-Seed 003's resumed run that "sees different data" loses the position in two ways: it
+A resumed run that "sees different data" lost the position in one of two ways: it
 restarts the epoch (repeating samples) or it reshuffles (a different order). A position
 here is ``(epoch, batch_in_epoch)`` plus what is needed to reproduce the pass's order,
 and a resumed run continues it in one of three ways, the best the loader allows:

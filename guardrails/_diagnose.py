@@ -1,4 +1,4 @@
-"""Why did this step go non-finite? Seed 003's triage, in the order it recommends.
+"""Why did this step go non-finite? The usual triage, cheapest and likeliest cause first.
 
 Runs only after a non-finite step was detected (rare), so it may sync and allocate:
 

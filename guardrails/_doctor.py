@@ -1,10 +1,14 @@
-"""``python -m guardrails doctor``: the seeds' "quick diagnostic script", as one command.
+"""``python -m guardrails doctor``: the diagnostic script people paste by hand, as one command.
 
-Seed 000 ends with a shell script users paste by hand (``nvidia-smi``, ``topo -m``, the
-compute processes, ``env | grep NCCL``, torch's versions); seed 002's tables list the
-environment variables people set while debugging, several of which make things worse
-when left on; seed 004's two-node hang was a bf16 run on a CPU without native bf16 and
-ranks that saw different data directories. Doctor gathers all of that in one screen:
+When a distributed job hangs or crawls, the first questions are always the same: which
+torch, CUDA and NCCL; which GPUs, how hot, throttled or not, with ECC errors or not;
+how they are connected (``nvidia-smi topo -m``); which processes still hold GPU memory
+(a zombie from the last run); which ``NCCL_*`` / ``TORCH_*`` variables are set (several
+that people set while debugging make things worse when left on); whether the CPU has
+native bf16 (without it a bf16 CPU run is emulated and many times slower); whether the
+rendezvous port is free. And across nodes: do the ranks agree on all of that (a
+two-node hang can come down to ranks that see different data directories). Doctor
+answers them in one screen:
 
 * versions: torch, CUDA, cuDNN, NCCL, Python; backends available;
 * GPUs through NVML (the optional ``nvml`` extra: ``nvidia-ml-py``), else by parsing
@@ -20,30 +24,32 @@ Under ``torchrun`` every rank collects its report, they are gathered over a gloo
 (``all_gather_object``: a few KB, once) and rank 0 prints its own report plus the
 differences between ranks. Every probe is wrapped: a missing tool or library is
 reported as unavailable, never a crash.
+
+This module is the command: it assembles the report, judges the hardware readings
+(ECC, throttling, temperature, leftover processes, bf16), compares ranks and renders
+the text or JSON. The readings themselves are :mod:`guardrails._probes`; the table of
+environment settings and what each does wrong is :mod:`guardrails._env_rules`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import errno
 import json
 import logging
 import os
 import platform
 import re
-import shutil
 import socket
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("guardrails")
+from guardrails import _probes
+from guardrails._env_rules import env_flags
+from guardrails._env_rules import flag as _flag
+from guardrails._probes import int_env as _int_env
 
-DEFAULT_PORT = 29500  # torchrun's and init_process_group's default MASTER_PORT
-_TOOL_TIMEOUT_S = 15.0  # nvidia-smi can take seconds on a busy 8-GPU node; never hang on it
+logger = logging.getLogger("guardrails")
 
 #: Variables shown (and compared between ranks): prefixes, then exact names.
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "MASTER_", "PYTORCH_")
@@ -76,26 +82,6 @@ PER_RANK = {
 }
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|CREDENTIAL|AUTH", re.I)
 
-# nvidia-smi fields: (query name, our key). Optional ones are retried without on error
-# (older drivers lack some; clocks_throttle_reasons was renamed clocks_event_reasons).
-_SMI_FIELDS = [
-    ("index", "index"),
-    ("name", "name"),
-    ("memory.total", "memory_total_mib"),
-    ("memory.used", "memory_used_mib"),
-    ("utilization.gpu", "util_pct"),
-    ("temperature.gpu", "temp_c"),
-    ("clocks.sm", "sm_clock_mhz"),
-    ("clocks.max.sm", "sm_clock_max_mhz"),
-    ("power.draw", "power_w"),
-    ("power.limit", "power_limit_w"),
-]
-_SMI_OPTIONAL = [
-    ("ecc.errors.uncorrected.volatile.total", "ecc_uncorrected"),
-    ("ecc.errors.corrected.volatile.total", "ecc_corrected"),
-    ("clocks_throttle_reasons.active", "throttle_reasons"),
-]
-# NVML throttle-reason bits that mean "slowed down against the user's will" (idle, app
 # clock settings and sync boost are not). Values from nvml.h.
 _THROTTLE_BITS = {
     0x4: "power cap",
@@ -121,11 +107,11 @@ def collect() -> dict[str, Any]:
         "platform": platform.platform(),
     }
     for key, probe in (
-        ("versions", _versions),
-        ("gpus", _gpus),
-        ("topology", _topology),
-        ("cpu", _cpu),
-        ("ports", _ports),
+        ("versions", _probes.torch_versions),
+        ("gpus", _probes.gpu_info),
+        ("topology", _probes.gpu_topology),
+        ("cpu", _probes.cpu_info),
+        ("ports", _probes.rendezvous_ports),
     ):
         try:
             report[key] = probe()
@@ -139,13 +125,6 @@ def collect() -> dict[str, Any]:
     return report
 
 
-def _int_env(name: str) -> int | None:
-    try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        return None
-
-
 def _relevant(name: str) -> bool:
     return name.startswith(ENV_PREFIXES) or name in ENV_NAMES
 
@@ -154,565 +133,7 @@ def _redact(name: str, value: str) -> str:
     return "<redacted>" if _SECRET.search(name) else value
 
 
-def _run(cmd: list[str]) -> tuple[int | None, str]:
-    """(returncode, stdout+stderr); returncode None when the tool is missing or hung."""
-    if shutil.which(cmd[0]) is None:
-        return None, f"{cmd[0]} not found on PATH"
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=_TOOL_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return None, f"{' '.join(cmd)} did not answer in {_TOOL_TIMEOUT_S:.0f} s"
-    except OSError as exc:
-        return None, f"{cmd[0]}: {exc}"
-    return p.returncode, (p.stdout + p.stderr).strip()
-
-
-def _versions() -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    out: dict[str, Any] = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,  # None: a CPU build
-        "cudnn": None,
-        "nccl": None,
-        "cuda_available": False,
-        "cuda_devices": 0,
-        "gloo": dist.is_available() and dist.is_gloo_available(),
-        "nccl_backend": dist.is_available() and dist.is_nccl_available(),
-    }
-    with contextlib.suppress(Exception):
-        out["cudnn"] = torch.backends.cudnn.version()
-    with contextlib.suppress(Exception):
-        if torch.version.cuda is not None:
-            v = torch.cuda.nccl.version()
-            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    try:
-        # is_available() and device_count() use NVML when it can and do not create a
-        # CUDA context: doctor holds no GPU memory.
-        out["cuda_available"] = torch.cuda.is_available()
-        out["cuda_devices"] = torch.cuda.device_count()
-    except Exception as exc:
-        out["cuda_error"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-def _gpus() -> dict[str, Any]:
-    """GPUs and the processes holding their memory: NVML, else nvidia-smi."""
-    why: list[str] = []
-    try:
-        return _gpus_nvml()
-    except ImportError:
-        why.append('NVML bindings not installed (pip install "torch-guardrails[nvml]")')
-    except Exception as exc:
-        why.append(f"NVML: {type(exc).__name__}: {exc}".strip())
-    try:
-        return _gpus_smi()
-    except Exception as exc:
-        why.append(str(exc))
-    return {"source": None, "devices": [], "processes": [], "why": "; ".join(why)}
-
-
-def _gpus_nvml() -> dict[str, Any]:
-    import pynvml as nv  # the nvml extra: nvidia-ml-py
-
-    nv.nvmlInit()
-    try:
-        devices, processes = [], []
-        for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
-            d: dict[str, Any] = {"index": i}
-
-            def get(key: str, fn: Any, *args: Any, _d: dict[str, Any] = d) -> Any:
-                try:
-                    val = fn(*args)
-                except Exception:  # NVMLError_NotSupported on some boards: leave it out
-                    val = None
-                _d[key] = val.decode() if isinstance(val, bytes) else val
-                return _d[key]
-
-            get("name", nv.nvmlDeviceGetName, h)
-            mem = get("_mem", nv.nvmlDeviceGetMemoryInfo, h)
-            d.pop("_mem")
-            if mem is not None:
-                d["memory_total_mib"] = mem.total / 2**20
-                d["memory_used_mib"] = mem.used / 2**20
-            util = get("_util", nv.nvmlDeviceGetUtilizationRates, h)
-            d.pop("_util")
-            d["util_pct"] = None if util is None else util.gpu
-            get("temp_c", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
-            get("sm_clock_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
-            get("sm_clock_max_mhz", nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM)
-            power = get("power_w", nv.nvmlDeviceGetPowerUsage, h)
-            d["power_w"] = None if power is None else power / 1000
-            limit = get("power_limit_w", nv.nvmlDeviceGetEnforcedPowerLimit, h)
-            d["power_limit_w"] = None if limit is None else limit / 1000
-            reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-                nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
-            )
-            if reasons is not None:
-                get("throttle_reasons", reasons, h)
-            for key, kind in (("ecc_uncorrected", 1), ("ecc_corrected", 0)):
-                # kind: NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1; counter: VOLATILE_ECC = 0
-                get(key, nv.nvmlDeviceGetTotalEccErrors, h, kind, 0)
-            devices.append(d)
-            procs: list[Any] = []
-            with contextlib.suppress(Exception):
-                procs = nv.nvmlDeviceGetComputeRunningProcesses(h)
-            for p in procs:
-                used = getattr(p, "usedGpuMemory", None)
-                processes.append(
-                    {
-                        "gpu": i,
-                        "pid": p.pid,
-                        "name": _cmdline(p.pid) or "?",
-                        "used_mib": None if used is None else used / 2**20,
-                    }
-                )
-        return {"source": "nvml", "devices": devices, "processes": processes}
-    finally:
-        with contextlib.suppress(Exception):
-            nv.nvmlShutdown()
-
-
-def _num(text: str) -> float | int | str | None:
-    text = text.strip()
-    if not text or text.startswith("[") or text in ("N/A", "[N/A]", "Not Supported"):
-        return None
-    try:
-        if text.lower().startswith("0x"):
-            return int(text, 16)
-        f = float(text)
-        return int(f) if f.is_integer() else f
-    except ValueError:
-        return text
-
-
-def _gpus_smi() -> dict[str, Any]:
-    fields = _SMI_FIELDS + _SMI_OPTIONAL
-    code, out = _run(["nvidia-smi", f"--query-gpu={','.join(f for f, _ in fields)}", _CSV])
-    if code not in (None, 0):
-        fields = _SMI_FIELDS
-        code, out = _run(["nvidia-smi", f"--query-gpu={','.join(f for f, _ in fields)}", _CSV])
-    if code is None:
-        raise RuntimeError(out)
-    if code != 0:
-        # "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"
-        raise RuntimeError(f"nvidia-smi failed (exit {code}): {out.splitlines()[0] if out else ''}")
-    devices = []
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if len(cells) != len(fields):
-            continue
-        d = {key: _num(c) for (_, key), c in zip(fields, cells, strict=True)}
-        d["name"] = cells[1]
-        devices.append(d)
-    processes = []
-    code, out = _run(
-        ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid,process_name,used_memory", _CSV]
-    )
-    if code == 0:
-        for line in out.splitlines():
-            cells = [c.strip() for c in line.split(",")]
-            if len(cells) == 4 and cells[1].isdigit():
-                pid = int(cells[1])
-                processes.append(
-                    {
-                        "gpu": cells[0],
-                        "pid": pid,
-                        "name": _cmdline(pid) or cells[2],
-                        "used_mib": _num(cells[3]),
-                    }
-                )
-    return {"source": "nvidia-smi", "devices": devices, "processes": processes}
-
-
-_CSV = "--format=csv,noheader,nounits"
-
-
-def _topology() -> dict[str, Any]:
-    code, out = _run(["nvidia-smi", "topo", "-m"])
-    # nvidia-smi underlines the header with ANSI escapes even into a pipe (seen on an
-    # H200 host): strip them, they garble logs and JSON.
-    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
-    if code == 0:
-        return {"matrix": out}
-    return {"matrix": None, "why": out or f"nvidia-smi topo -m exited {code}"}
-
-
-def _cmdline(pid: int) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip() or None
-
-
-def _cpu() -> dict[str, Any]:
-    import torch
-
-    out: dict[str, Any] = {
-        "model": platform.processor() or platform.machine(),
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch_threads": torch.get_num_threads(),
-        "capability": None,
-        "avx512_bf16": None,
-        "amx_bf16": None,
-    }
-    with contextlib.suppress(Exception):
-        out["capability"] = torch.backends.cpu.get_cpu_capability()
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                out["model"] = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and ":" in line:
-                flags = set(line.split(":", 1)[1].split())
-                break
-    if flags:
-        out["avx512_bf16"] = "avx512_bf16" in flags
-        out["amx_bf16"] = "amx_bf16" in flags
-    else:  # not Linux: ask torch (private helpers, present since torch 2.1)
-        with contextlib.suppress(Exception):
-            out["avx512_bf16"] = bool(torch.cpu._is_avx512_bf16_supported())
-        with contextlib.suppress(Exception):
-            out["amx_bf16"] = bool(torch.cpu._is_amx_tile_supported())
-    out["bf16_native"] = bool(out["avx512_bf16"] or out["amx_bf16"])
-    return out
-
-
-def _ports() -> list[dict[str, Any]]:
-    ports = [DEFAULT_PORT]
-    master = _int_env("MASTER_PORT")
-    if master is not None and master != DEFAULT_PORT:
-        ports.append(master)
-    return [_port_status(p) for p in ports]
-
-
-def _port_status(port: int) -> dict[str, Any]:
-    """Try to bind the port the way TCPStore does (SO_REUSEADDR); name the holder."""
-    out: dict[str, Any] = {"port": port, "master_port": _int_env("MASTER_PORT") == port}
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("", port))
-        out["status"] = "free"
-        return out
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            out["status"] = f"unknown ({exc})"
-            return out
-        out["status"] = "in use"
-    finally:
-        s.close()
-    out["holders"] = _port_holders(port)
-    return out
-
-
-def _port_holders(port: int) -> list[dict[str, Any]] | None:
-    """Processes with a listening socket on ``port``: /proc/net/tcp{,6} gives the socket
-    inodes, /proc/<pid>/fd the owners. None when the owners cannot be seen (another
-    user's processes, or no /proc)."""
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                cols = line.split()
-                # local_address is HEXIP:HEXPORT; state 0A is LISTEN
-                if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(cols[9])
-    if not inodes:
-        return None
-    holders = []
-    # Under torchrun, MASTER_PORT is held by the launcher (an ancestor): expected.
-    ancestors = _ancestors() if "TORCHELASTIC_RUN_ID" in os.environ else set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fds = list((proc / "fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:[") and target[8:-1] in inodes:
-                pid = int(proc.name)
-                holders.append({"pid": pid, "cmd": _cmdline(pid), "ours": pid in ancestors})
-                break
-    return holders or None
-
-
-def _ancestors() -> set[int]:
-    """This process and its parents (a torchrun agent holding MASTER_PORT is ours)."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            pid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
-
-
 # ---------------------------------------------------------------------------- flags
-
-
-def _flag(level: str, name: str, message: str) -> dict[str, str]:
-    """level: "bad" (will hurt), "warn" (probably not what you want), "info" (advice)."""
-    return {"level": level, "name": name, "message": message}
-
-
-def env_flags(env: dict[str, str]) -> list[dict[str, str]]:
-    """Known-bad settings in ``env`` (seed 002's tables and what they leave out)."""
-    flags = []
-    on = {k for k, v in env.items() if v.strip().lower() not in ("", "0", "false", "no", "off")}
-    under_torchrun = "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env
-    world = _as_int(env.get("WORLD_SIZE")) or 1
-    local_world = _as_int(env.get("LOCAL_WORLD_SIZE")) or 1
-
-    if "NCCL_P2P_DISABLE" in on:
-        flags.append(
-            _flag(
-                "bad",
-                "NCCL_P2P_DISABLE",
-                "GPU peer-to-peer (NVLink / PCIe P2P) is off: every intra-node all-reduce goes "
-                "through host memory, several times slower. A workaround for broken P2P "
-                "(some consumer cards, VMs, IOMMU); unset it unless that is your case, and "
-                "check the links with `nvidia-smi topo -m`.",
-            )
-        )
-    if "NCCL_SHM_DISABLE" in on:
-        flags.append(
-            _flag(
-                "warn",
-                "NCCL_SHM_DISABLE",
-                "shared-memory transport is off: intra-node traffic without P2P falls back "
-                "to sockets. Unset it unless /dev/shm is too small (in Docker: --shm-size).",
-            )
-        )
-    if "NCCL_IB_DISABLE" in on:
-        level = "bad" if world > local_world else "info"
-        flags.append(
-            _flag(
-                level,
-                "NCCL_IB_DISABLE",
-                "InfiniBand / RoCE is off, so traffic between nodes goes over TCP sockets "
-                "(a common workaround for a broken IB network). "
-                + (
-                    "This job spans nodes: expect much slower all-reduces; unset it unless "
-                    "IB is broken on this cluster."
-                    if level == "bad"
-                    else "Harmless on one node; do not carry it to multi-node jobs."
-                ),
-            )
-        )
-    ib_timeout = _as_int(env.get("NCCL_IB_TIMEOUT"))
-    if ib_timeout is not None and not 1 <= ib_timeout <= 31:
-        flags.append(
-            _flag(
-                "bad",
-                "NCCL_IB_TIMEOUT",
-                f"={ib_timeout} is out of range: it is an exponent (timeout = 4.096 us x "
-                "2^value, NCCL's default 20, about 4 s), valid 1-31; seed 002's 1000 is not "
-                "a number of seconds. Use 22-23 for large or lossy fabrics. It is not the "
-                "collective timeout either: that is init_process_group(timeout=...).",
-            )
-        )
-    debug = env.get("NCCL_DEBUG", "").upper()
-    if not debug:
-        flags.append(
-            _flag(
-                "info",
-                "NCCL_DEBUG",
-                "unset. When debugging a hang or an NCCL error, set NCCL_DEBUG=INFO (and "
-                "NCCL_DEBUG_SUBSYS=INIT,COLL,NET to focus): NCCL then logs which transport, "
-                "interface and ring it chose.",
-            )
-        )
-    elif debug == "TRACE":
-        flags.append(
-            _flag(
-                "warn",
-                "NCCL_DEBUG",
-                "=TRACE logs every collective call: slow and huge logs. Use INFO, or unset it "
-                "outside debugging.",
-            )
-        )
-    if env.get("NCCL_DEBUG_SUBSYS") and not debug:
-        flags.append(
-            _flag(
-                "warn",
-                "NCCL_DEBUG_SUBSYS",
-                "has no effect without NCCL_DEBUG (set NCCL_DEBUG=INFO as well).",
-            )
-        )
-    tdd = env.get("TORCH_DISTRIBUTED_DEBUG", "").upper()
-    if tdd == "DETAIL":
-        flags.append(
-            _flag(
-                "warn",
-                "TORCH_DISTRIBUTED_DEBUG",
-                "=DETAIL checks every collective against the other ranks (an extra "
-                "collective each time) and logs DDP internals: a debugging aid for "
-                "collective mismatches that slows training. Unset it in production runs.",
-            )
-        )
-    for name in ("NCCL_BLOCKING_WAIT", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG"):
-        if name in env and f"TORCH_{name}" not in env:
-            flags.append(
-                _flag(
-                    "info",
-                    name,
-                    f"is the old name of TORCH_{name} (torch >= 2.2 reads both, and warns). "
-                    f"Rename it.",
-                )
-            )
-    async_eh = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", env.get("NCCL_ASYNC_ERROR_HANDLING"))
-    if async_eh is not None and async_eh.strip() == "0":
-        flags.append(
-            _flag(
-                "bad",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                "=0 turns off NCCL error handling: a failed or timed-out collective is not "
-                "acted on, so the other ranks hang instead of the job failing. Unset it "
-                "(torch's default tears the process down so torchrun can restart the job).",
-            )
-        )
-    blocking = env.get("TORCH_NCCL_BLOCKING_WAIT", env.get("NCCL_BLOCKING_WAIT"))
-    if blocking is not None and blocking.strip() not in ("", "0"):
-        flags.append(
-            _flag(
-                "warn",
-                "TORCH_NCCL_BLOCKING_WAIT",
-                "=1 makes the host block in every collective's wait() until it finishes (and "
-                "raise there on timeout): host and device no longer overlap. Not needed for "
-                "timeouts (async error handling already aborts); a debugging aid only.",
-            )
-        )
-    if "CUDA_LAUNCH_BLOCKING" in on:
-        flags.append(
-            _flag(
-                "bad",
-                "CUDA_LAUNCH_BLOCKING",
-                "=1 makes every CUDA kernel launch synchronous: several times slower. It is "
-                "for locating a CUDA error's true line; unset it afterwards.",
-            )
-        )
-    for name, instead in (
-        ("PYTHONGC_THRESHOLD", "gc.set_threshold(...) in code, or guard(gc_every_n_steps=...)"),
-        ("CUDA_MEMORY_FRACTION", "torch.cuda.set_per_process_memory_fraction(0.9)"),
-    ):
-        if name in env:
-            flags.append(
-                _flag(
-                    "bad",
-                    name,
-                    f"is not read by Python or PyTorch (a seed recommends it, but nothing looks "
-                    f"at it): it does nothing. Use {instead}.",
-                )
-            )
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    local_rank = _as_int(env.get("LOCAL_RANK"))
-    if cvd is not None:
-        visible = [d for d in cvd.split(",") if d.strip()]
-        if not visible:
-            flags.append(
-                _flag(
-                    "warn",
-                    "CUDA_VISIBLE_DEVICES",
-                    "is set but empty: it hides every GPU from this process. Unset it to use "
-                    "the GPUs.",
-                )
-            )
-        elif local_rank is not None and local_rank >= len(visible):
-            flags.append(
-                _flag(
-                    "bad",
-                    "CUDA_VISIBLE_DEVICES",
-                    f"={cvd} shows {len(visible)} device(s) but LOCAL_RANK is {local_rank}: "
-                    f"torch.cuda.set_device({local_rank}) fails with 'invalid device "
-                    "ordinal'. Seed 002: let torchrun assign the GPUs (no per-process "
-                    "CUDA_VISIBLE_DEVICES); to restrict them, set it once for the whole "
-                    "torchrun command, covering nproc_per_node devices.",
-                )
-            )
-        elif under_torchrun and len(visible) < local_world:
-            flags.append(
-                _flag(
-                    "warn",
-                    "CUDA_VISIBLE_DEVICES",
-                    f"={cvd} shows fewer devices ({len(visible)}) than ranks on this node "
-                    f"({local_world}): ranks will share a GPU or fail with 'invalid device "
-                    "ordinal'.",
-                )
-            )
-    master = env.get("MASTER_ADDR", "")
-    if world > local_world and master in ("localhost", "127.0.0.1", "::1"):
-        flags.append(
-            _flag(
-                "bad",
-                "MASTER_ADDR",
-                f"={master} but the job spans nodes (WORLD_SIZE {world}, {local_world} per "
-                "node): the other nodes cannot reach it and hang at init. Use the master "
-                "node's routable address.",
-            )
-        )
-    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        if env.get(name):
-            flags += _ifname_flags(name, env[name])
-    omp = _as_int(env.get("OMP_NUM_THREADS"))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if omp is not None and cpus and omp * local_world > cpus:
-        flags.append(
-            _flag(
-                "warn",
-                "OMP_NUM_THREADS",
-                f"={omp} x {local_world} rank(s) on this node = {omp * local_world} threads "
-                f"for {cpus} usable CPUs: oversubscribed, CPU ops and the data loader slow "
-                f"down. Use OMP_NUM_THREADS={max(1, cpus // local_world)}.",
-            )
-        )
-    return flags
-
-
-def _ifname_flags(name: str, value: str) -> list[dict[str, str]]:
-    """NCCL/gloo take a comma list of interface prefixes (``=eth0`` exact, ``^docker``
-    excluded); one that matches no interface here makes init hang."""
-    try:
-        names = [n for _, n in socket.if_nameindex()]
-    except OSError:
-        return []
-    wanted = [v.strip() for v in value.split(",") if v.strip()]
-    if wanted and wanted[0].startswith("^"):
-        return []
-    exact = bool(wanted) and wanted[0].startswith("=")
-    wanted = [w.lstrip("=") for w in wanted]
-    match = [n for n in names if any((n == w) if exact else n.startswith(w) for w in wanted)]
-    if not match:
-        return [
-            _flag(
-                "bad",
-                name,
-                f"={value} matches no network interface on this host "
-                f"({', '.join(names)}): the rendezvous cannot connect and hangs. Use one "
-                "of those (`ip -br addr` shows which carries the cluster's network).",
-            )
-        ]
-    if all(n.startswith(("wl", "wlan")) for n in match):
-        return [
-            _flag(
-                "warn",
-                name,
-                f"={value} is a wireless interface: every step's gradient all-reduce crosses "
-                "it and will dominate the step time (seed 004). Use a wired link.",
-            )
-        ]
-    return []
 
 
 def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
@@ -741,7 +162,7 @@ def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
                     tag,
                     f"is throttling ({', '.join(active)}): SM clock {d.get('sm_clock_mhz')} of "
                     f"max {d.get('sm_clock_max_mhz')} MHz. One slow GPU slows every rank "
-                    "(seed 002); check cooling and power limits.",
+                    "(each collective waits for the slowest); check cooling and power limits.",
                 )
             )
         clock, top, util = d.get("sm_clock_mhz"), d.get("sm_clock_max_mhz"), d.get("util_pct")
@@ -764,7 +185,7 @@ def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
         if isinstance(temp, (int, float)) and temp >= _HOT_C:
             flags.append(_flag("warn", tag, f"is at {temp} C: expect thermal throttling."))
     for p in gpus.get("processes", []):
-        if p["pid"] in _ancestors():
+        if p["pid"] in _probes.ancestors():
             continue
         flags.append(
             _flag(
@@ -772,7 +193,8 @@ def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
                 f"pid {p['pid']}",
                 f"holds {_mib(p.get('used_mib'))} on GPU {p['gpu']} ({(p['name'] or '?')[:80]}). "
                 "If it is left from a previous run (a zombie), it takes memory and can keep "
-                f"the rendezvous port: `kill {p['pid']}` (seed 002: 'Address already in use').",
+                f"the rendezvous port (the next launch fails with 'Address already in use'): "
+                f"`kill {p['pid']}`.",
             )
         )
     return flags
@@ -785,18 +207,12 @@ def _cpu_flags(cpu: dict[str, Any]) -> list[dict[str, str]]:
                 "info",
                 "CPU bf16",
                 "this CPU has no native bf16 (no avx512_bf16 / amx_bf16): bf16 math on CPU is "
-                "emulated through float32 and can be many times slower (seed 004's CPU run "
-                "auto-picked bf16 because a GPU was present). Train CPU runs in float32.",
+                "emulated through float32 and can be many times slower (a CPU run ends up in "
+                "bf16 when code picks the dtype because a GPU is present). Train CPU runs in "
+                "float32.",
             )
         ]
     return []
-
-
-def _as_int(v: str | None) -> int | None:
-    try:
-        return None if v is None else int(v)
-    except ValueError:
-        return None
 
 
 def _mib(v: Any) -> str:

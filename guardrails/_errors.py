@@ -21,7 +21,7 @@ failure family from the debugging guides::
 The contract, for code that catches them:
 
 * ``str(err)`` is the whole human message: what happened, where, the likely cause and
-  the fix. It is written for the person reading the log, in the seeds' voice.
+  the fix. It is written for the person reading the log, in the terms of their training loop.
 * The structured fields (``rank``, ``step`` and the specifics of each subclass) are what
   programs should read; never parse the message.
 * ``hint`` is the "what to do" part alone, also included in the message.
@@ -206,7 +206,7 @@ class OutOfMemoryError(GuardrailsError, torch.OutOfMemoryError):
     """An out-of-memory error in the guarded loop, explained. ``phase`` says where
     (``"data"``, ``"forward"``, ``"backward"``, ``"optimizer"``, ``"loop"``, ``"setup"``),
     ``memory`` holds the allocator's numbers in bytes, ``largest_tensors`` the biggest
-    live tensors, ``remedies`` the seeds' fixes ranked by those numbers (keys, most
+    live tensors, ``remedies`` the usual fixes ranked by those numbers (keys, most
     likely first) and ``per_rank`` other ranks' memory when distributed.
 
     Also a ``torch.OutOfMemoryError`` (so a ``RuntimeError``): code that catches torch's

@@ -1,5 +1,6 @@
-"""The error translator: torch / NCCL / gloo / CUDA errors that users meet in seed 002's
-"Error message?" decision tree, each with its cause and fix from the seeds' tables.
+"""The error translator: the torch / NCCL / gloo / CUDA errors distributed training meets
+most (timeouts, a peer gone, a port in use, an invalid device ordinal...), each with its
+cause and fix.
 
 ``explain(exc)`` walks the exception and its chain (``__cause__`` / ``__context__``: torch
 often wraps the backend's error) for a known signature and returns the explanation text,
@@ -247,7 +248,7 @@ def match(exc: BaseException) -> Signature | None:
 
 def explain(exc: BaseException, guard: Guard | None = None) -> str:
     """The explanation of a failure: what it means, its likely causes and the fix, in
-    the seeds' words, plus what ``guard`` knows (rank, step, phase, last collective).
+    the user's terms, plus what ``guard`` knows (rank, step, phase, last collective).
     ``""`` when ``exc`` is not a failure guardrails knows."""
     sig = match(exc)
     if sig is None:
@@ -370,9 +371,9 @@ def _port_hint(port: int) -> str:
     import os
 
     try:
-        from guardrails._doctor import _port_holders
+        from guardrails._probes import port_holders
 
-        holders = _port_holders(port) or []
+        holders = port_holders(port) or []
     except Exception:
         return ""
     if not holders:

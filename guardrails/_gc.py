@@ -1,6 +1,6 @@
 """GCScheduler: Python's cyclic GC at step boundaries only, the same step on every rank.
 
-Seed 000's "Pattern B" (GPU at 0%, pauses of seconds) is the cyclic collector scanning
+A GPU at 0% with pauses of seconds at random steps is often the cyclic collector scanning
 millions of long-lived objects (model, optimizer state, dataset indices) at arbitrary
 moments; under DDP one rank's pause stalls them all. A full ``gc.collect()`` in a
 GPT-2-small step on an H200 costs 80-150 ms; after ``gc.freeze()`` the long-lived

@@ -115,7 +115,7 @@ class Guard(StepState):
         tokens_per_batch: tokens in one batch, for tokens/s. Default: inferred from
             the batch when its first tensor is an integer ``(batch, seq)`` tensor.
         benchmark: measure the guard's own cost in this loop by sampling a few steps
-            with the components' per-step hooks bypassed (see ``_benchmark.py``); the
+            with the components' per-step hooks bypassed (see ``_benchmark_mode.py``); the
             table goes to ``run_dir/benchmark.json`` and the log at close.
         graph_grad_norm: replay the per-step grad norm as a CUDA graph (see
             :func:`guardrails.guard`). Default False.
@@ -219,7 +219,7 @@ class Guard(StepState):
         self._handles: list[Any] = []
         self._dispatch: dict[str, list[Callable[..., Any]]] = {h: [] for h in HOOKS}
         # The per-step hooks this step runs: the same table as _dispatch, except on the
-        # steps benchmark mode samples with some components bypassed (_benchmark.py).
+        # steps benchmark mode samples with some components bypassed (_benchmark_mode.py).
         self._live = self._dispatch
         self.benchmark = benchmark
         self._bench: Any = None
@@ -323,7 +323,7 @@ class Guard(StepState):
                 if overrides(c, "on_abort"):
                     self._dispatch["on_abort"].insert(0, c.on_abort)
             if self.benchmark:
-                from guardrails._benchmark import StepBenchmark
+                from guardrails._benchmark_mode import StepBenchmark
 
                 self._bench = StepBenchmark(self, self._dispatch)
         except BaseException as exc:
@@ -978,7 +978,7 @@ class Guard(StepState):
 
     def _check_optimizer_coverage(self) -> None:
         """Warn about trainable parameters the optimizer will never update (the
-        seeds' "frozen params / LoRA wiring" failure: loss does not decrease)."""
+        frozen-params / LoRA-wiring failure: the loss does not decrease)."""
         if self.rank != 0:
             return
         owned = {

@@ -1,28 +1,39 @@
 """Launch checks: the job was started in a way that cannot work.
 
-Seed 002's issues 3 and 5 and seed 003's "init hang" are launch mistakes that torch
-reports late or cryptically: ``CUDA error: invalid device ordinal`` (``LOCAL_RANK``
-past the GPUs this process sees, usually ``CUDA_VISIBLE_DEVICES`` fighting torchrun),
-``Address already in use`` (a leftover run holds ``MASTER_PORT``), a rendezvous that
-waits 30 minutes for a ``MASTER_ADDR`` nobody can reach, a ``WORLD_SIZE`` that does not
-match the ranks that came. Each check here turns one of them into a
-:class:`~guardrails.LaunchError` naming the variable, its value and the fix.
+Several launch mistakes are reported late or cryptically by torch: ``CUDA error:
+invalid device ordinal`` (``LOCAL_RANK`` past the GPUs this process sees, usually
+``CUDA_VISIBLE_DEVICES`` fighting torchrun), ``Address already in use`` (a leftover
+run holds ``MASTER_PORT``), a rendezvous that waits 30 minutes for a ``MASTER_ADDR``
+nobody can reach, a ``WORLD_SIZE`` that does not match the ranks that came, or that a
+hard-coded ``init_process_group(world_size=...)`` contradicts. Each check here turns
+one of them into a :class:`~guardrails.LaunchError` naming the variable, its value and
+the fix.
 
-What is checkable when:
+Where each check runs, and why there:
 
-* **Before** ``init_process_group`` (``@guardrails.record`` calls :func:`check_launch`
-  first thing in ``main``): the environment's own consistency (``RANK`` <
-  ``WORLD_SIZE``, ``LOCAL_RANK`` < ``LOCAL_WORLD_SIZE``), ``MASTER_PORT`` free on the
-  rank that will host the store, ``MASTER_ADDR`` resolvable and not loopback on another
-  node, ``LOCAL_RANK`` against the visible GPUs when the job is known to use CUDA.
-* **After** it (``guard()`` start, through the preflight): the port check is skipped,
-  since rank 0's own store now holds ``MASTER_PORT`` (and under torchrun the agent
-  holds it from the start), which is exactly what a false positive would look like;
-  ``WORLD_SIZE`` / ``RANK`` against the process group actually formed and, across
-  ranks, two ranks on one physical GPU (the preflight exchange,
-  :mod:`guardrails._preflight`). ``LOCAL_RANK`` against the visible GPUs is a
-  before-init check only: once the model sits on a device, that device works (one
-  visible GPU per process with ``cuda:0`` is a correct setup).
+* **Before** ``main`` (``@guardrails.record`` calls :func:`check_before_main` first,
+  before ``main`` can call ``init_process_group``): the environment's own consistency
+  (integers; ``RANK`` < ``WORLD_SIZE``; ``LOCAL_RANK`` < ``LOCAL_WORLD_SIZE`` <=
+  ``WORLD_SIZE``) and ``MASTER_ADDR`` (resolvable, not loopback on a node other than
+  the first, routable from a worker). These read only the environment and the network
+  and are wrong in every process that sees them. A problem is a ``LaunchError``: the
+  decorated ``main`` exits 90 with the summary, before any rank waits at the rendezvous.
+* **At guard start** in a distributed run (the preflight, once the process group
+  exists): the same environment checks; ``WORLD_SIZE`` / ``RANK`` against the process
+  group actually formed; across ranks, two ranks on one physical GPU (the preflight
+  exchange, :mod:`guardrails._preflight`).
+* **Only when called** (:func:`check_launch`; ``python -m guardrails doctor`` shows the
+  same facts): ``LOCAL_RANK`` against the visible GPUs and ``MASTER_PORT`` free on the
+  rank that will host the store. ``@guardrails.record`` runs neither. Before ``main``
+  the training device is unknown, and a gloo CPU job on a host with fewer GPUs than
+  ranks is correct; at guard start the device is already chosen and works (one
+  visible GPU per process with ``cuda:0`` is a correct setup). And before ``main`` the
+  port can rightly be held by this job already (a sibling rank's store when ranks are
+  started by ``torch.multiprocessing.spawn`` with an inherited environment, torchrun's
+  agent, a launcher that hosts the store), which is exactly what a leftover run looks
+  like; once the process group exists, our own store holds it. Call
+  ``check_launch(device_type="cuda")`` before ``torch.cuda.set_device`` and
+  ``init_process_group`` to run them.
 
 Nothing here initialises CUDA: ``torch.cuda.device_count()`` asks NVML and creates no
 context. Each probe is wrapped: a check that cannot run is skipped, never a crash.
@@ -83,13 +94,7 @@ def check_launch(
         raise_errors: raise the first ``"error"`` instead of returning it.
     """
     problems = launch_problems(env=env, device_type=device_type, device_count=device_count)
-    for p in problems:
-        if p.level == "warning":
-            logger.warning("guardrails: %s\n  fix: %s", p.message, p.fix)
-    errors = [p for p in problems if p.level == "error"]
-    if errors and raise_errors:
-        raise errors[0].as_error(rank=_int((os.environ if env is None else env).get("RANK")))
-    return problems
+    return _report(problems, env, raise_errors=raise_errors)
 
 
 def launch_problems(
@@ -103,16 +108,47 @@ def launch_problems(
     training device is already in use (guard start): LOCAL_RANK against the visible
     GPUs no longer matters (one visible GPU per process and cuda:0 is a correct setup),
     two ranks on one GPU is checked across ranks instead."""
-    env = dict(os.environ if env is None else env)
-    problems: list[LaunchProblem] = []
     checks = [_env_consistency, _after_init, _devices, _master_port, _master_addr]
     if device_chosen:
         checks.remove(_devices)
+    return _run_checks(checks, env, device_type, device_count)
+
+
+def check_before_main(env: Mapping[str, str] | None = None) -> list[LaunchProblem]:
+    """What ``@guardrails.record`` runs before ``main``: the checks that hold whatever
+    the training device and however the ranks were started (see the module docstring:
+    the environment's consistency and ``MASTER_ADDR``). Raises the first error as a
+    :class:`~guardrails.LaunchError`; returns the problems (none are warnings today)."""
+    problems = _run_checks([_env_consistency, _master_addr], env, None, None)
+    return _report(problems, env, raise_errors=True)
+
+
+def _run_checks(
+    checks: list[Any],
+    env: Mapping[str, str] | None,
+    device_type: str | None,
+    device_count: int | None,
+) -> list[LaunchProblem]:
+    env = dict(os.environ if env is None else env)
+    problems: list[LaunchProblem] = []
     for check in checks:
         try:
             problems += check(env, device_type, device_count)
         except Exception:  # a probe's own bug must never stop a correct job
             logger.debug("guardrails: launch check %s failed", check.__name__, exc_info=True)
+    return problems
+
+
+def _report(
+    problems: list[LaunchProblem], env: Mapping[str, str] | None, *, raise_errors: bool
+) -> list[LaunchProblem]:
+    """Log the warnings; raise the first error (``raise_errors``)."""
+    for p in problems:
+        if p.level == "warning":
+            logger.warning("guardrails: %s\n  fix: %s", p.message, p.fix)
+    errors = [p for p in problems if p.level == "error"]
+    if errors and raise_errors:
+        raise errors[0].as_error(rank=_int((os.environ if env is None else env).get("RANK")))
     return problems
 
 
@@ -270,8 +306,8 @@ def _devices(
             if per_process
             else f"start at most {device_count} processes per node "
             f"(--nproc_per_node={device_count}), or list more GPUs in "
-            "CUDA_VISIBLE_DEVICES (seed: don't set CUDA_VISIBLE_DEVICES manually unless you "
-            "must; torchrun assigns them)."
+            "CUDA_VISIBLE_DEVICES (do not set CUDA_VISIBLE_DEVICES by hand unless you must: "
+            "torchrun assigns the GPUs)."
         )
         out.append(
             LaunchProblem(
@@ -307,9 +343,9 @@ def _master_port(env: dict[str, str], *_: Any) -> list[LaunchProblem]:
     rank = _int(env.get("RANK")) or 0
     if port is None or rank != 0 or not _is_local(env.get("MASTER_ADDR", "localhost")):
         return []
-    from guardrails._doctor import _port_status
+    from guardrails._probes import port_status
 
-    status = _port_status(port)
+    status = port_status(port)
     if status.get("status") != "in use":
         return []
     holders = status.get("holders") or []
@@ -380,7 +416,7 @@ def _master_addr(env: dict[str, str], *_: Any) -> list[LaunchProblem]:
                 f"MASTER_ADDR={addr!r} is unreachable from this host ({os.strerror(code)}, "
                 f"port {port}).",
                 "check the address and the network between nodes; with several interfaces "
-                "pin the right one (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, seed 004).",
+                "pin the right one (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).",
             )
         ]
     return []

@@ -1,6 +1,6 @@
 """NanGuard: a non-finite step never reaches the weights, and the error says why.
 
-Seed 003's playbook, as code. Per optimizer step, on the device and without a sync:
+The NaN/Inf playbook, as code. Per optimizer step, on the device and without a sync:
 
 * one ``torch.stack`` writes (loss, grad norm, 0) into a preallocated ring row, and one
   ``_amp_foreach_non_finite_check_and_unscale_`` kernel (GradScaler's own check) turns
@@ -17,7 +17,7 @@ Seed 003's playbook, as code. Per optimizer step, on the device and without a sy
     for that step (:meth:`Guard.skip_update`): weights and state stay bitwise as they
     were, whatever the optimizer would have done with the gradients (one that reads
     every ``p.grad``, a sharded one that all-reduces inside ``step()``). On a CUDA
-    device that read is one host sync per step (the seeds' "2-7% of a GPT-2 step"):
+    device that read is one host sync per step (2-7% of a GPT-2-small step):
     a start event says so and recommends ``fused=True``. On a CPU device it is free.
 
 * Ranks agree: under DDP (and FSDP2, whose grad norm is global) every rank computes
@@ -832,7 +832,7 @@ def _spikes(
 
 
 class _Health:
-    """Training-health warnings from the seeds' "loss not decreasing" list: optimizer
+    """Training-health warnings for the usual "loss not decreasing" causes: optimizer
     params that never get a gradient, all-zero gradients, a loss that does not fall."""
 
     #: The first steps, each checked once for optimizer params without a gradient.

@@ -92,7 +92,7 @@ _SHOWN = 6
 
 _NO_BATCH = "<no batch: the loader was empty on this rank>"
 
-# What to do about each kind of difference, in the seeds' voice. Keyed by the field's
+# What to do about each kind of difference, in the user's terms. Keyed by the field's
 # first component.
 _FIXES = {
     "params.weights": "seed every rank the same before building the model "
@@ -737,7 +737,7 @@ def _agreed_chunks(it: Iterator[Any], group: Any) -> Iterator[Any]:
 
 
 def _warn_bf16_on_cpu(guard: Guard) -> None:
-    """Seed 004: a CPU run in bf16 on a CPU without native bf16 is many times slower."""
+    """A CPU run in bf16 on a CPU without native bf16 is many times slower (emulated)."""
     if guard.device.type != "cpu":
         return
     bf16 = any(p.dtype == torch.bfloat16 for p in guard.model.parameters())
@@ -747,10 +747,10 @@ def _warn_bf16_on_cpu(guard: Guard) -> None:
         )
     if not bf16:
         return
-    from guardrails._doctor import _cpu
+    from guardrails._probes import cpu_info
 
     try:
-        native = _cpu().get("bf16_native")
+        native = cpu_info().get("bf16_native")
     except Exception:
         return
     if native is False:

@@ -1,6 +1,6 @@
 """``@guardrails.record``: the end of a failing rank, told once and clearly.
 
-Seed 002, issue 1: torchrun's ``ChildFailedError`` shows "To enable traceback see:
+torchrun's ``ChildFailedError`` shows "To enable traceback see:
 https://pytorch.org/docs/stable/elastic/errors.html" unless the worker wrote an error
 file. torch's own ``@record`` writes one with the traceback; this one writes the
 guardrails message (what happened, which rank, step, collective, the fix) where
@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from guardrails import _exit
+from guardrails import _exit, _launch
 from guardrails._errors import GuardrailsError
 
 log = logging.getLogger("guardrails")
@@ -40,6 +40,12 @@ def record(fn: F) -> F:
 
         if __name__ == "__main__":
             main()
+
+    Before ``main`` runs, the launch checks that hold on any device and however the
+    ranks were started (the environment's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE`` consistent, ``MASTER_ADDR`` resolvable and reachable; see
+    :mod:`guardrails._launch`): a problem is a :class:`~guardrails.LaunchError`,
+    reported as below, and ``main`` does not start.
 
     While ``main`` runs, ``faulthandler`` is on for all threads (a segfault or a fatal
     error prints every thread's Python stack; the previous state is restored after).
@@ -65,6 +71,8 @@ def record(fn: F) -> F:
             _enable_faulthandler()
         _exit.recording += 1
         try:
+            # A launch that cannot work fails here, before main waits at a rendezvous.
+            _launch.check_before_main()
             result = fn(*args, **kwargs)
         except SystemExit as exc:
             _exit.hold_signals()  # the report first; see _exit.hold_signals

@@ -1,7 +1,7 @@
 """``python -m guardrails report RUN_DIR``: a run's story from its metrics and events.
 
-Seed 003: "watch loss, grad-norm, LR and tokens/sec: they tell you which family before
-you dig". After a run (or a crash) the answers are in ``run_dir/metrics.parquet`` and
+Loss, grad-norm, LR and tokens/sec tell which family of failure a run is in before you
+dig. After a run (or a crash) the answers are in ``run_dir/metrics.parquet`` and
 ``run_dir/events.jsonl``, spread over parquet parts and JSON lines; this command reads
 both and prints what happened, in order of what a post-mortem asks first: how far it
 got and how it ended, how fast, did it learn, what was skipped and why (the NaN

@@ -1,6 +1,6 @@
 """Per-step health signals, kept on the device and flushed lagged: ``metrics.parquet``.
 
-The seeds' advice is "watch loss, grad-norm, LR and tokens/sec", and also "remove
+The standard advice is "watch loss, grad-norm, LR and tokens/sec", and also "remove
 .item() from the hot loop" (a per-step ``.item()`` costs 2-7% of a GPT-2-small step on
 an H200). Telemetry does both:
 

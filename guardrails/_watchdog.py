@@ -20,7 +20,7 @@ the full timeout it diagnoses from all ranks' records:
   elsewhere: no new heartbeat for 3 periods and half the timeout) or that ended with an
   exception -> ``RankFailedError``;
 * a rank whose loader ran out (the guard's iterator hit ``StopIteration``) while others
-  have fetched more batches -> ``UnevenDataError`` (seed 004: 201 shards vs 4);
+  have fetched more batches -> ``UnevenDataError`` (e.g. 201 data shards on one node, 4 on another);
 * otherwise -> ``HangError``: the ranks not inside a collective (or, without that
   information, the least advanced ones) are stuck; the others wait for them.
 

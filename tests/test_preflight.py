@@ -382,7 +382,7 @@ def test_preflight_is_a_no_op_in_one_process(tmp_path):
 
 
 def test_bf16_on_a_cpu_without_native_bf16_is_a_warning(tmp_path):
-    from guardrails._doctor import _cpu
+    from guardrails._probes import cpu_info
 
     torch.manual_seed(0)
     model = Regressor().to(torch.bfloat16)
@@ -391,6 +391,6 @@ def test_bf16_on_a_cpu_without_native_bf16_is_a_warning(tmp_path):
     _loop(model, opt, data, tmp_path)
     warned = [e for e in read_events(tmp_path) if e["kind"] == "bf16_on_cpu"]
     # This machine's own CPU decides (read from /proc/cpuinfo, as doctor does).
-    assert bool(warned) == (_cpu()["bf16_native"] is False)
+    assert bool(warned) == (cpu_info()["bf16_native"] is False)
     if warned:
         assert warned[0]["level"] == "warning" and "float32" in warned[0]["message"]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 import guardrails
 from guardrails import _errors
@@ -237,3 +238,109 @@ def test_the_launcher_says_what_it_needs(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 1 and "no such script" in proc.stderr and "usage:" in proc.stderr
+
+
+# ---------------------------------------------------------------------- launch checks
+
+LAUNCHED = """
+import os, sys
+import guardrails
+
+@guardrails.record
+def main():
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size()
+    print("main ran")
+
+main()
+"""
+
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+)
+
+
+def _launch_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 but WORLD_SIZE=2"),
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, "LOCAL_WORLD_SIZE=4 processes"),
+        ({"RANK": "one"}, "RANK='one' is not an integer"),
+    ],
+    ids=["rank_past_world", "local_world_past_world", "not_an_integer"],
+)
+def test_record_stops_a_launch_that_cannot_work_before_main(tmp_path, bad, says):
+    # Before main: no init_process_group has run, so the rendezvous would have waited
+    # (for a rank that can never come) instead of failing.
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    error_file = tmp_path / "error.json"
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_launch_env(TORCHELASTIC_ERROR_FILE=str(error_file), **bad),
+    )
+    assert proc.returncode == 90, proc.stdout + proc.stderr
+    assert "main ran" not in proc.stdout
+    assert proc.stderr.count("failed with LaunchError (exit code 90)") == 1, proc.stderr
+    assert says in proc.stderr and "fix: " in proc.stderr
+    assert "Traceback" not in proc.stderr
+    extra = json.loads(error_file.read_text())["message"]["extraInfo"]
+    assert (extra["error_class"], extra["exit_code"]) == ("LaunchError", 90)
+
+
+def test_record_is_silent_on_a_healthy_single_process_run(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_launch_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "main ran\n" and proc.stderr == ""
+
+
+def test_record_is_silent_on_a_healthy_torchrun_gloo_run(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_launch_env(OMP_NUM_THREADS="1"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("main ran") == 2
+    assert "guardrails" not in proc.stderr and "LaunchError" not in proc.stderr, proc.stderr

@@ -1,0 +1,114 @@
+"""Data starvation: the accelerator idles while the training loop waits for the loader.
+
+"Training is too slow" often means the GPU waits for data: loading, decoding and
+collating in the training process (``num_workers=0``), too few workers, no prefetch,
+unpinned host memory. :class:`StarvationMeter` keeps two sums, the time each step spent
+blocked in the loader's ``next()`` and the step time (two float adds per step, done
+by the caller on the meter's fields: no call per step); at the end of each window of
+``data_starvation_window_steps`` (step 1 excluded: worker start-up, lazy init, the GC
+freeze) the share decides. One ``data_starvation`` event per run, with the numbers and
+the remedies that fit this loader (its ``num_workers``, ``pin_memory``...).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from guardrails._guard import Guard
+
+
+class StarvationMeter:
+    """The data-wait share of one guarded run, judged per window. The caller adds each
+    step's times to ``wait_s`` and ``step_s`` and calls :meth:`end_window` once
+    ``step >= next_window``."""
+
+    def __init__(self, window_steps: int | None, fraction: float) -> None:
+        self.window_steps = window_steps
+        self.fraction = fraction
+        self.wait_s = self.step_s = 0.0
+        self._window_start = 1
+        self.next_window: float = 1 if window_steps else math.inf
+
+    def end_window(self, guard: Guard, step: int) -> dict[str, Any] | None:
+        """Judge the window that ends at ``step``. Returns the ``data_starvation``
+        event's fields when it is reported (the event is written here; once per run),
+        else None."""
+        window = self.window_steps
+        assert window is not None
+        first, n = self._window_start + 1, step - self._window_start
+        wait, total = self.wait_s, self.step_s
+        self.wait_s = self.step_s = 0.0
+        self._window_start = step
+        self.next_window = step + window
+        if n == 0 or not total > 0:  # step 1: the warm-up, excluded
+            return None
+        share = wait / total
+        if share < self.fraction:
+            return None
+        self.next_window = math.inf  # reported once per run
+        fields = {
+            "share": share,
+            "mean_wait_s": wait / n,
+            "mean_step_s": total / n,
+            "window_steps": [first, step],
+            "loader": loader_settings(guard.loader),
+        }
+        remedies = starvation_remedies(fields["loader"])
+        fields["remedies"] = remedies
+        guard.event(
+            "data_starvation",
+            level="warning",
+            message=(
+                f"data starvation: over steps {first}-{step} this rank waited for the "
+                f"loader {share:.0%} of the step time ({fields['mean_wait_s'] * 1e3:.1f} ms "
+                f"of {fields['mean_step_s'] * 1e3:.1f} ms per step), so the accelerator idles "
+                "that long each step. Remedies: " + "; ".join(remedies)
+            ),
+            **fields,
+        )
+        return fields
+
+
+def loader_settings(loader: Any) -> dict[str, Any] | None:
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return None
+    return {
+        "num_workers": loader.num_workers,
+        "prefetch_factor": loader.prefetch_factor,
+        "pin_memory": loader.pin_memory,
+        "persistent_workers": loader.persistent_workers,
+    }
+
+
+def starvation_remedies(settings: dict[str, Any] | None) -> list[str]:
+    cores = os.cpu_count() or 1
+    if settings is None:
+        return [
+            "load in worker processes: torch.utils.data.DataLoader(dataset, "
+            f"num_workers=4..8, this machine has {cores} cores) instead of in the loop",
+            "prefetch: prefetch_factor=4 with workers",
+            "pin_memory=True and .to(device, non_blocking=True)",
+            "persistent_workers=True so workers survive between epochs",
+            "pack sequences to cut padding; pre-tokenize and store shards",
+        ]
+    out = []
+    workers = settings["num_workers"]
+    if workers == 0:
+        out.append(
+            f"num_workers=0 loads every batch in the training process: set num_workers to "
+            f"4-8 (this machine has {cores} cores)"
+        )
+    else:
+        out.append(f"more workers than num_workers={workers} (this machine has {cores} cores)")
+        if not settings["persistent_workers"]:
+            out.append("persistent_workers=True so workers are not restarted every epoch")
+        out.append(f"a deeper prefetch than prefetch_factor={settings['prefetch_factor']}")
+    if not settings["pin_memory"]:
+        out.append("pin_memory=True with .to(device, non_blocking=True)")
+    out.append("pack sequences to cut padding; pre-tokenize and store shards")
+    return out
