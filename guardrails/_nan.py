@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from guardrails import _diagnose, _dist, _gradnorm
+from guardrails import _diagnose, _dist, _gradnorm, _model
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 from guardrails._errors import NonFiniteError
@@ -227,7 +227,7 @@ class NanGuard(Component):
         self._fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
         # Gradients that differ across ranks at step(): agree on the flag (host path).
         self._reduce = guard.world_size > 1 and not all(
-            _dist.grads_agree(m) for m in guard.models.values()
+            _model.grads_agree(m) for m in guard.models.values()
         )
         # Steps whose agreed flag was set by another rank (this rank's was finite).
         self._foreign: set[int] = set()

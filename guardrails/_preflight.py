@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from guardrails import _dist
+from guardrails import _model
 from guardrails._checks import mapping
 from guardrails._component import Component
 from guardrails._errors import ConfigMismatchError, LaunchError
@@ -206,7 +206,7 @@ class Preflight(Component):
             "world_size": guard.world_size,
             "backend": str(dist.get_backend()),
             "device_type": guard.device.type,
-            "model.type": type(_dist.unwrap(guard.model)).__name__,
+            "model.type": type(_model.unwrap(guard.model)).__name__,
         }
         facts.update(_versions())
         facts.update(_compute(guard))
@@ -312,15 +312,6 @@ class Preflight(Component):
 # ---------------------------------------------------------------------- parameters
 
 
-def _sharded(model: nn.Module, params: list[torch.Tensor]) -> bool:
-    """FSDP (flat or per-parameter) and DTensor hold a different shard on each rank."""
-    if any(type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor") for p in params):
-        return True
-    return any(
-        type(m).__name__ in ("FullyShardedDataParallel", "FSDPModule") for m in model.modules()
-    )
-
-
 def param_table(model: nn.Module, *, weights: bool = True) -> dict[str, Any]:
     """Names, shapes, dtypes of ``model``'s parameters and, when ``weights``, their
     checksums (see the module doc). One device-to-host copy per device."""
@@ -330,7 +321,7 @@ def param_table(model: nn.Module, *, weights: bool = True) -> dict[str, Any]:
         "names": [n for n, _ in named],
         "shapes": [list(p.shape) for p in params],
         "dtypes": [str(p.dtype).replace("torch.", "") for p in params],
-        "sharded": _sharded(model, params),
+        "sharded": _model.holds_shards(model),
         "sums": None,
         "hashes": None,
     }
