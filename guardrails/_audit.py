@@ -99,6 +99,7 @@ from guardrails import _dist
 from guardrails._checks import non_negative
 from guardrails._component import Component
 from guardrails._errors import CollectiveMismatchError
+from guardrails._store import claim_verdict, read_verdict
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -563,14 +564,11 @@ class CollectiveAuditor(Component):
     # ------------------------------------------------------------------ store traffic
 
     def _read_verdict(self) -> dict[str, Any] | None:
-        if self._store.check(["verdict"]):
-            return json.loads(self._store.get("verdict"))
-        return None
+        return read_verdict(self._store)
 
     def _write_verdict(self, verdict: dict[str, Any]) -> None:
-        # First writer wins, so every rank raises the same report.
-        if self._store.add("verdict_claim", 1) == 1:
-            self._store.set("verdict", json.dumps(verdict))
+        # First writer wins; a rank that lost goes on with the verdict it found.
+        claim_verdict(self._store, verdict)
 
     def _read_peer(self, rank: int) -> dict[str, Any] | None:
         key = f"r{rank}"
