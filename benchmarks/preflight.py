@@ -40,9 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT
 
 import guardrails
-from guardrails._audit import entry_dict
+from guardrails._audit_calls import entry_dict
 from guardrails._guard import Guard
-from guardrails._preflight import SAMPLE_PER_TENSOR, Preflight, param_table
+from guardrails._preflight import Preflight
+from guardrails._preflight_facts import SAMPLE_PER_TENSOR, param_table
 
 
 def _sync(device: torch.device) -> None:

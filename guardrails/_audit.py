@@ -49,7 +49,7 @@ recorded at all.
 For code that issues collectives the Python API does not see (GuardedDDP's comm hook,
 from the autograd thread)::
 
-    guard.auditor.record(
+    guard.shared.auditor.record(
         op: str,                            # "all_reduce", ...
         tensors: Sequence[Tensor],          # shapes/dtypes are recorded, never values
         *,
@@ -70,19 +70,21 @@ all_reduce``), DDP's C++ reducer (unless reported through ``record``) and functi
 collectives (``torch.distributed._functional_collectives``) are not seen. FSDP2
 (``fully_shard``) issues its all-gathers and reduce-scatters through the module
 functions, so they are seen and compared (tests/test_audit.py, gloo, torch 2.13).
+
+Where the parts live: this module holds the component (patching, the per-call
+bookkeeping, the background comparison, close); ``_audit_calls.py`` what a call is
+(the op table, groups, call sites); ``_audit_seq.py`` a group's sequence as ranks
+publish and compare it; ``_audit_flight.py`` the flight recorder; ``_audit_report.py``
+the error's text.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import mmap
 import os
-import struct
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -90,80 +92,39 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from guardrails import _dist
+from guardrails._audit_calls import (
+    _FRAME_WALK,
+    _MAX,
+    _OWN_DIRS,
+    _SUM,
+    _TENSOR_KW,
+    _TORCH_DIST_DIR,
+    OPS,
+    OWN_PREFIX,
+    _Group,
+    _Spec,
+    _user_frame,
+    entry_dict,
+)
+from guardrails._audit_flight import _SLOT, _SLOT_HEAD, _Ring, _ring_path, _sweep_stale_rings
+from guardrails._audit_report import _error
+from guardrails._audit_seq import _display, _fields, _History, _merge
 from guardrails._checks import non_negative
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._errors import CollectiveMismatchError
+from guardrails._store import claim_verdict, read_verdict
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
 log = logging.getLogger("guardrails")
-
-# op -> (tensor arg position, reduce-op position, root (name, position), group position,
-# async_op position, kind). Positions read off torch 2.13's signatures; they are the
-# long-standing ones (e.g. ``gather(tensor, gather_list=None, dst=0, group=None,
-# async_op=False)`` as documented since torch 1.8): newer releases only appended
-# parameters (``group_src``/``group_dst``, ``timeout``). "tensor" is the argument whose
-# shape must match on every rank (the input of gathers, the output of scatters). Kinds:
-# "coll" is compared across ranks, "a2a" compares dtype only (split sizes may differ per
-# rank), "p2p" is recorded but not compared.
-_Spec = tuple[int | None, int | None, tuple[str, int] | None, int, int | None, str]
-OPS: dict[str, _Spec] = {
-    "all_reduce": (0, 1, None, 2, 3, "coll"),
-    "broadcast": (0, None, ("src", 1), 2, 3, "coll"),
-    "reduce": (0, 2, ("dst", 1), 3, 4, "coll"),
-    "all_gather": (1, None, None, 2, 3, "coll"),
-    "all_gather_into_tensor": (1, None, None, 2, 3, "coll"),
-    "reduce_scatter": (0, 2, None, 3, 4, "coll"),
-    "reduce_scatter_tensor": (0, 2, None, 3, 4, "coll"),
-    # torch >= 2.13's names for the two above (which now call these).
-    "all_gather_single": (1, None, None, 2, 3, "coll"),
-    "reduce_scatter_single": (0, 2, None, 3, 4, "coll"),
-    "gather": (0, None, ("dst", 2), 3, 4, "coll"),
-    "scatter": (0, None, ("src", 2), 3, 4, "coll"),
-    "barrier": (None, None, None, 0, 1, "coll"),
-    "monitored_barrier": (None, None, None, 0, None, "coll"),
-    "all_to_all_single": (1, None, None, 4, 5, "a2a"),
-    "all_to_all": (1, None, None, 2, 3, "a2a"),
-    "send": (0, None, ("dst", 1), 2, None, "p2p"),
-    "recv": (0, None, ("src", 1), 2, None, "p2p"),
-    "isend": (0, None, ("dst", 1), 2, -1, "p2p"),
-    "irecv": (0, None, ("src", 1), 2, -1, "p2p"),
-}
-
-_TORCH_DIST_DIR = str(Path(dist.__file__).parent)
-_get_ident = threading.get_ident
-_FRAME_WALK = 8  # frames climbed out of torch.distributed at most (all_gather_object: 1)
-WINDOW = 48  # entries per group published each interval (~6 KB of JSON)
-HISTORY = 4096  # entries per group kept locally to compare against a lagging leader
-ANCHOR_EVERY = 64  # a rolling-hash anchor every this many entries, the last 64 published
-_SLOT = 256  # flight-recorder slot: seq, step, payload length, payload
-_SLOTS = 64
-_HEADER = struct.Struct("<8sqqq")  # magic, rank, pid, slots
-_SLOT_HEAD = struct.Struct("<qqqH")  # write number (1-based), seq, step, payload length
-_MAGIC = b"GRAUDIT1"
-
-
-class _Group:
-    """What the auditor knows about one process group (cached per group object)."""
-
-    __slots__ = ("leader", "name", "p2p", "pg", "ranks", "seq")
-
-    def __init__(self, pg: Any, name: str, ranks: list[int]) -> None:
-        self.pg = pg  # held so that id(pg) stays unique while cached
-        self.name = name
-        self.ranks = ranks
-        self.leader = min(ranks)
-        self.seq = 0  # collectives issued on this group (compared across ranks)
-        self.p2p = 0  # point-to-point calls (numbered apart: ranks differ legitimately)
+_get_ident = threading.get_ident  # bound once: read on every collective call
 
 
 class CollectiveAuditor(Component):
@@ -577,14 +538,11 @@ class CollectiveAuditor(Component):
     # ------------------------------------------------------------------ store traffic
 
     def _read_verdict(self) -> dict[str, Any] | None:
-        if self._store.check(["verdict"]):
-            return json.loads(self._store.get("verdict"))
-        return None
+        return read_verdict(self._store)
 
     def _write_verdict(self, verdict: dict[str, Any]) -> None:
-        # First writer wins, so every rank raises the same report.
-        if self._store.add("verdict_claim", 1) == 1:
-            self._store.set("verdict", json.dumps(verdict))
+        # First writer wins; a rank that lost goes on with the verdict it found.
+        claim_verdict(self._store, verdict)
 
     def _read_peer(self, rank: int) -> dict[str, Any] | None:
         key = f"r{rank}"
@@ -728,429 +686,3 @@ class CollectiveAuditor(Component):
                 seq=verdict["seq"],
                 group=verdict["group"],
             )
-
-
-# ---------------------------------------------------------------------- history
-
-
-class _History:
-    """One group's sequence on this rank, for the background thread: rolling hash,
-    the last HISTORY entries, and anchors (the rolling hash every ANCHOR_EVERY)."""
-
-    def __init__(self, name: str, ranks: list[int]) -> None:
-        self.name = name
-        self.ranks = ranks
-        self.leader = min(ranks)
-        self.n = 0
-        self.cum = 0
-        # (seq, key digest, rolling hash, display fields...) newest last
-        self.entries: deque[list[Any]] = deque(maxlen=HISTORY)
-        self.anchors: deque[tuple[int, int]] = deque(maxlen=64)
-        # A call site issues the same call every step: its strings and digest are made
-        # once (~1 us per entry then, instead of ~6 us formatting and hashing each).
-        self._static: dict[tuple[Any, ...], tuple[dict[str, Any], int]] = {}
-
-    def add(self, entry: tuple[Any, ...]) -> None:
-        seq, step, keyed = entry[1], entry[10], entry[11]
-        key = (*entry[2:10], keyed)
-        cached = self._static.get(key)
-        if cached is None:
-            if len(self._static) > 4096:
-                self._static.clear()
-            fields = _fields(entry)
-            cached = self._static[key] = (fields, _static_digest(fields))
-        fields, static = cached
-        step_key = step if keyed else None
-        d = _mix(static, step_key)
-        self.cum = _chain(self.cum, d)
-        self.n = seq
-        self.entries.append(_row(seq, d, self.cum, fields, step_key))
-        if seq % ANCHOR_EVERY == 0:
-            self.anchors.append((seq, self.cum))
-
-    def published(self, *, all_entries: bool = False) -> dict[str, Any]:
-        rows = list(self.entries) if all_entries else list(self.entries)[-WINDOW:]
-        return {"ranks": self.ranks, "n": self.n, "anchors": list(self.anchors), "w": rows}
-
-    def diverges_from(self, theirs: dict[str, Any]) -> tuple[int, int] | None:
-        """``(first, upto)``: the first entry where the two sequences differ (walked
-        back over differing call sites) and the one whose key differs, comparing only
-        what both ranks have issued; ``None`` when the common prefix agrees."""
-        common = min(self.n, theirs["n"])
-        if common <= 0:
-            return None
-        mine = {row[0]: row for row in self.entries}
-        their_rows = {row[0]: row for row in theirs["w"] if row[0] <= common}
-        for seq in sorted(their_rows):
-            a, b = mine.get(seq), their_rows[seq]
-            if a is None or a[1] == b[1]:
-                continue
-            first = seq
-            # Walk back over entries whose keys agree but whose call sites differ: a
-            # same-shape extra call first shows as a different line, then as a step.
-            while (
-                (pa := mine.get(first - 1)) is not None
-                and (pb := their_rows.get(first - 1)) is not None
-                and pa[1] == pb[1]
-                and pa[_SITE] != pb[_SITE]
-            ):
-                first -= 1
-            return first, seq
-        # No entry-level difference in the window: the rolling hashes say whether
-        # everything before it agrees too.
-        theirs_cum = {row[0]: row[2] for row in their_rows.values() if row[2] is not None}
-        theirs_cum.update({s: c for s, c in theirs["anchors"] if s <= common})
-        for seq in sorted(theirs_cum):
-            row = mine.get(seq)
-            if row is not None and row[2] != theirs_cum[seq]:
-                return seq, seq  # earlier than both windows: the closest we can name
-        return None
-
-
-# Row layout (published as JSON lists): seq, digest, rolling hash, op, shape, dtype,
-# reduce op, root, step, site, keyed.
-_SITE = 9
-
-
-def _row(seq: int, d: int, cum: int | None, f: dict[str, Any], step: int | None) -> list[Any]:
-    return [
-        seq,
-        d,
-        cum,
-        f["op"],
-        f.get("shape_shown", f["shape"]),
-        f["dtype"],
-        f["reduce_op"],
-        f["root"],
-        step,
-        f["site"],
-        f["keyed"],
-    ]
-
-
-def _display(row: list[Any]) -> dict[str, Any]:
-    return {
-        "seq": row[0],
-        "op": row[3],
-        "shape": row[4],
-        "dtype": row[5],
-        "reduce_op": row[6],
-        "root": row[7],
-        "step": row[8],
-        "site": row[9],
-    }
-
-
-def _fields(entry: tuple[Any, ...]) -> dict[str, Any]:
-    """An entry's comparable, printable fields (strings and ints only)."""
-    _, _, op, kind, shape, dtype, red, root, file, line, step, keyed = entry
-    if shape is None:
-        shape_s = ""
-    elif isinstance(shape, torch.Size):
-        shape_s = str(list(shape))
-    else:
-        shape_s = ",".join(str(list(s)) for s in shape)
-    return {
-        "op": op,
-        "kind": kind,
-        "shape": "" if kind == "a2a" and shape_s else shape_s,  # split sizes may differ
-        "shape_shown": shape_s,
-        "dtype": "" if dtype is None else str(dtype).replace("torch.", ""),
-        "reduce_op": _red_name(red),
-        "root": None if root is None else int(root),
-        "step": step if keyed else None,
-        "site": f"{file}:{line}" if line else str(file),
-        "keyed": keyed,
-    }
-
-
-def _red_name(red: Any) -> str:
-    if red is None:
-        return ""
-    name = getattr(red, "name", None)  # RedOpType.SUM
-    if name is None:
-        name = str(red).rsplit(".", 1)[-1]
-    return str(name).upper()
-
-
-_MASK = (1 << 64) - 1
-
-
-def _static_digest(f: dict[str, Any]) -> int:
-    """The key's digest without the step. Deterministic across processes (Python's
-    ``hash()`` of a str is salted per process)."""
-    key = f"{f['op']}|{f['shape']}|{f['dtype']}|{f['reduce_op']}|{f['root']}"
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-
-
-def _mix(static: int, step: int | None) -> int:
-    if step is None:
-        return static
-    return static ^ (((step + 1) * 0x9E3779B97F4A7C15) & _MASK)  # golden-ratio spread
-
-
-def _digest(f: dict[str, Any]) -> int:
-    return _mix(_static_digest(f), f["step"])
-
-
-def _chain(cum: int, d: int) -> int:
-    # FNV-1a over 64-bit words: order-sensitive, cheap (~0.2 us), and a consistency
-    # check between cooperating ranks needs no cryptographic strength.
-    return ((cum ^ d) * 0x100000001B3) & _MASK
-
-
-def _merge(view: dict[str, Any] | None, ring: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A peer's published record extended with its flight recorder's later entries."""
-    view = {"groups": {}} if view is None else view
-    groups = view.setdefault("groups", {})
-    for name, table in ring.items():
-        old = groups.get(name)
-        if old is None:
-            groups[name] = table
-            continue
-        seen = {row[0] for row in old["w"]}
-        old["w"] = old["w"] + [row for row in table["w"] if row[0] not in seen]
-        old["n"] = max(old["n"], table["n"])
-    return view
-
-
-def _user_frame(frame: Any) -> Any:
-    """The first frame outside torch.distributed (bounded: torch's helpers nest 1-2)."""
-    f = frame
-    for _ in range(_FRAME_WALK):
-        back = f.f_back
-        if back is None:
-            break
-        f = back
-        if not f.f_code.co_filename.startswith(_TORCH_DIST_DIR):
-            return f
-    return frame
-
-
-def entry_dict(entry: tuple[Any, ...]) -> dict[str, Any]:
-    """``guard.collective``: the in-flight call, for the watchdog (``op``, ``seq``,
-    ``group``, ``shapes``, ``dtype``, ``site``, ``step``). Built per blocking call, so
-    plain values only (~0.4 us); the watchdog formats them when it reports."""
-    g, seq, op, _, shape, dtype, _, _, file, line, step, _ = entry
-    return {
-        "op": op,
-        "seq": seq,
-        "group": g.name,
-        "shapes": None if shape is None else tuple(shape),
-        "dtype": None if dtype is None else str(dtype),
-        "site": f"{file}:{line}" if line else file,
-        "step": step,
-    }
-
-
-_SUM = getattr(dist.ReduceOp, "SUM", None)
-_MAX = getattr(dist.ReduceOp, "MAX", None)
-#: How guardrails' own agreements are named in the audited sequence (see record_own).
-OWN_PREFIX = "guardrails "
-
-
-def is_own(entry: tuple[Any, ...]) -> bool:
-    """Whether an audited entry is one of guardrails' own agreements (record_own)."""
-    return str(entry[2]).startswith(OWN_PREFIX)
-
-
-#: Frames that are not the user's loop: guardrails' own, and torch's (an optimizer's
-#: step wrapper, an LR scheduler's).
-_OWN_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
-_TENSOR_KW = {
-    "all_reduce": "tensor",
-    "broadcast": "tensor",
-    "reduce": "tensor",
-    "all_gather": "tensor",
-    "all_gather_into_tensor": "input_tensor",
-    "reduce_scatter": "output",
-    "reduce_scatter_tensor": "output",
-    "all_gather_single": "input_tensor",
-    "reduce_scatter_single": "output",
-    "gather": "tensor",
-    "scatter": "tensor",
-    "barrier": "",
-    "monitored_barrier": "",
-    "all_to_all_single": "input",
-    "all_to_all": "input_tensor_list",
-    "send": "tensor",
-    "recv": "tensor",
-    "isend": "tensor",
-    "irecv": "tensor",
-}
-
-
-# ---------------------------------------------------------------------- the error
-
-
-def _describe(e: dict[str, Any] | None) -> str:
-    if e is None:
-        return "-"
-    red = f"({e['reduce_op']})" if e.get("reduce_op") else ""
-    root = f" root={e['root']}" if e.get("root") is not None else ""
-    tensor = f" {e['dtype']}{e['shape']}" if e.get("dtype") else ""
-    step = f", step {e['step']}" if e.get("step") is not None else ""
-    return f"#{e['seq']} {e['op']}{red}{tensor}{root} at {e['site']}{step}"
-
-
-def _error(verdict: dict[str, Any], rank: int, step: int | None) -> CollectiveMismatchError:
-    seq, group = verdict["seq"], verdict["group"]
-    per_rank: dict[int, Any] = {}
-    lines = []
-    for r_s, info in sorted(verdict["per_rank"].items(), key=lambda kv: int(kv[0])):
-        r = int(r_s)
-        entries = info["entries"]
-        at_first = next((e for e in entries if e["seq"] == seq), None)
-        per_rank[r] = at_first if at_first is not None else {"seq": None, "issued": info["n"]}
-        if not entries:
-            lines.append(
-                f"  rank {r}: has issued {info['n']} collective(s) on this group, not #{seq} yet"
-            )
-            continue
-        shown = "; then ".join(_describe(e) for e in entries[:3])
-        lines.append(f"  rank {r}: {shown}")
-    where = "the default group" if group == "default" else f"group {group}"
-    ranks = verdict.get("ranks", [])
-    message = (
-        f"collective mismatch on {where} (ranks {_span(ranks)}): the ranks' sequences of "
-        f"collectives differ from collective #{seq} on.\n"
-        + "\n".join(lines)
-        + "\n  Ranks pair collectives by their order, so from here each rank exchanges data "
-        'with a different call: the job hangs (NCCL), dies in the backend (gloo: "Is there '
-        'a distributed collective mismatch", "Connection reset by peer"), or, with equal '
-        "shapes, silently mixes unrelated tensors.\n"
-        "  Likely cause: a collective that only some ranks reach (an `if rank == 0:` branch "
-        "around logging, evaluation or checkpointing that calls one, a data-dependent branch, "
-        "an early `break`), or ranks issuing the same collectives in a different order."
-    )
-    hint = (
-        "make every rank issue the same collectives in the same order: at the lines above, "
-        "move the collective out of the rank- or data-dependent branch (run it on every rank "
-        "and use the result only where needed), or guard the whole branch by a decision all "
-        "ranks share (e.g. the step number), not by the rank."
-    )
-    return CollectiveMismatchError(
-        message, rank=rank, step=step, hint=hint, per_rank=per_rank, seq=seq, group=group
-    )
-
-
-def _span(ranks: list[int]) -> str:
-    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ", ".join(map(str, ranks))
-
-
-# ---------------------------------------------------------------------- flight recorder
-
-
-def _ring_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _ring_path(token: str, rank: int) -> str:
-    return os.path.join(_ring_dir(), f"guardrails-audit-{token}-r{rank}")
-
-
-def _sweep_stale_rings(older_than_s: float = 60.0) -> None:
-    """Remove flight recorders left by processes that died (an aborted, killed or
-    stuck-then-ended rank cannot remove its own; one whose store died keeps it for its
-    peers' close, which takes at most ``close_wait_s``). Only files of ours, a minute
-    old, whose writer is gone."""
-    base = _ring_dir()
-    now = time.time()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(base):
-            if not name.startswith("guardrails-audit-"):
-                continue
-            path = os.path.join(base, name)
-            with contextlib.suppress(OSError, struct.error):
-                if now - os.path.getmtime(path) < older_than_s:
-                    continue
-                with open(path, "rb") as f:
-                    magic, _, pid, _ = _HEADER.unpack(f.read(_HEADER.size))
-                if magic == _MAGIC and not _dist.pid_alive(pid):
-                    os.unlink(path)
-
-
-class _Ring:
-    """The last ``_SLOTS`` calls of this rank in a memory-mapped file: a write is a few
-    memory stores (the kernel keeps the pages if the process is then aborted)."""
-
-    def __init__(self, path: str, fd: int, mm: mmap.mmap) -> None:
-        self.path = path
-        self._fd = fd
-        self._mm = mm
-        self._count = 0
-        self._pack_slot = _SLOT_HEAD.pack_into
-
-    @classmethod
-    def create(cls, path: str, rank: int) -> _Ring | None:
-        size = _HEADER.size + _SLOTS * _SLOT
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        except OSError:
-            log.debug("guardrails: no flight recorder at %s", path, exc_info=True)
-            return None
-        _HEADER.pack_into(mm, 0, _MAGIC, rank, os.getpid(), _SLOTS)
-        return cls(path, fd, mm)
-
-    def write(self, payload: bytes, seq: int, step: int) -> None:
-        # Two stores: the slot's head (numbered, so a reader orders slots without a
-        # shared counter) and the payload.
-        off = _HEADER.size + (self._count % _SLOTS) * _SLOT
-        self._count += 1
-        self._pack_slot(self._mm, off, self._count, seq, step, len(payload))
-        start = off + _SLOT_HEAD.size
-        self._mm[start : start + len(payload)] = payload
-
-    def close(self, *, unlink: bool) -> None:
-        with contextlib.suppress(Exception):
-            self._mm.close()
-            os.close(self._fd)
-        if unlink:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
-
-    @staticmethod
-    def read(path: str) -> dict[str, dict[str, Any]] | None:
-        """A peer's recent calls per group, in the published-record shape."""
-        try:
-            data = Path(path).read_bytes()
-            magic, _, _, slots = _HEADER.unpack_from(data, 0)
-            heads = [
-                (_SLOT_HEAD.unpack_from(data, _HEADER.size + i * _SLOT), i) for i in range(slots)
-            ]
-        except (OSError, struct.error):
-            return None
-        if magic != _MAGIC:
-            return None
-        groups: dict[str, dict[str, Any]] = {}
-        for (number, seq, step, length), i in sorted(heads):
-            if number == 0:
-                continue  # never written
-            start = _HEADER.size + i * _SLOT + _SLOT_HEAD.size
-            try:
-                name, ranks, op, kind, shape, dtype, red, root, site, keyed = json.loads(
-                    data[start : start + length]
-                )
-            except ValueError:
-                continue  # torn or truncated slot
-            f = {
-                "op": op,
-                "kind": kind,
-                "shape": "" if kind == "a2a" else shape,
-                "dtype": dtype,
-                "reduce_op": red,
-                "root": root,
-                "step": step if keyed else None,
-                "site": site,
-                "keyed": keyed,
-            }
-            table = groups.setdefault(name, {"ranks": ranks, "n": 0, "anchors": [], "w": []})
-            if kind == "p2p":
-                continue
-            table["w"].append(_row(seq, _digest(f), None, f, f["step"]))
-            table["n"] = max(table["n"], seq)
-        return groups

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from guardrails import _checkpoint, _data, _dist, _exit, _sharded
+from guardrails import _checkpoint, _data, _exit, _model, _sharded
 from guardrails._checks import positive_int
 from guardrails._component import Component
 from guardrails._config import configure
@@ -233,7 +233,7 @@ class SignalCheckpointer(Component):
             # A sharded optimizer (ZeroRedundancyOptimizer, or one that reduces the
             # gradients inside its step, like nanochat's: then the ranks' gradients, and
             # so their states, differ) holds a different part on every rank.
-            agree = all(_dist.grads_agree(m) for m in guard.models.values())
+            agree = all(_model.grads_agree(m) for m in guard.models.values())
             self._per_rank = {
                 name
                 for name, opt in guard.optimizers.items()
@@ -251,7 +251,7 @@ class SignalCheckpointer(Component):
             self.background
             and periodic
             and guard.world_size > 1
-            and _sharded.is_sharded(_dist.unwrap(guard.model))
+            and _model.is_sharded(_model.unwrap(guard.model))
         ):
             # Every rank creates it here, at the same point (new_group is collective).
             self._dcp_group = dist.new_group(backend="gloo")
@@ -498,9 +498,9 @@ class SignalCheckpointer(Component):
         step = guard.step
         with guard.pause_watchdog("checkpoint"):
             part = _checkpoint.Part()
-            bare = _dist.unwrap(guard.model)
+            bare = _model.unwrap(guard.model)
             sharded: list[Path] = []
-            is_sharded = _sharded.is_sharded(bare)
+            is_sharded = _model.is_sharded(bare)
             if is_sharded:
                 tmp = _checkpoint.begin(self.root, step, self._token)
                 if background and self._dcp_group is not None:
@@ -744,7 +744,7 @@ class SignalCheckpointer(Component):
         try:
             return _checkpoint.load(
                 where,
-                _dist.unwrap(guard.model),
+                _model.unwrap(guard.model),
                 guard.optimizers,
                 scheduler=guard.schedulers or None,
                 scaler=guard.scaler,

@@ -4,7 +4,7 @@ its gradient all-reduces to the CollectiveAuditor, and explains its own errors.
 Three additions, public DDP API only:
 
 * **At construction**, before DDP's own checks, the ranks exchange their parameter
-  tables (names, shapes, dtypes, weight checksums: :func:`guardrails._preflight.param_table`)
+  tables (names, shapes, dtypes, weight checksums: :func:`guardrails._preflight_facts.param_table`)
   once. A model that differs in structure raises :class:`~guardrails.ConfigMismatchError`
   on every rank naming the parameters, instead of DDP's "DDP expects same model across
   all ranks, but Rank 1 has 6 params, while rank 0 has inconsistent 8 params". Weights
@@ -228,7 +228,8 @@ def _check_models(module: nn.Module, group: Any) -> None:
     ConfigMismatchError on every rank if their structure differs."""
     from torch.distributed import distributed_c10d as c10d
 
-    from guardrails._preflight import _by_rank, _odd_ranks, param_diffs, param_table
+    from guardrails._preflight_diff import _by_rank, _odd_ranks, param_diffs
+    from guardrails._preflight_facts import param_table
 
     pg = group if group is not None else c10d._get_default_group()
     temp = None

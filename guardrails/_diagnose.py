@@ -39,7 +39,6 @@ replay's loss; DDP / torch.compile wrappers are bypassed so no collective is iss
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import statistics
@@ -51,7 +50,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from guardrails import _dist
+from guardrails import _model
 from guardrails._events import json_safe
 from guardrails._text import shorten
 
@@ -153,7 +152,7 @@ def _diagnose(
     }
     if optimizer is not None:
         diag["optimizer"] = optimizer
-    inputs = [_call_inputs(m, args, kwargs) for m, args, kwargs in calls or ()]
+    inputs = [_model.named_arguments(m, args, kwargs) for m, args, kwargs in calls or ()]
     # The forward inputs first (what the model saw), then the batches the step fetched
     # (a target or weight the loss outside the model used).
     bad = [("forward call", *b) for b in _nonfinite_samples(inputs)] if inputs else []
@@ -359,9 +358,7 @@ def _replay(
     """Re-run the step's forward calls (or ``replay_fn`` over its batches) on the bare
     model(s) with a forward hook on every module; then, if the forward is finite, take
     the gradients with autograd.grad. Everything the run owns is left as it was."""
-    from guardrails._guard import _find_loss
-
-    model = _dist.unwrap(guard.model)
+    model = _model.unwrap(guard.model)
     device = guard.device
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -389,23 +386,23 @@ def _replay(
     # them, on the bare module (no DDP collective, no recompilation).
     runs: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
     if replay_fn is not None:
-        runs = [(replay_fn, (model, _to(b, device)), {}) for b in batches or ()]
+        runs = [(replay_fn, (model, _model.to_device(b, device)), {}) for b in batches or ()]
     else:
-        runs = [(_dist.unwrap(m), a, k) for m, a, k in calls or ()]
+        runs = [(_model.unwrap(m), a, k) for m, a, k in calls or ()]
     if not runs:
         return {}
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
     devices = [device] if device.type == "cuda" else []
     result: dict[str, Any] = {"no_loss": True}
-    guard._replaying = True
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        # Not a training forward: its loss and inputs are not the step's.
+        with guard.replaying(), torch.random.fork_rng(devices=devices), torch.enable_grad():
             for i, (fn, args, kwargs) in enumerate(runs):
                 current.update(call=i, rows=_batch_size(args, kwargs))
                 out = fn(*args, **kwargs)
                 if first:
                     break
-                loss = _find_loss(out)
+                loss = _model.find_loss(out)
                 if loss is None or not named:
                     continue
                 result["no_loss"] = False
@@ -426,7 +423,6 @@ def _replay(
             "(pass guard(..., replay_fn=lambda model, batch: ...) to say how to run a batch)"
         )
     finally:
-        guard._replaying = False
         for h in handles:
             h.remove()
         with torch.no_grad():
@@ -460,31 +456,6 @@ def _bad_rows(out: Any, batch: int) -> list[int] | None:
     bad = (~torch.isfinite(t.detach())).reshape(batch, -1).any(1)
     rows = bad.nonzero().flatten().tolist()
     return rows if 0 < len(rows) < batch else None
-
-
-def _call_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict:
-    """A forward call's arguments as one mapping by the names in the model's
-    ``forward`` signature (``idx``, ``targets``...), or ``arg0``, ``arg1``... when the
-    signature cannot bind them."""
-    try:
-        bound = inspect.signature(_dist.unwrap(module).forward).bind_partial(*args, **kwargs)
-    except (TypeError, ValueError):
-        return {**{f"arg{i}": a for i, a in enumerate(args)}, **kwargs}
-    return dict(bound.arguments)
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return (
-            type(batch)(_to(v, device) for v in batch)
-            if isinstance(batch, tuple)
-            else [_to(v, device) for v in batch]
-        )
-    return batch
 
 
 def _finite(x: Any) -> bool:

@@ -1,6 +1,8 @@
-"""Where this process sits in a (possibly) distributed job.
+"""Where this process sits in a (possibly) distributed job, and the library wrappers
+around the user's optimizer and loader (HF accelerate's) that guardrails looks through.
 
-Read once at guard start; nothing here issues a collective.
+Read once at guard start; nothing here issues a collective. The model's own wrappers
+(DDP, torch.compile) are unwrapped in :mod:`guardrails._model`.
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 
@@ -42,31 +43,6 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """``model`` and every module it wraps, outermost first: DDP's ``.module`` and
-    torch.compile's ``._orig_mod``, in any order (nanoGPT's ``DDP(compile(m))``,
-    ``compile(DDP(m))``). Modules are never tested for truth (a module with
-    ``__len__``, like ``nn.Sequential``, can be falsy)."""
-    chain = [model]
-    for _ in range(8):
-        m = chain[-1]
-        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
-            inner = m.module
-        else:
-            inner = getattr(m, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            break
-        chain.append(inner)
-    return chain
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare module under DDP / torch.compile wrappers: the one whose weights and
-    ``state_dict()`` keys are the model's own (no ``module.`` / ``_orig_mod.`` prefix),
-    and whose forward issues no collective and compiles nothing."""
-    return wrappers(model)[-1]
-
-
 #: Wrappers that keep the user's object under one attribute and delegate to it, by
 #: ``(module, class)`` of the wrapper or a base of it: HF accelerate's
 #: ``prepare()``d optimizer and loaders (DataLoaderShard, DataLoaderDispatcher and
@@ -83,7 +59,7 @@ def delegates(obj: Any) -> list[Any]:
     """``obj`` and every object it delegates to, outermost first: an accelerate
     ``AcceleratedOptimizer``'s ``.optimizer``, a prepared loader's ``.base_dataloader``
     (the ``torch.utils.data.DataLoader`` it iterates). Not modules: see
-    :func:`wrappers`."""
+    :func:`guardrails._model.wrappers`."""
     chain = [obj]
     for _ in range(4):
         attr = next(
@@ -137,15 +113,3 @@ def overflowed(scaler: Any, optimizer: Any) -> bool:
         scaler.unscale_(optimizer)
     found = state["found_inf_per_device"]
     return bool(sum(v.item() for v in found.values())) if found else False
-
-
-def grads_agree(model: torch.nn.Module) -> bool:
-    """Whether every rank holds the same gradients at ``optimizer.step()``: DDP
-    all-reduced them in the backward (wrapped outside or inside ``torch.compile``), or
-    they are DTensors whose norm is global (FSDP2). Otherwise (a distributed optimizer
-    that reduces inside its step, like nanochat's) they differ per rank."""
-    from guardrails._sharded import is_sharded
-
-    chain = wrappers(model)
-    ddp = torch.nn.parallel.DistributedDataParallel
-    return any(isinstance(m, ddp) for m in chain) or is_sharded(chain[-1])

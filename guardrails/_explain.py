@@ -304,7 +304,7 @@ def _context(guard: Guard | None) -> dict[str, Any]:
     recent = getattr(auditor, "recent", None)
     if collective is None and recent:
         try:
-            from guardrails._audit import entry_dict, is_own
+            from guardrails._audit_calls import entry_dict, is_own
 
             mine = [e for e in recent if not is_own(e)]
             collective = entry_dict(mine[-1]) if mine else None

@@ -70,6 +70,7 @@ from guardrails._component import HOOKS, Component, check_components, overrides
 from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog
 from guardrails._gradnorm import GradNorm, total_norm
+from guardrails._model import find_loss as _find_loss
 from guardrails._state import Shared, StepState
 
 logger = logging.getLogger("guardrails")
@@ -1223,27 +1224,6 @@ def _lr(optimizer: torch.optim.Optimizer) -> float:
 def _default_run_dir() -> Path:
     stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
     return Path("runs") / (stem or "guardrails")
-
-
-def _is_loss(t: Any) -> bool:
-    return isinstance(t, Tensor) and t.ndim == 0 and t.is_floating_point() and t.requires_grad
-
-
-def _find_loss(output: Any) -> Tensor | None:
-    """The scalar training loss inside a model's output, if it returns one."""
-    if isinstance(output, Tensor):
-        return output if _is_loss(output) else None
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-        return loss if _is_loss(loss) else None
-    if isinstance(output, (tuple, list)):
-        # nanoGPT-style (logits, loss): the first scalar that carries a graph.
-        for item in output[:4]:
-            if _is_loss(item):
-                return item
-        return None
-    loss = getattr(output, "loss", None)
-    return loss if _is_loss(loss) else None
 
 
 def _tokens(batch: Any) -> int | None:

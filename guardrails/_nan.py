@@ -74,12 +74,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from guardrails import _diagnose, _dist
+from guardrails import _diagnose, _dist, _model
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._errors import NonFiniteError
 from guardrails._guard import _lr
+from guardrails._lagged import Copy, LaggedCopy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -230,7 +231,7 @@ class NanGuard(Component):
         self._fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
         # Gradients that differ across ranks at step(): agree on the flag (host path).
         self._reduce = guard.world_size > 1 and not all(
-            _dist.grads_agree(m) for m in guard.models.values()
+            _model.grads_agree(m) for m in guard.models.values()
         )
         # Steps whose agreed flag was set by another rank (this rank's was finite).
         self._foreign: set[int] = set()
@@ -246,13 +247,9 @@ class NanGuard(Component):
         self._norm_views = [[r[1:2]] for r in rows]
         self._found_views = [r[2] for r in rows]
         self._np = None if self._lagged else self._ring.numpy()  # CPU: host memory already
-        self._slots = (
-            [torch.empty_like(self._ring, device="cpu", pin_memory=self._cuda) for _ in range(2)]
-            if self._lagged
-            else []
-        )
-        self._slot = 0
-        self._pending: tuple[Tensor, Any, list[tuple[int, float]]] | None = None  # in flight
+        # Lagged path: the ring reaches the host in copies read an interval later
+        # (_lagged.py), each kept with its rows' (step, lr).
+        self._copies = LaggedCopy(self._ring) if self._lagged else None
         self._i = 0
         self._lrs: list[tuple[int, float]] = []  # lagged path: (step, lr) of the ring's rows
         self._one = torch.ones((), device=dev)
@@ -518,7 +515,7 @@ class NanGuard(Component):
                 if self._lagged:
                     if self._i:
                         self._flush(n=self._i)
-                    self._collect()
+                    self._collect(self._copies.take())  # type: ignore[union-attr]
                 self._judge()
             finally:
                 self._recent.clear()
@@ -566,25 +563,14 @@ class NanGuard(Component):
     def _flush(self, n: int | None = None) -> None:
         """Copy the filled ring to (pinned) host memory; process the previous copy."""
         n = len(self._rows) if n is None else n
-        slot = self._slots[self._slot]
-        self._slot ^= 1
-        slot[:n].copy_(self._ring[:n], non_blocking=self._cuda)
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
         lrs, self._lrs = self._lrs, []
-        self._collect()
-        self._pending = (slot[:n], event, lrs)
+        self._collect(self._copies.start(n, lrs))  # type: ignore[union-attr]
 
-    def _collect(self) -> None:
-        if self._pending is None:
+    def _collect(self, copy: Copy | None) -> None:
+        if copy is None:
             return
-        rows, event, lrs = self._pending
-        self._pending = None
-        # Issued one interval ago: long finished, so this does not wait in practice.
-        if event is not None:
-            event.synchronize()
+        # Issued one interval ago: long finished, so read() does not wait in practice.
+        rows, lrs = copy.read(), copy.meta
         rank_norms = self._rank_norms
         for (step, lr), (loss_v, norm_v, bad) in zip(lrs, rows.tolist(), strict=True):
             if bad > 1.5:  # SCALER_SKIP

@@ -127,15 +127,6 @@ def _reader(directory: Path) -> Any:
     return Reader(str(directory))
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5 kept it private
-        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def save(directory: Path, rank: int, model: nn.Module, optimizer: Any) -> list[Path]:
     """Write this rank's shards of model and optimizer under ``directory/dcp`` (every rank
     calls it); returns the files this rank wrote."""

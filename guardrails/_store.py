@@ -23,13 +23,19 @@ both opened once per guard:
   auditor must ignore ``group is guard.side_group``.
 
 Both are ``None`` in a single-process run; callers treat ``None`` as "nobody to talk to".
+
+Over a side store, :func:`claim_verdict` and :func:`read_verdict` make one rank's
+finding the job's: the first rank to claim it wins, and every rank reports that one.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -81,3 +87,33 @@ def close_side_group(group: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(group)
     except Exception:  # the job is already tearing down; nothing left to release
         log.debug("guardrails: could not destroy the side group", exc_info=True)
+
+
+def claim_verdict(store: dist.Store, value: Any, key: str = "verdict") -> bool:
+    """Publish ``value`` (JSON) under ``key`` unless another rank claimed it first;
+    return whether this rank won. First writer wins, so every rank reports the same
+    finding (one hang, one mismatch), not each its own view of it.
+
+    The claim is an atomic counter: ``store.add`` returns the new count, so exactly one
+    rank sees 1 whatever the timing (a check-then-set would let two ranks both find
+    the key absent and overwrite each other). The winner sets the value right after
+    its add, so a loser may find it absent for a moment: see ``read_verdict``'s
+    ``wait_s``."""
+    if store.add(f"{key}_claim", 1) == 1:
+        store.set(key, json.dumps(value, default=str))
+        return True
+    return False
+
+
+def read_verdict(
+    store: dist.Store, key: str = "verdict", *, wait_s: float = 0.0, poll_s: float = 0.05
+) -> Any:
+    """The value published under ``key`` by :func:`claim_verdict`, or ``None`` if there
+    is none (after waiting up to ``wait_s`` for it, polling every ``poll_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if store.check([key]):
+            return json.loads(bytes(store.get(key)).decode())
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(poll_s)

@@ -37,12 +37,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from torch import Tensor
 from tqdm.auto import tqdm
 
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
+from guardrails._lagged import Copy, LaggedCopy
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -144,12 +144,9 @@ class Telemetry(Component):
         # float, not bool: a bool in the stack below sends it down a dtype-promoting
         # path that costs ~2.7 us more per step on CPU (measured, host_ops.py).
         self._zero = torch.zeros((), device=guard.device)
-        # Two pinned slots: the copy into one is read while the next fills the other.
-        self._slots = [
-            torch.empty_like(self._ring, device="cpu", pin_memory=self._cuda) for _ in range(2)
-        ]
-        self._slot = 0
-        self._pending: tuple[Tensor, Any, np.ndarray, int] | None = None
+        # Copied to the host once per interval, read an interval later (_lagged.py);
+        # each copy keeps the host columns of its rows (meta).
+        self._copies = LaggedCopy(self._ring)
         self._arrived: list[tuple[np.ndarray, np.ndarray]] = []  # (device, host) blocks
         self._last_write = time.monotonic()
         show = self.progress
@@ -196,7 +193,7 @@ class Telemetry(Component):
         try:
             if self._host_rows:
                 self._flush()
-            self._collect()
+            self._collect(self._copies.take())
             self._write()
         finally:
             if self._bar is not None:
@@ -208,21 +205,11 @@ class Telemetry(Component):
     def _flush(self) -> None:
         """Start the device-to-host copy of the filled rows; read the previous one."""
         n = len(self._host_rows)
-        slot = self._slots[self._slot]
-        self._slot ^= 1
-        event = None
-        if self._cuda:
-            slot[:n].copy_(self._ring[:n], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            slot[:n].copy_(self._ring[:n])
         host = self._host_block(self._host_rows)
         self._host_rows = []
-        self._collect()
-        self._pending = (slot, event, host, n)
+        self._collect(self._copies.start(n, host))
         if not self._cuda:
-            self._collect()  # nothing to wait for on CPU: publish at once
+            self._collect(self._copies.take())  # nothing to wait for on CPU: publish at once
 
     def _host_block(self, rows: list[tuple[float, ...]]) -> np.ndarray:
         """The host columns of ``rows`` as one array, GC time made per step."""
@@ -242,9 +229,9 @@ class Telemetry(Component):
         # the newest rows' device columns (loss, grad norm, skipped) stay NaN: reading
         # them would queue behind the stuck kernel or collective. Before this, a rank
         # the watchdog ended lost every row since its last part (up to 60 s of steps).
-        pending = self._pending
-        if pending is not None and (pending[1] is None or pending[1].query()):
-            self._collect()
+        pending = self._copies.pending
+        if pending is not None and pending.ready():
+            self._collect(self._copies.take())
         rows = list(self._host_rows)  # a snapshot: the main thread may still append
         if rows:
             n = len(rows)
@@ -255,18 +242,16 @@ class Telemetry(Component):
             self._arrived.append((dev, self._host_block(rows)))
         self._write()
 
-    def _collect(self) -> None:
-        """Take the pending copy once the device has finished it. Called one interval
-        after the copy was issued, so it has long finished and this does not wait."""
-        if self._pending is None:
+    def _collect(self, copy: Copy | None) -> None:
+        """Take ``copy`` (a copy's rows and their host columns) once the device has
+        finished it. Called one interval after the copy was issued, so it has long
+        finished and this does not wait."""
+        if copy is None:
             return
-        slot, event, host, n = self._pending
-        if event is not None:
-            # Issued a whole interval ago, so normally long finished and this returns
-            # at once; it only blocks if the device is that far behind the host.
-            event.synchronize()
-        self._pending = None
-        dev = slot[:n].numpy().astype(np.float64)
+        # Issued a whole interval ago, so normally long finished and read() returns at
+        # once; it only blocks if the device is that far behind the host.
+        dev = copy.read().numpy().astype(np.float64)
+        host = copy.meta
         self._arrived.append((dev, host))
         latest = dict(zip(HOST_COLUMNS, host[-1].tolist(), strict=True))
         latest.update(zip(DEVICE_COLUMNS, dev[-1].tolist(), strict=True))

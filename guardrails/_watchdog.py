@@ -28,7 +28,7 @@ The first rank to conclude claims the verdict in the store (``add`` returns 1 to
 one caller) and every other rank adopts it on its next tick, so all ranks report the same
 diagnosis, each with its own rank in the message. Then ``guard.fail_from_thread``: the
 main thread raises the error at its next step boundary if it gets there within
-``fail_grace_s``; if not (stuck in a collective or a C call that Python cannot
+``abort_after_s``; if not (stuck in a collective or a C call that Python cannot
 interrupt) the process reports and exits (``_exit.die``), so the launcher tears the job
 down. Death of a peer and the end of a peer's loop are announced at once (a counter in
 the store every thread polls), so an exception on one rank ends the others in about a
@@ -66,6 +66,7 @@ from guardrails._checks import positive
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._errors import GuardrailsError, HangError, RankFailedError, UnevenDataError
+from guardrails._store import claim_verdict, read_verdict
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -437,23 +438,18 @@ class Watchdog(Component):
     # ------------------------------------------------------------------ verdicts
 
     def _adopt_verdict(self, guard: Guard) -> GuardrailsError | None:
-        if not self._store.check(["verdict"]):
-            return None
-        return _build(json.loads(bytes(self._store.get("verdict")).decode()), guard)
+        verdict = read_verdict(self._store)
+        return None if verdict is None else _build(verdict, guard)
 
     def _claim(self, guard: Guard, spec: dict[str, Any]) -> GuardrailsError:
         """Publish ``spec`` as the job's verdict unless another rank did first; return
         the verdict in force, as this rank's error."""
         spec = {**spec, "by": self._rank}
-        if self._store.add("verdict_claims", 1) == 1:
-            self._store.set("verdict", json.dumps(spec, default=str))
+        if claim_verdict(self._store, spec):
             return _build(spec, guard)
-        deadline = time.monotonic() + 2.0  # the winner sets it right after its add
-        while time.monotonic() < deadline:
-            if self._store.check(["verdict"]):
-                return _build(json.loads(bytes(self._store.get("verdict")).decode()), guard)
-            time.sleep(0.05)
-        return _build(spec, guard)
+        # Lost: the winner sets its verdict right after its claim.
+        won = read_verdict(self._store, wait_s=2.0)
+        return _build(spec if won is None else won, guard)
 
     def _fail(self, guard: Guard, error: GuardrailsError) -> None:
         self.error = error
