@@ -894,8 +894,8 @@ class _Health:
                 level="warning",
                 message=(
                     f"the loss did not decrease over steps {step - self._window + 1}-{step} "
-                    f"(median {first:.4g} -> {second:.4g}). Seed 003: overfit one batch "
-                    "first; check the LR (too low crawls, too high bounces), label/mask "
+                    f"(median {first:.4g} -> {second:.4g}). Try to overfit one batch "
+                    "first (a model that cannot is wired wrong); check the LR (too low crawls, too high bounces), label/mask "
                     "wiring, and that the optimizer holds the trainable parameters."
                 ),
                 first_half_median=first,
