@@ -245,4 +245,4 @@ _KNOBS = [
         : guard.__code__.co_argcount + guard.__code__.co_kwonlyargcount
     ]
     if name not in ("model", "optimizer", "loader")
-] + list(ALIASES["guard"])
+]
