@@ -215,3 +215,31 @@ def test_the_engine_imports_no_component():
                 imported.add(node.module.rsplit(".", 1)[-1])
                 imported.update(a.name for a in node.names)
         assert not imported & components, f"{engine} imports {imported & components}"
+
+
+def test_no_module_level_import_cycles():
+    """Import order never matters: no cycle among the package's module-level imports
+    (a lazy import inside a function, or one under TYPE_CHECKING, is not one)."""
+    graph: dict[str, set[str]] = {}
+    for path in _PKG.glob("*.py"):
+        deps: set[str] = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for n in ast.walk(node):
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("guardrails"):
+                    if n.module == "guardrails":
+                        deps.update(a.name for a in n.names)
+                    else:
+                        deps.add(n.module.split(".")[1])
+        graph[path.stem] = deps
+
+    def visit(module: str, stack: list[str]) -> None:
+        for dep in graph.get(module, ()):
+            assert dep not in stack, "import cycle: " + " -> ".join([*stack, dep])
+            visit(dep, [*stack, dep])
+
+    for module in graph:
+        visit(module, [module])
