@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
-import socket
-import time
+import os
 from pathlib import Path
 
 import torch
+from _ranks import free_port, spawn  # noqa: F401  (the tests import them from here)
 from torch import nn
+
+# One intra-op thread per process, as torchrun sets for its ranks: the suite's
+# processes (2-rank jobs, pytest-xdist workers) share CI's 2 cores, and OpenMP threads
+# that spin-wait for a core slow everything down. Set before any test starts a process;
+# a developer's own OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class Regressor(nn.Module):
@@ -63,27 +70,6 @@ def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
 
 def read_events(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, for a test's MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 120.0) -> None:
-    """mp.spawn with a deadline: a hang fails the test instead of blocking the suite."""
-    import pytest
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    end = time.monotonic() + deadline_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline_s:.0f} s: a hang")
 
 
 def assert_state_equal(a, b, path="state") -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import run_ranks
 from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
 from torch import nn
@@ -31,16 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(shape, run_dir, out, *args, world=1):
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        cmd = [sys.executable, str(WORKER), shape, str(run_dir), str(out), *map(str, args)]
-        if world > 1:
-            cmd += ["--rank", str(rank), "--world", str(world), "--port", str(port)]
-        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, **pipes))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+    """``world`` worker processes to their end: (exit code, output) per rank."""
+    cmd = [sys.executable, WORKER, shape, run_dir, out, *args]
+    if world > 1:
+        cmd += ["--rank", "{rank}", "--world", "{world}", "--port", "{port}"]
+    results = run_ranks(cmd, world, out=f"{out}.logs", timeout_s=240)
+    return [(r.code, r.out) for r in results]
 
 
 def _stop_and_resume(tmp_path, shape, steps, stop_at, world=1, stop_rank=0, extra=()):
