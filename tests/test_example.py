@@ -43,6 +43,7 @@ def run(args, tmp_path, timeout=600, torchrun=False, ok=True):
     return proc, guardrails.read_metrics(tmp_path / "run").to_pydict()
 
 
+@pytest.mark.slow(reason="100 steps of the 0.8M-parameter GPT")
 def test_default_run_learns(tmp_path):
     """The README command with 100 steps instead of 500 (its defaults otherwise: the
     model, the batch, warmup and cosine LR over the steps, a sample): the loss falls
@@ -123,6 +124,7 @@ def stop_resume(tmp_path_factory):
     }
 
 
+@pytest.mark.slow(reason="the shared stop/resume fixture: 4 runs of the example")
 def test_inject_sigterm_saves_exits_and_the_same_command_resumes(stop_resume):
     proc = stop_resume["stopped"]
     assert proc.returncode == 143, proc.stderr
@@ -138,6 +140,7 @@ def test_inject_sigterm_saves_exits_and_the_same_command_resumes(stop_resume):
     assert "nothing to do" in proc.stdout and "step 30" in proc.stdout
 
 
+@pytest.mark.slow(reason="the shared stop/resume fixture: 4 runs of the example")
 def test_sigterm_resume_across_an_epoch_trains_exactly_as_the_straight_run(stop_resume):
     # The example's sampler shuffles with its own seeded generator: a resume that did
     # not carry that generator's state replayed the first epoch's order in the second

@@ -555,6 +555,7 @@ def _ddp_worker(rank: int, world: int, port: int, run_dir: str, out: str, ddp: b
         dist.destroy_process_group()
 
 
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 3 process groups")
 @pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no_ddp"])
 def test_two_ranks_skip_the_same_step(two_ranks, ddp):
     tmp_path = two_ranks / ("ddp" if ddp else "no_ddp")
@@ -623,6 +624,7 @@ def two_ranks(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 3 process groups")
 def test_two_ranks_judge_spikes_on_their_combined_grad_norm(two_ranks):
     tmp_path = two_ranks / "spike"
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]

@@ -60,6 +60,7 @@ def _assert_same(a, b):
     assert torch.equal(a["rng"], b["rng"])  # dropout and shuffling streams line up
 
 
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
 def test_sigterm_then_resume_is_bitwise_exact(tmp_path):
     [(rc, text)] = _run(tmp_path / "straight", tmp_path / "a", "--steps", 24)
     assert rc == 0, text
@@ -83,6 +84,7 @@ def test_sigterm_then_resume_is_bitwise_exact(tmp_path):
     assert resumed[0]["step"] == 5
 
 
+@pytest.mark.slow(reason="3 runs of 2 ranks: straight, stopped, resumed")
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(tmp_path):
     results = _run(tmp_path / "straight", tmp_path / "a", "--steps", 30, world=2)
     assert [rc for rc, _ in results] == [0, 0], results
@@ -115,6 +117,7 @@ def fsdp_straight(tmp_path_factory):
     return tmp / "a"
 
 
+@pytest.mark.slow(reason="2 runs of 2 FSDP2 ranks, and the shared straight run")
 def test_fsdp2_sharded_state_goes_through_dcp_and_resumes_exactly(tmp_path, fsdp_straight):
     """FSDP2 (fully_shard on a CPU mesh, gloo): each rank writes its own shards with
     torch.distributed.checkpoint, listed and checksummed in the one manifest; the
@@ -136,6 +139,7 @@ def test_fsdp2_sharded_state_goes_through_dcp_and_resumes_exactly(tmp_path, fsdp
     assert not [e for e in read_events(stopped) if e["kind"] == "zero_grads"]
 
 
+@pytest.mark.slow(reason="2 runs of 2 FSDP2 ranks, and the shared straight run")
 def test_fsdp2_background_saves_are_written_by_dcp_off_the_main_thread_and_resume_exactly(
     tmp_path, fsdp_straight
 ):
@@ -159,6 +163,7 @@ def test_fsdp2_background_saves_are_written_by_dcp_off_the_main_thread_and_resum
         _assert_same(_load(fsdp_straight, rank), _load(tmp_path / "b", rank))
 
 
+@pytest.mark.slow(reason="7 processes, 6 of them SIGKILLed mid-save")
 def test_sigkill_during_background_saves_always_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(4)
     run_dir = tmp_path / "run"

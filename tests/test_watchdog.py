@@ -28,6 +28,8 @@ WORKER = Path(__file__).parent / "hang_worker.py"
 TIMEOUT_S = 3.0
 # The spec's bound: every rank ends within hang_timeout_s + 10 s of the fault.
 BOUND_S = TIMEOUT_S + 10.0
+#: The tests that read the jobs: 13 jobs (27 processes) side by side, ~1 min on 2 cores.
+jobs_test = pytest.mark.slow(reason="reads the side-by-side jobs: 27 processes, ~1 min")
 
 
 def start(scenario: str, out: Path) -> Job:
@@ -88,6 +90,7 @@ def assert_bounded(results: list[RankResult]) -> None:
 # ---------------------------------------------------------------------- stuck ranks
 
 
+@jobs_test
 @pytest.mark.parametrize("scenario", ["sleep", "pipe"], ids=["python_sleep", "c_read"])
 def test_stuck_rank_is_named_with_every_stack(runs, scenario):
     results = runs[scenario]
@@ -136,6 +139,7 @@ def assert_last_words(run_dir: Path, error: str, *, steps: int) -> None:
         assert all(x["loss"] == x["loss"] for x in rows)  # CPU: the device columns too
 
 
+@jobs_test
 def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
     """Rank 1 is blocked in a C read and rank 0 in DDP's all-reduce waiting for it: no
     Python signal handler can run on either. Each gets SIGTERM (as torchrun sends it)
@@ -164,6 +168,7 @@ def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
     assert_last_words(results[0].dir / "run", "SIGTERM received at step 3", steps=3)
 
 
+@jobs_test
 def test_a_stuck_dataloader_worker_ends_with_its_rank(runs):
     """Rank 1's DataLoader worker hangs in I/O: the watchdog names rank 1 as stuck in its
     loader, and the worker process does not outlive the job."""
@@ -187,6 +192,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; only its exit status is left
 
 
+@jobs_test
 def test_dead_rank_sigkill(runs):
     results = runs["kill"]
     assert_bounded(results)
@@ -203,6 +209,7 @@ def test_dead_rank_sigkill(runs):
     assert "rank 1 died" in extra["report"] and "SIGKILL" in extra["report"]
 
 
+@jobs_test
 def test_dead_store_host(runs):
     """Rank 0 hosts the TCPStore (env:// without torchrun's agent): when it dies the
     side channel dies with it, and rank 1 must still end, naming rank 0."""
@@ -216,6 +223,7 @@ def test_dead_store_host(runs):
     assert extra["fields"]["failed_rank"] == 0
 
 
+@jobs_test
 def test_exception_on_one_rank_ends_the_other(runs):
     results = runs["raise"]
     assert_bounded(results)
@@ -233,6 +241,7 @@ def test_exception_on_one_rank_ends_the_other(runs):
     assert "ValueError: boom" in extra["report"]
 
 
+@jobs_test
 @pytest.mark.parametrize("scenario", ["uneven", "unevennext"], ids=["for_loop", "next_by_hand"])
 def test_uneven_data(runs, scenario):
     # With next() by hand, rank 1's loop ends with the guard iterator's StopIteration:
@@ -255,6 +264,7 @@ def test_uneven_data(runs, scenario):
 # ---------------------------------------------------------------------- no false alarms
 
 
+@jobs_test
 def test_pause_watchdog_prevents_a_false_hang_and_a_clean_run_reports_nothing(runs):
     results = runs["pause"]
     for r, res in enumerate(results):
@@ -267,6 +277,7 @@ def test_pause_watchdog_prevents_a_false_hang_and_a_clean_run_reports_nothing(ru
     assert results[0].ended - fault_time(results) > 1.5 * TIMEOUT_S
 
 
+@jobs_test
 def test_a_slow_first_step_is_not_a_hang(runs):
     """The first step (compilation, autotuning) gets first_step_timeout_s (600 s), not
     hang_timeout_s: rank 1 takes 1.7x the timeout before its first forward."""
@@ -277,6 +288,7 @@ def test_a_slow_first_step_is_not_a_hang(runs):
     assert results[0].ended - fault_time(results) > 1.5 * TIMEOUT_S
 
 
+@jobs_test
 def test_a_loader_that_never_yields_its_first_batch_is_a_hang_within_the_timeout(runs):
     """The first step's allowance is for a rank inside its step (compilation), not for
     one waiting for its loader: rank 1's first batch never comes, and both ranks end
@@ -294,6 +306,7 @@ def test_a_loader_that_never_yields_its_first_batch_is_a_hang_within_the_timeout
 # ---------------------------------------------------------------------- torchrun
 
 
+@jobs_test
 def test_torchrun_shows_our_message_as_root_cause(runs):
     [proc] = runs["torchrun"]
     out = proc.out + proc.err
