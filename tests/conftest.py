@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from pathlib import Path
@@ -87,3 +88,12 @@ def assert_state_equal(a, b, path="state") -> None:
             assert_state_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, (path, a, b)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files with the most ``slow`` tests first, each file's tests together and in
+    their order: under ``-n 2 --dist loadfile --no-loadscope-reorder`` the long files
+    start first and the short ones fill in around them, rather than one worker running
+    a long file alone at the end."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])

@@ -331,6 +331,7 @@ def _torchrun(tmp_path: Path, scenario: str) -> tuple[int, str]:
     return proc.code, proc.err
 
 
+@pytest.mark.slow(reason="torchrun and its 2 ranks")
 def test_torchrun_and_guard_defaults(tmp_path):
     # The whole stack as a user runs it: torchrun, guardrails.guard() defaults.
     code, err = _torchrun(tmp_path, "torchrun")
@@ -350,6 +351,7 @@ def test_torchrun_and_guard_defaults(tmp_path):
         assert "barrier" in text and "all_reduce" in text
 
 
+@pytest.mark.slow(reason="torchrun and its 2 ranks")
 def test_gloo_abort_under_torchrun_is_explained_by_the_survivor(tmp_path):
     """gloo aborts rank 0 (it receives 32 bytes where it expects 4) and torchrun at once
     sends SIGTERM to rank 1, which is then explaining the mismatch from rank 0's flight
