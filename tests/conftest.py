@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import json
-import socket
-import time
+import os
 from pathlib import Path
 
 import torch
+from _ranks import free_port, spawn  # noqa: F401  (the tests import them from here)
 from torch import nn
+
+# One intra-op thread per process, as torchrun sets for its ranks: the suite's
+# processes (2-rank jobs, pytest-xdist workers) share CI's 2 cores, and OpenMP threads
+# that spin-wait for a core slow everything down. Set before any test starts a process;
+# a developer's own OMP_NUM_THREADS wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class Regressor(nn.Module):
@@ -65,27 +73,6 @@ def read_events(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, for a test's MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 120.0) -> None:
-    """mp.spawn with a deadline: a hang fails the test instead of blocking the suite."""
-    import pytest
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    end = time.monotonic() + deadline_s
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks still running after {deadline_s:.0f} s: a hang")
-
-
 def assert_state_equal(a, b, path="state") -> None:
     """Nested state (dicts, lists, tensors, plain values) bitwise equal, naming the first
     path that differs: resumed runs against uninterrupted ones."""
@@ -101,3 +88,12 @@ def assert_state_equal(a, b, path="state") -> None:
             assert_state_equal(x, y, f"{path}[{i}]")
     else:
         assert a == b, (path, a, b)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files with the most ``slow`` tests first, each file's tests together and in
+    their order: under ``-n 2 --dist loadfile --no-loadscope-reorder`` the long files
+    start first and the short ones fill in around them, rather than one worker running
+    a long file alone at the end."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _ranks import launch, torchrun
 from conftest import Regressor, batches, free_port, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -206,57 +207,15 @@ def worker(scenario: str, out: str) -> None:
 # ---------------------------------------------------------------------- launching
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE.parents[1])]))
-    env.update(extra)
-    return env
-
-
 def run_ranks(tmp_path: Path, scenario: str, world: int = 2) -> list[dict]:
     """Run ``world`` ranks of ``scenario``; return per rank: exit code, stderr, result."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(HERE), scenario, str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return _collect(procs, tmp_path, world)
-
-
-def _collect(procs: list[subprocess.Popen], tmp_path: Path, world: int) -> list[dict]:
-    deadline = time.monotonic() + BOUND_S
-    outs = []
+    job = launch([sys.executable, HERE, scenario, tmp_path], world, out=tmp_path, merge=False)
     try:
-        for p in procs:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append(err)
+        ranks = job.wait(BOUND_S)
     finally:
-        late = [p.pid for p in procs if p.poll() is None]
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        _remove_rings({p.pid for p in procs})
-        assert not late, f"processes still running after {BOUND_S} s: {late}"
-    runs = []
-    for rank in range(world):
-        f = tmp_path / f"rank{rank}.json"
-        result = json.loads(f.read_text()) if f.exists() else None
-        runs.append(
-            {
-                "code": procs[rank].returncode if len(procs) > rank else None,
-                "stderr": outs[rank] if len(outs) > rank else "",
-                "result": result,
-            }
-        )
-    return runs
+        job.kill()
+        _remove_rings({p.pid for p in job.procs})
+    return [{"code": r.code, "stderr": r.err, "result": r.json("rank{rank}.json")} for r in ranks]
 
 
 def _remove_rings(pids: set[int]) -> None:
@@ -370,33 +329,11 @@ def test_collective_in_a_rank0_only_branch(tmp_path):
 
 
 def _torchrun(tmp_path: Path, scenario: str) -> tuple[int, str]:
-    port = str(free_port())
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        port,
-        str(HERE),
-        scenario,
-        str(tmp_path),
-    ]
-    proc = subprocess.Popen(
-        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        _, err = proc.communicate(timeout=BOUND_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return proc.returncode, err
+    proc = torchrun([HERE, scenario, tmp_path], out=tmp_path / "torchrun", timeout_s=BOUND_S)
+    return proc.code, proc.err
 
 
+@pytest.mark.slow(reason="torchrun and its 2 ranks")
 def test_torchrun_and_guard_defaults(tmp_path):
     # The whole stack as a user runs it: torchrun, guardrails.guard() defaults.
     code, err = _torchrun(tmp_path, "torchrun")
@@ -416,6 +353,7 @@ def test_torchrun_and_guard_defaults(tmp_path):
         assert "barrier" in text and "all_reduce" in text
 
 
+@pytest.mark.slow(reason="torchrun and its 2 ranks")
 def test_gloo_abort_under_torchrun_is_explained_by_the_survivor(tmp_path):
     """gloo aborts rank 0 (it receives 32 bytes where it expects 4) and torchrun at once
     sends SIGTERM to rank 1, which is then explaining the mismatch from rank 0's flight

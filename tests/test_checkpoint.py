@@ -155,6 +155,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow(reason="5 processes, each SIGKILLed mid-save")
 def test_sigkill_during_saves_always_leaves_the_last_committed_checkpoint(tmp_path):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)

@@ -42,6 +42,7 @@ def _run(run_dir: Path, *args: object) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow(reason="3 runs, each importing transformers and accelerate")
 def test_accelerate_prepared_loop_stops_on_sigterm_and_resumes_bitwise(tmp_path):
     # accelerate's documented loop over a GPT-2: model, optimizer, loader and scheduler
     # prepare()d and passed as they are, gradient accumulation of 2 through

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import run_ranks
 from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
 from torch import nn
@@ -31,16 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(shape, run_dir, out, *args, world=1):
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        cmd = [sys.executable, str(WORKER), shape, str(run_dir), str(out), *map(str, args)]
-        if world > 1:
-            cmd += ["--rank", str(rank), "--world", str(world), "--port", str(port)]
-        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, **pipes))
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    return [(p.returncode, out) for p, out in zip(procs, outs, strict=True)]
+    """``world`` worker processes to their end: (exit code, output) per rank."""
+    cmd = [sys.executable, WORKER, shape, run_dir, out, *args]
+    if world > 1:
+        cmd += ["--rank", "{rank}", "--world", "{world}", "--port", "{port}"]
+    results = run_ranks(cmd, world, out=f"{out}.logs", timeout_s=240)
+    return [(r.code, r.out) for r in results]
 
 
 def _stop_and_resume(tmp_path, shape, steps, stop_at, world=1, stop_rank=0, extra=()):
@@ -68,6 +65,7 @@ def _stop_and_resume(tmp_path, shape, steps, stop_at, world=1, stop_rank=0, extr
     return stopped_at
 
 
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
 def test_prefetching_generator_loop_resumes_bitwise(tmp_path):
     # nanochat's shape: the loop has always fetched one batch more than it trained on,
     # so a position counted in batches fetched resumes one batch late.
@@ -77,6 +75,7 @@ def test_prefetching_generator_loop_resumes_bitwise(tmp_path):
     assert ckpt["data"]["batch_in_epoch"] == 8  # 4 steps x 2 micro-batches trained (9 fetched)
 
 
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
 def test_gan_with_two_optimizers_resumes_both_bitwise(tmp_path):
     # One checkpoint holds G, D, both optimizers and D's scheduler; crossing an epoch.
     stopped_at = _stop_and_resume(tmp_path, "gan", steps=14, stop_at=7)
@@ -84,12 +83,14 @@ def test_gan_with_two_optimizers_resumes_both_bitwise(tmp_path):
     assert {"optimizer.G.json", "optimizer.D.json", "scheduler.D.json"} <= set(manifest["files"])
 
 
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
 def test_seeded_loader_resume_does_not_repeat_an_epoch(tmp_path):
     # DataLoader(generator=torch.Generator().manual_seed(7)): the next epoch's order
     # comes from the loader's own generator, which the checkpoint must carry.
     _stop_and_resume(tmp_path, "seeded", steps=14, stop_at=3)
 
 
+@pytest.mark.slow(reason="3 runs of 2 ranks: straight, stopped, resumed")
 def test_optimizer_that_reduces_inside_its_step_skips_together_and_resumes(tmp_path):
     # nanochat's shape: no DDP, so the ranks' gradients differ at step() and the NaN
     # flag is agreed (over guardrails' own group); the optimizer's state is per rank.
@@ -105,6 +106,7 @@ def test_optimizer_that_reduces_inside_its_step_skips_together_and_resumes(tmp_p
     assert manifest["contents"]["optimizers"]["optimizer"]["per_rank"] is True
 
 
+@pytest.mark.slow(reason="3 runs of 2 ranks: straight, stopped, resumed")
 def test_zero_redundancy_optimizer_skips_and_saves_every_ranks_shard(tmp_path):
     # A NaN sample on rank 0 at step 2: ZeroRedundancyOptimizer.step() (which
     # broadcasts each rank's updated shard) is called on neither rank; then SIGTERM on
@@ -659,6 +661,7 @@ def _wrapping_orders_rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow(reason="2 ranks importing torch.compile")
 def test_every_wrapping_order_of_ddp_fsdp2_and_compile_starts_and_saves_bare_keys(tmp_path):
     # Guard start (preflight), NanGuard's choice and a checkpoint, for each order. The
     # forward is never run, so nothing compiles: the wrappers alone are what is tested.

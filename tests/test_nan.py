@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, read_events
+from conftest import Regressor, batches, free_port, read_events, spawn
 from safetensors.torch import load_file
 from torch import nn
 
@@ -555,12 +555,10 @@ def _ddp_worker(rank: int, world: int, port: int, run_dir: str, out: str, ddp: b
         dist.destroy_process_group()
 
 
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 3 process groups")
 @pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no_ddp"])
-def test_two_ranks_skip_the_same_step(tmp_path, ddp):
-    import torch.multiprocessing as mp
-
-    args = (2, free_port(), str(tmp_path / "run"), str(tmp_path), ddp)
-    mp.spawn(_ddp_worker, args=args, nprocs=2)
+def test_two_ranks_skip_the_same_step(two_ranks, ddp):
+    tmp_path = two_ranks / ("ddp" if ddp else "no_ddp")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["skipped"] == r1["skipped"] == [3]
     assert r0["steps"] == r1["steps"] == 6
@@ -605,10 +603,30 @@ def _spike_worker(rank: int, world: int, port: int, run_dir: str, out: str) -> N
         dist.destroy_process_group()
 
 
-def test_two_ranks_judge_spikes_on_their_combined_grad_norm(tmp_path):
-    import torch.multiprocessing as mp
+def _two_rank_cases(rank: int, world: int, ports: list[int], out: str) -> None:
+    """Every two-rank case of this file in one pair of processes (each process costs
+    seconds to start), one process group after the other, each case in its folder."""
+    for ddp, port in zip((True, False), ports, strict=False):
+        case = Path(out, "ddp" if ddp else "no_ddp")
+        case.mkdir(exist_ok=True)
+        _ddp_worker(rank, world, port, str(case / "run"), str(case), ddp)
+    Path(out, "spike").mkdir(exist_ok=True)
+    _spike_worker(rank, world, ports[2], str(Path(out, "spike", "run")), str(Path(out, "spike")))
 
-    mp.spawn(_spike_worker, args=(2, free_port(), str(tmp_path / "run"), str(tmp_path)), nprocs=2)
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    ports: set[int] = set()
+    while len(ports) < 3:  # one store per case
+        ports.add(free_port())
+    spawn(_two_rank_cases, (2, sorted(ports), str(out)))
+    return out
+
+
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 3 process groups")
+def test_two_ranks_judge_spikes_on_their_combined_grad_norm(two_ranks):
+    tmp_path = two_ranks / "spike"
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     for lagged in (False, True):
         r0, r1 = (r[lagged] for r in ranks)

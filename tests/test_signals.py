@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, read_events
+from _ranks import launch, run_ranks
+from conftest import Regressor, batches, read_events
 
 import guardrails
 from guardrails._checkpoint import _self_hash
@@ -28,28 +29,18 @@ WORKER = Path(__file__).with_name("ckpt_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(run_dir, out, *args, world=1, port=0, **popen):
-    """Start ``world`` worker processes; returns them (rank order)."""
-    procs = []
-    for rank in range(world):
-        cmd = [sys.executable, str(WORKER), str(run_dir), str(out), *map(str, args)]
-        if world > 1:
-            cmd += ["--rank", str(rank), "--world", str(world), "--port", str(port)]
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
-            )
-        )
-    return procs
+def _cmd(run_dir, out, *args, world=1):
+    cmd = [sys.executable, WORKER, run_dir, out, *args]
+    if world > 1:
+        cmd += ["--rank", "{rank}", "--world", "{world}", "--port", "{port}"]
+    return cmd
 
 
 def _run(run_dir, out, *args, world=1):
-    procs = _launch(run_dir, out, *args, world=world, port=free_port())
-    results = []
-    for p in procs:
-        text, _ = p.communicate(timeout=240)
-        results.append((p.returncode, text))
-    return results
+    """``world`` worker processes to their end: (exit code, output) per rank."""
+    cmd = _cmd(run_dir, out, *args, world=world)
+    results = run_ranks(cmd, world, out=f"{out}.logs", timeout_s=240)
+    return [(r.code, r.out) for r in results]
 
 
 def _load(out, rank):
@@ -69,6 +60,7 @@ def _assert_same(a, b):
     assert torch.equal(a["rng"], b["rng"])  # dropout and shuffling streams line up
 
 
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
 def test_sigterm_then_resume_is_bitwise_exact(tmp_path):
     [(rc, text)] = _run(tmp_path / "straight", tmp_path / "a", "--steps", 24)
     assert rc == 0, text
@@ -92,6 +84,7 @@ def test_sigterm_then_resume_is_bitwise_exact(tmp_path):
     assert resumed[0]["step"] == 5
 
 
+@pytest.mark.slow(reason="3 runs of 2 ranks: straight, stopped, resumed")
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(tmp_path):
     results = _run(tmp_path / "straight", tmp_path / "a", "--steps", 30, world=2)
     assert [rc for rc, _ in results] == [0, 0], results
@@ -115,12 +108,20 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_resumes_exactly(tmp
         _assert_same(_load(tmp_path / "a", rank), _load(tmp_path / "b", rank))
 
 
-def test_fsdp2_sharded_state_goes_through_dcp_and_resumes_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_straight(tmp_path_factory):
+    """The uninterrupted FSDP2 run both FSDP2 tests compare with: its output prefix."""
+    tmp = tmp_path_factory.mktemp("fsdp_straight")
+    results = _run(tmp / "straight", tmp / "a", "--steps", 24, "--fsdp", world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    return tmp / "a"
+
+
+@pytest.mark.slow(reason="2 runs of 2 FSDP2 ranks, and the shared straight run")
+def test_fsdp2_sharded_state_goes_through_dcp_and_resumes_exactly(tmp_path, fsdp_straight):
     """FSDP2 (fully_shard on a CPU mesh, gloo): each rank writes its own shards with
     torch.distributed.checkpoint, listed and checksummed in the one manifest; the
     resumed run's full weights and optimizer state equal the uninterrupted run's."""
-    results = _run(tmp_path / "straight", tmp_path / "a", "--steps", 24, "--fsdp", world=2)
-    assert [rc for rc, _ in results] == [0, 0], results
     stopped = tmp_path / "stopped"
     args = ("--steps", 24, "--sigterm-at", 9, "--kill-ranks", 0, "--fsdp")
     results = _run(stopped, tmp_path / "b", *args, world=2)
@@ -132,21 +133,20 @@ def test_fsdp2_sharded_state_goes_through_dcp_and_resumes_exactly(tmp_path):
     results = _run(stopped, tmp_path / "b", *args, world=2)
     assert [rc for rc, _ in results] == [0, 0], results
     for rank in (0, 1):
-        _assert_same(_load(tmp_path / "a", rank), _load(tmp_path / "b", rank))
+        _assert_same(_load(fsdp_straight, rank), _load(tmp_path / "b", rank))
     # The load's own zero-grad optimizer step (torch's set_state_dict creating the
     # state) is not a training step: no "zero_grads" warning, no extra step.
     assert not [e for e in read_events(stopped) if e["kind"] == "zero_grads"]
 
 
+@pytest.mark.slow(reason="2 runs of 2 FSDP2 ranks, and the shared straight run")
 def test_fsdp2_background_saves_are_written_by_dcp_off_the_main_thread_and_resume_exactly(
-    tmp_path,
+    tmp_path, fsdp_straight
 ):
     """Periodic sharded saves in the background: the shards are staged in the main
     thread and written by DCP's async_save over a gloo group of the checkpointer's, the
     writer thread commits them. A crash (no signal save) at step 14, then the same
     command: it resumes from a background-written checkpoint, bitwise."""
-    results = _run(tmp_path / "straight", tmp_path / "a", "--steps", 24, "--fsdp", world=2)
-    assert [rc for rc, _ in results] == [0, 0], results
     crashed = tmp_path / "crashed"
     args = ("--steps", 24, "--every-n", 4, "--background", "--fsdp")
     results = _run(crashed, tmp_path / "b", *args, "--crash-at", 14, world=2)
@@ -160,27 +160,30 @@ def test_fsdp2_background_saves_are_written_by_dcp_off_the_main_thread_and_resum
     results = _run(crashed, tmp_path / "b", *args, world=2)
     assert [rc for rc, _ in results] == [0, 0], results
     for rank in (0, 1):
-        _assert_same(_load(tmp_path / "a", rank), _load(tmp_path / "b", rank))
+        _assert_same(_load(fsdp_straight, rank), _load(tmp_path / "b", rank))
 
 
+@pytest.mark.slow(reason="7 processes, 6 of them SIGKILLed mid-save")
 def test_sigkill_during_background_saves_always_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(4)
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     step = 0
     for trial in range(6):
-        [p] = _launch(run_dir, tmp_path / "x", "--steps", 100000, "--every-n", 3, "--background")
-        # Startup (importing torch) takes 1-3 s on a loaded 2-core machine: wait for
-        # this trial's first commit, then kill at a random moment among the next saves
-        # (one every 3 steps, a few ms per step).
-        before = set(ckpts.glob("step_*"))
-        deadline = time.monotonic() + 60
-        while not set(ckpts.glob("step_*")) - before:
-            assert p.poll() is None and time.monotonic() < deadline, "no save committed"
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 1.0))
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
+        cmd = _cmd(run_dir, tmp_path / "x", "--steps", 100000, "--every-n", 3, "--background")
+        with launch(cmd, 1, out=tmp_path / f"trial{trial}") as job:  # killed if it fails
+            [p] = job.procs
+            # Startup (importing torch) takes 1-3 s on a loaded 2-core machine: wait for
+            # this trial's first commit, then kill at a random moment among the next saves
+            # (one every 3 steps, a few ms per step).
+            before = set(ckpts.glob("step_*"))
+            deadline = time.monotonic() + 60
+            while not set(ckpts.glob("step_*")) - before:
+                assert p.poll() is None and time.monotonic() < deadline, "no save committed"
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 1.0))
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=60)
         model = torch.nn.Sequential(
             torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
         )

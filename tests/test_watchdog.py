@@ -11,15 +11,13 @@ speed claim; measured times are in the notes and RESULTS).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from _ranks import Job, RankResult, launch, launch_torchrun, wait_all
 
 import guardrails
 from guardrails import _watchdog
@@ -30,70 +28,16 @@ WORKER = Path(__file__).parent / "hang_worker.py"
 TIMEOUT_S = 3.0
 # The spec's bound: every rank ends within hang_timeout_s + 10 s of the fault.
 BOUND_S = TIMEOUT_S + 10.0
-ROOT = Path(__file__).parent.parent
+#: The tests that read the jobs: 13 jobs (27 processes) side by side, ~1 min on 2 cores.
+jobs_test = pytest.mark.slow(reason="reads the side-by-side jobs: 27 processes, ~1 min")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_ERROR_FILE"}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
-
-
-def start(scenario: str, out: Path) -> list[tuple[subprocess.Popen, Path]]:
+def start(scenario: str, out: Path) -> Job:
     """Start the two ranks as independent processes (so each ends on its own, as under
     a launcher that does not kill the others), each with torchrun's variables and its
     own torchelastic error file."""
-    out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = _env(
-            RANK=str(r),
-            LOCAL_RANK=str(r),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TORCHELASTIC_ERROR_FILE=str(out / f"error{r}.json"),
-        )
-        cmd = [sys.executable, str(WORKER), scenario, "--hang-timeout-s", str(TIMEOUT_S)]
-        log = out / f"rank{r}.log"
-        with open(log, "w") as f:
-            p = subprocess.Popen(
-                [*cmd, "--out", str(out)], env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT
-            )
-        procs.append((p, log))
-    return procs
-
-
-def collect(jobs: dict[str, list[tuple[subprocess.Popen, Path]]], limit_s: float) -> dict:
-    """Wait for every process (polling, to time when each ended); per scenario and rank:
-    exit code, output, end time and error file (or None)."""
-    ended: dict[tuple[str, int], float] = {}
-    total = sum(len(procs) for procs in jobs.values())
-    deadline = time.time() + limit_s
-    while len(ended) < total and time.time() < deadline:
-        for name, procs in jobs.items():
-            for r, (p, _) in enumerate(procs):
-                if (name, r) not in ended and p.poll() is not None:
-                    ended[name, r] = time.time()
-        time.sleep(0.05)
-    results: dict[str, list[dict]] = {}
-    for name, procs in jobs.items():
-        results[name] = []
-        for r, (p, log) in enumerate(procs):
-            if p.poll() is None:  # over the limit: the test fails, leave nothing behind
-                p.kill()
-                p.wait()
-            err = log.parent / f"error{r}.json"
-            results[name].append(
-                {
-                    "rc": p.returncode,
-                    "out": log.read_text(),
-                    "ended": ended.get((name, r)),
-                    "error": json.loads(err.read_text()) if err.exists() else None,
-                    "dir": log.parent,
-                }
-            )
-    return results
+    cmd = [sys.executable, WORKER, scenario, "--hang-timeout-s", TIMEOUT_S, "--out", out]
+    return launch(cmd, out=out, error_files=True)
 
 
 SCENARIOS = [
@@ -113,40 +57,46 @@ SCENARIOS = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def runs(tmp_path_factory) -> dict[str, list[RankResult]]:
     """Every scenario's job, run side by side (12 processes): on this 2-core machine
     that takes ~1/3 of the time of one after the other; the time-to-error bound is
     measured from each job's own fault, so the shared load only makes it stricter."""
     base = tmp_path_factory.mktemp("watchdog")
     jobs = {name: start(name, base / name) for name in SCENARIOS}
-    return collect(jobs, limit_s=150.0)
+    # The same "sleep" job under torchrun itself, for its summary (one process: torchrun).
+    args = [WORKER, "sleep", "--hang-timeout-s", TIMEOUT_S, "--out", base / "torchrun"]
+    jobs["torchrun"] = launch_torchrun(args, out=base / "torchrun")
+    # Over the limit: the processes are killed and each test finds its ranks unended.
+    wait_all(jobs, timeout_s=150.0, fail=False)
+    return {name: job.results() for name, job in jobs.items()}
 
 
-def fault_time(results: list[dict]) -> float:
-    return float((results[0]["dir"] / "fault_time").read_text())
+def fault_time(results: list[RankResult]) -> float:
+    return float((results[0].dir / "fault_time").read_text())
 
 
-def info(result: dict) -> dict:
-    assert result["error"] is not None, result["out"][-3000:]
-    return result["error"]["message"]["extraInfo"]
+def info(result: RankResult) -> dict:
+    assert result.error is not None, result.out[-3000:]
+    return result.error["message"]["extraInfo"]
 
 
-def assert_bounded(results: list[dict]) -> None:
+def assert_bounded(results: list[RankResult]) -> None:
     t0 = fault_time(results)
     for r, res in enumerate(results):
-        assert res["ended"] is not None, f"rank {r} never ended:\n{res['out'][-3000:]}"
-        assert res["ended"] - t0 < BOUND_S, f"rank {r} took {res['ended'] - t0:.1f} s"
+        assert res.ended is not None, f"rank {r} never ended:\n{res.out[-3000:]}"
+        assert res.ended - t0 < BOUND_S, f"rank {r} took {res.ended - t0:.1f} s"
 
 
 # ---------------------------------------------------------------------- stuck ranks
 
 
+@jobs_test
 @pytest.mark.parametrize("scenario", ["sleep", "pipe"], ids=["python_sleep", "c_read"])
 def test_stuck_rank_is_named_with_every_stack(runs, scenario):
     results = runs[scenario]
     assert_bounded(results)
     for r, res in enumerate(results):
-        assert res["rc"] == EXIT_CODES[guardrails.HangError] == 83, res["out"][-3000:]
+        assert res.code == EXIT_CODES[guardrails.HangError] == 83, res.out[-3000:]
         extra = info(res)
         assert extra["error_class"] == "HangError"
         assert (extra["rank"], extra["fields"]["stuck_ranks"]) == (r, [1])
@@ -166,9 +116,9 @@ def test_stuck_rank_is_named_with_every_stack(runs, scenario):
         assert ".backward()" in stacks["0"]
         assert "pause_watchdog" in text  # the fix names the escape hatch
         # One clean summary block on stderr.
-        assert res["out"].count(f"guardrails: rank {r} failed with HangError") == 1
+        assert res.out.count(f"guardrails: rank {r} failed with HangError") == 1
     if scenario == "sleep":
-        assert_last_words(results[0]["dir"] / "run", "HangError: [rank {r}, step 3]", steps=3)
+        assert_last_words(results[0].dir / "run", "HangError: [rank {r}, step 3]", steps=3)
 
 
 def assert_last_words(run_dir: Path, error: str, *, steps: int) -> None:
@@ -189,6 +139,7 @@ def assert_last_words(run_dir: Path, error: str, *, steps: int) -> None:
         assert all(x["loss"] == x["loss"] for x in rows)  # CPU: the device columns too
 
 
+@jobs_test
 def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
     """Rank 1 is blocked in a C read and rank 0 in DDP's all-reduce waiting for it: no
     Python signal handler can run on either. Each gets SIGTERM (as torchrun sends it)
@@ -197,10 +148,10 @@ def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
     results = runs["sigterm"]
     t0 = fault_time(results)
     for r, res in enumerate(results):
-        assert res["rc"] == 143, res["out"][-3000:]
+        assert res.code == 143, res.out[-3000:]
         # 1 s to the signal, 5 s without progress, about a second to report: well
         # before torchrun's SIGKILL at 30 s (the bound leaves room for a loaded CI).
-        assert res["ended"] - t0 < 1 + 5 + 8, res["ended"] - t0
+        assert res.ended - t0 < 1 + 5 + 8, res.ended - t0
         extra = info(res)
         assert extra["exit_code"] == 143
         line = extra["py_callstack"]
@@ -211,21 +162,22 @@ def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
             assert "could not reach a step boundary to save" in line
             where = "(fault)" if r == 1 else "(main)"
             assert "hang_worker.py:" in line and where in line, line
-            assert res["out"].count(f"guardrails: rank {r} exited with code 143") == 1
+            assert res.out.count(f"guardrails: rank {r} exited with code 143") == 1
         else:
             assert "before the ranks could agree to stop and save" in line, line
-    assert_last_words(results[0]["dir"] / "run", "SIGTERM received at step 3", steps=3)
+    assert_last_words(results[0].dir / "run", "SIGTERM received at step 3", steps=3)
 
 
+@jobs_test
 def test_a_stuck_dataloader_worker_ends_with_its_rank(runs):
     """Rank 1's DataLoader worker hangs in I/O: the watchdog names rank 1 as stuck in its
     loader, and the worker process does not outlive the job."""
     results = runs["workerstuck"]
     assert_bounded(results)
     for res in results:
-        assert res["rc"] == 83, res["out"][-3000:]
+        assert res.code == 83, res.out[-3000:]
     assert "stuck at step 4, in the loader's next()" in info(results[1])["report"]
-    pid = int((results[0]["dir"] / "worker_pid").read_text())
+    pid = int((results[0].dir / "worker_pid").read_text())
     deadline = time.monotonic() + 5
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -240,13 +192,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; only its exit status is left
 
 
+@jobs_test
 def test_dead_rank_sigkill(runs):
     results = runs["kill"]
     assert_bounded(results)
-    assert results[1]["rc"] == -9  # really killed, no error file
-    assert results[1]["error"] is None
+    assert results[1].code == -9  # really killed, no error file
+    assert results[1].error is None
     r0 = results[0]
-    assert r0["rc"] == EXIT_CODES[guardrails.RankFailedError] == 84, r0["out"][-3000:]
+    assert r0.code == EXIT_CODES[guardrails.RankFailedError] == 84, r0.out[-3000:]
     extra = info(r0)
     assert extra["error_class"] == "RankFailedError"
     assert extra["fields"]["failed_rank"] == 1
@@ -256,29 +209,31 @@ def test_dead_rank_sigkill(runs):
     assert "rank 1 died" in extra["report"] and "SIGKILL" in extra["report"]
 
 
+@jobs_test
 def test_dead_store_host(runs):
     """Rank 0 hosts the TCPStore (env:// without torchrun's agent): when it dies the
     side channel dies with it, and rank 1 must still end, naming rank 0."""
     results = runs["kill_rank0"]
     assert_bounded(results)
-    assert results[0]["rc"] == -9
+    assert results[0].code == -9
     r1 = results[1]
-    assert r1["rc"] == 84, r1["out"][-3000:]
+    assert r1.code == 84, r1.out[-3000:]
     extra = info(r1)
     assert extra["error_class"] == "RankFailedError"
     assert extra["fields"]["failed_rank"] == 0
 
 
+@jobs_test
 def test_exception_on_one_rank_ends_the_other(runs):
     results = runs["raise"]
     assert_bounded(results)
     r0, r1 = results
     # The failing rank keeps torch's behaviour: traceback, exit 1, traceback in the file.
-    assert r1["rc"] == 1
-    assert "ValueError: boom" in r1["out"]
+    assert r1.code == 1
+    assert "ValueError: boom" in r1.out
     assert "Traceback" in info(r1)["py_callstack"]
     # The other rank does not wait 30 minutes: it names rank 1 and its error.
-    assert r0["rc"] == 84, r0["out"][-3000:]
+    assert r0.code == 84, r0.out[-3000:]
     extra = info(r0)
     assert extra["error_class"] == "RankFailedError"
     assert extra["fields"]["failed_rank"] == 1 and extra["fields"]["reason"] == "exception"
@@ -286,6 +241,7 @@ def test_exception_on_one_rank_ends_the_other(runs):
     assert "ValueError: boom" in extra["report"]
 
 
+@jobs_test
 @pytest.mark.parametrize("scenario", ["uneven", "unevennext"], ids=["for_loop", "next_by_hand"])
 def test_uneven_data(runs, scenario):
     # With next() by hand, rank 1's loop ends with the guard iterator's StopIteration:
@@ -293,7 +249,7 @@ def test_uneven_data(runs, scenario):
     results = runs[scenario]
     assert_bounded(results)
     for r, res in enumerate(results):
-        assert res["rc"] == EXIT_CODES[guardrails.UnevenDataError] == 85, res["out"][-3000:]
+        assert res.code == EXIT_CODES[guardrails.UnevenDataError] == 85, res.out[-3000:]
         extra = info(res)
         assert extra["error_class"] == "UnevenDataError"
         assert extra["rank"] == r
@@ -308,28 +264,31 @@ def test_uneven_data(runs, scenario):
 # ---------------------------------------------------------------------- no false alarms
 
 
+@jobs_test
 def test_pause_watchdog_prevents_a_false_hang_and_a_clean_run_reports_nothing(runs):
     results = runs["pause"]
     for r, res in enumerate(results):
-        assert res["rc"] == 0, res["out"][-3000:]
-        assert res["error"] is None
+        assert res.code == 0, res.out[-3000:]
+        assert res.error is None
         # The thread was stopped and joined when the guard closed.
-        assert f"rank {r}: clean end at step 8; watchdog threads left: []" in res["out"]
-        assert "guardrails: rank" not in res["out"]  # no summary, no report
+        assert f"rank {r}: clean end at step 8; watchdog threads left: []" in res.out
+        assert "guardrails: rank" not in res.out  # no summary, no report
     # The pause really outlasted the timeout (rank 0 waited in DDP's all-reduce for it).
-    assert results[0]["ended"] - fault_time(results) > 1.5 * TIMEOUT_S
+    assert results[0].ended - fault_time(results) > 1.5 * TIMEOUT_S
 
 
+@jobs_test
 def test_a_slow_first_step_is_not_a_hang(runs):
     """The first step (compilation, autotuning) gets first_step_timeout_s (600 s), not
     hang_timeout_s: rank 1 takes 1.7x the timeout before its first forward."""
     results = runs["slowfirst"]
     for r, res in enumerate(results):
-        assert res["rc"] == 0, res["out"][-3000:]
-        assert f"rank {r}: clean end at step 8" in res["out"]
-    assert results[0]["ended"] - fault_time(results) > 1.5 * TIMEOUT_S
+        assert res.code == 0, res.out[-3000:]
+        assert f"rank {r}: clean end at step 8" in res.out
+    assert results[0].ended - fault_time(results) > 1.5 * TIMEOUT_S
 
 
+@jobs_test
 def test_a_loader_that_never_yields_its_first_batch_is_a_hang_within_the_timeout(runs):
     """The first step's allowance is for a rank inside its step (compilation), not for
     one waiting for its loader: rank 1's first batch never comes, and both ranks end
@@ -337,7 +296,7 @@ def test_a_loader_that_never_yields_its_first_batch_is_a_hang_within_the_timeout
     results = runs["firstbatch"]
     assert_bounded(results)
     for r, res in enumerate(results):
-        assert res["rc"] == EXIT_CODES[guardrails.HangError], res["out"][-3000:]
+        assert res.code == EXIT_CODES[guardrails.HangError], res.out[-3000:]
         extra = info(res)
         assert (extra["rank"], extra["step"], extra["fields"]["stuck_ranks"]) == (r, 0, [1])
         assert "rank 1 is stuck at step 0" in extra["report"]
@@ -347,24 +306,11 @@ def test_a_loader_that_never_yields_its_first_batch_is_a_hang_within_the_timeout
 # ---------------------------------------------------------------------- torchrun
 
 
-def test_torchrun_shows_our_message_as_root_cause(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        "sleep",
-        "--hang-timeout-s",
-        str(TIMEOUT_S),
-        "--out",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+@jobs_test
+def test_torchrun_shows_our_message_as_root_cause(runs):
+    [proc] = runs["torchrun"]
+    out = proc.out + proc.err
+    assert proc.code != 0 and proc.ended is not None, out[-3000:]
     assert "ChildFailedError" in out
     root = out.split("Root Cause (first observed failure):", 1)[1]
     assert "exitcode  : 83" in root

@@ -1,0 +1,308 @@
+"""Real multi-rank jobs for the tests: N real processes, gloo, a free port, torchrun's
+environment variables, a deadline, and nothing left running afterwards.
+
+    job = launch([sys.executable, WORKER, "sleep", "--out", str(out)], out=out)
+    ranks = job.wait(timeout_s=120)          # or: ranks = run_ranks(argv, out=out)
+    ranks[1].code, ranks[1].out, ranks[1].error, ranks[1].ended
+
+Each rank is its own process (so each ends on its own, as under a launcher that does not
+kill the others) in its own session, with RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT (rank 0 hosts the store, as with
+``init_method="env://"``) and OMP_NUM_THREADS=1 set as torchrun sets them (a world of
+1 is a plain process: none of them), and, with ``error_files=True``, its own
+TORCHELASTIC_ERROR_FILE (``OUT/error<R>.json``). Its stdout and stderr go to files in
+``OUT`` (``rank<R>.out`` / ``rank<R>.err``, or both in ``rank<R>.out``), never pipes, so
+a chatty rank cannot block on a full pipe while the test waits on another. ``argv`` may
+hold the arguments ``{rank}``, ``{world}`` and ``{port}``, or be a function of the rank. Past the
+deadline every process group still running is SIGKILLed (a DataLoader worker or a
+torchrun child with it) and the test fails, naming the ranks and their last output.
+
+``spawn`` is the in-process form (``torch.multiprocessing`` with the spawn method) for a
+module-level function; ``torchrun`` runs one command under ``torch.distributed.run``.
+Nothing is mocked: real processes, real gloo, real signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+
+#: Variables a launcher (or a developer's shell) may have set that must not leak into
+#: a test's ranks: the harness sets its own.
+LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now, for a test's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher variables, the repository and
+    tests/ importable; then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    path = [str(ROOT), str(TESTS), *filter(None, [env.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env.update(extra)
+    return env
+
+
+def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """torchrun's variables for ``rank`` of ``world`` on this host, and one intra-op
+    thread per rank (as torchrun sets: the ranks share the cores); ``world`` 1 is a
+    plain process (``python train.py``): none of them."""
+    if world == 1:
+        return base_env(**extra)
+    return base_env(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        **extra,
+    )
+
+
+@dataclass
+class RankResult:
+    """One rank's outcome: exit code (negative: the signal that ended it), its output,
+    when it was seen to end (``time.time()``; None if it was killed at the deadline),
+    the torchelastic error file it wrote (parsed; None if none) and the job's folder."""
+
+    rank: int
+    code: int | None
+    out: str
+    err: str
+    ended: float | None
+    error: dict | None
+    dir: Path
+
+    @property
+    def text(self) -> str:
+        """stdout and stderr together (for assertion messages and key words)."""
+        return self.out + self.err
+
+    def json(self, name: str) -> dict | None:
+        """A result file the rank wrote into the job's folder (``name`` may hold
+        ``{rank}``); None if it wrote none."""
+        path = self.dir / name.format(rank=self.rank)
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+@dataclass
+class Job:
+    """Ranks started by ``launch``: ``wait`` for them; leaving a ``with`` block (or a
+    failed ``wait``) kills whatever still runs."""
+
+    procs: list[subprocess.Popen]
+    dir: Path
+    merged: bool
+    ended: dict[int, float] = field(default_factory=dict)
+
+    def poll(self) -> bool:
+        """Note the ranks that ended since the last call; True once all have."""
+        now = time.time()
+        for r, p in enumerate(self.procs):
+            if r not in self.ended and p.poll() is not None:
+                self.ended[r] = now
+        return len(self.ended) == len(self.procs)
+
+    def kill(self) -> list[int]:
+        """SIGKILL every rank still running, with its process group (its DataLoader
+        workers, a torchrun's children); returns the ranks that were still running."""
+        late = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        for r in late:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.procs[r].pid, signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=30)
+        return late
+
+    def results(self) -> list[RankResult]:
+        out = []
+        for r, p in enumerate(self.procs):
+            err_file = self.dir / f"error{r}.json"
+            out.append(
+                RankResult(
+                    rank=r,
+                    code=p.returncode,
+                    out=_read(self.dir / f"rank{r}.out"),
+                    err="" if self.merged else _read(self.dir / f"rank{r}.err"),
+                    ended=self.ended.get(r),
+                    error=json.loads(err_file.read_text()) if err_file.exists() else None,
+                    dir=self.dir,
+                )
+            )
+        return out
+
+    def wait(self, timeout_s: float = 120.0, *, fail: bool = True) -> list[RankResult]:
+        """Wait up to ``timeout_s`` for every rank (polling, to time when each ended).
+        Ranks still running then are killed and, with ``fail``, the test fails."""
+        wait_all({"job": self}, timeout_s, fail=fail)
+        return self.results()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def _fail(message: str) -> None:
+    import pytest  # not at the top: the workers import conftest, so this module, too
+
+    pytest.fail(message)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _start(cmd: list[str], env: dict[str, str], out: Path, name: str, merge: bool, cwd: Path):
+    with open(out / f"{name}.out", "w") as stdout:
+        stderr = subprocess.STDOUT if merge else open(out / f"{name}.err", "w")  # noqa: SIM115
+        try:
+            return subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,  # killpg reaches its children
+            )
+        finally:
+            if stderr is not subprocess.STDOUT:
+                stderr.close()
+
+
+def launch(
+    argv: Sequence[str | os.PathLike] | Callable[[int], Sequence[str | os.PathLike]],
+    world: int = 2,
+    *,
+    out: Path,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    cwd: Path = ROOT,
+    merge: bool = True,
+    error_files: bool = False,
+) -> Job:
+    """Start ``world`` ranks of ``argv`` (see the module's docstring); ``env`` is added
+    to each rank's environment."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port() if port is None else port
+    job = Job([], out, merge)
+    try:
+        for r in range(world):
+            args = argv(r) if callable(argv) else argv
+            fill = {"{rank}": r, "{world}": world, "{port}": port}
+            cmd = [str(fill.get(str(a), a)) for a in args]
+            extra = dict(env or {})
+            if error_files:
+                extra["TORCHELASTIC_ERROR_FILE"] = str(out / f"error{r}.json")
+            env_r = rank_env(r, world, port, **extra)
+            job.procs.append(_start(cmd, env_r, out, f"rank{r}", merge, cwd))
+    except BaseException:
+        job.kill()
+        raise
+    return job
+
+
+def launch_torchrun(
+    args: Sequence[str | os.PathLike],
+    nproc: int = 2,
+    *,
+    out: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+) -> Job:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N ARGS`` as a
+    job of one process (torchrun itself: its "rank 0" result holds torchrun's exit code
+    and output, stdout and stderr apart); its ranks die with it at the deadline."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), *map(str, args)]
+    return Job([_start(cmd, base_env(**(env or {})), out, "rank0", False, cwd)], out, False)
+
+
+def torchrun(
+    args: Sequence[str | os.PathLike], nproc: int = 2, *, out: Path, timeout_s: float = 120.0, **kw
+) -> RankResult:
+    """``launch_torchrun`` then wait: torchrun's exit code and output."""
+    with launch_torchrun(args, nproc, out=out, **kw) as job:
+        return job.wait(timeout_s)[0]
+
+
+def run_ranks(
+    argv: Sequence[str | os.PathLike] | Callable[[int], Sequence[str | os.PathLike]],
+    world: int = 2,
+    *,
+    out: Path,
+    timeout_s: float = 120.0,
+    **kw,
+) -> list[RankResult]:
+    """``launch`` then ``wait``: every rank's result, in rank order."""
+    with launch(argv, world, out=out, **kw) as job:
+        return job.wait(timeout_s)
+
+
+def wait_all(jobs: dict[str, Job], timeout_s: float, *, fail: bool = True) -> None:
+    """Wait for several jobs running side by side, noting when each rank ended; past
+    ``timeout_s`` kill what still runs and (with ``fail``) fail the test."""
+    deadline = time.monotonic() + timeout_s
+    while not all([job.poll() for job in jobs.values()]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    late = {name: job.kill() for name, job in jobs.items()}
+    late = {name: ranks for name, ranks in late.items() if ranks}
+    if late and fail:
+        tails = {
+            f"{name} rank {r}": res.text[-1500:]
+            for name, ranks in late.items()
+            for r, res in enumerate(jobs[name].results())
+            if r in ranks
+        }
+        _fail(f"still running after {timeout_s:.0f} s (killed): {late}\n{tails}")
+
+
+def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 120.0) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` fresh processes (torch.multiprocessing, spawn),
+    with a deadline: a hang fails the test instead of blocking the suite, and an
+    exception in a rank fails it with that rank's traceback."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    end = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            _fail(f"ranks still running after {deadline_s:.0f} s: a hang")
