@@ -111,8 +111,9 @@ SIGNATURES: tuple[Signature, ...] = (
             "one GPU much slower (thermal throttling, a faulty GPU) or a network problem "
             "between GPUs (InfiniBand / NVLink)",
         ),
-        "run under guard() so a stuck rank is named within hang_timeout_s with every "
-        "rank's stack; check asymmetric conditions in the code and that every rank gets "
+        "run under guard() so a stuck rank is named within the watchdog's "
+        "hang_timeout_s with every rank's stack; check asymmetric conditions in the code "
+        "and that every rank gets "
         "the same number of batches; check the GPUs (`nvidia-smi`, `nvidia-smi topo -m`, "
         "`python -m guardrails doctor`). Raising the timeout only waits longer.",
     ),

@@ -895,8 +895,9 @@ class _Health:
                 message=(
                     f"the loss did not decrease over steps {step - self._window + 1}-{step} "
                     f"(median {first:.4g} -> {second:.4g}). Try to overfit one batch "
-                    "first (a model that cannot is wired wrong); check the LR (too low crawls, too high bounces), label/mask "
-                    "wiring, and that the optimizer holds the trainable parameters."
+                    "first (a model that cannot is wired wrong); check the LR (too low "
+                    "crawls, too high bounces), label/mask wiring, and that the optimizer "
+                    "holds the trainable parameters."
                 ),
                 first_half_median=first,
                 second_half_median=second,

@@ -41,7 +41,8 @@ _FIXES = {
     "node reading 201 data shards and the other 4 hangs this way). Give every rank the "
     "same data (one dataset with a DistributedSampler, drop_last=True); if the loop "
     "cannot guarantee equal lengths, "
-    "pass guard(..., even_batches=True) to stop every rank at the shortest.",
+    'pass guard(..., preflight={"even_batches": True}) to stop every rank at the '
+    "shortest.",
     "first_batch": "every rank must get batches of the same size; check the per-rank "
     "batch size and collate.",
     "compute": "pick the compute dtype from the device you train on, explicitly, not from "

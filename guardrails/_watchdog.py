@@ -745,7 +745,7 @@ class Watchdog(Component):
             "read from a pipe/socket/stalled filesystem, a DataLoader worker, or a branch "
             "taken on some ranks only that skips a collective. If the pause is legitimate "
             '(evaluation, a big save) wrap it in `with g.pause_watchdog("eval"):` or '
-            "raise hang_timeout_s."
+            'raise the timeout: guard(..., watchdog={"hang_timeout_s": ...}).'
         )
         spec = _spec(
             "HangError",

@@ -79,8 +79,8 @@ def main() -> None:
         scheduler=sched,
         run_dir=a.run_dir,
         progress=False,
-        checkpoint_every_n_steps=a.every_n,
-        gc_every_n_steps=None,
+        gc=False,
+        checkpoint={"every_n_steps": a.every_n},
     ) as g:
         for c in g.components:  # background writes only when asked
             if isinstance(c, guardrails.SignalCheckpointer):

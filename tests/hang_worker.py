@@ -160,7 +160,7 @@ def main() -> None:
         opt,
         data,
         run_dir=out / "run",
-        hang_timeout_s=args.hang_timeout_s,
+        watchdog={"hang_timeout_s": args.hang_timeout_s},
         metrics=args.metrics or kind in ("sigterm", "sleep"),
         progress=False,
     ) as g:

@@ -518,8 +518,8 @@ def test_knobs_are_checked():
         CollectiveAuditor(interval_s=0)
     with pytest.raises(ValueError, match="close_wait_s"):
         CollectiveAuditor(close_wait_s=-1)
-    with pytest.raises(TypeError, match="audit_collectives"):
-        guardrails.guard(Regressor(), torch.optim.SGD(Regressor().parameters()), audit_colectives=1)
+    with pytest.raises(TypeError, match="Did you mean `audit`"):
+        guardrails.guard(Regressor(), torch.optim.SGD(Regressor().parameters()), audti=1)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ CRASH = textwrap.dedent(
             opt.step()
             opt.zero_grad()
     with guardrails.guard(model, opt, batches(40), run_dir=run_dir, progress=False,
-                          metrics_every_n_steps=4, metrics_write_every_s=write_every) as g:
+                          metrics={{"every_n_steps": 4, "write_every_s": write_every}}) as g:
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -64,7 +64,12 @@ def case_audited(rank):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run_dir = Path(os.environ["OUT"]) / "audited"
     with guardrails.guard(
-        model, opt, batches(3, seed=rank), run_dir=run_dir, metrics=False, save_on_signal=False
+        model,
+        opt,
+        batches(3, seed=rank),
+        run_dir=run_dir,
+        metrics=False,
+        checkpoint={"save_on_signal": False},
     ) as g:
         for x, y in g:
             model(x, y).backward()

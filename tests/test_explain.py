@@ -189,5 +189,5 @@ def test_under_guard_unknown_errors_pass_through(tmp_path):
         with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, metrics=False) as g:
             for _ in g:
                 raise KeyError("mine")
-    off = guardrails.guard(model, opt, explain_errors=False)
+    off = guardrails.guard(model, opt, explain=False)
     assert not any(c.name == "explain" for c in off.components)

@@ -193,7 +193,7 @@ def test_an_application_that_manages_the_gc_during_the_run_keeps_its_settings(tm
 
 
 def test_a_resumed_run_freezes_after_its_own_first_step(tmp_path):
-    guarded_run(tmp_path, n_steps=3, checkpoint_every_n_steps=3)
+    guarded_run(tmp_path, n_steps=3, checkpoint={"every_n_steps": 3})
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

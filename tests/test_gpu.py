@@ -69,7 +69,12 @@ def test_guarded_loop_never_syncs(tmp_path, compiled):
             batches[0][0].sum().item()
         loop(step_model, opt, batches)  # the unguarded loop is sync-free on its own
         with guardrails.guard(
-            step_model, opt, batches * 9, run_dir=tmp_path, metrics_every_n_steps=10, progress=False
+            step_model,
+            opt,
+            batches * 9,
+            run_dir=tmp_path,
+            metrics={"every_n_steps": 10},
+            progress=False,
         ) as g:
             for i, (x, y) in enumerate(g):
                 if i == steps:
@@ -139,7 +144,7 @@ def test_raise_policy_raises_within_two_check_intervals(tmp_path):
     batches = data(device, 4)
     with pytest.raises(guardrails.NonFiniteError) as info:
         with guardrails.guard(
-            model, opt, batches * 10, run_dir=tmp_path, progress=False, nan_policy="raise"
+            model, opt, batches * 10, run_dir=tmp_path, progress=False, nan={"policy": "raise"}
         ) as g:
             _poison_loop(g, model, opt, bad_step=13, n_steps=40, before=[])
     assert info.value.step == 13
@@ -229,7 +234,7 @@ def test_checkpoints_on_cuda_sync_only_at_saves_and_resume_bitwise(tmp_path):
             batches * 10,
             run_dir=run_dir,
             progress=False,
-            checkpoint_every_n_steps=every,
+            checkpoint={"every_n_steps": every},
         ) as g:
             for x, y in g:
                 torch.cuda.set_sync_debug_mode("error" if sync_debug else 0)

@@ -268,7 +268,7 @@ def test_exception_propagates_unchanged_and_everything_is_cleaned_up(tmp_path):
     boom = RuntimeError("user code failed")
     with pytest.raises(RuntimeError) as info:
         with guardrails.guard(
-            model, opt, batches(10), run_dir=tmp_path, metrics_every_n_steps=4
+            model, opt, batches(10), run_dir=tmp_path, metrics={"every_n_steps": 4}
         ) as g:
             for i, (x, y) in enumerate(g):
                 model(x, y).backward()
@@ -362,7 +362,7 @@ def test_unknown_knob_suggests_the_right_one():
     model, opt = make()
     with pytest.raises(
         TypeError,
-        match=r"unknown knob `metrics_every_n_step`.*Did you mean `metrics_every_n_steps`",
+        match=r"unknown knob `metrics_every_n_step`.*Did you mean `metrics`",
     ):
         guardrails.guard(model, opt, metrics_every_n_step=10)
 
@@ -370,8 +370,8 @@ def test_unknown_knob_suggests_the_right_one():
 @pytest.mark.parametrize(
     "knobs, match",
     [
-        ({"metrics_every_n_steps": 0}, "every_n_steps must be a positive int"),
-        ({"metrics_write_every_s": -1}, "write_every_s must be >= 0"),
+        ({"metrics": {"every_n_steps": 0}}, "every_n_steps must be a positive int"),
+        ({"metrics": {"write_every_s": -1}}, "write_every_s must be >= 0"),
         ({"tokens_per_batch": 0}, "tokens_per_batch must be a positive int"),
     ],
 )

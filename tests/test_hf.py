@@ -102,7 +102,7 @@ def test_transformers_model_output_loss_bad_labels_and_module_replay(tmp_path):
     losses = {}
     with pytest.raises(guardrails.NonFiniteError) as info:
         with guardrails.guard(
-            model, opt, loader, run_dir=tmp_path, progress=False, max_consecutive_skips=3
+            model, opt, loader, run_dir=tmp_path, progress=False, nan={"max_consecutive_skips": 3}
         ) as g:
             for x, y in g:
                 if g.step == 4:

@@ -550,7 +550,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = batches(40)
 if sys.argv[2] == "nan":
     data[12][0][3, 1] = float("nan")
-g = guardrails.guard(model, opt, data, run_dir=sys.argv[1], nan_policy="raise").start()
+g = guardrails.guard(model, opt, data, run_dir=sys.argv[1], nan={"policy": "raise"}).start()
 for x, y in g:  # no `with`, no main(): nanochat's shape
     model(x, y).backward()
     opt.step()
@@ -693,7 +693,7 @@ class WithHead(Regressor):
 def test_every_fix_a_resume_error_suggests_works_with_guard(tmp_path):
     # guard() has no strict=: a resume that does not fit says what to do with the API
     # that raised it, and each suggestion is carried out here.
-    guarded_run(tmp_path, n_steps=3, checkpoint_every_n_steps=3)
+    guarded_run(tmp_path, n_steps=3, checkpoint={"every_n_steps": 3})
     ckpt = tmp_path / "checkpoints" / "step_000000003"
     model = WithHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -440,9 +440,11 @@ def test_guard_adds_it_after_the_gc_scheduler_and_not_when_all_off(tmp_path):
         model,
         opt,
         run_dir=tmp_path,
-        leak_check_every_n_steps=None,
-        data_starvation_window_steps=None,
-        explain_oom=False,
+        memory={
+            "leak_check_every_n_steps": None,
+            "data_starvation_window_steps": None,
+            "explain_oom": False,
+        },
     )
     assert MemoryGuard not in [type(c) for c in g.components]
 
@@ -450,7 +452,10 @@ def test_guard_adds_it_after_the_gc_scheduler_and_not_when_all_off(tmp_path):
 def test_knobs_pass_through_guard(tmp_path):
     model, opt = make()
     g = guardrails.guard(
-        model, opt, run_dir=tmp_path, leak_check_every_n_steps=7, data_starvation_fraction=0.5
+        model,
+        opt,
+        run_dir=tmp_path,
+        memory={"leak_check_every_n_steps": 7, "data_starvation_fraction": 0.5},
     )
     [memory] = [c for c in g.components if isinstance(c, MemoryGuard)]
     assert memory.leak_check_every_n_steps == 7 and memory.data_starvation_fraction == 0.5

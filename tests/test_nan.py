@@ -104,13 +104,13 @@ def test_skipped_step_leaves_weights_and_optimizer_state_bitwise_unchanged(
 
 
 def run_until_raise(run_dir, data):
-    """Train a Regressor with fused AdamW under nan_policy="raise" until NanGuard
+    """Train a Regressor with fused AdamW under nan={"policy": "raise"} until NanGuard
     raises; returns the error and the (closed) guard."""
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(model, opt, data, run_dir=run_dir, nan_policy="raise") as g:
+        with guardrails.guard(model, opt, data, run_dir=run_dir, nan={"policy": "raise"}) as g:
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -164,7 +164,9 @@ def test_consecutive_skips_raise_after_the_limit(tmp_path, lagged):
     for i in range(3, 12):  # from step 4 on, every batch is poisoned
         data[i] = (torch.full_like(data[i][0], math.nan), data[i][1])
     with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(model, opt, data, run_dir=tmp_path, max_consecutive_skips=3) as g:
+        with guardrails.guard(
+            model, opt, data, run_dir=tmp_path, nan={"max_consecutive_skips": 3}
+        ) as g:
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -182,7 +184,9 @@ def test_warn_policy_lets_the_update_through(tmp_path):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with guardrails.guard(model, opt, poisoned(5, 3), run_dir=tmp_path, nan_policy="warn") as g:
+    with guardrails.guard(
+        model, opt, poisoned(5, 3), run_dir=tmp_path, nan={"policy": "warn"}
+    ) as g:
         for x, y in g:
             model(x, y).backward()
             opt.step()
@@ -240,7 +244,7 @@ def run_net(tmp_path, *, guarded, bad_step=6, n=10, policy="skip"):
             torch.rand(1)  # the loop's own RNG use after the step must line up too
 
     if guarded:
-        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan_policy=policy) as g:
+        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan={"policy": policy}) as g:
             loop(g, lambda: g.step)
         return model, g
     loop(data, None)
@@ -276,7 +280,9 @@ def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path):
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(model, opt, batches(80), run_dir=tmp_path, nan_policy="raise") as g:
+        with guardrails.guard(
+            model, opt, batches(80), run_dir=tmp_path, nan={"policy": "raise"}
+        ) as g:
             for x, y in g:
                 if g.step == 30:
                     opt.param_groups[0]["lr"] = 1e8  # the fault: LR set huge mid-run
@@ -308,7 +314,7 @@ def test_fp16_without_a_scaler_is_fp16_overflow(tmp_path):
     data[3] = ((x * 2e4).clamp(-6e4, 6e4), y)  # finite in fp16 (max 65504); the Linears overflow
     assert torch.isfinite(data[3][0]).all()
     with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan_policy="raise") as g:
+        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan={"policy": "raise"}) as g:
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -342,7 +348,9 @@ def test_fault_that_does_not_replay_is_not_reproducible(tmp_path):
     model = Flaky(at_call=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(model, opt, batches(6), run_dir=tmp_path, nan_policy="raise") as g:
+        with guardrails.guard(
+            model, opt, batches(6), run_dir=tmp_path, nan={"policy": "raise"}
+        ) as g:
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -386,7 +394,7 @@ def _scheduled_run(run_dir, steps: int, batch: int, weight=lambda step: 1.0, sto
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
     )
     data = batches(steps, batch=batch)
-    every = {"checkpoint_every_n_steps": stop_at} if stop_at else {}
+    every = {"checkpoint": {"every_n_steps": stop_at}} if stop_at else {}
     with guardrails.guard(model, opt, data, run_dir=run_dir, scheduler=sched, **every) as g:
         for x, y in g:
             (model(x, y) * weight(g.step + 1)).backward()
@@ -499,12 +507,12 @@ def test_knobs_are_checked():
         NanGuard(spike_factor=0.5)
     with pytest.raises(ValueError, match="max_consecutive_skips must be a positive int"):
         guardrails.guard(
-            Regressor(), torch.optim.SGD(Regressor().parameters(), lr=1), max_consecutive_skips=0
+            Regressor(),
+            torch.optim.SGD(Regressor().parameters(), lr=1),
+            nan={"max_consecutive_skips": 0},
         )
-    with pytest.raises(TypeError, match="Did you mean `nan_policy`"):
-        guardrails.guard(
-            Regressor(), torch.optim.SGD(Regressor().parameters(), lr=1), nan_polcy="raise"
-        )
+    with pytest.raises(TypeError, match="Did you mean `nan`"):
+        guardrails.guard(Regressor(), torch.optim.SGD(Regressor().parameters(), lr=1), nam="raise")
 
 
 def test_a_given_nanguard_replaces_the_default(tmp_path):
@@ -514,7 +522,7 @@ def test_a_given_nanguard_replaces_the_default(tmp_path):
     names = [type(c).__name__ for c in g.components]
     assert names.count("NanGuard") == 1 and names.index("NanGuard") < names.index("Telemetry")
     assert g.components[names.index("NanGuard")] is mine
-    off = guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=1), nan_policy=None)
+    off = guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=1), nan=False)
     assert not any(isinstance(c, NanGuard) for c in off.components)
 
 

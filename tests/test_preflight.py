@@ -29,7 +29,13 @@ from guardrails._launch import check_launch, launch_problems
 
 def _loop(model, opt, data, run_dir, **knobs):
     with guardrails.guard(
-        model, opt, data, run_dir=run_dir, metrics=False, save_on_signal=False, **knobs
+        model,
+        opt,
+        data,
+        run_dir=run_dir,
+        metrics=False,
+        checkpoint={"save_on_signal": False},
+        **knobs,
     ) as g:
         for x, y in g:
             model(x, y).backward()
@@ -90,14 +96,16 @@ def sc_optimizer(rank, d):
 
 
 def sc_even_len(rank, d):
-    return _loop(*_seeded(), _loader(40 if rank == 0 else 24, 8), d, even_batches=True)
+    return _loop(
+        *_seeded(), _loader(40 if rank == 0 else 24, 8), d, preflight={"even_batches": True}
+    )
 
 
 def sc_even_nolen(rank, d):
     def gen(n):
         yield from batches(n, seed=rank)
 
-    return _loop(*_seeded(), gen(20 if rank == 0 else 18), d, even_batches=True)
+    return _loop(*_seeded(), gen(20 if rank == 0 else 18), d, preflight={"even_batches": True})
 
 
 def sc_empty(rank, d):
@@ -132,7 +140,7 @@ def sc_explained(rank, d):
     held.listen()
     try:
         with guardrails.guard(
-            model, opt, batches(4), run_dir=d, metrics=False, save_on_signal=False
+            model, opt, batches(4), run_dir=d, metrics=False, checkpoint={"save_on_signal": False}
         ) as g:
             for x, y in g:
                 model(x, y).backward()
@@ -216,7 +224,7 @@ def test_different_dataset_length_names_the_loader_length(outcomes):
     r0, _ = _both_raise(outcomes, "dataset_len")
     assert r0["fields"]["loader.len"] == {0: 8, 1: 5}
     assert r0["fields"]["loader.dataset_len"] == {0: 64, 1: 40}
-    assert "even_batches=True" in r0["message"] and "DistributedSampler" in r0["message"]
+    assert '"even_batches": True' in r0["message"] and "DistributedSampler" in r0["message"]
 
 
 def test_different_batch_size_is_named(outcomes):

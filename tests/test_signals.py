@@ -238,7 +238,12 @@ def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = 0
     with guardrails.guard(
-        model, opt, batches(10), run_dir=tmp_path, progress=False, exit_on_signal=False
+        model,
+        opt,
+        batches(10),
+        run_dir=tmp_path,
+        progress=False,
+        checkpoint={"exit_on_signal": False},
     ) as g:
         assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
         for x, y in g:
@@ -261,7 +266,12 @@ def test_list_loader_resumes_by_fast_forward_with_state_and_warning(tmp_path):
         model = Regressor()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         with guardrails.guard(
-            model, opt, batches(10), run_dir=tmp_path, progress=False, exit_on_signal=False
+            model,
+            opt,
+            batches(10),
+            run_dir=tmp_path,
+            progress=False,
+            checkpoint={"exit_on_signal": False},
         ) as g:
             g.state["best"] = g.state.get("best", 9.0) - 1.0
             for x, y in g:

@@ -65,7 +65,7 @@ def run_loop(depth, guarded, tmp_path, counter=None, opt_name="sgd"):
     if guarded:
         # A ring longer than the run: the one copy per interval is not in the window.
         with guardrails.guard(
-            model, opt, data, run_dir=tmp_path, metrics_every_n_steps=1000, progress=False
+            model, opt, data, run_dir=tmp_path, metrics={"every_n_steps": 1000}, progress=False
         ) as g:
             steps(g)
     else:
@@ -117,7 +117,11 @@ def python_calls_per_step(depth, tmp_path):
             calls[f"c:{getattr(arg, '__name__', '?')}"] += 1
 
     with guardrails.guard(
-        model, opt, batches(STEPS + 2), run_dir=tmp_path / f"p{depth}", metrics_every_n_steps=1000
+        model,
+        opt,
+        batches(STEPS + 2),
+        run_dir=tmp_path / f"p{depth}",
+        metrics={"every_n_steps": 1000},
     ) as g:
         for i, (x, y) in enumerate(g):
             if i == 2:

@@ -26,7 +26,12 @@ def test_metrics_equal_what_the_loop_computed(tmp_path):
     expect = {"loss": [], "grad_norm": [], "lr": []}
     n_steps = 13  # not a multiple of the ring length: the tail is flushed at close
     with guardrails.guard(
-        model, opt, batches(n_steps), scheduler=sched, run_dir=tmp_path, metrics_every_n_steps=5
+        model,
+        opt,
+        batches(n_steps),
+        scheduler=sched,
+        run_dir=tmp_path,
+        metrics={"every_n_steps": 5},
     ) as g:
         for x, y in g:
             loss = model(x, y)
@@ -91,7 +96,7 @@ def test_float_batches_have_unknown_tokens(tmp_path):
 
 def test_parts_are_plain_parquet_and_a_rerun_appends(tmp_path):
     for _run in range(2):
-        guarded_run(tmp_path, 7, metrics_every_n_steps=2, metrics_write_every_s=0)
+        guarded_run(tmp_path, 7, metrics={"every_n_steps": 2, "write_every_s": 0})
     parts = sorted((tmp_path / "metrics.parquet").glob("*.parquet"))
     assert len(parts) == 8  # 4 flushes (2+2+2+1 rows) per run, one part each
     assert not list((tmp_path / "metrics.parquet").glob(".tmp-*"))
@@ -125,7 +130,7 @@ def test_sigkill_keeps_every_part_written_before_it(tmp_path):
         model = Regressor()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with guardrails.guard(model, opt, batches(50), run_dir={str(tmp_path)!r},
-                              metrics_every_n_steps=5, metrics_write_every_s=0) as g:
+                              metrics={{"every_n_steps": 5, "write_every_s": 0}}) as g:
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -164,7 +169,7 @@ def test_events_log(tmp_path):
 
 def test_progress_bar_on_request_and_off_in_ci(tmp_path, capsys, monkeypatch):
     def run(**kw):
-        guarded_run(tmp_path, 6, metrics_every_n_steps=2, **kw)
+        guarded_run(tmp_path, 6, metrics={"every_n_steps": 2}, **kw)
         return capsys.readouterr().err
 
     err = run(progress=True)
@@ -178,14 +183,16 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
     g = guarded_run(
         tmp_path,
         metrics=False,
-        gc_every_n_steps=None,
-        leak_check_every_n_steps=None,
-        data_starvation_window_steps=None,
-        explain_oom=False,
-        nan_policy=None,
-        explain_errors=False,
+        gc=False,
+        nan=False,
+        explain=False,
+        memory={
+            "leak_check_every_n_steps": None,
+            "data_starvation_window_steps": None,
+            "explain_oom": False,
+        },
+        checkpoint={"save_on_signal": False},
         preflight=False,
-        save_on_signal=False,
         resume=None,
     )
     assert g.components == []

@@ -339,7 +339,9 @@ def test_knobs_are_checked(tmp_path, bad):
         Watchdog(hang_timeout_s=bad)
     model = torch.nn.Linear(4, 1)
     with pytest.raises(ValueError, match="hang_timeout_s"):
-        guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=0.1), hang_timeout_s=bad)
+        guardrails.guard(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), watchdog={"hang_timeout_s": bad}
+        )
 
 
 def test_auto_timeout_numbers():
