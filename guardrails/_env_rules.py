@@ -300,7 +300,7 @@ ENV_RULES: tuple[EnvRule, ...] = (
         "bad",
         lambda e: e.has("PYTHONGC_THRESHOLD"),
         _NOT_READ,
-        'Use gc.set_threshold(...) in code, or guard(gc={"every_n_steps": ...}).',
+        'Use gc.set_threshold(...) in code, or guard(gc={{"every_n_steps": ...}}).',
     ),
     EnvRule(
         "CUDA_MEMORY_FRACTION",

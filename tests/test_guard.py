@@ -362,9 +362,9 @@ def test_unknown_knob_suggests_the_right_one():
     model, opt = make()
     with pytest.raises(
         TypeError,
-        match=r"unknown knob `metrics_every_n_step`.*Did you mean `metrics`",
+        match=r"unknown knob `metrcs`.*Did you mean `metrics`",
     ):
-        guardrails.guard(model, opt, metrics_every_n_step=10)
+        guardrails.guard(model, opt, metrcs=True)
 
 
 @pytest.mark.parametrize(

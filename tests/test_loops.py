@@ -550,7 +550,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = batches(40)
 if sys.argv[2] == "nan":
     data[12][0][3, 1] = float("nan")
-g = guardrails.guard(model, opt, data, run_dir=sys.argv[1], nan={"policy": "raise"}).start()
+g = guardrails.guard(model, opt, data, run_dir=sys.argv[1], nan={{"policy": "raise"}}).start()
 for x, y in g:  # no `with`, no main(): nanochat's shape
     model(x, y).backward()
     opt.step()
