@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 #: Knob names of release 0.1, by where they were given, and their new place:
@@ -69,9 +69,10 @@ def _deprecated(where: str, old: str, new: str, *, stacklevel: int = 4) -> None:
     )
 
 
-def check_fields(cls: type[Any], given: Mapping[str, Any], where: str) -> None:
-    """Raise a ``TypeError`` naming an unknown knob of ``cls`` and the closest known."""
-    known = sorted(f.name for f in dataclasses.fields(cls))
+def check_knobs(given: Mapping[str, Any], known: Iterable[str], where: str) -> None:
+    """Raise a ``TypeError`` naming an unknown knob in ``given`` and the closest known
+    one (``where``: how the caller was called, e.g. ``"guard()"``)."""
+    known = sorted(known)
     for name in given:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
@@ -79,6 +80,11 @@ def check_fields(cls: type[Any], given: Mapping[str, Any], where: str) -> None:
             raise TypeError(
                 f"{where} got an unknown knob `{name}`.{hint} Known knobs: {', '.join(known)}."
             )
+
+
+def check_fields(cls: type[Any], given: Mapping[str, Any], where: str) -> None:
+    """``check_knobs`` against the fields of the dataclass ``cls``."""
+    check_knobs(given, (f.name for f in dataclasses.fields(cls)), where)
 
 
 def configure(component: Any, config: Any, knobs: dict[str, Any]) -> Any:

@@ -21,10 +21,10 @@ from torch import nn
 from guardrails._audit import CollectiveAuditor
 from guardrails._checkpointer import SignalCheckpointer
 from guardrails._component import Component
-from guardrails._config import ALIASES, apply_aliases, section
+from guardrails._config import ALIASES, apply_aliases, check_knobs, section
 from guardrails._explain import ErrorExplainer
 from guardrails._gc import GCScheduler
-from guardrails._guard import Guard, Optimizers, check_knobs
+from guardrails._guard import Guard, Optimizers
 from guardrails._memory import MemoryGuard
 from guardrails._nan import NanGuard
 from guardrails._preflight import Preflight
@@ -166,7 +166,7 @@ def guard(
     }
     unknown = {k: v for k, v in old_knobs.items() if k not in ALIASES["guard"]}
     if unknown:
-        check_knobs(unknown, _KNOBS, "guard")
+        check_knobs(unknown, _KNOBS, "guard()")
     configs = {name: section(name, value, SECTIONS[name].Config) for name, value in given.items()}
     _fold_old_knobs(configs, old_knobs)
     _set_top_level(configs, "checkpoint", "resume", resume, "auto")

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import difflib
 import functools
 import logging
 import math
@@ -1070,18 +1069,6 @@ def _validate(
     check_components(components)
     positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
     return params
-
-
-def check_knobs(given: Mapping[str, Any], known: Iterable[str], where: str) -> None:
-    """Raise a ``TypeError`` naming an unknown keyword and the closest known one."""
-    known = sorted(known)
-    for name in given:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" Did you mean `{close[0]}`?" if close else ""
-            raise TypeError(
-                f"{where}() got an unknown knob `{name}`.{hint} Known knobs: {', '.join(known)}."
-            )
 
 
 class _Restore:

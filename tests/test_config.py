@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Regressor, batches
+from conftest import Regressor, batches, guarded_run
 
 import guardrails
 from guardrails._config import ALIASES
@@ -204,24 +204,19 @@ def test_duplicate_names_and_wrong_order_are_refused_when_built(tmp_path):
 
 
 def test_a_custom_components_state_survives_a_resume_under_its_name(tmp_path):
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    counter = _Counter()
-    with guardrails.guard(
-        model, opt, batches(3), run_dir=tmp_path, progress=False, components=[counter]
-    ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-        path = g.save_checkpoint()  # asked of the component that saves checkpoints
-    assert (path / "manifest.json").exists() and counter.n == 3
+    counter, saved = _Counter(), []
+    # inside: a save asked of the component that declares it saves checkpoints.
+    guarded_run(
+        tmp_path,
+        3,
+        inside=lambda g: saved.append(g.save_checkpoint()),
+        components=[counter],
+        progress=False,
+    )
+    assert (saved[0] / "manifest.json").exists() and counter.n == 3
     again = _Counter()
-    with guardrails.guard(
-        model, opt, batches(3), run_dir=tmp_path, progress=False, components=[again]
-    ) as g:
-        assert g.step == 3 and again.n == 3
+    g = guarded_run(tmp_path, 0, components=[again], progress=False)
+    assert g.step == 3 and again.n == 3  # restored under its name, "counter"
 
 
 def test_save_checkpoint_without_a_saver_says_how(tmp_path):
