@@ -54,11 +54,34 @@ LAUNCHER_VARS = (
 )
 
 
+# Ports for MASTER_PORT come from below Linux's ephemeral range (32768-60999 by
+# default), not from bind(port 0): a port from that range, free when picked, was taken
+# seconds later as the *source* port of another rank's outgoing connection before its
+# job's rank 0 could listen on it (seen in CI: EADDRINUSE with 13 jobs starting side by
+# side). Each pytest-xdist worker draws from its own slice, and a port is never handed
+# out twice in one process.
+_PORT_LO, _PORT_SLICE = 20000, 3000
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now, for a test's MASTER_PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 right now, outside the ephemeral range and not
+    handed out before by this process, for a test's MASTER_PORT."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    lo = _PORT_LO + (int(worker) % 4 if worker.isdigit() else 0) * _PORT_SLICE
+    start = lo + (os.getpid() * 7) % _PORT_SLICE  # two sessions on one host: apart
+    for i in range(_PORT_SLICE):
+        port = lo + (start - lo + i) % _PORT_SLICE
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {lo}-{lo + _PORT_SLICE - 1}")
 
 
 def base_env(**extra: str) -> dict[str, str]:
