@@ -499,6 +499,5 @@ def test_bad_knobs(kw, match):
     with pytest.raises(ValueError, match=match):
         MemoryGuard(**kw)
     model, opt = make()
-    if "leak_window_checks" not in kw:
-        with pytest.raises(ValueError, match=match):
-            guardrails.guard(model, opt, **kw)
+    with pytest.raises(ValueError, match=match):  # the same check through guard()
+        guardrails.guard(model, opt, memory=kw)
