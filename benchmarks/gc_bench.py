@@ -3,7 +3,7 @@
     python benchmarks/gc_bench.py                      # 3M long-lived objects, 2000 steps
     python benchmarks/gc_bench.py --objects 1000000 --steps 500    # a quick look
 
-Seed 000's "Pattern B" (GPU at 0%, pauses of seconds) is the cyclic collector scanning
+The "GPU at 0%, pauses of seconds" stall is the cyclic collector scanning
 every long-lived object of the process. This puts a realistic heap in place first: a
 dataset index of ``--objects`` tracked Python objects (1/3 ``Sample`` instances, 1/3
 token lists, 1/3 small dicts of document metadata, plus a 1M-entry vocabulary dict), as

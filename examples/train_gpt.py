@@ -13,7 +13,7 @@ of the loader and clipping through `g.clip_grad_norm_` (so clipping and NaN dete
 share one pass over the gradients); the rest is an ordinary PyTorch loop. Metrics land
 in RUN_DIR/metrics.parquet and events in RUN_DIR/events.jsonl.
 
-Planted faults, to see what the guard does with them (seed 003's two commonest NaNs):
+Planted faults, to see what the guard does with them (the two commonest NaNs first):
 
     python examples/train_gpt.py --inject bad_sample   # one sample's loss weight is NaN:
         # the step is skipped, the run goes on; RUN_DIR/nonfinite/ holds the batch and
@@ -28,9 +28,10 @@ Planted faults, to see what the guard does with them (seed 003's two commonest N
         # the last rank sleeps in Python at half way: within ~10 s every rank ends with
         # HangError naming it, its line and every rank's stack (exit code 83)
     torchrun --nproc-per-node 2 examples/train_gpt.py --inject desync
-        # at half way rank 0 alone enters a barrier (seed 002: "only rank 0 does something
-        # that includes a collective") before every rank's loss all-reduce: seen in ~0.5 s,
-        # and within ~6 s (ranks stuck in the collective get 5 s) every rank ends with
+        # at half way rank 0 alone enters a barrier (the classic desync: "only rank 0
+        # does something that includes a collective") before every rank's loss
+        # all-reduce: seen in ~0.5 s, and within ~6 s (ranks stuck in the collective get
+        # 5 s) every rank ends with
         # CollectiveMismatchError naming both ranks' calls and lines (exit code 82)
         # instead of gloo's 30-minute (NCCL: 10-minute) hang
 """

@@ -24,7 +24,8 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m guardrails",
+        # `guardrails ...` (the console script) or `python -m guardrails ...`.
+        prog="python -m guardrails" if sys.argv[0].endswith("__main__.py") else "guardrails",
         description="guardrails: diagnose the environment (doctor), summarise runs (report), "
         "list checkpoints (inspect), measure the guards' cost (bench) and run a script with "
         "no main() under @guardrails.record (run).",

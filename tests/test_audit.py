@@ -79,7 +79,7 @@ def _scenario_step(scenario: str, rank: int, step: int, model: torch.nn.Module) 
 
 
 def save_on_rank0(model: torch.nn.Module) -> None:
-    """Seed 002's "only rank 0 does something that includes a collective"."""
+    """The classic desync: "only rank 0 does something that includes a collective"."""
     dist.barrier()  # <rank0_branch>
 
 

@@ -102,7 +102,7 @@ def test_doctor_names_the_process_holding_the_port():
 
 def test_doctor_under_torchrun_compares_ranks(tmp_path):
     # torchrun gives every rank the same environment; a wrapper gives each rank its own
-    # data directory, seed 004's "ranks that see different data directories".
+    # data directory, the classic "ranks that see different data directories".
     wrapper = (
         'if [ "$LOCAL_RANK" = 1 ]; then export DATA_DIR=/data/b; else export DATA_DIR=/data/a; '
         f"fi; exec {sys.executable} -m guardrails doctor"
@@ -285,3 +285,17 @@ def test_report_on_an_empty_dir_and_usage(tmp_path):
     assert proc.returncode == 2 and "nothing to report" in proc.stdout
     proc = cli(ok=False)
     assert proc.returncode == 2 and "doctor" in proc.stderr and "report" in proc.stderr
+
+
+def test_the_guardrails_command_is_the_same_cli():
+    """`pip install` puts a `guardrails` console script beside the interpreter; it runs
+    the same subcommands as `python -m guardrails` and names itself in its usage."""
+    script = Path(sys.executable).parent / "guardrails"
+    if not script.exists():
+        pytest.skip("the console script is not installed: pip install -e . again")
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: guardrails ")
+    for sub in ("doctor", "report", "inspect", "bench", "run"):
+        assert sub in proc.stdout
+    assert cli("--help").stdout.startswith("usage: python -m guardrails ")

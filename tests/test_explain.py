@@ -1,4 +1,4 @@
-"""The error translator: torch / NCCL / gloo / CUDA failures explained with the seeds'
+"""The error translator: torch / NCCL / gloo / CUDA failures explained with their
 causes and fixes, by ``guardrails.explain`` and re-raised under ``guard``.
 
 Where this machine can produce the real error (a port in use: a real TCPStore on a real

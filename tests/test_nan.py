@@ -202,7 +202,7 @@ def test_warn_policy_lets_the_update_through(tmp_path):
 
 
 class LogLayer(nn.Module):
-    """A custom layer with the seeds' numerics bug: log(0) once `broken` is set."""
+    """A custom layer with a classic numerics bug: log(0) once `broken` is set."""
 
     def __init__(self) -> None:
         super().__init__()
