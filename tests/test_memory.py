@@ -392,9 +392,9 @@ class SlowDataset(torch.utils.data.Dataset):
         return self.items[i]
 
 
-def starvation_run(tmp_path, loader, n_steps=23):
+def starvation_run(tmp_path, loader, n_steps=23, **knobs):
     model, opt = make()
-    memory = MemoryGuard(leak_check_every_n_steps=None, data_starvation_window_steps=10)
+    memory = MemoryGuard(leak_check_every_n_steps=None, data_starvation_window_steps=10, **knobs)
     with Guard(model, opt, loader, run_dir=tmp_path, components=[memory]) as g:
         for x, y in g:
             if x.ndim == 3:  # a DataLoader with batch_size=None keeps our batches as is
@@ -412,7 +412,26 @@ def test_a_slow_loader_is_reported_once_with_numbers_and_remedies(tmp_path):
     assert e["share"] > 0.5 and e["mean_wait_s"] >= 0.004
     assert e["mean_step_s"] >= e["mean_wait_s"]
     assert "num_workers" in e["message"] and "pin_memory" in e["message"]
+    assert "training waits" in e["message"]  # on a CPU: no accelerator to idle
     assert memory.starvation is not None and memory.starvation["share"] == e["share"]
+
+
+def test_a_tiny_cpu_steps_own_next_is_not_starvation(tmp_path):
+    """0.2 ms in next() of a sub-millisecond CPU step is a large share of the step and
+    nothing to act on: silent under the 1 ms floor, reported without it (the same loop,
+    so the floor is what keeps it quiet)."""
+    quiet = starvation_run(
+        tmp_path / "floor", slow(batches(23), 0.0002), data_starvation_fraction=0.1
+    )
+    assert events(tmp_path / "floor", "data_starvation") == [] and quiet.starvation is None
+    loud = starvation_run(
+        tmp_path / "no_floor",
+        slow(batches(23), 0.0002),
+        data_starvation_fraction=0.1,
+        data_starvation_min_wait_s=0.0,
+    )
+    [e] = events(tmp_path / "no_floor", "data_starvation")
+    assert loud.starvation is not None and e["share"] >= 0.1
 
 
 def test_a_dataloader_without_workers_is_told_so(tmp_path):
