@@ -178,8 +178,6 @@ def guard(
             continue
         if not getattr(cfg, "does_anything", True):
             continue
-        if name == "preflight" and not (cfg.check or (cfg.even_batches and distributed())):
-            continue
         chosen.append(SECTIONS[name](cfg))
     extra = list(components or ())
     for i, default in enumerate(chosen):  # a given component takes its default's place

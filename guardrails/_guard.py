@@ -496,51 +496,42 @@ class Guard(StepState):
         return _store.side_store(self.generation, name)
 
     @contextlib.contextmanager
-    def pause_watchdog(self, reason: str = "paused") -> Iterator[None]:
+    def _temporarily(self, name: str, value: Any) -> Iterator[None]:
+        """Set ``self.<name>`` to ``value`` inside the block, then put back what was
+        there (so the services below nest)."""
+        previous = getattr(self, name)
+        setattr(self, name, value)
+        try:
+            yield
+        finally:
+            setattr(self, name, previous)
+
+    def pause_watchdog(self, reason: str = "paused") -> contextlib.AbstractContextManager[None]:
         """Mark a long, legitimate pause (evaluation, a big save) so the watchdog does
         not call this rank stuck::
 
             with g.pause_watchdog("eval"):
                 evaluate(model)
         """
-        previous, self.paused = self.paused, reason
-        try:
-            yield
-        finally:
-            self.paused = previous
+        return self._temporarily("paused", reason)
 
-    @contextlib.contextmanager
-    def in_phase(self, phase: str) -> Iterator[None]:
+    def in_phase(self, phase: str) -> contextlib.AbstractContextManager[None]:
         """Components: the main thread is in ``phase`` inside this block (``"agree"``:
         a guardrails agreement between ranks), so a hang or an error there is reported
         as such; the loop's phase is back afterwards."""
-        previous, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = previous
+        return self._temporarily("phase", phase)
 
-    @contextlib.contextmanager
-    def quiet(self) -> Iterator[None]:
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
         """Components: ``optimizer.step()`` calls inside this block are not training
         steps (a sharded resume's ``set_state_dict`` steps the optimizer with zero
         gradients to create its state): not counted, not seen by components."""
-        self._quiet = True
-        try:
-            yield
-        finally:
-            self._quiet = False
+        return self._temporarily("_quiet", True)
 
-    @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
+    def replaying(self) -> contextlib.AbstractContextManager[None]:
         """Components: forwards inside this block re-run a step to diagnose it; they
         are not training forwards (their loss is not the step's, their inputs not
         recorded)."""
-        self._replaying = True
-        try:
-            yield
-        finally:
-            self._replaying = False
+        return self._temporarily("_replaying", True)
 
     def request_stop(self, reason: str, *, exit_code: int | None = None) -> None:
         """Components: end ``for batch in g`` at the next step boundary, ``reason`` in

@@ -87,6 +87,7 @@ from guardrails._preflight_facts import (
     batch_fingerprint,
     param_table,
 )
+from guardrails._store import distributed
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -136,6 +137,13 @@ class Preflight(Component):
                 self.run_config = dict(self.run_config)
             self.even_batches = bool(self.even_batches)
             self.check = bool(self.check)
+
+        @property
+        def does_anything(self) -> bool:
+            """Whether it has anything to do (``guard()`` leaves it out if not): the
+            comparison (in one process, the bf16-on-CPU warning), or the even-batches
+            cut, which needs other ranks."""
+            return self.check or (self.even_batches and distributed())
 
     name = "preflight"
     # After the watchdog (a rank that never arrives is then reported, not waited for);
