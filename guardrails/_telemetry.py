@@ -133,6 +133,12 @@ class Telemetry(Component):
         self._dir = guard.run_dir / METRICS_DIR
         self._dir.mkdir(parents=True, exist_ok=True)
         self._rank = guard.rank
+        # A part being written when its process was killed stays as a temp file: this
+        # rank's are removed (the old spelling ended in .parquet and broke *.parquet
+        # globs: duckdb's and polars' readers failed on the half-written file).
+        for pattern in (f".part-r{self._rank:05d}-*.tmp", f".tmp-part-r{self._rank:05d}-*"):
+            for stale in self._dir.glob(pattern):
+                stale.unlink(missing_ok=True)
         self._started_at = time.time()
         self._device = guard.device
         self._cuda = guard.device.type == "cuda"
@@ -272,7 +278,7 @@ class Telemetry(Component):
         table = _to_table(dev, host, self._rank, self._started_at)
         first = int(host[0, 0])
         name = f"part-r{self._rank:05d}-s{first:09d}-{uuid.uuid4().hex[:8]}.parquet"
-        tmp = self._dir / f".tmp-{name}"
+        tmp = self._dir / f".{name}.tmp"  # matches no *.parquet glob, even half-written
         pq.write_table(table, tmp)
         os.replace(tmp, self._dir / name)
         self.rows_written += table.num_rows

@@ -3,6 +3,8 @@ corruption detection, mismatch errors, retention. Real files, real child process
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
@@ -476,3 +478,104 @@ def test_another_class_or_a_disabled_scaler_is_refused_before_anything_changes(t
     assert "Nothing was modified" in str(info.value)
     assert bitwise_equal(before, snapshot(model2, opt2))
     assert sched2.state_dict() == sched_before and scaler2.state_dict() == scale_before
+
+
+# ------------------------------------------------------ the writer (hashes as it writes)
+
+
+def _big_run(tmp_path):
+    """A checkpoint whose model and optimizer files span several 64 MiB pieces."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8).to(torch.bfloat16))
+    opt = torch.optim.AdamW(model.parameters())
+    model[0](torch.randn(2, 4096)).sum().backward()
+    opt.step()
+    return model, guardrails.save_checkpoint(tmp_path / "ck", 5, model=model, optimizer=opt)
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    return all(torch.equal(x, y) for x, y in pairs)
+
+
+def test_large_files_carry_a_piecewise_sha256_that_catches_one_flipped_byte(tmp_path):
+    from guardrails import _digest
+
+    model, ckpt = _big_run(tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    files = manifest["files"]
+    assert manifest["format_version"] == 4
+    # Over one piece: the sha256 of the pieces' sha256 digests; a small file: plain sha256.
+    big = files["optimizer.safetensors"]
+    assert big["bytes"] > 2 * _digest.CHUNK_BYTES
+    assert big["sha256_chunk_bytes"] == _digest.CHUNK_BYTES
+    data = (ckpt / "optimizer.safetensors").read_bytes()
+    pieces = [data[i : i + _digest.CHUNK_BYTES] for i in range(0, len(data), _digest.CHUNK_BYTES)]
+    tree = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    assert big["sha256"] == tree
+    small = files["optimizer.json"]
+    assert "sha256_chunk_bytes" not in small
+    assert small["sha256"] == hashlib.sha256((ckpt / "optimizer.json").read_bytes()).hexdigest()
+    # What safetensors' own reader makes of the hand-written header: every tensor.
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        for key, value in model.state_dict().items():
+            got = f.get_tensor(key)
+            assert got.dtype == value.dtype and torch.equal(got, value), key
+    fresh = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8).to(torch.bfloat16))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    guardrails.resume(ckpt, fresh, fresh_opt)
+    assert _same_weights(model, fresh)
+    assert verify_checkpoint(ckpt) is None
+    # One flipped byte in the last piece, the first, or the middle: named as corrupt.
+    for where in (len(data) - 1, 8, len(data) // 2):
+        damaged = bytearray(data)
+        damaged[where] ^= 0x01
+        (ckpt / "optimizer.safetensors").write_bytes(damaged)
+        why = verify_checkpoint(ckpt)
+        assert why is not None and "optimizer.safetensors is corrupt" in why, where
+    (ckpt / "optimizer.safetensors").write_bytes(data)
+    assert verify_checkpoint(ckpt) is None
+
+
+def test_format_3_checkpoints_with_whole_file_sha256_still_verify_and_load(tmp_path):
+    model, ckpt = _big_run(tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name, rec in manifest["files"].items():  # as format 3 wrote them
+        rec.pop("sha256_chunk_bytes", None)
+        rec["sha256"] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+    manifest["format_version"] = 3
+    manifest["manifest_sha256"] = _self_hash(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_checkpoint(ckpt) is None
+    fresh = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8).to(torch.bfloat16))
+    guardrails.resume(ckpt, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    # A piece size that makes no sense is a named problem, not a crash.
+    manifest["format_version"] = 4
+    manifest["files"]["model.safetensors"]["sha256_chunk_bytes"] = 0
+    manifest["manifest_sha256"] = _self_hash(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    why = verify_checkpoint(ckpt)
+    assert why is not None and "model.safetensors cannot be verified" in why
+
+
+def test_every_dtype_round_trips_through_the_header_writer(tmp_path):
+    from guardrails._checkpoint import _SAFETENSORS_DTYPES, Part, _read_tensors
+
+    tensors = {
+        f"t.{dtype}".replace("torch.", ""): torch.arange(24).reshape(2, 3, 4).to(dtype)
+        for dtype in _SAFETENSORS_DTYPES
+    }
+    tensors |= {"empty": torch.zeros(0, 3), "scalar": torch.tensor(3.5, dtype=torch.float64)}
+    tensors["view"] = tensors["t.float32"]  # the same view twice: stored once, aliased
+    part = Part()
+    part.add_tensors("x.safetensors", tensors, copy=True)
+    files: dict = {}
+    part.write(tmp_path, files)
+    back = _read_tensors(tmp_path / "x.safetensors")
+    assert back.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert back[key].dtype == value.dtype and back[key].shape == value.shape, key
+        assert torch.equal(back[key].float(), value.float()), key
+    assert back["view"] is back["t.float32"]
+    assert files["x.safetensors"]["bytes"] == (tmp_path / "x.safetensors").stat().st_size

@@ -199,3 +199,22 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
     assert not (tmp_path / "metrics.parquet").exists()
     with pytest.raises(FileNotFoundError, match="no metrics at"):
         guardrails.read_metrics(tmp_path)
+
+
+def test_a_killed_writers_temp_part_is_no_parquet_file_and_is_removed_at_the_next_start(tmp_path):
+    """A part half-written when its process was SIGKILLed must not match ``*.parquet``
+    (duckdb's and polars' globs failed on it), and the next run of that rank removes it."""
+    parts = tmp_path / "metrics.parquet"
+    parts.mkdir()
+    stale = [
+        parts / ".part-r00000-s000000001-deadbeef.parquet.tmp",  # this rank's temps
+        parts / ".tmp-part-r00000-s000000001-cafecafe.parquet",  # (the old spelling)
+    ]
+    other = parts / ".part-r00001-s000000001-feedf00d.parquet.tmp"  # rank 1 may be writing
+    for f in [*stale, other]:
+        f.write_bytes(b"PAR1 half a file")
+    guarded_run(tmp_path, 3, metrics={"every_n_steps": 2, "write_every_s": 0})
+    assert not any(f.exists() for f in stale) and other.exists()
+    written = sorted(p.name for p in parts.glob("*.parquet"))
+    assert written and all(n.startswith("part-r00000-") for n in written)
+    assert guardrails.read_metrics(tmp_path).column("step").to_pylist() == [1, 2, 3]

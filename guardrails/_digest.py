@@ -1,0 +1,203 @@
+"""Checkpoint file I/O at disk speed: files written in parallel and hashed as they are
+written, and verified with the same parallel hash. Imports neither torch nor numpy
+(``guardrails inspect`` verifies checkpoints with it).
+
+A save of a 0.84B-parameter model with AdamW state (10 GB) used to take 27 s on an
+H200 host: ``safetensors.save_file`` wrote each file from one thread, then every file
+was read back in full for one single-threaded sha256 (~1.5-2 GB/s), then fsynced.
+Now:
+
+* **Hash while writing.** Each file is cut into ``CHUNK_BYTES`` pieces at fixed file
+  offsets; a pool of threads takes one piece at a time, feeds its bytes to sha256 and
+  ``os.pwrite``\\ s them at their offset (both release the GIL, so pieces of one file and
+  of different files are hashed and written at once). Nothing is read back.
+* **The digest of a large file** is the sha256 of its pieces' sha256 digests, in file
+  order (a hash tree of one level): it is computed from independent pieces, so it
+  parallelises for writing *and* for verifying, and it is as strict as a plain sha256
+  (any changed byte changes its piece's digest, hence the file's). A file of at most
+  one piece gets the plain sha256 of its bytes, as every file did before; the manifest
+  records ``sha256_chunk_bytes`` for a tree digest, so each digest says how to check it.
+* **One fsync per file**, all files' fsyncs at once, after every piece is written.
+
+``sha256`` stays the checksum: no new dependency, and on the GPU hosts measured
+(benchmarks/RESULTS.md) eight threads hash faster than the disk writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+#: Bytes per piece: large enough that a piece's hashing and its pwrite run at memory
+#: and disk speed (a few ms each at GB/s), small enough that a 10 GB save splits into
+#: ~150 pieces for the threads to share.
+CHUNK_BYTES = 64 << 20
+#: Threads that hash and write at once. Eight saturate an NVMe disk and hash 8 x
+#: ~1.5-2 GB/s; more only add contention on a host whose 8 GPUs' ranks all save at once.
+THREADS = max(1, min(8, os.cpu_count() or 1))
+#: The manifest key that marks a tree digest, with its piece size.
+CHUNK_KEY = "sha256_chunk_bytes"
+
+Piece = tuple[int, memoryview]  # (file offset, bytes)
+
+
+def write_files(
+    files: Sequence[tuple[Path, Sequence[Any]]],
+    *,
+    threads: int = THREADS,
+    timings: dict[str, float] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Write each ``(path, buffers)``: the file is the buffers' bytes in order. Returns
+    ``{file name: {"bytes", "sha256"[, CHUNK_KEY]}}`` for the manifest, every file
+    fsynced. Files are started in the order given (put the small, essential ones first).
+    ``timings`` (optional) receives ``fsync_s``, the seconds of the final fsyncs. A
+    failure removes nothing: the caller owns the directory."""
+    records: dict[str, dict[str, Any]] = {}
+    fds: list[int] = []
+    jobs: list[tuple[Path, int, list[Future[bytes]]]] = []
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="guardrails-ckpt-io") as pool:
+            try:
+                for path, buffers in files:
+                    views = [memoryview(b).cast("B") for b in buffers]
+                    size = sum(v.nbytes for v in views)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                    fds.append(fd)
+                    if size:  # the file's length first: the pieces land anywhere in it
+                        os.ftruncate(fd, size)
+                    pieces = _pieces(views, CHUNK_BYTES)
+                    jobs.append((path, size, [pool.submit(_write, fd, p) for p in pieces]))
+                for path, size, futures in jobs:
+                    digests = [f.result() for f in futures]
+                    records[path.name] = _record(size, digests)
+                t0 = time.perf_counter()
+                for f in [pool.submit(os.fsync, fd) for fd in fds]:
+                    f.result()
+                if timings is not None:
+                    timings["fsync_s"] = time.perf_counter() - t0
+            except BaseException:
+                for _, _, futures in jobs:
+                    for f in futures:
+                        f.cancel()
+                raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return records
+
+
+def digest(path: Path, record: dict[str, Any], *, threads: int = THREADS) -> str:
+    """The digest of ``path`` in the form ``record`` (a manifest entry) was made in."""
+    chunk = record.get(CHUNK_KEY)
+    if chunk is None:
+        return sha256(path)
+    if not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"{CHUNK_KEY} is {chunk!r}, not a positive number of bytes")
+    return tree_sha256(path, chunk, threads=threads)
+
+
+def seal(path: Path, *, threads: int = THREADS) -> dict[str, Any]:
+    """fsync a file someone else wrote (DCP's shards) and return its manifest record,
+    hashing it in parallel (it was just written: it reads from the page cache)."""
+    size = path.stat().st_size
+    if size <= CHUNK_BYTES:
+        record = {"bytes": size, "sha256": sha256(path)}
+    else:
+        record = {
+            "bytes": size,
+            "sha256": tree_sha256(path, CHUNK_BYTES, threads=threads),
+            CHUNK_KEY: CHUNK_BYTES,
+        }
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return record
+
+
+def sha256(path: Path) -> str:
+    """The plain sha256 of a file, read in 8 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_sha256(path: Path, chunk: int, *, threads: int = THREADS) -> str:
+    """The tree digest of a file (see the module docstring), its pieces read and hashed
+    by ``threads`` threads at once."""
+    size = path.stat().st_size
+    if size <= chunk:
+        return sha256(path)
+    fd = os.open(path, os.O_RDONLY)
+    local = threading.local()
+
+    def piece(offset: int) -> bytes:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(chunk)
+        view = memoryview(buf)[: min(chunk, size - offset)]
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise OSError(f"{path} ended at byte {offset + got} while being read")
+            got += n
+        return hashlib.sha256(view).digest()
+
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="guardrails-ckpt-io") as pool:
+            digests = list(pool.map(piece, range(0, size, chunk)))
+    finally:
+        os.close(fd)
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
+def _record(size: int, digests: list[bytes]) -> dict[str, Any]:
+    if len(digests) <= 1:  # one piece: the plain sha256 (the piece's own digest)
+        h = digests[0].hex() if digests else hashlib.sha256(b"").hexdigest()
+        return {"bytes": size, "sha256": h}
+    tree = hashlib.sha256(b"".join(digests)).hexdigest()
+    return {"bytes": size, "sha256": tree, CHUNK_KEY: CHUNK_BYTES}
+
+
+def _pieces(views: Iterable[memoryview], chunk: int) -> list[list[Piece]]:
+    """The buffers laid end to end, cut at every multiple of ``chunk`` of the file
+    offset: one list of ``(offset, bytes)`` per piece (a piece may span buffers)."""
+    pieces: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = chunk
+    offset = 0
+    for view in views:
+        start = 0
+        while start < view.nbytes:
+            take = min(room, view.nbytes - start)
+            current.append((offset, view[start : start + take]))
+            start += take
+            offset += take
+            room -= take
+            if room == 0:
+                pieces.append(current)
+                current, room = [], chunk
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def _write(fd: int, piece: list[Piece]) -> bytes:
+    """Hash and write one piece; its sha256 digest."""
+    h = hashlib.sha256()
+    for offset, view in piece:
+        h.update(view)
+        done = 0
+        while done < view.nbytes:  # pwrite may write less than asked
+            done += os.pwrite(fd, view[done:], offset + done)
+    return h.digest()
