@@ -250,6 +250,9 @@ class Part:
         self.stage_s = 0.0
         self.write_s = 0.0
         self.fsync_s = 0.0
+        #: Set to abandon the write (the pieces not yet written are not): a stop's save
+        #: supersedes a periodic save still being written.
+        self.cancel = threading.Event()
         self._staging = staging
         #: With ``measure``, nothing is copied: only the device tensors' byte sizes are
         #: collected (what :meth:`Staging.prepare` needs), in staging order.
@@ -345,7 +348,7 @@ class Part:
             else:
                 jobs.append((directory / name, buffers))
         timings: dict[str, float] = {}
-        files.update(_digest.write_files(jobs, timings=timings))
+        files.update(_digest.write_files(jobs, timings=timings, cancel=self.cancel))
         for name in odd:  # safetensors' own writer, then read back to hash
             unique, aliases = self.tensors[name]
             path = directory / name

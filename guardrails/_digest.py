@@ -47,16 +47,22 @@ CHUNK_KEY = "sha256_chunk_bytes"
 Piece = tuple[int, memoryview]  # (file offset, bytes)
 
 
+class Cancelled(Exception):
+    """A write abandoned through its ``cancel`` event (a newer save supersedes it)."""
+
+
 def write_files(
     files: Sequence[tuple[Path, Sequence[Any]]],
     *,
     threads: int = THREADS,
     timings: dict[str, float] | None = None,
+    cancel: threading.Event | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Write each ``(path, buffers)``: the file is the buffers' bytes in order. Returns
     ``{file name: {"bytes", "sha256"[, CHUNK_KEY]}}`` for the manifest, every file
     fsynced. Files are started in the order given (put the small, essential ones first).
-    ``timings`` (optional) receives ``fsync_s``, the seconds of the final fsyncs. A
+    ``timings`` (optional) receives ``fsync_s``, the seconds of the final fsyncs. Once
+    ``cancel`` is set, no further piece is written and :class:`Cancelled` is raised. A
     failure removes nothing: the caller owns the directory."""
     records: dict[str, dict[str, Any]] = {}
     fds: list[int] = []
@@ -72,7 +78,7 @@ def write_files(
                     if size:  # the file's length first: the pieces land anywhere in it
                         os.ftruncate(fd, size)
                     pieces = _pieces(views, CHUNK_BYTES)
-                    jobs.append((path, size, [pool.submit(_write, fd, p) for p in pieces]))
+                    jobs.append((path, size, [pool.submit(_write, fd, p, cancel) for p in pieces]))
                 for path, size, futures in jobs:
                     digests = [f.result() for f in futures]
                     records[path.name] = _record(size, digests)
@@ -192,8 +198,10 @@ def _pieces(views: Iterable[memoryview], chunk: int) -> list[list[Piece]]:
     return pieces
 
 
-def _write(fd: int, piece: list[Piece]) -> bytes:
+def _write(fd: int, piece: list[Piece], cancel: threading.Event | None) -> bytes:
     """Hash and write one piece; its sha256 digest."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("the write was cancelled")
     h = hashlib.sha256()
     for offset, view in piece:
         h.update(view)

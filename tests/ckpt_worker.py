@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--crash-at", type=int, default=0, help="os._exit(3) after this step")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
+    p.add_argument("--ballast-mb", type=int, default=0, help="a buffer every save writes")
     a = p.parse_args()
     if a.world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
@@ -52,6 +53,8 @@ def main() -> None:
     y = x.sum(1, keepdim=True) + 0.1 * torch.randn(64, 1)
     data = TensorDataset(x, y)
     model: nn.Module = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+    if a.ballast_mb:  # saves that take tens of ms, steps that take ~1 ms
+        model.register_buffer("ballast", torch.zeros(a.ballast_mb << 18))
     torch.manual_seed(1000 + a.rank)
     if a.world > 1:
         sampler = DistributedSampler(data, shuffle=True, seed=7)
@@ -65,7 +68,7 @@ def main() -> None:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         else:
-            model = DDP(model)
+            model = DDP(model, broadcast_buffers=not a.ballast_mb)
     else:
         sampler = None
         loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=a.workers)

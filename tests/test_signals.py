@@ -364,7 +364,7 @@ def test_resume_errors(tmp_path):
     manifest.update(world_size=1, format_version=99, guardrails="9.9.9")
     manifest["manifest_sha256"] = _self_hash(manifest)  # as the other writer would
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(guardrails.ResumeError, match="format 99.*reads up to format 3") as err:
+    with pytest.raises(guardrails.ResumeError, match="format 99.*reads up to format 4") as err:
         guardrails.resume(ckpt, model, opt)
     assert "9.9.9" in err.value.hint
     manifest.update(format_version=2)
@@ -493,3 +493,76 @@ def test_a_signal_at_a_step_just_saved_commits_that_save_and_writes_nothing_agai
     [stopped] = [e for e in events if e["kind"] == "stopped"]
     assert stopped["path"].endswith("step_000000006")
     assert verify_checkpoint(stopped["path"]) is None
+
+
+@pytest.mark.slow(reason="2 ranks saving at every step")
+def test_ranks_agree_to_skip_a_save_while_any_rank_is_still_writing(tmp_path):
+    """A save is one commit of every rank's files: if rank 0 skipped while rank 1 saved,
+    rank 1 would wait for files that never come. The ranks decide together."""
+    args = ("--steps", 30, "--every-n", 1, "--background", "--ballast-mb", 32)
+    results = _run(tmp_path / "run", tmp_path / "out", *args, world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    events = read_events(tmp_path / "run")
+    skipped = {
+        r: [e["step"] for e in events if e["kind"] == "checkpoint_skipped" and e["rank"] == r]
+        for r in (0, 1)
+    }
+    assert skipped[0] and skipped[0] == skipped[1]
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint" and e["rank"] == 0]
+    assert saved[-1] == 30 and not set(saved[:-1]) & set(skipped[0])
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert ckpts[-1].name == "step_000000030"
+    assert all(verify_checkpoint(c) is None for c in ckpts)
+
+
+def test_a_stop_abandons_an_older_save_still_being_written_and_saves_its_own_step(tmp_path):
+    """SIGTERM while the periodic save of step 2 is still being written (256 MB): the
+    stop's save of step 3 supersedes it, so that write is abandoned instead of waited
+    for (the grace period is for the newest state), and only step 3 is committed."""
+    torch.manual_seed(0)
+    model = Heavy()
+    model.ballast = torch.zeros(64 << 20)  # 256 MB: a write of a good fraction of a second
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SystemExit) as exit_info:
+        with guardrails.guard(
+            model,
+            opt,
+            batches(10),
+            run_dir=tmp_path,
+            progress=False,
+            checkpoint={"every_n_steps": 2, "keep_last": 1},
+        ) as g:
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if g.step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+    assert exit_info.value.code == 143 and g.step == 3
+    events = read_events(tmp_path)
+    [abandoned] = [e for e in events if e["kind"] == "checkpoint_abandoned"]
+    assert abandoned["step"] == 2 and "step 3 supersedes it" in abandoned["message"]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [3]
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000000003"]  # no temp left
+    assert verify_checkpoint(ckpts / "step_000000003") is None
+
+
+@pytest.mark.slow(reason="2 ranks, 256 MB saves")
+def test_two_ranks_abandon_an_older_write_together_and_commit_the_stop(tmp_path):
+    """The abandoned write is one commit of both ranks' files: rank 0 says so through
+    the store, so rank 1 does not wait out the commit timeout for it."""
+    args = ("--steps", 40, "--every-n", 2, "--background", "--ballast-mb", 256)
+    args += ("--sigterm-at", 3, "--kill-ranks", "0,1")
+    # Without rank 0's word, rank 1 would wait the 300 s commit timeout: _run's 240 s
+    # limit would kill it, and its exit code would not be 143.
+    results = _run(tmp_path / "run", tmp_path / "out", *args, world=2)
+    assert [rc for rc, _ in results] == [143, 143], results
+    events = read_events(tmp_path / "run")
+    [stopped] = [e for e in events if e["kind"] == "stopped" and e["rank"] == 0]
+    stop = int(stopped["path"].rsplit("_", 1)[1])
+    assert stop >= 3 and any(e["kind"] == "checkpoint_abandoned" for e in events)
+    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert [p.name for p in ckpts][-1] == f"step_{stop:09d}"
+    assert not [p for p in ckpts if p.name.startswith(".tmp")]
+    assert verify_checkpoint(ckpts[-1]) is None

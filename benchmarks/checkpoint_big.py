@@ -1,0 +1,267 @@
+"""Checkpoints at real sizes: SIGTERM -> committed checkpoint -> exit, and the stall of
+periodic saves, for a ~0.84B-parameter GPT with fused AdamW (10 GB of state), against the
+disk's own floor measured in the same run.
+
+    python benchmarks/checkpoint_big.py --dir /local/disk --out OUT
+    python benchmarks/checkpoint_big.py --dir /local/disk --old-guardrails OLD_DIR   # A/B
+    python benchmarks/checkpoint_big.py --dir /local/disk --nproc 2 --ddp            # per rank
+    python benchmarks/checkpoint_big.py --dir /local/disk --nproc 2 --fsdp
+
+What it does:
+
+* **Disk floor**: writes as many bytes as the checkpoint holds into one file from one
+  thread, then fsyncs (``floor_1x``), and the same with 8 threads writing disjoint
+  ranges (``floor_8x``): what the disk does with nothing but the bytes.
+* **Training** (a child process, or ``torchrun`` children with ``--nproc``): the model
+  trains under ``guardrails.guard`` with ``checkpoint_every_n_steps`` saves; each step is
+  timed (a device sync per step, in every variant alike). The parent sends SIGTERM at
+  step ``--sigterm-at`` and times the signal to the process's (torchrun's) exit.
+* Reported: SIGTERM -> exit, the save's breakdown from its ``checkpoint`` event (stage,
+  write + hash, fsync, commit), and for each periodic save the step that took it against
+  the median step. With ``--old-guardrails DIR`` the same child runs once more with the
+  guardrails package found in DIR (e.g. the previous release), in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def disk_floor(directory: Path, nbytes: int, threads: int) -> dict[str, float]:
+    """Seconds to write ``nbytes`` into a new file with ``threads`` threads (pwrite of
+    disjoint ranges from one 64 MiB buffer) and to fsync it."""
+    chunk = 64 << 20
+    buf = os.urandom(chunk)
+    path = directory / f"floor-{threads}.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    offsets = list(range(0, nbytes, chunk))
+    t0 = time.perf_counter()
+    try:
+
+        def work(i: int) -> None:
+            for off in offsets[i::threads]:
+                os.pwrite(fd, buf[: min(chunk, nbytes - off)], off)
+
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        t1 = time.perf_counter()
+        os.fsync(fd)
+        t2 = time.perf_counter()
+    finally:
+        os.close(fd)
+        path.unlink()
+    total = t2 - t0
+    return {"write_s": t1 - t0, "fsync_s": t2 - t1, "total_s": total, "GBps": nbytes / total / 1e9}
+
+
+def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path) -> dict:
+    run_dir = work / f"run-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    child = [
+        "--child",
+        "--run-dir",
+        str(run_dir),
+        "--every",
+        str(args.every),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--batch",
+        str(args.batch),
+    ]
+    child += ["--ddp"] if args.ddp else []
+    child += ["--fsdp"] if args.fsdp else []
+    if args.nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(args.nproc),
+            __file__,
+            *child,
+        ]
+    else:
+        cmd = [sys.executable, __file__, *child]
+    env = {**os.environ, "PYTHONPATH": f"{pythonpath}:{ROOT / 'examples'}"}
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    steps: dict[int, float] = {}
+    log: list[str] = []
+    t_signal = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.append(line)
+        if line.startswith("STEP "):
+            _, step, ms = line.split()
+            steps[int(step)] = float(ms)
+            if int(step) == args.sigterm_at and t_signal is None:
+                t_signal = time.perf_counter()
+                proc.send_signal(signal.SIGTERM)
+    code = proc.wait()
+    t_exit = time.perf_counter()
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    saves = [e for e in events if e["kind"] == "checkpoint"]
+    skipped = [e["step"] for e in events if e["kind"] == "checkpoint_skipped"]
+    median = statistics.median(steps.values()) if steps else float("nan")
+    # The boundary after step s (where a save of step s is staged) is timed in step s+1.
+    stalls = {
+        e["step"]: steps.get(e["step"] + 1, float("nan")) - median
+        for e in saves
+        if e.get("rank", 0) == 0 and e["step"] + 1 in steps
+    }
+    last = [e for e in saves if e["step"] >= args.sigterm_at]
+    size = sum(e["bytes"] for e in saves if e["step"] == saves[-1]["step"]) if saves else 0
+    return {
+        "variant": name,
+        "exit_code": code,
+        "sigterm_to_exit_s": None if t_signal is None else t_exit - t_signal,
+        "median_step_ms": median,
+        "periodic_stall_ms": stalls,
+        "skipped": skipped,
+        "signal_saves": last,
+        "bytes_per_save": size,
+        "log_tail": "".join(log[-15:]) if code not in (143, -15) else "",
+    }
+
+
+def parent(args: argparse.Namespace) -> None:
+    import torch
+
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    work = Path(tempfile.mkdtemp(prefix="ckbig-", dir=base))
+    results: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": platform.node(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpus": args.nproc,
+        "torch": torch.__version__,
+        "dir": str(base),
+        "mode": "fsdp2" if args.fsdp else ("ddp" if args.ddp else "single"),
+    }
+    try:
+        variants = [("new", str(ROOT))]
+        if args.old_guardrails:
+            variants.insert(0, ("old", str(Path(args.old_guardrails).resolve())))
+        runs = [run_variant(args, name, path, work) for name, path in variants]
+        nbytes = max(r["bytes_per_save"] for r in runs) or 10 << 30
+        results["floor_1x"] = disk_floor(work, nbytes, 1)
+        results["floor_8x"] = disk_floor(work, nbytes, 8)
+        results["runs"] = runs
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(results, indent=1, default=str))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "checkpoint_big.jsonl", "a") as f:
+            f.write(json.dumps(results, default=str) + "\n")
+
+
+# ------------------------------------------------------------------------------ child
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from train_gpt import GPT
+
+    import guardrails
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = GPT(50304, 1024, args.layers, args.width // 128, args.width).to(device)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif args.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[device.index] if cuda else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda and not args.fsdp)
+    if rank == 0:
+        n = sum(p.numel() for p in model.parameters())
+        print(f"params {n * (world if args.fsdp else 1) / 1e9:.3f}B", flush=True)
+    data = [
+        (torch.randint(0, 50304, (args.batch, 1024), device=device),) * 2 for _ in range(4)
+    ]
+    with guardrails.guard(
+        model,
+        opt,
+        data * 10_000,
+        run_dir=args.run_dir,
+        progress=False,
+        checkpoint={"every_n_steps": args.every, "keep_last": 1},
+    ) as g:
+        t = time.perf_counter()
+        for x, y in g:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            if rank == 0:
+                print(f"STEP {g.step} {(now - t) * 1e3:.2f}", flush=True)
+            t = now
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--dir", help="the disk to save on (default: the temp dir)")
+    p.add_argument("--out", help="append the results to OUT/checkpoint_big.jsonl")
+    p.add_argument("--old-guardrails", help="a directory holding another guardrails package")
+    p.add_argument("--every", type=int, default=20, help="checkpoint_every_n_steps")
+    p.add_argument("--sigterm-at", type=int, default=75)
+    p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--width", type=int, default=1536)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--ddp", action="store_true")
+    p.add_argument("--fsdp", action="store_true")
+    args = p.parse_args()
+    (child if args.child else parent)(args)
+
+
+if __name__ == "__main__":
+    main()
