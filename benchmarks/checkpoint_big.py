@@ -172,12 +172,37 @@ def parent(args: argparse.Namespace) -> None:
         results["runs"] = runs
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(results, indent=1, default=str))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "checkpoint_big.jsonl", "a") as f:
             f.write(json.dumps(results, default=str) + "\n")
+
+
+def show(path: str) -> None:
+    """One paragraph per result line of a checkpoint_big.jsonl."""
+    for line in Path(path).read_text().splitlines():
+        d = json.loads(line)
+        f1, f8 = d["floor_1x"], d["floor_8x"]
+        print(
+            f"{d['mode']} on {d['gpus']} x {d['device']}, torch {d['torch']}: disk floor "
+            f"{f1['total_s']:.2f} s (1 thread, {f1['GBps']:.2f} GB/s, "
+            f"fsync {f1['fsync_s']:.2f} s), "
+            f"{f8['total_s']:.2f} s (8 threads)"
+        )
+        for r in d["runs"]:
+            stalls = {k: round(v) for k, v in r["periodic_stall_ms"].items()}
+            print(
+                f"  {r['variant']}: exit {r['exit_code']}, SIGTERM -> exit "
+                f"{r['sigterm_to_exit_s'] or -1:.2f} s, median step {r['median_step_ms']:.1f} ms, "
+                f"stall of each periodic save (ms over the median) {stalls}, "
+                f"skipped {r['skipped']}, {r['bytes_per_save'] / 1e9:.2f} GB per save"
+            )
+            for e in r["signal_saves"]:
+                keys = ("bytes", "seconds", "stage_s", "write_s", "fsync_s", "commit_s", "sharded")
+                print(f"    rank {e['rank']} step {e['step']}: { ({k: e.get(k) for k in keys}) }")
+            if r["log_tail"]:
+                print(r["log_tail"][-800:])
 
 
 # ------------------------------------------------------------------------------ child
@@ -216,9 +241,7 @@ def child(args: argparse.Namespace) -> None:
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f"params {n * (world if args.fsdp else 1) / 1e9:.3f}B", flush=True)
-    data = [
-        (torch.randint(0, 50304, (args.batch, 1024), device=device),) * 2 for _ in range(4)
-    ]
+    data = [(torch.randint(0, 50304, (args.batch, 1024), device=device),) * 2 for _ in range(4)]
     with guardrails.guard(
         model,
         opt,
@@ -247,6 +270,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--show", metavar="JSONL", help="print the results in a checkpoint_big.jsonl")
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--dir", help="the disk to save on (default: the temp dir)")
     p.add_argument("--out", help="append the results to OUT/checkpoint_big.jsonl")
@@ -260,7 +284,10 @@ def main() -> None:
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--fsdp", action="store_true")
     args = p.parse_args()
-    (child if args.child else parent)(args)
+    if args.show:
+        show(args.show)
+    else:
+        (child if args.child else parent)(args)
 
 
 if __name__ == "__main__":
