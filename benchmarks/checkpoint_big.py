@@ -126,14 +126,16 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     saves = [e for e in events if e["kind"] == "checkpoint"]
     skipped = [e["step"] for e in events if e["kind"] == "checkpoint_skipped"]
     median = statistics.median(steps.values()) if steps else float("nan")
-    # The boundary after step s (where a save of step s is staged) is timed in step s+1.
+    # The boundary after step s (where a save of step s is staged, or skipped) is timed
+    # in step s+1: every due save, committed, skipped or later abandoned.
     stalls = {
-        e["step"]: steps.get(e["step"] + 1, float("nan")) - median
-        for e in saves
-        if e.get("rank", 0) == 0 and e["step"] + 1 in steps
+        s: steps[s + 1] - median
+        for s in range(args.every, args.sigterm_at, args.every)
+        if s + 1 in steps
     }
     last = [e for e in saves if e["step"] >= args.sigterm_at]
-    size = sum(e["bytes"] for e in saves if e["step"] == saves[-1]["step"]) if saves else 0
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    size = sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file()) if ckpts else 0
     return {
         "variant": name,
         "exit_code": code,

@@ -351,9 +351,8 @@ class Part:
         files.update(_digest.write_files(jobs, timings=timings, cancel=self.cancel))
         for name in odd:  # safetensors' own writer, then read back to hash
             unique, aliases = self.tensors[name]
-            path = directory / name
-            save_file(unique, str(path), metadata={ALIASES_KEY: json.dumps(aliases)})
-            files[name] = _digest.seal(path)
+            save_file(unique, str(directory / name), metadata={ALIASES_KEY: json.dumps(aliases)})
+        _seal([directory / name for name in odd], files)
         self.fsync_s = timings.get("fsync_s", 0.0)
         self.write_s = time.perf_counter() - t0 - self.fsync_s
 
@@ -1379,10 +1378,11 @@ def _write_bytes(path: Path, data: bytes, files: dict[str, Any]) -> None:
     files[path.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def _seal(path: Path, files: dict[str, Any], name: str | None = None) -> None:
-    """fsync a file written by someone else (DCP) and record its size and sha256 under
-    ``name`` (default: its file name), reading it back once, in parallel."""
-    files[name or path.name] = _digest.seal(path)
+def _seal(paths: Sequence[Path], files: dict[str, Any], prefix: str = "") -> None:
+    """fsync files written by someone else (DCP, safetensors) and record each one's size
+    and sha256 under ``prefix + name``, reading them back once, in parallel."""
+    for path, record in zip(paths, _digest.seal(paths), strict=True):
+        files[prefix + path.name] = record
 
 
 def _fsync_dir(path: Path) -> None:

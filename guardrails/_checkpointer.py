@@ -727,8 +727,8 @@ class SignalCheckpointer(Component):
                 part.dcp.result()
                 part.sealed = _sharded.written(tmp, rank)
             t_seal = time.perf_counter()
-            for f in part.sealed:  # written by DCP: hash what this rank wrote
-                _checkpoint._seal(f, files, name=f"{_sharded.DCP_DIR}/{f.name}")
+            # Written by DCP: hash what this rank wrote.
+            _checkpoint._seal(part.sealed, files, prefix=f"{_sharded.DCP_DIR}/")
             part.write_s += time.perf_counter() - t_seal
         except BaseException as e:
             if store is not None:  # so rank 0 does not wait for files that never come

@@ -108,24 +108,11 @@ def digest(path: Path, record: dict[str, Any], *, threads: int = THREADS) -> str
     return tree_sha256(path, chunk, threads=threads)
 
 
-def seal(path: Path, *, threads: int = THREADS) -> dict[str, Any]:
-    """fsync a file someone else wrote (DCP's shards) and return its manifest record,
-    hashing it in parallel (it was just written: it reads from the page cache)."""
-    size = path.stat().st_size
-    if size <= CHUNK_BYTES:
-        record = {"bytes": size, "sha256": sha256(path)}
-    else:
-        record = {
-            "bytes": size,
-            "sha256": tree_sha256(path, CHUNK_BYTES, threads=threads),
-            CHUNK_KEY: CHUNK_BYTES,
-        }
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return record
+def seal(paths: Sequence[Path], *, threads: int = THREADS) -> list[dict[str, Any]]:
+    """fsync files someone else wrote (DCP's shards) and return their manifest records.
+    Every piece of every file is hashed in one pool of threads (the files were just
+    written: they read from the page cache)."""
+    return _hash_files(paths, threads=threads, fsync=True)
 
 
 def sha256(path: Path) -> str:
@@ -139,40 +126,60 @@ def sha256(path: Path) -> str:
 
 def tree_sha256(path: Path, chunk: int, *, threads: int = THREADS) -> str:
     """The tree digest of a file (see the module docstring), its pieces read and hashed
-    by ``threads`` threads at once."""
-    size = path.stat().st_size
-    if size <= chunk:
-        return sha256(path)
-    fd = os.open(path, os.O_RDONLY)
+    by ``threads`` threads at once; the plain sha256 for a file of one piece."""
+    [record] = _hash_files([path], threads=threads, chunk=chunk)
+    return record["sha256"]
+
+
+def _hash_files(
+    paths: Sequence[Path], *, threads: int, chunk: int = CHUNK_BYTES, fsync: bool = False
+) -> list[dict[str, Any]]:
+    """Manifest records of ``paths``: all their pieces hashed by one pool of threads."""
     local = threading.local()
 
-    def piece(offset: int) -> bytes:
+    def piece(fd: int, offset: int, n: int, path: Path) -> bytes:
         buf = getattr(local, "buf", None)
-        if buf is None:
+        if buf is None or len(buf) < n:
             buf = local.buf = bytearray(chunk)
-        view = memoryview(buf)[: min(chunk, size - offset)]
+        view = memoryview(buf)[:n]
         got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
+        while got < n:
+            k = os.preadv(fd, [view[got:]], offset + got)
+            if k == 0:
                 raise OSError(f"{path} ended at byte {offset + got} while being read")
-            got += n
+            got += k
         return hashlib.sha256(view).digest()
 
+    fds: list[int] = []
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="guardrails-ckpt-io") as pool:
-            digests = list(pool.map(piece, range(0, size, chunk)))
+            jobs = []
+            for path in paths:
+                fd = os.open(path, os.O_RDONLY)
+                fds.append(fd)
+                size = os.fstat(fd).st_size
+                futures = [
+                    pool.submit(piece, fd, offset, min(chunk, size - offset), path)
+                    for offset in range(0, size, chunk)
+                ]
+                jobs.append((size, futures))
+            records = [_record(size, [f.result() for f in fs], chunk) for size, fs in jobs]
+            if fsync:
+                for f in [pool.submit(os.fsync, fd) for fd in fds]:
+                    f.result()
     finally:
-        os.close(fd)
-    return hashlib.sha256(b"".join(digests)).hexdigest()
+        for fd in fds:
+            os.close(fd)
+    return records
 
 
-def _record(size: int, digests: list[bytes]) -> dict[str, Any]:
+def _record(size: int, digests: list[bytes], chunk: int = CHUNK_BYTES) -> dict[str, Any]:
+    """A file's manifest record from its pieces' digests."""
     if len(digests) <= 1:  # one piece: the plain sha256 (the piece's own digest)
         h = digests[0].hex() if digests else hashlib.sha256(b"").hexdigest()
         return {"bytes": size, "sha256": h}
     tree = hashlib.sha256(b"".join(digests)).hexdigest()
-    return {"bytes": size, "sha256": tree, CHUNK_KEY: CHUNK_BYTES}
+    return {"bytes": size, "sha256": tree, CHUNK_KEY: chunk}
 
 
 def _pieces(views: Iterable[memoryview], chunk: int) -> list[list[Piece]]:

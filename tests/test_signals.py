@@ -385,7 +385,7 @@ def test_inspect_cli_lists_validity_and_contents(tmp_path, capsys):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters())
-    ck = guardrails.SignalCheckpointer(every_n_steps=2)
+    ck = guardrails.SignalCheckpointer(every_n_steps=2, strict_cadence=True)  # both saved
     with guardrails.guard(
         model, opt, batches(4), run_dir=tmp_path, progress=False, components=[ck]
     ) as g:
