@@ -452,6 +452,33 @@ def test_tensorboard_scalars_and_events_read_back(tmp_path, caplog):
     assert warnings == []
 
 
+def test_tensorboard_every_n_steps_keeps_the_skipped_steps(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(10)
+    data[4][0][0, 0] = float("nan")  # step 5's gradients are NaN: NanGuard skips it
+    with guardrails.guard(
+        model,
+        opt,
+        data,
+        run_dir=tmp_path,
+        progress=False,
+        log_to=guardrails.TensorBoardSink(every_n_steps=3),
+    ) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    acc = read_tensorboard(tmp_path / "tensorboard")
+    assert [s.step for s in acc.Scalars("train/loss")] == [3, 5, 6, 9]
+    assert [s.value for s in acc.Scalars("train/skipped")] == [0.0, 1.0, 0.0, 0.0]
+    assert math.isnan(acc.Scalars("train/loss")[1].value)
+    with pytest.raises(ValueError, match="every_n_steps must be a positive int"):
+        guardrails.WandbSink(every_n_steps=0)
+
+
 def test_tensorboard_continues_the_step_axis_across_a_resume(tmp_path):
     """A run that fails at step 8 after a checkpoint at step 5, then resumed: its
     steps 6-8 are logged twice, and TensorBoard shows the resumed run's (purge_step)."""
