@@ -223,7 +223,7 @@ class SinkRunner:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning(
-                "guardrails: the metrics sinks (%s) were still writing %.0f s after the "
+                "guardrails: the metrics sinks (%s) were still writing %g s after the "
                 "run ended; the rows they had not sent are in %s",
                 ", ".join(sink_name(s) for s in self.sinks),
                 timeout_s,
