@@ -183,7 +183,8 @@ def guard(
                 "guard(log_to=...) sends telemetry's rows, but guard(metrics=False) turns "
                 "telemetry off: drop one or the other."
             )
-        _set_top_level(configs, "metrics", "sinks", check_sinks(log_to, "log_to"), ())
+        sinks = check_sinks(log_to, "log_to")
+        _set_top_level(configs, "metrics", "sinks", sinks, (), knob="log_to")
     chosen: list[Component] = []
     for name, cfg in configs.items():
         if cfg is None or (name in _DISTRIBUTED_ONLY and not distributed()):
@@ -234,17 +235,25 @@ def _fold_old_knobs(configs: dict[str, Any], old: Mapping[str, Any]) -> None:
 
 
 def _set_top_level(
-    configs: dict[str, Any], where: str, field: str, value: Any, default: Any
+    configs: dict[str, Any],
+    where: str,
+    field: str,
+    value: Any,
+    default: Any,
+    *,
+    knob: str | None = None,
 ) -> None:
-    """A top-level convenience knob (``resume``, ``config``, ``progress``, ``log_to``) into its
-    section's field; given both ways, with different values, it is ambiguous."""
+    """A top-level convenience knob (``resume``, ``config``, ``progress``, ``log_to``)
+    into its section's field; given both ways, with different values, it is ambiguous.
+    ``knob``: the top-level name, where it is not the field's."""
     cfg = configs[where]
     if cfg is None or value == default:
         return
     if getattr(cfg, field) != default and getattr(cfg, field) != value:
+        also = "" if knob is None else f" (as {field})"
         raise TypeError(
-            f"guard() was given {field} twice, differently: at the top level and in "
-            f"guard({where}=...). Set it in one place."
+            f"guard() was given {knob or field} twice, differently: at the top level and "
+            f"in guard({where}=...){also}. Set it in one place."
         )
     configs[where] = dataclasses.replace(cfg, **{field: value})
 
