@@ -42,6 +42,7 @@ from guardrails._memory import MemoryGuard
 from guardrails._nan import NanGuard
 from guardrails._preflight import Preflight
 from guardrails._record import record
+from guardrails._sinks import MLflowSink, Sink, TensorBoardSink, WandbSink
 from guardrails._telemetry import Telemetry, read_metrics
 from guardrails._version import __version__
 from guardrails._watchdog import Watchdog
@@ -59,6 +60,7 @@ __all__ = [
     "GuardrailsError",
     "HangError",
     "LaunchError",
+    "MLflowSink",
     "MemoryGuard",
     "NanGuard",
     "NonFiniteError",
@@ -67,8 +69,11 @@ __all__ = [
     "RankFailedError",
     "ResumeError",
     "SignalCheckpointer",
+    "Sink",
     "Telemetry",
+    "TensorBoardSink",
     "UnevenDataError",
+    "WandbSink",
     "Watchdog",
     "__version__",
     "explain",

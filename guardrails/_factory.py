@@ -28,6 +28,7 @@ from guardrails._guard import Guard, Optimizers
 from guardrails._memory import MemoryGuard
 from guardrails._nan import NanGuard
 from guardrails._preflight import Preflight
+from guardrails._sinks import Sink, check_sinks
 from guardrails._store import distributed
 from guardrails._telemetry import Telemetry
 from guardrails._watchdog import Watchdog
@@ -63,6 +64,7 @@ def guard(
     resume: str | PathLike[str] | None = "auto",
     config: Mapping[str, Any] | None = None,
     progress: bool | None = None,
+    log_to: str | Sink | Callable[[Any], Any] | Sequence[Any] | None = None,
     tokens_per_batch: int | None = None,
     replay_fn: Callable[[Any, Any], Any] | None = None,
     benchmark: bool = False,
@@ -121,6 +123,9 @@ def guard(
             across ranks by the preflight, key by key (its ``run_config``).
         progress: tqdm bar on rank 0; ``None`` = only on a terminal outside CI
             (telemetry's ``progress``).
+        log_to: also send the metrics and events to ``"tensorboard"``, ``"wandb"``,
+            ``"mlflow"``, a :class:`~guardrails.Sink` or a function of the rows, or a
+            list of those (telemetry's ``sinks``): rank 0 only, at each metrics part.
         explain: :class:`~guardrails.ErrorExplainer`: re-raise a known torch / NCCL /
             gloo / CUDA error that ends the loop as the guardrails error of its family,
             with the cause and fix; the original is its ``__cause__``.
@@ -172,6 +177,14 @@ def guard(
     _set_top_level(configs, "checkpoint", "resume", resume, "auto")
     _set_top_level(configs, "preflight", "run_config", config, None)
     _set_top_level(configs, "metrics", "progress", progress, None)
+    if log_to is not None:
+        if configs["metrics"] is None:
+            raise TypeError(
+                "guard(log_to=...) sends telemetry's rows, but guard(metrics=False) turns "
+                "telemetry off: drop one or the other."
+            )
+        sinks = check_sinks(log_to, "log_to")
+        _set_top_level(configs, "metrics", "sinks", sinks, (), knob="log_to")
     chosen: list[Component] = []
     for name, cfg in configs.items():
         if cfg is None or (name in _DISTRIBUTED_ONLY and not distributed()):
@@ -222,17 +235,25 @@ def _fold_old_knobs(configs: dict[str, Any], old: Mapping[str, Any]) -> None:
 
 
 def _set_top_level(
-    configs: dict[str, Any], where: str, field: str, value: Any, default: Any
+    configs: dict[str, Any],
+    where: str,
+    field: str,
+    value: Any,
+    default: Any,
+    *,
+    knob: str | None = None,
 ) -> None:
-    """A top-level convenience knob (``resume``, ``config``, ``progress``) into its
-    section's field; given both ways, with different values, it is ambiguous."""
+    """A top-level convenience knob (``resume``, ``config``, ``progress``, ``log_to``)
+    into its section's field; given both ways, with different values, it is ambiguous.
+    ``knob``: the top-level name, where it is not the field's."""
     cfg = configs[where]
     if cfg is None or value == default:
         return
     if getattr(cfg, field) != default and getattr(cfg, field) != value:
+        also = "" if knob is None else f" (as {field})"
         raise TypeError(
-            f"guard() was given {field} twice, differently: at the top level and in "
-            f"guard({where}=...). Set it in one place."
+            f"guard() was given {knob or field} twice, differently: at the top level and "
+            f"in guard({where}=...){also}. Set it in one place."
         )
     configs[where] = dataclasses.replace(cfg, **{field: value})
 

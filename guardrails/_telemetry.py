@@ -20,6 +20,10 @@ an H200). Telemetry does both:
 
 Rank 0 also shows a tqdm bar (step, loss, grad norm, tok/s), updated from the same
 lagged values: it costs no sync, and its loss is up to ``2 * every_n_steps`` old.
+
+Each part also goes to the ``sinks`` (TensorBoard, W&B, MLflow, a function: ``_sinks.py``)
+on rank 0, with the events written since the last part, through one queue put: the
+sinks run on their own thread, once per part, never per step.
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ from tqdm.auto import tqdm
 from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
+from guardrails._events import EVENTS_FILE
 from guardrails._lagged import Copy, LaggedCopy
+from guardrails._sinks import ABORT_WAIT_S, EventTail, SinkRunner, build, check_sinks, end_event
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -106,16 +112,27 @@ class Telemetry(Component):
                 Default 60.
             progress: show the tqdm bar on rank 0. ``None`` (default): only when stderr
                 is a terminal and ``CI`` is not set.
+            sinks: where rank 0 also sends every row and its events, at each part (so
+                ``write_every_s`` is their cadence too): ``"tensorboard"``, ``"wandb"``,
+                ``"mlflow"``, a :class:`~guardrails.Sink` (``TensorBoardSink(log_dir=...)``,
+                your own), a function of the rows (a ``pyarrow.Table``), or a list of
+                those. ``guard(log_to=...)`` sets it. Default: none.
+            sink_close_timeout_s: at the end, how long to wait for the sinks' last
+                writes (a W&B run they started finishing its upload). Default 120.
         """
 
         every_n_steps: int = 50
         write_every_s: float = 60.0
         progress: bool | None = None
+        sinks: tuple[Any, ...] = ()
+        sink_close_timeout_s: float = 120.0
 
         def __post_init__(self) -> None:
             positive_int("every_n_steps", self.every_n_steps)
             non_negative("write_every_s", self.write_every_s)
             self.write_every_s = float(self.write_every_s)
+            self.sinks = check_sinks(self.sinks, "sinks")
+            non_negative("sink_close_timeout_s", self.sink_close_timeout_s)
 
     name = "telemetry"
 
@@ -125,6 +142,8 @@ class Telemetry(Component):
         self.latest: dict[str, Any] | None = None
         self.rows_written = 0
         self._bar: Any = None
+        self._sinks: SinkRunner | None = None
+        self._tail: EventTail | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,6 +179,9 @@ class Telemetry(Component):
             show = sys.stderr.isatty() and not os.environ.get("CI")
         if show and guard.rank == 0:
             self._bar = tqdm(desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        if self.sinks and guard.rank == 0:
+            self._tail = EventTail(guard.run_dir / EVENTS_FILE, guard.rank)
+            self._sinks = SinkRunner(build(self.sinks), guard.run_dir)
 
     def after_step(self, guard: Guard) -> None:
         loss = guard.step_loss
@@ -205,6 +227,10 @@ class Telemetry(Component):
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
+            if self._sinks is not None:
+                with guard.pause_watchdog("metrics sinks"):  # rank 0 alone, not stuck
+                    end = end_event(guard.step, self._rank, exc)
+                    self._close_sinks(end, self.sink_close_timeout_s)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -247,6 +273,21 @@ class Telemetry(Component):
                 dev = self._ring[:n].numpy().astype(np.float64)
             self._arrived.append((dev, self._host_block(rows)))
         self._write()
+        if self._sinks is not None:
+            end = end_event(guard.step, self._rank, error, aborted=True)
+            self._close_sinks(end, ABORT_WAIT_S)  # inside the process's 5 s of last words
+
+    def _close_sinks(self, end: dict[str, Any], timeout_s: float) -> None:
+        """Hand the sinks the events not sent yet and the end (the guard writes its own
+        ``end`` to events.jsonl after every component has closed), and close them."""
+        sinks, tail = self._sinks, self._tail
+        self._sinks = self._tail = None
+        if sinks is None or tail is None:
+            return
+        events = tail.read()
+        tail.close()
+        sinks.deliver(None, [*events, end])
+        sinks.close(timeout_s)
 
     def _collect(self, copy: Copy | None) -> None:
         """Take ``copy`` (a copy's rows and their host columns) once the device has
@@ -283,6 +324,9 @@ class Telemetry(Component):
         os.replace(tmp, self._dir / name)
         self.rows_written += table.num_rows
         self._last_write = time.monotonic()
+        sinks, tail = self._sinks, self._tail  # on_abort's thread may clear them
+        if sinks is not None and tail is not None:
+            sinks.deliver(table, tail.read())  # a queue put: the sink thread writes
 
 
 def _to_table(dev: np.ndarray, host: np.ndarray, rank: int, started_at: float) -> pa.Table:

@@ -42,6 +42,8 @@ def _other_value(field):
         return 2
     if field.name == "progress":
         return False
+    if field.name == "sinks":
+        return (print,)  # a function of the rows
     if field.name in ("spike_factor", "loss_spike_factor"):
         return 8.0
     default = field.default
