@@ -34,44 +34,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
+sys.path.insert(0, str(ROOT))
+from guardrails._bench_checkpoint import disk_floor  # noqa: E402
 
 # ----------------------------------------------------------------------------- parent
-
-
-def disk_floor(directory: Path, nbytes: int, threads: int) -> dict[str, float]:
-    """Seconds to write ``nbytes`` into a new file with ``threads`` threads (pwrite of
-    disjoint ranges from one 64 MiB buffer) and to fsync it."""
-    chunk = 64 << 20
-    buf = os.urandom(chunk)
-    path = directory / f"floor-{threads}.bin"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    offsets = list(range(0, nbytes, chunk))
-    t0 = time.perf_counter()
-    try:
-
-        def work(i: int) -> None:
-            for off in offsets[i::threads]:
-                os.pwrite(fd, buf[: min(chunk, nbytes - off)], off)
-
-        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        t1 = time.perf_counter()
-        os.fsync(fd)
-        t2 = time.perf_counter()
-    finally:
-        os.close(fd)
-        path.unlink()
-    total = t2 - t0
-    return {"write_s": t1 - t0, "fsync_s": t2 - t1, "total_s": total, "GBps": nbytes / total / 1e9}
 
 
 def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path) -> dict:
@@ -169,8 +139,8 @@ def parent(args: argparse.Namespace) -> None:
             variants.insert(0, ("old", str(Path(args.old_guardrails).resolve())))
         runs = [run_variant(args, name, path, work) for name, path in variants]
         nbytes = max(r["bytes_per_save"] for r in runs) or 10 << 30
-        results["floor_1x"] = disk_floor(work, nbytes, 1)
-        results["floor_8x"] = disk_floor(work, nbytes, 8)
+        results["floor_1x"] = disk_floor(work, nbytes, 1)  # the same code as
+        results["floor_8x"] = disk_floor(work, nbytes, 8)  # `guardrails bench --checkpoint`
         results["runs"] = runs
     finally:
         shutil.rmtree(work, ignore_errors=True)

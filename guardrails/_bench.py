@@ -284,10 +284,24 @@ def add_parser(sub: Any) -> None:
         "isfinite, anomaly)",
     )
     p.add_argument("--json", type=Path, help="also write the result as JSON here")
+    p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="instead: time a checkpoint save on --dir against the disk's own speed",
+    )
+    p.add_argument("--dir", type=Path, default=Path("."), help="with --checkpoint: the disk")
+    p.add_argument("--checkpoint-gb", type=float, default=1.0, help="with --checkpoint: GB")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.checkpoint:
+        from guardrails import _bench_checkpoint
+
+        cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda" if cuda else "cpu")
+        print(_bench_checkpoint.main(args.dir, args.checkpoint_gb, device))
+        return 0
     wanted = args.variants.split(",") if args.variants else None
     bench = Bench(args)
     if wanted is None:

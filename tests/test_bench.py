@@ -22,3 +22,12 @@ def test_bench_cli_tiny_on_cpu(tmp_path, capsys):
     assert all(r["step_ms"] > 0 and r["noise_us"] >= 0 for r in rows.values())
     assert rows["plain"]["overhead_us"] == 0 and len(result["times_s"]["guarded"]) == 2
     assert result["size"] == "tiny" and result["world_size"] == 1 and result["params"] > 0
+
+
+def test_bench_checkpoint_reports_the_save_against_the_disk_floor(tmp_path, capsys):
+    disk = tmp_path / "disk"
+    assert main(["bench", "--checkpoint", "--dir", str(disk), "--checkpoint-gb", "0.02"]) == 0
+    out = capsys.readouterr().out
+    assert "disk floor, 1 thread" in out and "disk floor, 8 threads" in out
+    assert "guardrails save" in out and "x the floor" in out and "grace period" in out
+    assert list(disk.iterdir()) == []  # the floor's file and the save's directory are gone
