@@ -13,21 +13,25 @@ of the loader and clipping through `g.clip_grad_norm_` (so clipping and NaN dete
 share one pass over the gradients); the rest is an ordinary PyTorch loop. Metrics land
 in RUN_DIR/metrics.parquet and events in RUN_DIR/events.jsonl.
 
-Planted faults, to see what the guard does with them (the two commonest NaNs first):
+Planted faults, to see what the guard does with them (the two commonest NaNs first).
+Each gets its own --run-dir: a run directory holds one run, and the same command in it
+resumes that run (a checkpoint written by one process does not resume under torchrun).
 
-    python examples/train_gpt.py --inject bad_sample   # one sample's loss weight is NaN:
-        # the step is skipped, the run goes on; RUN_DIR/nonfinite/ holds the batch and
-        # events.jsonl names the sample
-    python examples/train_gpt.py --inject nan_lr       # the LR is set to 1e4 mid-run:
-        # steps are skipped, then NonFiniteError (cause optimization_blowup) stops it
-    python examples/train_gpt.py --inject sigterm      # SIGTERM at half way (what a
-        # pre-emption sends): every rank stops at one step, saves RUN_DIR/checkpoints/
-        # step_<N> and exits 143; the same command again resumes and finishes the run,
-        # bitwise as if never interrupted
-    torchrun --nproc-per-node 2 examples/train_gpt.py --inject stuck --hang-timeout-s 10
+    python examples/train_gpt.py --inject bad_sample --run-dir runs/bad_sample
+        # one sample's loss weight is NaN: the step is skipped, the run goes on;
+        # RUN_DIR/nonfinite/ holds the batch and events.jsonl names the sample
+    python examples/train_gpt.py --inject nan_lr --run-dir runs/nan_lr
+        # the LR is set to 1e4 mid-run: steps are skipped, then NonFiniteError (cause
+        # optimization_blowup) stops it
+    python examples/train_gpt.py --inject sigterm --run-dir runs/sigterm
+        # SIGTERM at half way (what a pre-emption sends): every rank stops at one
+        # step, saves RUN_DIR/checkpoints/step_<N> and exits 143; the same command
+        # again resumes and finishes the run, bitwise as if never interrupted
+    torchrun --nproc-per-node 2 examples/train_gpt.py --inject stuck --hang-timeout-s 10 \\
+        --run-dir runs/stuck
         # the last rank sleeps in Python at half way: within ~10 s every rank ends with
         # HangError naming it, its line and every rank's stack (exit code 83)
-    torchrun --nproc-per-node 2 examples/train_gpt.py --inject desync
+    torchrun --nproc-per-node 2 examples/train_gpt.py --inject desync --run-dir runs/desync
         # at half way rank 0 alone enters a barrier (the classic desync: "only rank 0
         # does something that includes a collective") before every rank's loss
         # all-reduce: seen in ~0.5 s, and within ~6 s (ranks stuck in the collective get

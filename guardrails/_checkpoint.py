@@ -823,10 +823,12 @@ def load(
             step=step,
             rank=rank,
             path=str(ckpt),
-            hint=f"relaunch with {saved_world} rank(s) for an exact resume, or pass "
-            "allow_world_size_change=True (resume(...) or guard(..., "
-            "resume_allow_world_size_change=True)) to restore the replicated state and "
-            "start the interrupted pass over. Nothing was modified.",
+            hint=f"relaunch with {saved_world} rank(s) for an exact resume; or pass "
+            "allow_world_size_change=True (resume(...), or guard(..., "
+            'checkpoint={"allow_world_size_change": True})) to restore the replicated '
+            "state and start the interrupted pass over; or, for a different run, use "
+            "another run_dir (or resume=None), which keeps these checkpoints. Nothing "
+            "was modified.",
         )
 
     # 1. Read everything and check it against the live objects; nothing is modified yet.

@@ -74,7 +74,7 @@ HOST_COLUMNS = (
     "mem_peak_bytes",
 )
 
-#: The schema of ``metrics.parquet``; documented in the README.
+#: The schema of ``metrics.parquet``; documented in docs/metrics.md (tests/test_docs.py checks).
 SCHEMA = pa.schema(
     [
         ("step", pa.int64()),  # optimizer step, 1-based

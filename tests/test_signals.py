@@ -358,6 +358,11 @@ def test_resume_errors(tmp_path):
     with pytest.raises(guardrails.ResumeError, match="written by 2 rank") as err:
         guardrails.resume(ckpt, model, opt)
     assert "Not restorable" in str(err.value) and "allow_world_size_change" in err.value.hint
+    # The fix in guard()'s current spelling, and the way out for a different run (the
+    # example's torchrun demo after its single-process one, in the same run_dir).
+    assert 'checkpoint={"allow_world_size_change": True}' in err.value.hint
+    assert "resume_allow_world_size_change" not in err.value.hint
+    assert "another run_dir" in err.value.hint
     assert guardrails.resume(ckpt, model, opt, allow_world_size_change=True)["step"] == 0
 
     # Written by a newer guardrails: says which version to install.
