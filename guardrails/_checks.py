@@ -37,17 +37,25 @@ def positive(name: str, value: Any, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a number > 0{either}, got {value!r}")
 
 
-def mapping(name: str, value: Any, *, allow_none: bool = False) -> None:
-    """Raise ``TypeError`` unless ``value`` is a mapping (or ``None`` if allowed)."""
-    from collections.abc import Mapping
+def config_dict(value: Any) -> dict[str, Any] | None:
+    """``guard(config=...)``: the run's settings as a dict (``None`` stays ``None``): a
+    mapping, a dataclass instance (its fields, not copied) or an ``argparse.Namespace``;
+    anything else is a ``TypeError``."""
+    import argparse
+    import dataclasses
 
-    if allow_none and value is None:
-        return
-    if not isinstance(value, Mapping):
-        either = " or None" if allow_none else ""
-        raise TypeError(
-            f"{name} must be a mapping (a dict, vars(args)){either}, got {type(value).__name__}"
-        )
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return dict(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, argparse.Namespace):
+        return dict(vars(value))
+    raise TypeError(
+        "config must be a mapping (a dict, vars(args)), a dataclass instance or an "
+        f"argparse.Namespace, or None; got {type(value).__name__}"
+    )
 
 
 def named(what: str, value: Any, kind: type) -> dict[str, Any]:

@@ -13,7 +13,8 @@ failure family from the debugging guides::
     ├── ConfigMismatchError         + fields       ranks disagree on model / config / versions
     ├── LaunchError                 + check        the job was launched wrong (port, device, env)
     ├── CheckpointError             + path         a checkpoint is missing, truncated or corrupt
-    ├── ResumeError                 + path         a checkpoint does not fit this model / run
+    ├── ResumeError                 + path         a checkpoint does not fit this model / run,
+    │                                 changed      or was saved with another config
     └── OutOfMemoryError            + phase, memory, largest_tensors, remedies, per_rank
                                                    out of memory, explained (also a
                                                    torch.OutOfMemoryError)
@@ -194,12 +195,23 @@ class CheckpointError(GuardrailsError):
 
 
 class ResumeError(GuardrailsError):
-    """A checkpoint is intact but cannot be applied to this model / optimizer / run."""
+    """A checkpoint is intact but cannot be applied to this model / optimizer / run.
+    ``changed``: when the run's ``config`` differs from the one the checkpoint was saved
+    with, each differing key (nested keys joined with ``.``) mapped to ``(saved, given)``
+    (``"(absent)"`` for a key one side lacks); else ``None``."""
 
     path: str | None
+    changed: dict[str, tuple[Any, Any]] | None
 
-    def __init__(self, message: str, *, path: str | None = None, **kw: Any) -> None:
-        super().__init__(message, path=path, **kw)
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        changed: dict[str, tuple[Any, Any]] | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(message, path=path, changed=changed, **kw)
 
 
 class OutOfMemoryError(GuardrailsError, torch.OutOfMemoryError):

@@ -63,7 +63,7 @@ import torch.distributed as dist
 
 from guardrails import _model
 from guardrails._bf16 import _warn_bf16_on_cpu
-from guardrails._checks import mapping
+from guardrails._checks import config_dict
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._even_batches import _agreed_chunks
@@ -118,8 +118,8 @@ class Preflight(Component):
                 torch / CUDA / NCCL versions; ``run_config``. ``False`` keeps only
                 ``even_batches``. Default True.
             run_config: the run's own settings (``vars(args)``, a dict from a YAML
-                file), compared across ranks key by key (nested mappings flattened with
-                ``.``); ``guard(config=...)`` sets it.
+                file, a dataclass), compared across ranks key by key (nested mappings
+                flattened with ``.``); ``guard(config=...)`` sets it.
             even_batches: stop every rank after the shortest rank's number of batches,
                 so uneven data ends the loop on every rank together instead of hanging
                 the longer ones (loaders with ``len()``: no per-step cost; without: one
@@ -132,9 +132,7 @@ class Preflight(Component):
         even_batches: bool = False
 
         def __post_init__(self) -> None:
-            mapping("config", self.run_config, allow_none=True)
-            if self.run_config is not None:
-                self.run_config = dict(self.run_config)
+            self.run_config = config_dict(self.run_config)
             self.even_batches = bool(self.even_batches)
             self.check = bool(self.check)
 
