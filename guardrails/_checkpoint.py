@@ -39,8 +39,11 @@ committed step::
                                 time, versions, world size and ranks; "contents" (each
                                 optimizer's and scheduler's file stem, whether it was
                                 saved per rank, and their classes, checked before
-                                anything is applied at resume); and "manifest_sha256",
-                                the manifest's hash of itself
+                                anything is applied at resume); "run" (the run's config
+                                and its optimizers' settings as the code built them,
+                                and "finished_at" once the run ended normally: see
+                                :func:`run_record`); and "manifest_sha256", the
+                                manifest's hash of itself
       step_000001300/ ...
 
 What each format added: 2 moved the RNG streams from ``rng.json`` / ``rng.safetensors``
@@ -48,8 +51,8 @@ What each format added: 2 moved the RNG streams from ``rng.json`` / ``rng.safete
 schedulers, optimizer state saved per rank, the parameter shapes, and ``contents``; 4
 hashes a file over 64 MiB in pieces (``sha256_chunk_bytes``: written and verified by
 several threads at disk speed, see ``_digest.py``), which a format-3 reader would take
-for corruption. ``manifest_sha256`` and the classes in ``contents`` are optional on read, so
-checkpoints written before them still load.
+for corruption. ``manifest_sha256``, the classes in ``contents`` and ``run`` are
+optional on read, so checkpoints written before them still load.
 
 Why a crash at any instant leaves the previous checkpoint loadable. A save writes into
 ``root/.tmp-step_<N>-<uuid>/``, a name no reader ever picks (readers only look at
@@ -87,6 +90,7 @@ Only one process may save into a ``root`` at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -539,12 +543,13 @@ def commit(
     keep_last: int | None,
     delete_old: bool = True,
     contents: Mapping[str, Any] | None = None,
+    run: Mapping[str, Any] | None = None,
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
 
     Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
     ``contents``: which optimizers and schedulers the checkpoint holds, and where (see
-    :func:`contents_of`).
+    :func:`contents_of`); ``run``: the run's config and settings (:func:`run_record`).
     """
     final = root / f"step_{step:09d}"
     for name, rec in files.items():  # a rank that wrote to a disk rank 0 cannot see
@@ -567,6 +572,7 @@ def commit(
         "world_size": world_size,
         "ranks": ranks,
         "contents": dict(contents or {}),
+        **({"run": dict(run)} if run else {}),
         "files": files,
     }
     # The manifest is the commit record of the files: written last, so its presence
@@ -630,6 +636,86 @@ def _contents(manifest: Mapping[str, Any]) -> dict[str, Any]:
             else {}
         ),
     }
+
+
+def run_record(config: Mapping[str, Any] | None, optimizers: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest's ``run``, taken when the guard starts (before a resume overwrites
+    anything): ``config``, the run's settings flattened to comparable values
+    (:func:`config_values`), and ``optimizer_settings``, each optimizer's param-group
+    settings as the code built them (:func:`optimizer_settings`). A resume compares
+    both with this run's own: a re-run with another config is refused, and another
+    optimizer setting is reported (``load_state_dict`` restores the checkpoint's).
+    :func:`mark_finished` adds ``finished_at`` to the checkpoint a run ended with."""
+    record: dict[str, Any] = {"optimizer_settings": optimizer_settings(optimizers)}
+    if config is not None:
+        record["config"] = config_values(config)
+    return record
+
+
+def config_values(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` flattened (nested mappings and dataclasses joined with ``.``), each
+    value JSON as it will be read back: tuples as lists, paths as strings, and anything
+    else as its ``repr`` without memory addresses (a function's ``<function f at
+    0x7f...>`` differs in every process, and would read as a changed config)."""
+    out: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, Mapping) and (value or not key):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+        else:
+            out[key] = _json_value(value)
+
+    walk(config, "")
+    return out
+
+
+def optimizer_settings(optimizers: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each optimizer's param-group settings (``lr``, ``betas``, ``weight_decay``...,
+    everything but the parameters), as JSON values, by optimizer name.
+
+    ``lr`` is the group's ``initial_lr`` when a scheduler set one: a scheduler built
+    with the optimizer moves ``lr`` at once (a warmup starts at a fraction of it), so
+    the base is the setting the code chose."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, opt in optimizers.items():
+        groups = []
+        for group in per_rank(opt).param_groups:
+            settings = {
+                k: _json_value(v)
+                for k, v in group.items()
+                if k not in ("params", "param_names", "initial_lr")
+            }
+            if "initial_lr" in group:
+                settings["lr"] = _json_value(group["initial_lr"])
+            groups.append(settings)
+        out[name] = groups
+    return out
+
+
+def _json_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return value.item()  # a tensor lr (capturable): read once, when the guard starts
+    if isinstance(value, np.generic):  # np.float64(0.1) is the 0.1 of a YAML file
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    return _ADDRESS.sub("", repr(value))
+
+
+#: A memory address in a repr (``<function f at 0x7f3a...>``, ``<object object at ...>``).
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def write_error(final: Path, step: int, e: BaseException) -> CheckpointError:
@@ -791,6 +877,7 @@ def resume(
         strict=strict,
         allow_world_size_change=allow_world_size_change,
     )
+    log.info("guardrails: resumed from %s (step %d)", out["path"], out["step"])
     return {"step": out["step"], "extras": out["extras"], "path": out["path"]}
 
 
@@ -829,6 +916,8 @@ def load(
             "state and start the interrupted pass over; or, for a different run, use "
             "another run_dir (or resume=None), which keeps these checkpoints. Nothing "
             "was modified.",
+            remedy="world_size",
+            saved_world=saved_world,
         )
 
     # 1. Read everything and check it against the live objects; nothing is modified yet.
@@ -921,7 +1010,7 @@ def load(
     if scaler_sd is not None:
         scaler.load_state_dict(scaler_sd)
     _restore_rng(rng, rank_tensors)
-    log.info("guardrails: resumed from %s (step %d)", ckpt, step)
+    # Said by the caller: resume() logs it, the guard announces it with its age.
     return {
         "step": step,
         "extras": extras,
@@ -933,6 +1022,37 @@ def load(
 
 #: The module-level name for symmetry with :func:`save_checkpoint`.
 load_checkpoint = resume
+
+
+def saved_run(ckpt: Path) -> dict[str, Any]:
+    """What a checkpoint says of the run that saved it: ``step``, ``time`` (when it was
+    saved), and from the manifest's ``run`` (absent in checkpoints written before it,
+    or by :func:`save_checkpoint`) ``config``, ``optimizer_settings`` and
+    ``finished_at`` (the time the run ended normally with this checkpoint)."""
+    manifest = _read_manifest(ckpt)
+    run = manifest.get("run") or {}
+    return {"step": int(manifest["step"]), "time": manifest.get("time"), **run}
+
+
+def mark_finished(ckpt: Path, when: float) -> None:
+    """Record in ``ckpt``'s manifest that the run ended normally with it, at ``when``.
+
+    The checkpoint a run ends with is not always written at its end: a periodic save
+    at the last step is committed before the loop learns that the data ran out. So the
+    mark is added afterwards: a new manifest (its ``manifest_sha256`` recomputed),
+    fsynced, then renamed over the old one in one ``rename(2)``; a crash leaves the
+    old manifest or the new, both valid, and the files they list are not touched."""
+    manifest = _read_manifest(ckpt)
+    manifest["run"] = {**(manifest.get("run") or {}), "finished_at": when}
+    manifest.pop(SELF_HASH, None)
+    manifest[SELF_HASH] = _self_hash(manifest)
+    tmp = ckpt / f"{_TMP_PREFIX}{MANIFEST}-{uuid.uuid4().hex[:8]}"
+    try:
+        _write_bytes(tmp, _dumps(manifest), {})
+        os.replace(tmp, ckpt / MANIFEST)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(ckpt)
 
 
 def verify_checkpoint(ckpt: str | os.PathLike[str]) -> str | None:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -67,3 +68,17 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def to_console(text: str, *, log: logging.Logger = logger) -> None:
+    """Show ``text`` on stderr when ``log``'s INFO records would reach no handler: the
+    script configured no logging, and Python then shows only warnings (through its
+    last-resort handler). For a notice the user must see without asking (a resume);
+    with logging configured, the notice's own log record (its event's) is the one
+    line, and the user's handlers and levels decide. Through ``tqdm.write``, so a
+    progress bar on the terminal is redrawn below it rather than broken."""
+    if log.hasHandlers():
+        return
+    from tqdm.auto import tqdm
+
+    tqdm.write(text, file=sys.stderr)
