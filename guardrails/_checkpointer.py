@@ -54,6 +54,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from os import PathLike
@@ -64,10 +65,11 @@ import torch
 import torch.distributed as dist
 
 from guardrails import _checkpoint, _data, _digest, _exit, _model, _sharded
-from guardrails._checks import positive_int
+from guardrails._checks import config_dict, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
+from guardrails._events import to_console
 
 log = logging.getLogger("guardrails.checkpoint")
 
@@ -128,9 +130,26 @@ class SignalCheckpointer(Component):
                 the data position: bitwise the run that was never interrupted); a path:
                 that checkpoint (or the newest under it), which must exist; ``None``:
                 start fresh. A checkpoint that does not fit raises
-                :class:`~guardrails.ResumeError`. ``guard(resume=...)`` sets it.
+                :class:`~guardrails.ResumeError`. ``guard(resume=...)`` sets it. The
+                resume is said on the console (rank 0): the checkpoint, its step and
+                age, and whether the run that saved it had finished (ended normally):
+                then the run continues past its end, and one that ends without
+                training a step says so with a warning (``nothing_trained``). An
+                optimizer setting (``lr``, ``betas``, ``weight_decay``...) that differs
+                from the one the checkpoint's run was built with is a warning
+                (``optimizer_settings_changed``): the resume restores the checkpoint's.
             allow_world_size_change: resume a checkpoint written by a different number
                 of ranks (replicated state only; see :func:`guardrails.resume`).
+            run_config: the run's settings (a dict, ``vars(args)``, a dataclass), saved
+                in every checkpoint; ``guard(config=...)`` sets it. A resume from a
+                checkpoint saved with another ``run_config`` raises
+                :class:`~guardrails.ResumeError` naming each changed key (its
+                ``changed``: key -> (saved, given)), before anything is restored: the
+                same command re-run after a settings change would otherwise continue
+                the old run. Checkpoints saved without one are not compared.
+            allow_config_change: resume even when ``run_config`` differs from the
+                checkpoint's (you changed a setting and mean to continue that run with
+                it; the resume line names the changed keys). Default False.
             directory: where checkpoints go; default ``run_dir/checkpoints``.
             agree_every_s: target seconds between the ranks' agreements (multi-rank
                 only). Default 1.
@@ -151,6 +170,8 @@ class SignalCheckpointer(Component):
         background: bool = True
         resume: str | PathLike[str] | None = "auto"
         allow_world_size_change: bool = False
+        run_config: Mapping[str, Any] | None = None
+        allow_config_change: bool = False
         directory: str | PathLike[str] | None = None
         agree_every_s: float = 1.0
         strict_cadence: bool = False
@@ -177,6 +198,10 @@ class SignalCheckpointer(Component):
                 self.signals = ()
             if isinstance(self.resume, bool):
                 raise TypeError("resume takes 'auto', a path, or None (not a bool)")
+            for name in ("allow_world_size_change", "allow_config_change"):
+                if not isinstance(getattr(self, name), bool):
+                    raise TypeError(f"{name} takes True or False, got {getattr(self, name)!r}")
+            self.run_config = config_dict(self.run_config)
             if self.directory is not None:
                 self.directory = Path(self.directory)
 
@@ -227,6 +252,11 @@ class SignalCheckpointer(Component):
         self._check_step = 0
         self._token = ""
         self._resumed = False
+        # What the manifest's "run" records (the config and the optimizer settings as
+        # the code built them), taken at start before a resume overwrites them.
+        self._run: dict[str, Any] = {}
+        self._resumed_step = -1
+        self._resumed_finished: float | None = None  # when the resumed run had finished
         self.root = Path()
         # A gloo group only background sharded saves use (DCP's collectives from its
         # thread); None when there are none.
@@ -257,9 +287,12 @@ class SignalCheckpointer(Component):
                 if _checkpoint.per_rank(opt) is not opt or not agree
             }
         self._contents = _checkpoint.contents_of(guard.optimizers, guard.schedulers, self._per_rank)
+        self._run = _checkpoint.run_record(self.run_config, guard.optimizers)
         self._token = self._agree_token(guard)
         if self.resume is not None:
             self._resume(guard)
+        else:
+            self._warn_beside_checkpoints(guard)
         self._last_save_t = self._check_t = time.monotonic()
         self._check_step = guard.step
         self._next_check = guard.step + 1
@@ -409,6 +442,8 @@ class SignalCheckpointer(Component):
                     self._stop(guard, exit_now=False)
                 elif keeps and guard.step != self._last_saved_step:
                     self._save(guard, background=False)  # progress since the last save
+                if self._stop_at is None:
+                    self._finish(guard)
         finally:
             self._restore_handlers()
             try:
@@ -752,6 +787,7 @@ class SignalCheckpointer(Component):
                 keep_last=self.keep_last,
                 delete_old=not final_save,
                 contents=self._contents,
+                run=self._run,
             )
         else:
             store.set(f"{key}/files/{rank}", json.dumps(files))
@@ -854,6 +890,7 @@ class SignalCheckpointer(Component):
                 keep_last=self.keep_last,
                 delete_old=not final_save,
                 contents=self._contents,
+                run=self._run,
             )
         except BaseException as e:
             store.set(f"{key}/commit", json.dumps({"error": f"{type(e).__name__}: {e}"}))
@@ -887,7 +924,8 @@ class SignalCheckpointer(Component):
     def _load(self, guard: Guard, where: Path, ckpt: Path) -> dict[str, Any]:
         """``_checkpoint.load`` for the guard, whose ``ResumeError`` says how to fix it
         in ``guard()``'s terms (``guard()`` has no ``strict`` and takes every optimizer
-        and scheduler it guards)."""
+        and scheduler it guards), and names the way out when this is another run: a
+        run_dir of its own."""
         try:
             return _checkpoint.load(
                 where,
@@ -900,10 +938,7 @@ class SignalCheckpointer(Component):
             )
         except ResumeError as e:
             remedy = getattr(e, "remedy", None)
-            fresh = (
-                "or start fresh with guard(..., resume=None) or a new run_dir (the "
-                "checkpoints are kept). Nothing was modified."
-            )
+            fresh = f"or, if this is another run, {self._new_run(guard)}. Nothing was modified."
             if remedy == "strict":
                 raise e.rehint(
                     "build the model with the same architecture and config that was saved; "
@@ -926,7 +961,29 @@ class SignalCheckpointer(Component):
                     f"model, optimizer, strict=False) before the guard and pass "
                     "guard(..., resume=None); " + fresh
                 ) from None
+            if remedy == "world_size":
+                raise e.rehint(
+                    f"relaunch with {e.saved_world} rank(s) for an exact resume; or pass "
+                    "guard(..., checkpoint={'allow_world_size_change': True}) to restore "
+                    "the replicated state and start the interrupted pass over; " + fresh
+                ) from None
+            if e.hint is not None and "run_dir" not in e.hint:
+                hint = e.hint.removesuffix(" Nothing was modified.")
+                raise e.rehint(f"{hint} {fresh}") from None
             raise
+
+    def _new_run(self, guard: Guard) -> str:
+        """The way out when the checkpoints found belong to another run: where this one
+        should go instead, in the terms the user set it with."""
+        if self.directory is not None:
+            return (
+                "give this run a checkpoint directory of its own "
+                f"(guard(checkpoint={{'directory': ...}})), or move {self.root} away"
+            )
+        return (
+            "give this run a run_dir of its own (guard(run_dir=...); your script's "
+            f"--run-dir option, if it has one), or move {self.root} away"
+        )
 
     def _agree_token(self, guard: Guard) -> str:
         """One name per guard for this run's temp directories, the same on every rank."""
@@ -954,8 +1011,9 @@ class SignalCheckpointer(Component):
                 if auto and isinstance(e, ResumeError):
                     e.rehint(
                         "every checkpoint under the run's checkpoint directory is invalid; "
-                        "pass resume=None to start fresh (they are kept), or resume= a "
-                        "specific checkpoint."
+                        "restore them from a backup, pass resume=None to start fresh (they "
+                        "are kept), or resume= a specific checkpoint; if this is another "
+                        f"run, {self._new_run(guard)}."
                     )
                 raise
             if store is not None:
@@ -972,18 +1030,233 @@ class SignalCheckpointer(Component):
             chosen = got["path"]
         if not chosen:
             return
+        ckpt = Path(chosen)
+        # Checked before anything is restored, on every rank (the same manifest, and the
+        # preflight has compared the ranks' configs): a refusal leaves all as it was.
+        saved = _checkpoint.saved_run(ckpt)
+        changed = self._check_config(guard, ckpt, saved)
+        settings = self._settings_changed(guard, saved)
         with guard.quiet():  # a sharded load may step the optimizer to create its state
-            out = self._load(guard, where, Path(chosen))
+            out = self._load(guard, where, ckpt)
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
         position = rank_state.get("data")
         if position is not None and "loader" in rank_state:  # format 2 kept it beside
             position = {**position, "loader": rank_state["loader"]}
         self._last_saved_step = out["step"]
         guard.resume_from(out["step"], state=out["extras"], position=position, tensors=tensors)
-        saved = rank_state.get("components", {})
+        saved_components = rank_state.get("components", {})
         for c in guard.components:
-            if c.name in saved:
-                c.load_state_dict(saved[c.name])
+            if c.name in saved_components:
+                c.load_state_dict(saved_components[c.name])
         self.last_path = Path(out["path"])
         self._resumed = True
-        guard.event("resumed", step=guard.step, path=out["path"])
+        self._resumed_step = out["step"]
+        self._resumed_finished = saved.get("finished_at")
+        self._announce(guard, saved, changed, settings)
+
+    def _check_config(
+        self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]
+    ) -> dict[str, tuple[Any, Any]]:
+        """The config keys that differ from the checkpoint's, ``key -> (saved, given)``;
+        a ``ResumeError`` unless ``allow_config_change``."""
+        old, new = saved.get("config"), self._run.get("config")
+        if old is None or new is None:  # saved without one, or none given: nothing to compare
+            return {}
+        changed = {
+            key: (old.get(key, _ABSENT), new.get(key, _ABSENT))
+            for key in [*new, *(k for k in old if k not in new)]
+            if not (key in old and key in new and _same(old[key], new[key]))
+        }
+        if not changed or self.allow_config_change:
+            return changed
+        raise ResumeError(
+            f"{ckpt} was saved by a run with another config ({len(changed)} setting(s) "
+            f"differ: {_changes(changed)}): resuming it would continue that run's weights "
+            "and optimizer state under the new settings",
+            step=int(saved["step"]),
+            path=str(ckpt),
+            changed=changed,
+            hint=f"if this is a new run, {self._new_run(guard)}; the same command then "
+            "starts fresh. To continue that run with the new settings, pass "
+            "guard(..., checkpoint={'allow_config_change': True}). Nothing was modified.",
+        )
+
+    def _settings_changed(self, guard: Guard, saved: Mapping[str, Any]) -> list[str]:
+        """Each optimizer setting the code now builds differently from the run that saved
+        the checkpoint (both as built, before any step or resume: a scheduler's moves
+        of ``lr`` are not a change), as ``"group 0 lr: checkpoint 0.1, code 0.05"``."""
+        old = saved.get("optimizer_settings") or {}
+        new = self._run["optimizer_settings"]
+        if not old:  # saved before settings were recorded
+            return []
+        lone = len(new) == 1 and len(old) == 1
+        found = []
+        for name, groups in new.items():
+            was = next(iter(old.values())) if lone else old.get(name)
+            if was is None or len(was) != len(groups):  # the load names a real mismatch
+                continue
+            who = "" if len(new) == 1 else f"optimizer {name!r} "
+            for i, (before, now) in enumerate(zip(was, groups, strict=True)):
+                for key, value in now.items():
+                    # Keys one torch version has and another lacks are not settings
+                    # the user changed.
+                    if key in before and not _same(before[key], value):
+                        found.append(
+                            f"{who}group {i} {key}: checkpoint {_show(before[key])}, "
+                            f"code {_show(value)}"
+                        )
+        return found
+
+    def _announce(
+        self,
+        guard: Guard,
+        saved: Mapping[str, Any],
+        changed: Mapping[str, tuple[Any, Any]],
+        settings: list[str],
+    ) -> None:
+        """Say the resume on the console (rank 0) and in the events: which checkpoint,
+        its step and age, a config continued despite changes, a finished run; and the
+        optimizer settings the resume put back over the code's."""
+        saved_at = saved.get("time")
+        finished = self._resumed_finished
+        text = f"resumed from {self.last_path} (step {self._resumed_step}"
+        if isinstance(saved_at, (int, float)) and finished is None:
+            text += f", saved {_ago(saved_at)}"
+        text += ")"
+        if finished is not None:
+            text += f": the end of a run that finished {_ago(finished)}; this run continues past it"
+        if changed:
+            text += f", with a changed config (allow_config_change): {_changes(changed)}"
+        if finished is not None:
+            text += f". If this is a new run, {self._new_run(guard)}"
+        guard.event(
+            "resumed",
+            message=text,
+            path=str(self.last_path),
+            saved_at=saved_at,
+            finished_at=finished,
+            config_changed=list(changed) or None,
+        )
+        if guard.rank == 0:
+            to_console(f"guardrails: {text}")
+        if settings and guard.rank == 0:
+            base = (
+                "; for lr, the scheduler's base_lrs[i] too: it sets each group's lr from "
+                "them at its next step"
+                if guard.schedulers
+                else ""
+            )
+            guard.event(
+                "optimizer_settings_changed",
+                level="warning",
+                message=f"the optimizer settings in your code differ from those of the "
+                f"run that saved {self.last_path}, and the resume restored the "
+                f"checkpoint's (an optimizer's state_dict holds its settings): "
+                f"{'; '.join(settings)}. The checkpoint's values are used now. To train "
+                "with the code's, set them after the guard has started "
+                f"(optimizer.param_groups[i]['lr'] = ...{base}); if this is a new run, "
+                f"{self._new_run(guard)}.",
+                settings=settings,
+            )
+
+    def _finish(self, guard: Guard) -> None:
+        """The run ended normally: mark the checkpoint it ended with as finished (so a
+        re-run of the same command says it resumes a finished run), or, when it resumed
+        a finished run and trained nothing, say so."""
+        if self._resumed_finished is not None and guard.step == self._resumed_step:
+            if guard.rank == 0:
+                guard.event(
+                    "nothing_trained",
+                    level="warning",
+                    message=f"this run trained no step: it resumed {self.last_path} "
+                    f"(step {guard.step}), the end of a run that finished "
+                    f"{_ago(self._resumed_finished)}, and its loop ended at once (the "
+                    "script's own end, its step or epoch count, was reached already). "
+                    f"If this is a new run, {self._new_run(guard)}; to train further, raise "
+                    "the script's step or epoch count.",
+                )
+            return
+        self._wait_writer(raise_error=True)
+        last = self.last_path
+        if (
+            guard.rank != 0
+            or last is None
+            or last.name != f"step_{guard.step:09d}"
+            or last.resolve().parent != self.root.resolve()  # not a checkpoint of another run
+        ):
+            return
+        try:
+            _checkpoint.mark_finished(last, time.time())
+        except (OSError, GuardrailsError) as e:  # the run itself is done and saved
+            guard.event(
+                "checkpoint_unmarked",
+                level="warning",
+                message=f"could not record in {last} that the run finished ({e}): a re-run "
+                "of this command resumes it without saying that the run had finished.",
+            )
+
+    def _warn_beside_checkpoints(self, guard: Guard) -> None:
+        """``resume=None`` with periodic saves into a directory that holds another run's
+        checkpoints: the two runs' steps mix, and the other's higher steps win."""
+        if guard.rank != 0 or not (self.every_n_steps or self.every_s):
+            return
+        found = _checkpoint.list_checkpoints(self.root)
+        if not found:
+            return
+        step, newest = found[-1]
+        kept = (
+            f"keep_last={self.keep_last} keeps the highest steps, so this run's own "
+            f"checkpoints are deleted as they are written until it passes step {step}; "
+            if self.keep_last is not None
+            else ""
+        )
+        guard.event(
+            "fresh_run_beside_checkpoints",
+            level="warning",
+            message=f"resume=None: this run starts fresh, but {self.root} holds another "
+            f"run's checkpoints (up to {newest.name}), and this run's saves go beside "
+            f"them: {kept}a later resume='auto' picks the highest step, the other run's. "
+            f"To keep this run apart, {self._new_run(guard)} first.",
+        )
+
+
+_ABSENT = "(absent)"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as settings: NaN equals NaN, 1 equals 1.0, but True is not 1."""
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _show(value: Any, n: int = 40) -> str:
+    """A value in a message: its repr, cut to ``n`` characters."""
+    text = _ABSENT if value is _ABSENT else repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _changes(changed: Mapping[str, tuple[Any, Any]], n: int = 8) -> str:
+    """``lr: 0.1 -> 0.05; batch_size: 32 -> 64`` for the first ``n`` changed keys."""
+    items = [f"{k}: {_show(old)} -> {_show(new)}" for k, (old, new) in changed.items()]
+    return "; ".join(items[:n]) + (f"; ... {len(items) - n} more" if len(items) > n else "")
+
+
+def _ago(when: float) -> str:
+    """``"3 min ago, at 2025-06-01 12:03"``: how long ago, and the local time."""
+    seconds = max(0.0, time.time() - when)
+    if seconds < 90:
+        age = f"{seconds:.0f} s"
+    elif seconds < 90 * 60:
+        age = f"{seconds / 60:.0f} min"
+    elif seconds < 36 * 3600:
+        age = f"{seconds / 3600:.0f} h"
+    else:
+        age = f"{seconds / 86400:.0f} days"
+    return f"{age} ago, at {time.strftime('%Y-%m-%d %H:%M', time.localtime(when))}"

@@ -119,8 +119,11 @@ def guard(
             ``run_dir/checkpoints`` if there is one; a path: that checkpoint; ``None``:
             start fresh (see :class:`SignalCheckpointer.Config`, whose ``resume`` this
             sets).
-        config: your run's settings (``vars(args)``, a dict from a YAML file), compared
-            across ranks by the preflight, key by key (its ``run_config``).
+        config: your run's settings (``vars(args)``, a dict from a YAML file, a
+            dataclass), compared across ranks by the preflight, key by key, and saved
+            in every checkpoint: resuming one saved with another config raises
+            :class:`~guardrails.ResumeError` naming the changed keys (the ``run_config``
+            of :class:`Preflight.Config` and :class:`SignalCheckpointer.Config`).
         progress: tqdm bar on rank 0; ``None`` = only on a terminal outside CI
             (telemetry's ``progress``).
         log_to: also send the metrics and events to ``"tensorboard"``, ``"wandb"``,
@@ -176,6 +179,7 @@ def guard(
     _fold_old_knobs(configs, old_knobs)
     _set_top_level(configs, "checkpoint", "resume", resume, "auto")
     _set_top_level(configs, "preflight", "run_config", config, None)
+    _set_top_level(configs, "checkpoint", "run_config", config, None)
     _set_top_level(configs, "metrics", "progress", progress, None)
     if log_to is not None:
         if configs["metrics"] is None:
