@@ -1,7 +1,7 @@
 """A small training script for the checkpoint / signal tests, run as a real process.
 
     python tests/ckpt_worker.py RUN_DIR OUT [--steps N] [--sigterm-at K] [--rank R
-        --world W --port P] [--every-n N] [--background] [--crash-at K]
+        --world W --port P] [--every-n N] [--background] [--crash-at K] [--lr LR]
 
 It trains a dropout MLP on a shuffled DataLoader (RandomSampler on one rank,
 DistributedSampler + DDP on several, gloo), with a LambdaLR schedule, under
@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--ballast-mb", type=int, default=0, help="a buffer every save writes")
+    p.add_argument("--lr", type=float, default=1e-2, help="also the guard's config")
     a = p.parse_args()
     if a.world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
@@ -72,7 +73,7 @@ def main() -> None:
     else:
         sampler = None
         loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=a.workers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     kill = {int(r) for r in a.kill_ranks.split(",")}
     with guardrails.guard(
@@ -81,6 +82,7 @@ def main() -> None:
         loader,
         scheduler=sched,
         run_dir=a.run_dir,
+        config={"lr": a.lr},
         progress=False,
         gc=False,
         checkpoint={"every_n_steps": a.every_n},

@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A user's script: a DataLoader over a map-style dataset (resumes by replay, so the
 # only lines on stderr are the guard's own), an epoch loop counted from g.epoch,
-# periodic saves, the config given to the guard; it writes its final weights.
+# periodic saves, the config given to the guard; it writes its final weights. Saves
+# wait for the previous one (strict_cadence): a toy step is faster than a write, and a
+# skipped save would make the checkpoints, and its warning the console, timing-dependent.
 SCRIPT = textwrap.dedent(
     """
     import json, logging, os, signal, sys
@@ -54,7 +56,8 @@ SCRIPT = textwrap.dedent(
     with guardrails.guard(
         model, opt, loader, scheduler=sched, run_dir=args["run_dir"],
         config={"lr": args["lr"], "model": {"width": 4}},
-        checkpoint={"every_n_steps": args["every"]}, progress=False,
+        checkpoint={"every_n_steps": args["every"], "strict_cadence": True},
+        progress=False,
     ) as g:
         print("start step", g.step, flush=True)
         for epoch in range(g.epoch, args["epochs"]):
@@ -196,7 +199,7 @@ def test_a_run_stopped_by_a_signal_is_not_finished(tmp_path):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = {"every_n_steps": 2, "exit_on_signal": False}
+    ck = {"every_n_steps": 2, "exit_on_signal": False, "strict_cadence": True}
     with guardrails.guard(
         model, opt, batches(10), run_dir=tmp_path, progress=False, checkpoint=ck
     ) as g:
@@ -301,7 +304,7 @@ def guarded_run_with(run_dir: Path, config, *, steps: int = 2, every: int = 1) -
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = {"every_n_steps": every}
+    ck = {"every_n_steps": every, "strict_cadence": True}  # see SCRIPT
     with guardrails.guard(
         model, opt, loader(steps), run_dir=run_dir, config=config, checkpoint=ck, progress=False
     ) as g:
@@ -428,7 +431,7 @@ def test_a_fresh_run_beside_another_runs_checkpoints_is_warned(tmp_path):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = {"every_n_steps": 1, "keep_last": 2}
+    ck = {"every_n_steps": 1, "keep_last": 2, "strict_cadence": True}
     with guardrails.guard(
         model, opt, batches(1), run_dir=tmp_path, resume=None, checkpoint=ck, progress=False
     ) as g:
@@ -455,3 +458,42 @@ def test_a_fresh_run_beside_another_runs_checkpoints_is_warned(tmp_path):
             opt.step()
             opt.zero_grad()
     assert warnings_in(tmp_path / "b") == []
+
+
+# --------------------------------------------------------------------- two ranks
+
+
+@pytest.mark.slow(reason="3 runs of 2 ranks")
+def test_two_ranks_rerun_said_once_and_a_changed_config_refused_on_every_rank(tmp_path):
+    from _ranks import run_ranks
+
+    worker = Path(__file__).with_name("ckpt_worker.py")
+
+    def job(*args):
+        cmd = [sys.executable, worker, tmp_path / "run", tmp_path / "out", "--steps", 6]
+        cmd += ["--every-n", 4]
+        cmd += ["--rank", "{rank}", "--world", "{world}", "--port", "{port}", *args]
+        return run_ranks(cmd, 2, out=tmp_path / "logs", timeout_s=240)
+
+    first = job()
+    assert [r.code for r in first] == [0, 0], [r.out for r in first]
+    ckpts = tmp_path / "run" / "checkpoints"
+    (_, early), (step, ckpt) = list_checkpoints(ckpts)
+    assert step == 6 and "finished_at" in manifest(ckpt)["run"]  # marked by rank 0
+    assert "finished_at" not in manifest(early)["run"]
+
+    again = job()  # the same command: said once, on rank 0, and nothing trained
+    assert [r.code for r in again] == [0, 0], [r.out for r in again]
+    said = [line for line in again[0].out.splitlines() if "resumed from" in line]
+    assert len(said) == 1 and "the end of a run that finished" in said[0], again[0].out
+    assert "resumed from" not in again[1].out
+    kinds = [(e["rank"], e["kind"]) for e in warnings_in(tmp_path / "run", last_run=True)]
+    assert kinds == [(0, "nothing_trained")]
+
+    before = files_of(ckpts)
+    changed = job("--lr", "0.02")
+    assert [r.code for r in changed] == [1, 1], [r.out for r in changed]
+    for r in changed:
+        assert "ResumeError" in r.out and "lr: 0.01 -> 0.02" in r.out, r.out
+        assert "allow_config_change" in r.out
+    assert files_of(ckpts) == before
