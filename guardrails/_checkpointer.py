@@ -54,7 +54,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from os import PathLike
@@ -149,7 +149,10 @@ class SignalCheckpointer(Component):
                 the old run. Checkpoints saved without one are not compared.
             allow_config_change: resume even when ``run_config`` differs from the
                 checkpoint's (you changed a setting and mean to continue that run with
-                it; the resume line names the changed keys). Default False.
+                it; the resume line names the changed keys): ``True`` for any key, or
+                the keys that may change (``["num_workers", "log_every"]``: settings
+                that do not change what is trained; a key covers the keys nested
+                under it). Default False.
             directory: where checkpoints go; default ``run_dir/checkpoints``.
             agree_every_s: target seconds between the ranks' agreements (multi-rank
                 only). Default 1.
@@ -171,7 +174,7 @@ class SignalCheckpointer(Component):
         resume: str | PathLike[str] | None = "auto"
         allow_world_size_change: bool = False
         run_config: Mapping[str, Any] | None = None
-        allow_config_change: bool = False
+        allow_config_change: bool | Sequence[str] = False
         directory: str | PathLike[str] | None = None
         agree_every_s: float = 1.0
         strict_cadence: bool = False
@@ -198,9 +201,19 @@ class SignalCheckpointer(Component):
                 self.signals = ()
             if isinstance(self.resume, bool):
                 raise TypeError("resume takes 'auto', a path, or None (not a bool)")
-            for name in ("allow_world_size_change", "allow_config_change"):
-                if not isinstance(getattr(self, name), bool):
-                    raise TypeError(f"{name} takes True or False, got {getattr(self, name)!r}")
+            if not isinstance(self.allow_world_size_change, bool):
+                raise TypeError(
+                    "allow_world_size_change takes True or False, got "
+                    f"{self.allow_world_size_change!r}"
+                )
+            allow = self.allow_config_change
+            if not isinstance(allow, bool):
+                if isinstance(allow, str) or not all(isinstance(k, str) for k in allow):
+                    raise TypeError(
+                        "allow_config_change takes True, False or a list of config keys "
+                        f"(['num_workers']), got {allow!r}"
+                    )
+                self.allow_config_change = tuple(allow)
             self.run_config = config_dict(self.run_config)
             if self.directory is not None:
                 self.directory = Path(self.directory)
@@ -1058,7 +1071,7 @@ class SignalCheckpointer(Component):
         self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]
     ) -> dict[str, tuple[Any, Any]]:
         """The config keys that differ from the checkpoint's, ``key -> (saved, given)``;
-        a ``ResumeError`` unless ``allow_config_change``."""
+        a ``ResumeError`` unless ``allow_config_change`` allows them all."""
         old, new = saved.get("config"), self._run.get("config")
         if old is None or new is None:  # saved without one, or none given: nothing to compare
             return {}
@@ -1067,18 +1080,27 @@ class SignalCheckpointer(Component):
             for key in [*new, *(k for k in old if k not in new)]
             if not (key in old and key in new and _same(old[key], new[key]))
         }
-        if not changed or self.allow_config_change:
+        allow = self.allow_config_change
+        refused = {
+            key: values
+            for key, values in changed.items()
+            if not (
+                allow is True or (allow and any(key == k or key.startswith(f"{k}.") for k in allow))
+            )
+        }
+        if not refused:
             return changed
         raise ResumeError(
-            f"{ckpt} was saved by a run with another config ({len(changed)} setting(s) "
-            f"differ: {_changes(changed)}): resuming it would continue that run's weights "
+            f"{ckpt} was saved by a run with another config ({len(refused)} setting(s) "
+            f"differ: {_changes(refused)}): resuming it would continue that run's weights "
             "and optimizer state under the new settings",
             step=int(saved["step"]),
             path=str(ckpt),
-            changed=changed,
+            changed=refused,
             hint=f"if this is a new run, {self._new_run(guard)}; the same command then "
             "starts fresh. To continue that run with the new settings, pass "
-            "guard(..., checkpoint={'allow_config_change': True}). Nothing was modified.",
+            "guard(..., checkpoint={'allow_config_change': True}), or a list of the keys "
+            f"that may change ({list(refused)[:3]}). Nothing was modified.",
         )
 
     def _settings_changed(self, guard: Guard, saved: Mapping[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -236,6 +237,7 @@ def test_a_changed_config_is_refused_before_anything_changes(tmp_path):
     e = err.value
     assert e.changed == {"lr": (0.1, 0.5), "warmup": ("(absent)", 10)}
     assert e.step == 2 and e.path == str(ckpts / "step_000000002")
+    assert pickle.loads(pickle.dumps(e)).changed == e.changed  # survives an error file
     text = str(e)
     assert "another config" in text and "lr: 0.1 -> 0.5; warmup: (absent) -> 10" in text
     assert "run_dir of its own" in e.hint and "--run-dir" in e.hint
@@ -243,6 +245,20 @@ def test_a_changed_config_is_refused_before_anything_changes(tmp_path):
     assert files_of(ckpts) == before
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
     assert opt.state_dict()["state"] == {} and opt.param_groups[0]["lr"] == 0.5
+
+    # Allowing some keys to change refuses the others, the same way.
+    g = guardrails.guard(
+        model, opt, run_dir=tmp_path, config=config, checkpoint={"allow_config_change": ["warmup"]}
+    )
+    with pytest.raises(guardrails.ResumeError) as err:
+        try:
+            g.start()
+        finally:
+            g.close()
+    assert err.value.changed == {"lr": (0.1, 0.5)} and "['lr']" in err.value.hint
+    assert files_of(ckpts) == before
+    with pytest.raises(TypeError, match="allow_config_change takes True, False or a list"):
+        guardrails.guard(model, opt, checkpoint={"allow_config_change": "lr"})
 
     # The explicit way on: resumed, said with the changed keys, and the next
     # checkpoints hold the new config.
