@@ -1048,7 +1048,7 @@ class SignalCheckpointer(Component):
         # preflight has compared the ranks' configs): a refusal leaves all as it was.
         saved = _checkpoint.saved_run(ckpt)
         changed = self._check_config(guard, ckpt, saved)
-        settings = self._settings_changed(guard, saved)
+        settings = self._settings_changed(saved)
         with guard.quiet():  # a sharded load may step the optimizer to create its state
             out = self._load(guard, where, ckpt)
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
@@ -1103,7 +1103,7 @@ class SignalCheckpointer(Component):
             f"that may change ({list(refused)[:3]}). Nothing was modified.",
         )
 
-    def _settings_changed(self, guard: Guard, saved: Mapping[str, Any]) -> list[str]:
+    def _settings_changed(self, saved: Mapping[str, Any]) -> list[str]:
         """Each optimizer setting the code now builds differently from the run that saved
         the checkpoint (both as built, before any step or resume: a scheduler's moves
         of ``lr`` are not a change), as ``"group 0 lr: checkpoint 0.1, code 0.05"``."""
