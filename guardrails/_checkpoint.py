@@ -116,27 +116,28 @@ from torch import Tensor, nn
 from guardrails import _digest, _dist, _sharded
 from guardrails._checks import named
 from guardrails._errors import CheckpointError, ResumeError
+
+# The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
+from guardrails._manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SELF_HASH,
+    STEP_RE,
+    ManifestError,
+    _contents,
+    _dumps,
+    _rank_name,
+    _self_hash,
+    list_checkpoints,
+)
+from guardrails._manifest import problem as _manifest_problem
+from guardrails._manifest import read_manifest as _manifest_read
 from guardrails._text import shorten
 from guardrails._version import __version__
 
 log = logging.getLogger("guardrails")
 
-FORMAT = "guardrails-checkpoint"
-#: 2: RNG streams moved from rng.* into per-rank rank<R>.* files (format 1 still reads).
-#: 3: several optimizers / schedulers (optimizer.<name>.*), optimizer state saved per
-#: rank where the ranks hold different parts (rank<R>.optimizer.*), the parameter
-#: shapes each optimizer state was saved for, and a "contents" table in the manifest
-#: (formats 1 and 2 still read).
-#: 4: files over 64 MiB carry a tree sha256 (``sha256_chunk_bytes``): a format-3 reader
-#: would call them corrupt, so it must refuse the format instead (formats 1-3 still read).
-FORMAT_VERSION = 4
-MANIFEST = "manifest.json"
-#: The manifest's checksum of itself (sha256 of its JSON without this key): the file
-#: sizes and hashes protect the other files, this protects the step, the file list and
-#: those hashes (a 1-bit flip turned "step": 6 into 7 and the run went on at step 7).
-#: Optional on read: checkpoints written before it still load.
-SELF_HASH = "manifest_sha256"
-STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 #: Header metadata key of a .safetensors file that maps alias key -> stored key.
@@ -520,10 +521,6 @@ def stage_rank(
     return part
 
 
-def _rank_name(rank: int) -> str:
-    return f"rank{rank:05d}"
-
-
 def begin(root: Path, step: int, token: str) -> Path:
     """The temporary directory a save of ``step`` writes into (every rank the same
     name, from the save's ``token``), created if missing."""
@@ -615,26 +612,6 @@ def contents_of(
             },
             **{f"scheduler:{name}": type(s).__name__ for name, s in schedulers.items()},
         },
-    }
-
-
-def _contents(manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """A manifest's ``contents``; for formats 1-2 (one optimizer and scheduler, saved
-    by rank 0), what its file names say."""
-    if "contents" in manifest:
-        return manifest["contents"]
-    files = manifest["files"]
-    return {
-        "optimizers": (
-            {"optimizer": {"file": "optimizer", "per_rank": False}}
-            if "optimizer.json" in files
-            else {}
-        ),
-        "schedulers": (
-            {"scheduler": "scheduler"}
-            if "scheduler.json" in files or "scheduler.pt" in files
-            else {}
-        ),
     }
 
 
@@ -1065,57 +1042,9 @@ def verify_checkpoint(ckpt: str | os.PathLike[str]) -> str | None:
 def _problem(ckpt: Path) -> tuple[str, str] | None:
     """``(file, why)`` for the first problem found in ``ckpt``, or ``None``."""
     try:
-        manifest = _read_manifest(ckpt)
-    except CheckpointError as e:
-        return str(e.path), e.message
-    world = int(manifest.get("world_size", 1))
-    for name, entry in _contents(manifest)["optimizers"].items():
-        if not entry.get("per_rank"):
-            continue
-        missing = [
-            r
-            for r in range(world)
-            if f"{_rank_name(r)}.{entry['file']}.json" not in manifest["files"]
-        ]
-        if missing:
-            f = ckpt / f"{_rank_name(missing[0])}.{entry['file']}.json"
-            return str(f), (
-                f"rank(s) {_short(missing)}'s part of optimizer {name!r}'s state is missing "
-                f"from {ckpt.name} (each of the {world} ranks holds a different part)"
-            )
-    inside = ckpt.resolve()
-    for name, rec in manifest["files"].items():
-        f = ckpt / name
-        if f.is_symlink() or not f.resolve().is_relative_to(inside):
-            why = f"{f} is a link (to {f.resolve()}): a checkpoint holds only its own files"
-            return str(f), why
-        if not f.is_file():
-            return str(f), f"{f} is missing"
-        size = f.stat().st_size
-        if size != rec["bytes"]:
-            why = f"{f} is truncated or overwritten: {size} bytes, the manifest says {rec['bytes']}"
-            return str(f), why
-        try:
-            matches = _digest.digest(f, rec) == rec["sha256"]
-        except (OSError, ValueError) as e:
-            return str(f), f"{f} cannot be verified: {e}"
-        if not matches:
-            return str(f), f"{f} is corrupt: its sha256 does not match the manifest"
-    return None
-
-
-def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """``(step, dir)`` of every ``step_*`` directory under ``root``, oldest first,
-    valid or not (temp and trash dirs of unfinished saves are never listed)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = STEP_RE.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+        return _manifest_problem(ckpt)
+    except ManifestError as e:  # a newer format: intact, but not ours to read
+        raise _manifest_error(e) from None
 
 
 def _pick(path: Path) -> Path:
@@ -1169,42 +1098,16 @@ def _corrupt(ckpt: Path, bad_file: str, why: str) -> CheckpointError:
 
 
 def _read_manifest(ckpt: Path) -> dict[str, Any]:
-    f = ckpt / MANIFEST
-    if not f.is_file():
-        raise CheckpointError(
-            f"{f} is missing: the save that wrote {ckpt.name} did not finish",
-            path=str(f),
-        )
     try:
-        manifest = json.loads(f.read_text())
-        files = manifest["files"]
-        fmt, version = manifest["format"], int(manifest["format_version"])
-        if int(manifest["step"]) < 0:
-            raise ValueError(f"step {manifest['step']} is negative")
-        if not isinstance(files, dict):
-            raise TypeError("files is not a mapping")
-        for name in files:
-            # Every file inside the checkpoint directory: no absolute paths, no "..".
-            if Path(name).is_absolute() or ".." in Path(name).parts:
-                raise ValueError(f"file {name!r} is outside the checkpoint directory")
-    except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as e:
-        raise CheckpointError(f"{f} is corrupt: {e}", path=str(f)) from e
-    if fmt != FORMAT:
-        raise CheckpointError(f"{f} is not a guardrails checkpoint manifest", path=str(f))
-    if version > FORMAT_VERSION:
-        raise ResumeError(
-            f"{ckpt} has checkpoint format {version}; this guardrails ({__version__}) "
-            f"reads up to format {FORMAT_VERSION}",
-            path=str(ckpt),
-            hint=f"upgrade guardrails to the version that wrote it ({manifest.get('guardrails')}).",
-        )
-    if SELF_HASH in manifest and manifest[SELF_HASH] != _self_hash(manifest):
-        raise CheckpointError(
-            f"{f} is corrupt: its own checksum does not match its contents (the step, the "
-            "file list or a file's size or hash was changed after it was written)",
-            path=str(f),
-        )
-    return manifest
+        return _manifest_read(ckpt)
+    except ManifestError as e:
+        raise _manifest_error(e) from e.__cause__
+
+
+def _manifest_error(e: ManifestError) -> CheckpointError | ResumeError:
+    if e.too_new:
+        return ResumeError(e.message, path=e.path, hint=e.hint)
+    return CheckpointError(e.message, path=e.path)
 
 
 def _check_model(
@@ -1479,17 +1382,6 @@ def _write_json(path: Path, obj: Any, files: dict[str, Any]) -> None:
 
 def _read_json(path: Path) -> Any:
     return json.loads(path.read_text())
-
-
-def _self_hash(manifest: Mapping[str, Any]) -> str:
-    body = {k: v for k, v in manifest.items() if k != SELF_HASH}
-    return hashlib.sha256(_dumps(body)).hexdigest()
-
-
-def _dumps(obj: Any) -> bytes:
-    # allow_nan: a scheduler's best=inf must round-trip exactly; these files are read
-    # back by Python's json, which reads Infinity/NaN.
-    return json.dumps(obj, indent=1, allow_nan=True).encode()
 
 
 def _write_bytes(path: Path, data: bytes, files: dict[str, Any]) -> None:

@@ -4,8 +4,10 @@ ones a resume would accept, and what state each carries.
 Accepts a run directory (its ``checkpoints/`` is used), a checkpoint root or one
 ``step_*`` directory. Every file is verified against the manifest (sizes and sha256,
 reading each byte once), so the answer to "which one would ``resume`` pick?" is the
-same one :func:`guardrails.resume` would give. Exit code 0 when at least one checkpoint
-is valid, 1 when none is, 2 when there is nothing there.
+same one :func:`guardrails.resume` would give: the checks are the ones resume runs
+(:mod:`guardrails._manifest`), which need no torch, so the command starts without it.
+Exit code 0 when at least one checkpoint is valid, 1 when none is, 2 when there is
+nothing there.
 """
 
 from __future__ import annotations
@@ -16,23 +18,29 @@ import json
 from pathlib import Path
 from typing import Any
 
-from guardrails import _checkpoint
+from guardrails import _manifest
 
 
 def inspect_dir(path: Path) -> dict[str, Any]:
     """Facts about every checkpoint under ``path`` (JSON-able)."""
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    if _checkpoint.STEP_RE.match(path.name) and path.is_dir():
-        found = [(int(_checkpoint.STEP_RE.match(path.name).group(1)), path)]  # type: ignore[union-attr]
+    if _manifest.STEP_RE.match(path.name) and path.is_dir():
+        found = [(int(_manifest.STEP_RE.match(path.name).group(1)), path)]  # type: ignore[union-attr]
     else:
-        found = _checkpoint.list_checkpoints(path)
+        found = _manifest.list_checkpoints(path)
     rows = [_one(step, ckpt) for step, ckpt in found]
-    valid = [r for r in rows if r["valid"]]
+    # As resume picks: the newest valid one, newest first; a newer format on the way
+    # stops it (an error, not a fall back to an older checkpoint).
+    use = None
+    for r in reversed(rows):
+        if r["valid"] or r.get("too_new"):
+            use = None if r.get("too_new") else r["path"]
+            break
     return {
         "root": str(path),
         "checkpoints": rows,
-        "resume_would_use": valid[-1]["path"] if valid else None,
+        "resume_would_use": use,
         "leftovers": sorted(
             p.name
             for p in (path.iterdir() if path.is_dir() else [])
@@ -43,11 +51,16 @@ def inspect_dir(path: Path) -> dict[str, Any]:
 
 def _one(step: int, ckpt: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"step": step, "path": str(ckpt)}
-    problem = _checkpoint.verify_checkpoint(ckpt)
-    row["valid"] = problem is None
-    row["problem"] = problem
     try:
-        manifest = json.loads((ckpt / _checkpoint.MANIFEST).read_text())
+        problem = _manifest.problem(ckpt)
+        why = None if problem is None else problem[1]
+    except _manifest.ManifestError as e:  # a newer format: resume stops there too
+        why = f"{e.message}: {e.hint}"
+        row["too_new"] = True
+    row["valid"] = why is None
+    row["problem"] = why
+    try:
+        manifest = json.loads((ckpt / _manifest.MANIFEST).read_text())
         files = manifest["files"]
     except (OSError, ValueError, KeyError):
         return row
@@ -114,7 +127,13 @@ def render(facts: dict[str, Any]) -> str:
         else:
             lines.append(f"      why: {r['problem']}")
     use = facts["resume_would_use"]
-    lines.append(f"resume would use: {use}" if use else "resume would fail: no valid checkpoint")
+    newer = next((r for r in reversed(rows) if r["valid"] or r.get("too_new")), None)
+    if use:
+        lines.append(f"resume would use: {use}")
+    elif newer is not None:  # a newer format stops resume before any older checkpoint
+        lines.append(f"resume would fail: {newer['problem']}")
+    else:
+        lines.append("resume would fail: no valid checkpoint")
     if facts["leftovers"]:
         lines.append(
             "leftovers of interrupted saves (removed by the next save): "
