@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from guardrails._events import EVENTS_FILE, json_safe
-from guardrails._telemetry import METRICS_DIR, read_metrics
+from guardrails._metrics_file import METRICS_DIR, read_metrics
 from guardrails._text import shorten
 
 logger = logging.getLogger("guardrails")

@@ -34,7 +34,6 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +47,7 @@ from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._events import EVENTS_FILE
 from guardrails._lagged import Copy, LaggedCopy
+from guardrails._metrics_file import METRICS_DIR, SCHEMA
 from guardrails._sinks import ABORT_WAIT_S, EventTail, SinkRunner, build, check_sinks, end_event
 
 if TYPE_CHECKING:
@@ -57,8 +57,6 @@ try:  # ru_maxrss gives peak RSS on CPU runs; absent on Windows.
     import resource
 except ImportError:  # pragma: no cover
     resource = None  # type: ignore[assignment]
-
-METRICS_DIR = "metrics.parquet"
 
 #: Device columns, in ring order. float32: the loss and norm are read for humans.
 DEVICE_COLUMNS = ("loss", "grad_norm", "skipped")
@@ -72,26 +70,6 @@ HOST_COLUMNS = (
     "tokens",
     "gc_s",
     "mem_peak_bytes",
-)
-
-#: The schema of ``metrics.parquet``; documented in docs/metrics.md (tests/test_docs.py checks).
-SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),  # optimizer step, 1-based
-        ("rank", pa.int32()),
-        ("started_at", pa.float64()),  # unix time this guard started: tells runs apart
-        ("time", pa.float64()),  # unix time at the end of the step
-        ("loss", pa.float32()),  # mean loss over the step's micro-batches
-        ("grad_norm", pa.float32()),  # total L2 grad norm before the update
-        ("lr", pa.float64()),  # first param group's LR
-        ("step_time_s", pa.float64()),  # end of previous step -> end of this one
-        ("data_wait_s", pa.float64()),  # time blocked in the loader's next()
-        ("tokens", pa.int64()),  # tokens in the step (null when unknown)
-        ("tokens_per_s", pa.float64()),
-        ("gc_s", pa.float64()),  # time in Python's GC during the step (GCScheduler)
-        ("mem_peak_bytes", pa.int64()),  # CUDA max allocated so far / CPU peak RSS
-        ("skipped", pa.bool_()),  # the update was skipped (NanGuard)
-    ]
 )
 
 
@@ -377,18 +355,3 @@ def _mem_peak_bytes(device: torch.device) -> float:
     if resource is not None:
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
     return math.nan
-
-
-def read_metrics(run_dir: str | Path) -> pa.Table:
-    """All rows of ``run_dir/metrics.parquet`` (every rank, every run that used this
-    directory), sorted by (started_at, rank, step)."""
-    path = Path(run_dir) / METRICS_DIR
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"no metrics at {path}: was a guard run with run_dir={str(run_dir)!r} and "
-            "metrics=True? Metrics are written at close and every metrics_write_every_s."
-        )
-    table = pq.read_table(path, schema=SCHEMA)
-    return table.sort_by(
-        [("started_at", "ascending"), ("rank", "ascending"), ("step", "ascending")]
-    )
