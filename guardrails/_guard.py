@@ -288,7 +288,9 @@ class Guard(StepState):
         atexit.register(self._close_at_exit)
         try:
             self.generation = _store.next_generation()
+            published = _store.publish_run_id(self.generation)  # before the collective
             self.side_group = _store.open_side_group()
+            run_id = _store.read_run_id(self.generation, published)
             self._handles = [
                 _wrap_step(opt, name, self, counted=i == 0)
                 for i, (name, opt) in enumerate(self.optimizers.items())
@@ -310,6 +312,7 @@ class Guard(StepState):
             self._check_optimizer_coverage()
             self.event(
                 "start",
+                run=run_id,  # the same on every rank: tells runs in one run_dir apart
                 world_size=self.world_size,
                 device=str(self.device),
                 components=[c.name for c in self.components],

@@ -22,6 +22,8 @@ import argparse
 import datetime
 import json
 import logging
+import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,8 @@ _FAILURES = {
 _TOLD = {
     "start",
     "end",
+    "stopped",
+    "resumed",
     "nonfinite",
     "nonfinite_recovered",
     "spike",
@@ -109,8 +113,10 @@ def _metrics_rows(run_dir: Path) -> tuple[dict[str, np.ndarray], str | None]:
 class Run:
     """One run: its start time per rank, its events and its metrics rows."""
 
-    def __init__(self, starts: dict[int, float]) -> None:
+    def __init__(self, starts: dict[int, float], run_id: str | None = None) -> None:
         self.starts = starts  # rank -> start time (start event, else started_at)
+        self.run_id = run_id  # the start events' shared id (None in logs from before it)
+        self.world_size: int | None = None  # from the start events
         self.events: list[dict[str, Any]] = []
         self.rows: dict[str, np.ndarray] = {}
 
@@ -118,33 +124,67 @@ class Run:
     def started(self) -> float:
         return min(self.starts.values())
 
+    def takes(self, rank: int, world_size: int | None) -> bool:
+        """Whether a ``start`` of ``rank`` without a run id joins this run (logs
+        written before start events carried one): every rank starts once per run, a run
+        has ``world_size`` ranks and the next run may have another world size."""
+        if self.run_id is not None or rank in self.starts:
+            return False
+        if world_size is None or self.world_size is None:
+            return True
+        full = len(self.starts) >= self.world_size
+        return world_size == self.world_size and rank < world_size and not full
+
 
 def split_runs(events: list[dict[str, Any]], cols: dict[str, np.ndarray]) -> list[Run]:
-    """Group events and metrics rows into runs, oldest first. A new run begins at a
-    ``start`` of a rank the current run already has (every rank starts once per run)."""
-    starts: list[tuple[float, int]] = [
-        (float(e["time"]), int(e.get("rank", 0))) for e in events if e.get("kind") == "start"
-    ]
-    have = {r for _, r in starts}
+    """Group events and metrics rows into runs, oldest first.
+
+    The ``start`` events say which run a rank's start belongs to: the id on each
+    (``run``, shared by the ranks of one run). Logs from before the id fall back to a
+    rule: a run takes one start per rank, up to its ``world_size`` ranks. Each rank's
+    later events and rows then belong to that rank's latest run started before them.
+    """
+    starts = sorted(
+        (float(e["time"]), int(e.get("rank", 0)), e) for e in events if e.get("kind") == "start"
+    )
+    have = {r for _, r, _ in starts}
     if cols:  # ranks with metrics but no start event (events turned off)
         pairs = set(zip(cols["rank"].tolist(), cols["started_at"].tolist(), strict=True))
-        starts += [(t, r) for r, t in pairs if r not in have]
-    starts.sort()
+        starts += sorted((t, r, {}) for r, t in pairs if r not in have)
+        starts.sort(key=lambda x: (x[0], x[1]))
     runs: list[Run] = []
-    for t, r in starts:
-        if not runs or r in runs[-1].starts:
-            runs.append(Run({}))
-        runs[-1].starts[r] = t
+    by_id: dict[str, Run] = {}
+    for t, r, e in starts:
+        run_id = e.get("run")
+        world = e.get("world_size")
+        if run_id is not None:
+            run = by_id.get(run_id)
+            if run is None:
+                run = by_id[run_id] = Run({}, run_id)
+                runs.append(run)
+        else:
+            # The newest run without an id that can still take this rank, else a new one.
+            old = [x for x in runs if x.run_id is None]
+            run = old[-1] if old and old[-1].takes(r, world) else None
+            if run is None:
+                run = Run({})
+                runs.append(run)
+        run.starts[r] = t
+        if world is not None:
+            run.world_size = int(world)
     if not runs and events:  # events but no start (a truncated log): one run
         runs.append(Run({int(events[0].get("rank", 0)): float(events[0]["time"])}))
+    runs.sort(key=lambda x: x.started)
 
     def owner(rank: int, t: float) -> Run | None:
         best = None
         for run in runs:
             s = run.starts.get(rank)
-            if s is not None and s <= t + 1e-6:
+            if s is not None and s <= t + 1e-6 and (best is None or s >= best.starts[rank]):
                 best = run
-        return best or (runs[0] if runs else None)
+        if best is None:  # before any start of this rank (a torn log): its first run
+            best = next((x for x in runs if rank in x.starts), runs[0] if runs else None)
+        return best
 
     for e in events:
         run = owner(int(e.get("rank", 0)), float(e.get("time", 0.0)))
@@ -153,18 +193,21 @@ def split_runs(events: list[dict[str, Any]], cols: dict[str, np.ndarray]) -> lis
     if cols:
         keys = list(zip(cols["rank"].tolist(), cols["started_at"].tolist(), strict=True))
         which = {k: owner(int(k[0]), float(k[1])) for k in set(keys)}
-        for i, run in enumerate(runs):
+        for run in runs:
             mask = np.array([which[k] is run for k in keys], dtype=bool)
             if mask.any():
-                runs[i].rows = {name: col[mask] for name, col in cols.items()}
+                run.rows = {name: col[mask] for name, col in cols.items()}
     return runs
 
 
 # ---------------------------------------------------------------------------- the story
 
 
-def summarize(run: Run, run_dir: Path) -> dict[str, Any]:
-    """The facts of one run, JSON-able: what ``--json`` prints and the text is made of."""
+def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[str, Any]:
+    """The facts of one run, JSON-able: what ``--json`` prints and the text is made of.
+    ``runs``: every run in ``run_dir``, oldest first, to say which run a resume
+    continued and which one continued a stopped run."""
+    runs = runs if runs is not None else [run]
     ev = run.events
     rows = run.rows
     by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -295,15 +338,20 @@ def summarize(run: Run, run_dir: Path) -> dict[str, Any]:
         }
         for (kind, step, message), ranks in failures.items()
     ]
+    # One checkpoint per step, however many ranks logged writing their part of it.
+    saved: dict[tuple[int, str], dict[str, Any]] = {}
+    for k, es in by_kind.items():
+        if "checkpoint" in k or k == "save":
+            for e in es:
+                saved.setdefault((int(e["step"]), k), e)
     s["checkpoints"] = [
         {"step": e["step"], "kind": e["kind"], "path": _rel(e.get("path"), run_dir)}
-        for k, es in by_kind.items()
-        if "checkpoint" in k or k == "save"
-        for e in es
+        for _, e in sorted(saved.items(), key=lambda kv: kv[0])
     ]
     s["other_events"] = {
         k: len(es) for k, es in sorted(by_kind.items()) if k not in _TOLD and "checkpoint" not in k
     }
+    s["resumed"] = _resumed(run, runs, run_dir)
     if ends:
         errors = [e for e in ends if e.get("error")]
         s["ended"] = {
@@ -316,6 +364,7 @@ def summarize(run: Run, run_dir: Path) -> dict[str, Any]:
         }
         missing = sorted(set(ranks) - {e.get("rank") for e in ends})
         s["ended"]["missing_ranks"] = missing
+        s["ended"]["preempted"] = _preempted(run, by_kind, errors, runs, run_dir)
     else:
         s["ended"] = None
     s["last_seen"] = _iso(last_time)
@@ -348,6 +397,17 @@ def story(s: dict[str, Any]) -> str:
             f"  steps        {s['last_step']} reached (from events); no metric rows were "
             f"written: the run ended before its first part (parts are written every "
             f"metrics_write_every_s, default 60 s, and at close); wall time {_dur(s['wall_s'])}"
+        )
+    r = s.get("resumed")
+    if r:
+        src = f" (saved by run {r['from_run']})" if r.get("from_run") else ""
+        lines.append(
+            f"  resumed      at step {r['step']} from {r['checkpoint'] or 'a checkpoint'}{src}"
+            + (
+                f"; the plot starts with run {r['from_run']}'s steps up to {r['step']}"
+                if r.get("earlier_rows")
+                else ""
+            )
         )
     tps = s.get("tokens_per_s_median")
     if tps:
@@ -433,6 +493,25 @@ def story(s: dict[str, Any]) -> str:
             f"  ended        no end event: the process died (SIGKILL / OOM killer / node "
             f"failure) after step {s['last_step']}; last sign of life {s['last_seen']}"
         )
+    elif e.get("preempted"):
+        p = e["preempted"]
+        saved = (
+            f"checkpoint {Path(p['checkpoint']).name} saved"
+            if p.get("checkpoint")
+            else "no checkpoint was saved"
+        )
+        then = (
+            f"resumed by run {p['resumed_by']}"
+            if p.get("resumed_by")
+            else "resume with: the same command (guard(..., resume='auto') continues "
+            f"from step {p['step']})"
+            if p.get("checkpoint")
+            else "the run restarts from its last checkpoint, if any"
+        )
+        lines.append(
+            f"  ended        stopped by {p['signal']} at step {p['step']} (a pre-emption); "
+            f"{saved}; {then}"
+        )
     elif e["error"]:
         how = " (ended by guardrails while stuck)" if e.get("aborted") else ""
         lines.append(
@@ -449,12 +528,116 @@ def story(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_SIGNAL_EXIT = re.compile(r"^SystemExit: (\d+)$")
+
+
+def _preempted(
+    run: Run,
+    by_kind: dict[str, list[dict[str, Any]]],
+    errors: list[dict[str, Any]],
+    runs: list[Run],
+    run_dir: Path,
+) -> dict[str, Any] | None:
+    """How a run stopped by a signal ended: the signal, the step, the checkpoint saved
+    (the ``stopped`` event) and the run that resumed from it; ``None`` otherwise. A
+    signal stop ends with a non-zero exit (128 + the signal: 143 for SIGTERM), which
+    the ``end`` event records like an error; it is not one."""
+    stopped = by_kind.get("stopped", [])
+    if stopped:
+        first = min(stopped, key=lambda e: (int(e["step"]), e.get("rank", 0)))
+        path = first.get("path")
+        out = {
+            "signal": first.get("signal") or "a signal",
+            "step": int(first["step"]),
+            "checkpoint": _rel(path, run_dir),
+            "resumed_by": None,
+        }
+        later = runs[runs.index(run) + 1 :] if run in runs else []
+        for i, other in enumerate(later, runs.index(run) + 2):
+            for e in other.events:
+                if e.get("kind") == "resumed" and _same_path(e.get("path"), path):
+                    out["resumed_by"] = i
+                    return out
+        return out
+    # A signal stop that saved nothing (no SignalCheckpointer): "SystemExit: 143".
+    for e in errors:
+        m = _SIGNAL_EXIT.match((e.get("error") or "").strip())
+        if m and 128 < int(m.group(1)) < 128 + 65:
+            num = int(m.group(1)) - 128
+            try:
+                name = signal.Signals(num).name
+            except ValueError:
+                name = f"signal {num}"
+            return {"signal": name, "step": int(e["step"]), "checkpoint": None, "resumed_by": None}
+    return None
+
+
+def _resumed(run: Run, runs: list[Run], run_dir: Path) -> dict[str, Any] | None:
+    """Where a resumed run continued from: the step, the checkpoint and the earlier run
+    that saved it (whose rows up to that step start this run's plot)."""
+    ev = next((e for e in run.events if e.get("kind") == "resumed"), None)
+    if ev is None:
+        return None
+    src = _source(run, runs, ev)
+    earlier = _history(run, runs)
+    return {
+        "step": int(ev["step"]),
+        "checkpoint": _rel(ev.get("path"), run_dir),
+        "from_run": runs.index(src) + 1 if src is not None else None,
+        "earlier_rows": len(earlier.get("step", ())) - len(run.rows.get("step", ())),
+    }
+
+
+def _source(run: Run, runs: list[Run], ev: dict[str, Any]) -> Run | None:
+    """The earlier run that saved the checkpoint ``run`` resumed from (its ``resumed``
+    event ``ev``): the one that logged saving that path, else the newest earlier run
+    with rows up to the resume step."""
+    before = runs[: runs.index(run)] if run in runs else []
+    path, step = ev.get("path"), int(ev["step"])
+    for other in reversed(before):
+        for e in other.events:
+            if e.get("kind") in ("checkpoint", "stopped") and _same_path(e.get("path"), path):
+                return other
+    for other in reversed(before):
+        steps = other.rows.get("step")
+        if steps is not None and len(steps) and int(steps.min()) <= step:
+            return other
+    return None
+
+
+def _history(run: Run, runs: list[Run], depth: int = 0) -> dict[str, np.ndarray]:
+    """``run``'s rows preceded by the rows of the runs it resumed from, up to each
+    resume step: the curve of the training, not of the process."""
+    ev = next((e for e in run.events if e.get("kind") == "resumed"), None)
+    src = None if ev is None or depth > 64 else _source(run, runs, ev)
+    if src is None or not run.rows:
+        return run.rows
+    earlier = _history(src, runs, depth + 1)
+    if not earlier:
+        return run.rows
+    keep = earlier["step"] <= int(ev["step"])  # type: ignore[index]
+    return {
+        name: np.concatenate([earlier[name][keep], col]) if name in earlier else col
+        for name, col in run.rows.items()
+    }
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    if not a or not b:
+        return False
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return a == b
+
+
 # ---------------------------------------------------------------------------- the plot
 
 
-def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
-    """Loss, grad norm (log) and LR over steps, skipped steps and spikes marked.
-    False when matplotlib is missing or there are no rows to draw."""
+def plot(run: Run, s: dict[str, Any], path: Path, runs: list[Run] | None = None) -> bool:
+    """Loss, grad norm (log) and LR over steps, skipped steps and spikes marked; a
+    resumed run's curve starts with the rows of the run it resumed from, up to the
+    resume step (marked). False when matplotlib is missing or there are no rows."""
     try:
         import matplotlib
 
@@ -463,15 +646,17 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
         import matplotlib.ticker
     except ImportError:
         return False
-    rows = run.rows
+    rows = _history(run, runs or [run])
     if not len(rows.get("step", ())):
         return False
+    resumed = s.get("resumed")
     fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7.5), constrained_layout=True)
     panels = (("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("lr", "LR", "linear"))
     ranks = np.unique(rows["rank"])
     for ax, (col, label, scale) in zip(axes, panels, strict=True):
         for r in ranks:
-            m = rows["rank"] == r
+            m = np.flatnonzero(rows["rank"] == r)
+            m = m[np.argsort(rows["step"][m], kind="stable")]
             x = rows["step"][m]
             y = rows[col][m].astype(np.float64)
             # NaN, not dropped: a skipped step shows as a gap in the line.
@@ -486,13 +671,21 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
             ax.axvline(step, color="red", alpha=0.5, lw=1, label="skipped" if i == 0 else None)
         for i, sp in enumerate(s["spikes"]):
             ax.axvline(sp["step"], color="orange", ls="--", lw=1, label="spike" if i == 0 else None)
+        if resumed and resumed.get("earlier_rows"):
+            where = f"resumed here (run {resumed['from_run']}'s steps before)"
+            ax.axvline(resumed["step"], color="green", ls=":", lw=1.5, label=where)
     axes[-1].set_xlabel("optimizer step")
     axes[-1].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     handles = axes[0].get_legend_handles_labels()
     if handles[0]:
         axes[0].legend(loc="upper right", fontsize="small")
     end = s["ended"]
-    how = "no end event (died)" if end is None else ("error" if end["error"] else "clean")
+    if end is None:
+        how = "no end event (died)"
+    elif end.get("preempted"):
+        how = f"stopped by {end['preempted']['signal']}"
+    else:
+        how = "error" if end["error"] else "clean"
     axes[0].set_title(f"{s['run_dir']}: run started {s['started']}, ended {how}", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -567,14 +760,14 @@ def main(args: argparse.Namespace) -> int:
     facts = []
     texts = []
     for i, run in enumerate(chosen):
-        s = summarize(run, run_dir)
+        s = summarize(run, run_dir, runs)
         s["run"] = runs.index(run) + 1
         s["runs_in_dir"] = len(runs)
         if not args.no_png:
             png = args.png or run_dir / "report.png"
             if len(chosen) > 1:
                 png = png.with_name(f"{png.stem}-run{s['run']}{png.suffix}")
-            if plot(run, s, png):
+            if plot(run, s, png, runs):
                 s["png"] = str(png)
             elif not run.rows:
                 s["png"] = None

@@ -34,6 +34,7 @@ import itertools
 import json
 import logging
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -70,6 +71,33 @@ def side_store(generation: int, name: str) -> dist.Store | None:
     return dist.PrefixStore(
         f"guardrails/g{generation}/{name}/", distributed_c10d._get_default_store()
     )
+
+
+def publish_run_id(generation: int) -> str | None:
+    """A new id for this guard's run, the same on every rank: rank 0 draws it and puts
+    it in the side store; call it *before* a collective every rank passes (the side
+    group's creation), then :func:`read_run_id` after it, so no rank ever waits for the
+    key. Returns the id on rank 0 (and in a single process), ``None`` elsewhere.
+
+    ``run_dir/events.jsonl`` is shared by every run that used the directory and every
+    rank; the id on each rank's ``start`` event is what tells runs apart (start times
+    cannot: a rank's start can come before rank 0's, and a run can add ranks)."""
+    store = side_store(generation, "run")
+    if store is not None and dist.get_rank() != 0:
+        return None
+    run_id = uuid.uuid4().hex[:12]
+    if store is not None:
+        store.set("id", run_id)
+    return run_id
+
+
+def read_run_id(generation: int, published: str | None) -> str:
+    """This guard's run id: ``published`` (rank 0's own), else rank 0's from the store."""
+    if published is not None:
+        return published
+    store = side_store(generation, "run")
+    assert store is not None  # publish_run_id returned None: distributed
+    return bytes(store.get("id")).decode()
 
 
 def open_side_group(timeout_s: float = 600.0) -> dist.ProcessGroup | None:

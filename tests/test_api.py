@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import pickle
 import subprocess
 import sys
@@ -68,6 +69,35 @@ def test_all_is_pinned_and_sorted():
     assert guardrails.__all__ == sorted(guardrails.__all__)
     for name in guardrails.__all__:
         assert hasattr(guardrails, name), name
+
+
+def test_names_load_on_first_use_and_type_checkers_see_the_same_ones():
+    """``import guardrails`` imports no torch (the CLI's report and inspect start
+    without it); the first use of a name imports its module. The TYPE_CHECKING imports
+    (what IDEs and type checkers read) name the same modules as the lazy table."""
+    code = (
+        "import sys, guardrails; print('torch' in sys.modules); guardrails.guard; "
+        "print('torch' in sys.modules, 'guardrails._factory' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+    assert guardrails.__all__ == sorted([*guardrails._EXPORTS, "__version__"])
+    tree = ast.parse(Path(guardrails.__file__).read_text())
+    typed = {
+        alias.name: node.module.rsplit(".", 1)[1]
+        for block in tree.body
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    assert typed == guardrails._EXPORTS
+    for name, module in guardrails._EXPORTS.items():
+        assert getattr(guardrails, name).__module__ == f"guardrails.{module}", name
+    assert set(guardrails.__all__) <= set(dir(guardrails))
+    assert guardrails._checkpoint.verify_checkpoint  # private modules still read as attributes
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        guardrails.nope  # noqa: B018
 
 
 @pytest.mark.parametrize("name", ERRORS)

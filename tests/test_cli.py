@@ -299,3 +299,202 @@ def test_the_guardrails_command_is_the_same_cli():
     for sub in ("doctor", "report", "inspect", "bench", "run"):
         assert sub in proc.stdout
     assert cli("--help").stdout.startswith("usage: python -m guardrails ")
+
+
+# ------------------------------------------------------ runs sharing one run_dir
+
+WORLD = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    import guardrails
+    from conftest import Regressor, batches
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guardrails.guard(model, opt, batches(6), run_dir=sys.argv[1], progress=False,
+                          checkpoint=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    """
+)
+
+
+def test_report_all_splits_a_one_rank_run_from_the_two_rank_run_after_it(tmp_path):
+    """A debugging run on one process, then the real one on two ranks, in one run_dir.
+    Rank 1's start came before rank 0's about half the time, and the report put rank 1
+    (its events and rows) into the one-rank run: runs are told apart by the id every
+    rank of a run logs on its start event, not by start times."""
+    from _ranks import run_ranks
+
+    script = tmp_path / "world.py"
+    script.write_text(WORLD)
+    run_dir = tmp_path / "run"
+    for world in (1, 2):
+        for r in run_ranks(
+            [sys.executable, str(script), str(run_dir)], world, out=tmp_path / f"w{world}"
+        ):
+            assert r.code == 0, r.out
+    starts = [e for e in _events(run_dir) if e["kind"] == "start"]
+    assert len({e["run"] for e in starts}) == 2 and len(starts) == 3
+
+    def check(runs):
+        one, two = runs
+        assert (one["run"], one["ranks"], one["metrics_rows"]) == (1, [0], 6), one
+        assert (two["run"], two["ranks"], two["metrics_rows"]) == (2, [0, 1], 12), two
+        assert two["steps_per_rank"] == {"0": 6, "1": 6}
+        assert two["ended"]["ranks"] == [0, 1] and two["ended"]["missing_ranks"] == []
+        assert one["ended"]["ranks"] == [0] and one["ended"]["clean"]
+
+    check(json.loads(cli("report", str(run_dir), "--all", "--json", "--no-png").stdout))
+    # Logs written before start events carried the id: the same split, by world size.
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    stripped = [{k: v for k, v in json.loads(ln).items() if k != "run"} for ln in lines]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in stripped))
+    check(json.loads(cli("report", str(run_dir), "--all", "--json", "--no-png").stdout))
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------ pre-emption and resume
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """The example stopped by SIGTERM at step 6 of 12 (exit 143, checkpoint step 6),
+    its report then, and the same command again: a second run that resumes at step 6."""
+    tmp = tmp_path_factory.mktemp("preempted")
+    run_dir = tmp / "run"
+    args = [str(EXAMPLE), "--run-dir", str(run_dir), "--steps", "12", "--batch-size", "4"]
+    args += ["--sample", "0", "--inject", "sigterm"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+
+    def run():
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp
+        )
+
+    first = run()
+    assert first.returncode == 143, first.stdout + first.stderr
+    before = cli("report", str(run_dir), "--no-png").stdout
+    second = run()
+    assert second.returncode == 0, second.stdout + second.stderr
+    return run_dir, before
+
+
+def test_a_preemption_is_reported_as_one_not_as_an_error(preempted):
+    run_dir, before = preempted
+    assert "run 1 of 1" in before
+    assert (
+        "  ended        stopped by SIGTERM at step 6 (a pre-emption); checkpoint "
+        "step_000000006 saved; resume with: the same command (guard(..., resume='auto') "
+        "continues from step 6)" in before
+    ), before
+    assert "with an error" not in before and "SystemExit" not in before
+    # Once resumed, the stopped run's story says which run took over.
+    runs = json.loads(cli("report", str(run_dir), "--all", "--json", "--no-png").stdout)
+    stop = runs[0]["ended"]["preempted"]
+    assert stop == {
+        "signal": "SIGTERM",
+        "step": 6,
+        "checkpoint": "checkpoints/step_000000006",
+        "resumed_by": 2,
+    }
+    text = cli("report", str(run_dir), "--all", "--no-png").stdout
+    assert (
+        "stopped by SIGTERM at step 6 (a pre-emption); checkpoint step_000000006 saved; "
+        "resumed by run 2" in text
+    ), text
+
+
+def test_a_resumed_run_says_where_and_its_plot_starts_at_step_1(preempted, tmp_path):
+    run_dir, _ = preempted
+    png = tmp_path / "resumed.png"
+    facts = json.loads(cli("report", str(run_dir), "--json", "--png", str(png)).stdout)
+    assert facts["run"] == 2 and facts["metrics_rows"] == 6  # its own steps 7-12
+    assert facts["resumed"] == {
+        "step": 6,
+        "checkpoint": "checkpoints/step_000000006",
+        "from_run": 1,
+        "earlier_rows": 6,  # run 1's steps 1-6 start the curve
+    }
+    assert_png(png)
+    out = cli("report", str(run_dir), "--no-png").stdout
+    assert (
+        "  resumed      at step 6 from checkpoints/step_000000006 (saved by run 1); the plot "
+        "starts with run 1's steps up to 6" in out
+    ), out
+    assert "  ended        cleanly at step 12" in out
+
+
+# ------------------------------------------------------ start without torch
+
+
+def _imported(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """Run ``cmd`` with ``-X importtime`` (PYTHONPROFILEIMPORTTIME): its stdout and
+    every module it imported."""
+    full = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    modules = [
+        ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import")
+    ]
+    return proc.stdout, modules
+
+
+def test_report_inspect_and_help_never_import_torch(preempted, tmp_path):
+    """Importing torch was 4.3 s of a report's 4.6 s start here: report, inspect and
+    --help import none of it, through ``python -m guardrails`` and the console script."""
+    run_dir, _ = preempted
+    png = tmp_path / "r.png"
+    script = Path(sys.executable).parent / "guardrails"
+    entries = [[sys.executable, "-m", "guardrails"]]
+    if script.exists():  # pip install -e . puts it beside the interpreter
+        entries.append([str(script)])
+    for entry in entries:
+        for args, says, module in (
+            (["--help"], "report", "guardrails"),
+            (["report", str(run_dir), "--png", str(png)], "resumed      at step 6", "pyarrow"),
+            (["report", "--help"], "--all", "guardrails._metrics_file"),
+            (["inspect", str(run_dir)], "resume would use: ", "guardrails._text"),
+        ):
+            out, modules = _imported([*entry, *args])
+            assert says in out, out
+            assert module in modules  # the log is read right (it names no importlib import)
+            torch = [m for m in modules if m == "torch" or m.startswith("torch.")]
+            assert not torch, f"{' '.join(args)} imported {torch[:3]}"
+    assert_png(png)
+    # A checkpoint's verification is as strict as resume's: a flipped byte is named.
+    ckpt = run_dir / "checkpoints" / "step_000000012"
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    proc = cli("inspect", str(run_dir))  # exit 0: step 6 is still valid
+    assert f"why: {weights} is corrupt: its sha256 does not match the manifest" in proc.stdout
+    assert "resume would use: " in proc.stdout and proc.stdout.rstrip().endswith("step_000000006")
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+
+
+def test_the_command_table_lists_each_command_with_its_own_help():
+    """--help lists the commands from a table, without importing their modules: the
+    table's help is each module's own."""
+    import argparse
+    import importlib
+
+    from guardrails.__main__ import COMMANDS
+
+    for name, (module, help_text) in COMMANDS.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).add_parser(sub)
+        (action,) = sub._choices_actions
+        assert (action.dest, action.help) == (name, help_text)
