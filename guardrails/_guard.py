@@ -51,6 +51,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -407,6 +408,8 @@ class Guard(StepState):
         else:
             final = None
         self._end_event(final)
+        if final is None or (isinstance(final, SystemExit) and self.exit_code is not None):
+            self._point_to_report()
         if final is not None and exc is None:
             raise final
         if exc is not None and self._replacement is not None:
@@ -416,6 +419,22 @@ class Guard(StepState):
             from guardrails import _exit
 
             raise _exit.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
+
+    def _point_to_report(self) -> None:
+        """One line on rank 0 at a clean end or a signal stop: the command that tells
+        the run's story. Not after an error: its own report follows on stderr, and a
+        line before it would only push it up. Logged at INFO where the user's logging
+        shows that, else printed when stderr is a terminal outside CI (the progress
+        bar's rule): a script under a test runner or a benchmark loop stays quiet."""
+        if self.rank != 0:
+            return
+        import shlex
+
+        line = f"guardrails: this run's report: guardrails report {shlex.quote(str(self.run_dir))}"
+        if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+            logger.info(line)
+        elif sys.stderr is not None and sys.stderr.isatty() and not os.environ.get("CI"):
+            print(line, file=sys.stderr, flush=True)
 
     def _end_event(self, error: BaseException | None, **fields: Any) -> None:
         """The run's last event, once: how it ended (``error``: ``None`` for a clean

@@ -498,3 +498,80 @@ def test_the_command_table_lists_each_command_with_its_own_help():
         importlib.import_module(module).add_parser(sub)
         (action,) = sub._choices_actions
         assert (action.dest, action.help) == (name, help_text)
+
+
+# ------------------------------------------------------ the pointer at the end of a run
+
+POINTER = textwrap.dedent(
+    """
+    import logging, sys, torch
+    import guardrails
+    from conftest import Regressor, batches
+
+    run_dir, how = sys.argv[1], sys.argv[2]
+    if how == "info":
+        logging.basicConfig(level=logging.INFO, format="LOG %(name)s: %(message)s")
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guardrails.guard(model, opt, batches(4), run_dir=run_dir, progress=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if how == "error" and g.step == 2:
+                raise RuntimeError("the loop's own bug")
+    """
+)
+
+
+def _on_a_terminal(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run ``cmd`` with its stderr on a real pseudo-terminal: (exit code, stderr)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=slave, env=env, cwd=ROOT)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(timeout=120), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+def test_a_run_ends_with_one_line_naming_its_report(tmp_path):
+    script = tmp_path / "pointer.py"
+    script.write_text(POINTER)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    run_dir = tmp_path / "my run"  # a space: the command must still paste
+    line = f"guardrails: this run's report: guardrails report '{run_dir}'"
+
+    code, err = _on_a_terminal([sys.executable, str(script), str(run_dir), "plain"], env)
+    assert code == 0 and err.count(line) == 1 and err.strip() == line, err
+    # Not on a pipe (a test runner, a benchmark loop, a log file): quiet.
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run_dir), "plain"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and "guardrails report" not in proc.stderr, proc.stderr
+    # Where the user's logging shows INFO, it is logged there (once, not also printed).
+    code, err = _on_a_terminal([sys.executable, str(script), str(run_dir), "info"], env)
+    assert code == 0 and err.count("guardrails report") == 1, err
+    assert f"LOG guardrails.guard: {line}" in err
+    # After an error, the error's own report is what to read: no pointer above it.
+    code, err = _on_a_terminal([sys.executable, str(script), str(run_dir), "error"], env)
+    assert code == 1 and "RuntimeError: the loop's own bug" in err, err
+    assert "guardrails report" not in err
+    # And the pointer is right: the newest of the four runs in the directory.
+    out = cli("report", str(run_dir), "--no-png").stdout
+    assert "run 4 of 4" in out and "ended        with an error at step 2" in out
