@@ -35,7 +35,6 @@ the level:
     ``guardrails.preflight``    Preflight: checks before the first step
     ``guardrails.launch``       launch checks (``check_launch``, ``@record``)
     ``guardrails.record``       ``@record``: error files, the process's exit
-    ``guardrails.explain``      ErrorExplainer
     ``guardrails.ddp``          GuardedDDP
     ``guardrails.benchmark``    benchmark mode (``guard(benchmark=True)``)
     ``guardrails.report``       ``python -m guardrails report``

@@ -123,7 +123,7 @@ from guardrails._store import claim_verdict, read_verdict
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
-log = logging.getLogger("guardrails")
+log = logging.getLogger("guardrails.audit")
 _get_ident = threading.get_ident  # bound once: read on every collective call
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from guardrails import _dist
 from guardrails._audit_seq import _digest, _row
 
-log = logging.getLogger("guardrails")
+log = logging.getLogger("guardrails.audit")
 
 _SLOT = 256  # flight-recorder slot: seq, step, payload length, payload
 _SLOTS = 64

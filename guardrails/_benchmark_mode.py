@@ -31,6 +31,7 @@ not counted in-loop (``tests/test_gpu.py`` proves none under
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ import torch
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
+
+logger = logging.getLogger("guardrails.benchmark")
 
 #: Steps before sampling starts (compilation, allocator warm-up, GC freeze).
 WARMUP_STEPS = 20

@@ -7,12 +7,15 @@ every bf16 op is emulated through float32. Typically the dtype was picked from
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
+
+logger = logging.getLogger("guardrails.preflight")
 
 
 def _warn_bf16_on_cpu(guard: Guard) -> None:

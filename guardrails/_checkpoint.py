@@ -136,7 +136,7 @@ from guardrails._manifest import read_manifest as _manifest_read
 from guardrails._text import shorten
 from guardrails._version import __version__
 
-log = logging.getLogger("guardrails")
+log = logging.getLogger("guardrails.checkpoint")
 
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ from guardrails import _dist
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
+
+logger = logging.getLogger("guardrails.data")
 
 
 def stateful(loader: Any) -> bool:

@@ -51,7 +51,7 @@ from guardrails._text import shorten
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.ddp")
 
 _INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ,]+)")
 _NAMES = re.compile(r"Parameters which did not receive grad for rank (\d+): ([^\n]+)")

@@ -49,7 +49,7 @@ from guardrails._env_rules import env_flags
 from guardrails._env_rules import flag as _flag
 from guardrails._probes import int_env as _int_env
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.doctor")
 
 #: Variables shown (and compared between ranks): prefixes, then exact names.
 ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "TORCHELASTIC_", "MASTER_", "PYTORCH_")

@@ -16,16 +16,19 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.guard")
 
 EVENTS_FILE = "events.jsonl"
 
 
 class EventLog:
-    """Appends events to ``run_dir/events.jsonl`` and mirrors them to the
-    ``guardrails`` logger (INFO, or WARNING for ``level="warning"``)."""
+    """Appends events to ``run_dir/events.jsonl`` and mirrors them to a logger: the
+    emitting part's (``guardrails.nan``, ``guardrails.watchdog``...: see
+    :func:`logger_of`), else ``guardrails.guard``; INFO, or WARNING for
+    ``level="warning"``."""
 
     def __init__(self, run_dir: Path, *, rank: int) -> None:
         self.path = run_dir / EVENTS_FILE
@@ -33,7 +36,14 @@ class EventLog:
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def emit(
-        self, kind: str, *, step: int, level: str = "info", message: str = "", **fields: Any
+        self,
+        kind: str,
+        *,
+        step: int,
+        level: str = "info",
+        message: str = "",
+        log: logging.Logger | None = None,
+        **fields: Any,
     ) -> dict[str, Any]:
         record: dict[str, Any] = {
             "time": time.time(),
@@ -47,14 +57,30 @@ class EventLog:
         if self._fd is not None:
             line = json.dumps(json_safe(record), default=str, separators=(",", ":")) + "\n"
             os.write(self._fd, line.encode())
-        log = {"warning": logger.warning, "error": logger.error}.get(level, logger.info)
-        log("[rank %d step %d] %s%s", self.rank, step, kind, f": {message}" if message else "")
+        to = log or logger
+        say = {"warning": to.warning, "error": to.error}.get(level, to.info)
+        say("[rank %d step %d] %s%s", self.rank, step, kind, f": {message}" if message else "")
         return record
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def logger_of(frame: FrameType | None) -> logging.Logger | None:
+    """The logger of the guardrails module running ``frame`` (its module-level
+    ``logger`` or ``log``, a ``guardrails.<part>`` logger), or ``None``. How an event
+    reaches the logger of the part that emitted it, so a user can quiet that part alone,
+    without every call site naming its logger. Events are rare (not per step): the
+    lookup is two dict reads."""
+    if frame is None:
+        return None
+    for name in ("logger", "log"):
+        found = frame.f_globals.get(name)
+        if isinstance(found, logging.Logger) and found.name.startswith("guardrails."):
+            return found
+    return None
 
 
 def json_safe(obj: Any) -> Any:

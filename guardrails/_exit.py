@@ -56,7 +56,7 @@ from guardrails._errors import (
     UnevenDataError,
 )
 
-log = logging.getLogger("guardrails")
+log = logging.getLogger("guardrails.record")
 
 #: Exit code per error class (see the module docstring). Looked up along the MRO, so a
 #: subclass gets its parent's code unless it has its own.

@@ -29,6 +29,7 @@ information, not as a warning: it is not a stall of the training loop's making.
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import time
 from collections import deque
@@ -41,6 +42,8 @@ from guardrails._config import configure
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
+
+logger = logging.getLogger("guardrails.gc")
 
 
 def _compiling() -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.guard")
 
 #: Captures allowed in one run before the guard stays eager (each costs ~1 ms of host
 #: time and one graph kept; a loop whose gradients move every step would otherwise

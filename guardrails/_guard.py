@@ -68,12 +68,12 @@ from guardrails import _dist, _store
 from guardrails._checks import named, positive_int
 from guardrails._component import HOOKS, Component, check_components, overrides
 from guardrails._errors import GuardrailsError
-from guardrails._events import EventLog
+from guardrails._events import EventLog, logger_of
 from guardrails._gradnorm import GradNorm, total_norm
 from guardrails._model import find_loss as _find_loss
 from guardrails._state import Shared, StepState
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.guard")
 
 #: What ``optimizer`` may be: one optimizer, or several as a list or a dict by name.
 Optimizers = (
@@ -869,11 +869,13 @@ class Guard(StepState):
         step: int | None = None,
         **fields: Any,
     ) -> None:
-        """Append an event to ``run_dir/events.jsonl`` (and the ``guardrails`` logger).
-        ``step`` defaults to the steps completed so far."""
+        """Append an event to ``run_dir/events.jsonl`` (and the logger of the module
+        that calls this: ``guardrails.<part>``). ``step`` defaults to the steps
+        completed so far."""
         if self.events is not None:
             step = self.step if step is None else step
-            self.events.emit(kind, step=step, level=level, message=message, **fields)
+            log = logger_of(sys._getframe(1))
+            self.events.emit(kind, step=step, level=level, message=message, log=log, **fields)
 
     # ------------------------------------------------------------------ optimizer hooks
 

@@ -51,7 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.launch")
 
 DEFAULT_PORT = 29500  # init_process_group's and torchrun's default MASTER_PORT
 #: A TCP connect to MASTER_ADDR is only a reachability probe: "no route" answers in

@@ -24,6 +24,7 @@ without the step's cyclic garbage.
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import time
 import weakref
@@ -42,6 +43,8 @@ from guardrails._mem_stats import fmt_bytes, memory_bytes, storages
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
+
+logger = logging.getLogger("guardrails.memory")
 
 #: Growth below these rates is not reported unless it is tensors holding graphs: a
 #: list of one float or one dict of metrics per step (1-5 heap blocks) is history, not a

@@ -62,6 +62,7 @@ What the host does with the rows (``_diagnose.py`` has the details):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from guardrails._guard import Guard
+
+logger = logging.getLogger("guardrails.nan")
 
 POLICIES = ("skip", "raise", "warn")
 #: The ring row's flag for a step a GradScaler skipped itself (1.0: non-finite).

@@ -46,7 +46,7 @@ from guardrails._mem_stats import (
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.memory")
 
 #: What each value of ``Guard.phase`` means, in the error message.
 PHASES = {

@@ -92,7 +92,7 @@ from guardrails._store import distributed
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.preflight")
 
 
 class Preflight(Component):

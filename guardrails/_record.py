@@ -26,7 +26,7 @@ from typing import Any, TypeVar, cast
 from guardrails import _exit, _launch
 from guardrails._errors import GuardrailsError
 
-log = logging.getLogger("guardrails")
+log = logging.getLogger("guardrails.record")
 
 F = TypeVar("F", bound=Callable[..., Any])
 

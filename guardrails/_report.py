@@ -33,7 +33,7 @@ from guardrails._events import EVENTS_FILE, json_safe
 from guardrails._metrics_file import METRICS_DIR, read_metrics
 from guardrails._text import shorten
 
-logger = logging.getLogger("guardrails")
+logger = logging.getLogger("guardrails.report")
 
 PLOT_HINT = 'PNG not written: matplotlib is missing; pip install "torch-guardrails[plot]"'
 _FIRST_LAST = 10  # loss "first" and "last": mean of this many steps

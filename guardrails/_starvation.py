@@ -12,6 +12,7 @@ the remedies that fit this loader (its ``num_workers``, ``pin_memory``...).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ import torch
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
+
+logger = logging.getLogger("guardrails.memory")
 
 
 class StarvationMeter:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-log = logging.getLogger("guardrails")
+log = logging.getLogger("guardrails.guard")
 
 #: Guards started in this process so far. Every rank starts its guards in the same order,
 #: so the count is the same on every rank and makes key names unique per guard.

@@ -28,6 +28,7 @@ sinks run on their own thread, once per part, never per step.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -57,6 +58,8 @@ try:  # ru_maxrss gives peak RSS on CPU runs; absent on Windows.
     import resource
 except ImportError:  # pragma: no cover
     resource = None  # type: ignore[assignment]
+
+logger = logging.getLogger("guardrails.telemetry")
 
 #: Device columns, in ring order. float32: the loss and norm are read for humans.
 DEVICE_COLUMNS = ("loss", "grad_norm", "skipped")

@@ -71,7 +71,7 @@ from guardrails._store import claim_verdict, read_verdict
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
-log = logging.getLogger("guardrails")
+log = logging.getLogger("guardrails.watchdog")
 
 # Automatic timeout (hang_timeout_s=None): AUTO_FACTOR times the longest gap between two
 # optimizer steps seen after the first, kept within [AUTO_FLOOR_S, AUTO_CAP_S].

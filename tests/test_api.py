@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
 import pickle
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 import guardrails
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EXPECTED_ALL = [
     "CheckpointError",
@@ -128,6 +134,83 @@ def test_import_adds_no_logging_handler():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "0"]
+
+
+PARTS = textwrap.dedent(
+    """
+    import logging, math, sys, torch
+    import guardrails
+    from conftest import Regressor, batches
+
+    run_dir, quiet = sys.argv[1], sys.argv[2]
+    if quiet != "none":
+        logging.getLogger(quiet).setLevel(logging.ERROR)  # what a user does to quiet a part
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = batches(6)
+    data[2][0][0, 0] = math.nan  # a bad sample: NanGuard skips step 3 (guardrails.nan)
+    # A save slower than 80% of grace_s warns about pre-emption (guardrails.checkpoint).
+    ckpt = {"every_n_steps": 2, "grace_s": 1e-6}
+    with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, checkpoint=ckpt) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    named = [n for n in logging.Logger.manager.loggerDict if n.startswith("guardrails")]
+    bad = [n for n in named if logging.getLogger(n).handlers or not logging.getLogger(n).propagate]
+    print(sorted(named), bad)
+    """
+)
+
+
+def test_each_part_logs_to_its_own_logger_so_one_can_be_quieted(tmp_path):
+    """A user quiets one part by its logger (``guardrails.nan``) and still sees another's
+    warning (``guardrails.checkpoint``), and the other way round; the events file keeps
+    both either way. No guardrails logger has a handler or stops propagating."""
+    script = tmp_path / "parts.py"
+    script.write_text(PARTS)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    nan_says, ckpt_says = "nonfinite: non-finite", "checkpoint_slow: saving a checkpoint took"
+    seen = {}
+    for i, quiet in enumerate(("none", "guardrails.nan", "guardrails.checkpoint")):
+        run_dir = tmp_path / f"run{i}"
+        proc = subprocess.run(
+            [sys.executable, str(script), str(run_dir), quiet],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr
+        seen[quiet] = (nan_says in proc.stderr, ckpt_says in proc.stderr)
+        kinds = {json.loads(ln)["kind"] for ln in (run_dir / "events.jsonl").open()}
+        assert {"nonfinite", "checkpoint_slow"} <= kinds  # the file keeps both
+        named, bad = proc.stdout.strip().rsplit("] ", 1)
+        assert bad == "[]", proc.stdout
+        assert "'guardrails.nan'" in named and "'guardrails.checkpoint'" in named
+    assert seen == {
+        "none": (True, True),
+        "guardrails.nan": (False, True),
+        "guardrails.checkpoint": (True, False),
+    }
+
+
+def test_every_logger_is_a_documented_part_and_every_event_emitter_has_one():
+    """Each module logs as ``guardrails.<part>``, a part listed in the package
+    docstring (where users look it up); a module that emits events has a module-level
+    logger, which is the one its events are logged to."""
+    documented = set(re.findall(r"``(guardrails\.[a-z_]+)``", guardrails.__doc__ or ""))
+    pkg = Path(guardrails.__file__).parent
+    for path in sorted(pkg.glob("*.py")):
+        text = path.read_text()
+        names = re.findall(r"^(?:logger|log) = logging\.getLogger\(\"([^\"]+)\"\)", text, re.M)
+        assert len(names) <= 1, path.name
+        assert all(n in documented for n in names), (path.name, names)
+        if re.search(r"\bguard\.event\(|self\._guard\.event\(|self\.event\(", text):
+            assert names, f"{path.name} emits events but has no guardrails.<part> logger"
+    assert 'logging.getLogger("guardrails")' not in "".join(p.read_text() for p in pkg.glob("*.py"))
 
 
 def test_py_typed_marker_ships():
