@@ -10,7 +10,8 @@ rendezvous port is free. And across nodes: do the ranks agree on all of that (a
 two-node hang can come down to ranks that see different data directories). Doctor
 answers them in one screen:
 
-* versions: torch, CUDA, cuDNN, NCCL, Python; backends available;
+* versions: guardrails, torch (a CPU-only or a CUDA build, and whether it sees a GPU),
+  CUDA, cuDNN, NCCL, Python; backends available;
 * GPUs through NVML (the optional ``nvml`` extra: ``nvidia-ml-py``), else by parsing
   ``nvidia-smi --query-gpu``, else a plain "no GPU" line saying why; throttling
   (clock vs max and the driver's throttle reasons), temperature, ECC errors;
@@ -48,6 +49,7 @@ from guardrails import _probes
 from guardrails._env_rules import env_flags
 from guardrails._env_rules import flag as _flag
 from guardrails._probes import int_env as _int_env
+from guardrails._version import __version__
 
 logger = logging.getLogger("guardrails.doctor")
 
@@ -119,7 +121,15 @@ def collect() -> dict[str, Any]:
             report[key] = {"error": f"{type(exc).__name__}: {exc}"}
     env = {k: v for k, v in os.environ.items() if _relevant(k)}
     report["env"] = {k: _redact(k, v) for k, v in sorted(env.items())}
-    report["flags"] = env_flags(dict(os.environ))
+    versions = report.get("versions") or {}
+    if isinstance(versions, dict) and "torch" in versions:
+        versions["guardrails"] = __version__
+        cuda_build = bool(versions.get("cuda") or versions.get("hip"))
+        gpu_visible = bool(versions.get("cuda_available"))
+    else:  # the torch probe failed: judge everything, as on a GPU machine
+        cuda_build = gpu_visible = True
+    report["flags"] = env_flags(dict(os.environ), cuda_build=cuda_build, gpu_visible=gpu_visible)
+    report["flags"] += _build_flags(versions, report.get("gpus", {}))
     report["flags"] += _gpu_flags(report.get("gpus", {}))
     report["flags"] += _cpu_flags(report.get("cpu", {}))
     return report
@@ -134,6 +144,35 @@ def _redact(name: str, value: str) -> str:
 
 
 # ---------------------------------------------------------------------------- flags
+
+
+def _build_flags(versions: dict[str, Any], gpus: dict[str, Any]) -> list[dict[str, str]]:
+    """GPUs on the host that this torch cannot use."""
+    n = len(gpus.get("devices") or [])
+    if not n or "torch" not in versions:
+        return []
+    if not (versions.get("cuda") or versions.get("hip")):
+        return [
+            _flag(
+                "bad",
+                "torch build",
+                f"this host has {n} GPU(s) but torch {versions['torch']} is a CPU-only build: "
+                "training runs on the CPU. Install a CUDA build (the command for your CUDA "
+                "version is on pytorch.org, Get Started).",
+            )
+        ]
+    if not versions.get("cuda_available"):
+        why = versions.get("cuda_warning") or versions.get("cuda_error") or "no reason given"
+        return [
+            _flag(
+                "bad",
+                "torch build",
+                f"the driver lists {n} GPU(s) but torch sees none ({why}). Check "
+                "CUDA_VISIBLE_DEVICES and that the driver supports torch's CUDA "
+                f"{versions.get('cuda')} (`nvidia-smi` shows the highest CUDA it supports).",
+            )
+        ]
+    return []
 
 
 def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
@@ -284,12 +323,16 @@ def _ranks(rs: list[int]) -> str:
 def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) -> str:
     """The one-screen text for a human."""
     v = report.get("versions", {})
+    cuda_build = bool(v.get("cuda") or v.get("hip"))
     lines = [
         f"guardrails doctor: {report['host']}, {report['time']}"
         + (f", rank {report['rank']}" if report.get("rank") is not None else ""),
         "",
         "versions",
-        f"  torch {v.get('torch')}, CUDA {v.get('cuda') or 'none (CPU build)'}, "
+        f"  guardrails {v.get('guardrails', __version__)}",
+        f"  torch {v.get('torch')}, "
+        + (f"ROCm {v['hip']}" if v.get("hip") else f"CUDA {v.get('cuda') or 'none (CPU build)'}")
+        + ", "
         f"cuDNN {v.get('cudnn') or 'none'}, NCCL {v.get('nccl') or 'none'}",
         f"  python {report['python']}",
         f"  backends: gloo {'yes' if v.get('gloo') else 'no'}, "
@@ -301,8 +344,19 @@ def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) 
     ]
     gpus = report.get("gpus", {})
     devices = gpus.get("devices", [])
+    if "torch" in v and not cuda_build:
+        lines.append("  torch is a CPU-only build: it uses no GPU")
+    elif "torch" in v and not v.get("cuda_available"):
+        why = v.get("cuda_warning") or v.get("cuda_error")
+        lines.append(
+            f"  no GPU visible to torch (a CUDA {v.get('cuda') or v.get('hip')} build; "
+            "torch.cuda.is_available() is False): this process would train on the CPU"
+            + (f"; torch says: {why}" if why else "")
+        )
     if not devices:
         why = gpus.get("why") or gpus.get("error") or "the driver lists none"
+        if "torch" in v and not cuda_build:  # installing NVML bindings would not help
+            why = "; ".join(p for p in why.split("; ") if p != _probes.NVML_MISSING) or why
         lines.append(f"  no GPU found: {why}")
     for d in devices:
         clock = ""

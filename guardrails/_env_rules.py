@@ -16,6 +16,10 @@ variable's raw value); :func:`env_flags` evaluates the rows in order and returns
 finding per row that applies, its message the meaning and the fix joined by a space.
 A rule whose level or text depends on the job (``NCCL_IB_DISABLE`` is harmless on one
 node, bad across nodes) is two rows with exclusive conditions.
+
+NCCL and CUDA settings mean nothing to a CPU-only build of torch: there the rows about
+them are not evaluated and the variables set are named once, as having no effect. Advice
+for debugging GPU jobs (set ``NCCL_DEBUG``) is given only where torch sees a GPU.
 """
 
 from __future__ import annotations
@@ -154,15 +158,25 @@ class EnvView:
         return ", ".join(self.interfaces or [])
 
 
+#: Variables read only by CUDA and NCCL (and torch's CUDA allocator): inert without them.
+GPU_ONLY = ("NCCL_", "TORCH_NCCL_", "CUDA_", "PYTORCH_CUDA_")
+
+
 @dataclass(frozen=True)
 class EnvRule:
-    """One row: the variable named, its level, when it applies, what it means, the fix."""
+    """One row: the variable named, its level, when it applies, what it means, the fix.
+    ``advice``: a suggestion for debugging GPU jobs, not a finding about a setting."""
 
     name: str
     level: str
     when: Callable[[EnvView], bool]
     means: str
     fix: str = ""
+    advice: bool = False
+
+    @property
+    def gpu_only(self) -> bool:
+        return self.name.startswith(GPU_ONLY)
 
     def message(self, e: EnvView) -> str:
         text = f"{self.means} {self.fix}" if self.fix else self.means
@@ -238,6 +252,7 @@ ENV_RULES: tuple[EnvRule, ...] = (
         "When debugging a hang or an NCCL error, set NCCL_DEBUG=INFO (and "
         "NCCL_DEBUG_SUBSYS=INIT,COLL,NET to focus): NCCL then logs which transport, "
         "interface and ring it chose.",
+        advice=True,
     ),
     EnvRule(
         "NCCL_DEBUG",
@@ -379,8 +394,28 @@ ENV_RULES: tuple[EnvRule, ...] = (
 )
 
 
-def env_flags(env: Mapping[str, str]) -> list[dict[str, str]]:
+def env_flags(
+    env: Mapping[str, str], *, cuda_build: bool = True, gpu_visible: bool = True
+) -> list[dict[str, str]]:
     """Known-bad settings in ``env``: one finding per rule of :data:`ENV_RULES` that
-    applies, in the table's order."""
+    applies, in the table's order. ``cuda_build``: torch was built with CUDA (or ROCm);
+    without it, the NCCL / CUDA rows give way to one note naming the variables set.
+    ``gpu_visible``: torch sees a GPU; without it, no GPU debugging advice."""
     e = EnvView(env)
-    return [flag(r.level, r.name, r.message(e)) for r in ENV_RULES if r.when(e)]
+    found = [
+        flag(r.level, r.name, r.message(e))
+        for r in ENV_RULES
+        if (cuda_build or not r.gpu_only) and (gpu_visible or not r.advice) and r.when(e)
+    ]
+    inert = sorted(n for n in env if n.startswith(GPU_ONLY))
+    if not cuda_build and inert:
+        found.append(
+            flag(
+                "info",
+                "NCCL / CUDA settings",
+                f"{', '.join(inert)} {'is' if len(inert) == 1 else 'are'} set, but this torch "
+                "is a CPU-only build (no CUDA, no NCCL): no effect here. Run doctor on the "
+                "GPU machines to check them there.",
+            )
+        )
+    return found

@@ -25,6 +25,7 @@ import re
 import shutil
 import socket
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ _SMI_OPTIONAL = [
     ("clocks_throttle_reasons.active", "throttle_reasons"),
 ]
 _CSV = "--format=csv,noheader,nounits"
+NVML_MISSING = 'NVML bindings not installed (pip install "torch-guardrails[nvml]")'
 
 
 def int_env(name: str) -> int | None:
@@ -79,7 +81,8 @@ def torch_versions() -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "torch": torch.__version__,
-        "cuda": torch.version.cuda,  # None: a CPU build
+        "cuda": torch.version.cuda,  # None: a CPU build (or a ROCm one: "hip")
+        "hip": getattr(torch.version, "hip", None),
         "cudnn": None,
         "nccl": None,
         "cuda_available": False,
@@ -95,9 +98,15 @@ def torch_versions() -> dict[str, Any]:
             out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     try:
         # is_available() and device_count() use NVML when it can and do not create a
-        # CUDA context: doctor holds no GPU memory.
-        out["cuda_available"] = torch.cuda.is_available()
-        out["cuda_devices"] = torch.cuda.device_count()
+        # CUDA context: doctor holds no GPU memory. A CUDA build on a machine without a
+        # driver warns ("CUDA initialization: Found no NVIDIA driver..."): that is the
+        # reason the report gives, not a stray warning above it.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out["cuda_available"] = torch.cuda.is_available()
+            out["cuda_devices"] = torch.cuda.device_count()
+        if caught:
+            out["cuda_warning"] = str(caught[0].message).strip().splitlines()[0]
     except Exception as exc:
         out["cuda_error"] = f"{type(exc).__name__}: {exc}"
     return out
@@ -109,7 +118,7 @@ def gpu_info() -> dict[str, Any]:
     try:
         return _gpus_nvml()
     except ImportError:
-        why.append('NVML bindings not installed (pip install "torch-guardrails[nvml]")')
+        why.append(NVML_MISSING)
     except Exception as exc:
         why.append(f"NVML: {type(exc).__name__}: {exc}".strip())
     try:

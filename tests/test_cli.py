@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import guardrails
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -41,7 +43,14 @@ def cli(*args, env=None, ok=True, timeout=120, cwd=None):
 # ---------------------------------------------------------------------------- doctor
 
 
+#: A CUDA (or ROCm) build of torch; the doctor tests hold on either, on a machine without
+#: a GPU (a CPU build here; a CUDA build on a GPU-less CI runner elsewhere).
+CUDA_BUILD = bool(torch.version.cuda or getattr(torch.version, "hip", None))
+
+
 def test_doctor_on_a_cpu_machine_flags_bad_env():
+    if torch.cuda.is_available():
+        pytest.skip("about a machine without a GPU; this one has one")
     proc = cli(
         "doctor",
         env={
@@ -52,27 +61,86 @@ def test_doctor_on_a_cpu_machine_flags_bad_env():
         },
     )
     out = proc.stdout
-    assert f"torch {torch.__version__}, CUDA none (CPU build)" in out
+    assert f"  guardrails {guardrails.__version__}\n" in out
     assert "no GPU found:" in out and "nvidia-smi not found on PATH" in out
     assert re.search(r"^  29500 \(default\): (free|in use)", out, re.M), out
     assert "  NCCL_P2P_DISABLE=1" in out  # shown in the environment section
-    assert "BAD  NCCL_P2P_DISABLE: GPU peer-to-peer (NVLink / PCIe P2P) is off" in out
+    if CUDA_BUILD:  # NCCL is there, no GPU is: the setting is judged, torch says why
+        cuda = torch.version.cuda or torch.version.hip
+        build = f"CUDA {cuda}" if torch.version.cuda else f"ROCm {cuda}"
+        assert f"torch {torch.__version__}, {build}, " in out
+        assert f"  no GPU visible to torch (a CUDA {cuda} build; torch.cuda.is_available()" in out
+        assert "BAD  NCCL_P2P_DISABLE: GPU peer-to-peer (NVLink / PCIe P2P) is off" in out
+    else:  # no NCCL, no CUDA: their settings do nothing, and no GPU advice is given
+        assert f"torch {torch.__version__}, CUDA none (CPU build)" in out
+        assert "  torch is a CPU-only build: it uses no GPU" in out
+        assert "note NCCL / CUDA settings: NCCL_P2P_DISABLE is set, but this torch is a " in out
+        assert "BAD  NCCL_P2P_DISABLE" not in out and "nvml" not in out.lower()
+    assert "NCCL_DEBUG:" not in out  # no "set NCCL_DEBUG=INFO" advice without a GPU
     assert "WARN TORCH_DISTRIBUTED_DEBUG: =DETAIL" in out
     assert "BAD  PYTHONGC_THRESHOLD: is not read by Python" in out
     assert re.search(r"bf16: (native|not native)", out)
+
+
+def test_doctor_judges_gpu_settings_by_the_torch_build():
+    """The three builds a user meets, through doctor's own functions on the readings
+    its probes return: this machine runs one build only (the tests above run the real
+    probes on it)."""
+    from guardrails._doctor import _build_flags, render
+    from guardrails._env_rules import env_flags
+
+    env = {"NCCL_P2P_DISABLE": "1", "CUDA_LAUNCH_BLOCKING": "1", "OMP_NUM_THREADS": "1"}
+    names = lambda flags: [f["name"] for f in flags]  # noqa: E731
+    cpu = env_flags(env, cuda_build=False, gpu_visible=False)
+    assert names(cpu) == ["NCCL / CUDA settings"]
+    assert cpu[0]["message"].startswith("CUDA_LAUNCH_BLOCKING, NCCL_P2P_DISABLE are set, but")
+    no_gpu = env_flags(env, cuda_build=True, gpu_visible=False)
+    assert names(no_gpu) == ["NCCL_P2P_DISABLE", "CUDA_LAUNCH_BLOCKING"]  # judged; no advice
+    gpu = env_flags({}, cuda_build=True, gpu_visible=True)
+    assert names(gpu) == ["NCCL_DEBUG"] and gpu[0]["level"] == "info"  # the advice
+
+    warning = "CUDA initialization: Found no NVIDIA driver on your system."
+    versions = {"torch": "2.5.1+cu124", "cuda": "12.4", "cuda_available": False}
+    report = {
+        "host": "ci",
+        "time": "now",
+        "python": "3.12",
+        "versions": {**versions, "cuda_devices": 0, "cuda_warning": warning},
+        "gpus": {"devices": [], "why": "nvidia-smi not found on PATH"},
+    }
+    out = render(report)
+    assert "  torch 2.5.1+cu124, CUDA 12.4, " in out
+    assert (
+        "  no GPU visible to torch (a CUDA 12.4 build; torch.cuda.is_available() is False): "
+        f"this process would train on the CPU; torch says: {warning}" in out
+    )
+    two = {"devices": [{"index": 0}, {"index": 1}]}
+    assert _build_flags({"torch": "2.5.1+cpu", "cuda": None}, two)[0]["message"].startswith(
+        "this host has 2 GPU(s) but torch 2.5.1+cpu is a CPU-only build"
+    )
+    hidden = _build_flags({**versions, "cuda_warning": warning}, two)[0]["message"]
+    assert hidden.startswith(f"the driver lists 2 GPU(s) but torch sees none ({warning})")
+    assert _build_flags({**versions, "cuda_available": True}, two) == []
 
 
 def test_doctor_json_is_one_object():
     proc = cli("doctor", "--json", env={"NCCL_IB_TIMEOUT": "1000", "NCCL_DEBUG": "INFO"})
     report = json.loads(proc.stdout)
     assert report["versions"]["torch"] == torch.__version__
+    assert report["versions"]["guardrails"] == guardrails.__version__
     assert report["gpus"]["devices"] == [] and report["gpus"]["why"]
     assert report["ports"][0]["port"] == 29500
     flags = {f["name"]: f for f in report["flags"]}
-    assert (
-        flags["NCCL_IB_TIMEOUT"]["level"] == "bad"
-        and "exponent" in flags["NCCL_IB_TIMEOUT"]["message"]
-    )
+    if CUDA_BUILD:
+        assert (
+            flags["NCCL_IB_TIMEOUT"]["level"] == "bad"
+            and "exponent" in flags["NCCL_IB_TIMEOUT"]["message"]
+        )
+    else:
+        note = flags.pop("NCCL / CUDA settings")
+        assert note["level"] == "info"
+        assert note["message"].startswith("NCCL_DEBUG, NCCL_IB_TIMEOUT are set, but this torch")
+        assert not [name for name in flags if name.startswith(("NCCL", "CUDA"))], flags
     assert "NCCL_DEBUG" not in flags  # set: no advice to set it
     assert report["env"]["NCCL_IB_TIMEOUT"] == "1000"
 
