@@ -4,7 +4,7 @@ One subcommand per module; each module has ``add_parser(subparsers)`` (which set
 ``func``) and ``main(args) -> exit code``, so adding one (``bench``, ``inspect``) is
 one entry in ``COMMANDS``. Only the module of the command being run is imported
 (``--help`` imports none): ``report`` and ``inspect`` need no torch, and importing it
-was most of their start (4.3 s of 4.6 s on a loaded 2-core machine). Keep those
+was most of their start (report: 3.7-4.0 s median before, 0.5 s after; RESULTS.md). Keep those
 modules' top-level imports light: heavy or optional ones (torch where only one command
 path needs it, matplotlib, pynvml) are imported inside the command.
 """

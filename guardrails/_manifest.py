@@ -6,7 +6,8 @@ file outside its directory, and every file it lists has the recorded size and sh
 and what its manifest says. :mod:`guardrails._checkpoint` (the format's writer and
 :func:`guardrails.resume`) and ``python -m guardrails inspect`` both judge a checkpoint
 here, so ``inspect`` answers "which one would ``resume`` pick?" exactly as resume does,
-without importing torch (4.3 s of ``inspect``'s start on this machine, 0.1 s without).
+without importing torch (``inspect``: 3.3-4.0 s median before, 0.15 s after, on a loaded
+2-core VM; benchmarks/RESULTS.md).
 
 Problems are returned as ``(file, why)`` or raised as :class:`ManifestError`, not as
 :class:`guardrails.CheckpointError`: the exception tree imports torch
