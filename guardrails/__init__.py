@@ -30,6 +30,7 @@ the level:
     ``guardrails.audit``        CollectiveAuditor: collective mismatches, uneven data
     ``guardrails.checkpoint``   SignalCheckpointer, save / resume: signals, saves
     ``guardrails.telemetry``    Telemetry: ``metrics.parquet``
+    ``guardrails.sinks``        metric sinks: TensorBoard, W&B, MLflow, your own
     ``guardrails.gc``           GCScheduler: GC pauses, freezing
     ``guardrails.memory``       MemoryGuard: leaks, data starvation, out of memory
     ``guardrails.preflight``    Preflight: checks before the first step
