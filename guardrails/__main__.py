@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 #: subcommand -> (module with ``add_parser`` and ``main``, its one-line help). The help
@@ -63,7 +64,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # `guardrails report RUN | head`: the reader left early; not a failure to show as
+        # a traceback. Exit as a tool stopped by SIGPIPE does (128 + 13), with stdout
+        # pointed at /dev/null so the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -554,6 +554,25 @@ def test_report_inspect_and_help_never_import_torch(preempted, tmp_path):
     weights.write_bytes(bytes(data))
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback(nan_run):
+    """``guardrails report RUN | head -3``: head exits before the report is written.
+    A pipe whose reader is already closed makes every write fail, every time."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "guardrails", "report", str(nan_run), "--no-png"],
+            stdout=w,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(w)
+    assert proc.returncode == 141 and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_the_command_table_lists_each_command_with_its_own_help():
     """--help lists the commands from a table, without importing their modules: the
     table's help is each module's own."""
