@@ -115,7 +115,9 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         "skipped": skipped,
         "signal_saves": last,
         "bytes_per_save": size,
-        "log_tail": "".join(log[-15:]) if code not in (143, -15) else "",
+        "log_tail": "".join([x for x in log if not x.startswith("STEP ")][-80:])
+        if code not in (143, -15) and t_signal is None
+        else "",
     }
 
 
