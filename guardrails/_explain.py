@@ -75,6 +75,9 @@ SIGNATURES: tuple[Signature, ...] = (
         "collective_size_mismatch",
         (
             r"Received data size doesn't match expected size",
+            # torch 2.7-2.8's gloo (read in their wheels) names only its failed check:
+            # "[enforce fail at .../tcp/pair.cc:446] op.preamble.length <= op.nbytes. 32 vs 4"
+            r"op\.preamble\.length <= op\.nbytes",
             r"collective mismatch",
             r"Detected mismatch between collectives",
         ),

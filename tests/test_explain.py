@@ -78,6 +78,15 @@ CASES = [
         ["same collectives in the same order", "rank 0"],
     ),
     (
+        # torch 2.7-2.8's gloo says the same without naming the cause.
+        RuntimeError(
+            "[enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:446] "
+            "op.preamble.length <= op.nbytes. 32 vs 4"
+        ),
+        "CollectiveMismatchError",
+        ["same collectives in the same order", "rank 0"],
+    ),
+    (
         RuntimeError("CUDA error: invalid device ordinal\nCUDA kernel errors might be ..."),
         "LaunchError",
         ["CUDA_VISIBLE_DEVICES", "torchrun", "LOCAL_RANK"],
