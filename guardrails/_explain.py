@@ -75,7 +75,7 @@ SIGNATURES: tuple[Signature, ...] = (
         "collective_size_mismatch",
         (
             r"Received data size doesn't match expected size",
-            # torch 2.7-2.8's gloo (read in their wheels) names only its failed check:
+            # torch 2.8's gloo (read in its wheel; 2.13's names the cause) says only:
             # "[enforce fail at .../tcp/pair.cc:446] op.preamble.length <= op.nbytes. 32 vs 4"
             r"op\.preamble\.length <= op\.nbytes",
             r"collective mismatch",

@@ -239,7 +239,7 @@ def _report(run: dict) -> str | None:
 
 
 # What gloo prints when it aborts a rank that received more bytes than it expected:
-# torch 2.13's gloo names the cause; 2.7-2.8's (read in their wheels) only its check.
+# torch 2.13's gloo names the cause; 2.8's (read in its wheel) only its failed check.
 GLOO_ABORTS = ("Is there a distributed collective mismatch", "op.preamble.length <= op.nbytes")
 
 
@@ -568,7 +568,7 @@ def test_fsdp2_collectives_are_audited(tmp_path):
     calls = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert calls[0] == calls[1]  # same sequence, ops and shapes on both ranks
     ops = [op for _, op, _ in calls[0]]
-    # torch 2.7-2.8's FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor, 2.13's
+    # torch 2.8's FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor, 2.13's
     # the *_single functions (read in their sources); the auditor wraps all four.
     if "all_gather_single" in ops:
         gather, scatter = "all_gather_single", "reduce_scatter_single"

@@ -78,7 +78,7 @@ CASES = [
         ["same collectives in the same order", "rank 0"],
     ),
     (
-        # torch 2.7-2.8's gloo says the same without naming the cause.
+        # torch 2.8's gloo says the same without naming the cause.
         RuntimeError(
             "[enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:446] "
             "op.preamble.length <= op.nbytes. 32 vs 4"
