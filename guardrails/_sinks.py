@@ -136,7 +136,6 @@ def check_sinks(value: Any, knob: str = "sinks") -> tuple[Any, ...]:
                     f"{', '.join(repr(n) for n in NAMED)}; or pass a guardrails.Sink, an "
                     "object with a write(rows) method, or a function(rows)."
                 )
-            require(item)
         elif isinstance(item, type):
             raise TypeError(
                 f"{knob} takes sink objects, not classes: pass {item.__name__}(), not "
@@ -148,6 +147,10 @@ def check_sinks(value: Any, knob: str = "sinks") -> tuple[Any, ...]:
                 "object with a write(rows) method or a function(rows: pyarrow.Table), or "
                 f"a list of those; got {type(item).__name__}."
             )
+    # Packages last: a misspelled name is said even where another sink's package is missing.
+    for item in items:
+        if isinstance(item, str):
+            require(item)
     return items
 
 
