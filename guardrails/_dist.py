@@ -100,6 +100,19 @@ def own_scaler(optimizer: Any) -> Any:
     return scaler if scaler is not None and scaler.is_enabled() else None
 
 
+def unscaled(scaler: Any, optimizer: Any) -> bool:
+    """Whether ``optimizer``'s gradients were unscaled this step (``scaler.unscale_``):
+    before that they are multiplied by the loss scale. ``False`` when the scaler's
+    bookkeeping cannot be read."""
+    from torch.amp.grad_scaler import OptState
+
+    try:
+        state = scaler._per_optimizer_states[id(inner(optimizer))]
+        return state["stage"] is OptState.UNSCALED
+    except (AttributeError, KeyError, TypeError):
+        return False
+
+
 def overflowed(scaler: Any, optimizer: Any) -> bool:
     """Unscale ``optimizer``'s gradients now, as ``scaler.step()`` would before deciding
     (``GradScaler.unscale_``, the documented step before clipping), and return whether

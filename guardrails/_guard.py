@@ -51,6 +51,7 @@ import contextlib
 import functools
 import logging
 import math
+import operator
 import os
 import sys
 import threading
@@ -69,7 +70,7 @@ from guardrails._checks import named, positive_int
 from guardrails._component import HOOKS, Component, check_components, overrides
 from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog, logger_of
-from guardrails._gradnorm import GradNorm, total_norm
+from guardrails._gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails._model import find_loss as _find_loss
 from guardrails._state import Shared, StepState
 
@@ -186,6 +187,12 @@ class Guard(StepState):
         #: see _gradnorm.py).
         self.graph_grad_norm = graph_grad_norm
         self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
+        # To recognise a torch.nn.utils.clip_grad_norm_ over exactly these parameters
+        # (whose norm then is the step's: _took_clip_norm), in any order.
+        self._param_ids = frozenset(map(id, self._params))
+        #: Steps whose norm came from the loop's own clip_grad_norm_ (the end event).
+        self.clip_norm_steps = 0
+        self._norm_shared = False  # this step's norm is the clip's
 
         # RNG states just before the current pass's iter(loader), so a resumed run can
         # replay the pass's shuffle (see _data.py); None until the first pass.
@@ -298,6 +305,7 @@ class Guard(StepState):
             ]
             self._handles += [_wrap_forward(m, self) for m in self.models.values()]
             self._handles.append(_wrap_scaler_step(self))
+            self._handles.append(_Restore(share_clip_norm(self._took_clip_norm)))
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
                 self._handles.append(attach(self))
@@ -394,6 +402,16 @@ class Guard(StepState):
         counts = self._norm.close()  # eager from here on
         if self._norm.wanted:
             self.event("grad_norm_graph", **counts)
+        if self.clip_norm_steps:
+            self.event(
+                "grad_norm_shared",
+                message=(
+                    f"the grad norm of {self.clip_norm_steps} of {self.step} steps was the "
+                    "one the loop's clip_grad_norm_ computed (no second pass over the "
+                    "gradients)"
+                ),
+                steps=self.clip_norm_steps,
+            )
         self._dispatch = self._live = {h: [] for h in HOOKS}
         _store.close_side_group(self.side_group)
         self.side_group = None
@@ -765,6 +783,10 @@ class Guard(StepState):
         if not self._forward_seen:  # the step's first forward
             self._forward_seen = True
             self._arg_versions = []
+        # A norm shared by a clip before this forward (a clip per micro-batch) is not
+        # the norm of the gradients this step will apply.
+        self._grad_norm = None
+        self._norm_shared = False
         if self._copy_inputs:
             # The loader refills its buffers in place: keep what this forward saw.
             args = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
@@ -856,9 +878,42 @@ class Guard(StepState):
         Returns the total norm before clipping (a device tensor; no sync).
         """
         total = torch.nn.utils.clip_grad_norm_(self._params, max_norm, norm_type)
-        if float(norm_type) == 2.0:
+        if float(norm_type) == 2.0 and self._grad_norm is None:  # unless shared already
             self._grad_norm = total.float()
         return total
+
+    def _took_clip_norm(self, parameters: list[Any], total: Tensor) -> None:
+        """A ``clip_grad_norm_`` (L2) just clipped ``parameters`` with ``total``: make it
+        the step's norm when it is provably the one :meth:`grad_norm` would compute.
+
+        Exactly the guard's parameters (an identity check at C speed, ~30 ns a tensor;
+        a GAN's other model or a subset is not), after this step's last training
+        forward (``_on_forward`` drops it if another follows: a clip per micro-batch),
+        on the guard's device (model parallel: torch's total is on the first
+        gradient's), and not over gradients a GradScaler still has to unscale (a clip
+        before ``scaler.unscale_``: the norm of scaled gradients)."""
+        params = self._params
+        if (
+            self._state != "started"
+            or not self._forward_seen
+            or len(parameters) != len(params)
+            or total.device != self.device
+            or hasattr(total, "full_tensor")  # DTensor: the guard's own norm reduces it
+        ):
+            return
+        if not all(map(operator.is_, parameters, params)) and (
+            frozenset(map(id, parameters)) != self._param_ids
+        ):
+            return
+        scaler = self.scaler
+        if (
+            scaler is not None
+            and scaler.is_enabled()
+            and not _dist.unscaled(scaler, self.optimizer)
+        ):
+            return
+        self._grad_norm = total if total.dtype == torch.float32 else total.float()
+        self._norm_shared = True
 
     def event(
         self,
@@ -914,6 +969,9 @@ class Guard(StepState):
             fn(self)
         if self._bench is not None:  # benchmark mode picks the next step's hooks
             self._live = self._bench.after_step(self)
+        if self._norm_shared:
+            self.clip_norm_steps += 1
+            self._norm_shared = False
         self._auto_loss = self._explicit_loss = self._step_loss = self._grad_norm = None
         self.skipped = None
         self._auto_n = self._explicit_n = 0
