@@ -3,6 +3,8 @@
     python benchmarks/overhead.py --device cpu --model tiny          # host overhead
     python benchmarks/overhead.py --device cuda --model gpt2 --batch 8 --seq 1024
     python benchmarks/overhead.py --device cuda --model gpt2 --batch 2 --seq 1024 --compile
+    python benchmarks/overhead.py --device cuda --model gpt2 --torch-clip   # the loop clips
+    torchrun --nproc-per-node 2 benchmarks/overhead.py --device cuda --model gpt2 --ddp
 
 Method: the plain loop and the guarded loop run alternately (plain, guarded, plain, ...)
 `--repeats` times each, `--steps` timed steps per run after `--warmup` untimed ones, so
@@ -15,7 +17,11 @@ smaller than it is below what this run can resolve.
 
 The guarded run uses the default components (GCScheduler, NanGuard, Telemetry), no
 tqdm bar. `--item` adds the hand-written NanGuard alternative (skip the step unless
-`isfinite(grad_norm).item()`), `--clip` clips the grad norm in every variant.
+`isfinite(grad_norm).item()`), `--clip` clips the grad norm in every variant (the guarded
+one through `g.clip_grad_norm_`), `--torch-clip` clips in every variant with
+`torch.nn.utils.clip_grad_norm_` (as most loops do). `--ddp` (under torchrun, NCCL):
+plain is `DistributedDataParallel`, guarded is `GuardedDDP` under the guard, each its
+own copy of the model with the same seed; figures are rank 0's.
 """
 
 from __future__ import annotations
@@ -50,9 +56,26 @@ class Tiny(nn.Module):
         return nn.functional.mse_loss(self.net(x).squeeze(-1), y)
 
 
-def build(args: argparse.Namespace, device: torch.device):
+class Stack(nn.Module):
+    """``tensors`` parameter tensors (weights and biases of tensors/2 small layers): the
+    guard's host cost against the number of tensors, everything else tiny."""
+
+    def __init__(self, tensors: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(tensors // 2)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(x).mean(-1), y)
+
+
+def build(args: argparse.Namespace, device: torch.device, wrap=None):
     torch.manual_seed(0)
-    if args.model == "tiny":
+    if args.model == "stack":
+        model = Stack(args.tensors).to(device)
+        data = [
+            (torch.randn(8, 16, device=device), torch.randn(8, device=device)) for _ in range(8)
+        ]
+    elif args.model == "tiny":
         model: nn.Module = Tiny().to(device)
         data = [
             (torch.randn(8, 16, device=device), torch.randn(8, device=device)) for _ in range(8)
@@ -68,6 +91,8 @@ def build(args: argparse.Namespace, device: torch.device):
             for _ in range(4)
         ]
     fused = device.type == "cuda"
+    if wrap is not None:  # --ddp: the wrapper is the model the loop trains
+        model = wrap(model, device_ids=[device.index])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     step_model = torch.compile(model) if args.compile else model
     return model, step_model, opt, data
@@ -85,6 +110,7 @@ def sync(device: torch.device) -> None:
 
 VARIANTS = ("plain", "guarded", "graph_norm", "item")
 GRAPH_RUNS: list[dict[str, int]] = []  # the grad norm graph's counters, per guarded run
+SHARED: list[tuple[str, int]] = []  # (source, steps) of grad_norm_shared events
 
 
 def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
@@ -106,7 +132,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
     total = args.warmup + args.steps
 
     params = list(model.parameters())
-    clip = torch.nn.utils.clip_grad_norm_
+    clip = torch.nn.utils.clip_grad_norm_  # looked up at import, as many loops do
 
     def loop(batches, g=None):
         t0 = None
@@ -125,7 +151,9 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
                 if torch.isfinite(norm).item():  # the host sync NanGuard avoids
                     opt.step()
             else:
-                if args.clip:
+                if args.torch_clip:
+                    clip(params, 1.0)
+                elif args.clip:
                     g.clip_grad_norm_(1.0) if g is not None else clip(params, 1.0)
                 opt.step()
             opt.zero_grad(set_to_none=True)
@@ -148,6 +176,8 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
             event = json.loads(line)
             if event["kind"] == "grad_norm_graph":  # replays/eager/captures of this run
                 GRAPH_RUNS.append({k: event[k] for k in ("replays", "eager", "captures")})
+            if event["kind"] == "grad_norm_shared":  # the norm came from a clip / buckets
+                SHARED.append((event.get("source", "?"), event["steps"]))
     return per_step
 
 
@@ -156,7 +186,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model", default="tiny", choices=["tiny", "gpt2", "gpt2-mini"])
+    p.add_argument("--model", default="tiny", choices=["tiny", "gpt2", "gpt2-mini", "stack"])
+    p.add_argument("--tensors", type=int, default=150, help="--model stack: parameter tensors")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=200)
@@ -165,6 +196,12 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
     p.add_argument("--clip", action="store_true", help="clip the grad norm to 1.0 in every variant")
+    p.add_argument(
+        "--torch-clip",
+        action="store_true",
+        help="clip with torch.nn.utils.clip_grad_norm_ in every variant",
+    )
+    p.add_argument("--ddp", action="store_true", help="DDP vs GuardedDDP, under torchrun")
     p.add_argument("--item", action="store_true", help="also time the per-step .item() check")
     p.add_argument(
         "--graph-norm", action="store_true", help="also time the guard with graph_grad_norm=True"
@@ -174,18 +211,31 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # a steadier clock; the guard's cost is single-threaded host work
-    model, step_model, opt, data = build(args, device)
+    if args.ddp:
+        import os
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        torch.distributed.init_process_group("nccl")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        plain_setup = build(args, device, DistributedDataParallel)
+        guarded_setup = build(args, device, guardrails.GuardedDDP)
+        setups = {"plain": plain_setup, "guarded": guarded_setup}
+    else:
+        setup = build(args, device)
+        setups = {v: setup for v in VARIANTS}
     variants = (
         ["plain", "guarded"]
         + (["graph_norm"] if args.graph_norm else [])
         + (["item"] if args.item else [])
     )
     for v in variants:  # compile / allocator / lazy optimizer state warm-up
-        one_run(args, device, model, step_model, opt, data, v)
+        one_run(args, device, *setups[v], v)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:
-            times[v].append(one_run(args, device, model, step_model, opt, data, v))
+            times[v].append(one_run(args, device, *setups[v], v))
     plain, guarded = times["plain"], times["guarded"]
     diffs = sorted(g - q for g, q in zip(guarded, plain, strict=True))
     q1, _, q3 = statistics.quantiles(diffs, n=4)
@@ -196,8 +246,9 @@ def main() -> None:
         else platform.processor() or "cpu",
         "torch": torch.__version__,
         "model": args.model,
-        "batch": args.batch if args.model != "tiny" else 8,
-        "seq": args.seq if args.model != "tiny" else None,
+        "batch": args.batch if args.model not in ("tiny", "stack") else 8,
+        "seq": args.seq if args.model not in ("tiny", "stack") else None,
+        "tensors": sum(1 for _ in setups["guarded"][0].parameters()),
         "compile": args.compile,
         "bf16": bool(args.bf16 and device.type == "cuda"),
         "steps": args.steps,
@@ -208,8 +259,14 @@ def main() -> None:
         "overhead_pct": 100 * (med_guarded - med_plain) / med_plain,
         "paired_diff_median_us": statistics.median(diffs) * 1e6,
         "noise_us": (q3 - q1) / 2 * 1e6,
-        "clip": args.clip,
+        "clip": "torch" if args.torch_clip else ("guard" if args.clip else None),
+        "ddp_world": torch.distributed.get_world_size() if args.ddp else None,
     }
+    if args.ddp and torch.distributed.get_rank() != 0:
+        torch.distributed.destroy_process_group()
+        return
+    result["norm_shared"] = sorted({src for src, _ in SHARED})
+    result["norm_shared_steps"] = sum(n for _, n in SHARED)
     if GRAPH_RUNS:
         result["graph_replays"] = sum(r["replays"] for r in GRAPH_RUNS)
         result["graph_eager"] = sum(r["eager"] for r in GRAPH_RUNS)
@@ -233,7 +290,9 @@ def main() -> None:
         f"  guarded {result['guarded_step_us']:10.1f} us/step\n"
         f"  overhead {result['overhead_us']:+.1f} us/step ({result['overhead_pct']:+.2f}%), "
         f"paired median {result['paired_diff_median_us']:+.1f} us, "
-        f"noise +/-{result['noise_us']:.1f} us"
+        f"noise +/-{result['noise_us']:.1f} us\n"
+        f"  tensors {result['tensors']}, grad norm shared by {result['norm_shared']} "
+        f"at {result['norm_shared_steps']} steps"
     )
     if GRAPH_RUNS:
         print(
@@ -255,6 +314,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")
+    if args.ddp:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ Three additions, public DDP API only:
   The all-reduce is issued on the ``ProcessGroup`` object (``group.allreduce``), not
   through ``torch.distributed.all_reduce``, which the auditor patches: the bucket is
   reported once, through ``guard.shared.auditor.record(...)``, with the bucket index as site.
+  After each bucket's all-reduce the hook also takes the reduced bucket's norm, so the
+  guard's per-step grad norm comes from the buckets instead of a second pass over
+  every gradient (``_gradnorm.BucketNorms``).
 * **Its errors explained**: "Expected to have finished reduction in the prior
   iteration" (parameters that got no gradient) is re-raised, chained, naming the
   parameters (DDP gives their indices only, or names with TORCH_DISTRIBUTED_DEBUG) and
@@ -46,6 +49,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from guardrails._errors import ConfigMismatchError, GuardrailsError
+from guardrails._gradnorm import BucketNorms
 from guardrails._text import shorten
 
 if TYPE_CHECKING:
@@ -82,6 +86,8 @@ class GuardedDDP(DistributedDataParallel):
         super().__init__(module, *args, **kwargs)
         self._guardrails_hooked = False
         self._guardrails_guard: Guard | None = None
+        # Filled by the hook while a guard whose parameters the buckets cover runs.
+        self._guardrails_norms: BucketNorms | None = None
 
     # ------------------------------------------------------------------ the hook
 
@@ -108,16 +114,40 @@ class GuardedDDP(DistributedDataParallel):
             raise error from exc
 
     def _guardrails_attach(self, guard: Guard) -> Any:
-        """Called by ``Guard.start``: report to its auditor until it closes."""
+        """Called by ``Guard.start``: report to its auditor until it closes; the
+        handle's ``bucket_norms`` is the buckets' norms when they cover exactly the
+        guard's parameters (else ``None``: the guard computes its own norm)."""
         self._guardrails_guard = guard
         ddp = self
+        reduced = {id(p) for p in self._guardrails_reduced_params()}
+        norms = None
+        if (
+            reduced == {id(p) for p in guard.params}
+            and getattr(self, "mixed_precision", None) is None  # buckets in another dtype
+            and len({p.device for p in guard.params}) == 1
+        ):
+            norms = BucketNorms(guard.params[0].device)
+        self._guardrails_norms = norms
 
         class _Detach:
+            bucket_norms = norms
+
             def remove(self) -> None:
                 if ddp._guardrails_guard is guard:
                     ddp._guardrails_guard = None
+                    ddp._guardrails_norms = None
 
         return _Detach()
+
+    def _guardrails_reduced_params(self) -> list[nn.Parameter]:
+        """The parameters DDP's buckets hold: trainable, not ignored (as
+        :meth:`reducer_parameter_names` walks them)."""
+        ignore = getattr(self, "parameters_to_ignore", set())
+        return [
+            p
+            for name, p in self.module.named_parameters()
+            if p.requires_grad and name not in ignore and f".{name}" not in ignore
+        ]
 
     # ------------------------------------------------------------------ errors
 
@@ -208,7 +238,17 @@ def _audited_allreduce(state: weakref.ref[GuardedDDP], bucket: Any) -> torch.fut
     # FP16"), then a SUM all-reduce on the group object itself.
     tensor.div_(group.size())
     fut = group.allreduce([tensor]).get_future()
-    return fut.then(lambda f: f.value()[0])
+    norms = ddp._guardrails_norms if ddp is not None else None
+    if norms is None or guard is None:
+        return fut.then(lambda f: f.value()[0])
+    index, last, step = bucket.index(), bucket.is_last(), guard.step
+
+    def reduced(f: torch.futures.Future) -> torch.Tensor:
+        out = f.value()[0]
+        norms.record(index, out, last, step)  # the averaged gradients' norm
+        return out
+
+    return fut.then(reduced)
 
 
 # DDP's _check_comm_hook compares the annotations themselves with dist.GradBucket and

@@ -24,6 +24,15 @@ Never captured (eager, exactly as without the knob): CPU, gradients on several d
 (model parallel), sharded gradients (DTensor: the norm is an all-reduce), a loop that is
 itself being captured.
 
+**GuardedDDP's buckets** (:class:`BucketNorms`): DDP already passes every gradient
+through its all-reduce buckets. GuardedDDP's comm hook takes each reduced bucket's norm
+right after its all-reduce (one small kernel per bucket, reading a bucket NCCL has just
+written, often still in L2), and the step's norm is the norm of those: no pass over the
+parameters on the host (one launch per ~25 MB bucket instead of one output per
+gradient). Used when the buckets hold exactly the guard's parameters and every bucket
+was reduced since the last step; not under a GradScaler (its gradients are unscaled
+after the all-reduce) nor DDP's own mixed precision.
+
 **The loop's own clipping** (:func:`share_clip_norm`): most loops call
 ``torch.nn.utils.clip_grad_norm_`` before ``optimizer.step()``, which computes the same
 total norm and hands it back. While a guard runs, the two module globals it calls
@@ -94,6 +103,13 @@ class GradNorm:
     gradients are at addresses a graph was captured with (see the module docstring)."""
 
     def __init__(self, params: list[Tensor], *, use_graph: bool) -> None:
+        #: Per-bucket norms from GuardedDDP's comm hook, when they can stand for the
+        #: gradients' norm (set by the guard from the model's attach handle).
+        self.buckets: BucketNorms | None = None
+        #: Set once a GradScaler steps the optimizer: bucket norms are of scaled
+        #: gradients then.
+        self.scaled = False
+        self.from_buckets = 0  # steps whose norm came from the buckets
         self.device = params[0].device
         self.multi_device = len({p.device for p in params}) > 1
         # Sharded parameters (DTensor) have a full_tensor(); their norm is a collective.
@@ -117,8 +133,14 @@ class GradNorm:
         #: Why the graph was given up during the run, or ``None``.
         self.gave_up: str | None = None
 
-    def __call__(self, params: list[Tensor]) -> Tensor:
-        """The norm of ``params``' gradients (those that have one) this step."""
+    def __call__(self, params: list[Tensor], step: int = -1) -> Tensor:
+        """The norm of ``params``' gradients (those that have one) at step ``step``
+        (the guard's completed steps)."""
+        if self.buckets is not None and not self.scaled:
+            total = self.buckets.total(step)
+            if total is not None:
+                self.from_buckets += 1
+                return total
         if not self.enabled:
             grads = [p.grad for p in params if p.grad is not None]
             return total_norm(grads, self.device, self.multi_device)
@@ -183,12 +205,50 @@ class GradNorm:
         now on; returns the counters."""
         self.enabled = False
         self._graphs.clear()
+        self.buckets = None
         return {
             "replays": self.replays,
             "eager": self.eager,
             "captures": self.captures,
             "gave_up": self.gave_up,
         }
+
+
+class BucketNorms:
+    """The L2 norm of each of a DDP model's gradient buckets after its all-reduce,
+    written by the comm hook (:meth:`record`), and their total once every bucket of a
+    backward reported (:meth:`total`).
+
+    Ordering without a sync: :meth:`record` runs in the all-reduce future's callback,
+    whose kernels run on a stream that waits for the all-reduce; DDP's reducer makes the
+    training stream wait for that callback's work before backward returns, so the
+    norms are written before anything the step enqueues after backward reads them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._norms = torch.zeros(0, dtype=torch.float32, device=device)
+        self._n = 0  # buckets in the last complete set
+        self._ready_at = -1  # the guard's completed steps when the last set completed
+
+    def record(self, index: int, bucket: Tensor, last: bool, step: int) -> None:
+        """Bucket ``index`` (``last``: the backward's final one) was reduced at step
+        ``step``: keep its norm. DDP rebuilds its buckets after the first step, so the
+        slots grow as needed (a new tensor: a set in flight keeps the old one)."""
+        if index >= len(self._norms):
+            grown = torch.zeros(max(index + 1, 2 * len(self._norms)), device=self.device)
+            grown[: len(self._norms)] = self._norms
+            self._norms = grown
+        torch.linalg.vector_norm(bucket, dtype=torch.float32, out=self._norms[index])
+        if last:
+            self._n, self._ready_at = index + 1, step
+
+    def total(self, step: int) -> Tensor | None:
+        """The total norm when a whole set of buckets was reduced during step ``step``
+        (since the last optimizer step), else ``None``."""
+        if self._ready_at != step or not self._n:
+            return None
+        return torch.linalg.vector_norm(self._norms[: self._n])
 
 
 def share_clip_norm(on_clip: Callable[[list[Any], Tensor], None]) -> Callable[[], None]:

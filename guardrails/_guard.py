@@ -187,6 +187,7 @@ class Guard(StepState):
         #: see _gradnorm.py).
         self.graph_grad_norm = graph_grad_norm
         self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
+        self._norm.scaled = self.scaler is not None and self.scaler.is_enabled()
         # To recognise a torch.nn.utils.clip_grad_norm_ over exactly these parameters
         # (whose norm then is the step's: _took_clip_norm), in any order.
         self._param_ids = frozenset(map(id, self._params))
@@ -308,7 +309,10 @@ class Guard(StepState):
             self._handles.append(_Restore(share_clip_norm(self._took_clip_norm)))
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
-                self._handles.append(attach(self))
+                handle = attach(self)
+                self._handles.append(handle)
+                # ...and takes each reduced bucket's norm: the step's, see _gradnorm.py
+                self._norm.buckets = getattr(handle, "bucket_norms", None)
             for hook in HOOKS:
                 self._dispatch[hook] = [
                     getattr(c, hook) for c in self.components if overrides(c, hook)
@@ -399,9 +403,20 @@ class Guard(StepState):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        from_buckets = self._norm.from_buckets
         counts = self._norm.close()  # eager from here on
         if self._norm.wanted:
             self.event("grad_norm_graph", **counts)
+        if from_buckets:
+            self.event(
+                "grad_norm_shared",
+                message=(
+                    f"the grad norm of {from_buckets} of {self.step} steps came from "
+                    "GuardedDDP's all-reduce buckets (no second pass over the gradients)"
+                ),
+                steps=from_buckets,
+                source="ddp_buckets",
+            )
         if self.clip_norm_steps:
             self.event(
                 "grad_norm_shared",
@@ -411,6 +426,7 @@ class Guard(StepState):
                     "gradients)"
                 ),
                 steps=self.clip_norm_steps,
+                source="clip_grad_norm_",
             )
         self._dispatch = self._live = {h: [] for h in HOOKS}
         _store.close_side_group(self.side_group)
@@ -856,7 +872,7 @@ class Guard(StepState):
         :meth:`clip_grad_norm_`. Valid from ``before_step`` on.
         """
         if self._grad_norm is None:
-            self._grad_norm = self._norm(self._params)
+            self._grad_norm = self._norm(self._params, self.step)
         return self._grad_norm
 
     @property
@@ -1260,6 +1276,7 @@ def _wrap_scaler_step(guard: Guard) -> _Restore:
         if name is None or guard._state != "started" or not scaler.is_enabled():
             return inner(scaler, optimizer, *args, **kwargs)
         calls = guard._opt_steps
+        guard._norm.scaled = True  # DDP buckets hold scaled gradients: not the norm
         out = inner(scaler, optimizer, *args, **kwargs)
         if guard._opt_steps == calls:  # the scaler left the step out: overflow
             guard._scaler_skipped(name, scaler)

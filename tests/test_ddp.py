@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, spawn
+from conftest import Regressor, batches, free_port, read_events, reference_grad_norm, spawn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import guardrails
 
@@ -79,6 +80,83 @@ def case_audited(rank):
         assert auditor is not None, "no CollectiveAuditor running"
         recent = [guardrails._audit.entry_dict(e) for e in auditor.recent]
     return {"entries": [(e["step"], str(e["site"]), e["op"]) for e in recent], "steps": g.step}
+
+
+class CountNorms(TorchDispatchMode):
+    """Counts the guard's own passes over the gradients (``_foreach_norm``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._foreach_norm.Scalar:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _bucket_run(rank, name, *, nan_at=-1, scaler=False):
+    """4 guarded GuardedDDP steps, no clipping; returns the gradients' norm before each
+    step (computed here, per parameter), the guard's recorded norms and skips, the
+    guard's _foreach_norm calls, its grad_norm_shared events, and whether the weights
+    stayed bitwise the same over the step with a NaN."""
+    torch.manual_seed(0)
+    model = guardrails.GuardedDDP(Regressor(depth=3), bucket_cap_mb=1e-4)  # several buckets
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
+    run_dir = Path(os.environ["OUT"]) / name
+    counter = CountNorms()
+    norms, unchanged = [], None
+    with guardrails.guard(
+        model,
+        opt,
+        batches(4, seed=10 + rank),
+        run_dir=run_dir,
+        scaler=grad_scaler,
+        checkpoint={"save_on_signal": False},
+    ) as g:
+        for i, (x, y) in enumerate(g):
+            loss = model(x, y)
+            if i == nan_at and rank == 1:
+                loss = loss * float("nan")  # one rank's NaN: both ranks' averaged grads
+            with counter:
+                (grad_scaler.scale(loss) if scaler else loss).backward()
+            norms.append(reference_grad_norm(model))
+            before = [p.detach().clone() for p in params]
+            with counter:
+                if scaler:
+                    grad_scaler.step(opt)
+                    grad_scaler.update()
+                else:
+                    opt.step()
+            if i == nan_at:
+                unchanged = all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+            opt.zero_grad()
+    rows = [r for r in guardrails.read_metrics(run_dir).to_pylist() if r["rank"] == rank]
+    events = [
+        e for e in read_events(run_dir) if e["kind"] == "grad_norm_shared" and e["rank"] == rank
+    ]
+    return {
+        "norms": norms,
+        "recorded": [r["grad_norm"] for r in rows],
+        "skipped": [r["skipped"] for r in rows],
+        "own_norm_calls": counter.calls,
+        "shared": [(e.get("source"), e["steps"]) for e in events],
+        "unchanged": unchanged,
+    }
+
+
+def case_bucket_norm(rank):
+    return _bucket_run(rank, "bucket_norm")
+
+
+def case_bucket_norm_nan(rank):
+    return _bucket_run(rank, "bucket_norm_nan", nan_at=2)
+
+
+def case_bucket_norm_scaled(rank):
+    return _bucket_run(rank, "bucket_scaler", scaler=True)
 
 
 def case_structure(rank):
@@ -180,6 +258,36 @@ def test_bucket_all_reduces_reach_the_auditor(outcomes):
         assert {op for _, _, op in buckets} == {"all_reduce"}
         assert len(buckets) >= 4, res["entries"]
         assert not any("torch" in site for _, site, _ in res["entries"]), res["entries"]
+
+
+def test_the_step_norm_comes_from_the_reduced_buckets(outcomes):
+    """No clipping: the guard's grad norm is the buckets' (taken in the comm hook after
+    each all-reduce), equal to the gradients' norm, with no pass of its own."""
+    for res in outcomes["bucket_norm"]:
+        assert "error" not in res, res
+        assert res["recorded"] == pytest.approx(res["norms"], rel=1e-5)
+        assert res["own_norm_calls"] == 0
+        assert res["shared"] == [("ddp_buckets", 4)]
+    r0, r1 = outcomes["bucket_norm"]
+    assert r0["recorded"] == r1["recorded"]  # the averaged gradients: the same everywhere
+
+
+def test_a_nan_on_one_rank_is_caught_from_the_buckets_on_both(outcomes):
+    for res in outcomes["bucket_norm_nan"]:
+        assert "error" not in res, res
+        assert res["skipped"] == [False, False, True, False]
+        assert res["unchanged"] is True
+        assert res["shared"] == [("ddp_buckets", 4)]  # the NaN was seen in the buckets
+
+
+def test_buckets_of_gradients_a_scaler_unscales_later_are_not_used(outcomes):
+    """Under a GradScaler the buckets hold scaled gradients (unscaled after the
+    all-reduce): the guard computes its own norm, of the unscaled ones, as before."""
+    for res in outcomes["bucket_norm_scaled"]:
+        assert "error" not in res, res
+        assert res["shared"] == [] and res["own_norm_calls"] >= 4
+        # Measured after unscaling (loss scale 4): not the buckets' scaled gradients.
+        assert res["recorded"] == pytest.approx([n / 4 for n in res["norms"]], rel=1e-5)
 
 
 def test_different_models_are_named_at_construction_on_every_rank(outcomes):

@@ -51,8 +51,11 @@ def loop(model, opt, batches):
         opt.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "torchclip"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_guarded_loop_never_syncs(tmp_path, compiled):
+def test_guarded_loop_never_syncs(tmp_path, compiled, clip):
+    """With clip: the loop clips with torch.nn.utils.clip_grad_norm_, whose norm the
+    guard takes as the step's (no second pass, and still no sync)."""
     device = torch.device("cuda")
     model = gpt(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -83,10 +86,14 @@ def test_guarded_loop_never_syncs(tmp_path, compiled):
                     loss = step_model(x, y)
                 loss.backward()
                 losses.append(loss.detach())
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+    shared = [e["steps"] for e in read_events(tmp_path) if e["kind"] == "grad_norm_shared"]
+    assert shared == ([steps] if clip else [])
     rows = guardrails.read_metrics(tmp_path).to_pydict()
     assert rows["step"] == list(range(1, steps + 1))
     assert rows["loss"] == pytest.approx([v.item() for v in losses], rel=1e-6)
@@ -402,6 +409,60 @@ def test_sharded_optimizers_skip_together_and_resume_bitwise_on_nccl(tmp_path, s
     _stop_and_resume(tmp_path, shape, steps=10, stop_at=3, world=2, stop_rank=1, extra=extra)
     skips = [e for e in read_events(tmp_path / "b") if e["kind"] == "nonfinite"]
     assert sorted((e["rank"], e["step"]) for e in skips) == [(0, 2), (1, 2)]
+
+
+DDP_WORKER = """
+import os, sys, json, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["EXAMPLES"])
+from train_gpt import GPT
+import guardrails
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(device)
+torch.manual_seed(0)
+model = guardrails.GuardedDDP(GPT(65, 64, 2, 4, 128).to(device), device_ids=[device.index],
+                              bucket_cap_mb=1)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+g = torch.Generator(device=device).manual_seed(rank)
+data = [(torch.randint(0, 65, (8, 64), device=device, generator=g),) * 2 for _ in range(30)]
+def step(x, y, nan=False):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(x, y)
+    (loss * float("nan") if nan else loss).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+for x, y in data[:3]:
+    step(x, y)  # warm-up: DDP rebuilds its buckets, lazy optimizer state
+torch.cuda.set_sync_debug_mode("error")
+for x, y in data[:2]:
+    step(x, y)  # plain DDP is sync-free on its own here
+with guardrails.guard(model, opt, data[3:], run_dir=os.environ["RUN_DIR"], progress=False) as gd:
+    for i, (x, y) in enumerate(gd):
+        step(x, y, nan=(i == 10 and rank == 1))
+torch.cuda.set_sync_debug_mode(0)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_ddp_bucket_norms_on_nccl_are_sync_free_and_catch_one_ranks_nan(tmp_path):
+    """GuardedDDP on 2 GPUs: the step's grad norm comes from the reduced buckets (taken
+    in the comm hook's callback, on the stream that waits for NCCL) for every step,
+    with no host sync, and rank 1's NaN at step 11 is skipped on both ranks."""
+    from _ranks import torchrun
+
+    script = tmp_path / "worker.py"
+    script.write_text(DDP_WORKER)
+    env = {"EXAMPLES": str(Path(__file__).resolve().parents[1] / "examples")}
+    run_dir = tmp_path / "run"
+    res = torchrun([script], 2, out=tmp_path, timeout_s=300, env={**env, "RUN_DIR": str(run_dir)})
+    assert res.code == 0, res.out[-3000:]
+    events = read_events(run_dir)
+    shared = sorted((e["rank"], e["steps"]) for e in events if e["kind"] == "grad_norm_shared")
+    assert shared == [(0, 27), (1, 27)], shared
+    skips = sorted((e["rank"], e["step"]) for e in events if e["kind"] == "nonfinite")
+    assert skips == [(0, 11), (1, 11)], skips
 
 
 def test_fp16_gradscaler_skips_are_skipped_rows_not_warnings(tmp_path):
