@@ -1,0 +1,119 @@
+"""Host time of the guard's per-step grad norm against the number of parameter tensors.
+
+    python benchmarks/norm_host.py --device cuda --tensors 150 1500
+
+For a model of N parameter tensors (the `stack` model of overhead.py: N/2 small Linear
+layers, so the device work is tiny and what shows is host work), inside a live guard,
+after one backward, times each way the guard can get the step's norm:
+
+- `own`: its own pass (`GradNorm.__call__`: gather every `p.grad`, `_foreach_norm`,
+  stack, norm), what a loop that neither clips nor uses GuardedDDP gets;
+- `clip check`: the check that a `torch.nn.utils.clip_grad_norm_` call covered exactly
+  the guard's parameters (`Guard._took_clip_norm`), in the optimizer's order and in
+  another order (the set comparison), what a loop that clips pays on top of its clip;
+- `buckets`: `BucketNorms.record` for each of B buckets plus `total()`, what GuardedDDP's
+  hook adds per step (B = the model's bytes / 25 MB DDP buckets, at least 1).
+
+Host time: wall time of `--n` calls in a row without a sync inside, per call, median of
+`--repeats` blocks (the device is synchronized between blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import Stack
+
+import guardrails
+from guardrails._gradnorm import BucketNorms
+
+
+def block(fn, n: int, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(times)
+
+
+def measure(tensors: int, device: torch.device, n: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = Stack(tensors).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16, device=device), torch.randn(8, device=device)
+    params = list(model.parameters())
+    shuffled = params[:]
+    random.Random(0).shuffle(shuffled)
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    n_buckets = max(1, round(nbytes / 25e6))
+    out: dict = {"tensors": len(params), "buckets": n_buckets}
+    with (
+        tempfile.TemporaryDirectory() as d,
+        guardrails.guard(model, opt, [(x, y)] * 2, run_dir=d, progress=False, metrics=False) as g,
+    ):
+        xb, yb = next(iter(g))
+        model(xb, yb).backward()
+        total = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        out["own_us"] = block(lambda: g._norm(g.params, g.step), n, repeats, device)
+        out["clip_check_same_order_us"] = block(
+            lambda: g._took_clip_norm(params, total), n, repeats, device
+        )
+        out["clip_check_other_order_us"] = block(
+            lambda: g._took_clip_norm(shuffled, total), n, repeats, device
+        )
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        pieces = flat.chunk(n_buckets)
+        norms = BucketNorms(device)
+
+        def buckets() -> None:
+            for i, piece in enumerate(pieces):
+                norms.record(i, piece, i == len(pieces) - 1, 0)
+            norms.total(0)
+
+        out["buckets_us"] = block(buckets, n, repeats, device)
+        opt.step()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tensors", type=int, nargs="+", default=[150, 1500])
+    p.add_argument("--n", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--out")
+    a = p.parse_args()
+    device = torch.device(a.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    for t in a.tensors:
+        r = measure(t, device, a.n, a.repeats)
+        r.update(device=name, torch=torch.__version__)
+        print(
+            f"{name} tensors={r['tensors']}: own {r['own_us']:.1f} us, clip check "
+            f"{r['clip_check_same_order_us']:.2f} us (other order "
+            f"{r['clip_check_other_order_us']:.2f}), {r['buckets']} bucket(s) "
+            f"{r['buckets_us']:.1f} us"
+        )
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
