@@ -274,6 +274,8 @@ class SignalCheckpointer(Component):
         # A gloo group only background sharded saves use (DCP's collectives from its
         # thread); None when there are none.
         self._dcp_group: Any = None
+        # DCP's writer for background saves, kept so its pinned staging is reused.
+        self._dcp_writer: Any = None
         # Optimizers whose state differs per rank: every rank saves its own part.
         self._per_rank: set[str] = set()
         self._contents: dict[str, Any] = {}
@@ -462,6 +464,7 @@ class SignalCheckpointer(Component):
             try:
                 self._wait_writer(raise_error=exc is None)
             finally:
+                self._dcp_writer = None  # its pinned staging memory goes with it
                 if self._dcp_group is not None:
                     group, self._dcp_group = self._dcp_group, None
                     dist.destroy_process_group(group)
@@ -648,7 +651,11 @@ class SignalCheckpointer(Component):
                 if background and self._dcp_group is not None:
                     # Shards staged to host memory now; DCP writes them from its own
                     # thread over our gloo group, and the writer thread waits for it.
-                    part.dcp = _sharded.save_async(tmp, bare, guard.optimizer, self._dcp_group)
+                    if self._dcp_writer is None:
+                        self._dcp_writer = _sharded.stager()
+                    part.dcp = _sharded.save_async(
+                        tmp, bare, guard.optimizer, self._dcp_group, self._dcp_writer
+                    )
                 else:
                     # Every rank writes its own shards now, in the main thread: DCP's
                     # save is a collective over the training's process group.
