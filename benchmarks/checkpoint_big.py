@@ -25,7 +25,9 @@ What it does:
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import math
 import os
 import platform
 import shutil
@@ -81,6 +83,8 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     steps: dict[int, float] = {}
     log: list[str] = []
     t_signal = None
+    wall_signal = math.nan
+    at_exit: dict[int, float] = {}
     assert proc.stdout is not None
     for line in proc.stdout:
         log.append(line)
@@ -89,9 +93,14 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
             steps[int(step)] = float(ms)
             if int(step) == args.sigterm_at and t_signal is None:
                 t_signal = time.perf_counter()
+                wall_signal = time.time()
                 proc.send_signal(signal.SIGTERM)
+        elif line.startswith("ATEXIT "):  # a rank's interpreter reached its atexit hooks
+            _, rank, when = line.split()
+            at_exit[int(rank)] = float(when)
     code = proc.wait()
     t_exit = time.perf_counter()
+    wall_exit = time.time()
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     saves = [e for e in events if e["kind"] == "checkpoint"]
     skipped = [e["step"] for e in events if e["kind"] == "checkpoint_skipped"]
@@ -104,6 +113,20 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         if s + 1 in steps
     }
     last = [e for e in saves if e["step"] >= args.sigterm_at]
+    # Where the time from SIGTERM to the launcher's exit goes, per rank (seconds after
+    # the signal): the signal save committed (its event), the guard closed (its end
+    # event), the interpreter reached atexit (after the with-block and SystemExit), and
+    # the launcher (torchrun) exited.
+    ends = {e["rank"]: e["time"] for e in events if e["kind"] == "end"}
+    timeline = {
+        rank: {
+            "saved": next((e["time"] - wall_signal for e in last if e["rank"] == rank), None),
+            "guard_closed": ends[rank] - wall_signal if rank in ends else None,
+            "atexit": at_exit[rank] - wall_signal if rank in at_exit else None,
+        }
+        for rank in range(args.nproc)
+    }
+    timeline["launcher_exit"] = wall_exit - wall_signal
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
     size = sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file()) if ckpts else 0
     return {
@@ -114,6 +137,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         "periodic_stall_ms": stalls,
         "skipped": skipped,
         "signal_saves": last,
+        "exit_timeline_s": timeline,
         "bytes_per_save": size,
         "log_tail": "".join([x for x in log if not x.startswith("STEP ")][-80:])
         if code not in (143, -15) and t_signal is None
@@ -175,6 +199,8 @@ def show(path: str) -> None:
             for e in r["signal_saves"]:
                 keys = ("bytes", "seconds", "stage_s", "write_s", "fsync_s", "commit_s", "sharded")
                 print(f"    rank {e['rank']} step {e['step']}: { ({k: e.get(k) for k in keys}) }")
+            if r.get("exit_timeline_s"):
+                print(f"    after SIGTERM (s): {r['exit_timeline_s']}")
             if r["log_tail"]:
                 print(r["log_tail"][-800:])
 
@@ -216,6 +242,9 @@ def child(args: argparse.Namespace) -> None:
         n = sum(p.numel() for p in model.parameters())
         print(f"params {n * (world if args.fsdp else 1) / 1e9:.3f}B", flush=True)
     data = [(torch.randint(0, 50304, (args.batch, 1024), device=device),) * 2 for _ in range(4)]
+    # The moment this rank's interpreter starts shutting down (after the guard's
+    # SystemExit(143) left the with-block): the parent splits the exit time with it.
+    atexit.register(lambda: print(f"ATEXIT {rank} {time.time():.6f}", flush=True))
     with guardrails.guard(
         model,
         opt,

@@ -8,7 +8,8 @@
 # - with BASE (a folder holding an older guardrails/ and examples/), the clipping rows
 #   and the stack rows again under that version, interleaved run by run.
 set -o pipefail
-# PART=eager (default: tests, eager and stack rows) or PART=compiled (compiled rows).
+# PART=eager (default: tests, eager and stack rows), PART=compiled (compiled rows), or
+# PART=ddp on 2 GPUs (the NCCL tests, then plain DDP vs GuardedDDP under the guard).
 OUT=${1:?usage: gpu_overhead.sh OUT [BASE]}
 BASE=${2:-}
 PART=${PART:-eager}
@@ -16,6 +17,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/machine.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/machine.txt"
+[ "$PART" = ddp ] && PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "nccl or ddp_bucket" 2>&1 | tail -15 | tee "$OUT/gpu_tests_ddp.txt"
 [ "$PART" = eager ] && PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 run() {  # run TAG PYTHONPATH ARGS...
   local tag=$1 path=$2; shift 2
@@ -24,7 +26,16 @@ run() {  # run TAG PYTHONPATH ARGS...
 }
 G="--model gpt2 --seq 1024 --steps 20 --warmup 5 --repeats 7"
 S="--model stack --steps 50 --warmup 10 --repeats 7"
-if [ "$PART" = eager ]; then
+if [ "$PART" = ddp ]; then
+for tree in new base; do
+  path=$PWD; [ $tree = base ] && path=$BASE
+  [ -z "$path" ] && continue
+  echo "== $tree ddp 8x1024" | tee -a "$OUT/overhead.txt"
+  PYTHONPATH=$path python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    benchmarks/overhead.py --device cuda --ddp $G --batch 8 --out "$OUT/overhead_ddp_$tree.jsonl" 2>&1 \
+    | grep -v Warning | tail -5 | tee -a "$OUT/overhead.txt"
+done
+elif [ "$PART" = eager ]; then
 run new "$PWD" $G --batch 8
 run new "$PWD" $G --batch 8 --torch-clip
 [ -n "$BASE" ] && run base "$BASE" $G --batch 8 --torch-clip
