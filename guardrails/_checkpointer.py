@@ -274,8 +274,10 @@ class SignalCheckpointer(Component):
         # A gloo group only background sharded saves use (DCP's collectives from its
         # thread); None when there are none.
         self._dcp_group: Any = None
-        # DCP's writer for background saves, kept so its pinned staging is reused.
+        # DCP's writer for background saves, kept so its pinned staging is reused,
+        # and the thread allocating that staging ahead of the first save.
         self._dcp_writer: Any = None
+        self._dcp_prepared: threading.Thread | None = None
         # Optimizers whose state differs per rank: every rank saves its own part.
         self._per_rank: set[str] = set()
         self._contents: dict[str, Any] = {}
@@ -464,6 +466,9 @@ class SignalCheckpointer(Component):
             try:
                 self._wait_writer(raise_error=exc is None)
             finally:
+                if self._dcp_prepared is not None:
+                    self._dcp_prepared.join()
+                    self._dcp_prepared = None
                 self._dcp_writer = None  # its pinned staging memory goes with it
                 if self._dcp_group is not None:
                     group, self._dcp_group = self._dcp_group, None
@@ -588,8 +593,16 @@ class SignalCheckpointer(Component):
         if guard.step < 1:
             return  # the optimizer's state appears at its first step
         self._staging_planned = True
-        if not torch.cuda.is_available() or _model.is_sharded(_model.unwrap(guard.model)):
-            return  # nothing on a GPU; DCP stages sharded state itself
+        if not torch.cuda.is_available():
+            return  # nothing to pin without a GPU
+        bare = _model.unwrap(guard.model)
+        if _model.is_sharded(bare):
+            if self._dcp_group is not None:  # background saves: DCP's writer stages
+                self._dcp_writer = _sharded.stager()
+                self._dcp_prepared = _sharded.prepare_staging(
+                    self._dcp_writer, bare, guard.optimizer
+                )
+            return
         try:
             part = _checkpoint.Part(measure=True)
             self._stage(guard, part, measure=True)
@@ -653,6 +666,11 @@ class SignalCheckpointer(Component):
                     # thread over our gloo group, and the writer thread waits for it.
                     if self._dcp_writer is None:
                         self._dcp_writer = _sharded.stager()
+                    if self._dcp_prepared is not None:
+                        # Its memory still being allocated ahead: wait rather than
+                        # have DCP allocate a second copy.
+                        self._dcp_prepared.join()
+                        self._dcp_prepared = None
                     part.dcp = _sharded.save_async(
                         tmp, bare, guard.optimizer, self._dcp_group, self._dcp_writer
                     )

@@ -28,6 +28,7 @@ import importlib
 import logging
 import pathlib
 import pickle
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,59 @@ def stager() -> Any:
 
     # The path is set by each save's checkpoint_id (DCP calls the writer's reset()).
     return FileSystemWriter(".", thread_count=_digest.THREADS, cache_staged_state_dict=True)
+
+
+def prepare_staging(writer: Any, model: nn.Module, optimizer: Any) -> threading.Thread:
+    """Allocate ``writer``'s pinned staging memory for this rank's shards now, in a
+    thread, while training goes on (the sizes are known once the optimizer stepped):
+    left to DCP, the first background save copies every shard to new pageable memory
+    and pins a copy of it on the training thread (7.9 s of stall at 0.8B parameters on
+    2 H200). The state dict is taken here, on the calling thread (references only);
+    the thread reads shapes, never values, so nothing waits for the device."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+
+    def allocate() -> None:
+        try:
+            writer.state_dict_cache = _empty_pinned(state)
+        except Exception as e:  # only an optimisation: DCP allocates at the first save
+            logger.debug("guardrails: DCP staging not allocated ahead: %r", e)
+
+    thread = threading.Thread(target=allocate, name="guardrails-dcp-staging", daemon=True)
+    thread.start()
+    return thread
+
+
+def _empty_pinned(obj: Any, pin: bool = True) -> Any:
+    """The structure DCP's ``_create_cpu_state_dict(obj, pin_memory=pin)`` builds
+    (torch 2.8-2.13), from shapes alone: it copies each DTensor to the host first."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: _empty_pinned(v, pin) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_empty_pinned(v, pin) for v in obj)
+    if isinstance(obj, DTensor):
+        if obj.dim() == 0:
+            return obj  # as DCP does: a 0-d DTensor is kept, not staged
+        local = obj._local_tensor
+        return DTensor.from_local(
+            _empty_pinned(local, pin),
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0:
+            return torch.tensor(0, dtype=obj.dtype)
+        if obj.numel() == 0:
+            return torch.zeros(obj.shape, dtype=obj.dtype)
+        return torch.empty(obj.shape, dtype=obj.dtype, pin_memory=pin)
+    return obj
 
 
 def save_async(

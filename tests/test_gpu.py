@@ -457,7 +457,7 @@ def test_ddp_bucket_norms_on_nccl_are_sync_free_and_catch_one_ranks_nan(tmp_path
     env = {"EXAMPLES": str(Path(__file__).resolve().parents[1] / "examples")}
     run_dir = tmp_path / "run"
     res = torchrun([script], 2, out=tmp_path, timeout_s=300, env={**env, "RUN_DIR": str(run_dir)})
-    assert res.code == 0, res.out[-3000:]
+    assert res.code == 0, (res.out[-2000:], res.err[-4000:])
     events = read_events(run_dir)
     shared = sorted((e["rank"], e["steps"]) for e in events if e["kind"] == "grad_norm_shared")
     assert shared == [(0, 27), (1, 27)], shared
