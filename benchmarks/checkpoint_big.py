@@ -103,6 +103,12 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     wall_exit = time.time()
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     saves = [e for e in events if e["kind"] == "checkpoint"]
+    for e in saves:  # each save's own figures, periodic ones too
+        print(
+            f"  save step {e['step']} rank {e['rank']}: stage {e.get('stage_s')} s, "
+            f"{e.get('dcp_staging', '')}",
+            flush=True,
+        )
     skipped = [e["step"] for e in events if e["kind"] == "checkpoint_skipped"]
     median = statistics.median(steps.values()) if steps else float("nan")
     # The boundary after step s (where a save of step s is staged, or skipped) is timed
@@ -198,6 +204,7 @@ def show(path: str) -> None:
             )
             for e in r["signal_saves"]:
                 keys = ("bytes", "seconds", "stage_s", "write_s", "fsync_s", "commit_s", "sharded")
+                keys += ("dcp_staging",)
                 print(f"    rank {e['rank']} step {e['step']}: { ({k: e.get(k) for k in keys}) }")
             if r.get("exit_timeline_s"):
                 print(f"    after SIGTERM (s): {r['exit_timeline_s']}")

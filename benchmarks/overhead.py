@@ -160,7 +160,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
         sync(device)
         return (time.perf_counter() - t0) / args.steps
 
-    if variant not in ("guarded", "graph_norm"):
+    if variant not in ("guarded", "graph_norm", "ddp_guard"):
         return loop(cycle(data, total))
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(
@@ -202,6 +202,9 @@ def main() -> None:
         help="clip with torch.nn.utils.clip_grad_norm_ in every variant",
     )
     p.add_argument("--ddp", action="store_true", help="DDP vs GuardedDDP, under torchrun")
+    p.add_argument(
+        "--ddp-split", action="store_true", help="with --ddp: also DDP+guard, GuardedDDP alone"
+    )
     p.add_argument("--item", action="store_true", help="also time the per-step .item() check")
     p.add_argument(
         "--graph-norm", action="store_true", help="also time the guard with graph_grad_norm=True"
@@ -222,6 +225,9 @@ def main() -> None:
         plain_setup = build(args, device, DistributedDataParallel)
         guarded_setup = build(args, device, guardrails.GuardedDDP)
         setups = {"plain": plain_setup, "guarded": guarded_setup}
+        # --ddp-split: where a DDP overhead comes from: plain DDP under the guard
+        # (guard, no GuardedDDP), and GuardedDDP without a guard (its comm hook alone).
+        setups["ddp_guard"], setups["gddp_alone"] = plain_setup, guarded_setup
     else:
         setup = build(args, device)
         setups = {v: setup for v in VARIANTS}
@@ -229,6 +235,7 @@ def main() -> None:
         ["plain", "guarded"]
         + (["graph_norm"] if args.graph_norm else [])
         + (["item"] if args.item else [])
+        + (["ddp_guard", "gddp_alone"] if args.ddp_split else [])
     )
     for v in variants:  # compile / allocator / lazy optimizer state warm-up
         one_run(args, device, *setups[v], v)
@@ -262,6 +269,12 @@ def main() -> None:
         "clip": "torch" if args.torch_clip else ("guard" if args.clip else None),
         "ddp_world": torch.distributed.get_world_size() if args.ddp else None,
     }
+    for v in ("ddp_guard", "gddp_alone"):
+        if v in times:
+            med = statistics.median(times[v])
+            result[f"{v}_step_us"] = med * 1e6
+            result[f"{v}_overhead_pct"] = 100 * (med - med_plain) / med_plain
+            print(f"  {v:10s} {med * 1e6:10.1f} us/step ({result[f'{v}_overhead_pct']:+.2f}%)")
     if args.ddp and torch.distributed.get_rank() != 0:
         torch.distributed.destroy_process_group()
         return
