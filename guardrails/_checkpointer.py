@@ -278,6 +278,7 @@ class SignalCheckpointer(Component):
         # and the thread allocating that staging ahead of the first save.
         self._dcp_writer: Any = None
         self._dcp_prepared: threading.Thread | None = None
+        self._dcp_stats: dict[str, Any] = {}  # its timings, told in checkpoint events
         # Optimizers whose state differs per rank: every rank saves its own part.
         self._per_rank: set[str] = set()
         self._contents: dict[str, Any] = {}
@@ -600,7 +601,7 @@ class SignalCheckpointer(Component):
             if self._dcp_group is not None:  # background saves: DCP's writer stages
                 self._dcp_writer = _sharded.stager()
                 self._dcp_prepared = _sharded.prepare_staging(
-                    self._dcp_writer, bare, guard.optimizer
+                    self._dcp_writer, bare, guard.optimizer, self._dcp_stats
                 )
             return
         try:
@@ -669,8 +670,10 @@ class SignalCheckpointer(Component):
                     if self._dcp_prepared is not None:
                         # Its memory still being allocated ahead: wait rather than
                         # have DCP allocate a second copy.
+                        t_wait = time.perf_counter()
                         self._dcp_prepared.join()
                         self._dcp_prepared = None
+                        self._dcp_stats["waited_s"] = round(time.perf_counter() - t_wait, 3)
                     part.dcp = _sharded.save_async(
                         tmp, bare, guard.optimizer, self._dcp_group, self._dcp_writer
                     )
@@ -848,6 +851,7 @@ class SignalCheckpointer(Component):
             commit_s=round(time.perf_counter() - t_commit, 3),
             background=threading.current_thread() is not threading.main_thread(),
             sharded=bool(part.sealed),
+            **({"dcp_staging": dict(self._dcp_stats)} if part.sealed and self._dcp_stats else {}),
         )
         if took > _GRACE_SHARE * self.grace_s and not self._warned_grace:
             self._warned_grace = True

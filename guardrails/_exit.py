@@ -207,11 +207,10 @@ def write_error_file(error: BaseException, *, with_traceback: bool = True) -> st
 def release_process_group(*, abort: bool, timeout_s: float | None = None) -> None:
     """Tear down every process group, giving up after ``timeout_s``.
 
-    ``abort=True`` (a failure): ``distributed_c10d._abort_process_group()`` (torch >= 2.5,
-    pytorch#132291: ``ncclCommAbort`` on every communicator in one NCCL group call, so
+    ``abort=True`` (a failure): ``distributed_c10d._abort_process_group()``
+    (pytorch#132291: ``ncclCommAbort`` on every communicator in one NCCL group call, so
     several communicators cannot deadlock each other, pytorch#119797; a no-op for gloo,
-    whose ``ProcessGroup.abort`` is the default no-op since pytorch#148798). On torch
-    2.4, which lacks it, each group's NCCL backend's ``abort()`` is called where present.
+    whose ``ProcessGroup.abort`` is the default no-op since pytorch#148798).
     ``abort=False`` (a normal end): ``destroy_process_group()``. Either runs in a
     daemon thread: on a wedged communicator even the abort can block, and the process
     must end regardless.
@@ -229,20 +228,8 @@ def release_process_group(*, abort: bool, timeout_s: float | None = None) -> Non
 
             if not abort:
                 dist.destroy_process_group()
-            elif hasattr(c10d, "_abort_process_group"):
+            else:
                 c10d._abort_process_group()
-            else:  # torch 2.4
-                import torch
-
-                for pg in list(c10d._world.pg_map):
-                    try:
-                        backend = pg._get_backend(torch.device("cuda"))
-                    except Exception:
-                        continue
-                    for name in ("abort", "_abort"):
-                        if hasattr(backend, name):
-                            getattr(backend, name)()
-                            break
         except Exception as exc:
             log.debug("guardrails: process group teardown failed: %s", exc)
 

@@ -62,20 +62,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------- sharding
 
 
-def _dtensor_type() -> type:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5 kept it private
-        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
-    return DTensor
-
-
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel): the
     parameters have global shapes and global norms, and their state goes through
     ``torch.distributed.checkpoint`` (``_sharded.py``), each rank writing its shards."""
-    dtensor = _dtensor_type()
-    return any(isinstance(p, dtensor) for p in model.parameters())
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def holds_shards(model: nn.Module) -> bool:

@@ -417,8 +417,7 @@ class Watchdog(Component):
         present = [k for k in keys if self._store.check([k])]
         if not present:
             return {}
-        multi_get = getattr(self._store, "multi_get", None)  # torch >= 2.5; else one by one
-        raw = multi_get(present) if multi_get else [self._store.get(k) for k in present]
+        raw = self._store.multi_get(present)
         out: dict[int, dict[str, Any]] = {}
         for key, value in zip(present, raw, strict=True):
             out[int(key.rsplit("/", 1)[1])] = json.loads(bytes(value).decode())

@@ -437,10 +437,13 @@ for x, y in data[:3]:
 torch.cuda.set_sync_debug_mode("error")
 for x, y in data[:2]:
     step(x, y)  # plain DDP is sync-free on its own here
+torch.cuda.set_sync_debug_mode(0)  # the guard's start checks read weights (once)
 with guardrails.guard(model, opt, data[3:], run_dir=os.environ["RUN_DIR"], progress=False) as gd:
     for i, (x, y) in enumerate(gd):
+        if i == 2:
+            torch.cuda.set_sync_debug_mode("error")
         step(x, y, nan=(i == 10 and rank == 1))
-torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.set_sync_debug_mode(0)
 dist.destroy_process_group()
 """
 
