@@ -67,7 +67,26 @@ So at every instant ``step_<N>`` either does not exist or is complete:
   already visible; after a power loss either name may survive, both complete;
 * killed during retention: old checkpoints are first renamed to ``.trash-*`` (atomic),
   then deleted, so a half-deleted one never carries a ``step_*`` name; the newest valid
-  checkpoint is never deleted.
+  checkpoint is never deleted;
+* killed during a re-save of a step that exists (a resumed run saving the step it
+  resumed): the old ``step_<N>`` is renamed to ``.aside-step_<N>``, the new one renamed
+  in, then the aside deleted. Between the two renames the aside is that step's
+  checkpoint: :func:`list_checkpoints` lists it while ``step_<N>`` is missing, and the
+  next save renames it back. Before this, a kill there lost both copies (both under
+  names no reader picks), and with ``keep_last=1`` the run restarted at step 0.
+
+Runs kept apart: a guard's checkpoints carry its run's id (``run.id`` in the manifest:
+new for a fresh start, carried over by a resume). Retention counts only this run's
+checkpoints, and a resume tries the run that saved last first
+(:func:`~guardrails._manifest.resume_order`): a fresh run started beside another run's
+checkpoints no longer has its low steps deleted for the other run's high ones, nor does
+a later ``resume="auto"`` pick the other run's.
+
+Storage errors: a save that cannot write (a full disk, a read-only remount, missing
+permissions) raises :class:`~guardrails.CheckpointError` naming the cause and the fix
+(free space, the permissions, another ``run_dir``) and the latest checkpoint that
+remains; the partial temp directory is removed and nothing that resume would pick is
+left behind.
 
 Readers trust nothing: a checkpoint counts as valid only when ``manifest.json`` parses,
 matches its own ``manifest_sha256`` (a flipped bit in the manifest could otherwise
@@ -99,6 +118,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import struct
 import threading
 import time
@@ -113,12 +133,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from guardrails import _digest, _dist, _sharded
+from guardrails import _digest, _dist, _sharded, _storage
 from guardrails._checks import named
 from guardrails._errors import CheckpointError, ResumeError
 
 # The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
 from guardrails._manifest import (
+    ASIDE_RE,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -130,6 +151,8 @@ from guardrails._manifest import (
     _rank_name,
     _self_hash,
     list_checkpoints,
+    resume_order,
+    run_of,
 )
 from guardrails._manifest import problem as _manifest_problem
 from guardrails._manifest import read_manifest as _manifest_read
@@ -140,6 +163,10 @@ log = logging.getLogger("guardrails.checkpoint")
 
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+_ASIDE_PREFIX = ".aside-"
+#: Tests only: SIGKILL this process at the named point of a commit (a real kill, in the
+#: real process), to check that every point leaves a loadable checkpoint.
+CRASH_ENV = "GUARDRAILS_TEST_CRASH_AT"
 #: Header metadata key of a .safetensors file that maps alias key -> stored key.
 ALIASES_KEY = "guardrails.aliases"
 #: Optimizer states that are elementwise copies of their parameter's shape, so a shape
@@ -541,12 +568,15 @@ def commit(
     delete_old: bool = True,
     contents: Mapping[str, Any] | None = None,
     run: Mapping[str, Any] | None = None,
+    adopt_unlabelled: bool = False,
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
 
     Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
     ``contents``: which optimizers and schedulers the checkpoint holds, and where (see
-    :func:`contents_of`); ``run``: the run's config and settings (:func:`run_record`).
+    :func:`contents_of`); ``run``: the run's config and settings (:func:`run_record`)
+    and its id: retention then counts only that run's checkpoints (and, with
+    ``adopt_unlabelled``, those without a run id: the run resumed one of them).
     """
     final = root / f"step_{step:09d}"
     for name, rec in files.items():  # a rank that wrote to a disk rank 0 cannot see
@@ -578,16 +608,52 @@ def commit(
     _write_bytes(tmp / MANIFEST, _dumps(manifest), {})
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again (a resumed run): replace it
-        trash = root / f"{_TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
+        _replace(root, final, tmp)
     else:
         os.rename(tmp, final)
     _fsync_dir(root)
     if keep_last is not None:
-        _retain(root, keep_last, delete=delete_old)
+        run_id = (run or {}).get("id")
+        try:
+            _retain(root, keep_last, delete=delete_old, run_id=run_id, adopt=adopt_unlabelled)
+        except OSError as e:  # committed all the same: an old checkpoint stays, said once
+            log.warning(
+                "guardrails: checkpoint %s is committed, but older ones could not be removed "
+                "(keep_last=%d): %s; they stay until a later save can. Fix: %s.",
+                final,
+                keep_last,
+                e,
+                _storage.fix_for(e, root),
+            )
     return final
+
+
+def _replace(root: Path, final: Path, tmp: Path) -> None:
+    """Replace the committed ``final`` by ``tmp`` (complete, manifest written) so that
+    a kill at any point leaves one loadable copy of the step under a name resume reads:
+    the old one renamed aside (``.aside-step_<N>``, which resume reads while
+    ``step_<N>`` is missing), the new one renamed in, the aside deleted."""
+    aside = root / f"{_ASIDE_PREFIX}{final.name}"
+    if aside.exists():  # an older copy left by a kill after its re-save's second rename
+        shutil.rmtree(aside)
+    _crash_point("resave:before")
+    os.rename(final, aside)
+    _crash_point("resave:aside")
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(aside, final)  # the old copy back under its name
+        raise
+    _crash_point("resave:swapped")
+    _fsync_dir(root)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _crash_point(name: str) -> None:
+    """Tests: a real SIGKILL of this process at commit point ``name`` when the
+    environment asks for it (:data:`CRASH_ENV`)."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def contents_of(
@@ -695,14 +761,47 @@ def _json_value(value: Any) -> Any:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def write_error(final: Path, step: int, e: BaseException) -> CheckpointError:
+def write_error(
+    final: Path,
+    step: int,
+    e: BaseException,
+    *,
+    latest: tuple[Path, int] | bool | None = True,
+    run_dir: bool = True,
+) -> CheckpointError:
+    """The :class:`CheckpointError` of a save of ``step`` to ``final`` that failed with
+    the storage error ``e``: the cause and the fix (free space, the permissions,
+    another directory) and ``latest``, the checkpoint that stays the latest (``True``:
+    the newest committed one under ``final``'s directory, looked up; ``None``: none;
+    ``False``: not said, the caller says it). ``run_dir``: the fix names ``run_dir`` (a
+    guard's save), else the directory."""
+    root = final.parent
+    if latest is True:
+        latest = latest_committed(root)
+    cause = _storage.cause_of(e, root)
+    text = f"could not write checkpoint {final}: {f'{cause}: ' if cause else ''}{e}"
+    if latest:
+        text += f"; the latest checkpoint is still {latest[0]} (step {latest[1]}), untouched"
+    elif latest is None:
+        text += f"; no earlier checkpoint exists under {root}"
     return CheckpointError(
-        f"could not write checkpoint {final}: {e}",
+        text,
         step=step,
         path=str(final),
-        hint="check free space and permissions of the checkpoint directory; the "
-        "previous checkpoints under it are untouched.",
+        hint=_storage.fix_for(e, root, run_dir=run_dir) + ".",
     )
+
+
+def latest_committed(root: Path) -> tuple[Path, int] | None:
+    """The newest committed checkpoint under ``root`` (it has a manifest; not
+    verified) and its step, or ``None`` (also when ``root`` cannot be listed)."""
+    try:
+        for step, ckpt in resume_order(list_checkpoints(root)):
+            if (ckpt / MANIFEST).is_file():
+                return ckpt, step
+    except OSError:
+        pass
+    return None
 
 
 def save_checkpoint(
@@ -740,13 +839,25 @@ def save_checkpoint(
         saves) also hold every rank's RNG streams and data position.
 
     Raises:
-        CheckpointError: the write failed (disk full, permissions); the previous
-            checkpoints are intact and the partial temp dir is removed.
+        CheckpointError: the write failed (a full disk, a read-only file system,
+            permissions): the message names the cause and the latest checkpoint left,
+            its ``hint`` the fix; the previous checkpoints are intact and the partial
+            temp dir is removed.
+        TypeError: ``model`` is not a module (``None``): resume() could not load a
+            checkpoint without one.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    if not isinstance(model, nn.Module):
+        # resume() always loads a model: a checkpoint without one could never be
+        # resumed, and that would only be found at the restart that needs it.
+        raise TypeError(
+            f"save_checkpoint() needs the model (an nn.Module), got {type(model).__name__}: "
+            "resume() loads a checkpoint into a model, so a checkpoint without one could "
+            "not be resumed. Pass model=your_model."
+        )
     root = Path(root)
     final = root / f"step_{step:09d}"
     optimizers = {} if optimizer is None else named("optimizer", optimizer, torch.optim.Optimizer)
@@ -772,11 +883,12 @@ def save_checkpoint(
     )
     stage_rank(0, part=part)
     part.ready()
-    root.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(root)
-    tmp = begin(root, step, uuid.uuid4().hex[:8])
+    tmp: Path | None = None
     files: dict[str, dict[str, Any]] = {}
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(root)
+        tmp = begin(root, step, uuid.uuid4().hex[:8])
         part.write(tmp, files)
         final = commit(
             root,
@@ -789,10 +901,11 @@ def save_checkpoint(
             contents=contents_of(optimizers, schedulers, set()),
         )
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(e, OSError):
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not _storage.is_storage_error(e):
             raise
-        raise write_error(final, step, e) from e
+        raise write_error(final, step, e, run_dir=False) from e
     log.info(
         "guardrails: checkpoint step %d committed to %s (%.1f MB in %.2f s)",
         step,
@@ -819,9 +932,10 @@ def resume(
     """Restore model, optimizer, scheduler, scaler and every RNG from a checkpoint.
 
     Args:
-        path: a run's checkpoint root (the newest *valid* ``step_*`` under it is used;
-            newer invalid ones are skipped with a warning saying why) or one exact
-            ``step_*`` directory.
+        path: a run's checkpoint root (the newest *valid* ``step_*`` under it is used,
+            of the run that saved last when several runs saved there; newer invalid
+            ones are skipped with a warning saying why) or one exact ``step_*``
+            directory.
         model, optimizer, scheduler, scaler: restored in place; each one passed must
             have state in the checkpoint.
         strict: ``True`` (default): the model's keys must match the checkpoint's exactly.
@@ -841,7 +955,9 @@ def resume(
     Raises:
         ResumeError: no checkpoint there, every one is invalid (each listed with why),
             or the checkpoint is intact but does not fit this model / optimizer / world
-            size (the message lists the keys); nothing was modified.
+            size (the message lists the keys), or the model is on the meta device
+            (materialize it first: ``model.to_empty(device=...)``); nothing was
+            modified.
         CheckpointError: the exact ``step_*`` directory given is truncated / corrupt
             (the message names the file and the previous valid checkpoint).
     """
@@ -898,6 +1014,7 @@ def load(
         )
 
     # 1. Read everything and check it against the live objects; nothing is modified yet.
+    _check_materialized(ckpt, step, model)
     contents = _contents(manifest)
     optimizers = {} if optimizer is None else named("optimizer", optimizer, torch.optim.Optimizer)
     schedulers = {} if scheduler is None else named("scheduler", scheduler, object)
@@ -905,6 +1022,14 @@ def load(
     model_sd: dict[str, Tensor] = {}
     if sharded:
         _sharded.check(ckpt, step, model)
+    elif "model.safetensors" not in files:  # save_checkpoint(model=None), before it was refused
+        raise ResumeError(
+            f"checkpoint {ckpt} holds no model state (model.safetensors is not in it: it "
+            "was saved without a model)",
+            step=step,
+            path=str(ckpt),
+            hint="resume from a checkpoint saved with the model. Nothing was modified.",
+        )
     else:
         model_sd = _read_tensors(ckpt / "model.safetensors")
         _check_model(ckpt, step, model, model_sd, strict)
@@ -1064,7 +1189,7 @@ def _pick(path: Path) -> Path:
             "directories) or one step_* directory; check run_dir and the spelling.",
         )
     skipped = []
-    for _, ckpt in reversed(candidates):
+    for _, ckpt in resume_order(candidates):
         why = verify_checkpoint(ckpt)
         if why is None:
             for name, reason in skipped:
@@ -1082,8 +1207,10 @@ def _pick(path: Path) -> Path:
 
 def _corrupt(ckpt: Path, bad_file: str, why: str) -> CheckpointError:
     previous = None
-    for _, p in reversed(list_checkpoints(ckpt.parent)):
-        if p.name < ckpt.name and verify_checkpoint(p) is None:
+    m = STEP_RE.match(ckpt.name) or ASIDE_RE.match(ckpt.name)
+    step = int(m.group(m.lastindex or 1)) if m else -1
+    for s, p in reversed(list_checkpoints(ckpt.parent)):
+        if s < step and verify_checkpoint(p) is None:
             previous = p
             break
     if previous is not None:
@@ -1108,6 +1235,23 @@ def _manifest_error(e: ManifestError) -> CheckpointError | ResumeError:
     if e.too_new:
         return ResumeError(e.message, path=e.path, hint=e.hint)
     return CheckpointError(e.message, path=e.path)
+
+
+def _check_materialized(ckpt: Path, step: int, model: nn.Module) -> None:
+    """The model's tensors have storage: a model built on the meta device (``with
+    torch.device("meta")``, accelerate's ``init_empty_weights``) takes no values from
+    ``load_state_dict`` (it "resumed" and loaded nothing)."""
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ResumeError(
+            f"the model has {len(meta)} tensor(s) on the meta device ({_short(meta, 3)}): "
+            f"they hold no memory, so nothing from {ckpt} could be loaded into them",
+            step=step,
+            path=str(ckpt),
+            hint="materialize the model first, then resume: model.to_empty(device=...) "
+            "(allocates every tensor, uninitialized; the resume then fills them). "
+            "Nothing was modified.",
+        )
 
 
 def _check_model(
@@ -1329,18 +1473,31 @@ def _restore_rng(states: Mapping[str, Any] | None, tensors: Mapping[str, Tensor]
 # ------------------------------------------------------------------ retention, cleanup
 
 
-def _retain(root: Path, keep_last: int, *, delete: bool = True) -> None:
+def _retain(
+    root: Path,
+    keep_last: int,
+    *,
+    delete: bool = True,
+    run_id: str | None = None,
+    adopt: bool = False,
+) -> None:
     """Retire all but the newest ``keep_last`` committed checkpoints (those with a
     manifest; directories without one are left for a person to inspect and never count
     as kept). Retiring is a rename to ``.trash-*`` (atomic: a crash never leaves a
     half-deleted ``step_*``); ``delete=False`` leaves the deleting to the next save, so
     a save racing a SIGKILL is not slowed by it (deleting 3 files took ~30 ms here).
 
+    With ``run_id``, only that run's checkpoints count (and are retired), plus, with
+    ``adopt``, those that carry no run id; another run's are never touched: a fresh run
+    beside them had its own lower steps deleted as they were written.
+
     Committed, not verified: re-hashing every kept checkpoint at every save would read
     them all again (seconds per GB); a checkpoint corrupted later is found by resume,
     which verifies what it loads and falls back to the previous one.
     """
     committed = [p for _, p in list_checkpoints(root) if (p / MANIFEST).is_file()]
+    if run_id is not None:
+        committed = [p for p in committed if run_of(p) in ((run_id, None) if adopt else (run_id,))]
     for p in committed[:-keep_last]:
         trash = root / f"{_TRASH_PREFIX}{p.name}-{uuid.uuid4().hex[:8]}"
         os.rename(p, trash)
@@ -1350,9 +1507,27 @@ def _retain(root: Path, keep_last: int, *, delete: bool = True) -> None:
     _fsync_dir(root)
 
 
+def settle_asides(root: Path) -> None:
+    """A re-save cut between its renames left its old copy aside: put it back under
+    its ``step_*`` name (it is that step's checkpoint), or delete it when the new copy
+    made it in."""
+    for p in root.iterdir():
+        aside = ASIDE_RE.match(p.name)
+        if aside and p.is_dir():
+            final = root / aside.group(1)
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                log.info("guardrails: %s is back as %s (its re-save was interrupted)", p, final)
+                os.rename(p, final)
+
+
 def remove_leftovers(root: Path, keep: str | None = None) -> None:
     """Remove temp and trash dirs of interrupted saves (except one whose name holds
-    ``keep``, the token of a save in progress)."""
+    ``keep``, the token of a save in progress), and settle a re-save cut between its
+    renames: its old copy, renamed aside, goes back under its ``step_*`` name (it is
+    that step's checkpoint), or is deleted when the new copy made it in."""
+    settle_asides(root)
     for p in root.iterdir():
         if keep is not None and keep in p.name:
             continue

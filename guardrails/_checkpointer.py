@@ -36,6 +36,26 @@ What it does, and where the cost goes:
   into one temp directory (``run_dir`` must be on a disk every rank sees), publishes
   their sizes and checksums through the side store, and rank 0 writes the manifest and
   renames: one atomic commit for the whole job (see ``_checkpoint.py``).
+* **A save that cannot be written** (a full disk, a read-only remount, permissions) is
+  a :class:`~guardrails.CheckpointError` naming the cause and the fix; what happens
+  then depends on what it would cost:
+
+  - a periodic save: a warning (``checkpoint_failed``, repeated at most every 10 min
+    while saves keep failing) and training goes on; the previous checkpoint stays the
+    latest and the next periodic save retries. Stopping would throw away every step
+    since that checkpoint, which continuing keeps, and the cause is most often
+    transient (another job filled the disk, a quota, a network file system's hiccup).
+    Except when this run has no checkpoint to fall back on: then a run_dir that takes
+    no checkpoint at all (read-only, no permission, a file in the way) is a setup
+    mistake, raised at the first save rather than found hours later;
+  - the save at a normal end (progress since the last save) and ``g.save_checkpoint()``:
+    raised (nothing is left to retry it);
+  - the signal save: the process still exits ``128 + signum`` (143 for SIGTERM), with
+    one message saying that nothing new was saved and which checkpoint (path, step) is
+    the latest, and no traceback: the launcher is about to SIGKILL it anyway.
+* **Runs kept apart**: every checkpoint carries this run's id (new for a fresh start,
+  the resumed checkpoint's after a resume). Retention counts only this run's
+  checkpoints, and ``resume="auto"`` continues the run that saved last.
 * **Resume** (``resume="auto"``): at start, the newest valid checkpoint under
   ``run_dir/checkpoints`` (rank 0 picks and verifies it; every rank loads the same one)
   restores model, optimizer, scheduler, scaler, ``g.state``, ``g.step``, every RNG,
@@ -64,7 +84,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from guardrails import _checkpoint, _data, _digest, _exit, _model, _sharded
+from guardrails import _checkpoint, _data, _digest, _exit, _model, _sharded, _storage
 from guardrails._checks import config_dict, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
@@ -110,7 +130,9 @@ class SignalCheckpointer(Component):
                 writes it.
             every_s: save when this many seconds have passed since the last save, at a
                 step every rank agrees on (``None``: never).
-            keep_last: keep the newest this many checkpoints (``None``: all). Default 3.
+            keep_last: keep the newest this many checkpoints of this run (``None``:
+                all); another run's, in the same directory, are never counted or
+                deleted. Default 3.
             save_on_signal: on SIGTERM, SIGINT (Ctrl+C) or SIGUSR1 (see ``signals``),
                 every rank stops at the same step, saves a complete checkpoint and
                 exits (see ``exit_on_signal``). A second Ctrl+C exits at once. Default
@@ -125,7 +147,8 @@ class SignalCheckpointer(Component):
                 and SLURM's default); a save slower than 80% of it is reported at once.
             background: periodic saves write in a thread (blocking only for staging).
             resume: ``"auto"`` (default): if the checkpoint directory holds a
-                checkpoint, continue from the newest valid one before the first batch
+                checkpoint, continue from the newest valid one (of the run that saved
+                last, when ``resume=None`` started another beside it) before the first batch
                 (model, optimizer, scheduler, scaler, ``g.state``, ``g.step``, every RNG,
                 the data position: bitwise the run that was never interrupted); a path:
                 that checkpoint (or the newest under it), which must exist; ``None``:
@@ -255,6 +278,14 @@ class SignalCheckpointer(Component):
         self._stop_signal = 0
         self._save_due = False
         self._last_saved_step = -1
+        # The step of the last committed (or resumed) checkpoint: _last_saved_step goes
+        # back to it when a save fails, so the next save (or the one at the end) retries.
+        self._committed_step = -1
+        #: Saves that failed to write (a full disk...) while training went on.
+        self.failed_saves = 0
+        self._failed_warned_t = -float("inf")
+        # Retention also counts checkpoints without a run id (this run resumed one).
+        self._adopt_unlabelled = False
         self._last_save_t = 0.0
         self._warned_grace = False
         self._writer: threading.Thread | None = None
@@ -307,6 +338,14 @@ class SignalCheckpointer(Component):
         self._contents = _checkpoint.contents_of(guard.optimizers, guard.schedulers, self._per_rank)
         self._run = _checkpoint.run_record(self.run_config, guard.optimizers)
         self._token = self._agree_token(guard)
+        # This run's id, in every checkpoint it saves (rank 0's is the one written); a
+        # resume replaces it with the resumed checkpoint's: the same run, continued.
+        self._run["id"] = uuid.uuid4().hex[:16]
+        if guard.rank == 0 and self.resume is not None:
+            # A re-save killed between its renames left the step's old copy aside:
+            # back under its name before a resume picks (resume reads it either way).
+            with contextlib.suppress(OSError):
+                _checkpoint.settle_asides(self.root)
         if self.resume is not None:
             self._resume(guard)
         else:
@@ -456,10 +495,17 @@ class SignalCheckpointer(Component):
                 # latest state: a later run of the same command must not go back to an
                 # older checkpoint (and a finished run resumes as finished).
                 keeps = self.every_n_steps or self.every_s or self._resumed
+                # A background save that failed: said like any failed periodic save, and
+                # the save below retries it.
+                self._settle_writer(guard)
                 if self._stop_at is not None:
                     self._stop(guard, exit_now=False)
                 elif keeps and guard.step != self._last_saved_step:
-                    self._save(guard, background=False)  # progress since the last save
+                    try:
+                        self._save(guard, background=False)  # progress since the last save
+                    except CheckpointError as e:  # the end: nothing is left to retry it
+                        e.rehint(f"{e.hint} Meanwhile {self._latest_text()}.")
+                        raise
                 if self._stop_at is None:
                     self._finish(guard)
         finally:
@@ -521,7 +567,7 @@ class SignalCheckpointer(Component):
 
     def on_boundary(self, guard: Guard) -> None:
         if self._writer_error is not None:
-            self._wait_writer(raise_error=True)
+            self._settle_writer(guard)
         if guard.side_group is None and self._signal is not None and self._stop_at is None:
             self._stop_at, self._stop_signal = guard.step, self._signal  # alone: stop now
         if self._stop_at is not None:
@@ -538,7 +584,10 @@ class SignalCheckpointer(Component):
                 self._skip(guard, delayed=not by_steps)
             else:
                 self._delayed = False
-                self._save(guard, background=self.background)
+                try:
+                    self._save(guard, background=self.background)
+                except CheckpointError as e:  # the disk: training goes on (see the docstring)
+                    self._save_failed(guard, e)
         elif not self._staging_planned and (self.every_n_steps or self.every_s):
             self._plan_staging(guard)
 
@@ -617,14 +666,33 @@ class SignalCheckpointer(Component):
         mine = self._signal == self._stop_signal
         # The old checkpoints beyond keep_last are only renamed away here: deleting them
         # is left to the next run's first save, not to the grace period.
-        path = self._save(guard, background=False, final_save=True)
         where = "this rank" if mine else "another rank"
-        message = (
-            f"{name} received by {where}; all {guard.world_size} rank(s) stopped at step "
-            f"{guard.step} and saved {path}. To resume, run the same command: "
-            "guard(..., resume='auto') continues from it."
+        try:
+            path: Path | None = self._save(guard, background=False, final_save=True)
+        except CheckpointError as e:
+            # Still a stop by the signal (128 + signum), said in one message and no
+            # traceback: the launcher SIGKILLs the process soon anyway, and a resume
+            # needs to know which checkpoint it gets.
+            path = None
+            message = (
+                f"{name} received by {where}; all {guard.world_size} rank(s) stopped at "
+                f"step {guard.step}, but nothing new was saved ({e.message}); "
+                f"{self._latest_text()}. Fix: {e.hint}"
+            )
+        else:
+            message = (
+                f"{name} received by {where}; all {guard.world_size} rank(s) stopped at step "
+                f"{guard.step} and saved {path}. To resume, run the same command: "
+                "guard(..., resume='auto') continues from it."
+            )
+        guard.event(
+            "stopped",
+            level="warning",
+            message=message,
+            signal=name,
+            path=None if path is None else str(path),
+            saved=path is not None,
         )
-        guard.event("stopped", level="warning", message=message, signal=name, path=str(path))
         # Said again by torchrun (the error file @guardrails.record writes) as why the
         # rank exited non-zero, instead of "To enable traceback see ...".
         reason = f"pre-empted by {name} at step {guard.step}: {message}"
@@ -642,13 +710,17 @@ class SignalCheckpointer(Component):
     def save(self, guard: Guard) -> Path:
         """Save now, synchronously (every rank must call it at the same step boundary);
         returns the committed directory."""
-        return self._save(guard, background=False)
+        try:
+            return self._save(guard, background=False)
+        except CheckpointError as e:
+            e.rehint(f"{e.hint} Meanwhile {self._latest_text()}.")
+            raise
 
     def _save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
         step = guard.step
         if final_save:
             self._abandon_older_write(guard, step)
-        self._wait_writer(raise_error=True)  # the next save waits for the previous one
+        self._settle_writer(guard)  # the next save waits for the previous one
         done = self.last_path
         if final_save and done is not None and done.name == f"step_{step:09d}":
             # The signal came while this very step's periodic save was being written:
@@ -661,27 +733,34 @@ class SignalCheckpointer(Component):
             bare = _model.unwrap(guard.model)
             sharded: list[Path] = []
             if _model.is_sharded(bare):
-                tmp = _checkpoint.begin(self.root, step, self._token)
-                if background and self._dcp_group is not None:
-                    # Shards staged to host memory now; DCP writes them from its own
-                    # thread over our gloo group, and the writer thread waits for it.
-                    if self._dcp_writer is None:
-                        self._dcp_writer = _sharded.stager()
-                    if self._dcp_prepared is not None:
-                        # Its memory still being allocated ahead: wait rather than
-                        # have DCP allocate a second copy.
-                        t_wait = time.perf_counter()
-                        self._dcp_prepared.join()
-                        self._dcp_prepared = None
-                        self._dcp_stats["waited_s"] = round(time.perf_counter() - t_wait, 3)
-                    part.dcp = _sharded.save_async(
-                        tmp, bare, guard.optimizer, self._dcp_group, self._dcp_writer
-                    )
-                else:
-                    # Every rank writes its own shards now, in the main thread: DCP's
-                    # save is a collective over the training's process group.
-                    background = False
-                    sharded = _sharded.save(tmp, guard.rank, bare, guard.optimizer)
+                try:
+                    tmp = _checkpoint.begin(self.root, step, self._token)
+                    if background and self._dcp_group is not None:
+                        # Shards staged to host memory now; DCP writes them from its own
+                        # thread over our gloo group, and the writer thread waits for it.
+                        if self._dcp_writer is None:
+                            self._dcp_writer = _sharded.stager()
+                        if self._dcp_prepared is not None:
+                            # Its memory still being allocated ahead: wait rather than
+                            # have DCP allocate a second copy.
+                            t_wait = time.perf_counter()
+                            self._dcp_prepared.join()
+                            self._dcp_prepared = None
+                            waited = round(time.perf_counter() - t_wait, 3)
+                            self._dcp_stats["waited_s"] = waited
+                        part.dcp = _sharded.save_async(
+                            tmp, bare, guard.optimizer, self._dcp_group, self._dcp_writer
+                        )
+                    else:
+                        # Every rank writes its own shards now, in the main thread: DCP's
+                        # save is a collective over the training's process group.
+                        background = False
+                        sharded = _sharded.save(tmp, guard.rank, bare, guard.optimizer)
+                except BaseException as e:
+                    error = _write_error(self.root / f"step_{step:09d}", step, e)
+                    if error is not e:
+                        raise error from e
+                    raise
             self._stage(guard, part)
             part.ready()
             self._last_saved_step = step
@@ -807,35 +886,47 @@ class SignalCheckpointer(Component):
             _checkpoint._seal(part.sealed, files, prefix=f"{_sharded.DCP_DIR}/")
             part.write_s += time.perf_counter() - t_seal
         except BaseException as e:
+            error = _write_error(final, step, e)
             if store is not None:  # so rank 0 does not wait for files that never come
-                store.set(f"{key}/files/{rank}", json.dumps({"error": repr(e)}))
+                said = error.message if isinstance(error, CheckpointError) else repr(e)
+                store.set(f"{key}/files/{rank}", json.dumps({"error": said}))
                 if rank == 0:  # nor the other ranks for a commit that never comes
-                    store.set(f"{key}/commit", json.dumps({"error": repr(e)}))
+                    store.set(f"{key}/commit", json.dumps({"error": said}))
             if tmp is not None and rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError):
-                raise _checkpoint.write_error(final, step, e) from e
+            if error is not e:
+                raise error from e
             raise
         t_commit = time.perf_counter()
-        if store is None:
-            final = _checkpoint.commit(
-                root,
-                step,
-                tmp,
-                files,
-                world_size=1,
-                ranks=[0],
-                keep_last=self.keep_last,
-                delete_old=not final_save,
-                contents=self._contents,
-                run=self._run,
-            )
-        else:
-            store.set(f"{key}/files/{rank}", json.dumps(files))
-            final = self._commit_together(guard, store, key, root, step, tmp, files, final_save)
+        try:
+            if store is None:
+                final = _checkpoint.commit(
+                    root,
+                    step,
+                    tmp,
+                    files,
+                    world_size=1,
+                    ranks=[0],
+                    keep_last=self.keep_last,
+                    delete_old=not final_save,
+                    contents=self._contents,
+                    run=self._run,
+                    adopt_unlabelled=self._adopt_unlabelled,
+                )
+            else:
+                store.set(f"{key}/files/{rank}", json.dumps(files))
+                final = self._commit_together(guard, store, key, root, step, tmp, files, final_save)
+        except BaseException as e:  # the manifest or the rename failed: nothing committed
+            if store is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            error = _write_error(final, step, e)
+            if error is not e:
+                raise error from e
+            raise
         took = time.perf_counter() - t0
         self.save_times_s.append(took)
         self.last_path = final
+        self._committed_step = step
         # Where the time went: staging blocks training (device-to-host copy); writing
         # includes hashing (done on the way to disk); the fsyncs wait for the disk;
         # commit is the manifest, the rename and (multi-rank) waiting for every rank.
@@ -893,7 +984,9 @@ class SignalCheckpointer(Component):
                     step=step,
                     rank=guard.rank,
                     path=str(root / f"step_{step:09d}"),
-                    hint="see rank 0's log for the cause; the previous checkpoints are intact.",
+                    hint="see rank 0's log for the cause and its fix (free space, the "
+                    "permissions of run_dir, or another run_dir); the previous checkpoints "
+                    "are intact.",
                 )
             return Path(result["path"])
         try:
@@ -918,8 +1011,9 @@ class SignalCheckpointer(Component):
                         f"{got['error']}",
                         step=step,
                         path=str(tmp),
-                        hint="check free space and permissions on that rank's node; the "
-                        "previous checkpoints are intact.",
+                        hint="free space, or check the permissions of run_dir, on that "
+                        "rank's node, or point run_dir at another disk; the previous "
+                        "checkpoints are intact.",
                     )
                 merged.update(got)
             final = _checkpoint.commit(
@@ -933,9 +1027,14 @@ class SignalCheckpointer(Component):
                 delete_old=not final_save,
                 contents=self._contents,
                 run=self._run,
+                adopt_unlabelled=self._adopt_unlabelled,
             )
         except BaseException as e:
-            store.set(f"{key}/commit", json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            error = _write_error(root / f"step_{step:09d}", step, e)
+            said = f"{type(e).__name__}: {e}"
+            if isinstance(error, CheckpointError):
+                said = error.message
+            store.set(f"{key}/commit", json.dumps({"error": said}))
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         store.set(f"{key}/commit", json.dumps({"path": str(final)}))
@@ -945,6 +1044,63 @@ class SignalCheckpointer(Component):
         while store.add(f"{key}/ack", 0) < world - 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         return final
+
+    def _settle_writer(self, guard: Guard) -> None:
+        """Wait for the background writer; a save it could not write is handled like
+        any failed periodic save (:meth:`_save_failed`), anything else raised."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        error = self._writer_error
+        if isinstance(error, CheckpointError):
+            self._writer_error = None
+            self._save_failed(guard, error)
+        else:
+            self._wait_writer(raise_error=True)
+
+    def _save_failed(self, guard: Guard, error: CheckpointError) -> None:
+        """A periodic save could not be written (a full disk, permissions): a warning,
+        and training goes on with the previous checkpoint as the latest; the next save
+        retries. Raised when this run has no checkpoint to fall back on (a run_dir that
+        takes none at all is a setup mistake, best found now)."""
+        self._last_saved_step = self._committed_step  # the next save retries
+        if self._writing is not None and self._writing[0] == error.step:
+            self._writing = None
+        if self.last_path is None:
+            raise error.rehint(
+                f"{error.hint} This run has no checkpoint yet to fall back on, so it stops "
+                "at its first save rather than train on unprotected (a pre-emption would "
+                "lose every step). Periodic saves that fail later, once one was written, "
+                "are warnings and training goes on."
+            )
+        self.failed_saves += 1
+        now = time.monotonic()
+        again = now - self._failed_warned_t < _storage.WARN_EVERY_S
+        if not again:
+            self._failed_warned_t = now
+        step = error.step if error.step is not None else guard.step
+        guard.event(
+            "checkpoint_failed",
+            # Once, then at most every 10 min while saves keep failing (the others are
+            # in the events at INFO, each with its cause).
+            level="info" if again else "warning",
+            step=step,
+            message=f"the checkpoint of step {step} could not be saved: {error.message}. "
+            f"Training goes on and the next periodic save retries ({self.failed_saves} "
+            f"failed so far); {self._latest_text()}, and a pre-emption now loses the steps "
+            f"since. Fix: {error.hint}",
+            path=error.path,
+            failed=self.failed_saves,
+        )
+
+    def _latest_text(self) -> str:
+        """Which checkpoint stays the latest, in words."""
+        if self.last_path is None:
+            return "this run has no checkpoint, so a re-run starts from scratch"
+        return (
+            f"the latest checkpoint is {self.last_path} (step {self._committed_step}), "
+            "which a re-run of the same command resumes"
+        )
 
     def _wait_writer(self, *, raise_error: bool) -> None:
         if self._writer is not None:
@@ -1084,7 +1240,14 @@ class SignalCheckpointer(Component):
         position = rank_state.get("data")
         if position is not None and "loader" in rank_state:  # format 2 kept it beside
             position = {**position, "loader": rank_state["loader"]}
-        self._last_saved_step = out["step"]
+        self._last_saved_step = self._committed_step = out["step"]
+        # The same run, continued: its checkpoints keep the run's id (retention counts
+        # them together). One saved before run ids: a new id, and those without one
+        # count as this run's too (they are the run this one continues).
+        if isinstance(saved.get("id"), str):
+            self._run["id"] = saved["id"]
+        else:
+            self._adopt_unlabelled = True
         guard.resume_from(out["step"], state=out["extras"], position=position, tensors=tensors)
         saved_components = rank_state.get("components", {})
         for c in guard.components:
@@ -1227,7 +1390,7 @@ class SignalCheckpointer(Component):
                     "the script's step or epoch count.",
                 )
             return
-        self._wait_writer(raise_error=True)
+        self._settle_writer(guard)
         last = self.last_path
         if (
             guard.rank != 0
@@ -1248,16 +1411,17 @@ class SignalCheckpointer(Component):
 
     def _warn_beside_checkpoints(self, guard: Guard) -> None:
         """``resume=None`` with periodic saves into a directory that holds another run's
-        checkpoints: the two runs' steps mix, and the other's higher steps win."""
+        checkpoints: the two runs are kept apart (run ids), but the directory now holds
+        both, and ``resume="auto"`` will continue this one, not the other."""
         if guard.rank != 0 or not (self.every_n_steps or self.every_s):
             return
         found = _checkpoint.list_checkpoints(self.root)
         if not found:
             return
-        step, newest = found[-1]
+        newest = found[-1][1]
         kept = (
-            f"keep_last={self.keep_last} keeps the highest steps, so this run's own "
-            f"checkpoints are deleted as they are written until it passes step {step}; "
+            f"keep_last={self.keep_last} counts only this run's checkpoints (the other "
+            "run's stay, and keep their disk space); "
             if self.keep_last is not None
             else ""
         )
@@ -1266,12 +1430,23 @@ class SignalCheckpointer(Component):
             level="warning",
             message=f"resume=None: this run starts fresh, but {self.root} holds another "
             f"run's checkpoints (up to {newest.name}), and this run's saves go beside "
-            f"them: {kept}a later resume='auto' picks the highest step, the other run's. "
-            f"To keep this run apart, {self._new_run(guard)} first.",
+            f"them, kept apart: {kept}a later resume='auto' continues the run that saved "
+            f"last (this one, once it has saved), so the other run is continued only by "
+            f"naming its checkpoint (resume='{newest}'). To keep the runs in separate "
+            f"directories, {self._new_run(guard)} first.",
         )
 
 
 _ABSENT = "(absent)"
+
+
+def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
+    """A storage error of a save as a :class:`CheckpointError` with the fix (the
+    latest checkpoint is said by the checkpointer, which knows this run's); anything
+    else as it is."""
+    if _storage.is_storage_error(e):
+        return _checkpoint.write_error(final, step, e, latest=False)
+    return e
 
 
 def _same(a: Any, b: Any) -> bool:

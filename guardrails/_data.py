@@ -97,7 +97,14 @@ def trained_position(guard: Guard) -> tuple[int, int, dict[str, Tensor] | None]:
     completed steps trained on: the position at the last step's last training forward
     (``guard._trained_at``), not the batches fetched, which in a loop that prefetches
     are one more. A position at the very end of a pass whose next pass has started
-    (the prefetched batch was that pass's first) is the next pass's start."""
+    (the prefetched batch was that pass's first) is the next pass's start. Resumed and
+    not iterated yet: the resumed position (a save right after a resume, such as
+    ``g.save_checkpoint()`` before the loop, wrote batch 0 of the pass, and the next
+    resume trained the pass's first batches again)."""
+    resumed = guard._resume_position
+    if guard._trained_at is None and resumed is not None:
+        start = resumed.get("epoch_start") or None
+        return int(resumed["epoch"]), int(resumed["batch_in_epoch"]), start
     epoch, batch, start = guard._trained_at or (
         guard.epoch,
         guard.batch_in_epoch,

@@ -5,23 +5,38 @@ a single ``os.write`` on an ``O_APPEND`` descriptor: a crash loses nothing alrea
 logged, and lines from several ranks sharing the file do not interleave (appends of
 one small buffer are atomic on local filesystems; on NFS, give each run its own dir).
 Read it with ``pandas.read_json(path, lines=True)`` or ``pyarrow.json.read_json``.
+
+A file that cannot be written (a full disk, a read-only remount: any ``OSError``) does
+not end the run: the events are kept in memory (at most :data:`MAX_PENDING`, the oldest
+dropped beyond it and counted), the trouble is logged once (:mod:`guardrails._storage`)
+and the next event retries, writing the kept ones first, in order. A full disk stopped
+the guard from starting before this: the ``start`` event could not be written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from guardrails._storage import Trouble
+
 logger = logging.getLogger("guardrails.guard")
 
 EVENTS_FILE = "events.jsonl"
+#: Events kept in memory while events.jsonl cannot be written (362 bytes a line on
+#: average in a test run's file, so ~4 MB at most); beyond it the oldest are dropped,
+#: and counted.
+MAX_PENDING = 10_000
 
 
 class EventLog:
@@ -33,7 +48,19 @@ class EventLog:
     def __init__(self, run_dir: Path, *, rank: int) -> None:
         self.path = run_dir / EVENTS_FILE
         self.rank = rank
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd: int | None = None
+        self._closed = False
+        # Lines not written yet (the disk refused them), oldest first; the lock keeps
+        # their order between threads (the checkpoint writer, the watchdog emit too).
+        self._pending: deque[bytes] = deque()
+        self.dropped = 0
+        self._step = 0  # the last event's, for the record of a gap
+        self._lock = threading.Lock()
+        self._trouble = Trouble(str(self.path), run_dir, logger)
+        try:
+            self._fd = self._open()
+        except OSError as e:
+            self._trouble.failed(e, "events are kept in memory")
 
     def emit(
         self,
@@ -54,18 +81,70 @@ class EventLog:
             "message": message,
             **fields,
         }
-        if self._fd is not None:
+        self._step = step
+        if not self._closed:
             line = json.dumps(json_safe(record), default=str, separators=(",", ":")) + "\n"
-            os.write(self._fd, line.encode())
+            with self._lock:
+                self._append(line.encode())
         to = log or logger
         say = {"warning": to.warning, "error": to.error}.get(level, to.info)
         say("[rank %d step %d] %s%s", self.rank, step, kind, f": {message}" if message else "")
         return record
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._lock:
+            self._closed = True
+            if self._pending:
+                logger.warning(
+                    "guardrails: %d event(s) never reached %s (it could not be written to "
+                    "the end of the run)%s",
+                    len(self._pending),
+                    self.path,
+                    f"; {self.dropped} more were dropped before" if self.dropped else "",
+                )
+                self._pending.clear()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def _open(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # (once it could not be made)
+        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _append(self, line: bytes) -> None:
+        """Write ``line`` after the lines kept from failed writes; on an ``OSError``
+        keep it too (bounded), say so (rate-limited) and retry at the next event."""
+        pending = self._pending
+        pending.append(line)
+        if len(pending) > MAX_PENDING:
+            pending.popleft()
+            self.dropped += 1
+        data = b"".join(pending) if len(pending) > 1 else line
+        total = len(data)
+        try:
+            if self._fd is None:
+                self._fd = self._open()
+            while data:  # one write normally; a nearly full disk may take part of it
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            if len(data) < total:  # part of it went out: the rest, in order, as one piece
+                pending.clear()
+                pending.append(data)
+            dropped = f", {self.dropped} older ones dropped" if self.dropped else ""
+            self._trouble.failed(e, f"{len(pending)} event(s) kept in memory{dropped}")
+            return
+        pending.clear()
+        if self._trouble.failing:
+            dropped, self.dropped = self.dropped, 0
+            self._trouble.recovered(
+                f"{dropped} event(s) were dropped (over {MAX_PENDING} kept)" if dropped else ""
+            )
+            if dropped:  # the gap, said in the file itself for whoever reads it later
+                gap = {"time": time.time(), "rank": self.rank, "step": self._step}
+                gap.update(kind="events_dropped", level="warning", dropped=dropped)
+                gap["message"] = f"{dropped} events were lost: {self.path} could not be written"
+                with contextlib.suppress(OSError):
+                    os.write(self._fd, (json.dumps(gap) + "\n").encode())
 
 
 def logger_of(frame: FrameType | None) -> logging.Logger | None:

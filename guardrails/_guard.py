@@ -289,7 +289,10 @@ class Guard(StepState):
             )
         self.rank = _dist.rank()
         self.world_size = _dist.world_size()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A full or read-only disk does not stop the guard: the events log says so and
+        # keeps its events in memory (_events.py); only a checkpoint needs the disk.
+        with contextlib.suppress(OSError):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
         _running = self

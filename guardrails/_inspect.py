@@ -30,10 +30,12 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     else:
         found = _manifest.list_checkpoints(path)
     rows = [_one(step, ckpt) for step, ckpt in found]
-    # As resume picks: the newest valid one, newest first; a newer format on the way
-    # stops it (an error, not a fall back to an older checkpoint).
+    # As resume picks: the newest valid one, in resume's order (the run that saved last
+    # first, newest step first); a newer format on the way stops it (an error, not a
+    # fall back to an older checkpoint).
+    order = {str(ckpt): i for i, (_, ckpt) in enumerate(_manifest.resume_order(found))}
     use = None
-    for r in reversed(rows):
+    for r in sorted(rows, key=lambda r: order[r["path"]]):
         if r["valid"] or r.get("too_new"):
             use = None if r.get("too_new") else r["path"]
             break

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ MANIFEST = "manifest.json"
 #: Optional on read: checkpoints written before it still load.
 SELF_HASH = "manifest_sha256"
 STEP_RE = re.compile(r"^step_(\d+)$")
+#: A checkpoint a same-step re-save renamed aside, before renaming the new one in (see
+#: ``_checkpoint.commit``): while ``step_<N>`` itself is missing, it is that checkpoint.
+ASIDE_RE = re.compile(r"^\.aside-(step_(\d+))$")
 
 
 class ManifestError(Exception):
@@ -152,7 +156,9 @@ def problem(ckpt: Path) -> tuple[str, str] | None:
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """``(step, dir)`` of every ``step_*`` directory under ``root``, oldest first,
-    valid or not (temp and trash dirs of unfinished saves are never listed)."""
+    valid or not (temp and trash dirs of unfinished saves are never listed), and of a
+    re-saved step's old copy renamed aside whose ``step_*`` is missing (a re-save cut
+    between its renames)."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -161,7 +167,63 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
         m = STEP_RE.match(p.name)
         if m and p.is_dir():
             found.append((int(m.group(1)), p))
+        elif (a := ASIDE_RE.match(p.name)) and p.is_dir() and not (root / a.group(1)).exists():
+            found.append((int(a.group(2)), p))
     return sorted(found)
+
+
+def resume_order(found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
+    """``found`` (:func:`list_checkpoints`) in the order a resume tries them: the run
+    that saved last first, each run's checkpoints highest step first.
+
+    Runs apart: a fresh run (``resume=None``) started beside another run's checkpoints
+    saves low steps next to its high ones, and "the highest step" was the other run's.
+    Each checkpoint's manifest names its run (``run.id``, carried over by every
+    resume); runs are ordered by the time of their newest save, and within a run by
+    step (the step order of one run is exact; clocks are only compared between runs).
+    Checkpoints without a run id (written before it, or by ``save_checkpoint``) and
+    those whose manifest cannot be read form one group; a directory holding only those
+    is tried by step, as before. Reads only the manifests (no hashing)."""
+    groups: dict[str | None, list[tuple[int, Path]]] = {}
+    newest: dict[str | None, float] = {}
+    for step, ckpt in found:
+        run_id, when = _run_and_time(ckpt)
+        groups.setdefault(run_id, []).append((step, ckpt))
+        newest[run_id] = max(newest.get(run_id, -1.0), when)
+    out: list[tuple[int, Path]] = []
+    for run_id in sorted(groups, key=lambda r: newest[r], reverse=True):
+        out += sorted(groups[run_id], key=lambda sp: sp[0], reverse=True)
+    return out
+
+
+def run_of(ckpt: Path) -> str | None:
+    """The id of the run that saved ``ckpt`` (its manifest's ``run.id``), or ``None``."""
+    return _run_and_time(ckpt)[0]
+
+
+def _run_and_time(ckpt: Path) -> tuple[str | None, float]:
+    """``(run id, save time)`` from ``ckpt``'s manifest, unverified; ``(None, -1)``
+    when it cannot be read. Only a regular file of sane size is opened: a FIFO named
+    manifest.json would block the read forever."""
+    f = ckpt / MANIFEST
+    try:
+        st = os.lstat(f)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MANIFEST_MAX_BYTES:
+            return None, -1.0
+        manifest = json.loads(f.read_bytes())
+        run = manifest.get("run") or {}
+        run_id = run.get("id") if isinstance(run, dict) else None
+        when = manifest.get("time")
+        return (
+            run_id if isinstance(run_id, str) else None,
+            float(when) if isinstance(when, (int, float)) else -1.0,
+        )
+    except (OSError, ValueError, AttributeError):
+        return None, -1.0
+
+
+#: A manifest is a few KB per file it lists; one over this is not one.
+_MANIFEST_MAX_BYTES = 64 << 20
 
 
 def _contents(manifest: Mapping[str, Any]) -> dict[str, Any]:

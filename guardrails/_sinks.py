@@ -317,11 +317,17 @@ class EventTail:
 
     def __init__(self, path: Path, rank: int) -> None:
         self.rank = rank
-        self._file = open(path, "rb")  # noqa: SIM115 (kept open for the run)
-        self._file.seek(0, os.SEEK_END)  # this run's start event is already there
+        self._file: Any = None
         self._partial = b""
+        try:
+            self._file = open(path, "rb")  # noqa: SIM115 (kept open for the run)
+            self._file.seek(0, os.SEEK_END)  # this run's start event is already there
+        except OSError as err:  # no events.jsonl (a read-only run_dir): the rows still go
+            logger.debug("guardrails: the sinks get no events: %r", err)
 
     def read(self) -> list[dict[str, Any]]:
+        if self._file is None:
+            return []
         try:
             data = self._partial + self._file.read()
         except (OSError, ValueError) as err:  # never fail the training step for this
@@ -340,7 +346,8 @@ class EventTail:
         return out
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -17,6 +17,11 @@ an H200). Telemetry does both:
   ``read_parquet('dir/*.parquet')`` all read it). A part is written at most every
   ``write_every_s`` seconds and at close, each atomically (temp name, then rename), so a
   run killed by SIGKILL keeps every part written before it died.
+* A part that cannot be written (a full disk, a read-only remount, a quota: any
+  ``OSError``) does not stop training: its rows stay in memory (at most
+  :data:`MAX_PENDING_ROWS`, the oldest dropped beyond it and counted in
+  ``rows_dropped``), the trouble is logged once (again at most every 10 min) and the
+  next part writes them too. Before this, a full disk ended a run at its next part.
 
 Rank 0 also shows a tqdm bar (step, loss, grad norm, tok/s), updated from the same
 lagged values: it costs no sync, and its loss is up to ``2 * every_n_steps`` old.
@@ -28,6 +33,7 @@ sinks run on their own thread, once per part, never per step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -50,6 +56,7 @@ from guardrails._events import EVENTS_FILE
 from guardrails._lagged import Copy, LaggedCopy
 from guardrails._metrics_file import METRICS_DIR, SCHEMA
 from guardrails._sinks import ABORT_WAIT_S, EventTail, SinkRunner, build, check_sinks, end_event
+from guardrails._storage import Trouble
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -74,6 +81,9 @@ HOST_COLUMNS = (
     "gc_s",
     "mem_peak_bytes",
 )
+#: Rows kept in memory while no part can be written (~100 bytes each as a table, so
+#: ~10 MB): 2.8 h of a run at 10 steps/s. Beyond it the oldest rows are dropped.
+MAX_PENDING_ROWS = 100_000
 
 
 class Telemetry(Component):
@@ -122,6 +132,10 @@ class Telemetry(Component):
         #: The newest row that reached the host (a dict of column -> value), or None.
         self.latest: dict[str, Any] | None = None
         self.rows_written = 0
+        #: Rows dropped because no part could be written for too long (a full disk).
+        self.rows_dropped = 0
+        # Rows a failed part could not write, retried with the next part.
+        self._unwritten: pa.Table | None = None
         self._bar: Any = None
         self._sinks: SinkRunner | None = None
         self._tail: EventTail | None = None
@@ -131,7 +145,9 @@ class Telemetry(Component):
     def on_start(self, guard: Guard) -> None:
         n = self.every_n_steps
         self._dir = guard.run_dir / METRICS_DIR
-        self._dir.mkdir(parents=True, exist_ok=True)
+        self._trouble = Trouble(f"metrics to {self._dir}", guard.run_dir, logger)
+        with contextlib.suppress(OSError):  # a full or read-only disk: retried at each part
+            self._dir.mkdir(parents=True, exist_ok=True)
         self._rank = guard.rank
         # A part being written when its process was killed stays as a temp file: this
         # rank's are removed (the old spelling ended in .parquet and broke *.parquet
@@ -204,6 +220,7 @@ class Telemetry(Component):
                 self._flush()
             self._collect(self._copies.take())
             self._write()
+            self._lost()
         finally:
             if self._bar is not None:
                 self._bar.close()
@@ -254,6 +271,7 @@ class Telemetry(Component):
                 dev = self._ring[:n].numpy().astype(np.float64)
             self._arrived.append((dev, self._host_block(rows)))
         self._write()
+        self._lost()
         if self._sinks is not None:
             end = end_event(guard.step, self._rank, error, aborted=True)
             self._close_sinks(end, ABORT_WAIT_S)  # inside the process's 5 s of last words
@@ -291,23 +309,61 @@ class Telemetry(Component):
             self._write()
 
     def _write(self) -> None:
-        """Write what has arrived as one parquet part, atomically (temp, then rename)."""
+        """Write what has arrived as one parquet part, atomically (temp, then rename),
+        with the rows earlier parts could not write; on an ``OSError`` keep them all
+        (bounded) for the next part."""
         if not self._arrived:
             return
         dev = np.concatenate([d for d, _ in self._arrived])
         host = np.concatenate([h for _, h in self._arrived])
         self._arrived = []
         table = _to_table(dev, host, self._rank, self._started_at)
-        first = int(host[0, 0])
+        rows = table if self._unwritten is None else pa.concat_tables([self._unwritten, table])
+        first = rows.column("step")[0].as_py()
         name = f"part-r{self._rank:05d}-s{first:09d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = self._dir / f".{name}.tmp"  # matches no *.parquet glob, even half-written
-        pq.write_table(table, tmp)
-        os.replace(tmp, self._dir / name)
-        self.rows_written += table.num_rows
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            pq.write_table(rows, tmp)
+            os.replace(tmp, self._dir / name)
+        except OSError as e:  # the disk, not the run: keep the rows, retry at the next part
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            excess = rows.num_rows - MAX_PENDING_ROWS
+            if excess > 0:
+                rows = rows.slice(excess)
+                self.rows_dropped += excess
+            self._unwritten = rows
+            dropped = f", the {self.rows_dropped} oldest dropped" if self.rows_dropped else ""
+            self._trouble.failed(e, f"{rows.num_rows} metric rows kept in memory{dropped}")
+        else:
+            self._unwritten = None
+            self.rows_written += rows.num_rows
+            if self._trouble.failing:
+                dropped, self.rows_dropped = self.rows_dropped, 0
+                self._trouble.recovered(
+                    f"{dropped} rows were dropped (over {MAX_PENDING_ROWS} kept)" if dropped else ""
+                )
         self._last_write = time.monotonic()
+        # The sinks get each row once, whether or not its part was written: they may
+        # write elsewhere (W&B, a TensorBoard dir on another disk).
         sinks, tail = self._sinks, self._tail  # on_abort's thread may clear them
         if sinks is not None and tail is not None:
             sinks.deliver(table, tail.read())  # a queue put: the sink thread writes
+
+    def _lost(self) -> None:
+        """At the end: say what never reached the disk."""
+        if self._unwritten is not None:
+            logger.warning(
+                "guardrails: %d metric rows (steps %d-%d) never reached %s: it could not be "
+                "written to the end of the run%s",
+                self._unwritten.num_rows,
+                self._unwritten.column("step")[0].as_py(),
+                self._unwritten.column("step")[-1].as_py(),
+                self._dir,
+                f"; {self.rows_dropped} older rows were dropped" if self.rows_dropped else "",
+            )
+            self._unwritten = None
 
 
 def _to_table(dev: np.ndarray, host: np.ndarray, rank: int, started_at: float) -> pa.Table:
