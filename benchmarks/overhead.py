@@ -205,6 +205,11 @@ def main() -> None:
     p.add_argument(
         "--ddp-split", action="store_true", help="with --ddp: also DDP+guard, GuardedDDP alone"
     )
+    p.add_argument(
+        "--only",
+        choices=["plain", "guarded"],
+        help="time one variant in this process (an A/B across processes: run each in turn)",
+    )
     p.add_argument("--item", action="store_true", help="also time the per-step .item() check")
     p.add_argument(
         "--graph-norm", action="store_true", help="also time the guard with graph_grad_norm=True"
@@ -222,8 +227,11 @@ def main() -> None:
         torch.distributed.init_process_group("nccl")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        plain_setup = build(args, device, DistributedDataParallel)
-        guarded_setup = build(args, device, guardrails.GuardedDDP)
+        # --only: one model in the process, as a real job has.
+        plain_setup = (
+            build(args, device, DistributedDataParallel) if args.only != "guarded" else None
+        )
+        guarded_setup = build(args, device, guardrails.GuardedDDP) if args.only != "plain" else None
         setups = {"plain": plain_setup, "guarded": guarded_setup}
         # --ddp-split: where a DDP overhead comes from: plain DDP under the guard
         # (guard, no GuardedDDP), and GuardedDDP without a guard (its comm hook alone).
@@ -237,12 +245,21 @@ def main() -> None:
         + (["item"] if args.item else [])
         + (["ddp_guard", "gddp_alone"] if args.ddp_split else [])
     )
+    if args.only:
+        variants = [args.only]
     for v in variants:  # compile / allocator / lazy optimizer state warm-up
         one_run(args, device, *setups[v], v)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):
         for v in variants:
             times[v].append(one_run(args, device, *setups[v], v))
+    if args.only:
+        med = statistics.median(times[args.only])
+        rank = torch.distributed.get_rank() if args.ddp else 0
+        print(f"ONLY {args.only} rank {rank}: {med * 1e6:.1f} us/step, runs {times[args.only]}")
+        if args.ddp:
+            torch.distributed.destroy_process_group()
+        return
     plain, guarded = times["plain"], times["guarded"]
     diffs = sorted(g - q for g, q in zip(guarded, plain, strict=True))
     q1, _, q3 = statistics.quantiles(diffs, n=4)
