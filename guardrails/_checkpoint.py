@@ -153,7 +153,7 @@ ALIASES_KEY = "guardrails.aliases"
 #: Adafactor's row/column statistics legitimately differ and are not checked.)
 _ELEMENTWISE_STATE = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum"}
-    | {"acc_delta", "grad_avg", "prev", "ax", "mu_product"}
+    | {"acc_delta", "grad_avg", "prev", "ax"}  # not NAdam's mu_product: a scalar
 )
 
 
@@ -1009,7 +1009,7 @@ def prepare(
     sched_sds = []
     for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict):
         sd = _component_state(reader, saved, strict)
-        if isinstance(sd, Mapping):
+        if isinstance(sd, Mapping) and _torch_own(sched, "torch.optim.lr_scheduler"):
             reader.like(f"{saved}.json", sd, sched.state_dict())
         sched_sds.append((sched, sd))
     scaler_sd = None if scaler is None else _component_state(reader, "scaler", strict)
@@ -1023,7 +1023,7 @@ def prepare(
             "leave scaler= out and the scaler starts from its initial scale. Nothing was "
             "modified.",
         )
-    if scaler_sd:
+    if scaler_sd and _torch_own(scaler, "torch."):
         reader.like("scaler.json", scaler_sd, scaler.state_dict())
     extras = _decode(reader.json("extras.json")) if "extras.json" in files else {}
     if not isinstance(extras, dict):
@@ -1174,6 +1174,13 @@ _DAMAGE = (
 )
 
 
+def _torch_own(obj: Any, module: str) -> bool:
+    """Whether ``obj`` is of one of torch's own classes, whose state keeps its shape
+    (a list of one lr per group); a user's scheduler may keep a history that grows, so
+    its fresh state is no template for a saved one."""
+    return type(obj).__module__.startswith(module)
+
+
 def _unlike(saved: Any, live: Any, field: str) -> tuple[str, str] | None:
     """``(field, why)`` where ``saved`` does not have ``live``'s types, or ``None``."""
     if isinstance(live, bool) or live is None or isinstance(live, str):
@@ -1218,13 +1225,18 @@ def _check_optimizer_values(
     reader: _Reader, name: str, optimizer: Any, saved: Mapping[str, Any]
 ) -> None:
     """The saved param groups' settings have the types of the live optimizer's (a
-    string ``lr`` loads, then the first step dies), and every state belongs to a
-    parameter the saved groups list."""
+    string ``lr`` loads, then the first step dies)."""
     groups = per_rank(optimizer).param_groups
     for i, (g, s) in enumerate(zip(groups, saved["param_groups"], strict=True)):
         if not isinstance(s, Mapping):
             raise reader.bad(name, f"param_groups[{i}]", f"is {_show(s)}, not an object")
-        live = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        # Numbers and tuples only (lr, betas): settings, fixed in shape; a user's
+        # optimizer may keep a list in its group that grows.
+        live = {
+            k: v
+            for k, v in g.items()
+            if k not in ("params", "param_names") and not isinstance(v, (list, Mapping))
+        }
         problem = _unlike({k: v for k, v in s.items() if k in live}, live, f"param_groups[{i}]")
         if problem is not None:
             raise reader.bad(name, *problem)

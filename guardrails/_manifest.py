@@ -88,7 +88,7 @@ PLAIN_OPTIMIZERS = frozenset(
 )
 ELEMENTWISE_STATE = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum"}
-    | {"acc_delta", "grad_avg", "prev", "ax", "mu_product"}
+    | {"acc_delta", "grad_avg", "prev", "ax"}  # not NAdam's mu_product: a scalar
 )
 #: Bytes per element of each safetensors dtype (its format spec).
 _DTYPE_BYTES = {

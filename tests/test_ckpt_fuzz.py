@@ -225,3 +225,81 @@ def test_a_model_file_the_manifest_does_not_list_is_never_loaded(pristine, tmp_p
     # The file's checksum never mattered: it is not part of the checkpoint.
     digest = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
     assert digest not in (ckpt / "manifest.json").read_text()
+
+
+class HistoryScheduler:
+    """A user's scheduler whose state grows (a history of lrs): a fresh one's state is
+    no template for a saved one."""
+
+    def __init__(self, opt):
+        self.opt, self.history = opt, []
+
+    def step(self):
+        self.history.append(self.opt.param_groups[0]["lr"])
+
+    def state_dict(self):
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state):
+        self.history = list(state["history"])
+
+
+def _schedulers(opt):
+    lr = torch.optim.lr_scheduler
+    return {
+        "step": lr.StepLR(opt, step_size=2, gamma=0.5),
+        "onecycle": lr.OneCycleLR(  # cycles betas / momentum where the class has them
+            opt,
+            max_lr=0.1,
+            total_steps=20,
+            cycle_momentum=bool({"betas", "momentum"} & opt.defaults.keys()),
+        ),
+        "plateau": lr.ReduceLROnPlateau(opt, patience=1),
+        "sequential": lr.SequentialLR(
+            opt, [lr.LinearLR(opt, 0.1, total_iters=2), lr.ExponentialLR(opt, 0.9)], [2]
+        ),
+        "restarts": lr.CosineAnnealingWarmRestarts(opt, T_0=2),
+        "multistep": lr.MultiStepLR(opt, milestones=[1, 3]),  # int-keyed: scheduler.pt
+        "history": HistoryScheduler(opt),
+    }
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        *("Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam"),
+        *("RMSprop", "Rprop", "ASGD", "Adafactor", "Muon"),
+    ],
+)
+def test_every_torch_optimizer_and_scheduler_resumes_without_a_false_alarm(tmp_path, cls):
+    """The content checks know the plain torch.optim classes' states (tensors and
+    numbers; elementwise ones of their parameter's shape; NAdam's mu_product is a
+    scalar): a checkpoint of each, with schedulers of several kinds (one whose state
+    grows), verifies and resumes, and the resumed state is the saved one."""
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+        kw = {"momentum": 0.9} if cls in ("SGD", "RMSprop") else {}
+        if cls == "Muon":  # 2-D parameters only
+            model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False))
+        opt = getattr(torch.optim, cls)(model.parameters(), lr=0.01, **kw)
+        return model, opt, _schedulers(opt)
+
+    model, opt, scheds = build(0)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for name, s in scheds.items():
+            s.step(1.0) if name == "plateau" else s.step()
+    ckpt = guardrails.save_checkpoint(tmp_path, 3, model=model, optimizer=opt, scheduler=scheds)
+    from guardrails._checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(ckpt) is None
+    model2, opt2, scheds2 = build(1)
+    guardrails.resume(ckpt, model2, opt2, scheduler=scheds2)
+    assert F.same(opt2.state_dict(), opt.state_dict())
+    assert F.same(model2.state_dict(), model.state_dict())
+    for name, s in scheds.items():
+        assert F.same(scheds2[name].state_dict(), s.state_dict()), name
