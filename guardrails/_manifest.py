@@ -367,10 +367,8 @@ def check_manifest(m: Any) -> None:
     if SELF_HASH in m:
         _str(m[SELF_HASH], SELF_HASH)
     if "contents" in m:
-        contents = _mapping(m["contents"], "contents")
-        for kind in ("optimizers", "schedulers"):
-            if kind not in contents:
-                raise Bad(f"contents.{kind}", "is missing")
+        contents = _contents(m)  # a key it lacks: what the file names say (formats 1-2)
+        _mapping(m["contents"], "contents")
         for name, entry in _mapping(contents["optimizers"], "contents.optimizers").items():
             field = _key("contents.optimizers", name)
             entry = _mapping(entry, field)
@@ -926,11 +924,13 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 def _contents(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """A manifest's ``contents``; for formats 1-2 (one optimizer and scheduler, saved
-    by rank 0), what its file names say."""
-    if "contents" in manifest:
-        return manifest["contents"]
+    by rank 0), and for a key a ``contents`` lacks (``commit(contents=None)`` writes
+    ``{}``), what its file names say."""
+    given = manifest.get("contents")
+    if isinstance(given, dict) and "optimizers" in given and "schedulers" in given:
+        return given
     files = manifest["files"]
-    return {
+    derived = {
         "optimizers": (
             {"optimizer": {"file": "optimizer", "per_rank": False}}
             if "optimizer.json" in files
@@ -942,6 +942,7 @@ def _contents(manifest: Mapping[str, Any]) -> dict[str, Any]:
             else {}
         ),
     }
+    return {**derived, **given} if isinstance(given, dict) else derived
 
 
 def _rank_name(rank: int) -> str:
