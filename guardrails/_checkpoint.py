@@ -109,12 +109,14 @@ Only one process may save into a ``root`` at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -123,19 +125,19 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from guardrails import _digest, _dist, _sharded, _storage
 from guardrails._checks import named
-from guardrails._errors import CheckpointError, ResumeError
+from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
 
 # The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
 from guardrails._manifest import (
@@ -145,15 +147,19 @@ from guardrails._manifest import (
     MANIFEST,
     SELF_HASH,
     STEP_RE,
+    Bad,
     ManifestError,
     _contents,
     _dumps,
     _rank_name,
     _self_hash,
     list_checkpoints,
+    not_regular,
+    read_json,
     resume_order,
     run_of,
 )
+from guardrails._manifest import check_rng as _manifest_check_rng
 from guardrails._manifest import problem as _manifest_problem
 from guardrails._manifest import read_manifest as _manifest_read
 from guardrails._text import shorten
@@ -174,7 +180,7 @@ ALIASES_KEY = "guardrails.aliases"
 #: Adafactor's row/column statistics legitimately differ and are not checked.)
 _ELEMENTWISE_STATE = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum"}
-    | {"acc_delta", "grad_avg", "prev", "ax", "mu_product"}
+    | {"acc_delta", "grad_avg", "prev", "ax"}  # not NAdam's mu_product: a scalar
 )
 
 
@@ -986,9 +992,76 @@ def load(
     ckpt: Path | None = None,
 ) -> dict[str, Any]:
     """:func:`resume`, also returning this rank's own saved state (``rank_state``: the
-    JSON part, ``rank_tensors``), for the guard. ``ckpt``: the directory already picked
-    (every rank must load the same one)."""
-    ckpt = ckpt if ckpt is not None else _pick(path)
+    JSON part, ``rank_tensors``). ``ckpt``: the directory already picked (every rank
+    must load the same one); else the one :func:`pick` finds under ``path``, falling
+    back past every newer checkpoint that is invalid, with a warning each."""
+
+    def prep(c: Path) -> Plan:
+        return prepare(
+            c,
+            model,
+            optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            strict=strict,
+            allow_world_size_change=allow_world_size_change,
+        )
+
+    if ckpt is not None:
+        try:
+            plan = prep(ckpt)
+        except CheckpointError as e:
+            raise e.rehint(_skip_hint(ckpt)) from None
+    else:
+        found, plan, skipped = pick(path, prep)
+        for name, why in skipped:
+            log.warning("guardrails: skipped checkpoint %s: %s; using %s", name, why, found)
+    assert plan is not None
+    return apply(plan)
+
+
+@dataclasses.dataclass
+class Plan:
+    """A checkpoint read, decoded and checked against the live objects, with nothing
+    applied yet (:func:`prepare`); :func:`apply` applies it."""
+
+    ckpt: Path
+    step: int
+    model: nn.Module
+    strict: bool
+    sharded: bool
+    model_sd: dict[str, Tensor] | None
+    optimizers: dict[str, Any]
+    opt_sds: list[tuple[Any, dict[str, Any]]]
+    sched_sds: list[tuple[Any, Any]]
+    scaler: Any
+    scaler_sd: Any
+    extras: dict[str, Any]
+    rank_state: dict[str, Any]
+    rank_tensors: dict[str, Tensor]
+    rng: Any
+
+
+def prepare(
+    ckpt: Path,
+    model: nn.Module,
+    optimizer: Any = None,
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    strict: bool = True,
+    allow_world_size_change: bool = False,
+    check: Any = None,
+) -> Plan:
+    """Read every part of ``ckpt`` this rank loads and check it against what it loads
+    into; nothing is modified. Only files the manifest lists are read (each was
+    verified by :func:`pick`: its size, sha256 and schema). A part whose content cannot
+    be decoded or does not fit its own class's state is a ``CheckpointError`` naming
+    the file and the field (the checkpoint is damaged: a resume from the root falls
+    back to an older one); one that does not fit this run (another model, optimizer,
+    world size) is a ``ResumeError``. ``check(rank_state, rank_file)``: the caller's
+    own checks of this rank's saved state (the guard's: the data position against its
+    loader)."""
     manifest = _read_manifest(ckpt)
     step = int(manifest["step"])
     files = manifest["files"]
@@ -1015,24 +1088,19 @@ def load(
 
     # 1. Read everything and check it against the live objects; nothing is modified yet.
     _check_materialized(ckpt, step, model)
+    reader = _Reader(ckpt, step, files)
     contents = _contents(manifest)
     optimizers = {} if optimizer is None else named("optimizer", optimizer, torch.optim.Optimizer)
     schedulers = {} if scheduler is None else named("scheduler", scheduler, object)
     sharded = f"{_sharded.DCP_DIR}/.metadata" in files
-    model_sd: dict[str, Tensor] = {}
+    model_sd: dict[str, Tensor] | None = None
     if sharded:
         _sharded.check(ckpt, step, model)
-    elif "model.safetensors" not in files:  # save_checkpoint(model=None), before it was refused
-        raise ResumeError(
-            f"checkpoint {ckpt} holds no model state (model.safetensors is not in it: it "
-            "was saved without a model)",
-            step=step,
-            path=str(ckpt),
-            hint="resume from a checkpoint saved with the model. Nothing was modified.",
-        )
-    else:
-        model_sd = _read_tensors(ckpt / "model.safetensors")
+    elif "model.safetensors" in files:
+        model_sd = reader.tensors("model.safetensors")
         _check_model(ckpt, step, model, model_sd, strict)
+    elif strict:  # only listed files are read: a model file the manifest omits is not
+        raise _missing(ckpt, step, "model")
     _check_classes(ckpt, step, contents, optimizers, schedulers)
     opt_sds: list[tuple[Any, dict[str, Any]]] = []
     pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
@@ -1052,14 +1120,18 @@ def load(
                     "(guard(..., resume=None)). Nothing was modified.",
                 )
             stem = f"{_rank_name(rank)}.{stem}"
-        sd = _load_optimizer(ckpt, stem)
-        _check_optimizer(ckpt, step, name if len(optimizers) > 1 else None, opt, sd, model)
+        sd = _load_optimizer(reader, stem)
+        with reader.reading(f"{stem}.json"):
+            _check_optimizer(ckpt, step, name if len(optimizers) > 1 else None, opt, sd, model)
+            _check_optimizer_values(reader, f"{stem}.json", opt, sd)
         opt_sds.append((opt, sd))
-    sched_sds = [
-        (sched, _component_state(ckpt, step, files, saved, strict))
-        for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict)
-    ]
-    scaler_sd = None if scaler is None else _component_state(ckpt, step, files, "scaler", strict)
+    sched_sds = []
+    for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict):
+        sd = _component_state(reader, saved, strict)
+        if isinstance(sd, Mapping) and _torch_own(sched, "torch.optim.lr_scheduler"):
+            reader.like(f"{saved}.json", sd, sched.state_dict())
+        sched_sds.append((sched, sd))
+    scaler_sd = None if scaler is None else _component_state(reader, "scaler", strict)
     if scaler_sd is not None and not scaler_sd and scaler.is_enabled():
         raise ResumeError(
             f"checkpoint {ckpt} holds the state of a disabled GradScaler; this run's is "
@@ -1070,7 +1142,11 @@ def load(
             "leave scaler= out and the scaler starts from its initial scale. Nothing was "
             "modified.",
         )
-    extras = _decode(_read_json(ckpt / "extras.json")) if "extras.json" in files else {}
+    if scaler_sd and _torch_own(scaler, "torch."):
+        reader.like("scaler.json", scaler_sd, scaler.state_dict())
+    extras = _decode(reader.json("extras.json")) if "extras.json" in files else {}
+    if not isinstance(extras, dict):
+        raise reader.bad("extras.json", "", f"holds {type(extras).__name__}, not an object")
     rank_state: dict[str, Any] = {}
     rank_tensors: dict[str, Tensor] = {}
     rng: Any = None
@@ -1084,12 +1160,18 @@ def load(
             world,
         )
     elif f"{name}.json" in files:
-        rank_state = _decode(_read_json(ckpt / f"{name}.json"))
-        rank_tensors = _read_tensors(ckpt / f"{name}.safetensors")
+        rank_state = _decode(reader.json(f"{name}.json"))
+        if f"{name}.safetensors" in files:
+            rank_tensors = reader.tensors(f"{name}.safetensors")
         rng = rank_state.pop("rng", None)
+        _check_rng(reader, f"{name}.json", f"{name}.safetensors", rng, rank_tensors)
+        if check is not None:
+            check(rank_state, ckpt / f"{name}.json")
     elif "rng.json" in files:  # format 1
-        rng = _read_json(ckpt / "rng.json")
-        rank_tensors = _read_tensors(ckpt / "rng.safetensors")
+        rng = reader.json("rng.json")
+        if "rng.safetensors" in files:
+            rank_tensors = reader.tensors("rng.safetensors")
+        _check_rng(reader, "rng.json", "rng.safetensors", rng, rank_tensors)
     else:
         log.warning(
             "guardrails: %s holds no state of rank %d (it was saved by rank 0 alone, with "
@@ -1097,29 +1179,213 @@ def load(
             ckpt,
             rank,
         )
+    return Plan(
+        ckpt=ckpt,
+        step=step,
+        model=model,
+        strict=strict,
+        sharded=sharded,
+        model_sd=model_sd,
+        optimizers=optimizers,
+        opt_sds=opt_sds,
+        sched_sds=sched_sds,
+        scaler=scaler,
+        scaler_sd=scaler_sd,
+        extras=extras,
+        rank_state=rank_state,
+        rank_tensors=rank_tensors,
+        rng=rng,
+    )
 
-    # 2. Apply. Every check that can fail on a mismatch ran above.
-    if sharded:
+
+def apply(plan: Plan) -> dict[str, Any]:
+    """Apply what :func:`prepare` read and checked. Every check that can fail on a
+    mismatch or a damaged file ran there."""
+    if plan.sharded:
         # A collective: every rank loads together (one optimizer with sharded state).
-        _sharded.load(ckpt, model, next(iter(optimizers.values()), None))
-    else:
-        model.load_state_dict(model_sd, strict=strict)
-    for opt, sd in opt_sds:
+        _sharded.load(plan.ckpt, plan.model, next(iter(plan.optimizers.values()), None))
+    elif plan.model_sd is not None:
+        plan.model.load_state_dict(plan.model_sd, strict=plan.strict)
+    for opt, sd in plan.opt_sds:
         per_rank(opt).load_state_dict(sd)
-    for sched, sd in sched_sds:
+    for sched, sd in plan.sched_sds:
         if sd is not None:
             sched.load_state_dict(sd)
-    if scaler_sd is not None:
-        scaler.load_state_dict(scaler_sd)
-    _restore_rng(rng, rank_tensors)
+    if plan.scaler_sd is not None:
+        plan.scaler.load_state_dict(plan.scaler_sd)
+    _restore_rng(plan.rng, plan.rank_tensors)
     # Said by the caller: resume() logs it, the guard announces it with its age.
     return {
-        "step": step,
-        "extras": extras,
-        "path": str(ckpt),
-        "rank_state": rank_state,
-        "rank_tensors": {k: v for k, v in rank_tensors.items() if not k.startswith("torch.")},
+        "step": plan.step,
+        "extras": plan.extras,
+        "path": str(plan.ckpt),
+        "rank_state": plan.rank_state,
+        "rank_tensors": {k: v for k, v in plan.rank_tensors.items() if not k.startswith("torch.")},
     }
+
+
+class _Reader:
+    """Reads a checkpoint's listed files, and only those, turning whatever a damaged
+    file raises (``SafetensorError``, ``JSONDecodeError``, ``KeyError``...) into a
+    ``CheckpointError`` naming the file and the field."""
+
+    def __init__(self, ckpt: Path, step: int, files: Mapping[str, Any]) -> None:
+        self.ckpt, self.step, self.files = ckpt, step, files
+
+    def path(self, name: str) -> Path:
+        if name not in self.files:
+            raise self.bad(name, "", f"is not among the files {MANIFEST} lists, so it is not read")
+        return self.ckpt / name
+
+    def json(self, name: str) -> Any:
+        with self.reading(name):
+            return read_json(self.path(name))
+
+    def tensors(self, name: str) -> dict[str, Tensor]:
+        with self.reading(name):
+            return _read_tensors(self.path(name))
+
+    @contextlib.contextmanager
+    def reading(self, name: str, field: str = "") -> Iterator[None]:
+        try:
+            yield
+        except GuardrailsError:
+            raise
+        except Bad as e:
+            raise self.bad(name, e.field, e.why) from None
+        except _DAMAGE as e:
+            raise self.bad(name, field, f"cannot be decoded ({type(e).__name__}: {e})") from None
+
+    def bad(self, name: str, field: str, why: str) -> CheckpointError:
+        f = self.ckpt / name
+        what = f"field {field} " if field else ""
+        return CheckpointError(
+            f"checkpoint {self.ckpt} is not valid: {f} is corrupt: {what}{why}",
+            step=self.step,
+            path=str(f),
+            field=field or None,
+        )
+
+    def like(self, name: str, saved: Any, live: Any) -> None:
+        """``saved`` (a state_dict read from ``name``) has the types of ``live`` (the
+        live object's own state_dict, of the same class): a number where it holds a
+        number, a list as long as its list. Strings, booleans and ``None`` on the live
+        side are not compared (their defaults change between torch versions)."""
+        problem = _unlike(saved, live, "")
+        if problem is not None:
+            raise self.bad(name, *problem)
+
+
+#: What reading a damaged file can raise, besides guardrails' own errors.
+_DAMAGE = (
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    RecursionError,
+    AttributeError,
+    SafetensorError,
+    RuntimeError,
+    pickle.UnpicklingError,
+    EOFError,
+)
+
+
+def _torch_own(obj: Any, module: str) -> bool:
+    """Whether ``obj`` is of one of torch's own classes, whose state keeps its shape
+    (a list of one lr per group); a user's scheduler may keep a history that grows, so
+    its fresh state is no template for a saved one."""
+    return type(obj).__module__.startswith(module)
+
+
+def _unlike(saved: Any, live: Any, field: str) -> tuple[str, str] | None:
+    """``(field, why)`` where ``saved`` does not have ``live``'s types, or ``None``."""
+    if isinstance(live, bool) or live is None or isinstance(live, str):
+        return None
+    if isinstance(live, (int, float)):
+        # Not int against float: a scheduler decays an lr given as 1 to 0.5; the fields
+        # that must be integers are checked with the file (_manifest's schemas).
+        if isinstance(saved, bool) or not isinstance(saved, (int, float, Tensor)):
+            return field, f"is {_show(saved)}, where this run's holds a number ({live!r})"
+        return None
+    if isinstance(live, Tensor):
+        if not isinstance(saved, (Tensor, int, float)) or isinstance(saved, bool):
+            return field, f"is {_show(saved)}, where this run's holds a tensor"
+        return None
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)):
+            return field, f"is {_show(saved)}, where this run's holds a list of {len(live)}"
+        if len(saved) != len(live):
+            return field, f"has {len(saved)} items, where this run's has {len(live)}"
+        for i, (s, v) in enumerate(zip(saved, live, strict=True)):
+            found = _unlike(s, v, f"{field}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return field, f"is {_show(saved)}, where this run's holds an object"
+        for key in saved:
+            if key in live:
+                found = _unlike(saved[key], live[key], f"{field}.{key}" if field else str(key))
+                if found is not None:
+                    return found
+    return None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:30] + "..."
+
+
+def _check_optimizer_values(
+    reader: _Reader, name: str, optimizer: Any, saved: Mapping[str, Any]
+) -> None:
+    """The saved param groups' settings have the types of the live optimizer's (a
+    string ``lr`` loads, then the first step dies)."""
+    groups = per_rank(optimizer).param_groups
+    for i, (g, s) in enumerate(zip(groups, saved["param_groups"], strict=True)):
+        if not isinstance(s, Mapping):
+            raise reader.bad(name, f"param_groups[{i}]", f"is {_show(s)}, not an object")
+        # Numbers and tuples only (lr, betas): settings, fixed in shape; a user's
+        # optimizer may keep a list in its group that grows.
+        live = {
+            k: v
+            for k, v in g.items()
+            if k not in ("params", "param_names") and not isinstance(v, (list, Mapping))
+        }
+        problem = _unlike({k: v for k, v in s.items() if k in live}, live, f"param_groups[{i}]")
+        if problem is not None:
+            raise reader.bad(name, *problem)
+
+
+def _check_rng(
+    reader: _Reader,
+    name: str,
+    tensors_name: str,
+    states: Mapping[str, Any] | None,
+    tensors: Mapping[str, Tensor],
+) -> None:
+    """The RNG streams load: each one set into a scratch generator of its kind (their
+    own checks, exact), so none can fail while being restored."""
+    if states is not None:
+        with reader.reading(name, "rng"):
+            _manifest_check_rng(states, "rng")
+            kind, keys, pos, has_gauss, cached = states["numpy"]
+            np.random.RandomState().set_state(
+                (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+            )
+    for key, t in tensors.items():
+        if key == "torch.cpu" or key.startswith("torch.cuda."):
+            with reader.reading(tensors_name, key):
+                if t.dtype != torch.uint8 or t.dim() != 1:
+                    raise ValueError(
+                        f"a {t.dtype} tensor of shape {tuple(t.shape)}, not a byte tensor"
+                    )
+                if key == "torch.cpu":
+                    torch.Generator().set_state(t)
 
 
 #: The module-level name for symmetry with :func:`save_checkpoint`.
@@ -1159,27 +1425,46 @@ def mark_finished(ckpt: Path, when: float) -> None:
 
 def verify_checkpoint(ckpt: str | os.PathLike[str]) -> str | None:
     """``None`` when ``ckpt`` is a valid checkpoint, else why not (one line, naming the
-    file). Reads every byte once (sha256)."""
+    file and the field). Reads every byte once (sha256) and checks every listed file's
+    content against what guardrails writes there."""
     problem = _problem(Path(ckpt))
     return None if problem is None else problem[1]
 
 
-def _problem(ckpt: Path) -> tuple[str, str] | None:
-    """``(file, why)`` for the first problem found in ``ckpt``, or ``None``."""
+def _problem(ckpt: Path, *, entry: bool = False) -> tuple[str, str] | None:
+    """``(file, why)`` for the first problem found in ``ckpt``, or ``None``. ``entry``:
+    found under a root, so it must not be a link."""
     try:
-        return _manifest_problem(ckpt)
+        return _manifest_problem(ckpt, entry=entry, metadata_check=_sharded.metadata_problem)
     except ManifestError as e:  # a newer format: intact, but not ours to read
         raise _manifest_error(e) from None
 
 
 def _pick(path: Path) -> Path:
     """The checkpoint directory to load: ``path`` itself when it is one, else the newest
-    valid ``step_*`` under it."""
-    if (path / MANIFEST).exists() or (STEP_RE.match(path.name) and path.is_dir()):
+    valid ``step_*`` under it (the skipped ones logged)."""
+    found, _, skipped = pick(path)
+    for name, why in skipped:
+        log.warning("guardrails: skipped checkpoint %s: %s; using %s", name, why, found)
+    return found
+
+
+def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, str]]]:
+    """``(checkpoint, plan, skipped)``: ``path`` itself when it is a checkpoint, else the
+    newest valid ``step_*`` under it, and ``skipped``, each newer one passed over as
+    ``(name, why)``. Valid: :func:`_problem` finds nothing and, with ``prepare``,
+    ``prepare(ckpt)`` (its ``plan``) raises no ``CheckpointError``: a damaged file is
+    damage wherever it is found, so the resume falls back past it. A ``ResumeError``
+    (intact, but it does not fit this run, or a newer format) stops the search: an
+    older checkpoint would load the same mismatch, or silently lose the newest."""
+    if os.path.lexists(path / MANIFEST) or (STEP_RE.match(path.name) and path.is_dir()):
         problem = _problem(path)
-        if problem is None:
-            return path
-        raise _corrupt(path, *problem)
+        if problem is not None:
+            raise _corrupt(path, *problem)
+        try:
+            return path, None if prepare is None else prepare(path), []
+        except CheckpointError as e:  # the hint is computed once, here: it verifies
+            raise e.rehint(_skip_hint(path)) from None  # the older checkpoints
     candidates = list_checkpoints(path)
     if not candidates:
         raise ResumeError(
@@ -1188,39 +1473,58 @@ def _pick(path: Path) -> Path:
             hint="pass the run's checkpoint directory (the one holding step_* "
             "directories) or one step_* directory; check run_dir and the spelling.",
         )
-    skipped = []
+    skipped: list[tuple[str, str]] = []
     for _, ckpt in resume_order(candidates):
-        why = verify_checkpoint(ckpt)
-        if why is None:
-            for name, reason in skipped:
-                log.warning("guardrails: skipped checkpoint %s: %s; using %s", name, reason, ckpt)
-            return ckpt
-        skipped.append((ckpt.name, why))
+        problem = _problem(ckpt, entry=True)
+        if problem is not None:
+            skipped.append((ckpt.name, problem[1]))
+            continue
+        try:
+            return ckpt, None if prepare is None else prepare(ckpt), skipped
+        except CheckpointError as e:
+            skipped.append((ckpt.name, e.message))
     reasons = "; ".join(f"{n}: {w}" for n, w in skipped)
     raise ResumeError(
         f"every checkpoint under {path} is invalid ({len(skipped)}): {reasons}",
         path=str(path),
         hint="no intact checkpoint is left to resume from: restore the directory from "
-        "a backup copy, or start the run from scratch.",
+        "a backup copy, or start the run from scratch (resume=None, or move these "
+        "step_* directories away).",
+        remedy="all_invalid",
     )
 
 
 def _corrupt(ckpt: Path, bad_file: str, why: str) -> CheckpointError:
-    previous = None
-    m = STEP_RE.match(ckpt.name) or ASIDE_RE.match(ckpt.name)
-    step = int(m.group(m.lastindex or 1)) if m else -1
-    for s, p in reversed(list_checkpoints(ckpt.parent)):
-        if s < step and verify_checkpoint(p) is None:
-            previous = p
-            break
-    if previous is not None:
-        hint = f"resume from the previous valid checkpoint instead: {previous}"
-    else:
-        hint = "no earlier valid checkpoint exists next to it: restore it from a backup."
     return CheckpointError(
         f"checkpoint {ckpt} is not valid: {why}",
         path=bad_file,
-        hint=hint,
+        hint=_skip_hint(ckpt),
+    )
+
+
+def _skip_hint(ckpt: Path) -> str:
+    """What to do about an invalid checkpoint: the previous valid one next to it, if
+    any (each older one verified, newest first), else a backup."""
+    previous = None
+    m = STEP_RE.match(ckpt.name) or ASIDE_RE.match(ckpt.name)  # a re-save's aside copy too
+    step = int(m.group(m.lastindex or 1)) if m else -1
+    for s, p in reversed(list_checkpoints(ckpt.parent)):
+        try:
+            if s < step and verify_checkpoint(p) is None:
+                previous = p
+                break
+        except GuardrailsError:  # an older one in a newer format: not a candidate
+            continue
+    if previous is not None:
+        return (
+            f"resume from the previous valid checkpoint instead ({previous}), or delete "
+            f"or move away {ckpt}: a resume from the run's checkpoint directory then "
+            "uses the previous one (it skips invalid ones by itself); or start fresh "
+            "with resume=None."
+        )
+    return (
+        f"no earlier valid checkpoint exists next to it: restore {ckpt} from a backup, "
+        "or start fresh with resume=None (or delete or move it away)."
     )
 
 
@@ -1228,13 +1532,13 @@ def _read_manifest(ckpt: Path) -> dict[str, Any]:
     try:
         return _manifest_read(ckpt)
     except ManifestError as e:
-        raise _manifest_error(e) from e.__cause__
+        raise _manifest_error(e) from None
 
 
 def _manifest_error(e: ManifestError) -> CheckpointError | ResumeError:
     if e.too_new:
-        return ResumeError(e.message, path=e.path, hint=e.hint)
-    return CheckpointError(e.message, path=e.path)
+        return ResumeError(e.message, path=e.path, hint=e.hint, field=e.field)
+    return CheckpointError(e.message, path=e.path, field=e.field)
 
 
 def _check_materialized(ckpt: Path, step: int, model: nn.Module) -> None:
@@ -1411,22 +1715,36 @@ def _check_classes(
         )
 
 
-def _component_state(
-    ckpt: Path, step: int, files: Mapping[str, Any], name: str, strict: bool
-) -> Any:
+def _component_state(reader: _Reader, name: str, strict: bool) -> Any:
     """The saved state_dict of an optional component (``scheduler``, ``scaler``): its
     ``<name>.json``, or ``<name>.pt`` when it was not JSON-able; ``None`` if absent and
     not ``strict``."""
-    if f"{name}.json" in files:
-        return _decode(_read_json(ckpt / f"{name}.json"))
-    if f"{name}.pt" in files:
-        return torch.load(ckpt / f"{name}.pt", weights_only=True)
+    if f"{name}.json" in reader.files:
+        return _decode(reader.json(f"{name}.json"))
+    if f"{name}.pt" in reader.files:
+        with reader.reading(f"{name}.pt"):
+            path = reader.path(f"{name}.pt")
+            why = not_regular(path)
+            if why is not None:
+                raise OSError(why)
+            return torch.load(path, weights_only=True)
     if strict:
-        raise _missing(ckpt, step, name)
+        raise _missing(reader.ckpt, reader.step, name)
     return None
 
 
 def _missing(ckpt: Path, step: int, what: str) -> ResumeError:
+    if what == "model":
+        return ResumeError(
+            f"checkpoint {ckpt} holds no model state: its {MANIFEST} lists no "
+            "model.safetensors (field files), and files it does not list are never read",
+            step=step,
+            path=str(ckpt / MANIFEST),
+            field="files",
+            hint="resume from an older step_* directory; or pass strict=False to leave "
+            "the model as it is and restore the rest. Nothing was modified.",
+            remedy="no_model",
+        )
     return ResumeError(
         f"checkpoint {ckpt} holds no {what} state, but a {what} was passed to resume()",
         step=step,
@@ -1437,11 +1755,19 @@ def _missing(ckpt: Path, step: int, what: str) -> ResumeError:
     )
 
 
-def _load_optimizer(ckpt: Path, stem: str = "optimizer") -> dict[str, Any]:
-    tensors = _read_tensors(ckpt / f"{stem}.safetensors")
-    raw = _read_json(ckpt / f"{stem}.json")
-    state = {int(k): _decode(v, tensors) for k, v in raw["state"].items()}
-    out = {"state": state, "param_groups": _decode(raw["param_groups"], tensors)}
+def _load_optimizer(reader: _Reader, stem: str = "optimizer") -> dict[str, Any]:
+    tensors = {}
+    if f"{stem}.safetensors" in reader.files:
+        tensors = reader.tensors(f"{stem}.safetensors")
+    raw = reader.json(f"{stem}.json")
+    with reader.reading(f"{stem}.json", "state"):
+        if not isinstance(raw, dict) or not isinstance(raw.get("state"), dict):
+            raise ValueError("the state is not an object")
+        state = {int(k): _decode(v, tensors) for k, v in raw["state"].items()}
+    with reader.reading(f"{stem}.json", "param_groups"):
+        out = {"state": state, "param_groups": _decode(raw["param_groups"], tensors)}
+        if not isinstance(out["param_groups"], list):
+            raise ValueError("param_groups is not a list")
     if "param_shapes" in raw:
         out["param_shapes"] = raw["param_shapes"]
     return out
@@ -1540,7 +1866,11 @@ def remove_leftovers(root: Path, keep: str | None = None) -> None:
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:
-    """Inverse of :meth:`Part.add_tensors`: aliases point at the same tensor again."""
+    """Inverse of :meth:`Part.add_tensors`: aliases point at the same tensor again.
+    ``path`` must be a regular file (a FIFO would block the reader forever)."""
+    why = not_regular(path)
+    if why is not None:
+        raise OSError(why)
     out: dict[str, Tensor] = {}
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -1553,10 +1883,6 @@ def _read_tensors(path: Path) -> dict[str, Tensor]:
 
 def _write_json(path: Path, obj: Any, files: dict[str, Any]) -> None:
     _write_bytes(path, _dumps(obj), files)
-
-
-def _read_json(path: Path) -> Any:
-    return json.loads(path.read_text())
 
 
 def _write_bytes(path: Path, data: bytes, files: dict[str, Any]) -> None:

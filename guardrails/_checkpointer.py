@@ -1119,20 +1119,21 @@ class SignalCheckpointer(Component):
 
     # ------------------------------------------------------------------ resume
 
-    def _load(self, guard: Guard, where: Path, ckpt: Path) -> dict[str, Any]:
-        """``_checkpoint.load`` for the guard, whose ``ResumeError`` says how to fix it
-        in ``guard()``'s terms (``guard()`` has no ``strict`` and takes every optimizer
-        and scheduler it guards), and names the way out when this is another run: a
-        run_dir of its own."""
+    def _prepare(self, guard: Guard, ckpt: Path) -> _checkpoint.Plan:
+        """``_checkpoint.prepare`` for the guard (everything read and checked, nothing
+        applied), with the data position checked against this run's loader; its
+        ``ResumeError`` says how to fix it in ``guard()``'s terms (``guard()`` has no
+        ``strict`` and takes every optimizer and scheduler it guards), and names the way
+        out when this is another run: a run_dir of its own."""
         try:
-            return _checkpoint.load(
-                where,
+            return _checkpoint.prepare(
+                ckpt,
                 _model.unwrap(guard.model),
                 guard.optimizers,
                 scheduler=guard.schedulers or None,
                 scaler=guard.scaler,
                 allow_world_size_change=self.allow_world_size_change,
-                ckpt=ckpt,
+                check=lambda state, f: _data.check_position(guard.loader, state.get("data"), f),
             )
         except ResumeError as e:
             remedy = getattr(e, "remedy", None)
@@ -1143,6 +1144,12 @@ class SignalCheckpointer(Component):
                     "to load only the matching part (a backbone under a new head), call "
                     f"guardrails.resume('{ckpt}', model, strict=False) before the guard and "
                     "pass guard(..., resume=None); " + fresh
+                ) from None
+            if remedy == "no_model":
+                raise e.rehint(
+                    "its manifest lists no model file, so there is no model to resume: "
+                    "resume from an older step_* directory (guard(..., resume=...)), or "
+                    "start fresh with resume=None; " + fresh
                 ) from None
             if remedy == "no_optimizer":
                 raise e.rehint(
@@ -1197,16 +1204,34 @@ class SignalCheckpointer(Component):
         where = self.root if auto else Path(self.resume)  # type: ignore[arg-type]
         store = guard.side_store("checkpoint")
         chosen: str | None = None
+        plan: _checkpoint.Plan | None = None
         if guard.rank == 0:
             try:
                 if auto and not _checkpoint.list_checkpoints(where):
                     chosen = ""  # nothing saved yet: a fresh run
                 else:
-                    chosen = str(_checkpoint._pick(where))
+                    # Rank 0 reads and checks each candidate, newest first, against this
+                    # run (its model, optimizers, loader): a damaged one is skipped, said
+                    # in an event, and the previous one is tried.
+                    found, plan, skipped = _checkpoint.pick(
+                        where, lambda c: self._prepare(guard, c)
+                    )
+                    chosen = str(found)
+                    for name, why in skipped:
+                        guard.event(
+                            "checkpoint_invalid",
+                            level="warning",
+                            message=f"skipped checkpoint {name}: {why}; resuming from "
+                            f"{found.name} instead (delete or move {name} away to keep "
+                            "this from being said at every start)",
+                            checkpoint=name,
+                            reason=why,
+                            using=chosen,
+                        )
             except GuardrailsError as e:
                 if store is not None:
                     store.set("resume", json.dumps({"error": str(e)}))
-                if auto and isinstance(e, ResumeError):
+                if auto and getattr(e, "remedy", None) == "all_invalid":
                     e.rehint(
                         "every checkpoint under the run's checkpoint directory is invalid; "
                         "restore them from a backup, pass resume=None to start fresh (they "
@@ -1234,8 +1259,13 @@ class SignalCheckpointer(Component):
         saved = _checkpoint.saved_run(ckpt)
         changed = self._check_config(guard, ckpt, saved)
         settings = self._settings_changed(saved)
+        if plan is None:  # the other ranks: their own files of the checkpoint rank 0 chose
+            try:
+                plan = self._prepare(guard, ckpt)
+            except CheckpointError as e:
+                raise e.rehint(_checkpoint._skip_hint(ckpt)) from None
         with guard.quiet():  # a sharded load may step the optimizer to create its state
-            out = self._load(guard, where, ckpt)
+            out = _checkpoint.apply(plan)
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
         position = rank_state.get("data")
         if position is not None and "loader" in rank_state:  # format 2 kept it beside

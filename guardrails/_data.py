@@ -28,6 +28,7 @@ import copy
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -215,6 +216,37 @@ def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Ten
     guard._resume_position = position
 
 
+def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> None:
+    """Before a resume applies anything: the saved position is one this run's loader
+    can reach. A position past the end of a pass (a checkpoint saved with another
+    batch size or dataset, or an edited file) would otherwise be fast-forwarded batch by
+    batch: 10**12 batches never end. The position's types were checked with the file
+    (:func:`guardrails._manifest.check_rank_state`); here, its size, where the loader
+    has a length. A loader with its own state (``state_dict``) keeps its own position;
+    one without a length is bounded as it is fast-forwarded (:func:`_fast_forward`)."""
+    from guardrails._errors import ResumeError
+
+    if position is None or loader is None or position.get("kind") == "state_dict":
+        return
+    try:
+        per_epoch = len(loader)
+    except (TypeError, NotImplementedError):  # an iterable without a length
+        return
+    at = int(position["batch_in_epoch"])
+    if at > per_epoch:
+        raise ResumeError(
+            f"{file}: the checkpoint's data position (field data.batch_in_epoch) is {at} "
+            f"batches into epoch {position['epoch']}, more than this run's loader yields "
+            f"per epoch ({per_epoch}): it was saved with another loader (batch size, "
+            "dataset, number of ranks), or the file was changed",
+            path=str(file),
+            field="data.batch_in_epoch",
+            hint="resume with the loader the checkpoint was saved with; or resume from an "
+            "older step_* directory (guard(..., resume=...)); or start fresh with "
+            "resume=None (or a new run_dir). Nothing was modified.",
+        )
+
+
 def _replayable(loader: Any) -> bool:
     # Not a wrapper such as accelerate's prepared loader (which claims DataLoader as its
     # __class__): its own __iter__ places batches on the device and syncs the shuffle
@@ -290,6 +322,22 @@ def _fast_forward(loader: Any, skip: int, start: dict[str, Tensor] | None, guard
     it = iter(loader)
     fetched = sum(1 for _ in itertools.islice(it, skip))
     _set_states(loader, now)
+    if fetched < skip:
+        # A loader without a length ran out before the saved position (one with a
+        # length was checked before the resume applied anything: check_position).
+        from guardrails._errors import ResumeError
+
+        raise ResumeError(
+            f"the checkpoint's data position is {skip} batches into the pass, but this "
+            f"run's loader ({type(loader).__name__}) was exhausted after {fetched}: it was "
+            "saved with another loader (batch size, dataset, number of ranks), or the "
+            "checkpoint was changed",
+            step=guard.step,
+            field="data.batch_in_epoch",
+            hint="resume with the loader the checkpoint was saved with; or resume from an "
+            "older step_* directory (guard(..., resume=...)); or start fresh with "
+            "resume=None (or a new run_dir).",
+        )
     if skip:
         # A library's wrapper of a DataLoader (accelerate's prepared loader) runs its own
         # iteration (device placement, the ranks' shuffle sync): it is not replayed.

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -43,6 +44,10 @@ CHUNK_BYTES = 64 << 20
 THREADS = max(1, min(8, os.cpu_count() or 1))
 #: The manifest key that marks a tree digest, with its piece size.
 CHUNK_KEY = "sha256_chunk_bytes"
+#: How a checkpoint's files are opened to be verified: never through a link, and
+#: without blocking on a FIFO put where a file was (the caller checks with lstat first;
+#: these close the gap between its check and the open).
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 Piece = tuple[int, memoryview]  # (file offset, bytes)
 
@@ -118,7 +123,11 @@ def seal(paths: Sequence[Path], *, threads: int = THREADS) -> list[dict[str, Any
 def sha256(path: Path) -> str:
     """The plain sha256 of a file, read in 8 MiB blocks."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    fd = os.open(path, _READ_FLAGS)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    with open(fd, "rb") as f:
         while block := f.read(8 << 20):
             h.update(block)
     return h.hexdigest()
@@ -140,7 +149,9 @@ def _hash_files(
     def piece(fd: int, offset: int, n: int, path: Path) -> bytes:
         buf = getattr(local, "buf", None)
         if buf is None or len(buf) < n:
-            buf = local.buf = bytearray(chunk)
+            # n, not chunk: a manifest's sha256_chunk_bytes is read from disk, and a
+            # damaged one (2**40) must not allocate more than the file holds.
+            buf = local.buf = bytearray(n)
         view = memoryview(buf)[:n]
         got = 0
         while got < n:
@@ -155,8 +166,10 @@ def _hash_files(
         with ThreadPoolExecutor(threads, thread_name_prefix="guardrails-ckpt-io") as pool:
             jobs = []
             for path in paths:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, _READ_FLAGS)
                 fds.append(fd)
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{path} is not a regular file")
                 size = os.fstat(fd).st_size
                 futures = [
                     pool.submit(piece, fd, offset, min(chunk, size - offset), path)

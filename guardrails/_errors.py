@@ -186,22 +186,29 @@ class LaunchError(GuardrailsError):
 
 
 class CheckpointError(GuardrailsError):
-    """A checkpoint could not be written or read back intact; ``path`` names the file."""
+    """A checkpoint could not be written or read back intact; ``path`` names the file,
+    ``field`` the field of it that is wrong (``"step"``, ``'files["model.safetensors"]
+    .bytes'``, ``"data.batch_in_epoch"``; ``None`` for the file as a whole)."""
 
     path: str | None
+    field: str | None
 
-    def __init__(self, message: str, *, path: str | None = None, **kw: Any) -> None:
-        super().__init__(message, path=path, **kw)
+    def __init__(
+        self, message: str, *, path: str | None = None, field: str | None = None, **kw: Any
+    ) -> None:
+        super().__init__(message, path=path, field=field, **kw)
 
 
 class ResumeError(GuardrailsError):
     """A checkpoint is intact but cannot be applied to this model / optimizer / run.
     ``changed``: when the run's ``config`` differs from the one the checkpoint was saved
     with, each differing key (nested keys joined with ``.``) mapped to ``(saved, given)``
-    (``"(absent)"`` for a key one side lacks); else ``None``."""
+    (``"(absent)"`` for a key one side lacks); else ``None``. ``field``: the field of the
+    file at ``path`` that does not fit, where one does (``"data.batch_in_epoch"``)."""
 
     path: str | None
     changed: dict[str, tuple[Any, Any]] | None
+    field: str | None
 
     def __init__(
         self,
@@ -209,9 +216,10 @@ class ResumeError(GuardrailsError):
         *,
         path: str | None = None,
         changed: dict[str, tuple[Any, Any]] | None = None,
+        field: str | None = None,
         **kw: Any,
     ) -> None:
-        super().__init__(message, path=path, changed=changed, **kw)
+        super().__init__(message, path=path, changed=changed, field=field, **kw)
 
 
 class OutOfMemoryError(GuardrailsError, torch.OutOfMemoryError):

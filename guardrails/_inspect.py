@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,12 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     """Facts about every checkpoint under ``path`` (JSON-able)."""
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
-    if _manifest.STEP_RE.match(path.name) and path.is_dir():
-        found = [(int(_manifest.STEP_RE.match(path.name).group(1)), path)]  # type: ignore[union-attr]
+    named = _manifest.STEP_RE.match(path.name)
+    if named and path.is_dir():
+        found = [(int(named.group(1)), path)]
     else:
         found = _manifest.list_checkpoints(path)
-    rows = [_one(step, ckpt) for step, ckpt in found]
+    rows = [_one(step, ckpt, entry=not named) for step, ckpt in found]
     # As resume picks: the newest valid one, in resume's order (the run that saved last
     # first, newest step first); a newer format on the way stops it (an error, not a
     # fall back to an older checkpoint).
@@ -51,22 +53,34 @@ def inspect_dir(path: Path) -> dict[str, Any]:
     }
 
 
-def _one(step: int, ckpt: Path) -> dict[str, Any]:
+def _metadata_problem(directory: Path) -> str | None:
+    # DCP's metadata is a pickle: only torch's classes can check it, so a sharded
+    # checkpoint's inspect imports torch (about 3 s); other checkpoints never do.
+    from guardrails import _sharded
+
+    return _sharded.metadata_problem(directory)
+
+
+def _one(step: int, ckpt: Path, *, entry: bool) -> dict[str, Any]:
+    """One checkpoint's row. Nothing here raises on a damaged checkpoint: the damage is
+    its ``problem``, and only files the manifest lists, checked, are read."""
     row: dict[str, Any] = {"step": step, "path": str(ckpt)}
     try:
-        problem = _manifest.problem(ckpt)
+        problem = _manifest.problem(ckpt, entry=entry, metadata_check=_metadata_problem)
         why = None if problem is None else problem[1]
     except _manifest.ManifestError as e:  # a newer format: resume stops there too
         why = f"{e.message}: {e.hint}"
         row["too_new"] = True
     row["valid"] = why is None
     row["problem"] = why
-    try:
-        manifest = json.loads((ckpt / _manifest.MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError):
+    if row.get("too_new") or (entry and os.path.islink(ckpt)):
         return row
-    row["bytes"] = sum(int(f.get("bytes", 0)) for f in files.values())
+    try:
+        manifest = _manifest.read_manifest(ckpt)
+    except _manifest.ManifestError:
+        return row
+    files = manifest["files"]
+    row["bytes"] = sum(f["bytes"] for f in files.values())
     row["time"] = manifest.get("time")
     row["world_size"] = manifest.get("world_size")
     row["guardrails"] = manifest.get("guardrails")
@@ -74,6 +88,8 @@ def _one(step: int, ckpt: Path) -> dict[str, Any]:
     held = []
     if "model.safetensors" in files:
         held.append("model")
+    elif "dcp/.metadata" in files:
+        held.append("model (sharded)")
     if "optimizer.json" in files:
         held.append("optimizer")
     if "scheduler.json" in files or "scheduler.pt" in files:
@@ -83,9 +99,12 @@ def _one(step: int, ckpt: Path) -> dict[str, Any]:
     ranks = sorted(n for n in files if n.startswith("rank") and n.endswith(".json"))
     if ranks or "rng.json" in files:
         held.append(f"rng ({len(ranks) or 1} rank{'s' if len(ranks) > 1 else ''})")
-    if ranks and row["valid"]:
-        try:
-            first = json.loads((ckpt / ranks[0]).read_text())
+    if not row["valid"]:  # the files' contents are not read: they are not checked
+        row["holds"] = held
+        return row
+    try:
+        if ranks:
+            first = _manifest.read_json(ckpt / ranks[0])  # checked by problem()
             data = first.get("data")
             if data:
                 held.append(
@@ -94,15 +113,12 @@ def _one(step: int, ckpt: Path) -> dict[str, Any]:
                 )
             if first.get("components"):
                 held.append("guard state (" + ", ".join(sorted(first["components"])) + ")")
-        except (OSError, ValueError, KeyError):
-            pass
-    if row["valid"] and "extras.json" in files:
-        try:
-            extras = json.loads((ckpt / "extras.json").read_text())
+        if "extras.json" in files:
+            extras = _manifest.read_json(ckpt / "extras.json")
             if extras:
                 held.append("extras (" + ", ".join(sorted(extras)) + ")")
-        except (OSError, ValueError):
-            pass
+    except (OSError, _manifest.Bad):  # changed since it was checked: say what is known
+        pass
     row["holds"] = held
     return row
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import io
 import logging
 import pathlib
 import pickle
@@ -39,6 +40,7 @@ from torch import nn
 
 from guardrails import _digest
 from guardrails._errors import CheckpointError, ResumeError
+from guardrails._manifest import read_bytes
 
 DCP_DIR = "dcp"
 
@@ -58,11 +60,15 @@ _DCP_MODULES = (
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 
 
+class _Refused(pickle.UnpicklingError):
+    """The pickle names something DCP's metadata is never made of."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = _allowed(module, name)
         if found is None:
-            raise pickle.UnpicklingError(f"{module}.{name}")
+            raise _Refused(f"{module}.{name}")
         return found
 
 
@@ -84,14 +90,23 @@ def _allowed(module: str, name: str) -> Any:
 
 def read_metadata(directory: Path) -> Any:
     """DCP's metadata under ``directory``, built by :class:`_MetadataUnpickler`: a
-    ``CheckpointError`` naming the object when it holds anything else."""
+    ``CheckpointError`` naming the object when it holds anything else, or the damage
+    when it is not a pickle DCP wrote. The file must be a regular file (not a link, not
+    a FIFO: :func:`guardrails._manifest.not_regular`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = directory / ".metadata"
     try:
-        with open(path, "rb") as f:
-            meta = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as exc:
+        raw = read_bytes(path)
+    except OSError as exc:
+        raise CheckpointError(
+            f"{path} cannot be read: {exc}. Nothing was loaded or modified.",
+            path=str(path),
+            hint="resume from an older checkpoint by its step_* path",
+        ) from None
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except _Refused as exc:
         raise CheckpointError(
             f"{path} holds {exc}, which DCP's checkpoint metadata never does: refusing to "
             "unpickle it (unpickling can run code). Nothing was loaded or modified.",
@@ -99,7 +114,7 @@ def read_metadata(directory: Path) -> Any:
             hint="resume only from checkpoints this job or a trusted one wrote; remove this "
             "checkpoint directory, or resume from an older one by its step_* path",
         ) from None
-    except (OSError, EOFError, ValueError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # no code ran: anything else is damage
         raise CheckpointError(
             f"{path} cannot be read as DCP metadata ({type(exc).__name__}: {exc}). "
             "Nothing was loaded or modified.",
@@ -113,6 +128,16 @@ def read_metadata(directory: Path) -> Any:
             hint="the checkpoint is damaged: resume from an older one by its step_* path",
         )
     return meta
+
+
+def metadata_problem(directory: Path) -> str | None:
+    """Why DCP's metadata under ``directory`` cannot be read, or ``None`` (a
+    checkpoint's validity check: a resume falls back past such a checkpoint)."""
+    try:
+        read_metadata(directory)
+    except CheckpointError as e:
+        return e.message
+    return None
 
 
 def _reader(directory: Path) -> Any:
