@@ -16,7 +16,9 @@ an H200). Telemetry does both:
   dataset: ``pandas.read_parquet(dir)``, ``pyarrow.parquet.read_table(dir)``, duckdb
   ``read_parquet('dir/*.parquet')`` all read it). A part is written at most every
   ``write_every_s`` seconds and at close, each atomically (temp name, then rename), so a
-  run killed by SIGKILL keeps every part written before it died.
+  run killed by SIGKILL keeps every part written before it died. Once an hour
+  (``compact_every_s``) is over, a thread merges the rank's parts of that hour into one
+  file (``_metrics_compact.py``): 720 files per rank in 30 days, not 43,200.
 
 Rank 0 also shows a tqdm bar (step, loss, grad norm, tok/s), updated from the same
 lagged values: it costs no sync, and its loss is up to ``2 * every_n_steps`` old.
@@ -43,12 +45,14 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from guardrails._checks import non_negative, positive_int
+from guardrails._checks import non_negative, positive, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._events import EVENTS_FILE
 from guardrails._lagged import Copy, LaggedCopy
+from guardrails._metrics_compact import Compactor
 from guardrails._metrics_file import METRICS_DIR, SCHEMA
+from guardrails._perms import make_dirs, restrict
 from guardrails._sinks import ABORT_WAIT_S, EventTail, SinkRunner, build, check_sinks, end_event
 
 if TYPE_CHECKING:
@@ -100,6 +104,11 @@ class Telemetry(Component):
                 those. ``guard(log_to=...)`` sets it. Default: none.
             sink_close_timeout_s: at the end, how long to wait for the sinks' last
                 writes (a W&B run they started finishing its upload). Default 120.
+            compact_every_s: once each such span of time (aligned on the unix epoch)
+                is over, merge this rank's parts of it into one file, on a thread of its
+                own, so a long run is a bounded number of files. Default 3600 (hourly:
+                720 files per rank in 30 days instead of 43,200); ``None`` keeps every
+                part.
         """
 
         every_n_steps: int = 50
@@ -107,6 +116,7 @@ class Telemetry(Component):
         progress: bool | None = None
         sinks: tuple[Any, ...] = ()
         sink_close_timeout_s: float = 120.0
+        compact_every_s: float | None = 3600.0
 
         def __post_init__(self) -> None:
             positive_int("every_n_steps", self.every_n_steps)
@@ -114,6 +124,9 @@ class Telemetry(Component):
             self.write_every_s = float(self.write_every_s)
             self.sinks = check_sinks(self.sinks, "sinks")
             non_negative("sink_close_timeout_s", self.sink_close_timeout_s)
+            if self.compact_every_s is not None:
+                positive("compact_every_s", self.compact_every_s)
+                self.compact_every_s = float(self.compact_every_s)
 
     name = "telemetry"
 
@@ -125,13 +138,14 @@ class Telemetry(Component):
         self._bar: Any = None
         self._sinks: SinkRunner | None = None
         self._tail: EventTail | None = None
+        self._compactor: Compactor | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, guard: Guard) -> None:
         n = self.every_n_steps
         self._dir = guard.run_dir / METRICS_DIR
-        self._dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self._dir)
         self._rank = guard.rank
         # A part being written when its process was killed stays as a temp file: this
         # rank's are removed (the old spelling ended in .parquet and broke *.parquet
@@ -140,6 +154,9 @@ class Telemetry(Component):
             for stale in self._dir.glob(pattern):
                 stale.unlink(missing_ok=True)
         self._started_at = time.time()
+        if self.compact_every_s is not None:
+            self._compactor = Compactor(self._dir, self._rank, self.compact_every_s)
+            self._compactor.start()
         self._device = guard.device
         self._cuda = guard.device.type == "cuda"
         self._ring = torch.full((n, len(DEVICE_COLUMNS)), math.nan, device=guard.device)
@@ -205,6 +222,9 @@ class Telemetry(Component):
             self._collect(self._copies.take())
             self._write()
         finally:
+            if self._compactor is not None:
+                self._compactor.close()
+                self._compactor = None
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
@@ -302,8 +322,16 @@ class Telemetry(Component):
         name = f"part-r{self._rank:05d}-s{first:09d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = self._dir / f".{name}.tmp"  # matches no *.parquet glob, even half-written
         pq.write_table(table, tmp)
+        restrict(tmp)  # pyarrow creates it 0o666 less the umask
         os.replace(tmp, self._dir / name)
         self.rows_written += table.num_rows
+        if self._compactor is not None:  # merged into its hour's file once that is over
+            self._compactor.add(
+                self._dir / name,
+                float(host[:, HOST_COLUMNS.index("time")].min()),
+                self._started_at,
+                first,
+            )
         self._last_write = time.monotonic()
         sinks, tail = self._sinks, self._tail  # on_abort's thread may clear them
         if sinks is not None and tail is not None:
