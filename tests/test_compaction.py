@@ -8,6 +8,7 @@ Parts are synthesized with real pyarrow writes (a month is not run)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -136,8 +137,15 @@ def test_parts_of_each_finished_hour_become_one_file_and_rows_stay_exact(tmp_pat
         assert not os.stat(tmp_path / METRICS_DIR / name).st_mode & 0o022
 
 
-def test_a_guarded_run_merges_its_parts_off_the_training_thread(tmp_path):
+def test_compact_every_s_is_checked():
+    with pytest.raises(ValueError, match="compact_every_s"):
+        guardrails.Telemetry(compact_every_s=0)
+    assert guardrails.Telemetry(compact_every_s=None).compact_every_s is None
+
+
+def test_a_guarded_run_merges_its_parts_off_the_training_thread(tmp_path, caplog):
     # Windows of 1 s and a part every 2 steps: the run's 3 s leave a few merged files.
+    caplog.set_level(logging.WARNING, logger="guardrails")
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -164,6 +172,7 @@ def test_a_guarded_run_merges_its_parts_off_the_training_thread(tmp_path):
     assert len(files(tmp_path)) < 30  # 30 parts written
     steps = guardrails.read_metrics(tmp_path)["step"].to_pylist()
     assert steps == list(range(1, 61))  # every row once
+    assert not caplog.records, caplog.text  # merging is silent
 
 
 def test_a_part_left_next_to_the_file_holding_it_is_read_once_and_removed(tmp_path):
