@@ -99,6 +99,7 @@ def report(run_dir: Path, tree: Path) -> dict[str, float]:
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(tree)},
+        cwd=run_dir.parent,  # not a checkout: `-c` puts the cwd first on sys.path
     )
     if proc.returncode:
         return {"error": proc.stderr[-2000:]}  # type: ignore[dict-item]

@@ -34,7 +34,6 @@ import math
 import os
 import re
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,11 +208,16 @@ class Compactor:
                     writer.write_table(pa.concat_tables(held), row_group_size=BATCH_ROWS)
             _fsync(tmp)
             restrict(tmp)  # pyarrow creates it 0o666 less the umask
-            with lock(self.directory, exclusive=True, blocking=False) as got:
-                if not got:  # a reader is reading: wait a little, else try next time
-                    got = _wait_lock(self.directory)
-                if not got:
+            # Readers hold it shared while they read: wait a little, else next time.
+            with lock(self.directory, exclusive=True, timeout_s=LOCK_WAIT_S) as got:
+                # A part already gone was merged by another process of this rank (two
+                # jobs sharing a run_dir): committing would hold its rows twice.
+                if not got or not all(p.path.exists() for p in group):
                     tmp.unlink(missing_ok=True)
+                    if got:
+                        with self._mutex:
+                            for n in names:
+                                self._parts.pop(n, None)
                     return False
                 os.rename(tmp, final)
                 _fsync(self.directory)  # the merged file is durable before its parts go
@@ -229,17 +233,6 @@ class Compactor:
         self.merged_parts += len(group)
         logger.debug("guardrails: merged %d metrics parts into %s", len(group), final.name)
         return True
-
-
-def _wait_lock(directory: Path) -> bool:
-    """Whether the exclusive lock came free within :data:`LOCK_WAIT_S` (polled)."""
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        with lock(directory, exclusive=True, blocking=False) as got:
-            if got:
-                return True
-    return False
 
 
 def _describe(path: Path) -> _Part | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -134,11 +135,12 @@ def sources(path: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def lock(directory: Path, *, exclusive: bool, blocking: bool = True) -> Iterator[bool]:
+def lock(directory: Path, *, exclusive: bool, timeout_s: float | None = None) -> Iterator[bool]:
     """``flock`` ``directory/.lock``: shared for readers, exclusive for a compaction's
-    commit. Yields whether it is held: ``False`` only when ``blocking=False`` and
-    someone else holds it. A reader that cannot open the lock file (a read-only
-    directory where no compaction ever ran, so none can be under way) reads without."""
+    commit. Yields whether it is held: ``False`` only when someone else still held it
+    after ``timeout_s`` (``None``: wait as long as it takes). A reader that cannot open
+    the lock file (a read-only directory where no compaction ever ran, so none can be
+    under way) reads without."""
     if fcntl is None:
         yield True
         return
@@ -155,11 +157,19 @@ def lock(directory: Path, *, exclusive: bool, blocking: bool = True) -> Iterator
             return
     try:
         op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        try:
-            fcntl.flock(fd, op | (0 if blocking else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
+        if timeout_s is None:
+            fcntl.flock(fd, op)
+        else:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, op | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        yield False
+                        return
+                    time.sleep(0.05)
         yield True
     finally:
         os.close(fd)  # releases the lock

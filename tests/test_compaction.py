@@ -195,6 +195,25 @@ def test_a_part_left_next_to_the_file_holding_it_is_read_once_and_removed(tmp_pa
     assert_same_rows(tmp_path, before)
 
 
+def test_a_merge_waits_for_a_reader_and_never_deletes_a_part_under_it(tmp_path):
+    """While a reader holds the lock (as iter_metrics does for its whole read) a merge
+    renames and deletes nothing; it commits once the reader is done."""
+    from guardrails._metrics_file import lock
+
+    write_parts(tmp_path, parts=8, rows_per_part=60, dt=1.0)
+    d = tmp_path / METRICS_DIR
+    c = Compactor(d, 0, 3600.0)
+    c.scan()
+    done = []
+    with lock(d, exclusive=False):
+        t = threading.Thread(target=lambda: done.append(c.run_once(upto=float("inf"))))
+        t.start()
+        time.sleep(1.0)
+        assert len(files(tmp_path, "part-")) == 8 and not files(tmp_path, "compact-")
+    t.join()
+    assert done == [1] and files(tmp_path, "part-") == []
+
+
 KILLED = textwrap.dedent(
     """
     import sys
