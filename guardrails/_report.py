@@ -223,17 +223,23 @@ def split_runs(events: list[dict[str, Any]], keys: dict[Key, KeyInfo]) -> list[R
 def gather(run_dir: Path, chosen: list[Run], runs: list[Run], plots: bool) -> int:
     """Stream the metrics once into what ``chosen`` runs need: each one's
     :class:`RunStats`, the count of earlier runs' rows its plot starts with and, with
-    ``plots``, its :class:`Curves`. Returns the most rows held at once (one batch)."""
+    ``plots``, its :class:`Curves`. Returns the most rows held at once (one batch).
+
+    Each key takes rows up to the last step the first pass saw: a live run's parts
+    written since add nothing, so the facts and the plot are of one moment."""
     feeds: dict[Key, list[tuple[Any, float]]] = {}
+
+    def feed(run: Run, fn: Any, bound: float) -> None:
+        for key, info in run.keys.items():
+            feeds.setdefault(key, []).append((fn, min(bound, info.step_max)))
+
     for run in chosen:
         run.stats = RunStats(*run.lead())
-        for key in run.keys:
-            feeds.setdefault(key, []).append((run.stats.add, math.inf))
+        feed(run, run.stats.add, math.inf)
         chain = _chain(run, runs)
         run.earlier = Counter()
         for other, bound in chain[:-1]:
-            for key in other.keys:
-                feeds.setdefault(key, []).append((run.earlier.add, bound))
+            feed(other, run.earlier.add, bound)
         if plots and run.keys:
             lo = min(o.step_min or 0 for o, _ in chain if o.keys)
             hi = max(
@@ -241,8 +247,7 @@ def gather(run_dir: Path, chosen: list[Run], runs: list[Run], plots: bool) -> in
             )
             run.curves = Curves(int(lo), int(max(hi, lo)))
             for other, bound in chain:
-                for key in other.keys:
-                    feeds.setdefault(key, []).append((run.curves.add, bound))
+                feed(other, run.curves.add, bound)
     return stream(run_dir, feeds) if any(r.keys for r in runs) else 0
 
 

@@ -96,12 +96,11 @@ def stream(run_dir: Path, feeds: dict[Key, list[Feed]]) -> int:
                 continue
             rows = cols if idx is None else {n: c[idx] for n, c in cols.items()}
             for fn, bound in targets:
-                if bound == math.inf:
+                keep = rows["step"] <= bound
+                if keep.all():
                     fn(rows)
-                else:
-                    keep = rows["step"] <= bound
-                    if keep.any():
-                        fn({n: c[keep] for n, c in rows.items()})
+                elif keep.any():
+                    fn({n: c[keep] for n, c in rows.items()})
     return peak
 
 
