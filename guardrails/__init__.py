@@ -83,6 +83,7 @@ _EXPORTS = {
     "Watchdog": "_watchdog",
     "explain": "_explain",
     "guard": "_factory",
+    "iter_metrics": "_metrics_file",
     "read_metrics": "_metrics_file",
     "record": "_record",
     "resume": "_checkpoint",
@@ -121,6 +122,7 @@ __all__ = [
     "__version__",
     "explain",
     "guard",
+    "iter_metrics",
     "read_metrics",
     "record",
     "resume",
@@ -173,7 +175,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_api.py keeps it
     from guardrails._gc import GCScheduler
     from guardrails._guard import Guard
     from guardrails._memory import MemoryGuard
-    from guardrails._metrics_file import read_metrics
+    from guardrails._metrics_file import iter_metrics, read_metrics
     from guardrails._nan import NanGuard
     from guardrails._preflight import Preflight
     from guardrails._record import record

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from guardrails import _perms
+
 if TYPE_CHECKING:
     from guardrails._guard import Guard
 
@@ -126,7 +128,7 @@ class StepBenchmark:
         path = guard.run_dir / (
             "benchmark.json" if guard.rank == 0 else f"benchmark-rank{guard.rank}.json"
         )
-        path.write_text(json.dumps(table, indent=1))
+        _perms.write_text(path, json.dumps(table, indent=1))
         guard.event(
             "benchmark",
             level="warning",

@@ -135,7 +135,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from guardrails import _digest, _dist, _sharded, _storage
+from guardrails import _digest, _dist, _perms, _sharded, _storage
 from guardrails._checks import named
 from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
 
@@ -558,7 +558,7 @@ def begin(root: Path, step: int, token: str) -> Path:
     """The temporary directory a save of ``step`` writes into (every rank the same
     name, from the save's ``token``), created if missing."""
     tmp = root / f"{_TMP_PREFIX}step_{step}-{token}"
-    tmp.mkdir(parents=True, exist_ok=True)
+    _perms.make_dirs(tmp)
     return tmp
 
 
@@ -611,6 +611,9 @@ def commit(
     # The manifest is the commit record of the files: written last, so its presence
     # means every file above was fully written and fsynced.
     manifest[SELF_HASH] = _self_hash(manifest)
+    # Files safetensors and DCP created with their own mode (0o666 less the umask):
+    # never group/other-writable once committed, even under umask 000.
+    _perms.restrict_tree(tmp)
     _write_bytes(tmp / MANIFEST, _dumps(manifest), {})
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again (a resumed run): replace it
@@ -892,7 +895,7 @@ def save_checkpoint(
     tmp: Path | None = None
     files: dict[str, dict[str, Any]] = {}
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        _perms.make_dirs(root)
         remove_leftovers(root)
         tmp = begin(root, step, uuid.uuid4().hex[:8])
         part.write(tmp, files)
@@ -1886,7 +1889,7 @@ def _write_json(path: Path, obj: Any, files: dict[str, Any]) -> None:
 
 
 def _write_bytes(path: Path, data: bytes, files: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
+    with os.fdopen(_perms.open_new(path), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -84,7 +84,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from guardrails import _checkpoint, _data, _digest, _exit, _model, _sharded, _storage
+from guardrails import _checkpoint, _data, _digest, _exit, _model, _perms, _sharded, _storage
 from guardrails._checks import config_dict, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
@@ -874,7 +874,7 @@ class SignalCheckpointer(Component):
         files: dict[str, Any] = {}
         try:
             if rank == 0:
-                root.mkdir(parents=True, exist_ok=True)
+                _perms.make_dirs(root)
                 _checkpoint.remove_leftovers(root, keep=self._token)
             tmp = _checkpoint.begin(root, step, self._token)
             part.write(tmp, files)

@@ -50,7 +50,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from guardrails import _model
+from guardrails import _model, _perms
 from guardrails._events import json_safe
 from guardrails._text import shorten
 
@@ -500,7 +500,8 @@ def _save(
     root = guard.run_dir / NONFINITE_DIR
     final = root / f"step{step:08d}-rank{guard.rank}"
     tmp = root / f".tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    _perms.make_dirs(root)
+    os.mkdir(tmp, _perms.DIR_MODE)
     tensors = {}
     stored: set[tuple[Any, ...]] = set()
     for prefix, items in (("call", inputs), ("batch", batches or ())):
@@ -519,6 +520,7 @@ def _save(
     info["batch_file"] = "batch.safetensors" if tensors else None
     info["batch_keys"] = sorted(tensors)
     (tmp / "info.json").write_text(json.dumps(json_safe(info), indent=2, default=str))
+    _perms.restrict_tree(tmp)  # safetensors' and write_text's files: 0o666 less the umask
     if final.exists():  # a second diagnosis of the same step (a resumed run): keep both
         final = root / f"{final.name}-{uuid.uuid4().hex[:6]}"
     os.replace(tmp, final)

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from guardrails import _dist, _store
+from guardrails import _dist, _perms, _store
 from guardrails._checks import named, positive_int
 from guardrails._component import HOOKS, Component, check_components, overrides
 from guardrails._errors import GuardrailsError
@@ -292,7 +292,7 @@ class Guard(StepState):
         # A full or read-only disk does not stop the guard: the events log says so and
         # keeps its events in memory (_events.py); only a checkpoint needs the disk.
         with contextlib.suppress(OSError):
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _perms.make_dirs(self.run_dir)  # never group/other-writable, whatever the umask
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
         _running = self

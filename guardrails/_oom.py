@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from guardrails import _perms
 from guardrails._errors import OutOfMemoryError
 from guardrails._mem_stats import (
     fmt_bytes,
@@ -252,9 +253,9 @@ def write_rank_file(path: Path, guard: Guard, device: torch.device) -> None:
     else:
         record.update(allocated=rss_bytes(), reserved=None, peak=peak_rss_bytes())
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _perms.make_dirs(path.parent)
         tmp = path.with_name(f".tmp-{path.name}")
-        tmp.write_text(json.dumps(record))
+        _perms.write_text(tmp, json.dumps(record))
         os.replace(tmp, path)
     except OSError as err:  # a full or read-only disk must not stop training
         logger.warning("guardrails: could not write %s: %s", path, err)

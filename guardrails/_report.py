@@ -22,21 +22,31 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import re
 import signal
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from guardrails._events import EVENTS_FILE, json_safe
-from guardrails._metrics_file import METRICS_DIR, read_metrics
+from guardrails._metrics_file import METRICS_DIR
+from guardrails._perms import make_dirs, restrict
+from guardrails._report_stats import (
+    FIRST_LAST,
+    Counter,
+    Curves,
+    Key,
+    KeyInfo,
+    RunStats,
+    scan_keys,
+    stream,
+)
 from guardrails._text import shorten
 
 logger = logging.getLogger("guardrails.report")
 
 PLOT_HINT = 'PNG not written: matplotlib is missing; pip install "torch-guardrails[plot]"'
-_FIRST_LAST = 10  # loss "first" and "last": mean of this many steps
+_FIRST_LAST = FIRST_LAST  # loss "first" and "last": mean of this many steps
 #: Events shown as warnings in the story (each: kind -> short label).
 _WARNINGS = {
     "leak": "leak",
@@ -92,37 +102,51 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return events
 
 
-def _metrics_rows(run_dir: Path) -> tuple[dict[str, np.ndarray], str | None]:
-    """Columns as numpy arrays (empty when nothing was written), and why if unreadable."""
+def _metrics_keys(run_dir: Path) -> tuple[dict[Key, KeyInfo], str | None]:
+    """Each (rank, started_at) of the metrics with its rows and steps (empty when nothing
+    was written), and why if unreadable. Reads three columns a batch at a time."""
     try:
-        table = read_metrics(run_dir)
+        return scan_keys(run_dir), None
     except FileNotFoundError:
         return {}, f"no {METRICS_DIR} in {run_dir}"
     except Exception as exc:  # a torn part from an old writer, a schema change
         return {}, f"{METRICS_DIR} unreadable: {type(exc).__name__}: {exc}"
-    cols = {}
-    for name in table.column_names:
-        col = table.column(name)
-        if name in ("tokens", "mem_peak_bytes", "tokens_per_s"):
-            cols[name] = col.to_numpy(zero_copy_only=False).astype(np.float64)  # null -> nan
-        else:
-            cols[name] = col.to_numpy(zero_copy_only=False)
-    return cols, None
 
 
 class Run:
-    """One run: its start time per rank, its events and its metrics rows."""
+    """One run: its start time per rank, its events, which metrics rows are its own
+    (by (rank, started_at)) and, once streamed, what they say (``stats``)."""
 
     def __init__(self, starts: dict[int, float], run_id: str | None = None) -> None:
         self.starts = starts  # rank -> start time (start event, else started_at)
         self.run_id = run_id  # the start events' shared id (None in logs from before it)
         self.world_size: int | None = None  # from the start events
         self.events: list[dict[str, Any]] = []
-        self.rows: dict[str, np.ndarray] = {}
+        self.keys: dict[Key, KeyInfo] = {}  # its metrics rows, per rank and guard start
+        self.stats: RunStats | None = None  # filled by the streaming pass
+        self.earlier: Counter | None = None  # earlier runs' rows that start its plot
+        self.curves: Curves | None = None  # its plot's lines
 
     @property
     def started(self) -> float:
         return min(self.starts.values())
+
+    @property
+    def n_rows(self) -> int:
+        return sum(k.rows for k in self.keys.values())
+
+    @property
+    def step_min(self) -> int | None:
+        return min((k.step_min for k in self.keys.values()), default=None)
+
+    def lead(self) -> tuple[int | None, tuple[float, int] | None, int]:
+        """The rank that tells the loss story (the lowest with rows), its first row
+        (started_at, step) and its row count."""
+        if not self.keys:
+            return None, None, 0
+        lead = min(r for r, _ in self.keys)
+        mine = sorted((t, k.step_min, k.rows) for (r, t), k in self.keys.items() if r == lead)
+        return lead, (mine[0][0], mine[0][1]), sum(n for _, _, n in mine)
 
     def takes(self, rank: int, world_size: int | None) -> bool:
         """Whether a ``start`` of ``rank`` without a run id joins this run (logs
@@ -136,7 +160,7 @@ class Run:
         return world_size == self.world_size and rank < world_size and not full
 
 
-def split_runs(events: list[dict[str, Any]], cols: dict[str, np.ndarray]) -> list[Run]:
+def split_runs(events: list[dict[str, Any]], keys: dict[Key, KeyInfo]) -> list[Run]:
     """Group events and metrics rows into runs, oldest first.
 
     The ``start`` events say which run a rank's start belongs to: the id on each
@@ -148,9 +172,8 @@ def split_runs(events: list[dict[str, Any]], cols: dict[str, np.ndarray]) -> lis
         (float(e["time"]), int(e.get("rank", 0)), e) for e in events if e.get("kind") == "start"
     )
     have = {r for _, r, _ in starts}
-    if cols:  # ranks with metrics but no start event (events turned off)
-        pairs = set(zip(cols["rank"].tolist(), cols["started_at"].tolist(), strict=True))
-        starts += sorted((t, r, {}) for r, t in pairs if r not in have)
+    if keys:  # ranks with metrics but no start event (events turned off)
+        starts += sorted((t, r, {}) for r, t in keys if r not in have)
         starts.sort(key=lambda x: (x[0], x[1]))
     runs: list[Run] = []
     by_id: dict[str, Run] = {}
@@ -190,14 +213,42 @@ def split_runs(events: list[dict[str, Any]], cols: dict[str, np.ndarray]) -> lis
         run = owner(int(e.get("rank", 0)), float(e.get("time", 0.0)))
         if run is not None:
             run.events.append(e)
-    if cols:
-        keys = list(zip(cols["rank"].tolist(), cols["started_at"].tolist(), strict=True))
-        which = {k: owner(int(k[0]), float(k[1])) for k in set(keys)}
-        for run in runs:
-            mask = np.array([which[k] is run for k in keys], dtype=bool)
-            if mask.any():
-                run.rows = {name: col[mask] for name, col in cols.items()}
+    for key, info in keys.items():
+        run = owner(int(key[0]), float(key[1]))
+        if run is not None:
+            run.keys[key] = info
     return runs
+
+
+def gather(run_dir: Path, chosen: list[Run], runs: list[Run], plots: bool) -> int:
+    """Stream the metrics once into what ``chosen`` runs need: each one's
+    :class:`RunStats`, the count of earlier runs' rows its plot starts with and, with
+    ``plots``, its :class:`Curves`. Returns the most rows held at once (one batch).
+
+    Each key takes rows up to the last step the first pass saw: a live run's parts
+    written since add nothing, so the facts and the plot are of one moment."""
+    feeds: dict[Key, list[tuple[Any, float]]] = {}
+
+    def feed(run: Run, fn: Any, bound: float) -> None:
+        for key, info in run.keys.items():
+            feeds.setdefault(key, []).append((fn, min(bound, info.step_max)))
+
+    for run in chosen:
+        run.stats = RunStats(*run.lead())
+        feed(run, run.stats.add, math.inf)
+        chain = _chain(run, runs)
+        run.earlier = Counter()
+        for other, bound in chain[:-1]:
+            feed(other, run.earlier.add, bound)
+        if plots and run.keys:
+            lo = min(o.step_min or 0 for o, _ in chain if o.keys)
+            hi = max(
+                min(max(k.step_max for k in o.keys.values()), bound) for o, bound in chain if o.keys
+            )
+            run.curves = Curves(int(lo), int(max(hi, lo)))
+            for other, bound in chain:
+                feed(other, run.curves.add, bound)
+    return stream(run_dir, feeds) if any(r.keys for r in runs) else 0
 
 
 # ---------------------------------------------------------------------------- the story
@@ -209,7 +260,7 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
     continued and which one continued a stopped run."""
     runs = runs if runs is not None else [run]
     ev = run.events
-    rows = run.rows
+    stats = run.stats
     by_kind: dict[str, list[dict[str, Any]]] = {}
     for e in ev:
         by_kind.setdefault(e.get("kind", "?"), []).append(e)
@@ -223,63 +274,23 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
         "device": start.get("device"),
         "components": start.get("components"),
     }
-    steps = rows.get("step", np.array([], dtype=np.int64))
+    n_rows = stats.rows if stats is not None else 0
     event_steps = [int(e.get("step", 0)) for e in ev]
-    s["metrics_rows"] = len(steps)
-    s["last_step"] = int(max([*steps.tolist(), *event_steps, 0]))
-    per_rank_steps = (
-        {int(r): int(steps[rows["rank"] == r].max()) for r in np.unique(rows["rank"])}
-        if len(steps)
-        else {}
-    )
+    s["metrics_rows"] = n_rows
+    per_rank_steps = dict(sorted(stats.step_max.items())) if stats is not None else {}
+    s["last_step"] = int(max([*per_rank_steps.values(), *event_steps, 0]))
     s["steps_per_rank"] = per_rank_steps
     ends = by_kind.get("end", [])
-    times = [*(e["time"] for e in ev), *rows.get("time", np.array([])).tolist()]
+    times = [e["time"] for e in ev]
+    if stats is not None and stats.time_max > -math.inf:
+        times.append(stats.time_max)
     last_time = max(times) if times else run.started
     s["wall_s"] = last_time - run.started
 
     # Rank 0 (or the lowest rank with rows) tells the loss story: under DDP the grad
     # norm is the same on every rank; losses differ by shard.
-    r0 = rows.get("rank")
-    if len(steps):
-        lead = int(np.min(r0))
-        m = r0 == lead
-        loss = rows["loss"][m].astype(np.float64)
-        gn = rows["grad_norm"][m].astype(np.float64)
-        lr = rows["lr"][m]
-        fin = loss[np.isfinite(loss)]
-        s["lead_rank"] = lead
-        s["loss_first"] = _mean(fin[:_FIRST_LAST])
-        s["loss_last"] = _mean(fin[-_FIRST_LAST:])
-        g = gn[np.isfinite(gn)]
-        s["grad_norm"] = (
-            None
-            if not len(g)
-            else {"min": float(g.min()), "median": float(np.median(g)), "max": float(g.max())}
-        )
-        lf = lr[np.isfinite(lr)]
-        s["lr"] = None if not len(lf) else {"min": float(lf.min()), "max": float(lf.max())}
-        tps = rows["tokens_per_s"]
-        per_rank_tps = {}
-        for r in np.unique(r0):
-            v = tps[(r0 == r) & (rows["step"] > 1)]  # step 1 includes start-up
-            v = v[np.isfinite(v)]
-            if len(v):
-                per_rank_tps[int(r)] = float(np.median(v))
-        s["tokens_per_s_median"] = per_rank_tps or None
-        st = rows["step_time_s"][m]
-        s["step_time_median_s"] = _median(st[1:] if len(st) > 1 else st)
-        later = rows["step"] > 1 if (rows["step"] > 1).any() else np.ones(len(steps), bool)
-        wait, total = rows["data_wait_s"][later], rows["step_time_s"][later]
-        ok = np.isfinite(wait) & np.isfinite(total)
-        s["data_wait_share"] = (
-            float(wait[ok].sum() / total[ok].sum()) if ok.any() and total[ok].sum() > 0 else None
-        )
-        s["gc_total_s"] = {int(r): float(np.nansum(rows["gc_s"][r0 == r])) for r in np.unique(r0)}
-        mem = rows["mem_peak_bytes"]
-        s["mem_peak_bytes"] = None if not np.isfinite(mem).any() else float(np.nanmax(mem))
-        sk = rows["skipped"].astype(bool)
-        s["skipped_steps"] = sorted({int(x) for x in rows["step"][sk]})
+    if n_rows and stats is not None:
+        s.update(stats.facts())
     else:
         s["skipped_steps"] = []
     # Skips the metrics have not caught (a crash before the part was written).
@@ -430,7 +441,8 @@ def story(s: dict[str, Any]) -> str:
         lo, hi = s["lr"]["min"], s["lr"]["max"]
         lines.append(f"  lr           {lo:.3g}" + (f" - {hi:.3g}" if hi != lo else " (constant)"))
     sk = s["skipped_steps"]
-    lines.append(f"  skipped      {len(sk)} step(s)" + (f": {shorten(sk, 12)}" if sk else ""))
+    more = "more than " if s.get("skipped_steps_listed") else ""
+    lines.append(f"  skipped      {more}{len(sk)} step(s)" + (f": {shorten(sk, 12)}" if sk else ""))
     sp = s["spikes"]
     lines.append(
         f"  spikes       {len(sp)}"
@@ -579,12 +591,11 @@ def _resumed(run: Run, runs: list[Run], run_dir: Path) -> dict[str, Any] | None:
     if ev is None:
         return None
     src = _source(run, runs, ev)
-    earlier = _history(run, runs)
     return {
         "step": int(ev["step"]),
         "checkpoint": _rel(ev.get("path"), run_dir),
         "from_run": runs.index(src) + 1 if src is not None else None,
-        "earlier_rows": len(earlier.get("step", ())) - len(run.rows.get("step", ())),
+        "earlier_rows": run.earlier.rows if run.earlier is not None else 0,
     }
 
 
@@ -599,27 +610,29 @@ def _source(run: Run, runs: list[Run], ev: dict[str, Any]) -> Run | None:
             if e.get("kind") in ("checkpoint", "stopped") and _same_path(e.get("path"), path):
                 return other
     for other in reversed(before):
-        steps = other.rows.get("step")
-        if steps is not None and len(steps) and int(steps.min()) <= step:
+        lo = other.step_min
+        if lo is not None and lo <= step:
             return other
     return None
 
 
-def _history(run: Run, runs: list[Run], depth: int = 0) -> dict[str, np.ndarray]:
-    """``run``'s rows preceded by the rows of the runs it resumed from, up to each
-    resume step: the curve of the training, not of the process."""
-    ev = next((e for e in run.events if e.get("kind") == "resumed"), None)
-    src = None if ev is None or depth > 64 else _source(run, runs, ev)
-    if src is None or not run.rows:
-        return run.rows
-    earlier = _history(src, runs, depth + 1)
-    if not earlier:
-        return run.rows
-    keep = earlier["step"] <= int(ev["step"])  # type: ignore[index]
-    return {
-        name: np.concatenate([earlier[name][keep], col]) if name in earlier else col
-        for name, col in run.rows.items()
-    }
+def _chain(run: Run, runs: list[Run]) -> list[tuple[Run, float]]:
+    """The runs whose rows make ``run``'s curve, oldest first, each with the last step
+    it contributes: the run it resumed from up to the resume step (and so on back, each
+    bounded by every later resume), then ``run`` itself (all of it). The curve of the
+    training, not of the process."""
+    chain: list[tuple[Run, float]] = [(run, math.inf)]
+    bound = math.inf
+    cur = run
+    for _ in range(64):
+        ev = next((e for e in cur.events if e.get("kind") == "resumed"), None)
+        src = None if ev is None or not cur.keys else _source(cur, runs, ev)
+        if src is None or src is cur or any(src is r for r, _ in chain):
+            break
+        bound = min(bound, int(ev["step"]))  # type: ignore[index]
+        chain.insert(0, (src, bound))
+        cur = src
+    return chain
 
 
 def _same_path(a: str | None, b: str | None) -> bool:
@@ -634,10 +647,12 @@ def _same_path(a: str | None, b: str | None) -> bool:
 # ---------------------------------------------------------------------------- the plot
 
 
-def plot(run: Run, s: dict[str, Any], path: Path, runs: list[Run] | None = None) -> bool:
+def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     """Loss, grad norm (log) and LR over steps, skipped steps and spikes marked; a
     resumed run's curve starts with the rows of the run it resumed from, up to the
-    resume step (marked). False when matplotlib is missing or there are no rows."""
+    resume step (marked). Drawn from ``run.curves`` (:func:`gather`): every row up to
+    4000 steps, bins of steps (mean line, min-max band) beyond. False when matplotlib is
+    missing or there are no rows."""
     try:
         import matplotlib
 
@@ -646,31 +661,45 @@ def plot(run: Run, s: dict[str, Any], path: Path, runs: list[Run] | None = None)
         import matplotlib.ticker
     except ImportError:
         return False
-    rows = _history(run, runs or [run])
-    if not len(rows.get("step", ())):
+    curves = run.curves
+    if curves is None or not curves.ranks:
         return False
     resumed = s.get("resumed")
     fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7.5), constrained_layout=True)
     panels = (("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("lr", "LR", "linear"))
-    ranks = np.unique(rows["rank"])
+    ranks = curves.ranks
     for ax, (col, label, scale) in zip(axes, panels, strict=True):
         for r in ranks:
-            m = np.flatnonzero(rows["rank"] == r)
-            m = m[np.argsort(rows["step"][m], kind="stable")]
-            x = rows["step"][m]
-            y = rows[col][m].astype(np.float64)
             # NaN, not dropped: a skipped step shows as a gap in the line.
-            y[~np.isfinite(y) | ((y <= 0) if scale == "log" else False)] = np.nan
-            ax.plot(x, y, lw=1, label=f"rank {r}" if len(ranks) > 1 else None)
+            x, y, lo, hi = curves.line(r, col)
+            (line,) = ax.plot(x, y, lw=1, label=f"rank {r}" if len(ranks) > 1 else None)
+            if curves.binned:  # each point a bin's mean: its range as a band
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
             if col == "lr" and len(ranks) > 1:
                 break  # the same LR everywhere
         ax.set_ylabel(label)
         ax.set_yscale(scale)
         ax.grid(alpha=0.3)
-        for i, step in enumerate(s["skipped_steps"]):
-            ax.axvline(step, color="red", alpha=0.5, lw=1, label="skipped" if i == 0 else None)
-        for i, sp in enumerate(s["spikes"]):
-            ax.axvline(sp["step"], color="orange", ls="--", lw=1, label="spike" if i == 0 else None)
+        # One collection per kind, not a line each: a long run's thousands of skipped
+        # steps as axvlines took 300 MB and most of the report's time. Past 50 they are
+        # ticks along the bottom, or they would hide the curves.
+        marks = (
+            (s["skipped_steps"], "red", "-", "skipped"),
+            ([sp["step"] for sp in s["spikes"]], "orange", "--", "spike"),
+        )
+        for steps, color, style, what in marks:
+            if steps:
+                ax.vlines(
+                    steps,
+                    0,
+                    1 if len(steps) <= 50 else 0.04,
+                    transform=ax.get_xaxis_transform(),
+                    colors=color,
+                    linestyles=style,
+                    lw=1,
+                    alpha=0.5 if what == "skipped" else 1,
+                    label=what,
+                )
         if resumed and resumed.get("earlier_rows"):
             where = f"resumed here (run {resumed['from_run']}'s steps before)"
             ax.axvline(resumed["step"], color="green", ls=":", lw=1.5, label=where)
@@ -687,22 +716,14 @@ def plot(run: Run, s: dict[str, Any], path: Path, runs: list[Run] | None = None)
     else:
         how = "error" if end["error"] else "clean"
     axes[0].set_title(f"{s['run_dir']}: run started {s['started']}, ended {how}", fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    restrict(path)  # matplotlib creates it 0o666 less the umask
     return True
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _mean(a: np.ndarray) -> float | None:
-    return float(a.mean()) if len(a) else None
-
-
-def _median(a: np.ndarray) -> float | None:
-    a = a[np.isfinite(a)]
-    return float(np.median(a)) if len(a) else None
 
 
 def _iso(t: float) -> str:
@@ -748,15 +769,23 @@ def add_parser(sub: Any) -> None:
 def main(args: argparse.Namespace) -> int:
     run_dir: Path = args.run_dir
     events = read_events(run_dir)
-    cols, why = _metrics_rows(run_dir)
-    if not events and not cols:
+    keys, why = _metrics_keys(run_dir)
+    if not events and not keys:
         print(
             f"guardrails report: nothing to report in {run_dir}: no {EVENTS_FILE} and "
             f"{why}. Pass the run_dir given to guardrails.guard(run_dir=...)."
         )
         return 2
-    runs = split_runs(events, cols)
+    runs = split_runs(events, keys)
     chosen = runs if args.all else runs[-1:]
+    try:
+        gather(run_dir, chosen, runs, plots=not args.no_png)
+    except Exception as exc:  # a part damaged after the scan read it: tell the events
+        logger.warning(
+            "guardrails report: %s unreadable: %s: %s", METRICS_DIR, type(exc).__name__, exc
+        )
+        for run in chosen:
+            run.keys, run.stats, run.curves = {}, None, None
     facts = []
     texts = []
     for i, run in enumerate(chosen):
@@ -767,9 +796,9 @@ def main(args: argparse.Namespace) -> int:
             png = args.png or run_dir / "report.png"
             if len(chosen) > 1:
                 png = png.with_name(f"{png.stem}-run{s['run']}{png.suffix}")
-            if plot(run, s, png, runs):
+            if plot(run, s, png):
                 s["png"] = str(png)
-            elif not run.rows:
+            elif not run.keys:
                 s["png"] = None
                 s["png_note"] = "no metric rows to plot"
             else:

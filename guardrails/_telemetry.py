@@ -16,7 +16,9 @@ an H200). Telemetry does both:
   dataset: ``pandas.read_parquet(dir)``, ``pyarrow.parquet.read_table(dir)``, duckdb
   ``read_parquet('dir/*.parquet')`` all read it). A part is written at most every
   ``write_every_s`` seconds and at close, each atomically (temp name, then rename), so a
-  run killed by SIGKILL keeps every part written before it died.
+  run killed by SIGKILL keeps every part written before it died. Once an hour
+  (``compact_every_s``) is over, a thread merges the rank's parts of that hour into one
+  file (``_metrics_compact.py``): 720 files per rank in 30 days, not 43,200.
 * A part that cannot be written (a full disk, a read-only remount, a quota: any
   ``OSError``) does not stop training: its rows stay in memory (at most
   :data:`MAX_PENDING_ROWS`, the oldest dropped beyond it and counted in
@@ -45,16 +47,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from guardrails._checks import non_negative, positive_int
+from guardrails._checks import non_negative, positive, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._events import EVENTS_FILE
 from guardrails._lagged import Copy, LaggedCopy
+from guardrails._metrics_compact import Compactor
 from guardrails._metrics_file import METRICS_DIR, SCHEMA
+from guardrails._perms import make_dirs, restrict
 from guardrails._sinks import ABORT_WAIT_S, EventTail, SinkRunner, build, check_sinks, end_event
 from guardrails._storage import Trouble
 
@@ -110,6 +115,11 @@ class Telemetry(Component):
                 those. ``guard(log_to=...)`` sets it. Default: none.
             sink_close_timeout_s: at the end, how long to wait for the sinks' last
                 writes (a W&B run they started finishing its upload). Default 120.
+            compact_every_s: once each such span of time (aligned on the unix epoch)
+                is over, merge this rank's parts of it into one file, on a thread of its
+                own, so a long run is a bounded number of files. Default 3600 (hourly:
+                720 files per rank in 30 days instead of 43,200); ``None`` keeps every
+                part.
         """
 
         every_n_steps: int = 50
@@ -117,6 +127,7 @@ class Telemetry(Component):
         progress: bool | None = None
         sinks: tuple[Any, ...] = ()
         sink_close_timeout_s: float = 120.0
+        compact_every_s: float | None = 3600.0
 
         def __post_init__(self) -> None:
             positive_int("every_n_steps", self.every_n_steps)
@@ -124,6 +135,9 @@ class Telemetry(Component):
             self.write_every_s = float(self.write_every_s)
             self.sinks = check_sinks(self.sinks, "sinks")
             non_negative("sink_close_timeout_s", self.sink_close_timeout_s)
+            if self.compact_every_s is not None:
+                positive("compact_every_s", self.compact_every_s)
+                self.compact_every_s = float(self.compact_every_s)
 
     name = "telemetry"
 
@@ -139,6 +153,7 @@ class Telemetry(Component):
         self._bar: Any = None
         self._sinks: SinkRunner | None = None
         self._tail: EventTail | None = None
+        self._compactor: Compactor | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,7 +162,7 @@ class Telemetry(Component):
         self._dir = guard.run_dir / METRICS_DIR
         self._trouble = Trouble(f"metrics to {self._dir}", guard.run_dir, logger)
         with contextlib.suppress(OSError):  # a full or read-only disk: retried at each part
-            self._dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(self._dir)
         self._rank = guard.rank
         # A part being written when its process was killed stays as a temp file: this
         # rank's are removed (the old spelling ended in .parquet and broke *.parquet
@@ -156,6 +171,9 @@ class Telemetry(Component):
             for stale in self._dir.glob(pattern):
                 stale.unlink(missing_ok=True)
         self._started_at = time.time()
+        if self.compact_every_s is not None:
+            self._compactor = Compactor(self._dir, self._rank, self.compact_every_s)
+            self._compactor.start()
         self._device = guard.device
         self._cuda = guard.device.type == "cuda"
         self._ring = torch.full((n, len(DEVICE_COLUMNS)), math.nan, device=guard.device)
@@ -222,6 +240,9 @@ class Telemetry(Component):
             self._write()
             self._lost()
         finally:
+            if self._compactor is not None:
+                self._compactor.close()
+                self._compactor = None
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
@@ -323,8 +344,9 @@ class Telemetry(Component):
         name = f"part-r{self._rank:05d}-s{first:09d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = self._dir / f".{name}.tmp"  # matches no *.parquet glob, even half-written
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(self._dir)
             pq.write_table(rows, tmp)
+            restrict(tmp)  # pyarrow creates it 0o666 less the umask
             os.replace(tmp, self._dir / name)
         except OSError as e:  # the disk, not the run: keep the rows, retry at the next part
             with contextlib.suppress(OSError):
@@ -339,6 +361,13 @@ class Telemetry(Component):
         else:
             self._unwritten = None
             self.rows_written += rows.num_rows
+            if self._compactor is not None:  # merged into its hour's file once that is over
+                self._compactor.add(
+                    self._dir / name,
+                    float(pc.min(rows.column("time")).as_py()),
+                    self._started_at,
+                    first,
+                )
             if self._trouble.failing:
                 dropped, self.rows_dropped = self.rows_dropped, 0
                 self._trouble.recovered(

@@ -49,6 +49,7 @@ EXPECTED_ALL = [
     "__version__",
     "explain",
     "guard",
+    "iter_metrics",
     "read_metrics",
     "record",
     "resume",
