@@ -943,13 +943,22 @@ def resume_order(found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
     is tried by step, as before. Reads only the manifests (no hashing)."""
     groups: dict[str | None, list[tuple[int, Path]]] = {}
     newest: dict[str | None, float] = {}
+    unreadable: list[tuple[int, Path]] = []
     for step, ckpt in found:
-        run_id, when = _run_and_time(ckpt)
+        run_id, when, readable = _run_and_time(ckpt)
+        if not readable:
+            unreadable.append((step, ckpt))
+            continue
         groups.setdefault(run_id, []).append((step, ckpt))
         newest[run_id] = max(newest.get(run_id, -1.0), when)
+    runs = [groups[r] for r in sorted(groups, key=lambda r: newest[r], reverse=True)]
+    # A checkpoint whose manifest cannot be read belongs to no known run: it is tried
+    # by step with the run tried first, so a damaged newest checkpoint is judged (and
+    # its skip said) instead of passed over in silence.
+    runs = [runs[0] + unreadable, *runs[1:]] if runs else [unreadable]
     out: list[tuple[int, Path]] = []
-    for run_id in sorted(groups, key=lambda r: newest[r], reverse=True):
-        out += sorted(groups[run_id], key=lambda sp: sp[0], reverse=True)
+    for run in runs:
+        out += sorted(run, key=lambda sp: sp[0], reverse=True)
     return out
 
 
@@ -958,15 +967,15 @@ def run_of(ckpt: Path) -> str | None:
     return _run_and_time(ckpt)[0]
 
 
-def _run_and_time(ckpt: Path) -> tuple[str | None, float]:
-    """``(run id, save time)`` from ``ckpt``'s manifest, unverified; ``(None, -1)``
-    when it cannot be read. Only a regular file of sane size is opened: a FIFO named
-    manifest.json would block the read forever."""
+def _run_and_time(ckpt: Path) -> tuple[str | None, float, bool]:
+    """``(run id, save time, readable)`` from ``ckpt``'s manifest, unverified;
+    ``(None, -1, False)`` when it cannot be read. Only a regular file of sane size is
+    opened: a FIFO named manifest.json would block the read forever."""
     f = ckpt / MANIFEST
     try:
         st = os.lstat(f)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MANIFEST_MAX_BYTES:
-            return None, -1.0
+            return None, -1.0, False
         manifest = json.loads(f.read_bytes())
         run = manifest.get("run") or {}
         run_id = run.get("id") if isinstance(run, dict) else None
@@ -974,9 +983,10 @@ def _run_and_time(ckpt: Path) -> tuple[str | None, float]:
         return (
             run_id if isinstance(run_id, str) else None,
             float(when) if isinstance(when, (int, float)) else -1.0,
+            True,
         )
     except (OSError, ValueError, AttributeError):
-        return None, -1.0
+        return None, -1.0, False
 
 
 #: A manifest is a few KB per file it lists; one over this is not one.
