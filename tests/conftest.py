@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from _ranks import free_port, spawn  # noqa: F401  (the tests import them from here)
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # One intra-op thread per process, as torchrun sets for its ranks: the suite's
 # processes (2-rank jobs, pytest-xdist workers) share CI's 2 cores, and OpenMP threads
@@ -42,6 +43,19 @@ class Regressor(nn.Module):
 def batches(n: int, batch: int = 8, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(batch, 4, generator=g), torch.randn(batch, generator=g)) for _ in range(n)]
+
+
+class CountNorms(TorchDispatchMode):
+    """Counts the passes over the gradients: each ``_foreach_norm`` is one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._foreach_norm.Scalar:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 def reference_grad_norm(model: nn.Module) -> float:

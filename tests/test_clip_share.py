@@ -5,25 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events, reference_grad_norm
+from conftest import CountNorms, Regressor, batches, read_events, reference_grad_norm
 from torch.nn.utils import clip_grad
 from torch.nn.utils import clip_grad_norm_ as imported_before_the_guard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import guardrails
-
-
-class CountNorms(TorchDispatchMode):
-    """Counts the passes over the gradients: each ``_foreach_norm`` is one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._foreach_norm.Scalar:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def make(seed=0):

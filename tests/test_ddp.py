@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, read_events, reference_grad_norm, spawn
+from conftest import (
+    CountNorms,
+    Regressor,
+    batches,
+    free_port,
+    read_events,
+    reference_grad_norm,
+    spawn,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import guardrails
 
@@ -80,19 +87,6 @@ def case_audited(rank):
         assert auditor is not None, "no CollectiveAuditor running"
         recent = [guardrails._audit.entry_dict(e) for e in auditor.recent]
     return {"entries": [(e["step"], str(e["site"]), e["op"]) for e in recent], "steps": g.step}
-
-
-class CountNorms(TorchDispatchMode):
-    """Counts the guard's own passes over the gradients (``_foreach_norm``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._foreach_norm.Scalar:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _bucket_run(rank, name, *, nan_at=-1, scaler=False):
