@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -457,6 +458,48 @@ def test_prefetched_batch_of_a_global_rng_sampler_is_saved_and_resumes_bitwise(t
     assert_state_equal(want, got)
     (ff,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "data_fast_forward"]
     assert ff["batches"] == 6  # the batches trained on, not the held one
+
+
+class XY(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class NamedTupleLoader:
+    """A plain iterable (fast-forwarded) of NamedTuple batches, which a checkpoint would
+    give back as plain tuples."""
+
+    def __iter__(self):
+        return (XY(x, y) for x, y in batches(40, seed=3))
+
+
+def _named_train(run_dir, steps, stop_at=None):
+    """A prefetching loop that reads its batches' fields by name."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with guardrails.guard(model, opt, NamedTupleLoader(), run_dir=run_dir, progress=False) as g:
+        it = iter(g)
+        batch = next(it)
+        while g.step < steps:
+            model(batch.x, batch.y).backward()
+            batch = next(it)
+            opt.step()
+            opt.zero_grad()
+            if g.step == stop_at:
+                signal.raise_signal(signal.SIGTERM)
+    return model.state_dict(), opt.state_dict()
+
+
+def test_held_batch_that_would_change_type_is_fetched_again(tmp_path):
+    # Saved, the NamedTuple would come back a plain tuple: `batch.x` would fail.
+    want = _named_train(tmp_path / "a", steps=12)
+    with pytest.raises(SystemExit):
+        _named_train(tmp_path / "b", steps=12, stop_at=5)
+    rank = json.loads((tmp_path / "b/checkpoints/step_000000005/rank00000.json").read_text())
+    assert rank["data"]["kind"] == "fast_forward" and "held" not in rank["data"]
+    got = _named_train(tmp_path / "b", steps=12)
+    assert_state_equal(want, got)
 
 
 @pytest.mark.parametrize("shape", ["stateful", "global_rng"])
