@@ -256,7 +256,7 @@ def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Ten
     devices = position.get("held_devices") or {}
     position["held"] = _decode(
         position.get("held") or [],
-        {k: v.to(devices[k]) if k in devices else v.clone() for k, v in tensors.items()},
+        {k: _to(v, devices[k], guard) if k in devices else v.clone() for k, v in tensors.items()},
     )
     # The generators a DataLoader / sampler owns are not among the RNG streams a
     # checkpoint restores: without this, a resumed run's next pass would draw from a
@@ -297,6 +297,15 @@ def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> 
             "older step_* directory (guard(..., resume=...)); or start fresh with "
             "resume=None (or a new run_dir). Nothing was modified.",
         )
+
+
+def _to(tensor: Tensor, device: str, guard: Guard) -> Tensor:
+    """``tensor`` on the device it was saved from; on the guard's device where that one
+    is not here (saved on a GPU, resumed on another machine or on the CPU)."""
+    try:
+        return tensor.to(device)
+    except (RuntimeError, AssertionError, ValueError):  # no such device / CUDA build
+        return tensor.to(guard.device)
 
 
 def _replayable(loader: Any) -> bool:

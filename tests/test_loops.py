@@ -460,6 +460,33 @@ def test_prefetched_batch_of_a_global_rng_sampler_is_saved_and_resumes_bitwise(t
     assert ff["batches"] == 6  # the batches trained on, not the held one
 
 
+def test_held_batch_saved_from_a_gpu_resumes_on_the_guards_device(tmp_path):
+    # A checkpoint a GPU run wrote (nanoGPT's batches are on its device): the held
+    # batch's tensors are recorded with their device. Resumed where that device does
+    # not exist (this CPU), they go to the guard's device, and the run is the same.
+    import hashlib
+
+    want = _global_rng_train(tmp_path / "a", steps=8)
+    with pytest.raises(SystemExit):
+        _global_rng_train(tmp_path / "b", steps=8, stop_at=3)
+    ckpt = tmp_path / "b/checkpoints/step_000000003"
+    rank_file = ckpt / "rank00000.json"
+    doc = json.loads(rank_file.read_text())
+    doc["data"]["held_devices"] = {"held.0.0": "cuda:0", "held.0.1": "cuda:0"}
+    rank_file.write_text(json.dumps(doc))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = rank_file.read_bytes()
+    manifest["files"]["rank00000.json"] = {
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    manifest["manifest_sha256"] = guardrails._checkpoint._self_hash(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert guardrails._checkpoint.verify_checkpoint(ckpt) is None
+    got = _global_rng_train(tmp_path / "b", steps=8)
+    assert_state_equal(want, got)
+
+
 class XY(NamedTuple):
     x: torch.Tensor
     y: torch.Tensor
