@@ -20,6 +20,13 @@ and a resumed run continues it in one of three ways, the best the loader allows:
 3. ``fast_forward``: any other iterable (a list, a generator, an ``IterableDataset``):
    the consumed batches are fetched again and dropped, with a warning event that says
    how long it took and how to avoid it.
+
+A loop that fetches the next batch before ``optimizer.step()`` (a prefetch) holds a
+batch past the trained position at a checkpoint. With ``state_dict`` and
+``fast_forward`` that batch is saved with the checkpoint and handed out first on
+resume, not fetched again: a loader that draws from the global RNG (nanoGPT's
+``get_batch``: ``torch.randint``) drew it before the checkpoint's RNG state, so a fetch
+on resume, from the state after that draw, would give another batch.
 """
 
 from __future__ import annotations
@@ -143,7 +150,49 @@ def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
     if own is not None:
         position.update(own[0])
         tensors.update(own[1])
+    elif kind == "fast_forward":
+        held = _held(guard)
+        # Fetching it again would draw it afresh (see the module docstring); a batch
+        # that would not come back as the same types is fetched again, as before.
+        if held and _plain(held):
+            position.update(_encode_held(held, tensors))
     return position, tensors
+
+
+def _held(guard: Guard) -> list[Any]:
+    """The batches fetched past the trained position: a prefetching loop's next batch.
+    Resumed and not iterated yet: the resumed position's, still to be handed out."""
+    resumed = guard._resume_position
+    if guard._trained_at is None and resumed is not None:
+        return list(resumed.get("held") or [])
+    return list(guard._fetched)
+
+
+def _plain(obj: Any) -> bool:
+    """Whether ``obj`` comes back from a checkpoint as the same types: tensors, numbers,
+    strings, and exactly tuple / list / dict (str keys) of them. A subclass (a
+    NamedTuple, transformers' BatchEncoding) would come back as its base."""
+    if obj is None or type(obj) in (bool, int, float, str, Tensor):
+        return True
+    if type(obj) in (tuple, list):
+        return all(map(_plain, obj))
+    if type(obj) is dict:
+        return all(type(k) is str and _plain(v) for k, v in obj.items())
+    return False
+
+
+def _encode_held(held: list[Any], tensors: dict[str, Tensor]) -> dict[str, Any]:
+    """Position entries for ``held``: the batches, and the device of each tensor not on
+    the CPU (a checkpoint's tensors load on the CPU; nanoGPT's batches are on the GPU)."""
+    from guardrails._checkpoint import _encode
+
+    mine: dict[str, Tensor] = {}
+    entries = {"held": _encode(held, "held", mine)}
+    devices = {k: str(t.device) for k, t in mine.items() if t.device.type != "cpu"}
+    if devices:
+        entries["held_devices"] = devices
+    tensors.update(mine)
+    return entries
 
 
 def _own_state(guard: Guard, loader: Any) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
@@ -162,7 +211,7 @@ def _own_state(guard: Guard, loader: Any) -> tuple[dict[str, Any], dict[str, Ten
             "loader": _encode(loader.state_dict(), "loader", tensors),
             # The loader's own state is past the batches a prefetching loop fetched for
             # the next step; they are saved and handed out first on resume (no rewind).
-            "held": _encode(list(guard._fetched), "held", tensors),
+            **_encode_held(_held(guard), tensors),
         }
     except Exception as exc:  # the user's / a library's loader: any failure, same fallback
         guard._loader_state_error = f"{type(exc).__name__}: {exc}"
@@ -203,8 +252,11 @@ def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Ten
         loader.load_state_dict(_decode(position["loader"], tensors))  # type: ignore[union-attr]
     # Fresh copies: a tensor read from the checkpoint's file may sit at an alignment
     # that sends CPU matmuls down another kernel (last-bit differences, measured).
+    # Held batches go back to the device they were fetched to.
+    devices = position.get("held_devices") or {}
     position["held"] = _decode(
-        position.get("held") or [], {k: v.clone() for k, v in tensors.items()}
+        position.get("held") or [],
+        {k: _to(v, devices[k], guard) if k in devices else v.clone() for k, v in tensors.items()},
     )
     # The generators a DataLoader / sampler owns are not among the RNG streams a
     # checkpoint restores: without this, a resumed run's next pass would draw from a
@@ -247,6 +299,15 @@ def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> 
         )
 
 
+def _to(tensor: Tensor, device: str, guard: Guard) -> Tensor:
+    """``tensor`` on the device it was saved from; on the guard's device where that one
+    is not here (saved on a GPU, resumed on another machine or on the CPU)."""
+    try:
+        return tensor.to(device)
+    except (RuntimeError, AssertionError, ValueError):  # no such device / CUDA build
+        return tensor.to(guard.device)
+
+
 def _replayable(loader: Any) -> bool:
     # Not a wrapper such as accelerate's prepared loader (which claims DataLoader as its
     # __class__): its own __iter__ places batches on the device and syncs the shuffle
@@ -281,6 +342,11 @@ def resume_iter(loader: Any, position: dict[str, Any], guard: Guard) -> tuple[An
         return itertools.chain(position.get("held") or [], iter(loader)), start
     if position["kind"] == "replay" and _replayable(loader) and start is not None:
         return _replay(loader, skip, start), start
+    held = position.get("held") or []
+    if position["kind"] == "fast_forward" and held:
+        # Past the held batches too, which are handed out as saved.
+        it = _fast_forward(loader, skip + len(held), start, guard, trained=skip)
+        return itertools.chain(held, it), start
     return _fast_forward(loader, skip, start, guard), start
 
 
@@ -314,7 +380,16 @@ def _then(it: Any, done: Any) -> Any:
     done()
 
 
-def _fast_forward(loader: Any, skip: int, start: dict[str, Tensor] | None, guard: Guard) -> Any:
+def _fast_forward(
+    loader: Any,
+    skip: int,
+    start: dict[str, Tensor] | None,
+    guard: Guard,
+    *,
+    trained: int | None = None,
+) -> Any:
+    """``loader``'s pass from ``start``, ``skip`` batches in (``trained`` of them trained
+    on, the rest held by the checkpoint), with the RNG states left as they are now."""
     now = epoch_start(loader)
     if start is not None:
         _set_states(loader, start)
@@ -322,13 +397,14 @@ def _fast_forward(loader: Any, skip: int, start: dict[str, Tensor] | None, guard
     it = iter(loader)
     fetched = sum(1 for _ in itertools.islice(it, skip))
     _set_states(loader, now)
-    if fetched < skip:
+    trained = skip if trained is None else trained
+    if fetched < trained:
         # A loader without a length ran out before the saved position (one with a
         # length was checked before the resume applied anything: check_position).
         from guardrails._errors import ResumeError
 
         raise ResumeError(
-            f"the checkpoint's data position is {skip} batches into the pass, but this "
+            f"the checkpoint's data position is {trained} batches into the pass, but this "
             f"run's loader ({type(loader).__name__}) was exhausted after {fetched}: it was "
             "saved with another loader (batch size, dataset, number of ranks), or the "
             "checkpoint was changed",
@@ -338,7 +414,8 @@ def _fast_forward(loader: Any, skip: int, start: dict[str, Tensor] | None, guard
             "older step_* directory (guard(..., resume=...)); or start fresh with "
             "resume=None (or a new run_dir).",
         )
-    if skip:
+    fetched = min(fetched, trained)  # the held ones are not announced as dropped
+    if trained:
         # A library's wrapper of a DataLoader (accelerate's prepared loader) runs its own
         # iteration (device placement, the ranks' shuffle sync): it is not replayed.
         how = (

@@ -104,6 +104,15 @@ HINTS = {
 }
 
 
+#: ``optimization_blowup``'s hint for a loop that clips already (nanoGPT's
+#: ``clip_grad_norm_(..., 1.0)``), which the general one would tell to clip.
+HINT_BLOWUP_CLIPPED = (
+    "an optimization blow-up (LR / precision), not a data bug: lower the peak LR or add "
+    "warmup. The loop clips the grad norm already (clip_grad_norm_): that bounds the "
+    "gradient, not the update, whose size an Adam-style optimizer sets by the LR."
+)
+
+
 def diagnose(guard: Guard, **kw: Any) -> dict[str, Any]:
     """Classify the non-finite ``step``; save its batch. Returns a JSON-able dict with
     ``cause``, ``message``, ``hint`` and the evidence."""
@@ -258,7 +267,8 @@ def _diagnose(
         )
         msg = f"could not classify: {why}"
     diag["message"] = msg
-    diag["hint"] = HINTS[diag["cause"]]
+    clipped = diag["cause"] == "optimization_blowup" and guard.clip_norm_steps > 0
+    diag["hint"] = HINT_BLOWUP_CLIPPED if clipped else HINTS[diag["cause"]]
     if save:
         diag["path"] = _save(guard, step, inputs, batches, diag)
         diag["message"] += f". Saved to {diag['path']}"

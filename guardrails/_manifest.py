@@ -866,6 +866,9 @@ def check_rank_state(doc: Any, rank: int, header: Mapping[str, Any] | None) -> N
             _int(data["sampler_epoch"], "data.sampler_epoch")
         if "held" in data and data["held"] is not None:
             _list(data["held"], "data.held")
+        if data.get("held_devices") is not None:
+            for key, device in _mapping(data["held_devices"], "data.held_devices").items():
+                _str(device, _key("data.held_devices", key))
         keys = tensor_keys(header)
         for where, ref in _tensor_refs(data, "data"):
             if keys is None or ref not in keys:

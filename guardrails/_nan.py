@@ -727,7 +727,11 @@ class NanGuard(Component):
                 f"{threshold / median:.1f}x: {knob}={factor:g}, higher where it swings more "
                 "from step to step): "
                 "often the early warning before a NaN. If they repeat: lower the LR, add "
-                "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
+                + (
+                    "warmup (the loop clips the grad norm already)."
+                    if self._guard.clip_norm_steps
+                    else "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
+                )
                 + (
                     f" (This is the last {kind} spike logged; later ones are counted in "
                     "NanGuard.spikes.)"

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -406,6 +407,150 @@ def test_stateful_loader_in_a_prefetching_loop_resumes_bitwise(tmp_path):
     assert_state_equal(want, got)
 
 
+def _random_batches():
+    """nanoGPT's ``get_batch``: every batch drawn from torch's global RNG, no loader
+    state (a callable iterator, as a user would wrap it)."""
+    data = torch.randn(64, 5, generator=torch.Generator().manual_seed(3))
+    ix = torch.randint(len(data), (8,))
+    return data[ix, :4], data[ix, 4]
+
+
+class DropoutRegressor(Regressor):
+    """Draws from the global RNG in its forward too (nanoGPT's dropout)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(nn.functional.dropout(x, 0.2), y)
+
+
+def _global_rng_train(run_dir, steps, stop_at=None):
+    """nanoGPT's loop: the step's micro-batches each fetch the next batch right after
+    their forward (so the next step's first batch is fetched before opt.step()); the
+    sampler and dropout draw from the same global RNG."""
+    torch.manual_seed(0)
+    model = DropoutRegressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = iter(_random_batches, None)
+    with guardrails.guard(model, opt, loader, run_dir=run_dir, progress=False) as g:
+        it = iter(g)
+        x, y = next(it)
+        while g.step < steps:
+            for _ in range(2):
+                model(x, y).backward()
+                x, y = next(it)
+            opt.step()
+            opt.zero_grad()
+            if g.step == stop_at:
+                signal.raise_signal(signal.SIGTERM)
+    return model.state_dict(), opt.state_dict()
+
+
+def test_prefetched_batch_of_a_global_rng_sampler_is_saved_and_resumes_bitwise(tmp_path):
+    # The prefetched batch was drawn before the checkpoint's RNG state: fetched again on
+    # resume it came from the RNG as it was after that draw, a different batch (the
+    # resumed run trained on another batch from there on, silently).
+    want = _global_rng_train(tmp_path / "a", steps=8)
+    with pytest.raises(SystemExit):
+        _global_rng_train(tmp_path / "b", steps=8, stop_at=3)
+    rank = json.loads((tmp_path / "b/checkpoints/step_000000003/rank00000.json").read_text())
+    assert rank["data"]["kind"] == "fast_forward" and rank["data"]["batch_in_epoch"] == 6
+    assert len(rank["data"]["held"]) == 1  # the prefetched batch, handed out first
+    got = _global_rng_train(tmp_path / "b", steps=8)
+    assert_state_equal(want, got)
+    (ff,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "data_fast_forward"]
+    assert ff["batches"] == 6  # the batches trained on, not the held one
+
+
+def test_held_batch_saved_from_a_gpu_resumes_on_the_guards_device(tmp_path):
+    # A checkpoint a GPU run wrote (nanoGPT's batches are on its device): the held
+    # batch's tensors are recorded with their device. Resumed where that device does
+    # not exist (this CPU), they go to the guard's device, and the run is the same.
+    import hashlib
+
+    want = _global_rng_train(tmp_path / "a", steps=8)
+    with pytest.raises(SystemExit):
+        _global_rng_train(tmp_path / "b", steps=8, stop_at=3)
+    ckpt = tmp_path / "b/checkpoints/step_000000003"
+    rank_file = ckpt / "rank00000.json"
+    doc = json.loads(rank_file.read_text())
+    doc["data"]["held_devices"] = {"held.0.0": "cuda:0", "held.0.1": "cuda:0"}
+    rank_file.write_text(json.dumps(doc))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = rank_file.read_bytes()
+    manifest["files"]["rank00000.json"] = {
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    manifest["manifest_sha256"] = guardrails._checkpoint._self_hash(manifest)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert guardrails._checkpoint.verify_checkpoint(ckpt) is None
+    got = _global_rng_train(tmp_path / "b", steps=8)
+    assert_state_equal(want, got)
+
+
+class XY(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class NamedTupleLoader:
+    """A plain iterable (fast-forwarded) of NamedTuple batches, which a checkpoint would
+    give back as plain tuples."""
+
+    def __iter__(self):
+        return (XY(x, y) for x, y in batches(40, seed=3))
+
+
+def _named_train(run_dir, steps, stop_at=None):
+    """A prefetching loop that reads its batches' fields by name."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with guardrails.guard(model, opt, NamedTupleLoader(), run_dir=run_dir, progress=False) as g:
+        it = iter(g)
+        batch = next(it)
+        while g.step < steps:
+            model(batch.x, batch.y).backward()
+            batch = next(it)
+            opt.step()
+            opt.zero_grad()
+            if g.step == stop_at:
+                signal.raise_signal(signal.SIGTERM)
+    return model.state_dict(), opt.state_dict()
+
+
+def test_held_batch_that_would_change_type_is_fetched_again(tmp_path):
+    # Saved, the NamedTuple would come back a plain tuple: `batch.x` would fail.
+    want = _named_train(tmp_path / "a", steps=12)
+    with pytest.raises(SystemExit):
+        _named_train(tmp_path / "b", steps=12, stop_at=5)
+    rank = json.loads((tmp_path / "b/checkpoints/step_000000005/rank00000.json").read_text())
+    assert rank["data"]["kind"] == "fast_forward" and "held" not in rank["data"]
+    got = _named_train(tmp_path / "b", steps=12)
+    assert_state_equal(want, got)
+
+
+@pytest.mark.parametrize("shape", ["stateful", "global_rng"])
+def test_save_before_iterating_a_resumed_run_keeps_the_held_batch(tmp_path, shape):
+    # g.save_checkpoint() between the resume and the first batch saves the resumed
+    # position, whose prefetched batch is still to be handed out: it must be saved
+    # again (it was dropped, and the next resume trained one batch late).
+    train = _prefetch_train if shape == "stateful" else _global_rng_train
+    want = train(tmp_path / "a", steps=10)
+    with pytest.raises(SystemExit):
+        train(tmp_path / "b", steps=10, stop_at=4)
+    torch.manual_seed(0)
+    model = Regressor() if shape == "stateful" else DropoutRegressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = CountingLoader() if shape == "stateful" else iter(_random_batches, None)
+    with guardrails.guard(model, opt, loader, run_dir=tmp_path / "b", progress=False) as g:
+        assert g.step == 4
+        g.save_checkpoint()
+    rank = json.loads((tmp_path / "b/checkpoints/step_000000004/rank00000.json").read_text())
+    assert len(rank["data"]["held"]) == 1
+    got = train(tmp_path / "b", steps=10)
+    assert_state_equal(want, got)
+
+
 class BrokenStateLoader(CountingLoader):
     """``state_dict()`` raises, as accelerate's prepared loader over a plain DataLoader
     does."""
@@ -435,7 +580,8 @@ def test_loader_whose_state_dict_fails_resumes_by_a_counted_fast_forward(
         _prefetch_train(tmp_path / "b", steps=12, stop_at=5, loader_cls=loader_cls)
     rank = json.loads((tmp_path / "b/checkpoints/step_000000005/rank00000.json").read_text())
     assert rank["data"]["kind"] == "fast_forward" and rank["data"]["batch_in_epoch"] == 5
-    assert "loader" not in rank["data"] and "held" not in rank["data"]
+    assert "loader" not in rank["data"]
+    assert len(rank["data"]["held"]) == 1  # the prefetched batch, kept all the same
     (warned,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "loader_state_unavailable"]
     assert warned["level"] == "warning" and warned["loader"] == loader_cls.__name__
     assert warned["error"].startswith(error) and warned["resume"] == "fast_forward"

@@ -296,6 +296,33 @@ def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path):
     assert "x its median" in str(err)
 
 
+def test_blowup_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
+    # nanoGPT's loop: AdamW, clip_grad_norm_(model.parameters(), 1.0) every step, and
+    # the LR blown up to 1e4. "clip the global grad norm" is no fix for a loop that
+    # does; the spikes before the NaN said the same.
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    with pytest.raises(NonFiniteError) as info:
+        with guardrails.guard(
+            model, opt, batches(80), run_dir=tmp_path, nan={"policy": "raise"}
+        ) as g:
+            for x, y in g:
+                if g.step == 30:
+                    opt.param_groups[0]["lr"] = 1e4
+                model(x, y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert err.cause == "optimization_blowup", str(err)
+    assert "lower the peak LR" in err.hint and "clips the grad norm already" in err.hint
+    assert "clip_grad_norm_(1.0)" not in err.hint
+    spikes = [e for e in read_events(tmp_path) if e["kind"] == "spike"]
+    assert spikes and all("clips the grad norm already" in e["message"] for e in spikes)
+    assert not any("clip_grad_norm_(1.0)" in e["message"] for e in spikes)
+
+
 class Linear2(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -151,6 +151,9 @@ class Bench:
             PYTHONUNBUFFERED="1",
             # torch's deprecation notes for the collectives nanochat calls, every step
             PYTHONWARNINGS="ignore::FutureWarning",
+            # This checkout's guardrails, not whatever the venv has installed (an
+            # editable install of another worktree): the ranks run in nanochat's tree.
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p),
         )
         if guarded:
             env["GR_RECORD"] = "1"  # launch.py: @guardrails.record, exit codes per error
