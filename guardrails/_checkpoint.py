@@ -615,12 +615,12 @@ def commit(
     # never group/other-writable once committed, even under umask 000.
     _perms.restrict_tree(tmp)
     _write_bytes(tmp / MANIFEST, _dumps(manifest), {})
-    _fsync_dir(tmp)
+    _digest.fsync_path(tmp)
     if final.exists():  # the same step saved again (a resumed run): replace it
         _replace(root, final, tmp)
     else:
         os.rename(tmp, final)
-    _fsync_dir(root)
+    _digest.fsync_path(root)
     if keep_last is not None:
         run_id = (run or {}).get("id")
         try:
@@ -654,7 +654,7 @@ def _replace(root: Path, final: Path, tmp: Path) -> None:
         os.rename(aside, final)  # the old copy back under its name
         raise
     _crash_point("resave:swapped")
-    _fsync_dir(root)
+    _digest.fsync_path(root)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -1423,7 +1423,7 @@ def mark_finished(ckpt: Path, when: float) -> None:
         os.replace(tmp, ckpt / MANIFEST)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(ckpt)
+    _digest.fsync_path(ckpt)
 
 
 def verify_checkpoint(ckpt: str | os.PathLike[str]) -> str | None:
@@ -1833,7 +1833,7 @@ def _retain(
         if delete:
             shutil.rmtree(trash, ignore_errors=True)
         log.debug("guardrails: retention retired %s (keep_last=%d)", p, keep_last)
-    _fsync_dir(root)
+    _digest.fsync_path(root)
 
 
 def settle_asides(root: Path) -> None:
@@ -1901,14 +1901,6 @@ def _seal(paths: Sequence[Path], files: dict[str, Any], prefix: str = "") -> Non
     and sha256 under ``prefix + name``, reading them back once, in parallel."""
     for path, record in zip(paths, _digest.seal(paths), strict=True):
         files[prefix + path.name] = record
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _encode(obj: Any, where: str, tensors: dict[str, Tensor] | None = None) -> Any:

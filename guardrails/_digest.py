@@ -230,3 +230,12 @@ def _write(fd: int, piece: list[Piece], cancel: threading.Event | None) -> bytes
         while done < view.nbytes:  # pwrite may write less than asked
             done += os.pwrite(fd, view[done:], offset + done)
     return h.digest()
+
+
+def fsync_path(path: Path | str) -> None:
+    """fsync a file or a directory by path (a directory: so a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from guardrails._digest import fsync_path
 from guardrails._metrics_file import (
     BATCH_ROWS,
     COMPACT_PREFIX,
@@ -206,7 +207,7 @@ class Compactor:
                         held, rows = [], 0
                 if held:
                     writer.write_table(pa.concat_tables(held), row_group_size=BATCH_ROWS)
-            _fsync(tmp)
+            fsync_path(tmp)
             restrict(tmp)  # pyarrow creates it 0o666 less the umask
             # Readers hold it shared while they read: wait a little, else next time.
             with lock(self.directory, exclusive=True, timeout_s=LOCK_WAIT_S) as got:
@@ -220,7 +221,7 @@ class Compactor:
                                 self._parts.pop(n, None)
                     return False
                 os.rename(tmp, final)
-                _fsync(self.directory)  # the merged file is durable before its parts go
+                fsync_path(self.directory)  # the merged file is durable before its parts go
                 for p in group:
                     p.path.unlink(missing_ok=True)
         except BaseException:
@@ -258,11 +259,3 @@ def _describe(path: Path) -> _Part | None:
         logger.debug("guardrails: not merging %s: %s", path, err)
         return None
     return _Part(path, lo["time"], lo.get("started_at", 0.0), int(m.group(2)) if m else 0)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
