@@ -47,7 +47,7 @@ from guardrails._checks import non_negative, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._events import EVENTS_FILE
-from guardrails._lagged import Copy, LaggedCopy
+from guardrails._lagged import Copy
 from guardrails._metrics_file import METRICS_DIR, SCHEMA
 from guardrails._sinks import ABORT_WAIT_S, EventTail, SinkRunner, build, check_sinks, end_event
 
@@ -142,17 +142,13 @@ class Telemetry(Component):
         self._started_at = time.time()
         self._device = guard.device
         self._cuda = guard.device.type == "cuda"
-        self._ring = torch.full((n, len(DEVICE_COLUMNS)), math.nan, device=guard.device)
-        self._ring_rows = self._ring.unbind(0)  # views made once, not indexed per step
+        # The device columns are the step ring's row, written once per step for NanGuard
+        # and telemetry (_lagged.StepRing), copied to the host once per interval and
+        # read an interval later; each copy keeps the host columns of its rows (meta).
+        self._ring = guard.step_ring
+        self._copies = self._ring.reader(n)
         self._host_rows: list[tuple[float, ...]] = []
         self._gc_total = guard.shared.gc_total_s
-        self._nan = torch.full((), math.nan, device=guard.device)
-        # float, not bool: a bool in the stack below sends it down a dtype-promoting
-        # path that costs ~2.7 us more per step on CPU (measured, host_ops.py).
-        self._zero = torch.zeros((), device=guard.device)
-        # Copied to the host once per interval, read an interval later (_lagged.py);
-        # each copy keeps the host columns of its rows (meta).
-        self._copies = LaggedCopy(self._ring)
         self._arrived: list[tuple[np.ndarray, np.ndarray]] = []  # (device, host) blocks
         self._last_write = time.monotonic()
         show = self.progress
@@ -165,21 +161,16 @@ class Telemetry(Component):
             self._sinks = SinkRunner(build(self.sinks), guard.run_dir)
 
     def after_step(self, guard: Guard) -> None:
-        loss = guard.step_loss
+        count = guard.step_row()  # written by NanGuard already, or now (no kernel on CPU)
         skipped = guard.skipped
+        if skipped is not None:
+            flag = self._ring.flags[self._ring.i]
+            if skipped is not flag:  # NanGuard's is the row's own slot: nothing to copy
+                flag.copy_(skipped)
         rows = self._host_rows
-        # One kernel: the stack writes straight into the ring row (dtypes promote).
-        # Copied, not referenced: a CUDA-graph output would be overwritten next step.
-        torch.stack(
-            (
-                self._nan if loss is None else loss,
-                guard.grad_norm(),
-                self._zero if skipped is None else skipped,
-            ),
-            out=self._ring_rows[len(rows)],
-        )
         # A tuple append (~0.3 us) rather than seven numpy item writes (~1 us); its
-        # order is HOST_COLUMNS without the last (mem_peak_bytes, read at flush).
+        # order is HOST_COLUMNS without the last (mem_peak_bytes, read at flush), then
+        # the row's count in the step ring.
         rows.append(
             (
                 guard.step,
@@ -189,6 +180,7 @@ class Telemetry(Component):
                 guard.data_wait_s,
                 math.nan if guard.tokens is None else guard.tokens,
                 guard.shared.gc_total_s,  # cumulative here; per step at flush
+                count,
             )
         )
         if self._bar is not None:
@@ -217,25 +209,29 @@ class Telemetry(Component):
 
     def _flush(self) -> None:
         """Start the device-to-host copy of the filled rows; read the previous one."""
-        n = len(self._host_rows)
-        host = self._host_block(self._host_rows)
-        self._host_rows = []
-        self._collect(self._copies.start(n, host))
+        rows, self._host_rows = self._host_rows, []
+        host, counts = self._host_block(rows)
+        self._collect(self._copies.start(counts, host))
         if not self._cuda:
             self._collect(self._copies.take())  # nothing to wait for on CPU: publish at once
 
-    def _host_block(self, rows: list[tuple[float, ...]]) -> np.ndarray:
-        """The host columns of ``rows`` as one array, GC time made per step."""
-        host = np.empty((len(rows), len(HOST_COLUMNS)))
-        host[:, :-1] = rows
+    def _host_block(self, rows: list[tuple[float, ...]]) -> tuple[np.ndarray, list[int]]:
+        """The host columns of ``rows`` as one array, GC time made per step, and the
+        rows' counts in the step ring."""
+        # np.array of the tuples: ~14 us for 50 rows, ~22 us assigning them into an
+        # empty array. The last column holds each row's count until mem_peak_bytes.
+        host = np.array(rows, dtype=np.float64).reshape(len(rows), len(HOST_COLUMNS))
+        counts = host[:, -1].astype(np.int64).tolist()
         # Peak memory only grows, so one reading per interval (not one per step) bounds
         # every row in it; it also keeps the per-step host path shorter.
         host[:, -1] = _mem_peak_bytes(self._device)
         gc_total = host[:, HOST_COLUMNS.index("gc_s")]
-        last = gc_total[-1]
-        gc_total[:] = np.diff(gc_total, prepend=self._gc_total)  # cumulative -> per step
+        last = float(gc_total[-1])
+        # Cumulative -> per step: np.diff's subtractions without its ~10 us of Python.
+        gc_total[1:] -= gc_total[:-1].copy()
+        gc_total[0] -= self._gc_total
         self._gc_total = last
-        return host
+        return host, counts
 
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         # The main thread is stuck (guard.die): write the rows the host holds. On CUDA
@@ -247,12 +243,12 @@ class Telemetry(Component):
             self._collect(self._copies.take())
         rows = list(self._host_rows)  # a snapshot: the main thread may still append
         if rows:
-            n = len(rows)
-            if self._cuda:
-                dev = np.full((n, len(DEVICE_COLUMNS)), math.nan)
+            host, counts = self._host_block(rows)
+            if self._ring.host:
+                dev = self._ring.host_rows(counts)
             else:
-                dev = self._ring[:n].numpy().astype(np.float64)
-            self._arrived.append((dev, self._host_block(rows)))
+                dev = np.full((len(rows), len(DEVICE_COLUMNS)), math.nan)
+            self._arrived.append((dev, host))
         self._write()
         if self._sinks is not None:
             end = end_event(guard.step, self._rank, error, aborted=True)
