@@ -185,25 +185,35 @@ class StepRing:
 
     def write(self, loss: Tensor | None, norm: Tensor) -> int:
         """Write the next row, ``(loss, norm, APPLIED)`` (a NaN loss where there is
-        none); return its count."""
-        if self.ring is None:
-            self._allocate()
+        none); return its count. The first call allocates the ring (every reader has
+        registered by then) and puts this ring's own path in place of this method."""
+        self._allocate()
+        self.write = self._write_host if self._mv is not None else self._write_device  # type: ignore[method-assign]
+        return self.write(loss, norm)
+
+    def _write_device(self, loss: Tensor | None, norm: Tensor) -> int:
         count = self.count
         self.count = count + 1
         i = self.i = count % self.length
-        if self._mv is None:
-            # One kernel: the stack writes straight into the ring row (dtypes promote).
-            # Copied, not referenced: a CUDA-graph output would be overwritten next step.
-            torch.stack((self._nan if loss is None else loss, norm, self._zero), out=self.rows[i])
-            return count
+        # One kernel: the stack writes straight into the ring row (dtypes promote).
+        # Copied, not referenced: a CUDA-graph output would be overwritten next step.
+        torch.stack((self._nan if loss is None else loss, norm, self._zero), out=self.rows[i])
+        return count
+
+    def _write_host(self, loss: Tensor | None, norm: Tensor) -> int:
+        count = self.count
+        self.count = count + 1
+        i = self.i = count % self.length
         # Three float stores through a memoryview of the ring (~0.15 us; numpy item
         # stores ~0.4 us, a tuple into a numpy row ~0.9 us): each rounds a double to
         # float32 as the stack's cast does, so the values read back are the row's.
-        mv, j = self._mv, 3 * i
+        mv: Any = self._mv
+        j = 3 * i
         mv[j] = math.nan if loss is None else loss.tolist()
         mv[j + 1] = norm.tolist()
         mv[j + 2] = APPLIED
-        self.loss, self.norm = mv[j], mv[j + 1]
+        self.loss = mv[j]
+        self.norm = mv[j + 1]
         return count
 
     def window(self, counts: list[int]) -> tuple[int, int, list[int] | None]:

@@ -72,7 +72,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
-from operator import sub
+from operator import itemgetter, sub
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -318,9 +318,11 @@ class NanGuard(Component):
         if self._host:
             # CPU: the row is host memory and its values are on the host already (no
             # dispatch, no sync), so the flag is decided here and the optimizer is only
-            # touched on a bad step. A finite step: ~1 us of Python.
+            # touched on a bad step.
             norm_v = ring.norm
             if norm_v - norm_v == 0.0 and not self._reduce:  # finite (NaN, Inf: not 0)
+                # The common step, kept short: a few us of Python per step are what
+                # the CPU host cost is made of (benchmarks/RESULTS.md).
                 if self._skips:
                     guard.record_skip(found)  # 0: applied
                 if self._streak:
@@ -636,13 +638,13 @@ class NanGuard(Component):
             (2, "grad_norm", self.spike_factor, self._norms),
             (1, "loss", self.loss_spike_factor, self._losses),
         ):
-            values = [r[col] for r in rows]
+            values = list(map(itemgetter(col), rows))
             for i, median, threshold in _spikes(series.values, values, factor, series.swing):
                 step, value = rows[i][0], values[i]
                 self.spikes.append((step, kind, value, median))
                 self._spike_event(step, kind, value, median, threshold)
             # NaN: no loss seen; an Inf loss with finite grads is not a level to judge by
-            series.extend([v for v in values if -math.inf < v < math.inf])
+            series.extend(list(filter(math.isfinite, values)))
         self.history.extend(rows)
         self._health.observe(self._guard, rows)
 
@@ -811,12 +813,11 @@ def _spikes(
     if n < TREND_STEPS:
         return []
     recent = list(islice(window, n - TREND_STEPS, n))
-    lowest = min(recent)  # no median of these values and the block's is lower
-    for value in values:
-        if value < lowest:  # NaN: False
-            lowest = value
+    # No median of these values and the block's is lower. min() and max() compare as
+    # `value < lowest` / `value > cut` would, from a finite first value: NaN never wins.
+    lowest = min(min(recent), *values)
     cut = factor * lowest
-    if not any(value > cut for value in values) or min(window) <= 0:
+    if not max(cut, *values) > cut or min(window) <= 0:
         return []
     # The median absolute change of log(value) from one step to the next, as the
     # standard deviation of one step's noise (x 1.4826 / sqrt 2, were it Gaussian and
