@@ -162,7 +162,9 @@ def measure(pythonpath: str | None, mode: str, steps: int, split: bool, out: Pat
         ).stdout
         for line in ann.splitlines():
             for c_iter in PIECES:
-                if re.search(rf"[:\s]{c_iter}( |$)", line):
+                # The first line is the function's own (the list is by cost, highest
+                # first); later ones name it as a caller or callee.
+                if c_iter not in pieces and re.search(rf"[:\s]{c_iter}( |$)", line):
                     fields = re.findall(r"([\d,]+)(?:\s+\([^)]*\))?", line)[:4]
                     ir, i1, d1r, d1w = (int(f.replace(",", "")) for f in fields)
                     pieces[c_iter] = (ir, i1 + d1r + d1w)
