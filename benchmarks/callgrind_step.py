@@ -11,9 +11,9 @@ checkout and of ``--base`` (another checkout). Only the measured steps are colle
 (``--toggle-collect`` on the C iterator that drives them), after 120 warm-up steps
 (lazy imports, the first telemetry flush, the health checks' first window), with
 telemetry's parquet writes off (``write_every_s``: valgrind's slow clock would write
-parts mid-run). ``--split`` also runs each guarded loop with the main per-step pieces
-called through distinct C iterators, so callgrind's inclusive cost of each iterator
-is that piece's cost.
+parts mid-run). ``--split`` also runs each guarded loop once more with the main
+per-step pieces called through distinct C iterators, so callgrind's inclusive cost of
+each iterator is that piece's cost (plus ~1,500 instructions of the wrapper's own).
 
 Estimated cycles = Ir + 10 x (L1 misses) + 100 x (last-level misses): a model, not a
 reading; on this VM it tracked the wall-clock overhead (288,000 for ~89 us).
@@ -29,6 +29,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,23 +124,30 @@ def child(mode: str, steps: int, split: bool) -> None:
 
 
 def measure(pythonpath: str | None, mode: str, steps: int, split: bool, out: Path):
-    env = dict(os.environ)
+    # Fixed hash seed and no address randomisation: the same dict layouts and cache sets
+    # run to run (with both random, a run's guard cost moved by ~5%).
+    env = dict(os.environ, PYTHONHASHSEED="0")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    cmd = [
-        "valgrind",
-        "--tool=callgrind",
-        "--cache-sim=yes",
-        "--collect-atstart=no",
-        "--toggle-collect=starmap_next",
-        f"--callgrind-out-file={out}",
-        sys.executable,
-        __file__,
-        "--child",
-        mode,
-        "--steps",
-        str(steps),
-    ] + (["--split"] if split else [])
+    norandom = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
+    cmd = (
+        norandom
+        + [
+            "valgrind",
+            "--tool=callgrind",
+            "--cache-sim=yes",
+            "--collect-atstart=no",
+            "--toggle-collect=starmap_next",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--steps",
+            str(steps),
+        ]
+        + (["--split"] if split else [])
+    )
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     totals = {}
     for line in out.read_text().splitlines():
@@ -195,8 +203,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         res = {}
         for label, path, mode in runs:
-            split = args.split and mode == "guarded"
-            res[label] = measure(path, mode, n, split, Path(d) / f"{label}.out")
+            totals, _ = measure(path, mode, n, False, Path(d) / f"{label}.out")
+            pieces = {}
+            if args.split and mode == "guarded":  # its own run: the wrappers cost a little
+                _, pieces = measure(path, mode, n, True, Path(d) / f"{label}-split.out")
+            res[label] = (totals, pieces)
     plain = res["plain"][0]
     print(f"per step, {n} steps after {WARMUP} warm-up (callgrind, cache simulation)")
     for label, (t, pieces) in res.items():
