@@ -829,6 +829,8 @@ def _spikes(
     else:
         move = swing()
     bar = max(factor, math.exp(SPIKE_SWINGS * 1.0483 * move))
+    if not max(bar * lowest, *values) > bar * lowest:
+        return []  # no value clears the bar over the lowest, so none is a spike
     out = []
     for i, value in enumerate(values):
         if value > bar * lowest:
