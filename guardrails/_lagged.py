@@ -20,8 +20,8 @@ one, in the other, is read. On a device that is not CUDA the copy is a plain
 once (``Guard.step_row()``, whichever component asks first), NanGuard sets its flag
 and judges it, Telemetry records it; each reads it lagged at its own interval
 (:class:`RingReader`). On CUDA the row is one ``torch.stack`` kernel (two before, one
-per component). On a CPU device the ring *is* host memory: the row is written through
-its numpy view from the two values read on the host (``Tensor.tolist()`` of a CPU
+per component). On a CPU device the ring *is* host memory: the row is stored through a
+memoryview of it from the two values read on the host (``Tensor.tolist()`` of a CPU
 tensor reads its memory: no kernel, no dispatch), and NanGuard judges those values.
 """
 
@@ -138,7 +138,7 @@ class StepRing:
 
     def __init__(self, device: torch.device, *, host: bool | None = None) -> None:
         self.device = device
-        #: Rows written through the ring's numpy view from host values (a CPU ring).
+        #: Rows stored from host values, no kernel (a CPU ring is host memory).
         self.host = device.type == "cpu" if host is None else host
         #: Rows in the ring: twice the longest reader's interval (see :meth:`reader`).
         self.length = 1

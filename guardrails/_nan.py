@@ -86,7 +86,7 @@ from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._errors import NonFiniteError
 from guardrails._guard import _lr
-from guardrails._lagged import SCALER_SKIPPED, Copy
+from guardrails._lagged import SCALER_SKIPPED, SKIPPED, Copy
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -337,7 +337,7 @@ class NanGuard(Component):
                 bad, norm_v = self._agree(guard, bad, norm_v)
             if self._skips:
                 if bad:
-                    found.fill_(1.0)  # SKIPPED: telemetry records it
+                    found.fill_(SKIPPED)  # the row's skipped column: telemetry records it
                 guard.record_skip(found)
                 if bad:
                     self._skip_now(found, guard)
@@ -808,7 +808,7 @@ def _spikes(
     README-example runs): the swing is measured only for the others (~18 us), and a
     value's own median only where it clears the bar over that lowest value
     (benchmarks/RESULTS.md). ``swing``: the window's median step-to-step move, from
-    :class:`_Series`, which keeps it up to date (the same number, ~5x cheaper)."""
+    :class:`_Series`, which keeps it up to date (the same number, half the cost)."""
     n = len(window)
     if n < TREND_STEPS:
         return []
@@ -850,12 +850,12 @@ class _Series:
     :func:`_spikes`, the median absolute change of log(value) from one value to the
     next (:meth:`swing`), kept up to date as values arrive.
 
-    Recomputed from the window (100 logs, 99 moves, a sort), the swing cost ~33 us a
-    block on the benchmark's tiny regression (2-core VM), whose noisy loss clears
-    the first cut in every block; here each value's log and move are computed once, when
-    first needed, and a block pays for its ~10 new ones and the sort (~5 us). The
-    numbers are the same: the same ``math.log`` of the same values, the same
-    differences."""
+    Recomputed from the window (100 logs, 99 moves, a sort), the swing costs ~13 us a
+    block (2-core VM, warm; more in the loop), paid in every block of the benchmark's
+    tiny regression, whose noisy loss clears the first cut each time; here each value's
+    log and move are computed once, when first needed, and a block pays for its 10 new
+    ones and the sort (~6 us). The numbers are the same: the same ``math.log`` of the
+    same values, the same differences."""
 
     __slots__ = ("_logs", "_moves", "_new", "values")
 
