@@ -55,9 +55,10 @@ the guard is built):
 A component never writes the guard's state: it reads ``guard.step``, ``guard.phase``
 and the rest (``_state.py`` declares them, each with its one writer) and asks the
 engine for changes through the guard's services (``request_stop``, ``skip_update``,
-``record_skip``, ``pause_watchdog``, ``in_phase``, ``quiet``, ``replaying``,
-``resume_from``, ``fail_from_thread``, ``wrap_batches``, ``replace_error``). Values one
-component produces for another go in ``guard.shared``, one writer a field.
+``record_skip``, ``step_row``, ``pause_watchdog``, ``in_phase``, ``quiet``,
+``replaying``, ``resume_from``, ``fail_from_thread``, ``wrap_batches``,
+``replace_error``). Values one component produces for another go in ``guard.shared``,
+one writer a field.
 """
 
 from __future__ import annotations

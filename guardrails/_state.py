@@ -5,9 +5,10 @@ and never writes it: every field below has exactly one writer, named beside it, 
 ``tests/test_structure.py`` holds the code to that (it reads every module and fails on
 an assignment to a guard field outside its writer). A component that needs the engine
 to change something asks for it through a service of :class:`~guardrails.Guard`
-(``request_stop``, ``skip_update``, ``record_skip``, ``pause_watchdog``, ``quiet``,
-``replaying``, ``in_phase``, ``resume_from``, ``fail_from_thread``, ``wrap_batches``,
-``save_checkpoint``), so the engine stays the one place that knows how its state moves.
+(``request_stop``, ``skip_update``, ``record_skip``, ``step_row``, ``pause_watchdog``,
+``quiet``, ``replaying``, ``in_phase``, ``resume_from``, ``fail_from_thread``,
+``wrap_batches``, ``save_checkpoint``), so the engine stays the one place that knows
+how its state moves.
 
 Two kinds of state:
 

@@ -43,6 +43,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,7 +57,7 @@ from guardrails._checks import non_negative, positive, positive_int
 from guardrails._component import Component
 from guardrails._config import configure
 from guardrails._events import EVENTS_FILE
-from guardrails._lagged import Copy, LaggedCopy
+from guardrails._lagged import Copy
 from guardrails._metrics_compact import Compactor
 from guardrails._metrics_file import METRICS_DIR, SCHEMA
 from guardrails._perms import make_dirs, restrict
@@ -143,8 +144,9 @@ class Telemetry(Component):
 
     def __init__(self, config: Telemetry.Config | None = None, /, **knobs: Any) -> None:
         configure(self, config, knobs)
-        #: The newest row that reached the host (a dict of column -> value), or None.
-        self.latest: dict[str, Any] | None = None
+        # The newest row that reached the host, (device columns, host columns): made
+        # into a dict only when read (latest), not at every flush.
+        self._newest: tuple[np.ndarray, np.ndarray] | None = None
         self.rows_written = 0
         #: Rows dropped because no part could be written for too long (a full disk).
         self.rows_dropped = 0
@@ -176,17 +178,13 @@ class Telemetry(Component):
             self._compactor.start()
         self._device = guard.device
         self._cuda = guard.device.type == "cuda"
-        self._ring = torch.full((n, len(DEVICE_COLUMNS)), math.nan, device=guard.device)
-        self._ring_rows = self._ring.unbind(0)  # views made once, not indexed per step
+        # The device columns are the step ring's row, written once per step for NanGuard
+        # and telemetry (_lagged.StepRing), copied to the host once per interval and
+        # read an interval later; each copy keeps the host columns of its rows (meta).
+        self._ring = guard.step_ring
+        self._copies = self._ring.reader(n)
         self._host_rows: list[tuple[float, ...]] = []
         self._gc_total = guard.shared.gc_total_s
-        self._nan = torch.full((), math.nan, device=guard.device)
-        # float, not bool: a bool in the stack below sends it down a dtype-promoting
-        # path that costs ~2.7 us more per step on CPU (measured, host_ops.py).
-        self._zero = torch.zeros((), device=guard.device)
-        # Copied to the host once per interval, read an interval later (_lagged.py);
-        # each copy keeps the host columns of its rows (meta).
-        self._copies = LaggedCopy(self._ring)
         self._arrived: list[tuple[np.ndarray, np.ndarray]] = []  # (device, host) blocks
         self._last_write = time.monotonic()
         show = self.progress
@@ -199,21 +197,16 @@ class Telemetry(Component):
             self._sinks = SinkRunner(build(self.sinks), guard.run_dir)
 
     def after_step(self, guard: Guard) -> None:
-        loss = guard.step_loss
+        count = guard.step_row()  # written by NanGuard already, or now (no kernel on CPU)
         skipped = guard.skipped
+        if skipped is not None:
+            flag = self._ring.flags[self._ring.i]
+            if skipped is not flag:  # NanGuard's is the row's own slot: nothing to copy
+                flag.copy_(skipped)
         rows = self._host_rows
-        # One kernel: the stack writes straight into the ring row (dtypes promote).
-        # Copied, not referenced: a CUDA-graph output would be overwritten next step.
-        torch.stack(
-            (
-                self._nan if loss is None else loss,
-                guard.grad_norm(),
-                self._zero if skipped is None else skipped,
-            ),
-            out=self._ring_rows[len(rows)],
-        )
         # A tuple append (~0.3 us) rather than seven numpy item writes (~1 us); its
-        # order is HOST_COLUMNS without the last (mem_peak_bytes, read at flush).
+        # order is HOST_COLUMNS without the last (mem_peak_bytes, read at flush), then
+        # the row's count in the step ring.
         rows.append(
             (
                 guard.step,
@@ -223,6 +216,7 @@ class Telemetry(Component):
                 guard.data_wait_s,
                 math.nan if guard.tokens is None else guard.tokens,
                 guard.shared.gc_total_s,  # cumulative here; per step at flush
+                count,
             )
         )
         if self._bar is not None:
@@ -251,29 +245,48 @@ class Telemetry(Component):
                     end = end_event(guard.step, self._rank, exc)
                     self._close_sinks(end, self.sink_close_timeout_s)
 
+    @property
+    def latest(self) -> dict[str, Any] | None:
+        """The newest row that reached the host (a dict of column -> value), or None."""
+        if self._newest is None:
+            return None
+        dev, host = self._newest
+        latest = dict(zip(HOST_COLUMNS, host.tolist(), strict=True))
+        latest.update(zip(DEVICE_COLUMNS, dev.tolist(), strict=True))
+        latest["tokens_per_s"] = float(_tokens_per_s(host[None])[0])
+        return latest
+
     # ------------------------------------------------------------------ plumbing
 
     def _flush(self) -> None:
         """Start the device-to-host copy of the filled rows; read the previous one."""
-        n = len(self._host_rows)
-        host = self._host_block(self._host_rows)
-        self._host_rows = []
-        self._collect(self._copies.start(n, host))
+        rows, self._host_rows = self._host_rows, []
+        host, counts = self._host_block(rows)
+        self._collect(self._copies.start(counts, host))
         if not self._cuda:
             self._collect(self._copies.take())  # nothing to wait for on CPU: publish at once
 
-    def _host_block(self, rows: list[tuple[float, ...]]) -> np.ndarray:
-        """The host columns of ``rows`` as one array, GC time made per step."""
-        host = np.empty((len(rows), len(HOST_COLUMNS)))
-        host[:, :-1] = rows
+    def _host_block(self, rows: list[tuple[float, ...]]) -> tuple[np.ndarray, list[int]]:
+        """The host columns of ``rows`` as one array, GC time made per step, and the
+        rows' counts in the step ring."""
+        # One pass over the values (np.fromiter): np.array of the tuples first discovers
+        # their shape and types (~250,000 instructions for 50 rows, callgrind), an
+        # assignment into an empty array more. The last column holds each row's count
+        # until mem_peak_bytes replaces it.
+        width = len(HOST_COLUMNS)
+        host = np.fromiter(chain.from_iterable(rows), np.float64, len(rows) * width)
+        host = host.reshape(len(rows), width)
+        counts = host[:, -1].astype(np.int64).tolist()
         # Peak memory only grows, so one reading per interval (not one per step) bounds
         # every row in it; it also keeps the per-step host path shorter.
         host[:, -1] = _mem_peak_bytes(self._device)
         gc_total = host[:, HOST_COLUMNS.index("gc_s")]
-        last = gc_total[-1]
-        gc_total[:] = np.diff(gc_total, prepend=self._gc_total)  # cumulative -> per step
+        last = float(gc_total[-1])
+        # Cumulative -> per step: np.diff's subtractions without its ~10 us of Python.
+        gc_total[1:] -= gc_total[:-1].copy()
+        gc_total[0] -= self._gc_total
         self._gc_total = last
-        return host
+        return host, counts
 
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         # The main thread is stuck (guard.die): write the rows the host holds. On CUDA
@@ -285,12 +298,12 @@ class Telemetry(Component):
             self._collect(self._copies.take())
         rows = list(self._host_rows)  # a snapshot: the main thread may still append
         if rows:
-            n = len(rows)
-            if self._cuda:
-                dev = np.full((n, len(DEVICE_COLUMNS)), math.nan)
+            host, counts = self._host_block(rows)
+            if self._ring.host:
+                dev = self._ring.host_rows(counts)
             else:
-                dev = self._ring[:n].numpy().astype(np.float64)
-            self._arrived.append((dev, self._host_block(rows)))
+                dev = np.full((len(rows), len(DEVICE_COLUMNS)), math.nan)
+            self._arrived.append((dev, host))
         self._write()
         self._lost()
         if self._sinks is not None:
@@ -320,12 +333,9 @@ class Telemetry(Component):
         dev = copy.read().numpy().astype(np.float64)
         host = copy.meta
         self._arrived.append((dev, host))
-        latest = dict(zip(HOST_COLUMNS, host[-1].tolist(), strict=True))
-        latest.update(zip(DEVICE_COLUMNS, dev[-1].tolist(), strict=True))
-        latest["tokens_per_s"] = float(_tokens_per_s(host[-1:])[0])
-        self.latest = latest
+        self._newest = (dev[-1], host[-1])
         if self._bar is not None:
-            self._bar.set_postfix(_postfix(latest), refresh=False)
+            self._bar.set_postfix(_postfix(self.latest), refresh=False)
         if time.monotonic() - self._last_write >= self.write_every_s:
             self._write()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import Regressor, batches, read_events
 
@@ -50,6 +51,32 @@ def test_benchmark_mode_writes_a_table_and_leaves_training_unchanged(tmp_path):
     rows = guardrails.read_metrics(tmp_path / "bench").to_pydict()["step"]
     assert len(rows) == n - 12 - table["components"]["telemetry"]["samples"]
     assert WARMUP_STEPS + 10 not in rows and WARMUP_STEPS + 5 in rows
+
+
+@pytest.mark.parametrize("lagged", [False, True], ids=["cpu_path", "lagged_path"])
+def test_bypassed_hooks_leave_the_other_components_rows_exact(tmp_path, monkeypatch, lagged):
+    """NanGuard and telemetry share one row per step (the engine's step ring); on a step
+    where benchmark mode bypasses one of them, the other still writes the row. Each
+    reads back exactly its own steps' values: the metrics of a benchmark-mode run are
+    those of the plain guarded run, bitwise, on every step it recorded."""
+    monkeypatch.setattr(guardrails.NanGuard, "_lagged_on_cpu", lagged)
+    n = WARMUP_STEPS + 12 * BLOCK_STEPS
+    _train(tmp_path / "plain", n, metrics={"every_n_steps": 7})
+    _, g = _train(tmp_path / "bench", n, benchmark=True, metrics={"every_n_steps": 7})
+    plain = guardrails.read_metrics(tmp_path / "plain").to_pydict()
+    bench = guardrails.read_metrics(tmp_path / "bench").to_pydict()
+    by_step = {s: i for i, s in enumerate(plain["step"])}
+    assert len(bench["step"]) < n  # some rows bypassed
+    for col in ("loss", "grad_norm", "skipped"):
+        assert bench[col] == [plain[col][by_step[s]] for s in bench["step"]], col
+    # NanGuard judged each step it saw with that step's values (its finite history).
+    nan = g.component("nan")
+    assert [r[0] for r in nan.history] == sorted(r[0] for r in nan.history)
+    for step, loss, norm, _ in nan.history:
+        assert (loss, norm) == (
+            pytest.approx(plain["loss"][by_step[step]], rel=1e-7),
+            pytest.approx(plain["grad_norm"][by_step[step]], rel=1e-7),
+        )
 
 
 def test_benchmark_mode_too_short_says_so(tmp_path):

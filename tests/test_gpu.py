@@ -120,6 +120,38 @@ def _poison_loop(g, model, opt, bad_step, n_steps, before):
         opt.zero_grad(set_to_none=True)
 
 
+def test_step_ring_rows_reach_the_host_lagged_without_a_sync():
+    """The step ring NanGuard and telemetry share, on CUDA: one stack per row, a
+    reader's copies (across the ring's end, and past a row another component wrote
+    while this one's hooks were bypassed) read an interval later, with no sync."""
+    from guardrails._lagged import StepRing
+
+    ring = StepRing(torch.device("cuda"))
+    reader = ring.reader(3)  # a ring of 6 rows
+    assert not ring.host
+    mine: list[int] = []
+    read: list[float] = []
+    expect: list[float] = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 21):
+            loss = torch.full((), float(step), device="cuda")
+            c = ring.write(loss, loss * 2)
+            if step % 5 == 0:
+                continue  # this reader did not see the step
+            mine.append(c)
+            expect.append(float(step))
+            if len(mine) == 3:
+                previous = reader.start(mine, list(mine))  # read now, as its users do
+                if previous is not None:
+                    read += previous.read()[:, 0].tolist()  # host memory: no sync
+                mine = []
+        read += reader.take().read()[:, 0].tolist()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert read == expect[: len(read)] and len(read) == 15
+
+
 def test_nonfinite_step_is_skipped_on_device_without_a_sync(tmp_path):
     device = torch.device("cuda")
     model = gpt(device)

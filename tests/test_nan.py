@@ -497,6 +497,43 @@ def test_spike_rule_follows_the_trend_and_the_noise():
     assert median == 2.0 and threshold / median > 1000
 
 
+def test_the_kept_swing_judges_as_the_one_recomputed_from_the_window():
+    """NanGuard keeps each metric's step-to-step swing up to date as values arrive
+    (_Series) instead of recomputing 100 logs per block: the same spikes, thresholds
+    and medians, bitwise, over random series (noisy, trending, with zeros, negatives,
+    Inf and NaN in the blocks, a window shorter than the history)."""
+    import random
+    from collections import deque
+
+    from guardrails._nan import _Series, _spikes
+
+    rng = random.Random(0)
+    judged = 0
+    for trial in range(300):
+        window = rng.choice([25, 60, 100])
+        series = _Series(window)
+        plain: deque[float] = deque(maxlen=window)
+        scale = rng.choice([0.05, 0.5, 2.0])
+        level = 1.0
+        for _ in range(rng.randint(3, 40)):
+            block = []
+            for _ in range(rng.choice([1, 5, 10])):
+                level *= math.exp(rng.gauss(0.01, scale))
+                value = level * (rng.choice([1, 1, 1, 1, 8, 30]) if trial % 3 else 1)
+                if rng.random() < 0.02:
+                    value = rng.choice([0.0, -1.0, math.inf, math.nan])
+                block.append(value)
+            factor = rng.choice([4.0, 5.0])
+            kept = _spikes(series.values, block, factor, series.swing)
+            assert kept == _spikes(plain, block, factor)
+            judged += bool(kept)
+            finite = [v for v in block if -math.inf < v < math.inf]
+            series.extend(finite)
+            plain.extend(finite)
+            assert list(series.values) == list(plain)
+    assert judged > 50  # spikes were found, not only empty lists compared
+
+
 class HalfUsed(nn.Module):
     def __init__(self) -> None:
         super().__init__()

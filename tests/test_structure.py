@@ -94,9 +94,61 @@ def test_device_ops_per_step_do_not_grow_with_the_model(tmp_path):
     big_n, big = guard_ops(60, tmp_path)
     assert big_n >= 30 * small_n  # 4 vs 122 parameter tensors
     assert small == big, (small, big)
-    # And it is a handful: fused norm, stack, norm of norms, one write into each ring
-    # (telemetry, NanGuard), NanGuard's finiteness check.
-    assert sum(small.values()) <= 8 * STEPS, small
+    # And it is a handful (exactly CPU_OPS_PER_STEP below): the loss's detach, the
+    # fused norm, the stack of norms, the norm of norms.
+    assert sum(small.values()) <= 4 * STEPS, small
+
+
+class OutputCounter(OpCounter):
+    """Also counts the tensors each op returns (``_foreach_norm`` returns one per
+    gradient: one dispatch, per-tensor outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        n = len(out) if isinstance(out, (list, tuple)) else 1
+        self.outputs[str(func.overloadpacket)] += n
+        return out
+
+
+#: The torch ops the default guard dispatches per step on a CPU device, beyond the
+#: plain loop's: the loss picked up from the model's output (detach), and the grad norm
+#: (one fused per-tensor norm, the stack of those norms, the norm of the stack). The
+#: step's row (loss, grad norm, skipped) that NanGuard judges and telemetry records is
+#: written from host memory with no op; NanGuard's finiteness kernel and a skip's
+#: found_inf run only on a bad step. Was 6: one torch.stack per component.
+CPU_OPS_PER_STEP = {
+    "aten.detach": 1,
+    "aten._foreach_norm": 1,
+    "aten.stack": 1,
+    "aten.linalg_vector_norm": 1,
+}
+
+
+def test_cpu_guard_ops_per_step_are_pinned_and_o1_in_the_parameter_tensors(tmp_path):
+    """Exactly CPU_OPS_PER_STEP per step for a model of 10 parameter tensors and one of
+    200. The count is of dispatched ops, which is O(1); inside one of them,
+    ``_foreach_norm``, the work is per tensor (one output each: checked below), which
+    no op count of the guard can remove while the recorded grad norm stays the one
+    the guard records today."""
+    per_model = {}
+    for depth in (4, 99):  # 2 * (depth + 1) parameter tensors
+        plain, guarded = OutputCounter(), OutputCounter()
+        n_params = run_loop(depth, False, tmp_path, plain)
+        run_loop(depth, True, tmp_path / f"pin{depth}", guarded)
+        extra = guarded.ops.copy()
+        extra.subtract(plain.ops)
+        per_step = {k: v / STEPS for k, v in extra.items() if v}
+        per_model[n_params] = per_step
+        outputs = guarded.outputs.copy()
+        outputs.subtract(plain.outputs)
+        assert outputs["aten._foreach_norm"] == n_params * STEPS, outputs
+    assert sorted(per_model) == [10, 200]
+    assert per_model[10] == CPU_OPS_PER_STEP, per_model[10]
+    assert per_model[200] == CPU_OPS_PER_STEP, per_model[200]
 
 
 def python_calls_per_step(depth, tmp_path):

@@ -55,6 +55,49 @@ def test_metrics_equal_what_the_loop_computed(tmp_path):
     assert len(set(rows["started_at"])) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lagged", [False, True], ids=["cpu_path", "lagged_path"])
+def test_recorded_loss_and_grad_norm_are_the_steps_float32_values_bitwise(
+    tmp_path, monkeypatch, lagged, dtype
+):
+    """The step's row is written once for NanGuard and telemetry (from host memory on a
+    CPU, by one stack on a GPU): metrics.parquet holds, bit for bit, the float32 of the
+    step's loss and of the guard's fused grad norm, as when each component stacked its
+    own row; a float64 model's loss is rounded to float32 as the stack's cast rounds it.
+    A non-finite step is recorded skipped with its NaN norm."""
+    from guardrails._gradnorm import total_norm
+
+    monkeypatch.setattr(guardrails.NanGuard, "_lagged_on_cpu", lagged)
+    torch.manual_seed(0)
+    model = Regressor(depth=3).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in batches(23)]
+    data[6][0][1, 2] = math.nan  # step 7
+    expect: dict[str, list[float]] = {"loss": [], "grad_norm": []}
+    with guardrails.guard(
+        model, opt, data, run_dir=tmp_path, progress=False, metrics={"every_n_steps": 5}
+    ) as g:
+        for x, y in g:
+            loss = model(x, y)
+            loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            expect["loss"].append(loss.detach().float().item())
+            expect["grad_norm"].append(total_norm(grads, torch.device("cpu"), False).item())
+            opt.step()
+            opt.zero_grad()
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert rows["step"] == list(range(1, 24))
+    assert rows["skipped"] == [s == 7 for s in range(1, 24)]
+    for col in ("loss", "grad_norm"):
+        got, want = rows[col], expect[col]
+        same = [a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(got, want, strict=True)]
+        assert all(same), (
+            col,
+            [(i + 1, a, b) for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b],
+        )
+    assert math.isnan(rows["grad_norm"][6]) and not math.isnan(rows["loss"][5])
+
+
 def test_data_wait_and_tokens_per_second(tmp_path):
     """A slow loader shows up as data-wait time; integer (batch, seq) batches give
     tokens and tokens/s."""
