@@ -64,6 +64,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     ]
     child += ["--ddp"] if args.ddp else []
     child += ["--fsdp"] if args.fsdp else []
+    child += ["--sample"] if args.sample else []
     if args.nproc > 1:
         cmd = [
             sys.executable,
@@ -88,13 +89,15 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     assert proc.stdout is not None
     for line in proc.stdout:
         log.append(line)
-        if line.startswith("STEP "):
+        if line.startswith("STEP ") and len(line.split()) == 3:  # not a line two ranks interleaved
             _, step, ms = line.split()
             steps[int(step)] = float(ms)
             if int(step) == args.sigterm_at and t_signal is None:
                 t_signal = time.perf_counter()
                 wall_signal = time.time()
                 proc.send_signal(signal.SIGTERM)
+        elif line.startswith("SAMPLE "):  # --sample: where a long step's time went
+            print(line, end="", flush=True)
         elif line.startswith("ATEXIT "):  # a rank's interpreter reached its atexit hooks
             _, rank, when = line.split()
             at_exit[int(rank)] = float(when)
@@ -215,6 +218,63 @@ def show(path: str) -> None:
 # ------------------------------------------------------------------------------ child
 
 
+class Sampler:
+    """``--sample``: where a long step's wall time went on this rank. A thread takes the
+    main thread's stack every 10 ms (it needs the GIL to do so: fewer samples than the
+    step's 10 ms ticks mean the main thread held it, or another thread did), and each
+    thread's CPU seconds over the step are read from /proc (which thread burned the
+    host: DCP's writers, guardrails' own, the training thread)."""
+
+    def __init__(self) -> None:
+        import collections
+        import threading
+
+        self.main = threading.get_ident()
+        self.samples: collections.deque = collections.deque(maxlen=100_000)
+        self.tick = os.sysconf("SC_CLK_TCK")
+        threading.Thread(target=self._run, name="bench-sampler", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.01)
+            frame = sys._current_frames().get(self.main)
+            stack = []
+            while frame is not None and len(stack) < 4:
+                code = frame.f_code
+                stack.append(f"{Path(code.co_filename).name}:{frame.f_lineno}({code.co_name})")
+                frame = frame.f_back
+            self.samples.append((time.perf_counter(), " < ".join(stack)))
+
+    def cpu(self) -> dict[str, float]:
+        import threading
+
+        out: dict[str, float] = {}
+        for t in threading.enumerate():
+            try:
+                fields = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1]
+                utime, stime = fields.split()[11:13]
+            except (OSError, IndexError, ValueError):
+                continue
+            name = t.name.split("_")[0] if t.name.startswith("ThreadPoolExecutor") else t.name
+            out[name] = out.get(name, 0.0) + (int(utime) + int(stime)) / self.tick
+        return out
+
+    def report(self, rank: int, step: int, t0: float, t1: float, cpu0: dict) -> None:
+        import collections
+
+        got = [s for t, s in self.samples if t0 <= t <= t1]
+        cpu1 = self.cpu()
+        burn = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
+        burn = {k: v for k, v in sorted(burn.items(), key=lambda kv: -kv[1]) if v > 0}
+        print(
+            f"SAMPLE rank {rank} step {step}: {t1 - t0:.2f} s, {len(got)} samples "
+            f"(of {int((t1 - t0) * 100)} ticks); CPU s by thread {burn}",
+            flush=True,
+        )
+        for stack, n in collections.Counter(got).most_common(8):
+            print(f"SAMPLE rank {rank}   {n:5d}  {stack}", flush=True)
+
+
 def child(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -260,6 +320,8 @@ def child(args: argparse.Namespace) -> None:
         progress=False,
         checkpoint={"every_n_steps": args.every, "keep_last": 1},
     ) as g:
+        sampler = Sampler() if args.sample else None
+        cpu0 = sampler.cpu() if sampler else {}
         t = time.perf_counter()
         for x, y in g:
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -272,6 +334,10 @@ def child(args: argparse.Namespace) -> None:
             now = time.perf_counter()
             if rank == 0:
                 print(f"STEP {g.step} {(now - t) * 1e3:.2f}", flush=True)
+            if sampler is not None:
+                if now - t > 1.0 and g.step > 5:
+                    sampler.report(rank, g.step, t, now, cpu0)
+                cpu0 = sampler.cpu()
             t = now
 
 
@@ -293,6 +359,11 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument(
+        "--sample",
+        action="store_true",
+        help="print where each step over 1 s spent its time (stacks, CPU per thread)",
+    )
     args = p.parse_args()
     if args.show:
         show(args.show)
