@@ -216,14 +216,19 @@ class Staging:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self._blocks)
 
-    def prepare(self, sizes: list[int]) -> None:
+    def prepare(self, sizes: list[int], device: torch.device | None = None) -> None:
         """Allocate, in a background thread, the blocks a save of tensors of ``sizes``
-        bytes needs (the layout :meth:`place` will use)."""
+        bytes needs (the layout :meth:`place` will use), pinned from ``device``'s CUDA
+        context: a new thread's current device is GPU 0, whatever the rank's."""
         if self._thread is not None:
             return
-        self._thread = threading.Thread(
-            target=self._grow, args=(sizes,), name="guardrails-checkpoint-pin", daemon=True
-        )
+
+        def grow() -> None:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            self._grow(sizes)
+
+        self._thread = threading.Thread(target=grow, name="guardrails-checkpoint-pin", daemon=True)
         self._thread.start()
 
     def place(self, tensors: list[Tensor]) -> list[Tensor]:

@@ -657,7 +657,7 @@ class SignalCheckpointer(Component):
             part = _checkpoint.Part(measure=True)
             self._stage(guard, part, measure=True)
             if part.device_bytes:
-                self._staging.prepare(part.device_bytes)
+                self._staging.prepare(part.device_bytes, guard.device)
         except Exception as e:  # only an optimisation: the save itself will say what fails
             log.debug("guardrails: staging memory not allocated ahead: %r", e)
 
@@ -749,7 +749,12 @@ class SignalCheckpointer(Component):
                             waited = round(time.perf_counter() - t_wait, 3)
                             self._dcp_stats["waited_s"] = waited
                         part.dcp = _sharded.save_async(
-                            tmp, bare, guard.optimizer, self._dcp_group, self._dcp_writer
+                            tmp,
+                            bare,
+                            guard.optimizer,
+                            self._dcp_group,
+                            self._dcp_writer,
+                            cancel=part.cancel,
                         )
                     else:
                         # Every rank writes its own shards now, in the main thread: DCP's
@@ -880,6 +885,8 @@ class SignalCheckpointer(Component):
             part.write(tmp, files)
             if part.dcp is not None:  # a background sharded save: DCP's writes first
                 part.dcp.result()
+                if part.cancel.is_set():  # abandoned: DCP wrote the rest empty
+                    raise _digest.Cancelled(f"the save of step {step} was abandoned")
                 part.sealed = _sharded.written(tmp, rank)
             t_seal = time.perf_counter()
             # Written by DCP: hash what this rank wrote.

@@ -183,12 +183,19 @@ def _writer(directory: Path) -> Any:
 
 
 def stager() -> Any:
-    """A DCP file writer that stages into pinned host memory allocated at its first
-    save and reused by every later one (DCP's ``cache_staged_state_dict``): keep one
-    for a run's background saves and pass it to :func:`save_async`. A fresh writer per
-    save stages into freshly allocated, unpinned memory: measured with FSDP2 on 2 H200
-    (0.8B parameters, AdamW), that stalled training 6.0 s at the first periodic save and
-    2.1 s at the next (benchmarks/RESULTS.md, "Checkpoints at real sizes")."""
+    """A DCP file writer for a run's background saves: pass it to :func:`save_async`.
+
+    It stages into pinned host memory allocated at its first save and reused by every
+    later one (DCP's ``cache_staged_state_dict``): a fresh writer per save stages into
+    freshly allocated, unpinned memory, which stalled training 6.0 s at the first
+    periodic save and 2.1 s at the next (FSDP2 on 2 H200, 0.8B parameters, AdamW).
+
+    It writes from :data:`_digest.THREADS` threads. Fewer was measured and not kept
+    (benchmarks/RESULTS.md, "The FSDP2 periodic stall, diagnosed"): DCP's writers run
+    beside training in this process, and with 1 thread instead of 8 the step that
+    started a save fell from 6.3 s to 0.4-0.7 s over the median, but each step while
+    the slower write went on took ~2.3x the median, and a SIGTERM during it took
+    21.5-23.7 s to exit, against 11.3-17.3 s: the pre-emption save matters more."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     # The path is set by each save's checkpoint_id (DCP calls the writer's reset()).
@@ -209,10 +216,17 @@ def prepare_staging(
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
+    device = next((p.device for p in model.parameters()), None)
 
     def allocate() -> None:
         t0 = time.perf_counter()
         try:
+            if device is not None and device.type == "cuda":
+                # The current device is per thread and starts at 0. Pinned without
+                # this, rank 1's staging was made from GPU 0's context (creating one
+                # there) and its save's copy into it took 0.51-0.92 s against rank 0's
+                # 0.04-0.06 s; with it, 0.06 s on both ranks (2 H200, 5 GB a rank).
+                torch.cuda.set_device(device)
             writer.state_dict_cache = _empty_pinned(state)
             stats["ahead_s"] = round(time.perf_counter() - t0, 3)
         except Exception as e:  # only an optimisation: DCP allocates at the first save
@@ -254,23 +268,35 @@ def _empty_pinned(obj: Any, pin: bool = True) -> Any:
 
 
 def save_async(
-    directory: Path, model: nn.Module, optimizer: Any, group: Any, writer: Any = None
+    directory: Path,
+    model: nn.Module,
+    optimizer: Any,
+    group: Any,
+    writer: Any = None,
+    cancel: threading.Event | None = None,
 ) -> Future[Any]:
     """Stage this rank's shards of model and optimizer in host memory now, and write
     them under ``directory/dcp`` from DCP's own thread, its collectives over ``group``
     (every rank calls it). ``writer``: a :func:`stager` kept across saves (its pinned
-    staging memory is reused); ``None`` stages into new memory. The returned future is
-    done when this rank's files are."""
+    staging memory is reused); ``None`` stages into new memory. Setting ``cancel``
+    ends the write after the item being written, leaving files that must not be
+    committed (:func:`_cancellable_planner`). The returned future is done when this
+    rank's files are."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     target = str(directory / DCP_DIR)
+    planner = _cancellable_planner(cancel) if cancel is not None else None
     if writer is not None:
         try:
             return dcp.async_save(  # type: ignore[return-value]
-                state, checkpoint_id=target, storage_writer=writer, process_group=group
+                state,
+                checkpoint_id=target,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group,
             )
         except Exception as exc:
             # The cached staging no longer fits the state (an optimizer that gained a
@@ -279,8 +305,34 @@ def save_async(
             writer.state_dict_cache = None
             writer.cache_staged_state_dict = False
     return dcp.async_save(  # type: ignore[return-value]
-        state, checkpoint_id=target, storage_writer=_writer(directory), process_group=group
+        state,
+        checkpoint_id=target,
+        storage_writer=_writer(directory),
+        planner=planner,
+        process_group=group,
     )
+
+
+def _cancellable_planner(cancel: threading.Event) -> Any:
+    """DCP's default save planner, except that once ``cancel`` is set every item not yet
+    written is written empty, so the write ends after the item in progress. A stop's
+    save must not wait for an older background save still being written (the stop's
+    save supersedes it); such a save is never committed (the checkpointer's writer
+    checks ``cancel`` after DCP returns). Empty items rather than an exception: DCP's
+    extra writer threads would print an exception's traceback, and one thread's
+    failure beside another's success could leave an incomplete ``.metadata``."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class CancellablePlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            if cancel.is_set():
+                if write_item.type == WriteItemType.BYTE_IO:
+                    return io.BytesIO()
+                return torch.empty(0)
+            return super().resolve_data(write_item)
+
+    return CancellablePlanner()
 
 
 def written(directory: Path, rank: int) -> list[Path]:

@@ -44,7 +44,32 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--ballast-mb", type=int, default=0, help="a buffer every save writes")
     p.add_argument("--lr", type=float, default=1e-2, help="also the guard's config")
+    p.add_argument(
+        "--slow-dcp-writes",
+        action="store_true",
+        help="FSDP2 background saves write each item 0.3 s late (a big model's write)",
+    )
     a = p.parse_args()
+    if a.slow_dcp_writes:
+        import time
+
+        from guardrails import _sharded
+
+        make = _sharded._cancellable_planner
+
+        def slow(cancel):
+            planner = make(cancel)
+            resolve = planner.resolve_data
+
+            def resolve_data(item):
+                if not cancel.is_set():
+                    time.sleep(0.3)
+                return resolve(item)
+
+            planner.resolve_data = resolve_data
+            return planner
+
+        _sharded._cancellable_planner = slow
     if a.world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
         dist.init_process_group("gloo", rank=a.rank, world_size=a.world)

@@ -164,6 +164,30 @@ def test_fsdp2_background_saves_are_written_by_dcp_off_the_main_thread_and_resum
         _assert_same(_load(fsdp_straight, rank), _load(tmp_path / "b", rank))
 
 
+@pytest.mark.slow(reason="2 runs of 2 FSDP2 ranks, and the shared straight run")
+def test_fsdp2_stop_abandons_a_background_save_still_being_written(tmp_path, fsdp_straight):
+    """A SIGTERM while an older FSDP2 background save is still being written (each item
+    made 0.3 s slow, as a big model's write is): the stop does not wait for it. Its
+    write ends at the item in progress, it is never committed (a
+    ``checkpoint_abandoned`` event says so), the stop's own save is the checkpoint, and
+    the run resumes from it bitwise."""
+    stopped = tmp_path / "stopped"
+    args = ("--steps", 24, "--every-n", 4, "--background", "--fsdp", "--slow-dcp-writes")
+    results = _run(stopped, tmp_path / "b", *args, "--sigterm-at", 6, world=2)
+    assert [rc for rc, _ in results] == [143, 143], results
+    events = read_events(stopped)
+    abandoned = [e for e in events if e["kind"] == "checkpoint_abandoned"]
+    assert {e["rank"] for e in abandoned} == {0, 1}, events
+    assert {e["step"] for e in abandoned} == {4}, abandoned
+    assert "supersedes" in abandoned[0]["message"]
+    [ckpt] = (stopped / "checkpoints").iterdir()  # only the stop's save: step 4's is gone
+    assert int(ckpt.name.split("_")[1]) > 4
+    results = _run(stopped, tmp_path / "b", "--steps", 24, "--fsdp", world=2)
+    assert [rc for rc, _ in results] == [0, 0], results
+    for rank in (0, 1):
+        _assert_same(_load(fsdp_straight, rank), _load(tmp_path / "b", rank))
+
+
 @pytest.mark.slow(reason="7 processes, 6 of them SIGKILLed mid-save")
 def test_sigkill_during_background_saves_always_leaves_a_loadable_checkpoint(tmp_path):
     rng = random.Random(4)
