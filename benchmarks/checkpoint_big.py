@@ -65,6 +65,11 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     child += ["--ddp"] if args.ddp else []
     child += ["--fsdp"] if args.fsdp else []
     child += ["--sample"] if args.sample else []
+    if args.switch_interval_s:
+        child += ["--switch-interval-s", str(args.switch_interval_s)]
+    if args.dcp_threads:
+        child += ["--dcp-threads", str(args.dcp_threads)]
+    child += ["--dcp-process"] if args.dcp_process else []
     if args.nproc > 1:
         cmd = [
             sys.executable,
@@ -112,6 +117,10 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
             f"{e.get('dcp_staging', '')}",
             flush=True,
         )
+    for e in events:
+        if e["kind"] in ("checkpoint_abandoned", "checkpoint_failed"):
+            said = f"  {e['kind']} rank {e['rank']} step {e['step']}: {e.get('message')}"
+            print(said, flush=True)
     skipped = [e["step"] for e in events if e["kind"] == "checkpoint_skipped"]
     median = statistics.median(steps.values()) if steps else float("nan")
     # The boundary after step s (where a save of step s is staged, or skipped) is timed
@@ -231,19 +240,32 @@ class Sampler:
 
         self.main = threading.get_ident()
         self.samples: collections.deque = collections.deque(maxlen=100_000)
+        self.lock = threading.Lock()  # report() reads while _run() appends
         self.tick = os.sysconf("SC_CLK_TCK")
         threading.Thread(target=self._run, name="bench-sampler", daemon=True).start()
 
     def _run(self) -> None:
+        import threading
+
         while True:
             time.sleep(0.01)
-            frame = sys._current_frames().get(self.main)
-            stack = []
-            while frame is not None and len(stack) < 4:
-                code = frame.f_code
-                stack.append(f"{Path(code.co_filename).name}:{frame.f_lineno}({code.co_name})")
-                frame = frame.f_back
-            self.samples.append((time.perf_counter(), " < ".join(stack)))
+            names = {t.ident: t.name for t in threading.enumerate()}
+            now = time.perf_counter()
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident, "native")  # autograd's device threads are native
+                if name == "bench-sampler":
+                    continue
+                if name.startswith("Thread-") and "(" in name:  # DCP's writers, numbered
+                    name = name.split(" ", 1)[1]
+                if frame.f_code.co_filename.endswith(("threading.py", "queue.py", "selectors.py")):
+                    continue  # an idle thread waiting for work
+                stack = []
+                while frame is not None and len(stack) < 4:
+                    code = frame.f_code
+                    stack.append(f"{Path(code.co_filename).name}:{frame.f_lineno}({code.co_name})")
+                    frame = frame.f_back
+                with self.lock:
+                    self.samples.append((now, name, " < ".join(stack)))
 
     def cpu(self) -> dict[str, float]:
         import threading
@@ -262,17 +284,20 @@ class Sampler:
     def report(self, rank: int, step: int, t0: float, t1: float, cpu0: dict) -> None:
         import collections
 
-        got = [s for t, s in self.samples if t0 <= t <= t1]
+        with self.lock:
+            window = [x for x in self.samples if t0 <= x[0] <= t1]
+        got = [(name, stack) for _, name, stack in window]
+        ticks = len({t for t, _, _ in window})
         cpu1 = self.cpu()
         burn = {k: round(v - cpu0.get(k, 0.0), 2) for k, v in cpu1.items()}
         burn = {k: v for k, v in sorted(burn.items(), key=lambda kv: -kv[1]) if v > 0}
         print(
-            f"SAMPLE rank {rank} step {step}: {t1 - t0:.2f} s, {len(got)} samples "
+            f"SAMPLE rank {rank} step {step}: {t1 - t0:.2f} s, {ticks} samples "
             f"(of {int((t1 - t0) * 100)} ticks); CPU s by thread {burn}",
             flush=True,
         )
-        for stack, n in collections.Counter(got).most_common(8):
-            print(f"SAMPLE rank {rank}   {n:5d}  {stack}", flush=True)
+        for (name, stack), n in collections.Counter(got).most_common(14):
+            print(f"SAMPLE rank {rank}   {n:5d}  [{name}] {stack}", flush=True)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -284,6 +309,25 @@ def child(args: argparse.Namespace) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if args.switch_interval_s:
+        sys.setswitchinterval(args.switch_interval_s)
+    if args.dcp_threads:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        from guardrails import _sharded
+
+        _sharded.stager = lambda: FileSystemWriter(
+            ".", thread_count=args.dcp_threads, cache_staged_state_dict=True
+        )
+    if args.dcp_process:
+        import functools
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        dcp.async_save = functools.partial(
+            dcp.async_save, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
     cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -359,6 +403,13 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--fsdp", action="store_true")
+    p.add_argument(
+        "--switch-interval-s", type=float, help="sys.setswitchinterval in the training ranks"
+    )
+    p.add_argument(
+        "--dcp-process", action="store_true", help="FSDP2: DCP writes from its own process"
+    )
+    p.add_argument("--dcp-threads", type=int, help="FSDP2: DCP writer threads of background saves")
     p.add_argument(
         "--sample",
         action="store_true",

@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -163,7 +164,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
         sync(device)
         return (clock() - t0) / args.steps
 
-    if variant not in ("guarded", "graph_norm", "ddp_guard"):
+    if variant not in ("guarded", "graph_norm", "ddp_guard", "gddp_cpp"):
         return loop(cycle(data, total))
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(
@@ -206,7 +207,9 @@ def main() -> None:
     )
     p.add_argument("--ddp", action="store_true", help="DDP vs GuardedDDP, under torchrun")
     p.add_argument(
-        "--ddp-split", action="store_true", help="with --ddp: also DDP+guard, GuardedDDP alone"
+        "--ddp-split",
+        action="store_true",
+        help="with --ddp: also DDP+guard, GuardedDDP alone, DDP with torch's Python allreduce_hook",
     )
     p.add_argument(
         "--only",
@@ -223,6 +226,10 @@ def main() -> None:
         default="wall",
         help="wall: time.perf_counter; cpu: the process's CPU time (time.process_time), "
         "which leaves out the time other processes hold the core (a loaded CPU machine)",
+    )
+    p.add_argument("--variants", help="with --ddp-split: only these extra variants (a,b,...)")
+    p.add_argument(
+        "--shuffle", action="store_true", help="a new (seeded) order of the variants each repeat"
     )
     p.add_argument("--out", help="append a JSON line with the result here")
     args = p.parse_args()
@@ -246,6 +253,23 @@ def main() -> None:
         # --ddp-split: where a DDP overhead comes from: plain DDP under the guard
         # (guard, no GuardedDDP), and GuardedDDP without a guard (its comm hook alone).
         setups["ddp_guard"], setups["gddp_alone"] = plain_setup, guarded_setup
+        if args.ddp_split:
+            # A control for GuardedDDP's Python comm hook: plain DDP with torch's own
+            # Python all-reduce hook (default_hooks.allreduce_hook, the same division,
+            # all-reduce and future.then), no guardrails anywhere.
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            setups["torch_hook"] = build(args, device, DistributedDataParallel)
+            setups["torch_hook"][0].register_comm_hook(None, default_hooks.allreduce_hook)
+            # GuardedDDP under the guard with DDP's C++ all-reduce (no Python hook: no
+            # bucket norms, the guard computes its own norm).
+            # Plain DDP again, built last: in-process A/Bs compare distinct model
+            # instances, and the first-built one may be faster for its own reasons.
+            setups["plain_late"] = build(args, device, DistributedDataParallel)
+            setups["gddp_cpp"] = build(args, device, guardrails.GuardedDDP)
+            setups["gddp_cpp"][0]._register_builtin_comm_hook(
+                torch.distributed.BuiltinCommHookType.ALLREDUCE
+            )
     else:
         setup = build(args, device)
         setups = {v: setup for v in VARIANTS}
@@ -253,15 +277,26 @@ def main() -> None:
         ["plain", "guarded"]
         + (["graph_norm"] if args.graph_norm else [])
         + (["item"] if args.item else [])
-        + (["ddp_guard", "gddp_alone"] if args.ddp_split else [])
+        + (
+            ["ddp_guard", "gddp_alone", "torch_hook", "gddp_cpp", "plain_late"]
+            if args.ddp_split
+            else []
+        )
     )
+    if args.variants:  # a subset (plain and guarded stay: the result compares them)
+        keep = {"plain", "guarded", *args.variants.split(",")}
+        variants = [v for v in variants if v in keep]
     if args.only:
         variants = [args.only]
     for v in variants:  # compile / allocator / lazy optimizer state warm-up
         one_run(args, device, *setups[v], v)
     times: dict[str, list[float]] = {v: [] for v in variants}
+    order = list(variants)
+    shuffle = random.Random(0).shuffle  # the same order on every rank (DDP)
     for _ in range(args.repeats):
-        for v in variants:
+        if args.shuffle:  # no variant always runs first, or after the same one
+            shuffle(order)
+        for v in order:
             times[v].append(one_run(args, device, *setups[v], v))
     if args.only:
         med = statistics.median(times[args.only])
@@ -296,8 +331,9 @@ def main() -> None:
         "clip": "torch" if args.torch_clip else ("guard" if args.clip else None),
         "ddp_world": torch.distributed.get_world_size() if args.ddp else None,
         "clock": args.clock,
+        "runs_us": {v: [round(t * 1e6, 1) for t in ts] for v, ts in times.items()},
     }
-    for v in ("ddp_guard", "gddp_alone"):
+    for v in ("ddp_guard", "gddp_alone", "torch_hook", "gddp_cpp", "plain_late"):
         if v in times:
             med = statistics.median(times[v])
             result[f"{v}_step_us"] = med * 1e6
