@@ -13,6 +13,7 @@ the MLP has (2 layers: 4 parameter tensors), to show the counts do not grow with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import tempfile
@@ -76,16 +77,12 @@ def batches(data, n):
     return [data[i % len(data)] for i in range(n)]
 
 
-def count_ops(layers: int, steps: int, guarded: bool) -> Counter[str]:
-    model, opt, data = model_and_data(layers)
-    counter = OpCounter()
-    start, end = counter.__enter__, lambda: counter.__exit__(None, None, None)
-    if not guarded:
-        loop(batches(data, WARMUP + steps), model, opt, steps, start, end)
-        return counter.ops
+@contextlib.contextmanager
+def under_guard(model, opt, data, steps: int):
+    """The guard both counts run under. Its metrics ring is longer than the window, so
+    the ring's one copy per interval is not in it (amortised: one per 50 steps by
+    default)."""
     with tempfile.TemporaryDirectory() as d:
-        # A metrics ring longer than the window: its one copy per interval is not in it
-        # (it is amortised: one copy per 50 steps by default).
         with guardrails.guard(
             model,
             opt,
@@ -94,7 +91,18 @@ def count_ops(layers: int, steps: int, guarded: bool) -> Counter[str]:
             progress=False,
             metrics={"every_n_steps": 10 * (WARMUP + steps)},
         ) as g:
-            loop(g, model, opt, steps, start, end)
+            yield g
+
+
+def count_ops(layers: int, steps: int, guarded: bool) -> Counter[str]:
+    model, opt, data = model_and_data(layers)
+    counter = OpCounter()
+    start, end = counter.__enter__, lambda: counter.__exit__(None, None, None)
+    if not guarded:
+        loop(batches(data, WARMUP + steps), model, opt, steps, start, end)
+        return counter.ops
+    with under_guard(model, opt, data, steps) as g:
+        loop(g, model, opt, steps, start, end)
     return counter.ops
 
 
@@ -111,16 +119,8 @@ def count_calls(layers: int, steps: int) -> Counter[str]:
         elif event == "c_call" and ours(frame):
             calls[f"c:{getattr(arg, '__qualname__', getattr(arg, '__name__', '?'))}"] += 1
 
-    with tempfile.TemporaryDirectory() as d:
-        with guardrails.guard(
-            model,
-            opt,
-            batches(data, WARMUP + steps),
-            run_dir=d,
-            progress=False,
-            metrics={"every_n_steps": 10 * (WARMUP + steps)},
-        ) as g:
-            loop(g, model, opt, steps, lambda: sys.setprofile(prof), lambda: sys.setprofile(None))
+    with under_guard(model, opt, data, steps) as g:
+        loop(g, model, opt, steps, lambda: sys.setprofile(prof), lambda: sys.setprofile(None))
     return calls
 
 
