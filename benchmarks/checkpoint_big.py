@@ -157,8 +157,9 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         "signal_saves": last,
         "exit_timeline_s": timeline,
         "bytes_per_save": size,
+        # Kept when something went wrong: a crash, or a stop that saved nothing.
         "log_tail": "".join([x for x in log if not x.startswith("STEP ")][-80:])
-        if code not in (143, -15) and t_signal is None
+        if (code not in (143, -15) and t_signal is None) or not last
         else "",
     }
 
@@ -328,6 +329,11 @@ def child(args: argparse.Namespace) -> None:
         dcp.async_save = functools.partial(
             dcp.async_save, async_checkpointer_type=AsyncCheckpointerType.PROCESS
         )
+        from guardrails import _sharded
+
+        # Its planner (cancellable, a local class holding a threading.Event) cannot be
+        # pickled to DCP's process: that variant writes without it.
+        _sharded._cancellable_planner = lambda cancel: None
     cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
