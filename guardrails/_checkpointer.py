@@ -1271,6 +1271,10 @@ class SignalCheckpointer(Component):
                 plan = self._prepare(guard, ckpt)
             except CheckpointError as e:
                 raise e.rehint(_checkpoint._skip_hint(ckpt)) from None
+        # The components' own state first: their load_state_dict is theirs (a custom
+        # component's may refuse a well-formed dict), and a refusal must leave the
+        # model, optimizers, schedulers, scaler and RNG as they were.
+        self._load_components(guard, ckpt, plan.rank_state.get("components", {}))
         with guard.quiet():  # a sharded load may step the optimizer to create its state
             out = _checkpoint.apply(plan)
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
@@ -1286,15 +1290,30 @@ class SignalCheckpointer(Component):
         else:
             self._adopt_unlabelled = True
         guard.resume_from(out["step"], state=out["extras"], position=position, tensors=tensors)
-        saved_components = rank_state.get("components", {})
-        for c in guard.components:
-            if c.name in saved_components:
-                c.load_state_dict(saved_components[c.name])
         self.last_path = Path(out["path"])
         self._resumed = True
         self._resumed_step = out["step"]
         self._resumed_finished = saved.get("finished_at")
         self._announce(guard, saved, changed, settings)
+
+    def _load_components(self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]) -> None:
+        """Each component's saved state into it, before anything else is restored: a
+        ``ResumeError`` naming the component if its ``load_state_dict`` raises."""
+        for c in guard.components:
+            if c.name not in saved:
+                continue
+            try:
+                c.load_state_dict(saved[c.name])
+            except Exception as e:
+                raise ResumeError(
+                    f"component {c.name!r} ({type(c).__name__}) could not load its state "
+                    f"from {ckpt}: {type(e).__name__}: {e}; nothing else was restored "
+                    "(model, optimizers, schedulers, scaler and RNG are as they were)",
+                    rank=guard.rank,
+                    path=str(ckpt),
+                    hint=f"fix {type(c).__name__}.load_state_dict for the state its "
+                    "state_dict() saved, or resume with a run_dir of its own to start fresh",
+                ) from e
 
     def _check_config(
         self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]

@@ -225,3 +225,29 @@ def test_save_checkpoint_without_a_saver_says_how(tmp_path):
     g = _guard(tmp_path, checkpoint=False)
     with g, pytest.raises(ValueError, match="checkpoint=False"):
         g.save_checkpoint()
+
+
+def test_a_component_that_refuses_its_state_leaves_model_and_optimizer_as_they_were(tmp_path):
+    """A custom component whose load_state_dict raises on its own well-formed saved
+    state: a ResumeError naming it, raised before the model and RNG are restored
+    (they stay bitwise what they were; before, the model was already loaded)."""
+    guarded_run(tmp_path, 3, inside=lambda g: g.save_checkpoint(), components=[_Counter()])
+
+    class Picky(_Counter):
+        def load_state_dict(self, state):
+            raise ValueError(f"cannot take n={state['n']}")
+
+    torch.manual_seed(123)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # the saved run's optimizer
+    before = [t.clone() for t in model.state_dict().values()]
+    rng = torch.get_rng_state()
+    with pytest.raises(guardrails.ResumeError) as err:
+        with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, components=[Picky()]):
+            pass
+    msg = str(err.value)
+    assert "component 'counter' (Picky)" in msg and "ValueError: cannot take n=3" in msg
+    assert "nothing else was restored" in msg and "Picky.load_state_dict" in err.value.hint
+    after = list(model.state_dict().values())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert torch.equal(rng, torch.get_rng_state())
