@@ -380,6 +380,43 @@ def _then(it: Any, done: Any) -> Any:
     done()
 
 
+#: A fast-forward still going after this long says how far it is, again at each such
+#: interval: the run's start is blocked meanwhile (a streaming dataset fetching hours
+#: of batches, or a position that is not this loader's), and the estimate says which.
+PROGRESS_EVERY_S = 60.0
+
+
+def _drop(it: Any, n: int, loader: Any, guard: Guard, t0: float) -> int:
+    """Fetch and drop up to ``n`` batches of ``it``; the number fetched."""
+    fetched, note_at = 0, t0 + PROGRESS_EVERY_S
+    clock = time.perf_counter
+    for _ in itertools.islice(it, n):
+        fetched += 1
+        now = clock()  # ~50 ns, against a batch's fetch
+        if now >= note_at:
+            note_at = now + PROGRESS_EVERY_S
+            rate = fetched / (now - t0)
+            guard.event(
+                "data_fast_forward_progress",
+                level="warning",
+                message=f"resuming: fetching and dropping the batches already trained on, "
+                f"{fetched:,} of {n:,} after {now - t0:.0f} s ({rate:,.1f} batches/s, "
+                f"about {_duration((n - fetched) / rate)} left). A position far beyond "
+                f"what this {type(loader).__name__} yields means the checkpoint is not "
+                "this run's: stop and resume=None, or resume= another step_* directory.",
+                batches=fetched,
+                of=n,
+            )
+    return fetched
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def _fast_forward(
     loader: Any,
     skip: int,
@@ -395,7 +432,7 @@ def _fast_forward(
         _set_states(loader, start)
     t0 = time.perf_counter()
     it = iter(loader)
-    fetched = sum(1 for _ in itertools.islice(it, skip))
+    fetched = _drop(it, skip, loader, guard, t0)
     _set_states(loader, now)
     trained = skip if trained is None else trained
     if fetched < trained:

@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -862,3 +863,52 @@ def test_every_fix_a_resume_error_suggests_works_with_guard(tmp_path):
     with guardrails.guard(model, opt, run_dir=tmp_path) as g:
         assert g.step == 3
     guardrails.resume(ckpt, model, opt, scheduler=sched, strict=False)
+
+
+def _forever(delay_s: float = 0.0):
+    """An endless generator of batches (no length: resumed by fast-forwarding)."""
+    g = torch.Generator().manual_seed(0)
+    while True:
+        if delay_s:
+            time.sleep(delay_s)
+        yield torch.randn(8, 4, generator=g), torch.randn(8, generator=g)
+
+
+def _train_forever(run_dir, steps: int, delay_s: float = 0.0) -> None:
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guardrails.guard(model, opt, _forever(delay_s), run_dir=run_dir, progress=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == steps:
+                g.save_checkpoint()
+                break
+
+
+def test_a_long_fast_forward_says_how_far_it_is_and_how_long_is_left(tmp_path, monkeypatch):
+    # A loader without a length is fast-forwarded batch by batch at resume, and the
+    # start is blocked meanwhile: past PROGRESS_EVERY_S it says how far it is, the
+    # rate and the time left (a position the loader cannot reach in reasonable time
+    # shows as days), at each interval, and the usual data_fast_forward at the end.
+    import guardrails._data
+
+    _train_forever(tmp_path, 40)
+    monkeypatch.setattr(guardrails._data, "PROGRESS_EVERY_S", 0.05)
+    _train_forever(tmp_path, 41, delay_s=0.01)  # 40 batches at >= 10 ms: ~8 notes
+    events = read_events(tmp_path)
+    notes = [e for e in events if e["kind"] == "data_fast_forward_progress"]
+    assert len(notes) >= 3, notes
+    assert all(e["of"] == 40 and e["level"] == "warning" for e in notes)
+    assert [e["batches"] for e in notes] == sorted(e["batches"] for e in notes)
+    assert 0 < notes[0]["batches"] < 40 and "of 40 after" in notes[0]["message"]
+    assert "left)" in notes[0]["message"] and "resume=None" in notes[0]["message"]
+    (ff,) = [e for e in events if e["kind"] == "data_fast_forward"]
+    assert ff["batches"] == 40
+    # A quick fast-forward (well under the interval) says nothing more than that.
+    monkeypatch.setattr(guardrails._data, "PROGRESS_EVERY_S", 60.0)
+    _train_forever(tmp_path / "quick", 40)
+    _train_forever(tmp_path / "quick", 41)
+    kinds = [e["kind"] for e in read_events(tmp_path / "quick")]
+    assert "data_fast_forward_progress" not in kinds and "data_fast_forward" in kinds
