@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from guardrails import _perms
+from guardrails import _perms, _storage
 
 if TYPE_CHECKING:
     from guardrails._guard import Guard
@@ -128,12 +128,22 @@ class StepBenchmark:
         path = guard.run_dir / (
             "benchmark.json" if guard.rank == 0 else f"benchmark-rank{guard.rank}.json"
         )
-        _perms.write_text(path, json.dumps(table, indent=1))
+        try:
+            _perms.write_text(path, json.dumps(table, indent=1))
+            saved = str(path)
+        except OSError as e:  # the table is in the event and the log all the same
+            saved = None
+            logger.warning(
+                "guardrails: %s could not be written (%s): %s",
+                path,
+                _storage.cause_of(e, path) or e,
+                _storage.fix_for(e, path.parent),
+            )
         guard.event(
             "benchmark",
             level="warning",
             message=render(table),
-            path=str(path),
+            path=saved,
             **{k: table[k] for k in ("overhead_ms", "overhead_pct")},
         )
         return table

@@ -41,16 +41,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import uuid
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from guardrails import _model, _perms
+from guardrails import _model, _perms, _storage
 from guardrails._events import json_safe
 from guardrails._text import shorten
 
@@ -270,8 +272,20 @@ def _diagnose(
     clipped = diag["cause"] == "optimization_blowup" and guard.clip_norm_steps > 0
     diag["hint"] = HINT_BLOWUP_CLIPPED if clipped else HINTS[diag["cause"]]
     if save:
-        diag["path"] = _save(guard, step, inputs, batches, diag)
-        diag["message"] += f". Saved to {diag['path']}"
+        try:
+            diag["path"] = _save(guard, step, inputs, batches, diag)
+            diag["message"] += f". Saved to {diag['path']}"
+        except Exception as e:
+            # A full or read-only disk must not turn a skipped step into a crash: the
+            # diagnosis itself is in the event and the log.
+            if not _storage.is_storage_error(e):
+                raise
+            where = guard.run_dir / NONFINITE_DIR
+            said = _storage.cause_of(e, where) or f"{type(e).__name__}: {e}"
+            diag["message"] += (
+                f". The batch could not be saved under {where} ({said}): "
+                f"{_storage.fix_for(e, where)}"
+            )
     return diag
 
 
@@ -512,6 +526,21 @@ def _save(
     tmp = root / f".tmp-{uuid.uuid4().hex[:8]}"
     _perms.make_dirs(root)
     os.mkdir(tmp, _perms.DIR_MODE)
+    try:
+        return _save_into(tmp, final, root, inputs, batches, diag)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written dump left behind
+        raise
+
+
+def _save_into(
+    tmp: Path,
+    final: Path,
+    root: Path,
+    inputs: list[dict[str, Any]],
+    batches: list[Any] | None,
+    diag: dict[str, Any],
+) -> str:
     tensors = {}
     stored: set[tuple[Any, ...]] = set()
     for prefix, items in (("call", inputs), ("batch", batches or ())):

@@ -545,3 +545,49 @@ def test_a_healthy_run_with_checkpoints_and_metrics_says_no_storage_warning(tmp_
     assert _train(tmp_path, 8, resume="auto", every=2) == (0, 8)
     assert [r.getMessage() for r in caplog.records] == []
     assert not [e for e in read_events(tmp_path) if e["level"] == "warning"]
+
+
+def test_a_nan_batch_that_cannot_be_saved_still_gets_its_diagnosis(tmp_path):
+    """NanGuard saves a bad step's batch under run_dir/nonfinite/. Where that cannot be
+    written (here a file stands where the directory goes: the OS refuses with
+    ENOTDIR / EEXIST, as a full or read-only disk refuses with its own errno), the
+    diagnosis still comes, naming the sample row, and says the batch was not saved and
+    why; no half-written dump is left. Before, the OSError replaced the diagnosis."""
+    data = batches(8)
+    x, y = data[4]
+    x = x.clone()
+    x[3, 1] = float("inf")
+    data[4] = (x, y)
+    (tmp_path / "nonfinite").write_text("not a directory")
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with pytest.raises(guardrails.NonFiniteError) as info:
+        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan={"policy": "raise"}) as g:
+            for xb, yb in g:
+                model(xb, yb).backward()
+                opt.step()
+                opt.zero_grad()
+    err = info.value
+    assert (err.cause, err.step, err.samples) == ("bad_data", 5, [3])
+    assert err.batch_path is None
+    assert "could not be saved under" in str(err) and "nonfinite" in str(err)
+    assert (tmp_path / "nonfinite").read_text() == "not a directory"
+
+
+def test_benchmark_table_on_a_failing_disk_is_still_reported(tmp_path):
+    """benchmark=True writes its table to run_dir/benchmark.json; where that file cannot
+    be written, the table still comes as the `benchmark` event (path None)."""
+    (tmp_path / "benchmark.json").mkdir()  # a directory where the file goes: EISDIR
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guardrails.guard(
+        model, opt, batches(8) * 30, run_dir=tmp_path, benchmark=True, progress=False
+    ) as g:
+        for xb, yb in g:
+            model(xb, yb).backward()
+            opt.step()
+            opt.zero_grad()
+    [bench] = [e for e in read_events(tmp_path) if e["kind"] == "benchmark"]
+    assert bench["path"] is None and "overhead_pct" in bench
