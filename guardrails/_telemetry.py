@@ -186,6 +186,9 @@ class Telemetry(Component):
         self._host_rows: list[tuple[float, ...]] = []
         self._gc_total = guard.shared.gc_total_s
         self._arrived: list[tuple[np.ndarray, np.ndarray]] = []  # (device, host) blocks
+        # The step of the last row flushed (0: none), so the end tells whether the step
+        # the run ended inside was recorded already (set once per interval).
+        self._flushed_step = 0.0
         self._last_write = time.monotonic()
         show = self.progress
         if show is None:
@@ -226,11 +229,11 @@ class Telemetry(Component):
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         # Also on a crash: what was measured up to the failure is what a
-        # post-mortem needs most.
+        # post-mortem needs most, the step that failed first of all (NanGuard's
+        # NonFiniteError, an optimizer that raised): its row, when it has one.
         try:
-            if self._host_rows:
-                self._flush()
-            self._collect(self._copies.take())
+            self._add_open_row(guard)
+            self._drain()
             self._write()
             self._lost()
         finally:
@@ -256,11 +259,81 @@ class Telemetry(Component):
         latest["tokens_per_s"] = float(_tokens_per_s(host[None])[0])
         return latest
 
+    # ------------------------------------------------------------------ the end
+
+    def _open_row(self, guard: Guard, rows: list[tuple[float, ...]]) -> tuple[float, ...] | None:
+        """The host columns of the step the run ended inside (``Guard.open_row()``) when
+        ``rows`` (this component's unflushed rows) and the flushed ones lack it: what
+        is known of it, NaN for the rest (no step time where its optimizer step never
+        returned)."""
+        open_row = guard.open_row()
+        if open_row is None:
+            return None
+        last = rows[-1][0] if rows else self._flushed_step
+        if open_row.step <= last:  # after_step recorded it before a later hook raised
+            return None
+        return (
+            open_row.step,
+            open_row.time,
+            guard.lr,
+            guard.step_time_s if open_row.finished else math.nan,
+            guard.data_wait_s,
+            math.nan if guard.tokens is None else guard.tokens,
+            guard.shared.gc_total_s,
+            open_row.row,
+        )
+
+    def _add_open_row(self, guard: Guard) -> None:
+        """At close: the row of the step the run ended inside joins the rows to flush,
+        with its skipped flag as after_step would have recorded it."""
+        row = self._open_row(guard, self._host_rows)
+        if row is None:
+            return
+        skipped = guard.skipped
+        if skipped is not None:
+            flag = self._ring.flags[int(row[-1]) % self._ring.length]
+            if skipped is not flag:
+                with contextlib.suppress(RuntimeError):  # a broken device: as written
+                    flag.copy_(skipped)
+        self._host_rows.append(row)
+
+    def _drain(self) -> None:
+        """At close: every row recorded, read back from the device. Where the device
+        cannot be read any more (a CUDA error ended the run: every later call raises
+        it), the rows keep their host columns and NaN device columns, instead of the
+        run's last rows (up to ``write_every_s`` of them, already on the host) being
+        lost with the failed read."""
+        blocks: list[np.ndarray] = []  # host columns of the rows not read back yet
+        try:
+            copy = self._copies.take()
+            if copy is not None:
+                blocks.append(copy.meta)
+                self._collect(copy)
+                blocks.pop()
+            rows, self._host_rows = self._host_rows, []
+            if rows:
+                host, counts = self._host_block(rows)
+                self._flushed_step = host[-1, 0]
+                blocks.append(host)
+                self._copies.start(counts, host)  # nothing pending: returns None
+                self._collect(self._copies.take())
+                blocks.pop()
+        except RuntimeError as e:  # torch's device errors (torch.AcceleratorError too)
+            logger.warning(
+                "guardrails: the last %d metric rows are written without loss, grad norm "
+                "and skipped (NaN): the device could not be read at the end (%s)",
+                sum(len(b) for b in blocks),
+                e,
+            )
+            width = len(DEVICE_COLUMNS)
+            self._arrived += [(np.full((len(b), width), math.nan), b) for b in blocks]
+
     # ------------------------------------------------------------------ plumbing
 
     def _flush(self) -> None:
         """Start the device-to-host copy of the filled rows; read the previous one."""
         rows, self._host_rows = self._host_rows, []
+        self._flushed_step = rows[-1][0]
         host, counts = self._host_block(rows)
         self._collect(self._copies.start(counts, host))
         if not self._cuda:
@@ -294,9 +367,19 @@ class Telemetry(Component):
         # them would queue behind the stuck kernel or collective. Before this, a rank
         # the watchdog ended lost every row since its last part (up to 60 s of steps).
         pending = self._copies.pending
-        if pending is not None and pending.ready():
-            self._collect(self._copies.take())
+        if pending is not None:
+            if pending.ready():
+                self._collect(self._copies.take())
+            else:  # behind the stuck kernel: the host columns still go, device ones NaN
+                self._copies.take()
+                width = len(DEVICE_COLUMNS)
+                self._arrived.append((np.full((len(pending.meta), width), math.nan), pending.meta))
         rows = list(self._host_rows)  # a snapshot: the main thread may still append
+        # The step the main thread is stuck in (an optimizer step that never returns, a
+        # collective inside it), or ended in: its row, when its values were computed.
+        row = self._open_row(guard, rows)
+        if row is not None:
+            rows.append(row)
         if rows:
             host, counts = self._host_block(rows)
             if self._ring.host:
