@@ -1041,6 +1041,16 @@ class Guard(StepState):
             # (NanGuard's lagged raise, a failed agreement): open_row() then reports this
             # step as finished (its step time is known), not as the one to come.
             self._after_step_failed = self.step
+            if self._row is None:
+                # No component wrote the step's row before the one that raised: its
+                # loss and gradients are still the update's (nothing ran since), so
+                # write it now, on this error path only, for the components to record.
+                try:
+                    self.step_row()
+                except Exception as err:  # a broken device: the run's own error goes on
+                    logger.debug(
+                        "guardrails: step %d's row could not be written: %s", self.step, err
+                    )
             raise
         if self._bench is not None:  # benchmark mode picks the next step's hooks
             self._live = self._bench.after_step(self)
