@@ -6,6 +6,7 @@ process's."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -229,3 +230,59 @@ def test_a_sigterm_the_stuck_step_never_answers_keeps_that_steps_row(tmp_path):
     assert rows["grad_norm"][-1] == pytest.approx(seen[12][1], rel=1e-5)
     assert math.isnan(rows["step_time_s"][-1])
     assert all(t > 0 for t in rows["step_time_s"][:-1])
+
+
+# ---------------------------------------------------------------------- resume
+
+
+def _resumable(run_dir, *, fail_at: int | None) -> None:
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with guardrails.guard(
+        model,
+        opt,
+        batches(20),
+        run_dir=run_dir,
+        progress=False,
+        resume="auto",
+        checkpoint={"every_n_steps": 5},
+        metrics={"every_n_steps": 5},
+    ) as g:
+        for x, y in g:
+            model(x, y).backward()
+            if fail_at is not None and g.step + 1 == fail_at:
+                opt.register_step_pre_hook(_raise(RuntimeError("the optimizer failed")))
+            opt.step()
+            opt.zero_grad()
+
+
+def test_a_resumed_run_sees_the_failed_runs_last_rows_once(tmp_path):
+    """Run 1 fails inside step 12 (rows 1-12, the last one its own) after saving
+    checkpoints every 5 steps; run 2 resumes from the last one committed (step 10, or
+    5 where step 10's background write was abandoned by the failure). Each run has each
+    step once, and the resumed run's story takes run 1's rows up to its resume step
+    only: run 1's rows after it are not seen twice."""
+    with pytest.raises(RuntimeError, match="optimizer failed"):
+        _resumable(tmp_path, fail_at=12)
+    _resumable(tmp_path, fail_at=None)
+    out = subprocess.run(
+        [sys.executable, "-m", "guardrails", "report", str(tmp_path), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    ).stdout
+    story = json.loads(out)
+    at = story["resumed"]["step"]
+    assert at in (5, 10)
+    table = pa.Table.from_batches(list(guardrails.iter_metrics(tmp_path)))
+    runs: dict[float, list[int]] = {}
+    for t, s in zip(table["started_at"].to_pylist(), table["step"].to_pylist(), strict=True):
+        runs.setdefault(t, []).append(s)
+    assert [sorted(v) for _, v in sorted(runs.items())] == [
+        list(range(1, 13)),
+        list(range(at + 1, 21)),
+    ]
+    assert story["metrics_rows"] == 20 - at and story["last_step"] == 20
+    assert story["resumed"]["earlier_rows"] == at
