@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -156,6 +157,12 @@ class Telemetry(Component):
         self._sinks: SinkRunner | None = None
         self._tail: EventTail | None = None
         self._compactor: Compactor | None = None
+        # Whichever of on_end (main thread) and on_abort (a thread ending the process)
+        # comes first writes the last rows, under this lock; the other writes none.
+        # Before, a rank the watchdog ended wrote its last rows twice: on_abort's, then
+        # on_end's once the abort of its process group freed its main thread.
+        self._end_lock = threading.Lock()
+        self._ended = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -232,10 +239,13 @@ class Telemetry(Component):
         # post-mortem needs most, the step that failed first of all (NanGuard's
         # NonFiniteError, an optimizer that raised): its row, when it has one.
         try:
-            self._add_open_row(guard)
-            self._drain()
-            self._write()
-            self._lost()
+            with self._end_lock:
+                if not self._ended:  # else on_abort wrote them: not twice
+                    self._add_open_row(guard)
+                    self._drain()
+                    self._write()
+                    self._lost()
+                    self._ended = True
         finally:
             if self._compactor is not None:
                 self._compactor.close()
@@ -366,6 +376,23 @@ class Telemetry(Component):
         # the newest rows' device columns (loss, grad norm, skipped) stay NaN: reading
         # them would queue behind the stuck kernel or collective. Before this, a rank
         # the watchdog ended lost every row since its last part (up to 60 s of steps).
+        # on_end may be writing them already (the main thread got free): wait for it a
+        # while; past that it is stuck itself (a device read) and these rows go now.
+        locked = self._end_lock.acquire(timeout=ABORT_WAIT_S / 2)
+        try:
+            if not self._ended:
+                self._abort_rows(guard)
+                self._ended = True
+        finally:
+            if locked:
+                self._end_lock.release()
+        if self._sinks is not None:
+            end = end_event(guard.step, self._rank, error, aborted=True)
+            self._close_sinks(end, ABORT_WAIT_S)  # inside the process's 5 s of last words
+
+    def _abort_rows(self, guard: Guard) -> None:
+        """on_abort's rows: those the host holds, the pending copy's where it finished
+        (else its host columns), and the open step's."""
         pending = self._copies.pending
         if pending is not None:
             if pending.ready():
@@ -374,7 +401,10 @@ class Telemetry(Component):
                 self._copies.take()
                 width = len(DEVICE_COLUMNS)
                 self._arrived.append((np.full((len(pending.meta), width), math.nan), pending.meta))
-        rows = list(self._host_rows)  # a snapshot: the main thread may still append
+        # Taken, not copied: a main thread that runs on must not flush them again (a
+        # row it appends meanwhile may be lost; none is written twice).
+        rows, self._host_rows = self._host_rows, []
+        rows = list(rows)
         # The step the main thread is stuck in (an optimizer step that never returns, a
         # collective inside it), or ended in: its row, when its values were computed.
         row = self._open_row(guard, rows)
@@ -389,9 +419,6 @@ class Telemetry(Component):
             self._arrived.append((dev, host))
         self._write()
         self._lost()
-        if self._sinks is not None:
-            end = end_event(guard.step, self._rank, error, aborted=True)
-            self._close_sinks(end, ABORT_WAIT_S)  # inside the process's 5 s of last words
 
     def _close_sinks(self, end: dict[str, Any], timeout_s: float) -> None:
         """Hand the sinks the events not sent yet and the end (the guard writes its own
@@ -426,7 +453,7 @@ class Telemetry(Component):
         """Write what has arrived as one parquet part, atomically (temp, then rename),
         with the rows earlier parts could not write; on an ``OSError`` keep them all
         (bounded) for the next part."""
-        if not self._arrived:
+        if not self._arrived or self._ended:  # ended: the last rows went already
             return
         dev = np.concatenate([d for d, _ in self._arrived])
         host = np.concatenate([h for _, h in self._arrived])

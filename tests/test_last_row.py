@@ -286,3 +286,46 @@ def test_a_resumed_run_sees_the_failed_runs_last_rows_once(tmp_path):
     ]
     assert story["metrics_rows"] == 20 - at and story["last_step"] == 20
     assert story["resumed"]["earlier_rows"] == at
+
+
+# ---------------------------------------------------------------------- abort, then close
+
+
+def test_rows_written_by_the_abort_are_not_written_again_at_close(tmp_path):
+    """A rank the watchdog (or a stuck SIGTERM) ends from a thread writes its last rows
+    in guard.die's last words; the abort of its process group then frees the main
+    thread, which closes the guard while the process is still ending. Here: the last
+    words run (the real code path of guard.die, before its os._exit) while the main
+    thread is stuck inside step 12's optimizer step; then that step raises and the
+    guard closes. Each row is on disk once, step 12's too. Before, the close wrote
+    steps 1-11 a second time (seen on the 2-rank watchdog job too)."""
+    import threading
+
+    aborted = threading.Event()
+
+    def stuck(*_):
+        words = threading.Thread(target=running[0]._last_words, args=(RuntimeError("hang"),))
+        words.start()
+        words.join(30)
+        aborted.set()
+        raise RuntimeError("the process group was aborted")
+
+    running: list = []
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match="aborted"):
+        with guardrails.guard(
+            model, opt, batches(20), run_dir=tmp_path, progress=False, metrics={"every_n_steps": 5}
+        ) as g:
+            running.append(g)
+            for x, y in g:
+                model(x, y).backward()
+                if g.step == 11:
+                    opt.register_step_pre_hook(stuck)
+                opt.step()
+                opt.zero_grad()
+    assert aborted.is_set()
+    rows = rows_of(tmp_path)  # asserts each step once
+    assert rows["step"] == list(range(1, 13))
+    assert math.isfinite(rows["grad_norm"][-1]) and math.isnan(rows["step_time_s"][-1])
