@@ -313,26 +313,30 @@ class Telemetry(Component):
         it), the rows keep their host columns and NaN device columns, instead of the
         run's last rows (up to ``write_every_s`` of them, already on the host) being
         lost with the failed read."""
-        blocks: list[np.ndarray] = []  # host columns of the rows not read back yet
+        copy = self._copies.take()
+        rows, self._host_rows = self._host_rows, []
+        # The host columns of the rows still to read back, made first: host work only.
+        blocks: list[np.ndarray] = [] if copy is None else [copy.meta]
+        counts: list[int] = []
+        if rows:
+            host, counts = self._host_block(rows)
+            self._flushed_step = host[-1, 0]
+            blocks.append(host)
         try:
-            copy = self._copies.take()
             if copy is not None:
-                blocks.append(copy.meta)
                 self._collect(copy)
-                blocks.pop()
-            rows, self._host_rows = self._host_rows, []
-            if rows:
-                host, counts = self._host_block(rows)
-                self._flushed_step = host[-1, 0]
-                blocks.append(host)
-                self._copies.start(counts, host)  # nothing pending: returns None
+                blocks.pop(0)
+            if counts:
+                self._copies.start(counts, blocks[0])  # nothing pending: returns None
                 self._collect(self._copies.take())
-                blocks.pop()
+                blocks.pop(0)
         except RuntimeError as e:  # torch's device errors (torch.AcceleratorError too)
             logger.warning(
-                "guardrails: the last %d metric rows are written without loss, grad norm "
-                "and skipped (NaN): the device could not be read at the end (%s)",
+                "guardrails: %d metric rows (steps %d-%d) are written without loss, grad "
+                "norm and skipped (NaN): the device could not be read at the end: %s",
                 sum(len(b) for b in blocks),
+                blocks[0][0, 0],
+                blocks[-1][-1, 0],
                 e,
             )
             width = len(DEVICE_COLUMNS)
@@ -559,7 +563,10 @@ def _mem_peak_bytes(device: torch.device) -> float:
     # Host-side allocator counters: no sync. Not reset per step: resetting the peak
     # would clobber the user's own torch.cuda.max_memory_allocated() readings.
     if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
+        try:
+            return float(torch.cuda.max_memory_allocated(device))
+        except RuntimeError:  # a device a CUDA error broke: the rows still go, without it
+            return math.nan
     if resource is not None:
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
     return math.nan
