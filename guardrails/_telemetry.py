@@ -541,7 +541,9 @@ def _to_table(dev: np.ndarray, host: np.ndarray, rank: int, started_at: float) -
         "tokens_per_s": pa.array(tps, mask=np.isnan(tps)),
         "gc_s": pa.array(cols["gc_s"]),
         "mem_peak_bytes": pa.array(np.nan_to_num(mem).astype(np.int64), mask=np.isnan(mem)),
-        "skipped": pa.array(cols["skipped"] > 0.5),
+        # Null where the device columns could not be read (NaN: an abort on a GPU, a
+        # broken device at the end): unknown, not "applied".
+        "skipped": pa.array(cols["skipped"] > 0.5, mask=np.isnan(cols["skipped"])),
     }
     return pa.table(arrays, schema=SCHEMA)
 
