@@ -71,7 +71,7 @@ from guardrails._component import HOOKS, Component, check_components, overrides
 from guardrails._errors import GuardrailsError
 from guardrails._events import EventLog, logger_of
 from guardrails._gradnorm import GradNorm, share_clip_norm, total_norm
-from guardrails._lagged import StepRing
+from guardrails._lagged import OpenRow, StepRing
 from guardrails._model import find_loss as _find_loss
 from guardrails._state import Shared, StepState
 
@@ -200,6 +200,10 @@ class Guard(StepState):
         # that judges or records it (step_row()); its count this step, or None.
         self._ring = StepRing(self.device)
         self._row: int | None = None
+        # The step whose after_step hooks raised (set on that error path only), and
+        # when the guard began to close or abort: what open_row() reports.
+        self._after_step_failed = -1
+        self._ending_at = math.nan
 
         # RNG states just before the current pass's iter(loader), so a resumed run can
         # replay the pass's shuffle (see _data.py); None until the first pass.
@@ -384,6 +388,7 @@ class Guard(StepState):
             failing = exc.code not in (0, None)
         if failing:
             _exit.hold_signals()
+        self._ending_at = time.time()  # the time of the open step's row (open_row())
         try:
             self._close(exc)
         finally:
@@ -502,6 +507,7 @@ class Guard(StepState):
         _exit.die(error, exit_code=exit_code, last_words=self._last_words)
 
     def _last_words(self, error: BaseException) -> None:
+        self._ending_at = time.time()
         for fn in self._dispatch["on_abort"]:
             try:
                 fn(self, error)
@@ -891,6 +897,22 @@ class Guard(StepState):
         registers a reader at start (``g.step_ring.reader(every_n_steps)``)."""
         return self._ring
 
+    def open_row(self) -> OpenRow | None:
+        """Components, at close (``on_end``) or abort (``on_abort``): the step the run
+        ended inside, when its row is in :attr:`step_ring` (its loss and grad norm were
+        computed) but the step never got through ``after_step``, so a component that
+        records rows there may not have: a ``before_step`` hook raised (NanGuard's
+        ``NonFiniteError``), the optimizer's own ``step()`` raised or never returned, or
+        an ``after_step`` hook raised (``finished``). ``None`` when the run ended
+        between steps. Nothing is computed here: the row is what was written."""
+        row = self._row
+        if row is None:
+            return None
+        finished = self._after_step_failed == self.step
+        step = self.step if finished else self.step + 1
+        ending_at = self._ending_at if self._ending_at == self._ending_at else time.time()
+        return OpenRow(step, row, finished, ending_at)
+
     def step_row(self) -> int:
         """Write this step's row into :attr:`step_ring` if no component did yet:
         ``(step_loss, grad_norm(), 0)``, one ``torch.stack`` on a device, the two values
@@ -1011,8 +1033,25 @@ class Guard(StepState):
         now = time.perf_counter()
         self.step_time_s = now - self._step_start
         self._step_start = now
-        for fn in self._live["after_step"]:
-            fn(self)
+        try:  # free unless it raises (zero-cost try, Python 3.11+)
+            for fn in self._live["after_step"]:
+                fn(self)
+        except BaseException:
+            # The step's update is done but a component ended the run in after_step
+            # (NanGuard's lagged raise, a failed agreement): open_row() then reports this
+            # step as finished (its step time is known), not as the one to come.
+            self._after_step_failed = self.step
+            if self._row is None:
+                # No component wrote the step's row before the one that raised: its
+                # loss and gradients are still the update's (nothing ran since), so
+                # write it now, on this error path only, for the components to record.
+                try:
+                    self.step_row()
+                except Exception as err:  # a broken device: the run's own error goes on
+                    logger.debug(
+                        "guardrails: step %d's row could not be written: %s", self.step, err
+                    )
+            raise
         if self._bench is not None:  # benchmark mode picks the next step's hooks
             self._live = self._bench.after_step(self)
         if self._norm_shared:

@@ -28,7 +28,7 @@ tensor reads its memory: no kernel, no dispatch), and NanGuard judges those valu
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -39,6 +39,23 @@ COLUMNS = ("loss", "grad_norm", "skipped")
 #: The skipped column's values: the update went in / NanGuard left it out (non-finite
 #: gradients) / a GradScaler left it out (its fp16 gradients overflowed).
 APPLIED, SKIPPED, SCALER_SKIPPED = 0.0, 1.0, 2.0
+
+
+class OpenRow(NamedTuple):
+    """The row of the step a run ended inside (``Guard.open_row()``): written into the
+    :class:`StepRing` (its loss and grad norm were computed) but the step never got
+    through ``after_step``, so no component may have recorded it."""
+
+    #: The step's number (1-based, as ``metrics.parquet``'s ``step``).
+    step: int
+    #: The row's count in the step ring.
+    row: int
+    #: The optimizer step had returned (an ``after_step`` hook raised): the engine's
+    #: ``step_time_s`` is this step's. ``False``: ``before_step`` or the optimizer's own
+    #: ``step()`` raised (or never returned), so the step has no step time.
+    finished: bool
+    #: Unix time the guard learned the run was ending (its close or abort began).
+    time: float
 
 
 class Copy:

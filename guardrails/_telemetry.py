@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -156,6 +157,12 @@ class Telemetry(Component):
         self._sinks: SinkRunner | None = None
         self._tail: EventTail | None = None
         self._compactor: Compactor | None = None
+        # Whichever of on_end (main thread) and on_abort (a thread ending the process)
+        # comes first writes the last rows, under this lock; the other writes none.
+        # Before, a rank the watchdog ended wrote its last rows twice: on_abort's, then
+        # on_end's once the abort of its process group freed its main thread.
+        self._end_lock = threading.Lock()
+        self._ended = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -186,6 +193,9 @@ class Telemetry(Component):
         self._host_rows: list[tuple[float, ...]] = []
         self._gc_total = guard.shared.gc_total_s
         self._arrived: list[tuple[np.ndarray, np.ndarray]] = []  # (device, host) blocks
+        # The step of the last row flushed (0: none), so the end tells whether the step
+        # the run ended inside was recorded already (set once per interval).
+        self._flushed_step = 0.0
         self._last_write = time.monotonic()
         show = self.progress
         if show is None:
@@ -226,13 +236,16 @@ class Telemetry(Component):
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         # Also on a crash: what was measured up to the failure is what a
-        # post-mortem needs most.
+        # post-mortem needs most, the step that failed first of all (NanGuard's
+        # NonFiniteError, an optimizer that raised): its row, when it has one.
         try:
-            if self._host_rows:
-                self._flush()
-            self._collect(self._copies.take())
-            self._write()
-            self._lost()
+            with self._end_lock:
+                if not self._ended:  # else on_abort wrote them: not twice
+                    self._add_open_row(guard)
+                    self._drain()
+                    self._write()
+                    self._lost()
+                    self._ended = True
         finally:
             if self._compactor is not None:
                 self._compactor.close()
@@ -256,11 +269,85 @@ class Telemetry(Component):
         latest["tokens_per_s"] = float(_tokens_per_s(host[None])[0])
         return latest
 
+    # ------------------------------------------------------------------ the end
+
+    def _open_row(self, guard: Guard, rows: list[tuple[float, ...]]) -> tuple[float, ...] | None:
+        """The host columns of the step the run ended inside (``Guard.open_row()``) when
+        ``rows`` (this component's unflushed rows) and the flushed ones lack it: what
+        is known of it, NaN for the rest (no step time where its optimizer step never
+        returned)."""
+        open_row = guard.open_row()
+        if open_row is None:
+            return None
+        last = rows[-1][0] if rows else self._flushed_step
+        if open_row.step <= last:  # after_step recorded it before a later hook raised
+            return None
+        return (
+            open_row.step,
+            open_row.time,
+            guard.lr,
+            guard.step_time_s if open_row.finished else math.nan,
+            guard.data_wait_s,
+            math.nan if guard.tokens is None else guard.tokens,
+            guard.shared.gc_total_s,
+            open_row.row,
+        )
+
+    def _add_open_row(self, guard: Guard) -> None:
+        """At close: the row of the step the run ended inside joins the rows to flush,
+        with its skipped flag as after_step would have recorded it."""
+        row = self._open_row(guard, self._host_rows)
+        if row is None:
+            return
+        skipped = guard.skipped
+        if skipped is not None:
+            flag = self._ring.flags[int(row[-1]) % self._ring.length]
+            if skipped is not flag:
+                with contextlib.suppress(RuntimeError):  # a broken device: as written
+                    flag.copy_(skipped)
+        self._host_rows.append(row)
+
+    def _drain(self) -> None:
+        """At close: every row recorded, read back from the device. Where the device
+        cannot be read any more (a CUDA error ended the run: every later call raises
+        it), the rows keep their host columns and NaN device columns, instead of the
+        run's last rows (up to ``write_every_s`` of them, already on the host) being
+        lost with the failed read."""
+        copy = self._copies.take()
+        rows, self._host_rows = self._host_rows, []
+        # The host columns of the rows still to read back, made first: host work only.
+        blocks: list[np.ndarray] = [] if copy is None else [copy.meta]
+        counts: list[int] = []
+        if rows:
+            host, counts = self._host_block(rows)
+            self._flushed_step = host[-1, 0]
+            blocks.append(host)
+        try:
+            if copy is not None:
+                self._collect(copy)
+                blocks.pop(0)
+            if counts:
+                self._copies.start(counts, blocks[0])  # nothing pending: returns None
+                self._collect(self._copies.take())
+                blocks.pop(0)
+        except RuntimeError as e:  # torch's device errors (torch.AcceleratorError too)
+            logger.warning(
+                "guardrails: %d metric rows (steps %d-%d) are written without loss, grad "
+                "norm and skipped (NaN): the device could not be read at the end: %s",
+                sum(len(b) for b in blocks),
+                blocks[0][0, 0],
+                blocks[-1][-1, 0],
+                e,
+            )
+            width = len(DEVICE_COLUMNS)
+            self._arrived += [(np.full((len(b), width), math.nan), b) for b in blocks]
+
     # ------------------------------------------------------------------ plumbing
 
     def _flush(self) -> None:
         """Start the device-to-host copy of the filled rows; read the previous one."""
         rows, self._host_rows = self._host_rows, []
+        self._flushed_step = rows[-1][0]
         host, counts = self._host_block(rows)
         self._collect(self._copies.start(counts, host))
         if not self._cuda:
@@ -293,10 +380,40 @@ class Telemetry(Component):
         # the newest rows' device columns (loss, grad norm, skipped) stay NaN: reading
         # them would queue behind the stuck kernel or collective. Before this, a rank
         # the watchdog ended lost every row since its last part (up to 60 s of steps).
+        # on_end may be writing them already (the main thread got free): wait for it a
+        # while; past that it is stuck itself (a device read) and these rows go now.
+        locked = self._end_lock.acquire(timeout=ABORT_WAIT_S / 2)
+        try:
+            if not self._ended:
+                self._abort_rows(guard)
+                self._ended = True
+        finally:
+            if locked:
+                self._end_lock.release()
+        if self._sinks is not None:
+            end = end_event(guard.step, self._rank, error, aborted=True)
+            self._close_sinks(end, ABORT_WAIT_S)  # inside the process's 5 s of last words
+
+    def _abort_rows(self, guard: Guard) -> None:
+        """on_abort's rows: those the host holds, the pending copy's where it finished
+        (else its host columns), and the open step's."""
         pending = self._copies.pending
-        if pending is not None and pending.ready():
-            self._collect(self._copies.take())
-        rows = list(self._host_rows)  # a snapshot: the main thread may still append
+        if pending is not None:
+            if pending.ready():
+                self._collect(self._copies.take())
+            else:  # behind the stuck kernel: the host columns still go, device ones NaN
+                self._copies.take()
+                width = len(DEVICE_COLUMNS)
+                self._arrived.append((np.full((len(pending.meta), width), math.nan), pending.meta))
+        # Taken, not copied: a main thread that runs on must not flush them again (a
+        # row it appends meanwhile may be lost; none is written twice).
+        rows, self._host_rows = self._host_rows, []
+        rows = list(rows)
+        # The step the main thread is stuck in (an optimizer step that never returns, a
+        # collective inside it), or ended in: its row, when its values were computed.
+        row = self._open_row(guard, rows)
+        if row is not None:
+            rows.append(row)
         if rows:
             host, counts = self._host_block(rows)
             if self._ring.host:
@@ -306,9 +423,6 @@ class Telemetry(Component):
             self._arrived.append((dev, host))
         self._write()
         self._lost()
-        if self._sinks is not None:
-            end = end_event(guard.step, self._rank, error, aborted=True)
-            self._close_sinks(end, ABORT_WAIT_S)  # inside the process's 5 s of last words
 
     def _close_sinks(self, end: dict[str, Any], timeout_s: float) -> None:
         """Hand the sinks the events not sent yet and the end (the guard writes its own
@@ -343,7 +457,7 @@ class Telemetry(Component):
         """Write what has arrived as one parquet part, atomically (temp, then rename),
         with the rows earlier parts could not write; on an ``OSError`` keep them all
         (bounded) for the next part."""
-        if not self._arrived:
+        if not self._arrived or self._ended:  # ended: the last rows went already
             return
         dev = np.concatenate([d for d, _ in self._arrived])
         host = np.concatenate([h for _, h in self._arrived])
@@ -427,7 +541,9 @@ def _to_table(dev: np.ndarray, host: np.ndarray, rank: int, started_at: float) -
         "tokens_per_s": pa.array(tps, mask=np.isnan(tps)),
         "gc_s": pa.array(cols["gc_s"]),
         "mem_peak_bytes": pa.array(np.nan_to_num(mem).astype(np.int64), mask=np.isnan(mem)),
-        "skipped": pa.array(cols["skipped"] > 0.5),
+        # Null where the device columns could not be read (NaN: an abort on a GPU, a
+        # broken device at the end): unknown, not "applied".
+        "skipped": pa.array(cols["skipped"] > 0.5, mask=np.isnan(cols["skipped"])),
     }
     return pa.table(arrays, schema=SCHEMA)
 
@@ -449,7 +565,10 @@ def _mem_peak_bytes(device: torch.device) -> float:
     # Host-side allocator counters: no sync. Not reset per step: resetting the peak
     # would clobber the user's own torch.cuda.max_memory_allocated() readings.
     if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
+        try:
+            return float(torch.cuda.max_memory_allocated(device))
+        except RuntimeError:  # a device a CUDA error broke: the rows still go, without it
+            return math.nan
     if resource is not None:
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
     return math.nan

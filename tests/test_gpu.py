@@ -547,3 +547,78 @@ def test_fp16_gradscaler_skips_are_skipped_rows_not_warnings(tmp_path):
     events = read_events(tmp_path)
     assert [e["step"] for e in events if e["kind"] == "scaler_skip"] == skipped_by_scaler
     assert [e for e in events if e["level"] != "info" and e["kind"] != "nan_guard_syncs"] == []
+
+
+def test_a_lagged_nonfinite_error_keeps_the_raising_steps_row_on_cuda(tmp_path):
+    """Steps 13 on are non-finite; NanGuard (fused AdamW: no sync) learns it when a
+    lagged copy comes back and raises from that step's after_step, before telemetry
+    recorded it. Every step's row is on disk, that one's too, once, with its skipped
+    flag and step time."""
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batches = data(device, 4)
+    with pytest.raises(guardrails.NonFiniteError) as info:
+        with guardrails.guard(
+            model,
+            opt,
+            batches * 10,
+            run_dir=tmp_path,
+            progress=False,
+            nan={"max_consecutive_skips": 3},
+        ) as g:
+            for i, (x, y) in enumerate(g):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
+                if i + 1 >= 13:
+                    next(model.parameters()).grad.mul_(float("nan"))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    assert info.value.step == 13
+    last = g.step
+    assert 15 <= last <= 13 + 2 * 10
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert rows["step"] == list(range(1, last + 1))
+    assert rows["skipped"] == [False] * 12 + [True] * (last - 12)
+    assert all(t > 0 for t in rows["step_time_s"])
+    assert all(v == v for v in rows["loss"])  # every device column read back
+
+
+def test_a_cuda_error_at_the_end_keeps_the_rows_the_host_holds(tmp_path):
+    """A device-side assert in step 24 (sticky: every later CUDA call fails) ends the
+    run. The rows already read back (steps 1-15 at least) keep their values; the rest
+    keep their host columns (step, time, lr...) with NaN device columns; a warning says
+    so. Before, the failed read at close lost every row not yet in a part: here all."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_gpu import gpt, data
+        import guardrails
+        device = torch.device("cuda")
+        model = gpt(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        with guardrails.guard(model, opt, data(device, 4) * 10, run_dir={str(tmp_path)!r},
+                              progress=False, metrics={{"every_n_steps": 5}}) as g:
+            for x, y in g:
+                loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if g.step == 23:
+                    bad = torch.tensor([10**6], device=device)
+                    torch.zeros(2, device=device)[bad].sum().item()  # device-side assert
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "device-side assert" in proc.stderr or "CUDA error" in proc.stderr, proc.stderr[-3000:]
+    assert "could not be read at the end" in proc.stderr, proc.stderr[-3000:]
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert rows["step"] == list(range(1, 24)), proc.stderr[-3000:]
+    assert all(v == v for v in rows["loss"][:15])
+    assert all(t > 0 for t in rows["step_time_s"]) and rows["lr"] == [1e-3] * 23
