@@ -73,6 +73,7 @@ from guardrails._events import EventLog, logger_of
 from guardrails._gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails._lagged import StepRing
 from guardrails._model import find_loss as _find_loss
+from guardrails._model import is_loss as _is_loss
 from guardrails._state import Shared, StepState
 
 logger = logging.getLogger("guardrails.guard")
@@ -709,8 +710,10 @@ class Guard(StepState):
         self.exhausted_at = None
         clock = time.perf_counter
         while True:
-            if self._at_boundary:
-                self._boundary()
+            if self._at_boundary:  # _boundary() inline: the common place it fires
+                self._at_boundary = False
+                for fn in self._live["on_boundary"]:
+                    fn(self)
                 if self.stopping is not None:
                     return
             self.phase = "data"
@@ -837,7 +840,11 @@ class Guard(StepState):
             torch.get_autocast_dtype(self._device_type) == torch.float16
         ):
             self.fp16_autocast = True
-        loss = _find_loss(output)
+        # A bare loss tensor (the common output) without find_loss's frame.
+        if type(output) is Tensor:
+            loss = output if _is_loss(output) else None
+        else:
+            loss = _find_loss(output)
         if loss is None:
             return
         loss = loss.detach()
@@ -903,7 +910,10 @@ class Guard(StepState):
         read from host memory on a CPU; return its count. Valid from ``before_step`` on;
         the skipped slot is ``step_ring.flags[step_ring.i]``."""
         if self._row is None:
-            self._row = self._ring.write(self.step_loss, self.grad_norm())
+            norm = self._grad_norm  # grad_norm() inline: one frame fewer per step
+            if norm is None:
+                norm = self._grad_norm = self._norm(self._params, self.step)
+            self._row = self._ring.write(self.step_loss, norm)
         return self._row
 
     @property
