@@ -142,9 +142,9 @@ class GradNorm:
                 self.from_buckets += 1
                 return total
         if not self.enabled:
-            # One ``.grad`` read per parameter, not two (``p.grad`` is a descriptor on a
-            # Tensor subclass: ~75 ns a read on the 2-core VM, so the second read was
-            # ~11 us a step at GPT-2 small's 148 tensors; measured 24 vs 40-50 us).
+            # One ``.grad`` read per parameter, not two: ``p.grad`` on a Parameter (a
+            # Tensor subclass) looks up ``__torch_function__`` each time. The gather
+            # for GPT-2 small's 148 tensors: 13.0 us instead of 23.1 (2-core VM).
             grads = [g for p in params if (g := p.grad) is not None]
             return total_norm(grads, self.device, self.multi_device)
         # One pass over the parameters, as the eager gather: each gradient's address, 0
