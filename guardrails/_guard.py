@@ -73,6 +73,7 @@ from guardrails._events import EventLog, logger_of
 from guardrails._gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails._lagged import OpenRow, StepRing
 from guardrails._model import find_loss as _find_loss
+from guardrails._model import is_loss as _is_loss
 from guardrails._state import Shared, StepState
 
 logger = logging.getLogger("guardrails.guard")
@@ -715,8 +716,10 @@ class Guard(StepState):
         self.exhausted_at = None
         clock = time.perf_counter
         while True:
-            if self._at_boundary:
-                self._boundary()
+            if self._at_boundary:  # _boundary() inline: the common place it fires
+                self._at_boundary = False
+                for fn in self._live["on_boundary"]:
+                    fn(self)
                 if self.stopping is not None:
                     return
             self.phase = "data"
@@ -733,8 +736,14 @@ class Guard(StepState):
             self.batch_in_epoch += 1
             self._n_fetched += 1
             self._fetched.append(batch)
-            if self._arg_versions and not self._copy_inputs:
-                self._check_refill()
+            versions = self._arg_versions
+            if versions and not self._copy_inputs:
+                # Inline, not a call: this runs at every fetch (see _check_refill).
+                self._arg_versions = []
+                for t, v in versions:
+                    if t._version != v:
+                        self._check_refill(versions)
+                        break
             self.phase = "loop"
             if self._pending is not None:
                 self._raise_pending()
@@ -770,16 +779,13 @@ class Guard(StepState):
             self._explicit_loss = self._explicit_loss + loss
         self._explicit_n += 1
 
-    def _check_refill(self) -> None:
-        """After a fetch: whether a tensor a training forward got was written in place
-        since (its version counter moved): a loader that refills one buffer per batch
-        (nanochat's yields views of a reused device buffer). Then the step's recorded
-        inputs would show later data, so from now on each training forward's tensor
-        arguments are copied (one device copy each; reported once)."""
-        changed = [t for t, v in self._arg_versions if t._version != v]
-        self._arg_versions = []
-        if not changed:
-            return
+    def _check_refill(self, versions: list[tuple[Tensor, int]]) -> None:
+        """After a fetch, ``versions`` (a training forward's tensors and their version
+        counters then) showed a tensor written in place since: a loader that refills
+        one buffer per batch (nanochat's yields views of a reused device buffer). Then
+        the step's recorded inputs would show later data, so from now on each training
+        forward's tensor arguments are copied (one device copy each; reported once)."""
+        changed = [t for t, v in versions if t._version != v]
         self._copy_inputs = True
         nbytes = sum(t.numel() * t.element_size() for t in changed)
         self.event(
@@ -823,7 +829,10 @@ class Guard(StepState):
             args = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
             kwargs = {k: v.clone() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
         else:
-            self._arg_versions += [(a, a._version) for a in args if isinstance(a, Tensor)]
+            versions = self._arg_versions  # a loop, not a list comprehension's frame
+            for a in args:
+                if isinstance(a, Tensor):
+                    versions.append((a, a._version))
         self.step_calls.append((module, args, kwargs))
         if self._fetched:  # the batches fetched since the last forward are this step's
             self.step_batches += self._fetched
@@ -837,7 +846,11 @@ class Guard(StepState):
             torch.get_autocast_dtype(self._device_type) == torch.float16
         ):
             self.fp16_autocast = True
-        loss = _find_loss(output)
+        # A bare loss tensor (the common output) without find_loss's frame.
+        if type(output) is Tensor:
+            loss = output if _is_loss(output) else None
+        else:
+            loss = _find_loss(output)
         if loss is None:
             return
         loss = loss.detach()
@@ -919,7 +932,10 @@ class Guard(StepState):
         read from host memory on a CPU; return its count. Valid from ``before_step`` on;
         the skipped slot is ``step_ring.flags[step_ring.i]``."""
         if self._row is None:
-            self._row = self._ring.write(self.step_loss, self.grad_norm())
+            norm = self._grad_norm  # grad_norm() inline: one frame fewer per step
+            if norm is None:
+                norm = self._grad_norm = self._norm(self._params, self.step)
+            self._row = self._ring.write(self.step_loss, norm)
         return self._row
 
     @property
@@ -1024,7 +1040,8 @@ class Guard(StepState):
             self._fetched = []
         self.data_wait_s = self._data_wait_s
         self.tokens = self._tokens
-        self.lr = _lr(self.optimizer)
+        lr = self.optimizer.param_groups[0].get("lr", math.nan)
+        self.lr = lr if type(lr) is float else _lr(self.optimizer)  # a float: no call
         for fn in self._live["before_step"]:
             fn(self)
 

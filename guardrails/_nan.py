@@ -468,7 +468,7 @@ class NanGuard(Component):
         if guard.skip_cause is not None:  # its GradScaler skipped it: see _scaler_skip
             self._scaler_skip(guard.step + 1, _skip_scale(guard))
             return
-        grads = [p.grad for p in self._extra[name] if p.grad is not None]
+        grads = [g for p in self._extra[name] if (g := p.grad) is not None]
         norm = guard.total_norm(grads)
         norm_v = float(norm)  # the one host read of this optimizer's step
         bad = not math.isfinite(norm_v)

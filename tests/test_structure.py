@@ -185,6 +185,25 @@ def python_calls_per_step(depth, tmp_path):
     return calls
 
 
+#: Python functions the guard runs per step on a CPU loop with every default component
+#: (``python_calls_per_step``'s loop, STEPS steps; C calls not counted): the step and
+#: forward wrappers, the batch generator, the engine's before/after step, the grad
+#: norm and the row, each component's hook. It was 32.5 before the grad norm's
+#: ``.grad`` gather, the refill check, the LR read, the boundary at a fetch,
+#: ``grad_norm()`` in ``step_row()`` and ``find_loss`` for a bare loss went inline
+#: (callgrind: benchmarks/RESULTS.md). A change that adds a frame per step fails here:
+#: measure it, then move the pin.
+PY_FRAMES = 155  # over STEPS (6) steps: 25.8 a step
+
+
+def test_python_frames_per_step_are_pinned(tmp_path):
+    calls = python_calls_per_step(1, tmp_path)
+    frames = Counter({k: v for k, v in calls.items() if not k.startswith("c:")})
+    assert sum(frames.values()) == PY_FRAMES, sorted(frames.items(), key=lambda kv: -kv[1])
+    # One list comprehension per step: the grad norm's gather (one .grad read a tensor).
+    assert frames["<listcomp>"] == STEPS, frames
+
+
 def test_python_calls_per_step_do_not_grow_with_the_model(tmp_path):
     small = python_calls_per_step(1, tmp_path)
     big = python_calls_per_step(60, tmp_path)
