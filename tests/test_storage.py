@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Regressor, batches, read_events
+from test_nan import poisoned, run_until_raise
 
 import guardrails
 from guardrails._checkpoint import CRASH_ENV, list_checkpoints
@@ -553,22 +554,8 @@ def test_a_nan_batch_that_cannot_be_saved_still_gets_its_diagnosis(tmp_path):
     ENOTDIR / EEXIST, as a full or read-only disk refuses with its own errno), the
     diagnosis still comes, naming the sample row, and says the batch was not saved and
     why; no half-written dump is left. Before, the OSError replaced the diagnosis."""
-    data = batches(8)
-    x, y = data[4]
-    x = x.clone()
-    x[3, 1] = float("inf")
-    data[4] = (x, y)
     (tmp_path / "nonfinite").write_text("not a directory")
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    with pytest.raises(guardrails.NonFiniteError) as info:
-        with guardrails.guard(model, opt, data, run_dir=tmp_path, nan={"policy": "raise"}) as g:
-            for xb, yb in g:
-                model(xb, yb).backward()
-                opt.step()
-                opt.zero_grad()
-    err = info.value
+    err, _ = run_until_raise(tmp_path, poisoned(8, 5, row=3))
     assert (err.cause, err.step, err.samples) == ("bad_data", 5, [3])
     assert err.batch_path is None
     assert "could not be saved under" in str(err) and "nonfinite" in str(err)
