@@ -725,7 +725,8 @@ def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, faul
     (end,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "end"]
     assert end["error"].startswith("SystemExit: 143" if fault == "sigterm" else "NonFiniteError")
     rows = guardrails.read_metrics(tmp_path / "run").num_rows
-    assert rows == (5 if fault == "sigterm" else 12), rows
+    # NanGuard raises inside step 13 (its batch holds the NaN): that row is kept too.
+    assert rows == (5 if fault == "sigterm" else 13), rows
 
 
 def test_a_signal_stop_reports_the_skips_the_lagged_read_had_not_reached(tmp_path, monkeypatch):

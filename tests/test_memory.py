@@ -206,6 +206,9 @@ def run_until(tmp_path, model, n=6, components=None, loader=None, opt=None):
 
 
 def test_oom_in_forward_is_explained(tmp_path):
+    # Earlier tests' garbage in this worker (guards held by an exception's traceback
+    # cycle, with their 5 KB RNG-state tensors) would crowd the largest-tensor list.
+    gc.collect()
     torch.manual_seed(0)
     original = torch.OutOfMemoryError(FAKE_CUDA_OOM)
     model = Exploding(original, at_call=3)
