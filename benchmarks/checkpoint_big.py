@@ -70,6 +70,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     if args.dcp_threads:
         child += ["--dcp-threads", str(args.dcp_threads)]
     child += ["--dcp-process"] if args.dcp_process else []
+    child += ["--noise", args.noise] if args.noise else []
     if args.nproc > 1:
         cmd = [
             sys.executable,
@@ -101,8 +102,8 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
                 t_signal = time.perf_counter()
                 wall_signal = time.time()
                 proc.send_signal(signal.SIGTERM)
-        elif line.startswith("SAMPLE "):  # --sample: where a long step's time went
-            print(line, end="", flush=True)
+        elif line.startswith(("SAMPLE ", "DEQUE ", "NOISE ")) or args.echo:
+            print(line, end="", flush=True)  # --sample: where a long step's time went
         elif line.startswith("ATEXIT "):  # a rank's interpreter reached its atexit hooks
             _, rank, when = line.split()
             at_exit[int(rank)] = float(when)
@@ -130,6 +131,12 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         for s in range(args.every, args.sigterm_at, args.every)
         if s + 1 in steps
     }
+    # The steps after each due save (or --noise), over the median: a stall can be one
+    # long step or many slower ones while the write goes on.
+    after = {
+        s: [round(steps[k] - median) for k in range(s + 1, s + 26) if k in steps]
+        for s in range(args.every, args.sigterm_at, args.every)
+    }
     last = [e for e in saves if e["step"] >= args.sigterm_at]
     # Where the time from SIGTERM to the launcher's exit goes, per rank (seconds after
     # the signal): the signal save committed (its event), the guard closed (its end
@@ -153,6 +160,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         "sigterm_to_exit_s": None if t_signal is None else t_exit - t_signal,
         "median_step_ms": median,
         "periodic_stall_ms": stalls,
+        "after_ms": after,
         "skipped": skipped,
         "signal_saves": last,
         "exit_timeline_s": timeline,
@@ -219,6 +227,8 @@ def show(path: str) -> None:
                 keys = ("bytes", "seconds", "stage_s", "write_s", "fsync_s", "commit_s", "sharded")
                 keys += ("dcp_staging",)
                 print(f"    rank {e['rank']} step {e['step']}: { ({k: e.get(k) for k in keys}) }")
+            for s, after in (r.get("after_ms") or {}).items():
+                print(f"    steps after step {s} (ms over the median): {after}")
             if r.get("exit_timeline_s"):
                 print(f"    after SIGTERM (s): {r['exit_timeline_s']}")
             if r["log_tail"]:
@@ -334,6 +344,7 @@ def child(args: argparse.Namespace) -> None:
         # Its planner (cancellable, a local class holding a threading.Event) cannot be
         # pickled to DCP's process: that variant writes without it.
         _sharded._cancellable_planner = lambda cancel: None
+        _diagnose_process_pickling()
     cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -357,7 +368,7 @@ def child(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda and not args.fsdp)
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
-        print(f"params {n * (world if args.fsdp else 1) / 1e9:.3f}B", flush=True)
+        print(f"params {n / 1e9:.3f}B", flush=True)  # a DTensor's numel is its global one
     data = [(torch.randint(0, 50304, (args.batch, 1024), device=device),) * 2 for _ in range(4)]
     # The moment this rank's interpreter starts shutting down (after the guard's
     # SystemExit(143) left the with-block): the parent splits the exit time with it.
@@ -368,7 +379,7 @@ def child(args: argparse.Namespace) -> None:
         data * 10_000,
         run_dir=args.run_dir,
         progress=False,
-        checkpoint={"every_n_steps": args.every, "keep_last": 1},
+        checkpoint={"every_n_steps": 10**9 if args.noise else args.every, "keep_last": 1},
     ) as g:
         sampler = Sampler() if args.sample else None
         cpu0 = sampler.cpu() if sampler else {}
@@ -384,11 +395,117 @@ def child(args: argparse.Namespace) -> None:
             now = time.perf_counter()
             if rank == 0:
                 print(f"STEP {g.step} {(now - t) * 1e3:.2f}", flush=True)
+            if args.noise and g.step == args.every:
+                _noise(args.noise, Path(args.run_dir), rank, model)
+                now = time.perf_counter()  # the next step is timed from here
             if sampler is not None:
                 if now - t > 1.0 and g.step > 5:
                     sampler.report(rank, g.step, t, now, cpu0)
                 cpu0 = sampler.cpu()
             t = now
+
+
+def _noise(kind: str, run_dir: Path, rank: int, model) -> None:
+    """``--noise``: instead of a save, write as many bytes as this rank's save would
+    (parameters and AdamW's two moments, fp32) by other means, to tell the disk and
+    the kernel's writeback (``dd``: another process) from this process's threads
+    (``threads``: 8 Python threads, the GIL released in each write) and from the GIL
+    alone (``gil``: one thread running Python for 5 s, no I/O); ``torchsave``: 8 threads
+    writing with ``torch.save`` as DCP's writers do, without DCP's planning around it."""
+    import subprocess
+    import threading
+
+    import torch
+
+    local = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
+    nbytes = local * 4 * 3
+    chunk = 64 << 20
+    print(f"NOISE rank {rank}: {kind}, {nbytes / 1e9:.2f} GB", flush=True)
+    if kind == "dd":
+        subprocess.Popen(
+            [
+                "dd",
+                "if=/dev/zero",
+                f"of={run_dir}/noise-{rank}.bin",
+                f"bs={chunk}",
+                f"count={max(nbytes // chunk, 1)}",
+                "conv=fsync",
+                "status=none",
+            ]
+        )
+    elif kind == "threads":
+        buf = bytes(chunk)
+
+        def write(i: int) -> None:
+            with open(run_dir / f"noise-{rank}-{i}.bin", "wb") as f:
+                for _ in range(max(nbytes // chunk // 8, 1)):
+                    f.write(buf)
+                f.flush()
+                os.fsync(f.fileno())
+
+        for i in range(8):
+            threading.Thread(target=write, args=(i,), daemon=True).start()
+    elif kind == "torchsave":  # DCP's own per-item write, without DCP around it
+
+        def save(i: int) -> None:
+            t = torch.empty(chunk // 4, pin_memory=torch.cuda.is_available())
+            with open(run_dir / f"noise-{rank}-{i}.bin", "wb") as f:
+                for _ in range(max(nbytes // chunk // 8, 1)):
+                    torch.save(t, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        for i in range(8):
+            threading.Thread(target=save, args=(i,), daemon=True).start()
+    elif kind == "gil":
+
+        def spin() -> None:
+            end, x = time.perf_counter() + 5.0, 0
+            while time.perf_counter() < end:
+                x += 1
+
+        threading.Thread(target=spin, daemon=True).start()
+
+
+def _diagnose_process_pickling() -> None:
+    """``--dcp-process``: if DCP cannot send a save to its process, print the error and
+    where a deque (the session-10 failure: "deque mutated during iteration") is
+    reachable from the request, as a chain of types."""
+    import collections
+    import gc
+    import traceback
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    send = ape._AsyncCheckpointProcess._send
+
+    def checked(self, data):
+        try:
+            ForkingPickler.dumps(data)
+        except Exception:
+            traceback.print_exc()
+            seen, parent, queue = {id(data)}, {id(data): None}, collections.deque([data])
+            found = []
+            while queue and len(seen) < 500_000 and len(found) < 3:
+                obj = queue.popleft()
+                for ref in gc.get_referents(obj):
+                    if id(ref) in seen or isinstance(ref, type):
+                        continue
+                    seen.add(id(ref))
+                    parent[id(ref)] = obj
+                    if isinstance(ref, collections.deque):
+                        found.append(ref)
+                    queue.append(ref)
+            for d in found:
+                chain, obj = [], d
+                while obj is not None:
+                    chain.append(type(obj).__qualname__)
+                    obj = parent.get(id(obj))
+                print("DEQUE PATH", " <- ".join(chain), flush=True)
+        return send(self, data)
+
+    ape._AsyncCheckpointProcess._send = checked
 
 
 def main() -> None:
@@ -415,6 +532,12 @@ def main() -> None:
     p.add_argument(
         "--dcp-process", action="store_true", help="FSDP2: DCP writes from its own process"
     )
+    p.add_argument(
+        "--noise",
+        choices=("dd", "threads", "torchsave", "gil"),
+        help="no periodic saves: at step --every write the same bytes by other means",
+    )
+    p.add_argument("--echo", action="store_true", help="print the children's output")
     p.add_argument("--dcp-threads", type=int, help="FSDP2: DCP writer threads of background saves")
     p.add_argument(
         "--sample",

@@ -112,6 +112,18 @@ def sync(device: torch.device) -> None:
 
 
 VARIANTS = ("plain", "guarded", "graph_norm", "item")
+# --ddp-split's extra variants (see main): plain DDP under the guard, GuardedDDP alone,
+# torch's Python hook, GuardedDDP with DDP's C++ hook, plain DDP built last, plain DDP
+# with the C++ hook, GuardedDDP (under the guard) with no hook.
+SPLIT = (
+    "ddp_guard",
+    "gddp_alone",
+    "torch_hook",
+    "gddp_cpp",
+    "plain_late",
+    "ddp_cpp",
+    "gddp_nohook",
+)
 GRAPH_RUNS: list[dict[str, int]] = []  # the grad norm graph's counters, per guarded run
 SHARED: list[tuple[str, int]] = []  # (source, steps) of grad_norm_shared events
 
@@ -164,7 +176,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
         sync(device)
         return (clock() - t0) / args.steps
 
-    if variant not in ("guarded", "graph_norm", "ddp_guard", "gddp_cpp"):
+    if variant not in ("guarded", "graph_norm", "ddp_guard", "gddp_cpp", "gddp_nohook"):
         return loop(cycle(data, total))
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(
@@ -270,6 +282,15 @@ def main() -> None:
             setups["gddp_cpp"][0]._register_builtin_comm_hook(
                 torch.distributed.BuiltinCommHookType.ALLREDUCE
             )
+            # Whether any comm hook costs, or GuardedDDP's class: plain DDP with DDP's
+            # C++ all-reduce hook, and GuardedDDP with no hook at all (DDP's own
+            # reduction, as plain DDP; the guard computes its own norm).
+            setups["ddp_cpp"] = build(args, device, DistributedDataParallel)
+            setups["ddp_cpp"][0]._register_builtin_comm_hook(
+                torch.distributed.BuiltinCommHookType.ALLREDUCE
+            )
+            setups["gddp_nohook"] = build(args, device, guardrails.GuardedDDP)
+            setups["gddp_nohook"][0]._guardrails_hooked = True
     else:
         setup = build(args, device)
         setups = {v: setup for v in VARIANTS}
@@ -277,11 +298,7 @@ def main() -> None:
         ["plain", "guarded"]
         + (["graph_norm"] if args.graph_norm else [])
         + (["item"] if args.item else [])
-        + (
-            ["ddp_guard", "gddp_alone", "torch_hook", "gddp_cpp", "plain_late"]
-            if args.ddp_split
-            else []
-        )
+        + ([*SPLIT] if args.ddp_split else [])
     )
     if args.variants:  # a subset (plain and guarded stay: the result compares them)
         keep = {"plain", "guarded", *args.variants.split(",")}
@@ -333,7 +350,7 @@ def main() -> None:
         "clock": args.clock,
         "runs_us": {v: [round(t * 1e6, 1) for t in ts] for v, ts in times.items()},
     }
-    for v in ("ddp_guard", "gddp_alone", "torch_hook", "gddp_cpp", "plain_late"):
+    for v in SPLIT:
         if v in times:
             med = statistics.median(times[v])
             result[f"{v}_step_us"] = med * 1e6

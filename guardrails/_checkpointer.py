@@ -497,7 +497,7 @@ class SignalCheckpointer(Component):
                 keeps = self.every_n_steps or self.every_s or self._resumed
                 # A background save that failed: said like any failed periodic save, and
                 # the save below retries it.
-                self._settle_writer(guard)
+                self._settle_writer(guard, stopping=self._stop_at is not None)
                 if self._stop_at is not None:
                     self._stop(guard, exit_now=False)
                 elif keeps and guard.step != self._last_saved_step:
@@ -566,10 +566,10 @@ class SignalCheckpointer(Component):
         self._next_check = guard.step + steps
 
     def on_boundary(self, guard: Guard) -> None:
-        if self._writer_error is not None:
-            self._settle_writer(guard)
         if guard.side_group is None and self._signal is not None and self._stop_at is None:
             self._stop_at, self._stop_signal = guard.step, self._signal  # alone: stop now
+        if self._writer_error is not None:
+            self._settle_writer(guard, stopping=self._stop_at is not None)
         if self._stop_at is not None:
             self._stop(guard)
             return
@@ -720,7 +720,7 @@ class SignalCheckpointer(Component):
         step = guard.step
         if final_save:
             self._abandon_older_write(guard, step)
-        self._settle_writer(guard)  # the next save waits for the previous one
+        self._settle_writer(guard, stopping=final_save)  # the next save waits for the previous one
         done = self.last_path
         if final_save and done is not None and done.name == f"step_{step:09d}":
             # The signal came while this very step's periodic save was being written:
@@ -1052,28 +1052,34 @@ class SignalCheckpointer(Component):
             time.sleep(0.01)
         return final
 
-    def _settle_writer(self, guard: Guard) -> None:
+    def _settle_writer(self, guard: Guard, *, stopping: bool = False) -> None:
         """Wait for the background writer; a save it could not write is handled like
-        any failed periodic save (:meth:`_save_failed`), anything else raised."""
+        any failed periodic save (:meth:`_save_failed`), anything else raised. When
+        ``stopping`` (a signal's stop is about to save), any failure of the older save
+        is only said: the stop's own save must still be tried, or a pre-emption would
+        lose every step since the last checkpoint to an error of a save it supersedes
+        (DCP's writer process killed by the launcher's SIGTERM, say)."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
         error = self._writer_error
-        if isinstance(error, CheckpointError):
+        if isinstance(error, CheckpointError) or (stopping and error is not None):
             self._writer_error = None
-            self._save_failed(guard, error)
+            step = None if self._writing is None else self._writing[0]
+            self._save_failed(guard, _writer_failed(error, self.root, step), stopping=stopping)
         else:
             self._wait_writer(raise_error=True)
 
-    def _save_failed(self, guard: Guard, error: CheckpointError) -> None:
+    def _save_failed(self, guard: Guard, error: CheckpointError, *, stopping: bool = False) -> None:
         """A periodic save could not be written (a full disk, permissions): a warning,
         and training goes on with the previous checkpoint as the latest; the next save
         retries. Raised when this run has no checkpoint to fall back on (a run_dir that
-        takes none at all is a setup mistake, best found now)."""
+        takes none at all is a setup mistake, best found now), unless ``stopping``: the
+        stop's save is the retry, and it comes next."""
         self._last_saved_step = self._committed_step  # the next save retries
         if self._writing is not None and self._writing[0] == error.step:
             self._writing = None
-        if self.last_path is None:
+        if self.last_path is None and not stopping:
             raise error.rehint(
                 f"{error.hint} This run has no checkpoint yet to fall back on, so it stops "
                 "at its first save rather than train on unprotected (a pre-emption would "
@@ -1086,6 +1092,12 @@ class SignalCheckpointer(Component):
         if not again:
             self._failed_warned_t = now
         step = error.step if error.step is not None else guard.step
+        then = (
+            "The stop's save comes next"
+            if stopping
+            else f"Training goes on and the next periodic save retries ({self.failed_saves} "
+            "failed so far)"
+        )
         guard.event(
             "checkpoint_failed",
             # Once, then at most every 10 min while saves keep failing (the others are
@@ -1093,8 +1105,7 @@ class SignalCheckpointer(Component):
             level="info" if again else "warning",
             step=step,
             message=f"the checkpoint of step {step} could not be saved: {error.message}. "
-            f"Training goes on and the next periodic save retries ({self.failed_saves} "
-            f"failed so far); {self._latest_text()}, and a pre-emption now loses the steps "
+            f"{then}; {self._latest_text()}, and a pre-emption now loses the steps "
             f"since. Fix: {error.hint}",
             path=error.path,
             failed=self.failed_saves,
@@ -1117,12 +1128,7 @@ class SignalCheckpointer(Component):
         if error is not None and raise_error:
             if isinstance(error, GuardrailsError):
                 raise error
-            raise CheckpointError(
-                f"the background checkpoint writer failed: {type(error).__name__}: {error}",
-                path=str(self.root),
-                hint="the previous checkpoints are intact; fix the cause (disk space, "
-                "permissions) and the next save retries.",
-            ) from error
+            raise _writer_failed(error, self.root) from error
 
     # ------------------------------------------------------------------ resume
 
@@ -1494,6 +1500,21 @@ class SignalCheckpointer(Component):
 
 
 _ABSENT = "(absent)"
+
+
+def _writer_failed(error: BaseException, root: Path, step: int | None = None) -> CheckpointError:
+    """What the background writer raised, as the CheckpointError that says it."""
+    if isinstance(error, CheckpointError):
+        return error
+    failed = CheckpointError(
+        f"the background checkpoint writer failed: {type(error).__name__}: {error}",
+        path=str(root),
+        step=step,
+        hint="the previous checkpoints are intact; fix the cause (disk space, "
+        "permissions) and the next save retries.",
+    )
+    failed.__cause__ = error
+    return failed
 
 
 def _write_error(final: Path, step: int, e: BaseException) -> BaseException:

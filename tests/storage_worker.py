@@ -2,6 +2,7 @@
 
     python tests/storage_worker.py RUN_DIR --fail HOW --fail-at K [--heal-at K2]
         [--steps N] [--every-n N] [--keep-last N] [--sigterm-at K] [--background]
+        [--slow-step K]
         [--resave] [--max-pending-rows N]
 
 ``--fail`` makes every write under RUN_DIR fail from step K on (0: before the guard
@@ -16,7 +17,8 @@ starts), through the OS, with no privileges needed for the first:
 
 With ``--world W --rank R --port P`` it is one rank of a DDP job (gloo), and only the
 ranks in ``--fail-ranks`` have a failing disk. With ``--sigterm-at K`` the process
-sends itself SIGTERM after step K. ``--resave``: no
+sends itself SIGTERM after step K; ``--slow-step K`` makes step K take a second longer
+(a background save in flight has finished, or failed, by its end). ``--resave``: no
 training; resume, then save the step just resumed again (``g.save_checkpoint()``).
 At the end it prints one JSON line (``summary: {...}``) with what is on disk, read
 back after the guard closed: a tmpfs in a user namespace is gone once this process
@@ -34,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -138,6 +141,7 @@ def main() -> None:
     p.add_argument("--every-n", type=int, default=5)
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--sigterm-at", type=int, default=-1)
+    p.add_argument("--slow-step", type=int, default=-1)
     p.add_argument("--background", action="store_true")
     p.add_argument("--resave", action="store_true")
     p.add_argument("--max-pending-rows", type=int, default=None)
@@ -188,6 +192,8 @@ def main() -> None:
                     opt.zero_grad()
                     if disk is not None and g.step == a.fail_at:
                         disk.fail()
+                    if g.step == a.slow_step:
+                        time.sleep(1.0)
                     if disk is not None and g.step == a.heal_at:
                         disk.heal()
                     if g.step == a.sigterm_at:

@@ -291,6 +291,29 @@ def test_a_signal_save_that_cannot_be_written_still_exits_143_and_names_the_late
     assert s["resumed_step"] == 10
 
 
+@pytest.mark.slow(reason="a real training process")
+def test_a_stop_still_saves_after_the_background_save_before_it_failed(tmp_path):
+    # The first periodic save (step 5, written in the background) fails on the disk; the
+    # disk is back by step 6, when SIGTERM comes. The stop's save must still be tried:
+    # before, the older save's failure was raised at that boundary ("no checkpoint yet
+    # to fall back on") and the pre-emption exited 1 with nothing saved.
+    rc, err, s = run_worker(
+        tmp_path / "run",
+        "--fail", "fsize", "--fail-at", 4, "--heal-at", 6, "--slow-step", 6,
+        "--sigterm-at", 6, "--background",
+    )  # fmt: skip
+    assert rc == 143, err
+    assert "Traceback" not in err, err
+    assert s["committed"] == steps(6) and s["entries"] == s["committed"], err
+    assert s["resumed_step"] == 6
+    [stopped] = [ln for ln in err.splitlines() if "stopped:" in ln]
+    assert "stopped at step 6 and saved" in stopped, stopped
+    [failed] = [e for e in s["events"] if e["kind"] == "checkpoint_failed"]
+    assert failed["step"] == 5, failed
+    assert "could not be saved" in failed["message"]
+    assert "The stop's save comes next" in failed["message"]
+
+
 # ------------------------------------------------------------------ save_checkpoint
 
 
