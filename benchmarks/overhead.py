@@ -113,17 +113,8 @@ def sync(device: torch.device) -> None:
 
 VARIANTS = ("plain", "guarded", "graph_norm", "item")
 # --ddp-split's extra variants (see main): plain DDP under the guard, GuardedDDP alone,
-# torch's Python hook, GuardedDDP with DDP's C++ hook, plain DDP built last, plain DDP
-# with the C++ hook, GuardedDDP (under the guard) with no hook.
-SPLIT = (
-    "ddp_guard",
-    "gddp_alone",
-    "torch_hook",
-    "gddp_cpp",
-    "plain_late",
-    "ddp_cpp",
-    "gddp_nohook",
-)
+# plain DDP with torch's Python hook and with DDP's C++ hook, plain DDP built last.
+SPLIT = ("ddp_guard", "gddp_alone", "torch_hook", "ddp_cpp", "plain_late")
 GRAPH_RUNS: list[dict[str, int]] = []  # the grad norm graph's counters, per guarded run
 SHARED: list[tuple[str, int]] = []  # (source, steps) of grad_norm_shared events
 
@@ -176,7 +167,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
         sync(device)
         return (clock() - t0) / args.steps
 
-    if variant not in ("guarded", "graph_norm", "ddp_guard", "gddp_cpp", "gddp_nohook"):
+    if variant not in ("guarded", "graph_norm", "ddp_guard"):
         return loop(cycle(data, total))
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(
@@ -221,7 +212,8 @@ def main() -> None:
     p.add_argument(
         "--ddp-split",
         action="store_true",
-        help="with --ddp: also DDP+guard, GuardedDDP alone, DDP with torch's Python allreduce_hook",
+        help="with --ddp: also DDP+guard, GuardedDDP alone, DDP with torch's Python "
+        "allreduce_hook and with DDP's C++ one, plain DDP built last",
     )
     p.add_argument(
         "--only",
@@ -263,34 +255,23 @@ def main() -> None:
         guarded_setup = build(args, device, guardrails.GuardedDDP) if args.only != "plain" else None
         setups = {"plain": plain_setup, "guarded": guarded_setup}
         # --ddp-split: where a DDP overhead comes from: plain DDP under the guard
-        # (guard, no GuardedDDP), and GuardedDDP without a guard (its comm hook alone).
+        # (guard, no GuardedDDP), and GuardedDDP without a guard.
         setups["ddp_guard"], setups["gddp_alone"] = plain_setup, guarded_setup
         if args.ddp_split:
-            # A control for GuardedDDP's Python comm hook: plain DDP with torch's own
-            # Python all-reduce hook (default_hooks.allreduce_hook, the same division,
-            # all-reduce and future.then), no guardrails anywhere.
+            # What a comm hook alone costs DDP (GuardedDDP registers one): plain DDP
+            # with torch's own Python all-reduce hook (default_hooks.allreduce_hook),
+            # and with DDP's C++ one.
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
             setups["torch_hook"] = build(args, device, DistributedDataParallel)
             setups["torch_hook"][0].register_comm_hook(None, default_hooks.allreduce_hook)
-            # GuardedDDP under the guard with DDP's C++ all-reduce (no Python hook: no
-            # bucket norms, the guard computes its own norm).
-            # Plain DDP again, built last: in-process A/Bs compare distinct model
-            # instances, and the first-built one may be faster for its own reasons.
-            setups["plain_late"] = build(args, device, DistributedDataParallel)
-            setups["gddp_cpp"] = build(args, device, guardrails.GuardedDDP)
-            setups["gddp_cpp"][0]._register_builtin_comm_hook(
-                torch.distributed.BuiltinCommHookType.ALLREDUCE
-            )
-            # Whether any comm hook costs, or GuardedDDP's class: plain DDP with DDP's
-            # C++ all-reduce hook, and GuardedDDP with no hook at all (DDP's own
-            # reduction, as plain DDP; the guard computes its own norm).
             setups["ddp_cpp"] = build(args, device, DistributedDataParallel)
             setups["ddp_cpp"][0]._register_builtin_comm_hook(
                 torch.distributed.BuiltinCommHookType.ALLREDUCE
             )
-            setups["gddp_nohook"] = build(args, device, guardrails.GuardedDDP)
-            setups["gddp_nohook"][0]._guardrails_hooked = True
+            # Plain DDP again, built last: in-process A/Bs compare distinct model
+            # instances, and the first-built one may be faster for its own reasons.
+            setups["plain_late"] = build(args, device, DistributedDataParallel)
     else:
         setup = build(args, device)
         setups = {v: setup for v in VARIANTS}

@@ -57,7 +57,7 @@ def _scenario_step(scenario: str, rank: int, step: int, model: torch.nn.Module) 
     if step == 3:
         if scenario == "extra_diff" and rank == 0:
             dist.all_reduce(torch.ones(3))  # <extra_diff>
-        if scenario == "extra_same" and rank == 0:
+        if scenario.startswith("extra_same") and rank == 0:
             dist.all_reduce(torch.ones(49))  # <extra_same>
         if scenario == "rank0_branch" and rank == 0:
             save_on_rank0(model)
@@ -159,6 +159,8 @@ def worker(scenario: str, out: str) -> None:
         # DDP: one bucket, so every gradient all-reduce has the same shape and rank 0's
         # extra call pairs with rank 1's next bucket without any backend error.
         model = DDP(model)
+    elif scenario == "extra_same_gddp":  # GuardedDDP, with its own audited hook
+        model = guardrails.GuardedDDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     result: dict = {"rank": rank, "type": None}
     modules = (dist, dist.distributed_c10d)
@@ -180,7 +182,7 @@ def worker(scenario: str, out: str) -> None:
                 run_dir=f"{out}/run",
                 components=[*nan, CollectiveAuditor(grace_s=2.0)],
             )
-        if isinstance(model, DDP):
+        if type(model) is DDP:
             model.register_comm_hook(None, recording_hook(g))
         with g:
             for x, y in g:
@@ -303,6 +305,23 @@ def test_extra_same_shape_collective_pairing_with_ddp_does_not_pass_silently(tmp
         assert (per_rank[0]["step"], per_rank[1]["step"]) == (3, 4)
         assert r["group"] == "default" and r["seq"] == per_rank[0]["seq"]
         assert r["err_rank"] == r["rank"]
+
+
+def test_guarded_ddp_reports_its_buckets_so_the_same_fault_is_caught(tmp_path):
+    # The same fault under the real GuardedDDP (its own comm hook reports each bucket,
+    # not the test's recording hook): rank 0's extra same-shape call is a mismatch.
+    runs = run_ranks(tmp_path, "extra_same_gddp")
+    reports = assert_mismatch(runs, sites=["extra_same"], ops=["all_reduce(SUM)"], all_ranks=True)
+    assert all("DDP gradient all-reduce" in text for text in reports)
+    for run in runs:
+        r = run["result"]
+        if r is None:  # ended itself while stuck in a collective: the report is on stderr
+            continue
+        per_rank = {int(k): v for k, v in r["per_rank"].items()}
+        assert per_rank[0]["site"].endswith(f"test_audit.py:{_line('extra_same')}")
+        assert per_rank[1]["site"] == "DDP gradient all-reduce (bucket 0)"
+        assert per_rank[0]["shape"] == per_rank[1]["shape"] == "[49]"  # one bucket
+        assert (per_rank[0]["step"], per_rank[1]["step"]) == (3, 4)
 
 
 def test_a_stray_flag_sized_all_reduce_is_a_mismatch_not_a_false_skip(tmp_path):
