@@ -21,7 +21,6 @@ events as step S + 1.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -44,7 +43,16 @@ NAN_ROW = 3  # hooks.patch poisons sample row 3
 WORLD = 2
 
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 import setup_data  # noqa: E402  (the sibling module, found through the line above)
+from _realscript import (  # noqa: E402  (benchmarks/, found through the line above)
+    compare,
+    guardrails_version,
+    key_lines,
+    rank_exit_codes,
+    read_events,
+)
+from _realscript import exits as _exits  # noqa: E402
 
 
 def train_flags(steps: int) -> list[str]:
@@ -101,24 +109,6 @@ def prepare_trees(work: Path, nanochat: Path | None) -> tuple[dict[str, Path], s
             subprocess.run(["git", "apply", str(HERE / patch)], cwd=tree, check=True)
         trees[name] = tree
     return trees, commit
-
-
-def guardrails_version() -> dict[str, Any]:
-    """Which guardrails ran: HEAD, whether guardrails/ had uncommitted changes, and a
-    hash of its sources (the engine changes under this harness)."""
-    git = ["git", "-C", str(REPO)]
-    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "guardrails"], capture_output=True, text=True
-    )
-    digest = hashlib.sha256()
-    for path in sorted((REPO / "guardrails").glob("*.py")):
-        digest.update(path.name.encode() + path.read_bytes())
-    return {
-        "head": head.stdout.strip(),
-        "uncommitted_files": len(dirty.stdout.splitlines()),
-        "sources_sha256": digest.hexdigest()[:16],
-    }
 
 
 # ---------------------------------------------------------------------- one run
@@ -199,7 +189,7 @@ class Bench:
             "cwd": str(tree),
             "torchrun_rc": rc,
             "timed_out": rc is None,
-            "rank_exit_codes": rank_exit_codes(err, rc),
+            "rank_exit_codes": rank_exit_codes(err, rc, WORLD),
             "wall_s": round(wall, 1),
             "key_lines": key_lines(err),
             # @guardrails.record's summary, one per failing rank: which error it raised
@@ -239,36 +229,6 @@ class Bench:
 # ---------------------------------------------------------------------- reading
 
 
-def rank_exit_codes(stderr: str, rc: int | None) -> dict[int, int | None]:
-    """Each rank's exit code, from torchrun's failure summary (``rank : 1 (local_rank:
-    1)`` then ``exitcode : 143``). A rank it does not list ended 0 before the others
-    failed, or never ran: ``None``. All 0 when torchrun itself returned 0."""
-    if rc == 0:
-        return dict.fromkeys(range(WORLD), 0)
-    found = {
-        int(m[1]): int(m[2])
-        for m in re.finditer(
-            r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr
-        )
-    }
-    return {r: found.get(r) for r in range(WORLD)}
-
-
-def key_lines(stderr: str, limit: int = 14) -> list[str]:
-    """The lines that say how the run ended: guardrails' summaries and warnings, and the
-    last line of each Python traceback (deduplicated, ranks' prefixes kept)."""
-    keep = re.compile(
-        r"guardrails: rank \d+ failed with|\b\w+(Error|Exception): |\] (stopped|nonfinite)\b"
-        r"|^\s*\[(rank \d+, )?step \d+\]|guardrails: resumed from|\] data_fast_forward\b"
-    )
-    seen: dict[str, None] = {}
-    for line in stderr.splitlines():
-        line = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
-        if keep.search(line) and "Traceback" not in line:
-            seen.setdefault(line[:500], None)
-    return list(seen)[:limit]
-
-
 def first_error(run: dict) -> str:
     """The most telling error line of a failed run: an exception with its message, else
     guardrails' one-line summary."""
@@ -279,34 +239,10 @@ def first_error(run: dict) -> str:
     )
 
 
-def read_events(run_dir: Path) -> list[dict]:
-    events = []
-    for path in sorted(run_dir.glob("events*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                events.append(json.loads(line))
-    return sorted(events, key=lambda e: e.get("time", 0))
-
-
 def brief(e: dict) -> dict:
     """The parts of an event that matter here."""
     keys = ("rank", "step", "kind", "cause", "samples", "tensor", "module", "message", "error")
     return {k: e[k] for k in keys if e.get(k) is not None}
-
-
-def compare(a: dict | None, b: dict | None) -> tuple[bool, str]:
-    """Bitwise equality of two state dicts (torch.equal on every tensor)."""
-    import torch
-
-    if a is None or b is None:
-        return False, "no final weights (" + ("first" if a is None else "second") + " run)"
-    if a.keys() != b.keys():
-        return False, "different tensor names"
-    diff = [k for k in a if not torch.equal(a[k], b[k])]
-    if not diff:
-        return True, f"all {len(a)} tensors bitwise equal"
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in diff)
-    return False, f"{len(diff)}/{len(a)} tensors differ (max abs diff {worst:.3g}), e.g. {diff[0]}"
 
 
 def contrast(b: Bench, base: dict) -> str:
@@ -327,21 +263,8 @@ def contrast(b: Bench, base: dict) -> str:
 
 
 def exits(run: dict, code: int, ranks_done: set[int], what: str) -> tuple[bool, str]:
-    """Did every rank end with ``code``? torchrun SIGTERMs the ranks still running as soon
-    as one exits non-zero, so a rank that had already done ``what`` (``ranks_done``: seen
-    in its events or its summary) but was still exiting may show -15 instead: that is
-    torchrun's teardown, told apart and said so, not counted as a failure."""
-    codes = run["rank_exit_codes"]
-    killed = sorted(r for r, c in codes.items() if c == -signal.SIGTERM and r in ranks_done)
-    own = {c for r, c in codes.items() if r not in killed}
-    ok = own == {code} and ranks_done == set(range(WORLD))
-    text = f"rank exit codes {codes}"
-    for r in killed:
-        text += f" (rank {r} had {what}, then torchrun's teardown SIGTERMed it before it exited)"
-    missing = sorted(set(range(WORLD)) - ranks_done)
-    if missing:
-        text += f"; ranks {missing} never {what}"
-    return ok, text
+    """Did every rank end with ``code`` (see ``_realscript.exits``)?"""
+    return _exits(run["rank_exit_codes"], code, ranks_done, what, WORLD)
 
 
 def clean(b: Bench) -> dict:
