@@ -23,7 +23,11 @@ one through `g.clip_grad_norm_`), `--torch-clip` clips in every variant with
 plain is `DistributedDataParallel`, guarded is `GuardedDDP` under the guard, each its
 own copy of the model with the same seed; figures are rank 0's.
 `--clock cpu` times the process's CPU time instead of wall time (less of the other
-processes' load on a shared machine shows).
+processes' load on a shared machine shows). `--clock kernels` (CUDA) reports the GPU's
+kernel time per step instead, from the profiler (CUPTI), NCCL's kernels left out (they
+include the wait for the other ranks): the device work the guard adds, which host
+noise does not move (in-process DDP A/Bs by wall time spread 25-30% run to run on
+shared H200 hosts; benchmarks/RESULTS.md, "Session 11").
 """
 
 from __future__ import annotations
@@ -111,6 +115,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def kernel_seconds(prof: torch.profiler.profile, device_type: str = "cuda") -> float:
+    """The busy time of ``device_type``'s kernels a profile recorded, NCCL's left out,
+    in seconds (overlapping kernels count each)."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if device_type == "cuda" else DeviceType.CPU
+    return 1e-6 * sum(
+        e.time_range.elapsed_us()
+        for e in prof.events()
+        if e.device_type == kind and "nccl" not in e.name.lower()
+    )
+
+
 VARIANTS = ("plain", "guarded", "graph_norm", "item")
 # --ddp-split's extra variants (see main): plain DDP under the guard, GuardedDDP alone,
 # plain DDP with torch's Python hook and with DDP's C++ hook, plain DDP built last.
@@ -143,9 +160,13 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
 
     def loop(batches, g=None):
         t0 = None
+        prof = None
         for i, (x, y) in enumerate(batches):
             if i == args.warmup:
                 sync(device)
+                if args.clock == "kernels":
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                    prof.__enter__()
                 t0 = clock()
             if amp is not None:
                 with amp:
@@ -165,6 +186,9 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
                 opt.step()
             opt.zero_grad(set_to_none=True)
         sync(device)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            return kernel_seconds(prof) / args.steps
         return (clock() - t0) / args.steps
 
     if variant not in ("guarded", "graph_norm", "ddp_guard"):
@@ -226,10 +250,11 @@ def main() -> None:
     )
     p.add_argument(
         "--clock",
-        choices=["wall", "cpu"],
+        choices=["wall", "cpu", "kernels"],
         default="wall",
         help="wall: time.perf_counter; cpu: the process's CPU time (time.process_time), "
-        "which leaves out the time other processes hold the core (a loaded CPU machine)",
+        "which leaves out the time other processes hold the core (a loaded CPU machine); "
+        "kernels (CUDA): the GPU's kernel time per step, NCCL's left out",
     )
     p.add_argument("--variants", help="with --ddp-split: only these extra variants (a,b,...)")
     p.add_argument(
@@ -238,6 +263,8 @@ def main() -> None:
     p.add_argument("--out", help="append a JSON line with the result here")
     args = p.parse_args()
     device = torch.device(args.device)
+    if args.clock == "kernels" and device.type != "cuda":
+        p.error("--clock kernels times CUDA kernels: use --device cuda")
     if device.type == "cpu":
         torch.set_num_threads(1)  # a steadier clock; the guard's cost is single-threaded host work
     if args.ddp:
