@@ -1093,10 +1093,11 @@ class SignalCheckpointer(Component):
             self._failed_warned_t = now
         step = error.step if error.step is not None else guard.step
         then = (
-            "The stop's save comes next"
+            f"The stop's save comes next; until it commits, {self._latest_text()}"
             if stopping
             else f"Training goes on and the next periodic save retries ({self.failed_saves} "
-            "failed so far)"
+            f"failed so far); {self._latest_text()}, and a pre-emption now loses the steps "
+            "since"
         )
         guard.event(
             "checkpoint_failed",
@@ -1105,8 +1106,7 @@ class SignalCheckpointer(Component):
             level="info" if again else "warning",
             step=step,
             message=f"the checkpoint of step {step} could not be saved: {error.message}. "
-            f"{then}; {self._latest_text()}, and a pre-emption now loses the steps "
-            f"since. Fix: {error.hint}",
+            f"{then}. Fix: {error.hint}",
             path=error.path,
             failed=self.failed_saves,
         )

@@ -408,7 +408,6 @@ class Telemetry(Component):
         # Taken, not copied: a main thread that runs on must not flush them again (a
         # row it appends meanwhile may be lost; none is written twice).
         rows, self._host_rows = self._host_rows, []
-        rows = list(rows)
         # The step the main thread is stuck in (an optimizer step that never returns, a
         # collective inside it), or ended in: its row, when its values were computed.
         row = self._open_row(guard, rows)
