@@ -67,10 +67,8 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     child += ["--sample"] if args.sample else []
     if args.switch_interval_s:
         child += ["--switch-interval-s", str(args.switch_interval_s)]
-    if args.dcp_threads:
-        child += ["--dcp-threads", str(args.dcp_threads)]
-    child += ["--dcp-process"] if args.dcp_process else []
     child += ["--noise", args.noise] if args.noise else []
+    child += ["--foreach"] if args.foreach else []
     if args.nproc > 1:
         cmd = [
             sys.executable,
@@ -322,29 +320,6 @@ def child(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if args.switch_interval_s:
         sys.setswitchinterval(args.switch_interval_s)
-    if args.dcp_threads:
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        from guardrails import _sharded
-
-        _sharded.stager = lambda: FileSystemWriter(
-            ".", thread_count=args.dcp_threads, cache_staged_state_dict=True
-        )
-    if args.dcp_process:
-        import functools
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-        dcp.async_save = functools.partial(
-            dcp.async_save, async_checkpointer_type=AsyncCheckpointerType.PROCESS
-        )
-        from guardrails import _sharded
-
-        # Its planner (cancellable, a local class holding a threading.Event) cannot be
-        # pickled to DCP's process: that variant writes without it.
-        _sharded._cancellable_planner = lambda cancel: None
-        _diagnose_process_pickling()
     cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -365,7 +340,12 @@ def child(args: argparse.Namespace) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[device.index] if cuda else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda and not args.fsdp)
+    # FSDP2's DTensors get torch's single-tensor AdamW unless foreach is asked for (as
+    # torchtitan does): thousands of small launches per step, each a GIL hand-off.
+    foreach = True if args.foreach else None
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=cuda and not args.fsdp, foreach=foreach
+    )
     if rank == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f"params {n / 1e9:.3f}B", flush=True)  # a DTensor's numel is its global one
@@ -396,7 +376,7 @@ def child(args: argparse.Namespace) -> None:
             if rank == 0:
                 print(f"STEP {g.step} {(now - t) * 1e3:.2f}", flush=True)
             if args.noise and g.step == args.every:
-                _noise(args.noise, Path(args.run_dir), rank, model)
+                _noise(args.noise, Path(args.run_dir), rank, model, opt)
                 now = time.perf_counter()  # the next step is timed from here
             if sampler is not None:
                 if now - t > 1.0 and g.step > 5:
@@ -405,13 +385,16 @@ def child(args: argparse.Namespace) -> None:
             t = now
 
 
-def _noise(kind: str, run_dir: Path, rank: int, model) -> None:
+def _noise(kind: str, run_dir: Path, rank: int, model, opt) -> None:
     """``--noise``: instead of a save, write as many bytes as this rank's save would
     (parameters and AdamW's two moments, fp32) by other means, to tell the disk and
     the kernel's writeback (``dd``: another process) from this process's threads
     (``threads``: 8 Python threads, the GIL released in each write) and from the GIL
     alone (``gil``: one thread running Python for 5 s, no I/O); ``torchsave``: 8 threads
-    writing with ``torch.save`` as DCP's writers do, without DCP's planning around it."""
+    writing with ``torch.save`` as DCP's writers do, without DCP's planning around it;
+    ``items-save`` / ``items-raw``: this rank's own shards (parameters and both moments,
+    item by item as DCP writes them), staged in pinned memory first, written by 8
+    threads with ``torch.save`` or as raw bytes (one ``write`` per item)."""
     import subprocess
     import threading
 
@@ -457,6 +440,26 @@ def _noise(kind: str, run_dir: Path, rank: int, model) -> None:
 
         for i in range(8):
             threading.Thread(target=save, args=(i,), daemon=True).start()
+    elif kind.startswith("items-"):
+        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+        for p in model.parameters():
+            local += [getattr(t, "_local_tensor", t) for t in opt.state[p].values() if t.dim()]
+        pin = torch.cuda.is_available()
+        staged = [torch.empty_like(t, device="cpu", pin_memory=pin).copy_(t) for t in local]
+        print(f"NOISE rank {rank}: {kind}, {len(staged)} items", flush=True)
+
+        def items(i: int) -> None:
+            with open(run_dir / f"noise-{rank}-{i}.bin", "wb") as f:
+                for t in staged[i::8]:
+                    if kind == "items-save":
+                        torch.save(t, f)
+                    else:
+                        f.write(memoryview(t.view(torch.uint8).numpy()))
+                f.flush()
+                os.fsync(f.fileno())
+
+        for i in range(8):
+            threading.Thread(target=items, args=(i,), daemon=True).start()
     elif kind == "gil":
 
         def spin() -> None:
@@ -465,47 +468,6 @@ def _noise(kind: str, run_dir: Path, rank: int, model) -> None:
                 x += 1
 
         threading.Thread(target=spin, daemon=True).start()
-
-
-def _diagnose_process_pickling() -> None:
-    """``--dcp-process``: if DCP cannot send a save to its process, print the error and
-    where a deque (the session-10 failure: "deque mutated during iteration") is
-    reachable from the request, as a chain of types."""
-    import collections
-    import gc
-    import traceback
-    from multiprocessing.reduction import ForkingPickler
-
-    from torch.distributed.checkpoint import _async_process_executor as ape
-
-    send = ape._AsyncCheckpointProcess._send
-
-    def checked(self, data):
-        try:
-            ForkingPickler.dumps(data)
-        except Exception:
-            traceback.print_exc()
-            seen, parent, queue = {id(data)}, {id(data): None}, collections.deque([data])
-            found = []
-            while queue and len(seen) < 500_000 and len(found) < 3:
-                obj = queue.popleft()
-                for ref in gc.get_referents(obj):
-                    if id(ref) in seen or isinstance(ref, type):
-                        continue
-                    seen.add(id(ref))
-                    parent[id(ref)] = obj
-                    if isinstance(ref, collections.deque):
-                        found.append(ref)
-                    queue.append(ref)
-            for d in found:
-                chain, obj = [], d
-                while obj is not None:
-                    chain.append(type(obj).__qualname__)
-                    obj = parent.get(id(obj))
-                print("DEQUE PATH", " <- ".join(chain), flush=True)
-        return send(self, data)
-
-    ape._AsyncCheckpointProcess._send = checked
 
 
 def main() -> None:
@@ -530,15 +492,12 @@ def main() -> None:
         "--switch-interval-s", type=float, help="sys.setswitchinterval in the training ranks"
     )
     p.add_argument(
-        "--dcp-process", action="store_true", help="FSDP2: DCP writes from its own process"
-    )
-    p.add_argument(
         "--noise",
-        choices=("dd", "threads", "torchsave", "gil"),
+        choices=("dd", "threads", "torchsave", "gil", "items-save", "items-raw"),
         help="no periodic saves: at step --every write the same bytes by other means",
     )
     p.add_argument("--echo", action="store_true", help="print the children's output")
-    p.add_argument("--dcp-threads", type=int, help="FSDP2: DCP writer threads of background saves")
+    p.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) (FSDP2)")
     p.add_argument(
         "--sample",
         action="store_true",

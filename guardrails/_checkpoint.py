@@ -286,7 +286,8 @@ class Part:
         #: Files already written into the temp dir by someone else (DCP shards), to be
         #: hashed into the manifest.
         self.sealed: list[Path] = []
-        #: A background sharded save's DCP future: its files are sealed once it is done.
+        #: A background sharded save's (ShardWriter, staged shards): the writer thread
+        #: writes them, then seals the files.
         self.dcp: Any = None
         #: Seconds the save blocked training (set by the caller), spent writing and
         #: hashing, and in the final fsyncs (set by :meth:`write`).

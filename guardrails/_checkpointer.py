@@ -302,12 +302,10 @@ class SignalCheckpointer(Component):
         self._resumed_step = -1
         self._resumed_finished: float | None = None  # when the resumed run had finished
         self.root = Path()
-        # A gloo group only background sharded saves use (DCP's collectives from its
-        # thread); None when there are none.
-        self._dcp_group: Any = None
-        # DCP's writer for background saves, kept so its pinned staging is reused,
-        # and the thread allocating that staging ahead of the first save.
-        self._dcp_writer: Any = None
+        # The writer of background sharded saves (None when there are none), kept so
+        # its pinned staging and save plan are reused, and the thread allocating that
+        # staging ahead of the first save.
+        self._shard_writer: _sharded.ShardWriter | None = None
         self._dcp_prepared: threading.Thread | None = None
         self._dcp_stats: dict[str, Any] = {}  # its timings, told in checkpoint events
         # Optimizers whose state differs per rank: every rank saves its own part.
@@ -360,8 +358,7 @@ class SignalCheckpointer(Component):
             and guard.world_size > 1
             and _model.is_sharded(_model.unwrap(guard.model))
         ):
-            # Every rank creates it here, at the same point (new_group is collective).
-            self._dcp_group = dist.new_group(backend="gloo")
+            self._shard_writer = _sharded.ShardWriter()
         if threading.current_thread() is not threading.main_thread():
             if self.signals:
                 guard.event(
@@ -516,10 +513,7 @@ class SignalCheckpointer(Component):
                 if self._dcp_prepared is not None:
                     self._dcp_prepared.join()
                     self._dcp_prepared = None
-                self._dcp_writer = None  # its pinned staging memory goes with it
-                if self._dcp_group is not None:
-                    group, self._dcp_group = self._dcp_group, None
-                    dist.destroy_process_group(group)
+                self._shard_writer = None  # its pinned staging memory goes with it
 
     def _restore_handlers(self) -> None:
         self._unwatch_signals()
@@ -647,10 +641,9 @@ class SignalCheckpointer(Component):
             return  # nothing to pin without a GPU
         bare = _model.unwrap(guard.model)
         if _model.is_sharded(bare):
-            if self._dcp_group is not None:  # background saves: DCP's writer stages
-                self._dcp_writer = _sharded.stager()
+            if self._shard_writer is not None:  # background saves: it stages
                 self._dcp_prepared = _sharded.prepare_staging(
-                    self._dcp_writer, bare, guard.optimizer, self._dcp_stats
+                    self._shard_writer.stager, bare, guard.optimizer, self._dcp_stats
                 )
             return
         try:
@@ -735,11 +728,8 @@ class SignalCheckpointer(Component):
             if _model.is_sharded(bare):
                 try:
                     tmp = _checkpoint.begin(self.root, step, self._token)
-                    if background and self._dcp_group is not None:
-                        # Shards staged to host memory now; DCP writes them from its own
-                        # thread over our gloo group, and the writer thread waits for it.
-                        if self._dcp_writer is None:
-                            self._dcp_writer = _sharded.stager()
+                    if background and self._shard_writer is not None:
+                        # Shards staged to host memory now; the writer thread writes them.
                         if self._dcp_prepared is not None:
                             # Its memory still being allocated ahead: wait rather than
                             # have DCP allocate a second copy.
@@ -748,14 +738,8 @@ class SignalCheckpointer(Component):
                             self._dcp_prepared = None
                             waited = round(time.perf_counter() - t_wait, 3)
                             self._dcp_stats["waited_s"] = waited
-                        part.dcp = _sharded.save_async(
-                            tmp,
-                            bare,
-                            guard.optimizer,
-                            self._dcp_group,
-                            self._dcp_writer,
-                            cancel=part.cancel,
-                        )
+                        writer = self._shard_writer
+                        part.dcp = (writer, writer.stage(bare, guard.optimizer))
                     else:
                         # Every rank writes its own shards now, in the main thread: DCP's
                         # save is a collective over the training's process group.
@@ -883,15 +867,24 @@ class SignalCheckpointer(Component):
                 _checkpoint.remove_leftovers(root, keep=self._token)
             tmp = _checkpoint.begin(root, step, self._token)
             part.write(tmp, files)
-            if part.dcp is not None:  # a background sharded save: DCP's writes first
-                part.dcp.result()
-                if part.cancel.is_set():  # abandoned: DCP wrote the rest empty
-                    raise _digest.Cancelled(f"the save of step {step} was abandoned")
-                part.sealed = _sharded.written(tmp, rank)
-            t_seal = time.perf_counter()
-            # Written by DCP: hash what this rank wrote.
-            _checkpoint._seal(part.sealed, files, prefix=f"{_sharded.DCP_DIR}/")
-            part.write_s += time.perf_counter() - t_seal
+            t_shards = time.perf_counter()
+            if part.dcp is not None:  # a background sharded save: its shards next
+                writer, staged = part.dcp
+                records = writer.write(
+                    tmp,
+                    staged,
+                    rank=rank,
+                    world=guard.world_size,
+                    store=store,
+                    key=key,
+                    cancel=part.cancel,
+                    timeout_s=_COMMIT_TIMEOUT_S,
+                )  # hashed as written
+                part.sealed = [tmp / _sharded.DCP_DIR / name for name in records]
+                files.update({f"{_sharded.DCP_DIR}/{n}": r for n, r in records.items()})
+            else:  # written by DCP in the main thread (or nothing): hash it now
+                _checkpoint._seal(part.sealed, files, prefix=f"{_sharded.DCP_DIR}/")
+            part.write_s += time.perf_counter() - t_shards
         except BaseException as e:
             error = _write_error(final, step, e)
             if store is not None:  # so rank 0 does not wait for files that never come

@@ -11,27 +11,31 @@ scheduler / scaler / extras, one manifest that lists every DCP file with its siz
 sha256 (each rank hashes the files it wrote), and one atomic rename.
 
 DCP's save and load are collectives. A signal save (and any save without a background
-writer) runs them over the default process group in the main thread, at the step
-boundary where every rank saves anyway. A periodic background save stages the shards in
-host memory in the main thread (the only part that blocks training) and lets
-``dcp.async_save`` write them from its own thread, with its collectives over a gloo
-group that only these saves use: a collective from another thread on the training's
-group could pair with the training's own and hang or corrupt both. Only the state-dict
-APIs of ``torch.distributed.checkpoint.state_dict`` are used (public since torch 2.2).
+writer) runs ``dcp.save`` over the default process group in the main thread, at the
+step boundary where every rank saves anyway. A periodic background save stages the
+shards in pinned host memory in the main thread (the only part that blocks training)
+and writes them, in DCP's format, from the checkpoint writer's thread (:class:`ShardWriter`):
+not with ``dcp.async_save``, whose Python in the training process stalled training
+for seconds. Only the state-dict APIs of ``torch.distributed.checkpoint.state_dict``
+and DCP's planner, writer and reader classes are used (public since torch 2.2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import hashlib
 import importlib
 import io
 import logging
+import math
 import pathlib
 import pickle
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -183,23 +187,16 @@ def _writer(directory: Path) -> Any:
 
 
 def stager() -> Any:
-    """A DCP file writer for a run's background saves: pass it to :func:`save_async`.
-
-    It stages into pinned host memory allocated at its first save and reused by every
-    later one (DCP's ``cache_staged_state_dict``): a fresh writer per save stages into
-    freshly allocated, unpinned memory, which stalled training 6.0 s at the first
-    periodic save and 2.1 s at the next (FSDP2 on 2 H200, 0.8B parameters, AdamW).
-
-    It writes from :data:`_digest.THREADS` threads. Fewer was measured and not kept
-    (benchmarks/RESULTS.md, "The FSDP2 periodic stall, diagnosed"): DCP's writers run
-    beside training in this process, and with 1 thread instead of 8 the step that
-    started a save fell from 6.3 s to 0.4-0.7 s over the median, but each step while
-    the slower write went on took ~2.3x the median, and a SIGTERM during it took
-    21.5-23.7 s to exit, against 11.3-17.3 s: the pre-emption save matters more."""
+    """A DCP file writer used as the stager of a run's background saves
+    (:class:`ShardWriter`): its ``stage`` copies the shards into pinned host memory
+    allocated at its first save and reused by every later one (DCP's
+    ``cache_staged_state_dict``): staging each save into freshly allocated, unpinned
+    memory stalled training 6.0 s at the first periodic save and 2.1 s at the next
+    (FSDP2 on 2 H200, 0.8B parameters, AdamW)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    # The path is set by each save's checkpoint_id (DCP calls the writer's reset()).
-    return FileSystemWriter(".", thread_count=_digest.THREADS, cache_staged_state_dict=True)
+    # It never writes: ShardWriter does, into the directory of each save.
+    return FileSystemWriter(".", cache_staged_state_dict=True)
 
 
 def prepare_staging(
@@ -267,72 +264,269 @@ def _empty_pinned(obj: Any, pin: bool = True) -> Any:
     return obj
 
 
-def save_async(
-    directory: Path,
-    model: nn.Module,
-    optimizer: Any,
-    group: Any,
-    writer: Any = None,
-    cancel: threading.Event | None = None,
-) -> Future[Any]:
-    """Stage this rank's shards of model and optimizer in host memory now, and write
-    them under ``directory/dcp`` from DCP's own thread, its collectives over ``group``
-    (every rank calls it). ``writer``: a :func:`stager` kept across saves (its pinned
-    staging memory is reused); ``None`` stages into new memory. Setting ``cancel``
-    ends the write after the item being written, leaving files that must not be
-    committed (:func:`_cancellable_planner`). The returned future is done when this
-    rank's files are."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+class ShardWriter:
+    """A run's background saves of sharded state (every rank has one).
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    target = str(directory / DCP_DIR)
-    planner = _cancellable_planner(cancel) if cancel is not None else None
-    if writer is not None:
+    :meth:`stage` copies this rank's shards into pinned host memory on the training
+    thread (the only part that blocks training, ~0.06 s for 5 GB a rank on an H200);
+    :meth:`write` then writes them from the checkpoint writer's thread in DCP's own
+    format (``__<rank>_<i>.distcp`` files of ``torch.save``-d items, ``.metadata`` from
+    rank 0), so :func:`load` and ``dcp.load`` read them as any DCP checkpoint.
+
+    Why not ``dcp.async_save``: its save runs DCP's planning, collectives, per-item
+    DTensor dispatch and metadata as Python in threads of the training process. On one
+    host that stalled FSDP2 training 9.1 s at the step that started a save (0.84B
+    parameters, 5 GB a rank, 2 H200, foreach AdamW), where writing the same ~1,000
+    items a rank with ``torch.save`` from 8 threads stalled it 0.29 s; on three other
+    hosts ``dcp.async_save`` and this writer both stalled it 1.0-2.3 s
+    (benchmarks/RESULTS.md, "Session 12"). Here the save plan (which rank writes which
+    item: DCP's own ``DefaultSavePlanner``) depends only on the state's layout, so it is
+    made once and exchanged through the job's store; it is made again only when the
+    layout changes (an optimizer that gained a param group). Each save then costs the store a few
+    round trips, and its writer threads a ``torch.save`` per item."""
+
+    def __init__(self) -> None:
+        self.stager = stager()
+        self._layout: tuple[Any, ...] | None = None
+        self._local = b""  # this rank's local plan (pickled) for that layout
+        self._mine: tuple[bytes, Any] | None = None  # this rank's final plan (pickled, loaded)
+        # Rank 0: a digest of the local plans the global plan was made from, each rank's
+        # final plan (pickled) and the checkpoint's metadata (its storage filled per save).
+        self._asked = b""
+        self._global: list[bytes] = []
+        self._metadata: Any = None
+
+    def stage(self, model: nn.Module, optimizer: Any) -> Any:
+        """This rank's shards of model and optimizer, copied to host memory now."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
         try:
-            return dcp.async_save(  # type: ignore[return-value]
-                state,
-                checkpoint_id=target,
-                storage_writer=writer,
-                planner=planner,
-                process_group=group,
-            )
+            staged = self.stager.stage(state)
         except Exception as exc:
             # The cached staging no longer fits the state (an optimizer that gained a
             # param group): stage this save into new memory, and the next ones too.
             logger.debug("guardrails: pinned DCP staging dropped: %r", exc)
-            writer.state_dict_cache = None
-            writer.cache_staged_state_dict = False
-    return dcp.async_save(  # type: ignore[return-value]
-        state,
-        checkpoint_id=target,
-        storage_writer=_writer(directory),
-        planner=planner,
-        process_group=group,
+            self.stager.state_dict_cache = None
+            self.stager.cache_staged_state_dict = False
+            staged = self.stager.stage(state)
+        device = next((p.device for p in model.parameters()), None)
+        if device is not None and device.type == "cuda":
+            # DCP's copies into pinned memory are blocking (torch 2.8-2.13); should one
+            # ever be queued instead, the writer thread must not read it half-copied.
+            # At a save step only, after those copies: nothing is left to wait for.
+            torch.cuda.current_stream(device).synchronize()
+        return staged
+
+    def write(
+        self,
+        directory: Path,
+        staged: Any,
+        *,
+        rank: int,
+        world: int,
+        store: Any,
+        key: str,
+        cancel: threading.Event,
+        timeout_s: float,
+    ) -> dict[str, dict[str, Any]]:
+        """Write ``staged`` (from :meth:`stage`) under ``directory/dcp``; every rank
+        calls it, from its writer thread, with the save's store ``key``. Returns the
+        manifest record (size, sha256) of each file this rank wrote, by name: hashed on
+        the way to disk, fsynced. Setting ``cancel`` ends the write after the items in
+        progress with :class:`guardrails._digest.Cancelled`; a failure on any rank is
+        a ``CheckpointError`` on every rank, not a wait (``timeout_s``: how long a rank
+        waits for another's part)."""
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        try:
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(staged, is_coordinator=rank == 0)  # flattens, as DCP does
+            layout = _layout(planner.state_dict)
+            if layout != self._layout:
+                self._local = pickle.dumps(planner.create_local_plan())
+                self._layout = layout
+            store.set(f"{key}/dcp-plan/{rank}", self._local)
+            if rank == 0:
+                self._plan_globally(planner, store, key, world, timeout_s)
+            got = _take(store, f"{key}/dcp-global/{rank}", "rank 0", timeout_s)
+            if self._mine is None or self._mine[0] != got:
+                self._mine = (got, pickle.loads(got))
+            target = directory / DCP_DIR
+            results, records = _write_items(target, rank, planner, self._mine[1].items, cancel)
+            store.set(f"{key}/dcp-results/{rank}", pickle.dumps(results))
+            if rank == 0:
+                everyone = [
+                    pickle.loads(_take(store, f"{key}/dcp-results/{r}", f"rank {r}", timeout_s))
+                    for r in range(world)
+                ]
+                writer = _writer(directory)
+                writer.set_up_storage_writer(True)
+                writer.finish(self._metadata, everyone)  # .metadata, as DCP's save writes it
+                [records[".metadata"]] = _digest.seal([target / ".metadata"])
+        except BaseException as e:
+            _tell_failure(store, key, rank, world, e)
+            raise
+        return records
+
+    def _plan_globally(
+        self, planner: Any, store: Any, key: str, world: int, timeout_s: float
+    ) -> None:
+        """Rank 0: every rank's final plan into the store (DCP's global plan: which
+        rank writes each replicated item), made again only when a local plan changed."""
+        asked = [_take(store, f"{key}/dcp-plan/{r}", f"rank {r}", timeout_s) for r in range(world)]
+        digest = hashlib.sha256(b"".join(hashlib.sha256(b).digest() for b in asked)).digest()
+        if digest != self._asked:
+            plans, self._metadata = planner.create_global_plan([pickle.loads(b) for b in asked])
+            self._global = [pickle.dumps(p) for p in plans]
+            self._asked = digest
+        for r, plan in enumerate(self._global):
+            store.set(f"{key}/dcp-global/{r}", plan)
+
+
+_FAILED = b"!"  # a store value that says the rank failed (a pickle never starts with it)
+
+
+def _layout(flat: dict[str, Any]) -> tuple[Any, ...]:
+    """What a save plan depends on: each flattened key's kind, global shape, dtype and
+    placements (not the values)."""
+    return tuple(
+        (k, type(v).__name__, tuple(v.shape), v.dtype, str(getattr(v, "placements", "")))
+        if isinstance(v, torch.Tensor)
+        else (k, type(v).__name__)
+        for k, v in flat.items()
     )
 
 
-def _cancellable_planner(cancel: threading.Event) -> Any:
-    """DCP's default save planner, except that once ``cancel`` is set every item not yet
-    written is written empty, so the write ends after the item in progress. A stop's
-    save must not wait for an older background save still being written (the stop's
-    save supersedes it); such a save is never committed (the checkpointer's writer
-    checks ``cancel`` after DCP returns). Empty items rather than an exception: DCP's
-    extra writer threads would print an exception's traceback, and one thread's
-    failure beside another's success could leave an incomplete ``.metadata``."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
+def _take(store: Any, key: str, who: str, timeout_s: float) -> bytes:
+    """``key``'s value once it is set (then removed from the store), or a
+    ``CheckpointError`` when ``who`` said it failed or never set it."""
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except Exception:
+        raise CheckpointError(
+            f"{who} did not get to its part of the sharded save within {timeout_s:.0f} s",
+            hint="that rank died or hung mid-save; the previous checkpoints are intact.",
+        ) from None
+    value = bytes(store.get(key))
+    with contextlib.suppress(Exception):  # only memory in the store
+        store.delete_key(key)
+    if value.startswith(_FAILED):
+        raise CheckpointError(
+            f"{who} could not write its part of the sharded save: {value[1:].decode()}",
+            hint="see that rank's log for the cause and its fix; the previous checkpoints "
+            "are intact.",
+        )
+    return value
+
+
+def _tell_failure(store: Any, key: str, rank: int, world: int, error: BaseException) -> None:
+    """Set every key another rank may be waiting on from this rank to a failure."""
+    said = _FAILED + f"{type(error).__name__}: {error}".encode()
+    keys = [f"{key}/dcp-plan/{rank}", f"{key}/dcp-results/{rank}"]
+    if rank == 0:
+        keys += [f"{key}/dcp-global/{r}" for r in range(world)]
+    for k in keys:
+        with contextlib.suppress(Exception):  # the store is gone too: the others time out
+            if not store.check([k]):
+                store.set(k, said)
+
+
+def _item_data(planner: Any, item: Any) -> Any:
+    """What ``item`` of the plan writes: a shard's staged local tensor itself where it
+    is the whole item (FSDP2's one chunk a rank), else DCP's own resolution (its
+    DTensor dispatch, run per item by ``dcp.async_save``'s writers)."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.tensor import DTensor
+
+    if item.type != WriteItemType.BYTE_IO:
+        obj = planner.state_dict.get(item.index.fqn)
+        local = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if isinstance(local, torch.Tensor) and tuple(local.shape) == tuple(
+            item.tensor_data.chunk.sizes
+        ):
+            return local
+    return planner.resolve_data(item)
+
+
+def _write_items(
+    target: Path, rank: int, planner: Any, items: list[Any], cancel: threading.Event
+) -> tuple[list[Any], dict[str, dict[str, Any]]]:
+    """Write ``items`` into ``__<rank>_<i>.distcp`` files, one file per thread, each
+    item as DCP's ``FileSystemWriter`` writes it (``torch.save`` of a tensor, the
+    bytes of a ``BYTE_IO`` item), hashed as written; returns DCP's ``WriteResult`` of
+    each item and each file's manifest record."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    target.mkdir(parents=True, exist_ok=True)
+    failed = threading.Event()  # one file's failure stops the others early
+
+    def write_file(name: str, bucket: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+        results = []
+        f = _digest.HashingFile(target / name)
+        try:
+            for item in bucket:
+                if cancel.is_set() or failed.is_set():
+                    raise _digest.Cancelled("the save was abandoned")
+                data = _item_data(planner, item)
+                offset = f.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    f.write(data.getbuffer())
+                else:
+                    tensor = data.detach()
+                    if tensor.device.type != "cpu":  # a 0-d state DCP leaves unstaged
+                        tensor = tensor.cpu()
+                    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+                        tensor = tensor.clone()  # a view: torch.save writes its storage
+                    torch.save(tensor, f)
+                length = f.tell() - offset
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length),
+                    )
+                )
+        except BaseException:
+            failed.set()
+            f.abandon()
+            raise
+        return results, f.close()
+
+    buckets = _buckets(items, _digest.THREADS)
+    with ThreadPoolExecutor(len(buckets), thread_name_prefix="guardrails-dcp-write") as pool:
+        futures = [
+            pool.submit(write_file, f"__{rank}_{i}.distcp", bucket)
+            for i, bucket in enumerate(buckets)
+        ]
+        done = [f.result() for f in futures]
+    names = [f"__{rank}_{i}.distcp" for i in range(len(buckets))]
+    return [r for results, _ in done for r in results], {
+        name: record for name, (_, record) in zip(names, done, strict=True)
+    }
+
+
+def _buckets(items: list[Any], n: int) -> list[list[Any]]:
+    """``items`` over at most ``n`` files of about equal bytes (largest first, each to
+    the lightest file so far); never an empty file."""
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    class CancellablePlanner(DefaultSavePlanner):
-        def resolve_data(self, write_item: Any) -> Any:
-            if cancel.is_set():
-                if write_item.type == WriteItemType.BYTE_IO:
-                    return io.BytesIO()
-                return torch.empty(0)
-            return super().resolve_data(write_item)
+    def size(item: Any) -> int:
+        if item.type == WriteItemType.BYTE_IO:
+            return 0
+        chunk = item.tensor_data.chunk
+        return math.prod(chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
-    return CancellablePlanner()
+    buckets: list[list[Any]] = [[] for _ in range(max(1, min(n, len(items))))]
+    loads = [0] * len(buckets)
+    for item in sorted(items, key=size, reverse=True):
+        i = loads.index(min(loads))
+        buckets[i].append(item)
+        loads[i] += size(item) or 1
+    return [b for b in buckets if b]
 
 
 def written(directory: Path, rank: int) -> list[Path]:

@@ -55,21 +55,13 @@ def main() -> None:
 
         from guardrails import _sharded
 
-        make = _sharded._cancellable_planner
+        item_data = _sharded._item_data
 
-        def slow(cancel):
-            planner = make(cancel)
-            resolve = planner.resolve_data
+        def slow(planner, item):
+            time.sleep(0.3)
+            return item_data(planner, item)
 
-            def resolve_data(item):
-                if not cancel.is_set():
-                    time.sleep(0.3)
-                return resolve(item)
-
-            planner.resolve_data = resolve_data
-            return planner
-
-        _sharded._cancellable_planner = slow
+        _sharded._item_data = slow
     if a.world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
         dist.init_process_group("gloo", rank=a.rank, world_size=a.world)

@@ -500,6 +500,68 @@ def test_ddp_bucket_norms_on_nccl_are_sync_free_and_catch_one_ranks_nan(tmp_path
     assert skips == [(0, 11), (1, 11)], skips
 
 
+FSDP_WORKER = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, os.environ["EXAMPLES"])
+from train_gpt import GPT
+from torch.distributed.fsdp import fully_shard
+import guardrails
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+torch.cuda.set_device(device)
+torch.manual_seed(0)
+model = GPT(65, 64, 2, 4, 128).to(device)
+for block in model.blocks:
+    fully_shard(block)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+g = torch.Generator(device=device).manual_seed(rank)
+data = [(torch.randint(0, 65, (8, 64), device=device, generator=g),) * 2 for _ in range(10)]
+run_dir = os.environ["RUN_DIR"]
+ckpt = {"every_n_steps": 4, "keep_last": 5}
+with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, checkpoint=ckpt) as gd:
+    for x, y in gd:
+        if gd.step == 8:  # what step 8's background save holds
+            full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+            if rank == 0:
+                torch.save(full, os.path.join(run_dir, "at8.pt"))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_fsdp2_background_saves_on_nccl_hold_the_weights_and_stock_dcp_reads_them(tmp_path):
+    """FSDP2 on 2 GPUs over NCCL, periodic saves in the background (guardrails'
+    ShardWriter: pinned staging, then DCP's format from the writer thread): step 8's
+    checkpoint, converted by stock DCP to one torch.save file, holds exactly the
+    weights the model had at step 8, and the optimizer's moments."""
+    from _ranks import torchrun
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    script = tmp_path / "worker.py"
+    script.write_text(FSDP_WORKER)
+    env = {"EXAMPLES": str(Path(__file__).resolve().parents[1] / "examples")}
+    run_dir = tmp_path / "run"
+    res = torchrun([script], 2, out=tmp_path, timeout_s=300, env={**env, "RUN_DIR": str(run_dir)})
+    assert res.code == 0, (res.out[-2000:], res.err[-4000:])
+    saves = [e for e in read_events(run_dir) if e["kind"] == "checkpoint" and e["step"] == 8]
+    assert len(saves) == 2 and all(e["background"] and e["sharded"] for e in saves), saves
+    dcp_to_torch_save(run_dir / "checkpoints" / "step_000000008" / "dcp", tmp_path / "s8.pt")
+    saved = torch.load(tmp_path / "s8.pt", weights_only=True)
+    live = torch.load(run_dir / "at8.pt", weights_only=True)
+    assert live and set(live) == set(saved["model"]), (sorted(live), sorted(saved["model"]))
+    for k, v in live.items():
+        assert torch.equal(saved["model"][k], v), k
+    moments = [s["exp_avg"] for s in saved["optim"]["state"].values()]
+    assert moments and all(m.abs().sum() > 0 for m in moments)
+
+
 def test_fp16_gradscaler_skips_are_skipped_rows_not_warnings(tmp_path):
     """fp16 autocast with a GradScaler and a non-fused optimizer on CUDA: the scaler's
     calibration at its initial scale skips real steps (the overflows are the model's
