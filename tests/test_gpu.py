@@ -443,7 +443,8 @@ def test_sharded_optimizers_skip_together_and_resume_bitwise_on_nccl(tmp_path, s
     assert sorted((e["rank"], e["step"]) for e in skips) == [(0, 2), (1, 2)]
 
 
-DDP_WORKER = """
+# How both 2-GPU worker scripts start: one GPU per rank over NCCL, the example GPT.
+NCCL_WORKER_START = """
 import os, sys, json, torch, torch.distributed as dist
 sys.path.insert(0, os.environ["EXAMPLES"])
 from train_gpt import GPT
@@ -453,6 +454,25 @@ rank = dist.get_rank()
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
 torch.cuda.set_device(device)
 torch.manual_seed(0)
+"""
+
+
+def _run_nccl_worker(tmp_path: Path, source: str) -> Path:
+    """Run ``source`` under torchrun on 2 GPUs; its run_dir once it exited 0."""
+    from _ranks import torchrun
+
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    env = {"EXAMPLES": str(Path(__file__).resolve().parents[1] / "examples")}
+    run_dir = tmp_path / "run"
+    res = torchrun([script], 2, out=tmp_path, timeout_s=300, env={**env, "RUN_DIR": str(run_dir)})
+    assert res.code == 0, (res.out[-2000:], res.err[-4000:])
+    return run_dir
+
+
+DDP_WORKER = (
+    NCCL_WORKER_START
+    + """
 model = guardrails.GuardedDDP(GPT(65, 64, 2, 4, 128).to(device), device_ids=[device.index],
                               bucket_cap_mb=1)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -478,6 +498,7 @@ with guardrails.guard(model, opt, data[3:], run_dir=os.environ["RUN_DIR"], progr
     torch.cuda.set_sync_debug_mode(0)
 dist.destroy_process_group()
 """
+)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
@@ -485,14 +506,7 @@ def test_ddp_bucket_norms_on_nccl_are_sync_free_and_catch_one_ranks_nan(tmp_path
     """GuardedDDP on 2 GPUs: the step's grad norm comes from the reduced buckets (taken
     in the comm hook's callback, on the stream that waits for NCCL) for every step,
     with no host sync, and rank 1's NaN at step 11 is skipped on both ranks."""
-    from _ranks import torchrun
-
-    script = tmp_path / "worker.py"
-    script.write_text(DDP_WORKER)
-    env = {"EXAMPLES": str(Path(__file__).resolve().parents[1] / "examples")}
-    run_dir = tmp_path / "run"
-    res = torchrun([script], 2, out=tmp_path, timeout_s=300, env={**env, "RUN_DIR": str(run_dir)})
-    assert res.code == 0, (res.out[-2000:], res.err[-4000:])
+    run_dir = _run_nccl_worker(tmp_path, DDP_WORKER)
     events = read_events(run_dir)
     shared = sorted((e["rank"], e["steps"]) for e in events if e["kind"] == "grad_norm_shared")
     assert shared == [(0, 27), (1, 27)], shared
@@ -500,17 +514,10 @@ def test_ddp_bucket_norms_on_nccl_are_sync_free_and_catch_one_ranks_nan(tmp_path
     assert skips == [(0, 11), (1, 11)], skips
 
 
-FSDP_WORKER = """
-import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, os.environ["EXAMPLES"])
-from train_gpt import GPT
+FSDP_WORKER = (
+    NCCL_WORKER_START
+    + """
 from torch.distributed.fsdp import fully_shard
-import guardrails
-dist.init_process_group("nccl")
-rank = dist.get_rank()
-device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-torch.cuda.set_device(device)
-torch.manual_seed(0)
 model = GPT(65, 64, 2, 4, 128).to(device)
 for block in model.blocks:
     fully_shard(block)
@@ -533,6 +540,7 @@ with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, checkpo
         opt.zero_grad(set_to_none=True)
 dist.destroy_process_group()
 """
+)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
@@ -541,15 +549,9 @@ def test_fsdp2_background_saves_on_nccl_hold_the_weights_and_stock_dcp_reads_the
     ShardWriter: pinned staging, then DCP's format from the writer thread): step 8's
     checkpoint, converted by stock DCP to one torch.save file, holds exactly the
     weights the model had at step 8, and the optimizer's moments."""
-    from _ranks import torchrun
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    script = tmp_path / "worker.py"
-    script.write_text(FSDP_WORKER)
-    env = {"EXAMPLES": str(Path(__file__).resolve().parents[1] / "examples")}
-    run_dir = tmp_path / "run"
-    res = torchrun([script], 2, out=tmp_path, timeout_s=300, env={**env, "RUN_DIR": str(run_dir)})
-    assert res.code == 0, (res.out[-2000:], res.err[-4000:])
+    run_dir = _run_nccl_worker(tmp_path, FSDP_WORKER)
     saves = [e for e in read_events(run_dir) if e["kind"] == "checkpoint" and e["step"] == 8]
     assert len(saves) == 2 and all(e["background"] and e["sharded"] for e in saves), saves
     dcp_to_torch_save(run_dir / "checkpoints" / "step_000000008" / "dcp", tmp_path / "s8.pt")

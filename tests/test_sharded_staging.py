@@ -159,7 +159,8 @@ def _writer_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_the_shard_writer_writes_what_stock_dcp_reads_and_fails_together(tmp_path):
     """Background FSDP2 saves are written by guardrails' ShardWriter, not dcp.async_save:
     its files are DCP's format (stock DCP converts them to one torch.save file, the full
-    tensors equal the live ones), its plan is reused until the state's layout changes,
+    tensors equal the live ones), its plan and metadata are reused until the state's
+    layout changes,
     a stop's cancel ends the write on every rank with no .metadata, and one rank's
     failure is an error naming that rank on the other (no wait for a timeout)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -180,6 +181,10 @@ def test_the_shard_writer_writes_what_stock_dcp_reads_and_fails_together(tmp_pat
             assert torch.equal(full["model"][k], v), (name, k)
         for k, v in res[0]["exp_avg"].items():
             assert torch.equal(full["optim"]["state"][k]["exp_avg"], v), (name, k)
+    # Same layout, same item sizes: the second save wrote the first's .metadata again
+    # (DCP's own finish would have written another save id and path into it).
+    first, second = (tmp_path / n / "dcp" / ".metadata" for n in ("first", "second"))
+    assert first.read_bytes() == second.read_bytes()
     changed = tmp_path / "changed"
     dcp_to_torch_save(changed / "dcp", tmp_path / "changed.pt")
     extra = torch.load(tmp_path / "changed.pt", weights_only=True)["extra"]
