@@ -26,8 +26,8 @@ What it does, and where the cost goes:
   (device to pinned host memory, one sync), then a writer thread serialises, fsyncs
   and commits while training goes on. The next save waits for the previous one; a
   writer error is raised in the main thread at the next step boundary. Sharded state
-  (FSDP2) is staged by DCP's ``async_save`` and written from its thread over a gloo
-  group only these saves use (``_sharded.py``). The signal save is synchronous (the
+  (FSDP2) is staged into pinned memory the same way and written in DCP's format by the
+  writer thread (``_sharded.ShardWriter``). The signal save is synchronous (the
   process is about to exit).
 * **Grace period**: torchrun and SLURM send SIGKILL 30 s after SIGTERM. Every save is
   timed; when one (staging + write + commit) takes more than 80% of ``grace_s`` a
@@ -1051,7 +1051,7 @@ class SignalCheckpointer(Component):
         ``stopping`` (a signal's stop is about to save), any failure of the older save
         is only said: the stop's own save must still be tried, or a pre-emption would
         lose every step since the last checkpoint to an error of a save it supersedes
-        (DCP's writer process killed by the launcher's SIGTERM, say)."""
+        (a writer process killed by the launcher's SIGTERM, say)."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
