@@ -191,3 +191,66 @@ def test_the_shard_writer_writes_what_stock_dcp_reads_and_fails_together(tmp_pat
     assert torch.equal(extra, torch.ones(3))
     for name in ("abandoned", "failed"):
         assert not (tmp_path / name / "dcp" / ".metadata").exists(), name
+
+
+def _hsdp_worker(rank: int, world: int, port: int, out: str) -> None:
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from guardrails import _sharded, _store
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+        # HSDP: replicated across the first mesh dimension, sharded across the second.
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("r", "s")))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        writer = _sharded.ShardWriter()
+        records = writer.write(
+            Path(out, "ckpt"),
+            writer.stage(model, opt),
+            rank=rank,
+            world=world,
+            store=_store.side_store(0, "hsdp"),
+            key="s",
+            cancel=threading.Event(),
+            timeout_s=60,
+        )
+        model_sd, optim_sd = get_state_dict(model, opt)
+        full = {k: v.full_tensor() for k, v in model_sd.items()}
+        result = {"records": sorted(records), "full": full}
+        # The same state through DCP's own save, for the bytes it writes.
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(out, "dcp")))
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def test_hsdp_shards_replicated_across_groups_are_written_once(tmp_path):
+    """HSDP on 4 gloo ranks (2 replicas of 2 shards): each shard is written by one rank
+    of its replicas (as many bytes as DCP's own save writes), and stock DCP rebuilds
+    every full tensor from the files."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    spawn(_hsdp_worker, (4, free_port(), str(tmp_path)), nprocs=4)
+    res = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(4)]
+    dcp_to_torch_save(tmp_path / "ckpt" / "dcp", tmp_path / "full.pt")
+    saved = torch.load(tmp_path / "full.pt", weights_only=True)
+    for k, v in res[0]["full"].items():
+        assert torch.equal(saved["model"][k], v), k
+    assert ".metadata" in res[0]["records"]
+    # What is replicated across the two replicas is written once, as DCP's own save
+    # does: the same bytes in all (written twice, it would be about twice as many).
+    ours, theirs = (
+        sum(f.stat().st_size for f in (tmp_path / d).glob("*.distcp")) for d in ("ckpt/dcp", "dcp")
+    )
+    assert theirs > 3 * 4 * 64 * 65 and ours == theirs, (ours, theirs)
