@@ -109,8 +109,8 @@ class HashingFile:
     """A file written front to back by someone else's serializer (``torch.save`` of
     DCP's items), hashed on the way to disk: :meth:`close` fsyncs it and returns the
     manifest record :func:`seal` would compute by reading it back. Nothing is read
-    back: re-reading an FSDP2 rank's 5 GB to hash it kept 8 more threads busy beside
-    training after every write."""
+    back: :func:`seal` reading an FSDP2 rank's 5 GB back took 1.0-1.1 s of 8 threads
+    after each write (2 H200 hosts), beside training for a background save."""
 
     def __init__(self, path: Path, chunk: int = CHUNK_BYTES) -> None:
         self._file = open(path, "wb")  # noqa: SIM115 (closed by close())
