@@ -519,6 +519,8 @@ def _write_items(
         return results, f.close()
 
     buckets = _buckets(items, _digest.THREADS)
+    if not buckets:  # DCP's plan gave this rank nothing to write (all deduplicated)
+        return [], {}
     with ThreadPoolExecutor(len(buckets), thread_name_prefix="guardrails-dcp-write") as pool:
         futures = [
             pool.submit(write_file, f"__{rank}_{i}.distcp", bucket)
