@@ -502,6 +502,24 @@ def _same_weights(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in pairs)
 
 
+@pytest.mark.parametrize("size", [0, 1, 1023, 1024, 1025, 3 * 1024 + 7])
+def test_a_file_hashed_as_written_has_the_record_a_read_back_gives(tmp_path, size):
+    """FSDP2 background saves hash their files on the way to disk (HashingFile): the
+    record must be exactly what verifying by reading back computes, at and around
+    every piece boundary, whatever sizes the serializer writes in."""
+    from guardrails import _digest
+
+    data = os.urandom(size)
+    f = _digest.HashingFile(tmp_path / "f", chunk=1024)
+    for start in range(0, size, 300):  # torch.save writes records of any size
+        f.write(memoryview(data)[start : start + 300])
+    assert f.tell() == size
+    record = f.close()
+    [read_back] = _digest._hash_files([tmp_path / "f"], threads=2, chunk=1024)
+    assert record == read_back and (tmp_path / "f").read_bytes() == data
+    assert (_digest.CHUNK_KEY in record) == (size > 1024)
+
+
 def test_large_files_carry_a_piecewise_sha256_that_catches_one_flipped_byte(tmp_path):
     from guardrails import _digest
 
