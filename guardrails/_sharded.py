@@ -16,8 +16,10 @@ step boundary where every rank saves anyway. A periodic background save stages t
 shards in pinned host memory in the main thread (the only part that blocks training)
 and writes them, in DCP's format, from the checkpoint writer's thread (:class:`ShardWriter`):
 not with ``dcp.async_save``, whose Python in the training process stalled training
-for seconds. Only the state-dict APIs of ``torch.distributed.checkpoint.state_dict``
-and DCP's planner, writer and reader classes are used (public since torch 2.2).
+for seconds. The state-dict APIs of ``torch.distributed.checkpoint.state_dict`` and
+DCP's planner, writer and reader classes are public (since torch 2.2); one private name
+is used, ``filesystem._StorageInfo``, the record of an item's file, offset and length
+that DCP's own ``FileSystemWriter`` writes into ``.metadata`` (the same in 2.8-2.13).
 """
 
 from __future__ import annotations
