@@ -528,7 +528,10 @@ def _write_items(
             pool.submit(write_file, f"__{rank}_{i}.distcp", bucket)
             for i, bucket in enumerate(buckets)
         ]
-        done = [f.result() for f in futures]
+        errors = [e for f in futures if (e := f.exception()) is not None]
+    if errors:  # the failure that stopped the others, not the Cancelled they then raised
+        raise min(errors, key=lambda e: isinstance(e, _digest.Cancelled))
+    done = [f.result() for f in futures]
     names = [f"__{rank}_{i}.distcp" for i in range(len(buckets))]
     return [r for results, _ in done for r in results], {
         name: record for name, (_, record) in zip(names, done, strict=True)
