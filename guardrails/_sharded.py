@@ -284,8 +284,8 @@ class ShardWriter:
     (benchmarks/RESULTS.md, "Session 12"). Here the save plan (which rank writes which
     item: DCP's own ``DefaultSavePlanner``) depends only on the state's layout, so it is
     made once and exchanged through the job's store; it is made again only when the
-    layout changes (an optimizer that gained a param group). Each save then costs the store a few
-    round trips, and its writer threads a ``torch.save`` per item."""
+    layout changes (an optimizer that gained a param group). Each save then costs the
+    store a few round trips, and its writer threads a ``torch.save`` per item."""
 
     def __init__(self) -> None:
         self.stager = stager()
@@ -523,16 +523,13 @@ def _write_items(
     buckets = _buckets(items, _digest.THREADS)
     if not buckets:  # DCP's plan gave this rank nothing to write (all deduplicated)
         return [], {}
+    names = [f"__{rank}_{i}.distcp" for i in range(len(buckets))]
     with ThreadPoolExecutor(len(buckets), thread_name_prefix="guardrails-dcp-write") as pool:
-        futures = [
-            pool.submit(write_file, f"__{rank}_{i}.distcp", bucket)
-            for i, bucket in enumerate(buckets)
-        ]
+        futures = [pool.submit(write_file, n, b) for n, b in zip(names, buckets, strict=True)]
         errors = [e for f in futures if (e := f.exception()) is not None]
     if errors:  # the failure that stopped the others, not the Cancelled they then raised
         raise min(errors, key=lambda e: isinstance(e, _digest.Cancelled))
     done = [f.result() for f in futures]
-    names = [f"__{rank}_{i}.distcp" for i in range(len(buckets))]
     return [r for results, _ in done for r in results], {
         name: record for name, (_, record) in zip(names, done, strict=True)
     }
