@@ -3,6 +3,7 @@ corruption detection, mismatch errors, retention. Real files, real child process
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -518,6 +520,43 @@ def test_a_file_hashed_as_written_has_the_record_a_read_back_gives(tmp_path, siz
     [read_back] = _digest._hash_files([tmp_path / "f"], threads=2, chunk=1024)
     assert record == read_back and (tmp_path / "f").read_bytes() == data
     assert (_digest.CHUNK_KEY in record) == (size > 1024)
+
+
+def test_a_hashed_file_abandoned_mid_write_stops_at_the_next_piece(tmp_path):
+    """A stop abandons an older save within a piece: once the cancel is set, the file
+    takes nothing past the next piece boundary (the serializer finishes its item into
+    nothing, without an error torch.save would garble), and says it was cancelled."""
+    from guardrails import _digest
+
+    cancel = threading.Event()
+    f = _digest.HashingFile(tmp_path / "f", chunk=1 << 20, cancel=cancel)
+    f.write(b"x" * 1000)
+    cancel.set()
+    torch.save(torch.zeros(3 << 20), f)  # 12 MiB, twelve pieces: stops at the first
+    assert f.cancelled
+    f.abandon()
+    assert 1 << 20 <= (tmp_path / "f").stat().st_size < 2 << 20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_pieces_are_sent_to_disk_as_written_on_linux(tmp_path):
+    """Checkpoint files go to disk a piece at a time (libc's sync_file_range, found and
+    called for real): a missing binding would silently leave gigabytes for one final
+    fsync that no stop can interrupt. A real error of the call is raised."""
+    from guardrails import _digest
+
+    assert _digest._sync_file_range is not None
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _digest.send_to_disk(fd, 0, 1 << 20, wait=True)
+        _digest.send_to_disk(fd, 0, 1 << 20, wait=False)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as info:
+        _digest.send_to_disk(fd, 0, 1 << 20, wait=True)  # closed: EBADF
+    assert info.value.errno == errno.EBADF
 
 
 def test_large_files_carry_a_piecewise_sha256_that_catches_one_flipped_byte(tmp_path):
