@@ -283,11 +283,10 @@ class Part:
         self.tensors: dict[str, tuple[dict[str, Tensor], dict[str, str]]] = {}
         #: file name -> the file's bytes (JSON, or torch.save for odd schedulers)
         self.blobs: dict[str, bytes] = {}
-        #: Files already written into the temp dir by someone else (DCP shards), to be
-        #: hashed into the manifest.
+        #: The sharded state's files, once written (hashed as written).
         self.sealed: list[Path] = []
-        #: A background sharded save's (ShardWriter, staged shards): the writer thread
-        #: writes them, then seals the files.
+        #: A sharded save's (ShardWriter, shards: staged, or live for a save written
+        #: before training goes on): written after the files above.
         self.dcp: Any = None
         #: Seconds the save blocked training (set by the caller), spent writing and
         #: hashing, and in the final fsyncs (set by :meth:`write`).

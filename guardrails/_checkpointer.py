@@ -28,7 +28,8 @@ What it does, and where the cost goes:
   writer error is raised in the main thread at the next step boundary. Sharded state
   (FSDP2) is staged into pinned memory the same way and written in DCP's format by the
   writer thread (``_sharded.ShardWriter``). The signal save is synchronous (the
-  process is about to exit).
+  process is about to exit), and a periodic save still being written when it comes
+  is abandoned: its files go to disk a piece at a time, so it stops within a piece.
 * **Grace period**: torchrun and SLURM send SIGKILL 30 s after SIGTERM. Every save is
   timed; when one (staging + write + commit) takes more than 80% of ``grace_s`` a
   warning event says so at that save, long before the pre-emption that would lose it.
@@ -351,14 +352,8 @@ class SignalCheckpointer(Component):
         self._last_save_t = self._check_t = time.monotonic()
         self._check_step = guard.step
         self._next_check = guard.step + 1
-        periodic = self.every_n_steps is not None or self.every_s is not None
-        if (
-            self.background
-            and periodic
-            and guard.world_size > 1
-            and _model.is_sharded(_model.unwrap(guard.model))
-        ):
-            self._shard_writer = _sharded.ShardWriter()
+        if _model.is_sharded(_model.unwrap(guard.model)):
+            self._shard_writer = _sharded.ShardWriter()  # no memory until it stages
         if threading.current_thread() is not threading.main_thread():
             if self.signals:
                 guard.event(
@@ -641,7 +636,7 @@ class SignalCheckpointer(Component):
             return  # nothing to pin without a GPU
         bare = _model.unwrap(guard.model)
         if _model.is_sharded(bare):
-            if self._shard_writer is not None:  # background saves: it stages
+            if self._shard_writer is not None and self.background:  # it stages them
                 self._dcp_prepared = _sharded.prepare_staging(
                     self._shard_writer.stager, bare, guard.optimizer, self._dcp_stats
                 )
@@ -724,12 +719,10 @@ class SignalCheckpointer(Component):
         with guard.pause_watchdog("checkpoint"):
             part = _checkpoint.Part(self._staging)
             bare = _model.unwrap(guard.model)
-            sharded: list[Path] = []
-            if _model.is_sharded(bare):
+            if self._shard_writer is not None:  # sharded: every rank writes its shards
+                writer = self._shard_writer
                 try:
-                    tmp = _checkpoint.begin(self.root, step, self._token)
-                    if background and self._shard_writer is not None:
-                        # Shards staged to host memory now; the writer thread writes them.
+                    if background:  # staged to host memory now; the writer thread writes
                         if self._dcp_prepared is not None:
                             # Its memory still being allocated ahead: wait rather than
                             # have DCP allocate a second copy.
@@ -738,13 +731,9 @@ class SignalCheckpointer(Component):
                             self._dcp_prepared = None
                             waited = round(time.perf_counter() - t_wait, 3)
                             self._dcp_stats["waited_s"] = waited
-                        writer = self._shard_writer
                         part.dcp = (writer, writer.stage(bare, guard.optimizer))
-                    else:
-                        # Every rank writes its own shards now, in the main thread: DCP's
-                        # save is a collective over the training's process group.
-                        background = False
-                        sharded = _sharded.save(tmp, guard.rank, bare, guard.optimizer)
+                    else:  # written below, in this thread, before training goes on
+                        part.dcp = (writer, writer.live(bare, guard.optimizer))
                 except BaseException as e:
                     error = _write_error(self.root / f"step_{step:09d}", step, e)
                     if error is not e:
@@ -755,7 +744,6 @@ class SignalCheckpointer(Component):
             self._last_saved_step = step
             self._last_save_t = time.monotonic()
             part.stage_s = blocking = time.perf_counter() - t0
-            part.sealed = sharded
             if background:
                 self.blocking_times_s.append(blocking)
                 self._writing = (step, part)
@@ -868,7 +856,7 @@ class SignalCheckpointer(Component):
             tmp = _checkpoint.begin(root, step, self._token)
             part.write(tmp, files)
             t_shards = time.perf_counter()
-            if part.dcp is not None:  # a background sharded save: its shards next
+            if part.dcp is not None:  # a sharded save: its shards next
                 writer, staged = part.dcp
                 records = writer.write(
                     tmp,
@@ -882,8 +870,6 @@ class SignalCheckpointer(Component):
                 )  # hashed as written
                 part.sealed = [tmp / _sharded.DCP_DIR / name for name in records]
                 files.update({f"{_sharded.DCP_DIR}/{n}": r for n, r in records.items()})
-            else:  # written by DCP in the main thread (or nothing): hash it now
-                _checkpoint._seal(part.sealed, files, prefix=f"{_sharded.DCP_DIR}/")
             part.write_s += time.perf_counter() - t_shards
         except BaseException as e:
             error = _write_error(final, step, e)

@@ -10,16 +10,18 @@ stays what it is for replicated state: per-rank RNG and data files, JSON for the
 scheduler / scaler / extras, one manifest that lists every DCP file with its size and
 sha256 (each rank hashes the files it wrote), and one atomic rename.
 
-DCP's save and load are collectives. A signal save (and any save without a background
-writer) runs ``dcp.save`` over the default process group in the main thread, at the
-step boundary where every rank saves anyway. A periodic background save stages the
-shards in pinned host memory in the main thread (the only part that blocks training)
-and writes them, in DCP's format, from the checkpoint writer's thread (:class:`ShardWriter`):
-not with ``dcp.async_save``, whose Python in the training process stalled training
-for seconds. The state-dict APIs of ``torch.distributed.checkpoint.state_dict`` and
-DCP's planner, writer and reader classes are public (since torch 2.2); one private name
-is used, ``filesystem._StorageInfo``, the record of an item's file, offset and length
-that DCP's own ``FileSystemWriter`` writes into ``.metadata`` (the same in 2.8-2.13).
+Every save is written by :class:`ShardWriter`, in DCP's own format: a periodic
+background save stages the shards in pinned host memory in the main thread (the only
+part that blocks training) and writes them from the checkpoint writer's thread; a
+signal save (and any save without a background writer) writes the live shards from
+the main thread, at the step boundary where every rank saves anyway. Not with
+``dcp.async_save``, whose Python in the training process stalled training for
+seconds, nor ``dcp.save``, whose files had to be read back to be hashed (1 s of a
+signal save) and whose collectives ran over the training's process group. The
+state-dict APIs of ``torch.distributed.checkpoint.state_dict`` and DCP's planner,
+writer and reader classes are public (since torch 2.2); one private name is used,
+``filesystem._StorageInfo``, the record of an item's file, offset and length that
+DCP's own ``FileSystemWriter`` writes into ``.metadata`` (the same in 2.8-2.13).
 """
 
 from __future__ import annotations
@@ -164,28 +166,12 @@ def _reader(directory: Path) -> Any:
     return Reader(str(directory))
 
 
-def save(directory: Path, rank: int, model: nn.Module, optimizer: Any) -> list[Path]:
-    """Write this rank's shards of model and optimizer under ``directory/dcp`` (every rank
-    calls it); returns the files this rank wrote."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save(
-        {"model": model_sd, "optim": optim_sd},
-        checkpoint_id=str(directory / DCP_DIR),
-        storage_writer=_writer(directory),
-    )
-    return written(directory, rank)
-
-
 def _writer(directory: Path) -> Any:
-    """DCP's file writer with one file per thread per rank: its default is one thread,
-    which writes a rank's shards at one stream's speed (the files are fsynced by it
-    and hashed by :func:`guardrails._digest.seal` afterwards, in parallel)."""
+    """DCP's file writer for ``directory/dcp``: it writes ``.metadata``
+    (:meth:`ShardWriter._write_metadata`)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    return FileSystemWriter(str(directory / DCP_DIR), thread_count=_digest.THREADS)
+    return FileSystemWriter(str(directory / DCP_DIR))
 
 
 def stager() -> Any:
@@ -267,13 +253,15 @@ def _empty_pinned(obj: Any, pin: bool = True) -> Any:
 
 
 class ShardWriter:
-    """A run's background saves of sharded state (every rank has one).
+    """A run's saves of sharded state (every rank has one).
 
-    :meth:`stage` copies this rank's shards into pinned host memory on the training
-    thread (the only part that blocks training, ~0.06 s for 5 GB a rank on an H200);
-    :meth:`write` then writes them from the checkpoint writer's thread in DCP's own
-    format (``__<rank>_<i>.distcp`` files of ``torch.save``-d items, ``.metadata`` from
-    rank 0), so :func:`load` and ``dcp.load`` read them as any DCP checkpoint.
+    For a background save, :meth:`stage` copies this rank's shards into pinned host
+    memory on the training thread (the only part that blocks training, ~0.06 s for 5 GB
+    a rank on an H200) and :meth:`write` writes them from the checkpoint writer's
+    thread; a save in the main thread (a signal's) writes :meth:`live`'s shards. Either
+    way the files are DCP's own format (``__<rank>_<i>.distcp`` files of
+    ``torch.save``-d items, ``.metadata`` from rank 0), so :func:`load` and
+    ``dcp.load`` read them as any DCP checkpoint.
 
     Why not ``dcp.async_save``: its save runs DCP's planning, collectives, per-item
     DTensor dispatch and metadata as Python in threads of the training process. On one
@@ -300,12 +288,19 @@ class ShardWriter:
         self._results: list[bytes] = []  # every rank's write results of the last save
         self._metadata_bytes = b""  # the .metadata they made
 
-    def stage(self, model: nn.Module, optimizer: Any) -> Any:
-        """This rank's shards of model and optimizer, copied to host memory now."""
+    @staticmethod
+    def live(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+        """This rank's shards of model and optimizer as they are (no copy: for a save
+        written before training goes on). The writer threads copy each device shard to
+        the host as they write it."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": optim_sd}
+
+    def stage(self, model: nn.Module, optimizer: Any) -> Any:
+        """This rank's shards of model and optimizer, copied to host memory now."""
+        state = self.live(model, optimizer)
         try:
             staged = self.stager.stage(state)
         except Exception as exc:
@@ -335,15 +330,20 @@ class ShardWriter:
         cancel: threading.Event,
         timeout_s: float,
     ) -> dict[str, dict[str, Any]]:
-        """Write ``staged`` (from :meth:`stage`) under ``directory/dcp``; every rank
-        calls it, from its writer thread, with the save's store ``key``. Returns the
-        manifest record (size, sha256) of each file this rank wrote, by name: hashed on
-        the way to disk, fsynced. Setting ``cancel`` ends the write after the items in
-        progress with :class:`guardrails._digest.Cancelled`; a failure on any rank is
-        a ``CheckpointError`` on every rank, not a wait (``timeout_s``: how long a rank
+        """Write ``staged`` (from :meth:`stage` or :meth:`live`) under
+        ``directory/dcp``; every rank calls it with the save's store ``key`` (``store``
+        is ``None`` in a single process). Returns the manifest record (size, sha256) of
+        each file this rank wrote, by name: hashed on the way to disk, fsynced. Setting
+        ``cancel`` ends the write within about a piece of each file
+        (:class:`guardrails._digest.HashingFile`) with
+        :class:`guardrails._digest.Cancelled`; a failure on any rank is a
+        ``CheckpointError`` on every rank, not a wait (``timeout_s``: how long a rank
         waits for another's part)."""
+        from torch.distributed import HashStore
         from torch.distributed.checkpoint import DefaultSavePlanner
 
+        if store is None:  # one process: it plans alone, through a store of its own
+            store = HashStore()
         try:
             planner = DefaultSavePlanner()
             planner.set_up_planner(staged, is_coordinator=rank == 0)  # flattens, as DCP does
@@ -490,10 +490,10 @@ def _write_items(
 
     def write_file(name: str, bucket: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         results = []
-        f = _digest.HashingFile(target / name)
+        f = _digest.HashingFile(target / name, cancel=cancel)
         try:
             for item in bucket:
-                if cancel.is_set() or failed.is_set():
+                if cancel.is_set() or failed.is_set() or f.cancelled:
                     raise _digest.Cancelled("the save was abandoned")
                 data = _item_data(planner, item)
                 offset = f.tell()
@@ -501,8 +501,8 @@ def _write_items(
                     f.write(data.getbuffer())
                 else:
                     tensor = data.detach()
-                    if tensor.device.type != "cpu":  # a 0-d state DCP leaves unstaged
-                        tensor = tensor.cpu()
+                    if tensor.device.type != "cpu":  # a live shard, or a 0-d state
+                        tensor = tensor.cpu()  # that DCP's staging leaves on the device
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()  # a view: torch.save writes its storage
                     torch.save(tensor, f)
@@ -514,6 +514,8 @@ def _write_items(
                         storage_data=_StorageInfo(name, offset, length),
                     )
                 )
+            if f.cancelled:  # during the last item
+                raise _digest.Cancelled("the save was abandoned")
         except BaseException:
             failed.set()
             f.abandon()
@@ -553,17 +555,6 @@ def _buckets(items: list[Any], n: int) -> list[list[Any]]:
         buckets[i].append(item)
         loads[i] += size(item) or 1
     return [b for b in buckets if b]
-
-
-def written(directory: Path, rank: int) -> list[Path]:
-    """The DCP files this rank wrote under ``directory/dcp``."""
-    target = directory / DCP_DIR
-    # FileSystemWriter names each rank's files __<rank>_<i>.distcp; rank 0 also writes
-    # the global .metadata once every rank's plan is in.
-    mine = sorted(target.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        mine.append(target / ".metadata")
-    return mine
 
 
 def check(ckpt: Path, step: int, model: nn.Module) -> None:

@@ -138,6 +138,7 @@ def _writer_worker(rank: int, world: int, port: int, out: str) -> None:
         layout = writer._layout
         result["second"] = write("second", writer.stage(model, opt))  # the plan reused
         result["plan_reused"] = writer._layout is layout
+        result["live"] = write("live", writer.live(model, opt))  # a signal save's shards
         # A layout of its own (an extra entry): planned again, not written by the old plan.
         result["changed"] = write("changed", {**writer.stage(model, opt), "extra": torch.ones(3)})
         cancel = threading.Event()
@@ -157,24 +158,24 @@ def _writer_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_the_shard_writer_writes_what_stock_dcp_reads_and_fails_together(tmp_path):
-    """Background FSDP2 saves are written by guardrails' ShardWriter, not dcp.async_save:
+    """FSDP2 saves are written by guardrails' ShardWriter, not dcp.async_save or dcp.save:
     its files are DCP's format (stock DCP converts them to one torch.save file, the full
-    tensors equal the live ones), its plan and metadata are reused until the state's
-    layout changes,
-    a stop's cancel ends the write on every rank with no .metadata, and one rank's
+    tensors equal the live ones), from staged shards (background saves) or the live
+    ones (a signal's save), its plan and metadata are reused until the state's layout
+    changes, a stop's cancel ends the write on every rank with no .metadata, and one rank's
     failure is an error naming that rank on the other (no wait for a timeout)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     spawn(_writer_worker, (2, free_port(), str(tmp_path)))
     res = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in (0, 1)]
     for r in res:
-        assert (r["first"], r["second"], r["changed"]) == ("written",) * 3, r
+        assert (r["first"], r["second"], r["live"], r["changed"]) == ("written",) * 4, r
         assert r["plan_reused"]
         assert r["abandoned"].startswith("Cancelled"), r["abandoned"]
     assert res[1]["failed"].startswith("OSError") or "No space" in res[1]["failed"], res[1]
     assert res[0]["failed"].startswith("CheckpointError"), res[0]["failed"]
     assert "rank 1 could not write" in res[0]["failed"] and "No space" in res[0]["failed"]
-    for name in ("first", "second"):
+    for name in ("first", "second", "live"):
         dcp_to_torch_save(tmp_path / name / "dcp", tmp_path / f"{name}.pt")
         full = torch.load(tmp_path / f"{name}.pt", weights_only=True)
         for k, v in res[0]["model"].items():
@@ -191,6 +192,59 @@ def test_the_shard_writer_writes_what_stock_dcp_reads_and_fails_together(tmp_pat
     assert torch.equal(extra, torch.ones(3))
     for name in ("abandoned", "failed"):
         assert not (tmp_path / name / "dcp" / ".metadata").exists(), name
+
+
+def _alone_worker(rank: int, port: int, out: str) -> None:
+    """One process, FSDP2 over a mesh of one: no side store, the writer plans alone."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from guardrails import _sharded, _store
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(8, 64)).square().mean().backward()
+        opt.step()
+        assert _store.side_store(0, "alone") is None  # as the checkpointer finds it
+        writer = _sharded.ShardWriter()
+        records = writer.write(
+            Path(out),
+            writer.live(model, opt),
+            rank=0,
+            world=1,
+            store=None,
+            key="alone",
+            cancel=threading.Event(),
+            timeout_s=60,
+        )
+        model_sd, _ = get_state_dict(model, opt)
+        full = {k: v.full_tensor() for k, v in model_sd.items()}
+    finally:
+        dist.destroy_process_group()
+    Path(out, "result.pkl").write_bytes(pickle.dumps({"records": records, "model": full}))
+
+
+def test_a_single_process_shard_writer_plans_alone(tmp_path):
+    """FSDP2 on one process has no side store: the ShardWriter plans through a store of
+    its own, and writes what stock DCP reads."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    spawn(_alone_worker, (free_port(), str(tmp_path)), nprocs=1)
+    res = pickle.loads((tmp_path / "result.pkl").read_bytes())
+    assert {".metadata", "__0_0.distcp"} <= set(res["records"]), res["records"]
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    for k, v in res["model"].items():
+        assert torch.equal(full["model"][k], v), k
 
 
 def _hsdp_worker(rank: int, world: int, port: int, out: str) -> None:

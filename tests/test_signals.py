@@ -145,9 +145,9 @@ def test_fsdp2_background_saves_are_written_by_dcp_off_the_main_thread_and_resum
     tmp_path, fsdp_straight
 ):
     """Periodic sharded saves in the background: the shards are staged in the main
-    thread and written by DCP's async_save over a gloo group of the checkpointer's, the
-    writer thread commits them. A crash (no signal save) at step 14, then the same
-    command: it resumes from a background-written checkpoint, bitwise."""
+    thread, and the writer thread writes them in DCP's format and commits them. A crash
+    (no signal save) at step 14, then the same command: it resumes from a
+    background-written checkpoint, bitwise."""
     crashed = tmp_path / "crashed"
     args = ("--steps", 24, "--every-n", 4, "--background", "--fsdp")
     results = _run(crashed, tmp_path / "b", *args, "--crash-at", 14, world=2)
