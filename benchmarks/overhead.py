@@ -115,17 +115,30 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def kernel_seconds(prof: torch.profiler.profile, device_type: str = "cuda") -> float:
+def kernel_seconds(
+    prof: torch.profiler.profile, device_type: str = "cuda", by_name: dict | None = None
+) -> float:
     """The busy time of ``device_type``'s kernels a profile recorded, NCCL's left out,
-    in seconds (overlapping kernels count each)."""
+    in seconds (overlapping kernels count each). ``by_name`` (optional) gets each
+    kernel name's microseconds and launches added to it."""
     from torch.autograd import DeviceType
 
     kind = DeviceType.CUDA if device_type == "cuda" else DeviceType.CPU
-    return 1e-6 * sum(
-        e.time_range.elapsed_us()
-        for e in prof.events()
-        if e.device_type == kind and "nccl" not in e.name.lower()
-    )
+    total = 0.0
+    for e in prof.events():
+        if e.device_type == kind and "nccl" not in e.name.lower():
+            us = e.time_range.elapsed_us()
+            total += us
+            if by_name is not None:
+                spent, n = by_name.get(e.name, (0.0, 0))
+                by_name[e.name] = (spent + us, n + 1)
+    return 1e-6 * total
+
+
+#: --clock kernels: per variant, each kernel name's (microseconds, launches) summed over
+#: the timed runs, and the number of timed steps they cover.
+KERNELS: dict[str, dict[str, tuple[float, int]]] = {}
+KERNEL_STEPS: dict[str, int] = {}
 
 
 VARIANTS = ("plain", "guarded", "graph_norm", "item")
@@ -188,7 +201,8 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
         sync(device)
         if prof is not None:
             prof.__exit__(None, None, None)
-            return kernel_seconds(prof) / args.steps
+            KERNEL_STEPS[variant] = KERNEL_STEPS.get(variant, 0) + args.steps
+            return kernel_seconds(prof, by_name=KERNELS.setdefault(variant, {})) / args.steps
         return (clock() - t0) / args.steps
 
     if variant not in ("guarded", "graph_norm", "ddp_guard"):
@@ -315,6 +329,8 @@ def main() -> None:
         variants = [args.only]
     for v in variants:  # compile / allocator / lazy optimizer state warm-up
         one_run(args, device, *setups[v], v)
+    KERNELS.clear()  # --clock kernels: the timed runs only
+    KERNEL_STEPS.clear()
     times: dict[str, list[float]] = {v: [] for v in variants}
     order = list(variants)
     shuffle = random.Random(0).shuffle  # the same order on every rank (DDP)
@@ -413,11 +429,32 @@ def main() -> None:
             f"  isfinite(norm).item() per step: {result['item_step_us']:10.1f} us/step "
             f"({result['item_overhead_pct']:+.2f}%)"
         )
+    if KERNELS:
+        result["kernels_added"] = added_kernels()
+        print("  kernels the guarded loop adds, per step (us, launches):")
+        for name, us, n in result["kernels_added"][:12]:
+            print(f"    {us:+9.1f} us {n:+6.1f}  {name[:110]}")
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps(result) + "\n")
     if args.ddp:
         torch.distributed.destroy_process_group()
+
+
+def added_kernels() -> list[tuple[str, float, float]]:
+    """--clock kernels: (kernel name, microseconds, launches) per step that the guarded
+    runs have over the plain ones, largest first."""
+    per_step = {
+        v: {k: (us / KERNEL_STEPS[v], n / KERNEL_STEPS[v]) for k, (us, n) in table.items()}
+        for v, table in KERNELS.items()
+    }
+    plain, guarded = per_step.get("plain", {}), per_step.get("guarded", {})
+    rows = []
+    for name in set(plain) | set(guarded):
+        gu, gn = guarded.get(name, (0.0, 0.0))
+        pu, pn = plain.get(name, (0.0, 0.0))
+        rows.append((name, round(gu - pu, 2), round(gn - pn, 2)))
+    return sorted(rows, key=lambda r: -abs(r[1]))
 
 
 if __name__ == "__main__":
