@@ -40,8 +40,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from guardrails._bench_checkpoint import disk_floor  # noqa: E402
 
 # ----------------------------------------------------------------------------- parent
 
@@ -90,6 +88,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     t_signal = None
     wall_signal = math.nan
     at_exit: dict[int, float] = {}
+    ran = None
     assert proc.stdout is not None
     for line in proc.stdout:
         log.append(line)
@@ -100,6 +99,8 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
                 t_signal = time.perf_counter()
                 wall_signal = time.time()
                 proc.send_signal(signal.SIGTERM)
+        elif line.startswith("GUARDRAILS "):
+            ran = line.split(maxsplit=1)[1].strip()
         elif line.startswith(("SAMPLE ", "DEQUE ", "NOISE ")) or args.echo:
             print(line, end="", flush=True)  # --sample: where a long step's time went
         elif line.startswith("ATEXIT "):  # a rank's interpreter reached its atexit hooks
@@ -112,7 +113,8 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     saves = [e for e in events if e["kind"] == "checkpoint"]
     for e in saves:  # each save's own figures, periodic ones too
         print(
-            f"  save step {e['step']} rank {e['rank']}: stage {e.get('stage_s')} s, "
+            f"  save step {e['step']} rank {e['rank']}: {e.get('seconds')} s (stage "
+            f"{e.get('stage_s')}, write {e.get('write_s')}, fsync {e.get('fsync_s')}), "
             f"{e.get('dcp_staging', '')}",
             flush=True,
         )
@@ -141,8 +143,11 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     # event), the interpreter reached atexit (after the with-block and SystemExit), and
     # the launcher (torchrun) exited.
     ends = {e["rank"]: e["time"] for e in events if e["kind"] == "end"}
+    dropped = {e["rank"]: e["time"] for e in events if e["kind"] == "checkpoint_abandoned"}
     timeline = {
         rank: {
+            # an older save still being written, abandoned by the stop (its event)
+            "abandoned": dropped[rank] - wall_signal if rank in dropped else None,
             "saved": next((e["time"] - wall_signal for e in last if e["rank"] == rank), None),
             "guard_closed": ends[rank] - wall_signal if rank in ends else None,
             "atexit": at_exit[rank] - wall_signal if rank in at_exit else None,
@@ -152,8 +157,12 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     timeline["launcher_exit"] = wall_exit - wall_signal
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
     size = sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file()) if ckpts else 0
+    expected = Path(pythonpath).resolve() / "guardrails"
+    if ran is not None and Path(ran) != expected:
+        raise SystemExit(f"the {name} run imported guardrails from {ran}, not {expected}")
     return {
         "variant": name,
+        "guardrails": ran,
         "exit_code": code,
         "sigterm_to_exit_s": None if t_signal is None else t_exit - t_signal,
         "median_step_ms": median,
@@ -172,6 +181,13 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
 
 def parent(args: argparse.Namespace) -> None:
     import torch
+
+    # Imported here, never in a child: a child must import the guardrails its
+    # PYTHONPATH names (--old-guardrails). With this import at the top of the file,
+    # every child ran this checkout's guardrails, the "old" variant included (the A/Bs
+    # of sessions 9-13 until this was found; benchmarks/RESULTS.md says which).
+    sys.path.insert(0, str(ROOT))
+    from guardrails._bench_checkpoint import disk_floor
 
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="ckbig-", dir=base))
@@ -318,6 +334,8 @@ def child(args: argparse.Namespace) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:  # the parent records which guardrails ran
+        print(f"GUARDRAILS {Path(guardrails.__file__).resolve().parent}", flush=True)
     if args.switch_interval_s:
         sys.setswitchinterval(args.switch_interval_s)
     cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
