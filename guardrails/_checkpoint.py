@@ -1841,6 +1841,35 @@ def _retain(
     _digest.fsync_path(root)
 
 
+def to_trash(path: Path) -> None:
+    """Rename a directory to ``.trash-*`` beside it (atomic; its name then tells every
+    later look that it is garbage), for :func:`empty_trash` or the next start's
+    :func:`remove_leftovers` to delete. Removed at once when it cannot be renamed."""
+    trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def empty_trash(root: Path) -> threading.Thread:
+    """Delete every ``.trash-*`` directory under ``root`` (retired checkpoints, saves a
+    stop abandoned) in a daemon thread, which it returns. Deleting is not free:
+    deleting a retired 10 GB checkpoint took 2-3.5 s on the H200 hosts' disks, spent
+    by the checkpoint writer before it was free for the next save or for a stop's (a
+    file's deletion waits for the writes in flight to it)."""
+
+    def empty() -> None:
+        with contextlib.suppress(OSError):
+            for p in root.iterdir():
+                if p.name.startswith(_TRASH_PREFIX) and p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+
+    thread = threading.Thread(target=empty, name="guardrails-empty-trash", daemon=True)
+    thread.start()
+    return thread
+
+
 def settle_asides(root: Path) -> None:
     """A re-save cut between its renames left its old copy aside: put it back under
     its ``step_*`` name (it is that step's checkpoint), or delete it when the new copy

@@ -307,6 +307,8 @@ class SignalCheckpointer(Component):
         # its pinned staging and save plan are reused, and the thread allocating that
         # staging ahead of the first save.
         self._shard_writer: _sharded.ShardWriter | None = None
+        #: Deleting retired checkpoints (``.trash-*``) off the writer's path.
+        self._emptying: threading.Thread | None = None
         self._dcp_prepared: threading.Thread | None = None
         self._dcp_stats: dict[str, Any] = {}  # its timings, told in checkpoint events
         # Optimizers whose state differs per rank: every rank saves its own part.
@@ -509,6 +511,9 @@ class SignalCheckpointer(Component):
                     self._dcp_prepared.join()
                     self._dcp_prepared = None
                 self._shard_writer = None  # its pinned staging memory goes with it
+                if self._emptying is not None and self._stop_at is None:
+                    self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
+                    self._emptying = None
 
     def _restore_handlers(self) -> None:
         self._unwatch_signals()
@@ -852,6 +857,9 @@ class SignalCheckpointer(Component):
         try:
             if rank == 0:
                 _perms.make_dirs(root)
+                if self._emptying is not None:  # it had a whole save interval
+                    self._emptying.join()
+                    self._emptying = None
                 _checkpoint.remove_leftovers(root, keep=self._token)
             tmp = _checkpoint.begin(root, step, self._token)
             part.write(tmp, files)
@@ -879,7 +887,10 @@ class SignalCheckpointer(Component):
                 if rank == 0:  # nor the other ranks for a commit that never comes
                     store.set(f"{key}/commit", json.dumps({"error": said}))
             if tmp is not None and rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if part.cancel.is_set():  # abandoned by a stop: its save goes first, and
+                    _checkpoint.to_trash(tmp)  # the next start deletes this one
+                else:
+                    shutil.rmtree(tmp, ignore_errors=True)
             if error is not e:
                 raise error from e
             raise
@@ -894,7 +905,7 @@ class SignalCheckpointer(Component):
                     world_size=1,
                     ranks=[0],
                     keep_last=self.keep_last,
-                    delete_old=not final_save,
+                    delete_old=False,  # retired to .trash-*; deleted below
                     contents=self._contents,
                     run=self._run,
                     adopt_unlabelled=self._adopt_unlabelled,
@@ -910,6 +921,8 @@ class SignalCheckpointer(Component):
                 raise error from e
             raise
         took = time.perf_counter() - t0
+        if rank == 0 and not final_save:  # the stop's save leaves them to the next start
+            self._emptying = _checkpoint.empty_trash(root)
         self.save_times_s.append(took)
         self.last_path = final
         self._committed_step = step
@@ -1010,7 +1023,7 @@ class SignalCheckpointer(Component):
                 world_size=world,
                 ranks=list(range(world)),
                 keep_last=self.keep_last,
-                delete_old=not final_save,
+                delete_old=False,  # retired to .trash-*; deleted below
                 contents=self._contents,
                 run=self._run,
                 adopt_unlabelled=self._adopt_unlabelled,
