@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -233,18 +234,26 @@ class BucketNorms:
         self._norms = torch.zeros(0, dtype=torch.float32, device=device)
         self._n = 0  # buckets in the last complete set
         self._ready_at = -1  # the guard's completed steps when the last set completed
+        # gloo completes each bucket's all-reduce on a thread of its own, so callbacks
+        # run at once: a slot written into the old tensor while another callback grew
+        # it would be lost, and two growths raced ("expanded size ... must match" in
+        # 1 of 4 runs of tests/test_ddp.py). NCCL runs them on the autograd thread,
+        # one at a time: the lock is uncontended there.
+        self._lock = threading.Lock()
 
     def record(self, index: int, bucket: Tensor, last: bool, step: int) -> None:
         """Bucket ``index`` (``last``: the backward's final one) was reduced at step
         ``step``: keep its norm. DDP rebuilds its buckets after the first step, so the
         slots grow as needed (a new tensor: a set in flight keeps the old one)."""
-        if index >= len(self._norms):
-            grown = torch.zeros(max(index + 1, 2 * len(self._norms)), device=self.device)
-            grown[: len(self._norms)] = self._norms
-            self._norms = grown
-        torch.linalg.vector_norm(bucket, dtype=torch.float32, out=self._norms[index])
-        if last:
-            self._n, self._ready_at = index + 1, step
+        with self._lock:
+            norms = self._norms
+            if index >= len(norms):
+                grown = torch.zeros(max(index + 1, 2 * len(norms)), device=self.device)
+                grown[: len(norms)] = norms
+                self._norms = norms = grown
+            torch.linalg.vector_norm(bucket, dtype=torch.float32, out=norms[index])
+            if last:
+                self._n, self._ready_at = index + 1, step
 
     def total(self, step: int) -> Tensor | None:
         """The total norm when a whole set of buckets was reduced during step ``step``

@@ -315,3 +315,36 @@ def test_join_still_handles_uneven_inputs(outcomes):
     assert "error" not in r0 and "error" not in r1, (r0, r1)
     assert (r0["steps"], r1["steps"]) == (3, 5)
     assert all(torch.equal(a, b) for a, b in zip(r0["weights"], r1["weights"], strict=True))
+
+
+def test_bucket_norms_recorded_from_many_threads_at_once_keep_every_bucket():
+    """gloo completes each bucket's all-reduce on a thread of its own, so the comm
+    hook's callbacks record at once, while the slots grow (DDP rebuilds its buckets
+    after the first step). Every bucket's norm must land, whatever the interleaving:
+    a slot written into a tensor another callback just replaced was lost, and two
+    growths raced into a shape error (1 run in 4 of the DDP tests above)."""
+    import threading
+
+    from guardrails._gradnorm import BucketNorms
+
+    buckets = [torch.full((64,), float(i + 1)) for i in range(8)]
+    for trial in range(200):
+        norms = BucketNorms(torch.device("cpu"))
+        start = threading.Barrier(len(buckets))
+        errors = []
+
+        def reduced(i, norms=norms, start=start, errors=errors):
+            start.wait()
+            try:
+                norms.record(i, buckets[i], i == len(buckets) - 1, trial)
+            except Exception as e:  # a real thread's error, reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=reduced, args=(i,)) for i in range(len(buckets))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        expected = torch.linalg.vector_norm(torch.stack([b.norm() for b in buckets]))
+        assert torch.equal(norms.total(trial), expected), trial
