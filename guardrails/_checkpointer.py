@@ -347,6 +347,8 @@ class SignalCheckpointer(Component):
             # back under its name before a resume picks (resume reads it either way).
             with contextlib.suppress(OSError):
                 _checkpoint.settle_asides(self.root)
+        if guard.rank == 0:  # what a stop left in the trash (the save it abandoned...)
+            self._emptying = _checkpoint.empty_trash(self.root)
         if self.resume is not None:
             self._resume(guard)
         else:
