@@ -333,7 +333,7 @@ def test_bucket_norms_recorded_from_many_threads_at_once_keep_every_bucket():
         start = threading.Barrier(len(buckets))
         errors = []
 
-        def reduced(i, norms=norms, start=start, errors=errors):
+        def reduced(i, norms=norms, start=start, errors=errors, trial=trial):
             start.wait()
             try:
                 norms.record(i, buckets[i], i == len(buckets) - 1, trial)
