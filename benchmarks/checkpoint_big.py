@@ -67,6 +67,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         child += ["--switch-interval-s", str(args.switch_interval_s)]
     child += ["--noise", args.noise] if args.noise else []
     child += ["--foreach"] if args.foreach else []
+    child += ["--patch", args.patch] if args.patch else []
     if args.nproc > 1:
         cmd = [
             sys.executable,
@@ -338,6 +339,8 @@ def child(args: argparse.Namespace) -> None:
         print(f"GUARDRAILS {Path(guardrails.__file__).resolve().parent}", flush=True)
     if args.switch_interval_s:
         sys.setswitchinterval(args.switch_interval_s)
+    if args.patch:
+        _patch(args.patch)
     cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
     if world > 1:
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -401,6 +404,47 @@ def child(args: argparse.Namespace) -> None:
                     sampler.report(rank, g.step, t, now, cpu0)
                 cpu0 = sampler.cpu()
             t = now
+
+
+def _patch(kind: str) -> None:
+    """``--patch``: a control that takes one part out of the guard's FSDP2 saves, to
+    tell which part the step that starts a save waits for. Only that step's stall is
+    measured: with ``nodisk`` and ``nowrite`` the first save then fails, and as a
+    run_dir that takes no checkpoint at all, ends the run a few steps later. ``nohash``:
+    nothing is hashed (sha256 replaced by a no-op); ``nodisk``: the shard files are
+    written to /dev/null (serialized and hashed, never sent to disk); ``nowrite``: the
+    shards are staged and the plan exchanged, then no item is written (the writer
+    sleeps 5 s)."""
+    from guardrails import _digest, _sharded
+
+    if kind == "nohash":
+
+        class Nothing:
+            def update(self, data) -> None:
+                pass
+
+            def digest(self) -> bytes:
+                return bytes(32)
+
+            def hexdigest(self) -> str:
+                return "0" * 64
+
+        # Only _digest's name for the module: hashlib itself is untouched.
+        _digest.hashlib = type("hashlib", (), {"sha256": staticmethod(lambda *a: Nothing())})
+    elif kind == "nodisk":
+        init = _digest.HashingFile.__init__
+
+        def to_null(self, path, *args, **kwargs) -> None:
+            init(self, Path(os.devnull), *args, **kwargs)
+
+        _digest.HashingFile.__init__ = to_null
+    elif kind == "nowrite":
+
+        def sleep_instead(target, rank, planner, items, cancel):
+            time.sleep(5)
+            raise OSError("--patch nowrite: no item written")
+
+        _sharded._write_items = sleep_instead
 
 
 def _noise(kind: str, run_dir: Path, rank: int, model, opt) -> None:
@@ -513,6 +557,11 @@ def main() -> None:
         "--noise",
         choices=("dd", "threads", "torchsave", "gil", "items-save", "items-raw"),
         help="no periodic saves: at step --every write the same bytes by other means",
+    )
+    p.add_argument(
+        "--patch",
+        choices=("nohash", "nodisk", "nowrite"),
+        help="a control: take one part out of the guard's saves (see _patch; saves then fail)",
     )
     p.add_argument("--echo", action="store_true", help="print the children's output")
     p.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) (FSDP2)")
