@@ -859,10 +859,13 @@ class SignalCheckpointer(Component):
         try:
             if rank == 0:
                 _perms.make_dirs(root)
-                if self._emptying is not None:  # it had a whole save interval
-                    self._emptying.join()
-                    self._emptying = None
-                _checkpoint.remove_leftovers(root, keep=self._token)
+                # A stop's save leaves the cleaning to the next start: deleting the
+                # checkpoint the last periodic save retired takes seconds at 10 GB.
+                if not final_save:
+                    if self._emptying is not None:  # it had a whole save interval
+                        self._emptying.join()
+                        self._emptying = None
+                    _checkpoint.remove_leftovers(root, keep=self._token)
             tmp = _checkpoint.begin(root, step, self._token)
             part.write(tmp, files)
             t_shards = time.perf_counter()
