@@ -1833,23 +1833,21 @@ def _retain(
     if run_id is not None:
         committed = [p for p in committed if run_of(p) in ((run_id, None) if adopt else (run_id,))]
     for p in committed[:-keep_last]:
-        trash = root / f"{_TRASH_PREFIX}{p.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(p, trash)
+        trash = to_trash(p)
         if delete:
             shutil.rmtree(trash, ignore_errors=True)
         log.debug("guardrails: retention retired %s (keep_last=%d)", p, keep_last)
     _digest.fsync_path(root)
 
 
-def to_trash(path: Path) -> None:
-    """Rename a directory to ``.trash-*`` beside it (atomic; its name then tells every
-    later look that it is garbage), for :func:`empty_trash` or the next start's
-    :func:`remove_leftovers` to delete. Removed at once when it cannot be renamed."""
+def to_trash(path: Path) -> Path:
+    """Rename a directory to ``.trash-*`` beside it (atomic: a crash never leaves it
+    half-deleted, and its name tells every later look that it is garbage), for
+    :func:`empty_trash` or :func:`remove_leftovers` to delete; the new path. An
+    ``OSError`` when it cannot be renamed."""
     trash = path.with_name(f"{_TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
-    try:
-        os.rename(path, trash)
-    except OSError:
-        shutil.rmtree(path, ignore_errors=True)
+    os.rename(path, trash)
+    return trash
 
 
 def empty_trash(root: Path) -> threading.Thread:

@@ -303,9 +303,9 @@ class SignalCheckpointer(Component):
         self._resumed_step = -1
         self._resumed_finished: float | None = None  # when the resumed run had finished
         self.root = Path()
-        # The writer of background sharded saves (None when there are none), kept so
-        # its pinned staging and save plan are reused, and the thread allocating that
-        # staging ahead of the first save.
+        # The writer of every sharded save (None for a model that is not sharded),
+        # kept so its pinned staging and save plan are reused, and the thread
+        # allocating that staging ahead of the first background save.
         self._shard_writer: _sharded.ShardWriter | None = None
         #: Deleting retired checkpoints (``.trash-*``) off the writer's path.
         self._emptying: threading.Thread | None = None
@@ -892,9 +892,12 @@ class SignalCheckpointer(Component):
                 if rank == 0:  # nor the other ranks for a commit that never comes
                     store.set(f"{key}/commit", json.dumps({"error": said}))
             if tmp is not None and rank == 0:
-                if part.cancel.is_set():  # abandoned by a stop: its save goes first, and
-                    _checkpoint.to_trash(tmp)  # the next start deletes this one
-                else:
+                trashed = False
+                if part.cancel.is_set():  # abandoned by a stop: the next start deletes it
+                    with contextlib.suppress(OSError):
+                        _checkpoint.to_trash(tmp)
+                        trashed = True
+                if not trashed:
                     shutil.rmtree(tmp, ignore_errors=True)
             if error is not e:
                 raise error from e
