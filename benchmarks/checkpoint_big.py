@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -62,7 +63,10 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     ]
     child += ["--ddp"] if args.ddp else []
     child += ["--fsdp"] if args.fsdp else []
-    child += ["--sample"] if args.sample else []
+    child += ["--sample", "--sample-over-s", str(args.sample_over_s)] if args.sample else []
+    child += (
+        ["--spy", args.spy, "--spy-out", str(Path(args.out or work).resolve())] if args.spy else []
+    )
     if args.switch_interval_s:
         child += ["--switch-interval-s", str(args.switch_interval_s)]
     child += ["--noise", args.noise] if args.noise else []
@@ -207,8 +211,9 @@ def parent(args: argparse.Namespace) -> None:
             variants.insert(0, ("old", str(Path(args.old_guardrails).resolve())))
         runs = [run_variant(args, name, path, work) for name, path in variants]
         nbytes = max(r["bytes_per_save"] for r in runs) or 10 << 30
-        results["floor_1x"] = disk_floor(work, nbytes, 1)  # the same code as
-        results["floor_8x"] = disk_floor(work, nbytes, 8)  # `guardrails bench --checkpoint`
+        if args.floor:  # --no-floor: a control run (--patch, --spy) that times no save
+            results["floor_1x"] = disk_floor(work, nbytes, 1)  # the same code as
+            results["floor_8x"] = disk_floor(work, nbytes, 8)  # `guardrails bench --checkpoint`
         results["runs"] = runs
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -223,13 +228,15 @@ def show(path: str) -> None:
     """One paragraph per result line of a checkpoint_big.jsonl."""
     for line in Path(path).read_text().splitlines():
         d = json.loads(line)
-        f1, f8 = d["floor_1x"], d["floor_8x"]
-        print(
-            f"{d['mode']} on {d['gpus']} x {d['device']}, torch {d['torch']}: disk floor "
-            f"{f1['total_s']:.2f} s (1 thread, {f1['GBps']:.2f} GB/s, "
-            f"fsync {f1['fsync_s']:.2f} s), "
-            f"{f8['total_s']:.2f} s (8 threads)"
-        )
+        if "floor_1x" in d:
+            f1, f8 = d["floor_1x"], d["floor_8x"]
+            floor = (
+                f"disk floor {f1['total_s']:.2f} s (1 thread, {f1['GBps']:.2f} GB/s, "
+                f"fsync {f1['fsync_s']:.2f} s), {f8['total_s']:.2f} s (8 threads)"
+            )
+        else:
+            floor = "disk floor not measured (--no-floor)"
+        print(f"{d['mode']} on {d['gpus']} x {d['device']}, torch {d['torch']}: {floor}")
         for r in d["runs"]:
             stalls = {k: round(v) for k, v in r["periodic_stall_ms"].items()}
             print(
@@ -396,11 +403,13 @@ def child(args: argparse.Namespace) -> None:
             now = time.perf_counter()
             if rank == 0:
                 print(f"STEP {g.step} {(now - t) * 1e3:.2f}", flush=True)
+            if args.spy and g.step == args.every - 1:  # the next boundary starts a save
+                _spy(args.spy, rank, Path(args.spy_out))
             if args.noise and g.step == args.every:
                 _noise(args.noise, Path(args.run_dir), rank, model, opt)
                 now = time.perf_counter()  # the next step is timed from here
             if sampler is not None:
-                if now - t > 1.0 and g.step > 5:
+                if now - t > args.sample_over_s and g.step > 5:
                     sampler.report(rank, g.step, t, now, cpu0)
                 cpu0 = sampler.cpu()
             t = now
@@ -445,6 +454,31 @@ def _patch(kind: str) -> None:
             raise OSError("--patch nowrite: no item written")
 
         _sharded._write_items = sleep_instead
+
+
+def _spy(kind: str, rank: int, out: Path) -> None:
+    """``--spy``: py-spy (on PATH, or SPY=/path/to/py-spy) records this rank for 3 s
+    from the step before the first save: ``native`` every thread's Python and native
+    stack (is the training thread waiting for the GIL, a CUDA call, NCCL?), ``gil`` only
+    the thread holding the GIL in each sample (who holds it while training waits). The
+    stacks are py-spy's raw format (one line per stack and thread, with its count)."""
+    import ctypes
+    import shutil as sh
+
+    # Yama's ptrace_scope 1 lets a process be traced only by its ancestors: allow any.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER
+    spy = os.environ.get("SPY") or sh.which("py-spy")
+    if spy is None:
+        print("NOISE --spy: no py-spy found", flush=True)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [spy, "record", "--pid", str(os.getpid()), "--rate", "200", "--duration", "3"]
+    cmd += ["--threads", "--format", "raw", "-o", str(out / f"spy_{kind}_rank{rank}.txt")]
+    cmd += ["--native", "--idle"] if kind == "native" else ["--gil"]
+    with open(out / f"spy_{kind}_rank{rank}.err", "w") as err:
+        subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)  # runs on: it has the fd
+    time.sleep(0.3)  # let it attach before the boundary
 
 
 def _noise(kind: str, run_dir: Path, rank: int, model, opt) -> None:
@@ -564,6 +598,18 @@ def main() -> None:
         help="a control: take one part out of the guard's saves (see _patch; saves then fail)",
     )
     p.add_argument("--echo", action="store_true", help="print the children's output")
+    p.add_argument(
+        "--sample-over-s", type=float, default=1.0, help="--sample: the steps over this long"
+    )
+    p.add_argument(
+        "--spy",
+        choices=("native", "gil"),
+        help="py-spy records each rank for 3 s from the first save's boundary (see _spy)",
+    )
+    p.add_argument("--spy-out", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--no-floor", dest="floor", action="store_false", help="skip the disk floor (controls)"
+    )
     p.add_argument("--foreach", action="store_true", help="AdamW(foreach=True) (FSDP2)")
     p.add_argument(
         "--sample",

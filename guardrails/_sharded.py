@@ -207,10 +207,10 @@ def prepare_staging(
         t0 = time.perf_counter()
         try:
             if device is not None and device.type == "cuda":
-                # The current device is per thread and starts at 0. Pinned without
-                # this, rank 1's staging was made from GPU 0's context (creating one
-                # there) and its save's copy into it took 0.51-0.92 s against rank 0's
-                # 0.04-0.06 s; with it, 0.06 s on both ranks (2 H200, 5 GB a rank).
+                # The current device is per thread and starts at 0: without this, rank
+                # 1 made a CUDA context on GPU 0 here. (While the staging was wrongly
+                # placed on the GPU, it landed on GPU 0 too, and rank 1's copy into it
+                # took 0.51-0.92 s against rank 0's 0.04-0.06 s.)
                 torch.cuda.set_device(device)
             writer.state_dict_cache = _empty_pinned(state)
             stats["ahead_s"] = round(time.perf_counter() - t0, 3)
@@ -234,15 +234,14 @@ def _empty_pinned(obj: Any, pin: bool = True) -> Any:
     if isinstance(obj, DTensor):
         if obj.dim() == 0:
             return obj  # as DCP does: a 0-d DTensor is kept, not staged
-        local = obj._local_tensor
-        return DTensor.from_local(
-            _empty_pinned(local, pin),
-            obj.device_mesh,
-            obj.placements,
-            run_check=False,
-            shape=obj.shape,
-            stride=obj.stride(),
-        )
+        # The same spec around a host tensor, as DCP's ``obj.to("cpu")`` then a pinned
+        # ``_local_tensor`` gives. Not ``DTensor.from_local``: it moves a local tensor to
+        # its mesh's device, so the "staging" was a second copy of every shard on the
+        # GPU (5 GB a rank at 0.8B parameters), which the writer threads then copied to
+        # the host item by item, each copy holding the CUDA driver's lock against the
+        # training thread's kernel launches: 1.0-1.5 s of stall at the step that started
+        # a save (2 H200, py-spy: benchmarks/RESULTS.md, session 14).
+        return DTensor(_empty_pinned(obj._local_tensor, pin), obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
         if obj.dim() == 0:
             return torch.tensor(0, dtype=obj.dtype)
@@ -256,7 +255,7 @@ class ShardWriter:
     """A run's saves of sharded state (every rank has one).
 
     For a background save, :meth:`stage` copies this rank's shards into pinned host
-    memory on the training thread (the only part that blocks training, ~0.06 s for 5 GB
+    memory on the training thread (the only part that blocks training, ~0.15 s for 5 GB
     a rank on an H200) and :meth:`write` writes them from the checkpoint writer's
     thread; a save in the main thread (a signal's) writes :meth:`live`'s shards. Either
     way the files are DCP's own format (``__<rank>_<i>.distcp`` files of

@@ -6,6 +6,7 @@ and the result is recorded in benchmarks/RESULTS.md.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -538,6 +539,27 @@ with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, checkpo
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+# The staging memory a background save copies the shards into: host memory, pinned,
+# every tensor (a copy on the GPU would be written out by the writer threads with a
+# device-to-host copy per item, against training's kernel launches).
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
+from guardrails._sharded import _empty_pinned
+def leaves(o):
+    if isinstance(o, dict):
+        return [x for v in o.values() for x in leaves(v)]
+    return [x for v in o for x in leaves(v)] if isinstance(o, (list, tuple)) else [o]
+msd, osd = get_state_dict(model, opt)
+staged = leaves(_empty_pinned({"model": msd, "optim": osd}))
+tensors = [t for t in staged if isinstance(t, torch.Tensor) and t.dim() > 0]
+off_host = [
+    (str(t.device), str(t._local_tensor.device) if isinstance(t, DTensor) else "")
+    for t in tensors
+    if t.device.type != "cpu"
+    or not (t._local_tensor if isinstance(t, DTensor) else t).is_pinned()
+]
+with open(os.path.join(run_dir, f"staging{rank}.json"), "w") as f:
+    json.dump({"tensors": len(tensors), "off_host": off_host}, f)
 dist.destroy_process_group()
 """
 )
@@ -548,7 +570,8 @@ def test_fsdp2_background_saves_on_nccl_hold_the_weights_and_stock_dcp_reads_the
     """FSDP2 on 2 GPUs over NCCL, periodic saves in the background (guardrails'
     ShardWriter: pinned staging, then DCP's format from the writer thread): step 8's
     checkpoint, converted by stock DCP to one torch.save file, holds exactly the
-    weights the model had at step 8, and the optimizer's moments."""
+    weights the model had at step 8, and the optimizer's moments; the staging memory
+    is pinned host memory (once, a second copy of every shard on the GPU)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     run_dir = _run_nccl_worker(tmp_path, FSDP_WORKER)
@@ -562,6 +585,9 @@ def test_fsdp2_background_saves_on_nccl_hold_the_weights_and_stock_dcp_reads_the
         assert torch.equal(saved["model"][k], v), k
     moments = [s["exp_avg"] for s in saved["optim"]["state"].values()]
     assert moments and all(m.abs().sum() > 0 for m in moments)
+    for rank in (0, 1):  # the staging is host memory: no second copy on the GPU
+        staging = json.loads((run_dir / f"staging{rank}.json").read_text())
+        assert staging["tensors"] > 10 and staging["off_host"] == [], staging
 
 
 def test_fp16_gradscaler_skips_are_skipped_rows_not_warnings(tmp_path):

@@ -49,6 +49,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                     tuple(obj.placements),
                     tuple(obj._local_tensor.shape),
                     obj._local_tensor.device.type,
+                    obj.device.type,  # a host tensor in a DTensor that says so
                 )
             if isinstance(obj, torch.Tensor):
                 return ("Tensor", tuple(obj.shape), obj.dtype, obj.device.type)
