@@ -11,15 +11,22 @@ Three additions, public DDP API only:
   that differ (different seeds) are only logged: DDP broadcasts rank 0's weights right
   after, so training is still correct (but dropout and per-rank shuffles differ too).
 * **A comm hook with DDP's default semantics**, registered at the first forward unless
-  the user registered their own (``register_comm_hook`` still works, once, as in DDP):
-  each bucket is divided by the group size and SUM-all-reduced, exactly what torch's
-  reference ``allreduce_hook`` does (``torch/distributed/algorithms/ddp_comm_hooks/
-  default_hooks.py``: ``tensor.div_(group.size())`` then ``all_reduce``, "DDP results
-  is expected to be same as the case where no hook was registered"). Without a hook the
-  C++ reducer multiplies each gradient by ``1/world_size`` while copying it into the
-  bucket (``reducer.cpp``, ``mark_variable_ready_dense``); for a power-of-two world size
-  ``x * (1/w)`` and ``x / w`` are the same float, so gradients are bitwise identical to
-  plain DDP's (tested with 2 ranks); for other sizes they may differ in the last bit.
+  the user registered their own (``register_comm_hook`` still works, once, as in DDP).
+  Without a hook the C++ reducer multiplies each gradient by ``1/world_size`` while
+  copying it into the bucket (``reducer.cpp``, ``mark_variable_ready_dense``); with one,
+  it only copies, and the hook averages:
+  - on NCCL, by an AVG all-reduce: NCCL multiplies each rank's input by ``1/world_size``
+    inside its own kernel (``ncclAvg`` is a pre-multiplied sum for floating point), the
+    reducer's arithmetic, with no pass of its own over the bucket. Dividing first cost
+    a second elementwise pass: 225 us of kernel time a step for GPT-2 small's 124M
+    gradients on an H200 (benchmarks/RESULTS.md, session 14);
+  - elsewhere (gloo has no AVG), as torch's reference ``allreduce_hook`` does
+    (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``:
+    ``tensor.div_(group.size())`` then a SUM ``all_reduce``, "DDP results is expected
+    to be same as the case where no hook was registered"); for a power-of-two world
+    size ``x * (1/w)`` and ``x / w`` are the same float.
+  Gradients are bitwise identical to plain DDP's (tested with 2 ranks, on gloo and on
+  NCCL); on gloo with another world size they may differ in the last bit.
   The all-reduce is issued on the ``ProcessGroup`` object (``group.allreduce``), not
   through ``torch.distributed.all_reduce``, which the auditor patches: the bucket is
   reported once, through ``guard.shared.auditor.record(...)``, with the bucket index as site.
@@ -88,6 +95,8 @@ class GuardedDDP(DistributedDataParallel):
         self._guardrails_guard: Guard | None = None
         # Filled by the hook while a guard whose parameters the buckets cover runs.
         self._guardrails_norms: BucketNorms | None = None
+        # Whether the hook's all-reduce averages by itself (NCCL); known at its first call.
+        self._guardrails_average: bool | None = None
 
     # ------------------------------------------------------------------ the hook
 
@@ -226,18 +235,26 @@ def _audited_allreduce(state: weakref.ref[GuardedDDP], bucket: Any) -> torch.fut
     guard = ddp._guardrails_guard if ddp is not None else None
     auditor = guard.shared.auditor if guard is not None else None
     record = getattr(auditor, "record", None)
+    average = ddp._guardrails_average if ddp is not None else None
+    if average is None:
+        average = _averages_itself(group, tensor)
+        if ddp is not None:
+            ddp._guardrails_average = average
+    op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
     if record is not None:
         record(
             "all_reduce",
             [tensor],
             group=group,
-            reduce_op=dist.ReduceOp.SUM,
+            reduce_op=op,
             site=f"DDP gradient all-reduce (bucket {bucket.index()})",
         )
-    # Division first, like torch's allreduce_hook ("to avoid overflow, especially for
-    # FP16"), then a SUM all-reduce on the group object itself.
-    tensor.div_(group.size())
-    fut = group.allreduce([tensor]).get_future()
+    if not average:
+        # Division first, like torch's allreduce_hook ("to avoid overflow, especially
+        # for FP16"), then a SUM all-reduce.
+        tensor.div_(group.size())
+    # On the group object itself, not through the audited torch.distributed.all_reduce.
+    fut = group.allreduce([tensor], op).get_future()
     norms = ddp._guardrails_norms if ddp is not None else None
     if norms is None or guard is None:
         return fut.then(lambda f: f.value()[0])
@@ -249,6 +266,19 @@ def _audited_allreduce(state: weakref.ref[GuardedDDP], bucket: Any) -> torch.fut
         return out
 
     return fut.then(reduced)
+
+
+def _averages_itself(group: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``group``'s all-reduce of ``tensor`` runs on NCCL, which averages in its
+    own kernel (``ReduceOp.AVG``, NCCL 2.10+; every torch guardrails supports ships a
+    newer one). Gloo and other backends have no AVG for every dtype: they divide first."""
+    if not tensor.is_cuda:
+        return False
+    try:
+        backend = str(dist.get_backend(group))  # "nccl", or "cpu:gloo,cuda:nccl"
+    except (RuntimeError, ValueError):
+        return False
+    return backend == "nccl" or "cuda:nccl" in backend
 
 
 # DDP's _check_comm_hook compares the annotations themselves with dist.GradBucket and

@@ -515,6 +515,53 @@ def test_ddp_bucket_norms_on_nccl_are_sync_free_and_catch_one_ranks_nan(tmp_path
     assert skips == [(0, 11), (1, 11)], skips
 
 
+DDP_SAME_WORKER = (
+    NCCL_WORKER_START
+    + """
+from torch.nn.parallel import DistributedDataParallel as DDP
+def train(model, guarded):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    g = torch.Generator(device=device).manual_seed(rank)
+    data = [(torch.randint(0, 65, (8, 64), device=device, generator=g),) * 2 for _ in range(12)]
+    def steps(batches):
+        for x, y in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    if guarded:
+        run_dir = os.environ["RUN_DIR"]
+        with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False) as gd:
+            steps(gd)
+    else:
+        steps(data)
+    return [p.detach().clone() for p in model.parameters()]
+torch.manual_seed(0)
+plain = train(DDP(GPT(65, 64, 2, 4, 128).to(device), device_ids=[device.index]), False)
+torch.manual_seed(0)
+ours = guardrails.GuardedDDP(GPT(65, 64, 2, 4, 128).to(device), device_ids=[device.index])
+guarded = train(ours, True)
+same = [torch.equal(a, b) for a, b in zip(plain, guarded, strict=True)]
+with open(os.path.join(os.environ["RUN_DIR"], f"same{rank}.json"), "w") as f:
+    json.dump({"same": same, "average": ours._guardrails_average}, f)
+dist.destroy_process_group()
+"""
+)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_guarded_ddp_on_nccl_averages_in_the_all_reduce_bitwise_as_plain_ddp(tmp_path):
+    """GuardedDDP's hook averages with NCCL's AVG all-reduce (no division pass of its
+    own over each bucket), and 12 guarded steps leave every parameter bitwise equal to
+    plain DDP's on both ranks."""
+    run_dir = _run_nccl_worker(tmp_path, DDP_SAME_WORKER)
+    for rank in (0, 1):
+        got = json.loads((run_dir / f"same{rank}.json").read_text())
+        assert got["average"] is True, got
+        assert len(got["same"]) > 10 and all(got["same"]), got
+
+
 FSDP_WORKER = (
     NCCL_WORKER_START
     + """
