@@ -271,7 +271,7 @@ def _audited_allreduce(state: weakref.ref[GuardedDDP], bucket: Any) -> torch.fut
 def _averages_itself(group: Any, tensor: torch.Tensor) -> bool:
     """Whether ``group``'s all-reduce of ``tensor`` runs on NCCL, which averages in its
     own kernel (``ReduceOp.AVG``, NCCL 2.10+; every torch guardrails supports ships a
-    newer one). Gloo and other backends have no AVG for every dtype: they divide first."""
+    newer one). Gloo has no AVG, and no other backend is assumed to: they divide first."""
     if not tensor.is_cuda:
         return False
     try:
