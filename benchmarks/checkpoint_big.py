@@ -617,7 +617,8 @@ def main() -> None:
     p.add_argument(
         "--spy",
         choices=("native", "gil"),
-        help="py-spy records each rank for 3 s from the first save's boundary (see _spy)",
+        help="py-spy records each rank for 3 s from the first save's boundary, into "
+        "OUT/spy_* (give --out: the work dir is deleted; see _spy)",
     )
     p.add_argument("--spy-out", help=argparse.SUPPRESS)
     p.add_argument(
