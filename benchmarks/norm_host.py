@@ -6,8 +6,11 @@ For a model of N parameter tensors (the `stack` model of overhead.py: N/2 small 
 layers, so the device work is tiny and what shows is host work), inside a live guard,
 after one backward, times each way the guard can get the step's norm:
 
-- `own`: its own pass (`GradNorm.__call__`: gather every `p.grad`, `_foreach_norm`,
-  stack, norm), what a loop that neither clips nor uses GuardedDDP gets;
+- `own`: its own pass (`GradNorm.__call__`), what a loop that neither clips nor uses
+  GuardedDDP gets: on CUDA the kernel over the gradients' addresses
+  (`_gradnorm_kernel.py`), and `own eager` the eager norm it replaced (gather every
+  `p.grad`, `_foreach_norm`, stack, norm), each with its relative error against a
+  float64 norm of the same gradients;
 - `clip check`: the check that a `torch.nn.utils.clip_grad_norm_` call covered exactly
   the guard's parameters (`Guard._took_clip_norm`), in the optimizer's order and in
   another order (the set comparison), what a loop that clips pays on top of its clip;
@@ -70,7 +73,19 @@ def measure(tensors: int, device: torch.device, n: int, repeats: int) -> dict:
         xb, yb = next(iter(g))
         model(xb, yb).backward()
         total = torch.nn.utils.clip_grad_norm_(params, 1e9)
+        kernel = g._norm.kernel
+        own = g._norm(g.params, g.step)  # builds the kernel (Triton compiles it once)
+        out["own_path"] = "kernel" if g._norm.kernel_steps else "eager"
         out["own_us"] = block(lambda: g._norm(g.params, g.step), n, repeats, device)
+        g._norm.kernel = None  # the eager norm, for comparison
+        eager = g._norm(g.params, g.step)
+        out["own_eager_us"] = block(lambda: g._norm(g.params, g.step), n, repeats, device)
+        g._norm.kernel = kernel
+        exact = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params])
+        )
+        out["own_rel_err"] = abs(own.double().item() - exact.item()) / exact.item()
+        out["eager_rel_err"] = abs(eager.double().item() - exact.item()) / exact.item()
         out["clip_check_same_order_us"] = block(
             lambda: g._took_clip_norm(params, total), n, repeats, device
         )
@@ -105,7 +120,9 @@ def main() -> None:
         r = measure(t, device, a.n, a.repeats)
         r.update(device=name, torch=torch.__version__)
         print(
-            f"{name} tensors={r['tensors']}: own {r['own_us']:.1f} us, clip check "
+            f"{name} tensors={r['tensors']}: own ({r['own_path']}) {r['own_us']:.1f} us "
+            f"(rel err {r['own_rel_err']:.1e}), eager {r['own_eager_us']:.1f} us "
+            f"(rel err {r['eager_rel_err']:.1e}), clip check "
             f"{r['clip_check_same_order_us']:.2f} us (other order "
             f"{r['clip_check_other_order_us']:.2f}), {r['buckets']} bucket(s) "
             f"{r['buckets_us']:.1f} us"

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT
 
 import guardrails
+from guardrails import _gradnorm
 
 
 class Tiny(nn.Module):
@@ -141,12 +142,13 @@ KERNELS: dict[str, dict[str, tuple[float, int]]] = {}
 KERNEL_STEPS: dict[str, int] = {}
 
 
-VARIANTS = ("plain", "guarded", "graph_norm", "item")
+VARIANTS = ("plain", "guarded", "graph_norm", "eager_norm", "item")
 # --ddp-split's extra variants (see main): plain DDP under the guard, GuardedDDP alone,
 # plain DDP with torch's Python hook and with DDP's C++ hook, plain DDP built last.
 SPLIT = ("ddp_guard", "gddp_alone", "torch_hook", "ddp_cpp", "plain_late")
 GRAPH_RUNS: list[dict[str, int]] = []  # the grad norm graph's counters, per guarded run
 SHARED: list[tuple[str, int]] = []  # (source, steps) of grad_norm_shared events
+KERNEL_NORM_STEPS: dict[str, int] = {}  # variant -> steps whose norm the kernel took
 
 
 def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
@@ -157,6 +159,8 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
     ``torch.isfinite(grad_norm).item()`` is false (one host sync per step).
     graph_norm: guarded, with ``graph_grad_norm=True`` (the grad norm replayed as a
     CUDA graph when the gradients are where a captured graph expects them).
+    eager_norm: guarded, with the guard's own norm taken eagerly (``_foreach_norm``)
+    instead of by its kernel over the gradients' addresses (the CUDA default).
     With --clip, every variant clips the grad norm to 1.0 (guarded: through
     g.clip_grad_norm_, which shares its norm with the guard).
     """
@@ -205,8 +209,9 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
             return kernel_seconds(prof, by_name=KERNELS.setdefault(variant, {})) / args.steps
         return (clock() - t0) / args.steps
 
-    if variant not in ("guarded", "graph_norm", "ddp_guard"):
+    if variant not in ("guarded", "graph_norm", "eager_norm", "ddp_guard"):
         return loop(cycle(data, total))
+    _gradnorm.USE_KERNEL = variant != "eager_norm"
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(
             step_model,
@@ -217,6 +222,8 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
             graph_grad_norm=variant == "graph_norm",
         ) as g:
             per_step = loop(g, g)
+            KERNEL_NORM_STEPS[variant] = KERNEL_NORM_STEPS.get(variant, 0) + g._norm.kernel_steps
+        _gradnorm.USE_KERNEL = True
         for line in (Path(d) / "events.jsonl").read_text().splitlines():
             event = json.loads(line)
             if event["kind"] == "grad_norm_graph":  # replays/eager/captures of this run
@@ -261,6 +268,11 @@ def main() -> None:
     p.add_argument("--item", action="store_true", help="also time the per-step .item() check")
     p.add_argument(
         "--graph-norm", action="store_true", help="also time the guard with graph_grad_norm=True"
+    )
+    p.add_argument(
+        "--eager-norm",
+        action="store_true",
+        help="also time the guard with its norm taken eagerly, not by its kernel (CUDA)",
     )
     p.add_argument(
         "--clock",
@@ -319,6 +331,7 @@ def main() -> None:
     variants = (
         ["plain", "guarded"]
         + (["graph_norm"] if args.graph_norm else [])
+        + (["eager_norm"] if args.eager_norm else [])
         + (["item"] if args.item else [])
         + ([*SPLIT] if args.ddp_split else [])
     )
@@ -389,14 +402,17 @@ def main() -> None:
         result["graph_replays"] = sum(r["replays"] for r in GRAPH_RUNS)
         result["graph_eager"] = sum(r["eager"] for r in GRAPH_RUNS)
         result["graph_captures"] = sum(r["captures"] for r in GRAPH_RUNS)
-    if args.graph_norm:
-        graph = times["graph_norm"]
-        g_diffs = sorted(e - q for e, q in zip(graph, plain, strict=True))
+    result["kernel_norm_steps"] = dict(KERNEL_NORM_STEPS)
+    for extra in ("graph_norm", "eager_norm"):
+        if extra not in times:
+            continue
+        other = times[extra]
+        g_diffs = sorted(e - q for e, q in zip(other, plain, strict=True))
         g1, _, g3 = statistics.quantiles(g_diffs, n=4)
-        result["graph_norm_step_us"] = statistics.median(graph) * 1e6
-        result["graph_norm_overhead_us"] = (statistics.median(graph) - med_plain) * 1e6
-        result["graph_norm_overhead_pct"] = 100 * (statistics.median(graph) - med_plain) / med_plain
-        result["graph_norm_noise_us"] = (g3 - g1) / 2 * 1e6
+        result[f"{extra}_step_us"] = statistics.median(other) * 1e6
+        result[f"{extra}_overhead_us"] = (statistics.median(other) - med_plain) * 1e6
+        result[f"{extra}_overhead_pct"] = 100 * (statistics.median(other) - med_plain) / med_plain
+        result[f"{extra}_noise_us"] = (g3 - g1) / 2 * 1e6
     if args.item:
         med_item = statistics.median(times["item"])
         result["item_step_us"] = med_item * 1e6
@@ -417,13 +433,15 @@ def main() -> None:
             f"  grad norm graph: {result['graph_replays']} steps replayed, "
             f"{result['graph_eager']} eager, {result['graph_captures']} captures"
         )
-    if args.graph_norm:
-        print(
-            f"  guarded, graph_grad_norm {result['graph_norm_step_us']:10.1f} us/step "
-            f"({result['graph_norm_overhead_us']:+.1f} us, "
-            f"{result['graph_norm_overhead_pct']:+.2f}%, "
-            f"noise +/-{result['graph_norm_noise_us']:.1f})"
-        )
+    for extra, label in (("graph_norm", "graph_grad_norm"), ("eager_norm", "eager norm")):
+        if extra in times:
+            print(
+                f"  guarded, {label} {result[f'{extra}_step_us']:10.1f} us/step "
+                f"({result[f'{extra}_overhead_us']:+.1f} us, "
+                f"{result[f'{extra}_overhead_pct']:+.2f}%, "
+                f"noise +/-{result[f'{extra}_noise_us']:.1f})"
+            )
+    print(f"  steps whose norm the kernel took: {result['kernel_norm_steps']}")
     if args.item:
         print(
             f"  isfinite(norm).item() per step: {result['item_step_us']:10.1f} us/step "

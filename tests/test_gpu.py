@@ -95,12 +95,90 @@ def test_guarded_loop_never_syncs(tmp_path, compiled, clip):
         torch.cuda.set_sync_debug_mode(0)
     shared = [e["steps"] for e in read_events(tmp_path) if e["kind"] == "grad_norm_shared"]
     assert shared == ([steps] if clip else [])
+    # Without a clip to share, every step's norm was the kernel's (no eager fallback).
+    assert g._norm.kernel_steps == (0 if clip else steps)
     rows = guardrails.read_metrics(tmp_path).to_pydict()
     assert rows["step"] == list(range(1, steps + 1))
     assert rows["loss"] == pytest.approx([v.item() for v in losses], rel=1e-6)
     assert all(v > 0 for v in rows["grad_norm"])
     assert all(m > 0 for m in rows["mem_peak_bytes"])
     assert rows["tokens"] == [16 * 64] * steps
+
+
+def test_kernel_grad_norm_is_a_float64_norm_within_rounding_and_nan_when_a_gradient_is():
+    """The default norm on one CUDA device (one Triton kernel over the gradients'
+    addresses): float32 and bfloat16 parameters of sizes around its chunk edge, some
+    without a gradient, give a float64 norm's value within float32 rounding; one NaN or
+    Inf in any gradient makes it non-finite; a gradient that is not contiguous is left
+    to the eager norm (same value); and the tensors a call creates do not grow with the
+    number of gradients (the eager norm creates one per gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from guardrails._gradnorm import GradNorm
+    from guardrails._gradnorm_kernel import CHUNK
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    sizes = [1, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK + 5]
+    params = [
+        torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype))
+        for n in sizes
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    for i, p in enumerate(params):
+        p.grad = None if i % 5 == 3 else torch.randn_like(p) * (i + 1)
+
+    def exact() -> float:
+        grads = [p.grad.double() for p in params if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
+
+    norm = GradNorm(params, use_graph=False)
+    assert norm.kernel is not None
+    assert norm(params).item() == pytest.approx(exact(), rel=1e-5)
+    assert norm.kernel_steps == 1
+    # fp32 of 1 element, bf16 of CHUNK - 1 and CHUNK + 1, fp32 of 3 chunks + 5
+    for i in (0, 7, 11, 12):
+        grad = params[i].grad
+        for bad in (float("nan"), float("inf")):
+            kept = grad[-1].clone()
+            grad[-1] = bad
+            assert not torch.isfinite(norm(params)).item(), (i, bad)
+            grad[-1] = kept
+    assert norm(params).item() == pytest.approx(exact(), rel=1e-5)
+
+    # A gradient assigned by hand as a transposed (strided) view: the eager norm.
+    square = torch.nn.Parameter(torch.randn(64, 32, device=device))
+    square.grad = torch.randn(32, 64, device=device).t()
+    params.append(square)
+    norm = GradNorm(params, use_graph=False)
+    assert norm(params).item() == pytest.approx(exact(), rel=1e-5)
+    assert norm.kernel_steps == 0
+
+    class Created(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.n += len(out) if isinstance(out, (list, tuple)) else 1
+            return out
+
+    created = {}
+    for n_params in (15, 1500):
+        many = [torch.nn.Parameter(torch.randn(100, device=device)) for _ in range(n_params)]
+        for p in many:
+            p.grad = torch.randn_like(p)
+        norm = GradNorm(many, use_graph=False)
+        norm(many)  # builds it
+        for kernel in (True, False):
+            if not kernel:
+                norm.kernel = None
+            with Created() as count:
+                norm(many)
+            created[n_params, kernel] = count.n
+    assert created[15, True] == created[1500, True] <= 6, created
+    assert created[1500, False] >= 1500, created
 
 
 def _poison_loop(g, model, opt, bad_step, n_steps, before):
@@ -479,10 +557,14 @@ model = guardrails.GuardedDDP(GPT(65, 64, 2, 4, 128).to(device), device_ids=[dev
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 g = torch.Generator(device=device).manual_seed(rank)
 data = [(torch.randint(0, 65, (8, 64), device=device, generator=g),) * 2 for _ in range(30)]
-def step(x, y, nan=False):
+pairs = []  # (the guard's norm from the buckets, a float64 norm of the gradients)
+def step(x, y, nan=False, gd=None):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(x, y)
     (loss * float("nan") if nan else loss).backward()
+    if gd is not None and not nan:
+        exact = torch.stack([p.grad.double().norm() for p in model.parameters()]).norm()
+        pairs.append((gd.grad_norm(), exact))
     opt.step()
     opt.zero_grad(set_to_none=True)
 for x, y in data[:3]:
@@ -495,8 +577,11 @@ with guardrails.guard(model, opt, data[3:], run_dir=os.environ["RUN_DIR"], progr
     for i, (x, y) in enumerate(gd):
         if i == 2:
             torch.cuda.set_sync_debug_mode("error")
-        step(x, y, nan=(i == 10 and rank == 1))
+        step(x, y, nan=(i == 10 and rank == 1), gd=gd)
     torch.cuda.set_sync_debug_mode(0)
+errors = [abs(a.double() - b).item() / b.item() for a, b in pairs if torch.isfinite(a)]
+with open(os.path.join(os.environ["RUN_DIR"], f"norms{rank}.json"), "w") as f:
+    json.dump({"n": len(pairs), "finite": len(errors), "max_rel_err": max(errors)}, f)
 dist.destroy_process_group()
 """
 )
@@ -506,13 +591,21 @@ dist.destroy_process_group()
 def test_ddp_bucket_norms_on_nccl_are_sync_free_and_catch_one_ranks_nan(tmp_path):
     """GuardedDDP on 2 GPUs: the step's grad norm comes from the reduced buckets (taken
     in the comm hook's callback, on the stream that waits for NCCL) for every step,
-    with no host sync, and rank 1's NaN at step 11 is skipped on both ranks."""
+    with no host sync, equals a float64 norm of the gradients, and rank 1's NaN at step
+    11 is skipped on both ranks."""
     run_dir = _run_nccl_worker(tmp_path, DDP_WORKER)
     events = read_events(run_dir)
     shared = sorted((e["rank"], e["steps"]) for e in events if e["kind"] == "grad_norm_shared")
     assert shared == [(0, 27), (1, 27)], shared
     skips = sorted((e["rank"], e["step"]) for e in events if e["kind"] == "nonfinite")
     assert skips == [(0, 11), (1, 11)], skips
+    # The buckets' norm is the reduced gradients' (float32 partial sums, on CUDA by the
+    # guard's kernel): within float32 rounding of a float64 norm, at every finite step.
+    for rank in (0, 1):
+        norms = json.loads((run_dir / f"norms{rank}.json").read_text())
+        # 27 steps; the NaN one (rank 1's gradients, averaged into rank 0's) left out.
+        assert (norms["n"], norms["finite"]) == ((27, 26) if rank == 0 else (26, 26)), norms
+        assert norms["max_rel_err"] < 1e-5, norms
 
 
 DDP_SAME_WORKER = (
