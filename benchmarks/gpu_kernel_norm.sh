@@ -25,6 +25,7 @@ if [ "$PART" = tests ]; then
   CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python3 benchmarks/norm_host.py --device cuda --tensors 150 1500 --out "$OUT/norm_host.jsonl" 2>&1 | grep -v nan_guard | tail -4 | tee "$OUT/norm_host.txt"
   exit 0
 fi
+PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k kernel_grad_norm 2>&1 | tail -2 | tee "$OUT/gpu_test_kernel.txt"
 run() {  # run ARGS...
   echo "== $*" | tee -a "$OUT/overhead.txt"
   CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD timeout 200 python3 benchmarks/overhead.py --device cuda --eager-norm --shuffle --out "$OUT/overhead.jsonl" "$@" 2>&1 | grep -v "^ *[-+][0-9.]* us" | tail -8 | tee -a "$OUT/overhead.txt"

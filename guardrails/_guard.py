@@ -419,9 +419,25 @@ class Guard(StepState):
             handle.remove()
         self._handles = []
         from_buckets = self._norm.from_buckets
+        kernel_steps, kernel_failed = self._norm.kernel_steps, self._norm.kernel_gave_up
         counts = self._norm.close()  # eager from here on
         if self._norm.wanted:
             self.event("grad_norm_graph", **counts)
+        if kernel_steps or kernel_failed:
+            self.event(
+                "grad_norm_kernel",
+                message=(
+                    f"the grad norm of {kernel_steps} of {self.step} steps was taken by one "
+                    "kernel over the gradients' addresses"
+                    + (
+                        f" (it failed to build, eager instead: {kernel_failed})"
+                        if kernel_failed
+                        else ""
+                    )
+                ),
+                steps=kernel_steps,
+                failed=kernel_failed,
+            )
         if from_buckets:
             self.event(
                 "grad_norm_shared",

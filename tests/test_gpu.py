@@ -151,7 +151,9 @@ def test_kernel_grad_norm_is_a_float64_norm_within_rounding_and_nan_when_a_gradi
     square.grad = torch.randn(32, 64, device=device).t()
     params.append(square)
     norm = GradNorm(params, use_graph=False)
-    assert norm(params).item() == pytest.approx(exact(), rel=1e-5)
+    # Within bfloat16 rounding: the eager norm rounds each bf16 gradient's norm to bf16
+    # (measured 1.2e-4 off here; the kernel sums every square in float32).
+    assert norm(params).item() == pytest.approx(exact(), rel=2**-8)
     assert norm.kernel_steps == 0
 
     class Created(TorchDispatchMode):

@@ -62,6 +62,9 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM: a guarded rank after its signal save
 EXIT_NONFINITE = 81  # guardrails/_exit.py: NonFiniteError (through guardrails.run)
 NAN_ROW = 3  # hooks.patch poisons sample row 3
 EVAL_EVERY = 30  # sigterm_eval: nanoGPT evaluates at iters 0, 30, 60
+#: --device cuda runs the 1-process scenarios on a GPU (DDP ones stay on gloo);
+#: --grad-clip 0 turns nanoGPT's clipping off, so the guard takes its own norm.
+OPTS = {"device": "cpu", "grad_clip": None}
 
 
 def train_flags(steps: int, eval_interval: int) -> list[str]:
@@ -70,10 +73,12 @@ def train_flags(steps: int, eval_interval: int) -> list[str]:
     accumulation with DDP's require_backward_grad_sync toggling), dropout 0.2 as the
     config has it, float32 (the GradScaler is built disabled), no compile; eval only at
     iter 0 unless asked (2 batches per split)."""
+    clip = OPTS["grad_clip"]
     return [
         "config/train_shakespeare_char.py",
-        "--device=cpu",
+        f"--device={OPTS['device']}",
         "--backend=gloo",
+        *([f"--grad_clip={clip}"] if clip is not None else []),
         "--compile=False",
         "--dtype=float32",
         "--n_layer=2",
@@ -239,6 +244,7 @@ class Bench:
             "stopped": [brief(e) for e in events if e["kind"] == "stopped"],
             "resumed": [brief(e) for e in events if e["kind"] == "resumed"],
             "shared_norm": [brief(e) for e in events if e["kind"] == "grad_norm_shared"],
+            "kernel_norm": [brief(e) for e in events if e["kind"] == "grad_norm_kernel"],
             "warnings": [brief(e) for e in events if e.get("level") in ("warning", "error")],
             "end_events": [brief(e) for e in events if e["kind"] == "end"],
             "checkpoints": sorted(
@@ -286,6 +292,7 @@ def brief(e: dict) -> dict:
         "steps",
         "message",
         "error",
+        "failed",
     )
     return {k: e[k] for k in keys if e.get(k) is not None}
 
@@ -310,6 +317,25 @@ def norms_check(b: Bench, run: dict, rank: int, steps: int) -> tuple[bool, str]:
 
     shared = [e for e in run["shared_norm"] if e["rank"] == rank]
     got = [(e.get("source"), e.get("steps")) for e in shared]
+    if OPTS["grad_clip"] == 0:  # no clip to share: the guard's own norm, every step
+        table = guardrails.read_metrics(b.run_dir(run["tag"])).to_pylist()
+        rows = sorted(
+            (r["step"], r["grad_norm"])
+            for r in table
+            if r["rank"] == rank and r["started_at"] >= run["t_start"] - 1
+        )
+        ok = not got and [s for s, _ in rows] == list(range(1, steps + 1))
+        ok &= all(math.isfinite(v) and v > 0 for _, v in rows)
+        kernel = [
+            (e.get("steps"), e.get("failed")) for e in run["kernel_norm"] if e["rank"] == rank
+        ]
+        if OPTS["device"].startswith("cuda"):  # one GPU: the guard's kernel took every norm
+            ok &= kernel == [(steps, None)]
+        return ok, (
+            f"rank {rank}: no clip, no grad_norm_shared ({got or 'none'}); grad_norm_kernel "
+            f"(steps, failed) {kernel}; metrics grad_norm at {len(rows)} of {steps} steps, "
+            f"all finite and > 0: {ok}"
+        )
     event_ok = got == [("clip_grad_norm_", steps)]
     dump = b.dump(run["tag"], rank)
     table = guardrails.read_metrics(b.run_dir(run["tag"]))
@@ -520,7 +546,8 @@ def _nan_sample(b: Bench, world: int) -> dict:
         reasons.append(f"rank {rank}'s event does NOT name sample row {NAN_ROW}")
     # Every rank's event of that step, the shared-norm event on each, no stray warning.
     shared = sorted((e["rank"], e.get("steps")) for e in run["shared_norm"])
-    shared_ok = shared == [(r, b.steps + 1) for r in range(world)]
+    clips = OPTS["grad_clip"] != 0  # no clip: nothing to share, the guard's own norm
+    shared_ok = shared == ([(r, b.steps + 1) for r in range(world)] if clips else [])
     reasons.append(f"grad_norm_shared (rank, steps) {shared}")
     quiet, why = unwarned(run, {"nonfinite"})
     reasons.append(why)
@@ -616,7 +643,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="nanoGPT's --max_iters")
     p.add_argument("--fault-iter", type=int, help="nanoGPT iter of the faults (default: half)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    p.add_argument("--device", default="cpu", help="nanoGPT's --device (1-process scenarios)")
+    p.add_argument("--grad-clip", type=float, help="nanoGPT's --grad_clip (0: no clipping)")
     args = p.parse_args()
+    OPTS.update(device=args.device, grad_clip=args.grad_clip)
     wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = set(wanted) - set(SCENARIOS)
     if unknown:
