@@ -309,13 +309,17 @@ class BucketNorms:
                 grown[: len(slots)] = slots
                 self._slots = slots = grown
             mine = slots[index * width : (index + 1) * width]
-            if self._flat is not None and self._flat_ran:
+            if self._flat is None:
+                _norm_into(bucket, mine[0])
+            elif not self._flat.flat_supports(bucket):  # a float64 or complex bucket
+                _norm_into(bucket, mine[0])
+                mine[0].square_()  # a sum of squares, as the kernel's partials are
+                mine[1:].zero_()
+            elif self._flat_ran:
                 self._flat.flat_sum_of_squares(bucket, mine)
-            elif self._flat is not None:
+            else:
                 self._first_flat(index, bucket, last, step)
                 return
-            else:
-                torch.linalg.vector_norm(bucket, dtype=torch.float32, out=mine[0])
             if last:
                 self._n, self._ready_at = index + 1, step
 
@@ -331,7 +335,7 @@ class BucketNorms:
             logger.debug("guardrails: the bucket norm kernel failed to build: %r", err)
             self._flat, self._width = None, 1
             self._slots = torch.zeros(index + 1, dtype=torch.float32, device=self.device)
-            torch.linalg.vector_norm(bucket, dtype=torch.float32, out=self._slots[index])
+            _norm_into(bucket, self._slots[index])
         if last:
             self._n, self._ready_at = index + 1, step
 
@@ -343,6 +347,14 @@ class BucketNorms:
         if self._width == 1:
             return torch.linalg.vector_norm(self._slots[: self._n])
         return self._slots[: self._n * self._width].sum().sqrt()
+
+
+def _norm_into(bucket: Tensor, slot: Tensor) -> None:
+    """Write ``bucket``'s L2 norm into the float32 0-d ``slot``."""
+    if bucket.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        torch.linalg.vector_norm(bucket, dtype=torch.float32, out=slot)
+    else:  # float64 or complex: in its own precision (vector_norm refuses to narrow)
+        slot.copy_(torch.linalg.vector_norm(bucket))
 
 
 def _kernel_module() -> Any:

@@ -92,6 +92,12 @@ def _flat_sum_of_squares(
 FLAT_PROGRAMS = 256
 
 
+def flat_supports(x: Tensor) -> bool:
+    """Whether :func:`flat_sum_of_squares` reads ``x`` (contiguous, a float dtype it
+    sums exactly in float32)."""
+    return x.dtype in _DTYPES and x.is_contiguous()
+
+
 def flat_sum_of_squares(x: Tensor, partials: Tensor) -> None:
     """Write the sum of squares of contiguous ``x`` (float32/bfloat16/float16, CUDA) as
     ``FLAT_PROGRAMS`` partial sums into ``partials``, on the current stream of

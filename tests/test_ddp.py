@@ -89,13 +89,13 @@ def case_audited(rank):
     return {"entries": [(e["step"], str(e["site"]), e["op"]) for e in recent], "steps": g.step}
 
 
-def _bucket_run(rank, name, *, nan_at=-1, scaler=False):
+def _bucket_run(rank, name, *, nan_at=-1, scaler=False, dtype=torch.float32):
     """4 guarded GuardedDDP steps, no clipping; returns the gradients' norm before each
     step (computed here, per parameter), the guard's recorded norms and skips, the
     guard's _foreach_norm calls, its grad_norm_shared events, and whether the weights
     stayed bitwise the same over the step with a NaN."""
     torch.manual_seed(0)
-    model = guardrails.GuardedDDP(Regressor(depth=3), bucket_cap_mb=1e-4)  # several buckets
+    model = guardrails.GuardedDDP(Regressor(depth=3).to(dtype), bucket_cap_mb=1e-4)  # several
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-2)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None
@@ -111,7 +111,7 @@ def _bucket_run(rank, name, *, nan_at=-1, scaler=False):
         checkpoint={"save_on_signal": False},
     ) as g:
         for i, (x, y) in enumerate(g):
-            loss = model(x, y)
+            loss = model(x.to(dtype), y.to(dtype))
             if i == nan_at and rank == 1:
                 loss = loss * float("nan")  # one rank's NaN: both ranks' averaged grads
             with counter:
@@ -147,6 +147,10 @@ def case_bucket_norm(rank):
 
 def case_bucket_norm_nan(rank):
     return _bucket_run(rank, "bucket_norm_nan", nan_at=2)
+
+
+def case_bucket_norm_float64(rank):
+    return _bucket_run(rank, "bucket_norm_float64", dtype=torch.float64)
 
 
 def case_bucket_norm_scaled(rank):
@@ -264,6 +268,15 @@ def test_the_step_norm_comes_from_the_reduced_buckets(outcomes):
         assert res["shared"] == [("ddp_buckets", 4)]
     r0, r1 = outcomes["bucket_norm"]
     assert r0["recorded"] == r1["recorded"]  # the averaged gradients: the same everywhere
+
+
+def test_float64_buckets_give_the_step_norm_too(outcomes):
+    """A float64 model's buckets (vector_norm refuses to narrow them to float32 in one
+    call: the hook raised inside backward before this was fixed)."""
+    for res in outcomes["bucket_norm_float64"]:
+        assert "error" not in res, res
+        assert res["recorded"] == pytest.approx(res["norms"], rel=1e-6)
+        assert res["shared"] == [("ddp_buckets", 4)]
 
 
 def test_a_nan_on_one_rank_is_caught_from_the_buckets_on_both(outcomes):

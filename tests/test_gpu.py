@@ -183,6 +183,41 @@ def test_kernel_grad_norm_is_a_float64_norm_within_rounding_and_nan_when_a_gradi
     assert created[1500, False] >= 1500, created
 
 
+def test_bucket_norms_sum_squares_by_kernel_in_fixed_slots_and_fall_back_per_bucket():
+    """GuardedDDP's per-bucket norms on CUDA (no process group needed: the buckets are
+    recorded as the comm hook does): float32 and bfloat16 buckets of different sizes
+    by the kernel, a float64 one by vector_norm in the same slots, a bucket that shrinks
+    at DDP's rebuild leaves no stale partial sum, and a NaN in any bucket makes the
+    total NaN."""
+    from guardrails._gradnorm import BucketNorms
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    norms = BucketNorms(device)
+    assert norms._flat is not None and norms._width > 1
+
+    def record_all(buckets, step):
+        for i, b in enumerate(buckets):
+            norms.record(i, b, i == len(buckets) - 1, step)
+        return norms.total(step)
+
+    def exact(buckets):
+        return torch.stack([b.double().norm() for b in buckets]).norm().item()
+
+    buckets = [
+        torch.randn(3_000_001, device=device),
+        torch.randn(70_000, device=device, dtype=torch.bfloat16),
+        torch.randn(5, device=device, dtype=torch.float64),
+        torch.randn(1, device=device),
+    ]
+    assert record_all(buckets, 0).item() == pytest.approx(exact(buckets), rel=1e-5)
+    assert norms.total(1) is None  # no complete set during step 1 yet
+    buckets[0] = torch.randn(10, device=device)  # a rebuild made bucket 0 small
+    assert record_all(buckets, 1).item() == pytest.approx(exact(buckets), rel=1e-5)
+    buckets[1][7] = float("nan")
+    assert torch.isnan(record_all(buckets, 2)).item()
+
+
 def _poison_loop(g, model, opt, bad_step, n_steps, before):
     """Train under ``g``; at ``bad_step`` plant a NaN in one gradient (a device op, no
     sync) and keep a device copy of the weights before the update."""
