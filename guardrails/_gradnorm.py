@@ -1,15 +1,25 @@
-"""The total gradient norm, once per step, and an opt-in CUDA graph of it whose host
-cost does not grow with the number of gradients.
+"""The total gradient norm, once per step: by one Triton kernel over the gradients'
+addresses on one CUDA device, eagerly elsewhere, or shared with a norm the step
+computes anyway (GuardedDDP's buckets, the loop's own ``clip_grad_norm_``).
 
 Eagerly the norm is three ops, ``vector_norm(stack(_foreach_norm(grads)))``, but
 ``_foreach_norm`` returns one tensor per gradient: on GPT-2 small (148 gradients) the
-host spends ~535 us per step on the three (H100 host, ``benchmarks/grad_norm.py``).
-That is the guard's largest per-step host cost, and it lands on the step time whenever
-the loop is host-bound (GPT-2 small at 2x1024).
+host spends ~316 us per step on the three (H200 host, ``benchmarks/norm_host.py``),
+~3.5 ms for 1,500 gradients. That was the guard's largest per-step host cost, and it
+lands on the step time whenever the loop is host-bound (GPT-2 small at 2x1024).
 
-With ``guard(..., graph_grad_norm=True)``, on one CUDA device, the same three ops are
+**The kernel** (``_gradnorm_kernel.TableNorm``, the default on one CUDA device): the
+host reads each gradient's address into a pinned table and launches one kernel per
+dtype that sums every square into per-chunk partials; their sum's root is the norm.
+107 us of host time at 150 gradients, ~550 at 1,500; 122 us of kernel time for GPT-2
+small's gradients where ``_foreach_norm`` took ~160-190. Left to the eager norm: a
+torch without Triton, a build failure (once, at the first step), a gradient that is
+not contiguous (that step), CPU, several devices, DTensors, a step being captured into
+a CUDA graph, and ``graph_grad_norm=True``.
+
+**The graph** (``graph_grad_norm=True``, experimental): the eager norm's kernels are
 captured into a CUDA graph and replayed: one launch, the same kernels on the device
-(~63 us of host time per step instead of ~535, measured). A graph reads the gradients
+(~63 us of host time per step, measured on an H100). A graph reads the gradients
 at the addresses it was captured with, so before each replay the guard looks the
 current addresses up (one ``data_ptr()`` per gradient) among the layouts it holds a
 graph for, and replays only on an exact match. Gradients freed by
@@ -17,8 +27,7 @@ graph for, and replays only on an exact match. Gradients freed by
 depend on its state: a layout seen again within ``RECENT_LAYOUTS`` steps gets a graph
 (up to ``MAX_CAPTURES``); after ``MAX_MISSES`` eager steps in a row the guard stays
 eager for the run. Off by default: in the first loop measured (GPT-2 small, 8x1024,
-30-step runs) the gradients never came back to the previous step's addresses, and the
-layout cache written since has not been measured on a GPU yet (benchmarks/RESULTS.md).
+30-step runs) the gradients never came back to the previous step's addresses.
 
 Never captured (eager, exactly as without the knob): CPU, gradients on several devices
 (model parallel), sharded gradients (DTensor: the norm is an all-reduce), a loop that is

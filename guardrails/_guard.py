@@ -38,10 +38,10 @@ batch resumes with that batch, not after it.
 Nothing here reads a device value on the host: the loss and the grad norm stay device
 tensors, and components move them to the host lagged (see ``_telemetry.py``). Host work
 per step is a fixed number of Python calls whatever the model size; the one piece that
-touches every parameter is gathering ``p.grad`` for the fused norm (with
-``graph_grad_norm=True``: their addresses, to replay it as a CUDA graph), a single list
-comprehension (about 20-100 ns per parameter tensor, a few us for GPT-2 small's 148
-tensors) with no Python function call per parameter.
+touches every parameter is the grad norm's single list comprehension over ``p.grad``
+(``_gradnorm.py``): on one GPU each gradient's address for the guard's kernel (~0.3 us a
+tensor on an H200 host), elsewhere the gradients for ``_foreach_norm``, which then makes
+one output per gradient (~2 us each on that host).
 """
 
 from __future__ import annotations
@@ -121,8 +121,10 @@ class Guard(StepState):
         benchmark: measure the guard's own cost in this loop by sampling a few steps
             with the components' per-step hooks bypassed (see ``_benchmark_mode.py``); the
             table goes to ``run_dir/benchmark.json`` and the log at close.
-        graph_grad_norm: replay the per-step grad norm as a CUDA graph (see
-            :func:`guardrails.guard`). Default False.
+        graph_grad_norm: experimental, one GPU: replay the eager per-step grad norm as
+            a CUDA graph when the gradients are where a captured graph expects them,
+            instead of the default kernel over their addresses (``_gradnorm.py``).
+            Default False.
     """
 
     def __init__(
@@ -910,10 +912,11 @@ class Guard(StepState):
     def grad_norm(self) -> Tensor:
         """The total L2 norm of the gradients at this step, a 0-d float32 device tensor.
 
-        Computed once per step with a fused ``_foreach_norm`` (one kernel per device and
-        dtype, not one per parameter), or replayed as a CUDA graph with
-        ``graph_grad_norm=True`` (``_gradnorm.py``), and shared by every component and by
-        :meth:`clip_grad_norm_`. Valid from ``before_step`` on.
+        Computed once per step (``_gradnorm.py``): on one GPU by one kernel over the
+        gradients' addresses, elsewhere by a fused ``_foreach_norm`` (one kernel per
+        device and dtype), or taken from the loop's ``clip_grad_norm_`` or GuardedDDP's
+        buckets; shared by every component and by :meth:`clip_grad_norm_`. Valid from
+        ``before_step`` on.
         """
         if self._grad_norm is None:
             self._grad_norm = self._norm(self._params, self.step)
