@@ -101,13 +101,19 @@ def flat_supports(x: Tensor) -> bool:
     return x.dtype in _DTYPES and x.is_contiguous()
 
 
+def flat_chunk(numel: int) -> int:
+    """Elements each of the ``FLAT_PROGRAMS`` programs sums of a ``numel``-element
+    tensor: a multiple of ``BLOCK``, enough for all of it."""
+    per_program = -(-numel // FLAT_PROGRAMS)
+    return max(BLOCK, -(-per_program // BLOCK) * BLOCK)
+
+
 def flat_sum_of_squares(x: Tensor, partials: Tensor) -> None:
     """Write the sum of squares of contiguous ``x`` (float32/bfloat16/float16, CUDA) as
     ``FLAT_PROGRAMS`` partial sums into ``partials``, on the current stream of
     ``x``'s device (the caller's stream context, as any torch op)."""
     numel = x.numel()
-    per_program = -(-numel // FLAT_PROGRAMS)
-    chunk = max(BLOCK, -(-per_program // BLOCK) * BLOCK)
+    chunk = flat_chunk(numel)
     with _on_device(x.device.index):
         _flat_sum_of_squares[(FLAT_PROGRAMS,)](x, numel, chunk, partials, BLOCK=BLOCK, num_warps=8)
 
@@ -137,6 +143,23 @@ def supports(params: list[Tensor]) -> str | None:
     return None
 
 
+def plan(params: list[Tensor]) -> list[tuple[Any, list[int], list[int]]]:
+    """The launches of :func:`_sum_of_squares` for ``params``' gradients: for each dtype
+    present, its Triton dtype and, per program, the parameter index and the first
+    element of the ``CHUNK`` it sums (one program for an empty parameter)."""
+    plans = []
+    for dtype, triton_dtype in _DTYPES.items():
+        which, starts = [], []
+        for i, p in enumerate(params):
+            if p.dtype == dtype:
+                for start in range(0, max(p.numel(), 1), CHUNK):
+                    which.append(i)
+                    starts.append(start)
+        if which:
+            plans.append((triton_dtype, which, starts))
+    return plans
+
+
 class TableNorm:
     """The L2 norm of ``params``' gradients by one kernel per dtype over their
     addresses; ``None`` from :meth:`__call__` when a gradient is not contiguous."""
@@ -145,18 +168,9 @@ class TableNorm:
         self.device = params[0].device
         self.index = self.device.index if self.device.index is not None else 0
         self.numels = _to_device([p.numel() for p in params], torch.int64, self.device)
-        # The chunks each dtype's launch reads, planned once: a gradient has its
-        # parameter's dtype and size (torch refuses to assign any other).
-        plans = []
-        for dtype, triton_dtype in _DTYPES.items():
-            which, starts = [], []
-            for i, p in enumerate(params):
-                if p.dtype == dtype:
-                    for start in range(0, max(p.numel(), 1), CHUNK):
-                        which.append(i)
-                        starts.append(start)
-            if which:
-                plans.append((triton_dtype, which, starts))
+        # Planned once: a gradient has its parameter's dtype and size (torch refuses to
+        # assign any other).
+        plans = plan(params)
         self.partials = torch.empty(
             sum(len(w) for _, w, _ in plans), dtype=torch.float32, device=self.device
         )
