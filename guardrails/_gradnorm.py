@@ -135,14 +135,16 @@ class GradNorm:
         self.enabled = self.wanted  # False once given up or closed: eager from then on
         #: The norm by one Triton kernel over the gradients' addresses
         #: (``_gradnorm_kernel.py``): the default on one CUDA device, ``None`` where it
-        #: does not apply (CPU, several devices, DTensor, no Triton) or was given up.
+        #: does not apply (CPU, several devices, DTensor, no Triton) or was given up;
+        #: ``True`` until the first step builds it (a lazy module's parameters have no
+        #: size before its first forward).
         self.kernel: Any = None
         #: Steps whose norm the kernel computed; why it was given up, if it was.
         self.kernel_steps = 0
         self.kernel_gave_up: str | None = None
         on_one_gpu = self.device.type == "cuda" and not self.multi_device and not sharded
         if USE_KERNEL and on_one_gpu and not self.wanted:
-            self.kernel = _table_norm(params)
+            self.kernel = True
         # The gradients' addresses -> (graph, its output): one graph per layout the
         # allocator cycles through.
         self._graphs: dict[tuple[int, ...], tuple[Any, Tensor]] = {}
@@ -204,9 +206,14 @@ class GradNorm:
         return out
 
     def _first_kernel(self, params: list[Tensor]) -> Tensor | None:
-        """The kernel's first launch, which builds it (Triton compiles it, ~1 s, or
-        loads it from its cache): a failure there leaves the eager norm for the run."""
+        """Until a step's norm came from the kernel: build its plan (once) and launch it
+        (the first launch compiles it, ~1 s, or loads it from Triton's cache). A failure
+        leaves the eager norm for the run; ``None`` (a strided gradient): this step's."""
         try:
+            if self.kernel is True:
+                self.kernel = _table_norm(params)
+                if self.kernel is None:  # no Triton, or parameters it cannot read
+                    return None
             return self.kernel(params)
         except Exception as err:  # an old or broken Triton: the eager norm is exact too
             logger.debug("guardrails: the grad norm kernel failed to build: %r", err)

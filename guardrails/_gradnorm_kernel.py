@@ -133,6 +133,8 @@ def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> T
 
 def supports(params: list[Tensor]) -> str | None:
     """Why the kernel cannot take these parameters' norm (``None``: it can)."""
+    if any(torch.nn.parameter.is_lazy(p) for p in params):
+        return "a lazy module's parameter is not initialized"
     devices = {p.device for p in params}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return "the parameters are not all on one CUDA device"

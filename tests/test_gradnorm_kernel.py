@@ -59,3 +59,16 @@ def test_bucket_partials_fill_fixed_slots_and_a_shrunk_bucket_leaves_no_stale_su
     assert got == pytest.approx(exact, rel=1e-6)
     got, exact = out["flat_shrunk"]
     assert got == pytest.approx(exact, rel=1e-6)
+
+
+def test_parameters_the_kernel_cannot_read_are_named():
+    """The guard asks at its first step (not at start: a lazy module's parameters have
+    no size before its first forward); any reason keeps the eager norm for the run."""
+    import torch
+
+    from guardrails._gradnorm_kernel import supports
+
+    lazy = torch.nn.LazyLinear(4)
+    assert "lazy module" in supports(list(lazy.parameters()))
+    lazy(torch.randn(2, 3))  # initialized: now only the device stands in the way
+    assert "one CUDA device" in supports(list(lazy.parameters()))
