@@ -62,7 +62,7 @@ EXIT_SIGTERM = 143  # 128 + SIGTERM: a guarded rank after its signal save
 EXIT_NONFINITE = 81  # guardrails/_exit.py: NonFiniteError (through guardrails.run)
 NAN_ROW = 3  # hooks.patch poisons sample row 3
 EVAL_EVERY = 30  # sigterm_eval: nanoGPT evaluates at iters 0, 30, 60
-#: --device cuda runs the 1-process scenarios on a GPU (DDP ones stay on gloo);
+#: --device: nanoGPT's --device for every run (the DDP ones are untried on a GPU);
 #: --grad-clip 0 turns nanoGPT's clipping off, so the guard takes its own norm.
 OPTS = {"device": "cpu", "grad_clip": None}
 
