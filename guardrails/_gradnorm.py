@@ -298,8 +298,8 @@ class BucketNorms:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._flat = _kernel_module() if device.type == "cuda" else None
-        self._flat_ran = False  # the kernel's first launch builds it (may fail: eager)
-        #: Slots each bucket writes: its norm (eager), or the kernel's partial sums.
+        #: Slots each bucket writes: its norm (no kernel here), or ``FLAT_PROGRAMS``
+        #: sums of squares (kept if the kernel later fails to build: see _flat_sum).
         self._width = 1 if self._flat is None else self._flat.FLAT_PROGRAMS
         self._slots = torch.zeros(0, dtype=torch.float32, device=device)
         self._n = 0  # buckets in the last complete set
@@ -325,35 +325,31 @@ class BucketNorms:
                 grown[: len(slots)] = slots
                 self._slots = slots = grown
             mine = slots[index * width : (index + 1) * width]
-            if self._flat is None:
+            if width == 1:
                 _norm_into(bucket, mine[0])
-            elif not self._flat.flat_supports(bucket):  # a float64 or complex bucket
+            elif not self._flat_sum(bucket, mine):
+                # A float64 or complex bucket, or no kernel: its sum of squares by hand
+                # in the same slots.
                 _norm_into(bucket, mine[0])
-                mine[0].square_()  # a sum of squares, as the kernel's partials are
+                mine[0].square_()
                 mine[1:].zero_()
-            elif self._flat_ran:
-                self._flat.flat_sum_of_squares(bucket, mine)
-            else:
-                self._first_flat(index, bucket, last, step)
-                return
             if last:
                 self._n, self._ready_at = index + 1, step
 
-    def _first_flat(self, index: int, bucket: Tensor, last: bool, step: int) -> None:
-        """The kernel's first launch (Triton builds it): on failure, the eager norms
-        from here on, in a fresh set of one slot a bucket. Called holding the lock."""
+    def _flat_sum(self, bucket: Tensor, mine: Tensor) -> bool:
+        """The kernel's partial sums of ``bucket`` into ``mine``; False where it cannot
+        read the bucket, or has failed to build (its first launch compiles it: an old or
+        broken Triton), after which it is not tried again."""
+        flat = self._flat
+        if flat is None or not flat.flat_supports(bucket):
+            return False
         try:
-            self._flat.flat_sum_of_squares(
-                bucket, self._slots[index * self._width :][: self._width]
-            )
-            self._flat_ran = True
-        except Exception as err:  # an old or broken Triton: vector_norm is exact too
+            flat.flat_sum_of_squares(bucket, mine)
+        except Exception as err:  # vector_norm is exact too
             logger.debug("guardrails: the bucket norm kernel failed to build: %r", err)
-            self._flat, self._width = None, 1
-            self._slots = torch.zeros(index + 1, dtype=torch.float32, device=self.device)
-            _norm_into(bucket, self._slots[index])
-        if last:
-            self._n, self._ready_at = index + 1, step
+            self._flat = None
+            return False
+        return True
 
     def total(self, step: int) -> Tensor | None:
         """The total norm when a whole set of buckets was reduced during step ``step``

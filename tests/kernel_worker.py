@@ -73,6 +73,16 @@ def main() -> None:
     out["flat"] = [slots.sum().sqrt().item(), exact([big, small])]
     flat_partials(small.float(), slots[: K.FLAT_PROGRAMS])  # bucket 0 shrank: no stale sum
     out["flat_shrunk"] = [slots.sum().sqrt().item(), exact([small, small])]
+    # BucketNorms laid out for the kernel whose launch fails (here: no CUDA device to
+    # launch on, as a Triton that cannot build): the same slots by hand from then on.
+    from guardrails._gradnorm import BucketNorms
+
+    norms = BucketNorms(torch.device("cpu"))
+    norms._flat, norms._width = K, K.FLAT_PROGRAMS
+    buckets = [torch.randn(5_000), torch.randn(7, dtype=torch.float64), torch.randn(3)]
+    for i, b in enumerate(buckets):
+        norms.record(i, b, i == len(buckets) - 1, 0)
+    out["bucket_fallback"] = [norms.total(0).item(), exact(buckets), norms._flat is None]
     print(json.dumps(out))
 
 

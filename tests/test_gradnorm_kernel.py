@@ -61,6 +61,12 @@ def test_bucket_partials_fill_fixed_slots_and_a_shrunk_bucket_leaves_no_stale_su
     assert got == pytest.approx(exact, rel=1e-6)
 
 
+def test_bucket_norms_whose_kernel_fails_to_launch_fill_the_same_slots_by_hand(out):
+    got, exact, given_up = out["bucket_fallback"]
+    assert got == pytest.approx(exact, rel=1e-6)
+    assert given_up
+
+
 def test_parameters_the_kernel_cannot_read_are_named():
     """The guard asks at its first step (not at start: a lazy module's parameters have
     no size before its first forward); any reason keeps the eager norm for the run."""
