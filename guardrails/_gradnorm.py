@@ -10,8 +10,8 @@ lands on the step time whenever the loop is host-bound (GPT-2 small at 2x1024).
 
 **The kernel** (``_gradnorm_kernel.TableNorm``, the default on one CUDA device): the
 host reads each gradient's address into a pinned table and launches one kernel per
-dtype that sums every square into per-chunk partials; their sum's root is the norm.
-107 us of host time at 150 gradients, ~550 at 1,500; 122 us of kernel time for GPT-2
+dtype that sums every square into per-chunk partials, whose last program writes the
+norm. ~90 us of host time at 150 gradients, ~510 at 1,500; 122 us of kernel time for GPT-2
 small's gradients where ``_foreach_norm`` took ~160-190. Left to the eager norm: a
 torch without Triton, a build failure (once, at the first step), a gradient that is
 not contiguous (that step), CPU, several devices, DTensors, a step being captured into

@@ -5,12 +5,13 @@ per gradient and stacks them: ~2.1 us of host time per gradient on an H200 host 
 at 150 tensors, 3,529 us at 1,500; ``benchmarks/norm_host.py``), which was the guard's
 whole overhead on a host-bound step. Here the host reads each gradient's address into
 a pinned int64 table, copies it to the device, and launches one kernel per dtype that
-squares and sums every element of every gradient into per-chunk partial sums; the
-total is their sum's square root: 107 us at 150 tensors, 550 us at 1,500 (the Python
-pass over ``p.grad`` is what still grows, ~0.3 us a tensor). The launches and the
-tensors created are the same for 15 gradients or 15,000. On the device it reads GPT-2
-small's 124M float32 gradients in 122 us on an H200 (~4.1 TB/s; ``_foreach_norm``:
-160-190 us).
+squares and sums every element of every gradient into per-chunk partial sums; the last
+program to finish sums those in one fixed order and writes the square root. Host time
+on an H200 host: ~90 us at 150 tensors (the address pass 36, the table's copy 17, the
+launch 25), ~510 us at 1,500 (the Python pass over ``p.grad`` is what still grows,
+~0.24 us a tensor). The launches and the tensors created are the same for 15
+gradients or 15,000. On the device it reads GPT-2 small's 124M float32 gradients in
+122 us on an H200 (~4.1 TB/s; ``_foreach_norm``: 160-190 us).
 
 The kernel reads ``numel`` elements from each address, which is the gradient only when
 it is dense: backward always leaves gradients in their parameter's layout, so the
@@ -42,6 +43,11 @@ CHUNK = 64 * 1024
 #: Elements a program loads per iteration (8 per thread at 8 warps).
 BLOCK = 2048
 
+#: Compile options of every launch: 8 warps; fused multiply-adds asked for by name (the
+#: default since Triton 2, and what the GPU figures were measured with: Triton 3.9
+#: warns at the first compile when it is left unset, as its default changes in 3.10).
+_OPTIONS: dict[str, Any] = {"num_warps": 8, "enable_fp_fusion": True}
+
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -51,7 +57,11 @@ def _sum_of_squares(
     numels,  # int64 [n_params]
     item_param,  # int32 [n_items]: the parameter each program reads a chunk of
     item_start,  # int64 [n_items]: the chunk's first element
-    partials,  # float32 [n_items]: each program's sum of squares
+    partials,  # float32 [n_total]: every program's sum of squares, this launch's at `first`
+    first,  # this launch's first slot in `partials`
+    finished,  # int32 [1]: programs of this step's launches that are done; 0 between steps
+    n_total,  # programs in all of this step's launches (one launch per dtype)
+    norm,  # float32 0-d: the step's norm, written by the last program to finish
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     DTYPE: tl.constexpr,
@@ -68,7 +78,23 @@ def _sum_of_squares(
         index = offset + tl.arange(0, BLOCK)
         x = tl.load(base + index, mask=index < end, other=0.0).to(tl.float32)
         acc += x * x
-    tl.store(partials + pid, tl.sum(acc, axis=0))
+    tl.store(partials + first + pid, tl.sum(acc, axis=0))
+    # The last program to finish, of all this step's launches, sums every partial in one
+    # fixed order (so the norm is deterministic) and writes its root: the step's norm
+    # without a sum and a sqrt kernel (two launches, ~10 us of host time) after it. The
+    # pattern of CUDA's threadFenceReduction sample: store, count with release and
+    # acquire, read the others' partials from L2.
+    tl.debug_barrier()  # every thread of this program is past its store before the count
+    done = tl.atomic_add(finished, 1, sem="acq_rel")
+    if done == n_total - 1:
+        # Names of their own: Triton types a name once per function (int64 above).
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for first_slot in range(0, n_total, BLOCK):
+            slot = first_slot + tl.arange(0, BLOCK)
+            mask = slot < n_total
+            total += tl.load(partials + slot, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(norm, tl.sqrt_rn(tl.sum(total, axis=0)))  # IEEE-rounded, as torch.sqrt
+        tl.store(finished, 0)  # the next step's launches come after this one on the stream
 
 
 @triton.jit
@@ -114,21 +140,28 @@ def flat_sum_of_squares(x: Tensor, partials: Tensor) -> None:
     ``x``'s device (the caller's stream context, as any torch op)."""
     numel = x.numel()
     chunk = flat_chunk(numel)
-    with _on_device(x.device.index):
-        _flat_sum_of_squares[(FLAT_PROGRAMS,)](x, numel, chunk, partials, BLOCK=BLOCK, num_warps=8)
+    with _on_device(x.device):
+        _flat_sum_of_squares[(FLAT_PROGRAMS,)](x, numel, chunk, partials, BLOCK=BLOCK, **_OPTIONS)
 
 
-def _on_device(index: int) -> contextlib.AbstractContextManager[Any]:
-    """Triton launches on the current device's current stream: make ``index`` current
-    (a no-op, and no CUDA call, when it is already, as in a loop that set it)."""
-    if torch.cuda.current_device() == index:
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Triton launches on the current device's current stream: make ``device`` current
+    (a no-op, and no CUDA call, when it is already, as in a loop that set it, or on the
+    CPU of Triton's interpreter, in the tests)."""
+    if device.type != "cuda" or torch.cuda.current_device() == device.index:
         return contextlib.nullcontext()
-    return torch.cuda.device(index)
+    return torch.cuda.device(device)
 
 
 def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     """``values`` on ``device`` without a host sync (a pageable copy would be one)."""
-    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+    if device.type == "cpu":  # Triton's interpreter, in the tests: nothing to copy
+        return torch.tensor(values, dtype=dtype)
+    # Pinned, so the copy is asynchronous; the caching host allocator keeps the block
+    # until the copy has run (it records an event on the copy's stream).
+    table = torch.empty(len(values), dtype=dtype, pin_memory=True)
+    table.numpy()[:] = values
+    return table.to(device, non_blocking=True)
 
 
 def supports(params: list[Tensor]) -> str | None:
@@ -168,55 +201,65 @@ class TableNorm:
 
     def __init__(self, params: list[Tensor]) -> None:
         self.device = params[0].device
-        self.index = self.device.index if self.device.index is not None else 0
         self.numels = _to_device([p.numel() for p in params], torch.int64, self.device)
         # Planned once: a gradient has its parameter's dtype and size (torch refuses to
         # assign any other).
         plans = plan(params)
-        self.partials = torch.empty(
-            sum(len(w) for _, w, _ in plans), dtype=torch.float32, device=self.device
-        )
-        self.launches: list[tuple[Any, Tensor, Tensor, Tensor]] = []
-        offset = 0
+        self.n_total = sum(len(which) for _, which, _ in plans)
+        self.partials = torch.empty(self.n_total, dtype=torch.float32, device=self.device)
+        self.finished = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.launches: list[tuple[Any, Tensor, Tensor, int]] = []
+        first = 0
         for triton_dtype, which, starts in plans:
             self.launches.append(
                 (
                     triton_dtype,
                     _to_device(which, torch.int32, self.device),
                     _to_device(starts, torch.int64, self.device),
-                    self.partials[offset : offset + len(which)],
+                    first,
                 )
             )
-            offset += len(which)
+            first += len(which)
 
     def __call__(self, params: list[Tensor]) -> Tensor | None:
-        # One pass over the parameters: each gradient's address, 0 for none, -1 for one
-        # that is not contiguous (the kernel reads `numel` elements on from its address:
-        # another tensor's, or past an expanded one's storage). The contiguity check is
-        # ~35% of this pass's ~0.3 us a tensor; only a gradient assigned by hand can
-        # fail it (backward leaves each in its parameter's layout).
+        addresses = self.addresses(params)
+        if addresses is None:
+            return None
+        return self.launch(_to_device(addresses, torch.int64, self.device))
+
+    @staticmethod
+    def addresses(params: list[Tensor]) -> list[int] | None:
+        """Each gradient's address, 0 for none; ``None`` if one is not contiguous (the
+        kernel reads ``numel`` elements on from its address: another tensor's, or past
+        an expanded one's storage). One pass over ``params``, ~0.3 us a tensor, 35% of
+        it the contiguity check, which only a gradient assigned by hand can fail
+        (backward leaves each in its parameter's layout)."""
         addresses = [
             0 if (g := p.grad) is None else (g.data_ptr() if g.is_contiguous() else -1)
             for p in params
         ]
-        if -1 in addresses:
-            return None
-        # Pinned, so the copy is asynchronous; the caching host allocator keeps the
-        # block until the copy has run (it records an event on the copy's stream).
-        table = torch.empty(len(addresses), dtype=torch.int64, pin_memory=True)
-        table.numpy()[:] = addresses
-        on_device = table.to(self.device, non_blocking=True)
-        with _on_device(self.index):
-            for triton_dtype, which, starts, partials in self.launches:
+        return None if -1 in addresses else addresses
+
+    def launch(self, addresses: Tensor) -> Tensor:
+        """The norm of the gradients at ``addresses`` (int64, on the device, in the
+        parameters' order), as a new float32 0-d tensor: a user may keep a step's norm
+        past the next step."""
+        norm = torch.empty((), dtype=torch.float32, device=self.device)
+        with _on_device(self.device):
+            for triton_dtype, which, starts, first in self.launches:
                 _sum_of_squares[(len(which),)](
-                    on_device,
+                    addresses,
                     self.numels,
                     which,
                     starts,
-                    partials,
+                    self.partials,
+                    first,
+                    self.finished,
+                    self.n_total,
+                    norm,
                     CHUNK=CHUNK,
                     BLOCK=BLOCK,
                     DTYPE=triton_dtype,
-                    num_warps=8,
+                    **_OPTIONS,
                 )
-        return self.partials.sum().sqrt()
+        return norm

@@ -5,33 +5,27 @@ in the environment before triton is imported (the test sets it)."""
 from __future__ import annotations
 
 import json
+import types
 
 import torch
 
 from guardrails import _gradnorm_kernel as K
 
+_TABLES: dict[int, K.TableNorm] = {}
+
 
 def table_norm(params: list[torch.Tensor]) -> float:
-    """The norm TableNorm computes, with its plan and kernel, on CPU tensors."""
-    addresses = torch.tensor(
-        [0 if p.grad is None else p.grad.data_ptr() for p in params], dtype=torch.int64
-    )
-    numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-    total = 0.0
-    for triton_dtype, which, starts in K.plan(params):
-        partials = torch.full((len(which),), float("nan"))  # every slot must be written
-        K._sum_of_squares[(len(which),)](
-            addresses,
-            numels,
-            torch.tensor(which, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int64),
-            partials,
-            CHUNK=K.CHUNK,
-            BLOCK=K.BLOCK,
-            DTYPE=triton_dtype,
-        )
-        total += partials.sum().item()
-    return total**0.5
+    """TableNorm's norm (its plan, address table, kernels and in-kernel total) on CPU
+    tensors; one TableNorm per parameter list, reused as a guard reuses it each step."""
+    norm = _TABLES.get(id(params))
+    if norm is None:
+        norm = _TABLES[id(params)] = K.TableNorm(params)
+        norm.partials.fill_(float("nan"))  # the total reads every slot: each must be written
+    got = norm(params)
+    assert got is not None
+    # The count of finished programs is back at 0 for the next step's launches.
+    assert norm.finished.tolist() == [0], norm.finished
+    return got.item()
 
 
 def flat_partials(x: torch.Tensor, partials: torch.Tensor) -> None:
@@ -54,6 +48,11 @@ def main() -> None:
     grads = [p.grad for p in params if p.grad is not None]
     out["launches"] = [(str(dt), len(w)) for dt, w, _ in K.plan(params)]
     out["table"] = [table_norm(params), exact(grads)]
+    # A gradient assigned by hand as a strided view: the kernel leaves it to the eager norm.
+    kept = params[3].grad  # float32, 7 elements
+    params[3].grad = torch.zeros(14)[::2]
+    out["strided_is_left_to_eager"] = _TABLES[id(params)](params) is None
+    params[3].grad = kept
     nonfinite = []
     # 1-element fp32, fp16 of CHUNK, fp32 and bf16 of 2 chunks + 5 (the last chunk)
     for i in (0, 11, 15, 16):
@@ -73,14 +72,22 @@ def main() -> None:
     out["flat"] = [slots.sum().sqrt().item(), exact([big, small])]
     flat_partials(small.float(), slots[: K.FLAT_PROGRAMS])  # bucket 0 shrank: no stale sum
     out["flat_shrunk"] = [slots.sum().sqrt().item(), exact([small, small])]
-    # BucketNorms laid out for the kernel whose launch fails (here: no CUDA device to
-    # launch on, as a Triton that cannot build): the same slots by hand from then on.
+    # BucketNorms on the kernel (as on CUDA): bucket 0 by the kernel, bucket 1 (float64)
+    # by hand, and bucket 2 when the kernel fails to build (a broken Triton, stood in
+    # for here: the interpreter builds anything), by hand in the same slots from then on.
     from guardrails._gradnorm import BucketNorms
+
+    def broken_build(x: torch.Tensor, partials: torch.Tensor) -> None:
+        raise RuntimeError("PTX assembly failed")
 
     norms = BucketNorms(torch.device("cpu"))
     norms._flat, norms._width = K, K.FLAT_PROGRAMS
     buckets = [torch.randn(5_000), torch.randn(7, dtype=torch.float64), torch.randn(3)]
     for i, b in enumerate(buckets):
+        if i == 2:
+            norms._flat = types.SimpleNamespace(
+                flat_supports=K.flat_supports, flat_sum_of_squares=broken_build
+            )
         norms.record(i, b, i == len(buckets) - 1, 0)
     out["bucket_fallback"] = [norms.total(0).item(), exact(buckets), norms._flat is None]
     print(json.dumps(out))

@@ -46,6 +46,7 @@ def test_the_table_kernel_is_the_float64_norm_of_every_gradient_within_rounding(
     got, exact = out["table"]
     assert got == pytest.approx(exact, rel=1e-6)
     assert out["table_after"] == out["table"]  # planting and restoring changed nothing
+    assert out["strided_is_left_to_eager"]
 
 
 def test_one_nan_or_inf_anywhere_makes_the_norm_non_finite(out):
@@ -78,3 +79,52 @@ def test_parameters_the_kernel_cannot_read_are_named():
     assert "lazy module" in supports(list(lazy.parameters()))
     lazy(torch.randn(2, 3))  # initialized: now only the device stands in the way
     assert "one CUDA device" in supports(list(lazy.parameters()))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_kernels_compile_for_an_h100(dtype):
+    """Triton's whole pipeline for sm_90, down to the cubin (its wheel carries ptxas; no
+    GPU needed). The interpreter above runs the kernels' Python and never compiles it,
+    so it does not see, for one, a name given two types in one function, which only
+    the compiler refuses; on a GPU that refusal sends the run to the eager norm, slower
+    and silent but for a debug log line."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from guardrails import _gradnorm_kernel as K
+
+    h100 = GPUTarget("cuda", 90, 32)
+    table = {
+        "addresses": "*i64",
+        "numels": "*i64",
+        "item_param": "*i32",
+        "item_start": "*i64",
+        "partials": "*fp32",
+        "first": "i32",
+        "finished": "*i32",
+        "n_total": "i32",
+        "norm": "*fp32",
+        "CHUNK": "constexpr",
+        "BLOCK": "constexpr",
+        "DTYPE": "constexpr",
+    }
+    constexprs = {
+        "CHUNK": K.CHUNK,
+        "BLOCK": K.BLOCK,
+        "DTYPE": getattr(
+            triton.language, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+        ),
+    }
+    flat = {"x": f"*{dtype}", "numel": "i64", "chunk": "i64", "partials": "*fp32"}
+    flat["BLOCK"] = "constexpr"
+    for fn, signature, consts in (
+        (K._sum_of_squares, table, constexprs),
+        (K._flat_sum_of_squares, flat, {"BLOCK": K.BLOCK}),
+    ):
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=consts),
+            target=h100,
+            options=K._OPTIONS,
+        )
+        assert compiled.asm["cubin"], fn
