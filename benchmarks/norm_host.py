@@ -40,6 +40,11 @@ from overhead import Stack
 import guardrails
 from guardrails._gradnorm import BucketNorms
 
+try:
+    from guardrails._gradnorm_kernel import _to_device
+except ImportError:  # no Triton: the kernel path is not taken
+    _to_device = None
+
 
 def block(fn, n: int, repeats: int, device: torch.device) -> float:
     times = []
@@ -77,6 +82,16 @@ def measure(tensors: int, device: torch.device, n: int, repeats: int) -> dict:
         kernel = g._norm.kernel
         out["own_path"] = "kernel" if g._norm.kernel_steps else "eager"
         out["own_us"] = block(lambda: g._norm(g.params, g.step), n, repeats, device)
+        if hasattr(kernel, "addresses"):  # the kernel path's host time by part
+            addresses = kernel.addresses(g.params)
+            table = _to_device(addresses, torch.int64, device)
+            out["kernel_parts_us"] = {
+                "addresses": block(lambda: kernel.addresses(g.params), n, repeats, device),
+                "table_to_device": block(
+                    lambda: _to_device(addresses, torch.int64, device), n, repeats, device
+                ),
+                "launch": block(lambda: kernel.launch(table), n, repeats, device),
+            }
         g._norm.kernel = None  # the eager norm, for comparison
         eager = g._norm(g.params, g.step)
         out["own_eager_us"] = block(lambda: g._norm(g.params, g.step), n, repeats, device)
@@ -127,6 +142,9 @@ def main() -> None:
             f"{r['clip_check_other_order_us']:.2f}), {r['buckets']} bucket(s) "
             f"{r['buckets_us']:.1f} us"
         )
+        if "kernel_parts_us" in r:
+            parts = {k: round(v, 1) for k, v in r["kernel_parts_us"].items()}
+            print("  kernel path by part (us):", parts)
         if a.out:
             with open(a.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
