@@ -29,6 +29,20 @@ depend on its state: a layout seen again within ``RECENT_LAYOUTS`` steps gets a 
 eager for the run. Off by default: in the first loop measured (GPT-2 small, 8x1024,
 30-step runs) the gradients never came back to the previous step's addresses.
 
+**On CPU** ``_foreach_norm`` has no fused kernel: it is one full ``linalg_vector_norm``
+dispatch per gradient, ~5 us each on the 2-core CI-class VM. Where the model is small
+for its number of tensors (``FLAT_NUMEL_PER_TENSOR`` elements a tensor or fewer, on
+average), the gradients are copied into one flat tensor by torch's C++
+``flatten_dense_tensors`` and its norm taken, two calls: 6.0 us instead of 21.1 for
+``benchmarks/overhead.py``'s tiny model (4 tensors), 101 instead of 395 for 148 small
+ones. Past that size the copy costs more than the dispatches it saves, and the norm
+stays per tensor.
+
+**Sparse gradients** (``nn.Embedding(sparse=True)``): ``linalg_vector_norm`` has no
+sparse kernel, so a sparse gradient enters the norm as its coalesced values (repeated
+rows summed first, as the optimizer applies them). Found at the first step that has
+one; from then on the eager path, with a ``coalesce()`` a sparse gradient a step.
+
 Never captured (eager, exactly as without the knob): CPU, gradients on several devices
 (model parallel), sharded gradients (DTensor: the norm is an all-reduce), a loop that is
 itself being captured.
@@ -83,6 +97,10 @@ MAX_MISSES = 50
 #: cycle through a few (measured: GPT-2 small at 8x1024 never repeated the previous
 #: step's addresses in 20 steps).
 RECENT_LAYOUTS = 4
+#: On CPU, the norm of one flat copy of the gradients when the model has at most this
+#: many elements per gradient tensor on average: 16 float32 tensors of 4,096 elements,
+#: 27 us flat against 38 per tensor; of 16,384, 94 against 57 (2-core VM).
+FLAT_NUMEL_PER_TENSOR = 4096
 
 
 def total_norm(grads: list[Tensor], device: torch.device, multi_device: bool) -> Tensor:
@@ -110,6 +128,25 @@ def total_norm(grads: list[Tensor], device: torch.device, multi_device: bool) ->
         # clip_grad_norm_ does for DTensors (one small collective per step).
         total = total.full_tensor()
     return total
+
+
+def flat_norm(grads: list[Tensor]) -> Tensor:
+    """:func:`total_norm` of dense CPU ``grads`` by one flat copy: two torch calls
+    however many gradients (see the module docstring). Float32; a bfloat16/float16
+    model's is summed in float32."""
+    # The C++ op under torch._utils._flatten_dense_tensors (which adds a Python frame):
+    # one cat of each tensor's view(-1), dispatched from C++.
+    flat = torch._C._nn.flatten_dense_tensors(grads)
+    if flat.dtype in (torch.bfloat16, torch.float16):
+        return torch.linalg.vector_norm(flat, dtype=torch.float32)
+    total = torch.linalg.vector_norm(flat)
+    return total if total.dtype == torch.float32 else total.float()
+
+
+def dense(grads: list[Tensor]) -> list[Tensor]:
+    """``grads`` with each sparse gradient replaced by its coalesced values, whose norm
+    is the gradient's (an uncoalesced one may hold a row more than once)."""
+    return [g.coalesce().values() if g.is_sparse else g for g in grads]
 
 
 class GradNorm:
@@ -142,6 +179,18 @@ class GradNorm:
         #: Steps whose norm the kernel computed; why it was given up, if it was.
         self.kernel_steps = 0
         self.kernel_gave_up: str | None = None
+        #: CPU: the norm by one flat copy (:func:`flat_norm`), for a model small for its
+        #: number of tensors (a lazy module's size is unknown: per tensor).
+        self.flat = (
+            self.device.type == "cpu"
+            and not self.multi_device
+            and not sharded
+            and not any(torch.nn.parameter.is_lazy(p) for p in params)
+            and sum(p.numel() for p in params) <= FLAT_NUMEL_PER_TENSOR * len(params)
+        )
+        #: Set at the first step with a sparse gradient: the eager norm of
+        #: :func:`dense` gradients from then on.
+        self.sparse = False
         on_one_gpu = self.device.type == "cuda" and not self.multi_device and not sharded
         if USE_KERNEL and on_one_gpu and not self.wanted:
             self.kernel = True
@@ -172,15 +221,29 @@ class GradNorm:
             if total is not None:
                 self.kernel_steps += 1
                 return total
-        if not self.enabled:
+        if not self.enabled or self.sparse:
             # One ``.grad`` read per parameter, not two: ``p.grad`` on a Parameter (a
             # Tensor subclass) looks up ``__torch_function__`` each time. The gather
             # for GPT-2 small's 148 tensors: 13.0 us instead of 23.1 (2-core VM).
             grads = [g for p in params if (g := p.grad) is not None]
-            return total_norm(grads, self.device, self.multi_device)
+            if self.sparse:
+                return total_norm(dense(grads), self.device, self.multi_device)
+            try:  # free until it raises
+                if self.flat:
+                    return flat_norm(grads)
+                return total_norm(grads, self.device, self.multi_device)
+            except (NotImplementedError, RuntimeError):
+                if not any(g.is_sparse for g in grads):
+                    raise
+                self._found_sparse()
+                return total_norm(dense(grads), self.device, self.multi_device)
         # One pass over the parameters, as the eager gather: each gradient's address, 0
         # for none (so a different set of parameters with gradients never matches).
-        key = tuple([0 if (g := p.grad) is None else g.data_ptr() for p in params])
+        try:
+            key = tuple([0 if (g := p.grad) is None else g.data_ptr() for p in params])
+        except RuntimeError:  # a sparse gradient has no address (nor a graph)
+            self._found_sparse()
+            return self(params, step)
         hit = self._graphs.get(key)
         if hit is not None:
             graph, out = hit
@@ -204,6 +267,15 @@ class GradNorm:
                     self._capture(grads, key)
         self._recent.append(key)
         return out
+
+    def _found_sparse(self) -> None:
+        """A sparse gradient (``nn.Embedding(sparse=True)``): the eager norm of dense
+        values for the rest of the run (the kernel and a graph read strided memory)."""
+        logger.debug("guardrails: a gradient is sparse: the grad norm is eager from now on")
+        self.sparse = True
+        self.kernel = None
+        if self.enabled:
+            self._give_up("a gradient is sparse")
 
     def _first_kernel(self, params: list[Tensor]) -> Tensor | None:
         """Until a step's norm came from the kernel: build its plan (once) and launch it

@@ -46,14 +46,16 @@ def batches(n: int, batch: int = 8, seed: int = 0) -> list[tuple[torch.Tensor, t
 
 
 class CountNorms(TorchDispatchMode):
-    """Counts the passes over the gradients: each ``_foreach_norm`` is one."""
+    """Counts the passes over the gradients: each ``_foreach_norm`` (torch's clipping;
+    the guard's own norm per tensor) and each ``cat`` (the guard's own norm of a small
+    model on CPU, by one flat copy of the gradients) is one."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._foreach_norm.Scalar:
+        if func in (torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.cat.default):
             self.calls += 1
         return func(*args, **(kwargs or {}))
 
