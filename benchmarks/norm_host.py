@@ -1,6 +1,7 @@
 """Host time of the guard's per-step grad norm against the number of parameter tensors.
 
     python benchmarks/norm_host.py --device cuda --tensors 150 1500
+    python benchmarks/norm_host.py --device cpu --flat-sweep   # per tensor vs flat copy
 
 For a model of N parameter tensors (the `stack` model of overhead.py: N/2 small Linear
 layers, so the device work is tiny and what shows is host work), inside a live guard,
@@ -8,9 +9,10 @@ after one backward, times each way the guard can get the step's norm:
 
 - `own`: its own pass (`GradNorm.__call__`), what a loop that neither clips nor uses
   GuardedDDP gets: on CUDA the kernel over the gradients' addresses
-  (`_gradnorm_kernel.py`), and `own eager` the eager norm it replaced (gather every
-  `p.grad`, `_foreach_norm`, stack, norm), each with its relative error against a
-  float64 norm of the same gradients;
+  (`_gradnorm_kernel.py`), on CPU one flat copy of a small model's gradients, and `own
+  eager` the per-tensor norm they replaced (gather every `p.grad`, `_foreach_norm`,
+  stack, norm), each with its relative error against a float64 norm of the same
+  gradients;
 - `clip check`: the check that a `torch.nn.utils.clip_grad_norm_` call covered exactly
   the guard's parameters (`Guard._took_clip_norm`), in the optimizer's order and in
   another order (the set comparison), what a loop that clips pays on top of its clip;
@@ -79,8 +81,8 @@ def measure(tensors: int, device: torch.device, n: int, repeats: int) -> dict:
         model(xb, yb).backward()
         total = torch.nn.utils.clip_grad_norm_(params, 1e9)
         own = g._norm(g.params, g.step)  # builds the kernel (Triton compiles it once)
-        kernel = g._norm.kernel
-        out["own_path"] = "kernel" if g._norm.kernel_steps else "eager"
+        kernel, flat = g._norm.kernel, getattr(g._norm, "flat", False)
+        out["own_path"] = "kernel" if g._norm.kernel_steps else "flat" if flat else "eager"
         out["own_us"] = block(lambda: g._norm(g.params, g.step), n, repeats, device)
         if hasattr(kernel, "addresses"):  # the kernel path's host time by part
             addresses = kernel.addresses(g.params)
@@ -92,10 +94,10 @@ def measure(tensors: int, device: torch.device, n: int, repeats: int) -> dict:
                 ),
                 "launch": block(lambda: kernel.launch(table), n, repeats, device),
             }
-        g._norm.kernel = None  # the eager norm, for comparison
+        g._norm.kernel, g._norm.flat = None, False  # the per-tensor norm, for comparison
         eager = g._norm(g.params, g.step)
         out["own_eager_us"] = block(lambda: g._norm(g.params, g.step), n, repeats, device)
-        g._norm.kernel = kernel
+        g._norm.kernel, g._norm.flat = kernel, flat
         exact = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in params])
         )
@@ -121,6 +123,26 @@ def measure(tensors: int, device: torch.device, n: int, repeats: int) -> dict:
     return out
 
 
+def flat_sweep(n: int, repeats: int) -> list[dict]:
+    """CPU: 16 gradients of each size, normed per tensor (``total_norm``) and by one
+    flat copy (``flat_norm``): where the copy starts to cost more than the dispatches
+    it saves (``_gradnorm.FLAT_NUMEL_PER_TENSOR``)."""
+    from guardrails._gradnorm import flat_norm, total_norm
+
+    cpu = torch.device("cpu")
+    rows = []
+    for size in (256, 1024, 4096, 16384, 65536, 262144):
+        grads = [torch.randn(size) for _ in range(16)]
+        rows.append(
+            {
+                "numel_per_tensor": size,
+                "per_tensor_us": block(lambda g=grads: total_norm(g, cpu, False), n, repeats, cpu),
+                "flat_us": block(lambda g=grads: flat_norm(g), n, repeats, cpu),
+            }
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--device", default="cuda")
@@ -128,8 +150,19 @@ def main() -> None:
     p.add_argument("--n", type=int, default=50)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--out")
+    p.add_argument("--flat-sweep", action="store_true", help="CPU: per tensor vs flat copy")
     a = p.parse_args()
     device = torch.device(a.device)
+    if a.flat_sweep:
+        for r in flat_sweep(a.n, a.repeats):
+            print(
+                f"16 tensors of {r['numel_per_tensor']}: per tensor {r['per_tensor_us']:.1f} "
+                f"us, flat {r['flat_us']:.1f} us"
+            )
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps({**r, "torch": torch.__version__}) + "\n")
+        return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     for t in a.tensors:
         r = measure(t, device, a.n, a.repeats)

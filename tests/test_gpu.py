@@ -213,6 +213,35 @@ def test_a_lazy_module_gets_the_kernel_norm_from_its_first_step(tmp_path):
     assert rows["grad_norm"] == pytest.approx([e.item() for e in expected], rel=1e-5)
 
 
+def test_sparse_embedding_gradients_leave_the_kernel_for_the_eager_norm(tmp_path):
+    """A sparse gradient has no address for the kernel: the norm goes eager for the
+    run (coalesced values), each step's recorded, a NaN in it skips that step."""
+    from test_gradnorm import Tagger, exact
+
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = Tagger().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g0 = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, 10, (32,), device=device, generator=g0)
+    data = [(ids, torch.randn(32, device=device, generator=g0))] * 4
+    expected = []
+    with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=False) as g:
+        for step, (x, y) in enumerate(g, 1):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if step == 3:
+                model.emb.weight.grad._values()[0, 0] = float("nan")
+            else:
+                expected.append(exact(list(model.parameters())))
+            opt.step()
+            opt.zero_grad()
+    assert g._norm.sparse and g._norm.kernel is None and g._norm.kernel_steps == 0
+    rows = guardrails.read_metrics(tmp_path).to_pydict()
+    assert rows["skipped"] == [False, False, True, False]
+    finite = [v for s, v in zip(rows["step"], rows["grad_norm"], strict=True) if s != 3]
+    assert finite == pytest.approx(expected, rel=1e-5)
+
+
 def test_bucket_norms_sum_squares_by_kernel_in_fixed_slots_and_fall_back_per_bucket():
     """GuardedDDP's per-bucket norms on CUDA (no process group needed: the buckets are
     recorded as the comm hook does): float32 and bfloat16 buckets of different sizes
