@@ -33,10 +33,10 @@ eager for the run. Off by default: in the first loop measured (GPT-2 small, 8x10
 dispatch per gradient, ~5 us each on the 2-core CI-class VM. Where the model is small
 for its number of tensors (``FLAT_NUMEL_PER_TENSOR`` elements a tensor or fewer, on
 average), the gradients are copied into one flat tensor by torch's C++
-``flatten_dense_tensors`` and its norm taken, two calls: 6.0 us instead of 21.1 for
-``benchmarks/overhead.py``'s tiny model (4 tensors), 101 instead of 395 for 148 small
-ones. Past that size the copy costs more than the dispatches it saves, and the norm
-stays per tensor.
+``flatten_dense_tensors`` and its norm taken, two calls: the guard's norm in 7.1 us
+instead of 13.1 for 4 small tensors, 135 instead of 329 for 148
+(``benchmarks/norm_host.py --device cpu``). Past that size the copy costs more than
+the dispatches it saves, and the norm stays per tensor.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): ``linalg_vector_norm`` has no
 sparse kernel, so a sparse gradient enters the norm as its coalesced values (repeated
