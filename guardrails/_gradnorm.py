@@ -41,7 +41,8 @@ the dispatches it saves, and the norm stays per tensor.
 **Sparse gradients** (``nn.Embedding(sparse=True)``): ``linalg_vector_norm`` has no
 sparse kernel, so a sparse gradient enters the norm as its coalesced values (repeated
 rows summed first, as the optimizer applies them). Found at the first step that has
-one; from then on the eager path, with a ``coalesce()`` a sparse gradient a step.
+one; from then on the eager path, with a ``coalesce()`` a sparse gradient a step (on
+CUDA that reads its row count back: one host sync a step, for such a model only).
 
 Never captured (eager, exactly as without the knob): CPU, gradients on several devices
 (model parallel), sharded gradients (DTensor: the norm is an all-reduce), a loop that is
