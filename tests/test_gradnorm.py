@@ -48,6 +48,17 @@ def test_a_small_models_cpu_norm_is_one_flat_copy_and_the_float64_norm_within_ro
         assert math.isnan(got) if math.isnan(bad) else got == math.inf
 
 
+def test_a_step_where_no_parameter_has_a_gradient_has_norm_zero():
+    """As the per-tensor norm says (0, finite): a frozen model's first steps, or a loop
+    that steps without a backward."""
+    params = with_grads([(4,), (2, 2)])
+    for p in params:
+        p.grad = None
+    norm = GradNorm(params, use_graph=False)
+    assert norm.flat
+    assert norm(params).item() == 0.0
+
+
 def test_a_model_large_for_its_tensor_count_keeps_the_per_tensor_norm():
     """Past FLAT_NUMEL_PER_TENSOR elements a tensor on average, the copy would cost
     more than the dispatches it saves: the norm stays ``_foreach_norm``'s, bitwise."""
