@@ -39,9 +39,10 @@ Nothing here reads a device value on the host: the loss and the grad norm stay d
 tensors, and components move them to the host lagged (see ``_telemetry.py``). Host work
 per step is a fixed number of Python calls whatever the model size; the one piece that
 touches every parameter is the grad norm's single list comprehension over ``p.grad``
-(``_gradnorm.py``): on one GPU each gradient's address for the guard's kernel (~0.3 us a
-tensor on an H200 host), elsewhere the gradients for ``_foreach_norm``, which then makes
-one output per gradient (~2 us each on that host).
+(``_gradnorm.py``): on one GPU each gradient's address for the guard's kernel (~0.24 us
+a tensor on an H200 host); on CPU the gradients for one flat copy (a small model) or
+``_foreach_norm``; elsewhere the gradients for ``_foreach_norm``, which then makes one
+output per gradient (~2 us each on that host).
 """
 
 from __future__ import annotations
@@ -913,8 +914,9 @@ class Guard(StepState):
         """The total L2 norm of the gradients at this step, a 0-d float32 device tensor.
 
         Computed once per step (``_gradnorm.py``): on one GPU by one kernel over the
-        gradients' addresses, elsewhere by a fused ``_foreach_norm`` (one kernel per
-        device and dtype), or taken from the loop's ``clip_grad_norm_`` or GuardedDDP's
+        gradients' addresses, on CPU by one flat copy of a small model's gradients,
+        elsewhere by a fused ``_foreach_norm`` (one kernel per device and dtype), or
+        taken from the loop's ``clip_grad_norm_`` or GuardedDDP's
         buckets; shared by every component and by :meth:`clip_grad_norm_`. Valid from
         ``before_step`` on.
         """
