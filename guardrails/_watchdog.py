@@ -320,11 +320,36 @@ class Watchdog(Component):
             self._last_progress = now  # a paused peer legitimately holds everyone
             return None
         if idle < timeout:
+            self._stacks_awaited_since = None
             return None
         return self._diagnose(guard, records, timeout)
 
+    def _awaiting_stacks(
+        self, live: dict[int, dict[str, Any]], stacks: dict[int, str], timeout: float
+    ) -> bool:
+        """Whether to hold the verdict for a live peer's stack. A peer publishes its
+        stack on the tick its own idle clock passes the suspect mark, and that clock
+        can run behind this rank's: the peer made its last progress later, or its
+        watchdog thread was starved on a loaded host (seen in CI: a verdict reached
+        1.5 s before the stuck rank's stack). Its heartbeat says how idle it was; one
+        below the mark has not published yet, so wait for its next ticks, at most the
+        mark itself (a peer whose watchdog never publishes is reported without)."""
+        mark = min(timeout / 2, SUSPECT_AFTER_S)
+        pending = [
+            r
+            for r, rec in live.items()
+            if r != self._rank and r not in stacks and rec.get("idle_s", 0.0) < mark
+        ]
+        now = time.monotonic()
+        if not pending:
+            return False
+        if self._stacks_awaited_since is None:
+            self._stacks_awaited_since = now
+        return now - self._stacks_awaited_since < mark
+
     def _reset_clock(self, guard: Guard, now: float) -> None:
         """The progress clock and step-gap statistics, as at the guard's start."""
+        self._stacks_awaited_since: float | None = None
         self._last_key: tuple[Any, ...] | None = None
         self._last_progress = now
         self._last_step_at: float | None = None
@@ -692,6 +717,8 @@ class Watchdog(Component):
         if exhausted and len(exhausted) < len(records):
             return self._uneven(guard, records)
         stacks = self._read_stacks(sorted(records))
+        if self._awaiting_stacks(live, stacks, timeout):
+            return None
         for r, rec in records.items():
             rec["_stack"] = stacks.get(r, "")
         waiting = {r: _in_collective(rec) for r, rec in live.items()}

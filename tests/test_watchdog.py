@@ -344,6 +344,25 @@ def test_knobs_are_checked(tmp_path, bad):
         )
 
 
+def test_a_verdict_waits_for_a_stuck_peer_that_has_not_published_its_stack_yet():
+    """A peer publishes its stack once its own idle clock passes the suspect mark (half
+    the timeout here); its clock can run behind this rank's (it moved last, or its
+    watchdog thread was starved on a loaded host). The verdict waits for it, at most
+    the mark, and not for a peer past the mark (its watchdog never publishes)."""
+    wd = Watchdog(hang_timeout_s=3.0)
+    wd._rank = 0
+    wd._stacks_awaited_since = None
+    live = {0: {"idle_s": 3.1}, 1: {"idle_s": 1.0}}  # rank 1 moved 2.1 s after rank 0
+    assert wd._awaiting_stacks(live, {0: "mine"}, 3.0)
+    assert wd._awaiting_stacks(live, {0: "mine"}, 3.0)  # still within the mark
+    assert not wd._awaiting_stacks(live, {0: "mine", 1: "its stack"}, 3.0)  # arrived
+    wd._stacks_awaited_since = time.monotonic() - 1.5  # waited the whole mark
+    assert not wd._awaiting_stacks(live, {0: "mine"}, 3.0)
+    wd._stacks_awaited_since = None
+    live[1]["idle_s"] = 1.6  # past its mark without a stack: its watchdog did not publish
+    assert not wd._awaiting_stacks(live, {0: "mine"}, 3.0)
+
+
 def test_auto_timeout_numbers():
     assert auto_timeout_s(None) == _watchdog.AUTO_CAP_S == 300
     assert auto_timeout_s(0.3) == _watchdog.AUTO_FLOOR_S == 60  # fast steps: the floor
