@@ -320,3 +320,28 @@ def test_no_module_level_import_cycles():
 
     for module in graph:
         visit(module, [module])
+
+
+def test_a_guard_start_imports_no_heavy_torch_package_it_does_not_need(tmp_path):
+    """Checks for sharded models and ZeroRedundancyOptimizer look their classes up in
+    ``sys.modules`` instead of importing them: ``torch.distributed.optim`` compiles its
+    functional optimizers with TorchScript on import (0.3-1.0 s of CPU at every start
+    on the 2-core VM), and an object can only be an instance of a class whose module
+    was imported. A fresh process, so nothing else imported them first."""
+    code = (
+        "import sys, torch, guardrails\n"
+        "m = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(3)]\n"
+        f"with guardrails.guard(m, opt, data, run_dir={str(tmp_path)!r}, progress=False) as g:\n"
+        "    for x, y in g:\n"
+        "        ((m(x) - y) ** 2).mean().backward(); opt.step(); opt.zero_grad()\n"
+        "    g.save_checkpoint()\n"
+        "print(sorted(k for k in sys.modules if k.startswith('torch.distributed.optim')))\n"
+    )
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
