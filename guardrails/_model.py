@@ -68,7 +68,8 @@ def is_sharded(model: nn.Module) -> bool:
     parameters have global shapes and global norms, and their state goes through
     ``torch.distributed.checkpoint`` (``_sharded.py``), each rank writing its shards."""
     # Looked up, not imported: a DTensor exists only once its module was imported, and
-    # importing it costs a run that has none ~0.2 s of CPU at start (its op tables).
+    # importing it costs a run that has none up to ~0.2 s of CPU at start (its op
+    # tables).
     tensor = sys.modules.get("torch.distributed.tensor")
     if tensor is None:
         return False

@@ -340,9 +340,9 @@ class Watchdog(Component):
             for r, rec in live.items()
             if r != self._rank and r not in stacks and rec.get("idle_s", 0.0) < mark
         ]
-        now = time.monotonic()
         if not pending:
             return False
+        now = time.monotonic()
         if self._stacks_awaited_since is None:
             self._stacks_awaited_since = now
         return now - self._stacks_awaited_since < mark

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -339,8 +340,6 @@ def test_a_guard_start_imports_no_heavy_torch_package_it_does_not_need(tmp_path)
         "    g.save_checkpoint()\n"
         "print(sorted(k for k in sys.modules if k.startswith('torch.distributed.optim')))\n"
     )
-    import subprocess
-
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
