@@ -123,37 +123,37 @@ def child(mode: str, steps: int, split: bool) -> None:
             run(iter(g))
 
 
-def measure(pythonpath: str | None, mode: str, steps: int, split: bool, out: Path):
+def callgrind(argv: list[str], out: Path, pythonpath: str | None = None) -> dict[str, int]:
+    """Run ``python argv`` under callgrind with its cache simulation, collecting only
+    inside starmap's C iterator (the caller's measured calls); the totals of EVENTS."""
     # Fixed hash seed and no address randomisation: the same dict layouts and cache sets
     # run to run (with both random, a run's guard cost moved by ~5%).
     env = dict(os.environ, PYTHONHASHSEED="0")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     norandom = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
-    cmd = (
-        norandom
-        + [
-            "valgrind",
-            "--tool=callgrind",
-            "--cache-sim=yes",
-            "--collect-atstart=no",
-            "--toggle-collect=starmap_next",
-            f"--callgrind-out-file={out}",
-            sys.executable,
-            __file__,
-            "--child",
-            mode,
-            "--steps",
-            str(steps),
-        ]
-        + (["--split"] if split else [])
+    tool = [
+        "valgrind",
+        "--tool=callgrind",
+        "--cache-sim=yes",
+        "--collect-atstart=no",
+        "--toggle-collect=starmap_next",
+        f"--callgrind-out-file={out}",
+    ]
+    subprocess.run(
+        [*norandom, *tool, sys.executable, *argv], env=env, check=True, capture_output=True
     )
-    subprocess.run(cmd, env=env, check=True, capture_output=True)
     totals = {}
     for line in out.read_text().splitlines():
         if line.startswith("summary:"):
             values = list(map(int, line.split()[1:])) + [0] * len(EVENTS)
             totals = dict(zip(EVENTS, values, strict=False))
+    return totals
+
+
+def measure(pythonpath: str | None, mode: str, steps: int, split: bool, out: Path):
+    argv = [__file__, "--child", mode, "--steps", str(steps)] + (["--split"] if split else [])
+    totals = callgrind(argv, out, pythonpath)
     pieces = {}
     if split:
         ann = subprocess.run(

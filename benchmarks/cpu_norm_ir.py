@@ -4,9 +4,9 @@ left for the guard's CPU host cost once the norm was one flat copy (session 17).
 
     python benchmarks/cpu_norm_ir.py [--calls 1000]
 
-Each variant runs in its own process under ``valgrind --tool=callgrind
---cache-sim=yes``, collected only inside the C iterator that drives the ``--calls``
-calls (after 200 warm-up calls), like ``callgrind_step.py``:
+Each variant runs in its own process under callgrind with its cache simulation
+(``callgrind_step.callgrind``), collected only inside the C iterator that drives the
+``--calls`` calls (after 200 warm-up calls):
 
 - ``flat``: what the guard does (``_gradnorm.flat_norm``, then ``tolist()`` as the
   step ring's host write does);
@@ -23,8 +23,6 @@ import argparse
 import collections
 import itertools
 import math
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -75,33 +73,6 @@ def child(variant: str, calls: int) -> None:
     collections.deque(itertools.starmap(fn, itertools.repeat((), calls)), 0)
 
 
-def measure(variant: str, calls: int, out: Path) -> dict[str, int]:
-    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(HERE.parent))
-    cmd = [
-        "valgrind",
-        "--tool=callgrind",
-        "--cache-sim=yes",
-        "--collect-atstart=no",
-        "--toggle-collect=starmap_next",
-        f"--callgrind-out-file={out}",
-        sys.executable,
-        __file__,
-        "--child",
-        variant,
-        "--calls",
-        str(calls),
-    ]
-    subprocess.run(cmd, env=env, check=True, capture_output=True)
-    totals: dict[str, int] = {}
-    events: list[str] = []
-    for line in out.read_text().splitlines():
-        if line.startswith("events:"):
-            events = line.split()[1:]
-        elif line.startswith("totals:") or line.startswith("summary:"):
-            totals = dict(zip(events, map(int, line.split()[1:]), strict=False))
-    return totals
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -112,13 +83,13 @@ def main() -> None:
     if args.child:
         child(args.child, args.calls)
         return
-    from callgrind_step import est
+    from callgrind_step import callgrind, est
 
     print(f"per call, {args.calls} calls after {WARMUP} warm-up (callgrind, cache simulation)")
     with tempfile.TemporaryDirectory() as d:
         for v in VARIANTS:
-            t = measure(v, args.calls, Path(d) / f"{v}.out")
-            t = {k: t.get(k, 0) for k in ("Ir", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")}
+            argv = [__file__, "--child", v, "--calls", str(args.calls)]
+            t = callgrind(argv, Path(d) / f"{v}.out", str(HERE.parent))
             n = args.calls
             print(f"  {v:11s} Ir {t['Ir'] / n:8.0f}  est. cycles {est(t) / n:8.0f}")
 
