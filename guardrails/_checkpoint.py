@@ -122,7 +122,6 @@ import re
 import shutil
 import signal
 import struct
-import sys
 import threading
 import time
 import uuid
@@ -464,13 +463,10 @@ def per_rank(optimizer: Any) -> Any:
     """The optimizer whose ``state_dict()`` this rank saves: ZeroRedundancyOptimizer's
     own needs a consolidation collective and holds every rank's shard; its local
     optimizer holds this rank's, which is what this rank saves and loads."""
-    # Looked up, not imported: an optimizer can be a ZeroRedundancyOptimizer only once
-    # its module was imported, and importing torch.distributed.optim compiles its
-    # functional optimizers with TorchScript: 0.25-0.35 s of CPU at every guard's start
-    # on the 2-core VM (0.8-1.0 s before torch._dynamo is imported), for every run that
-    # does not use it.
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+    zero = _dist.imported_class(
+        "torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer"
+    )
+    if zero is not None and isinstance(optimizer, zero):
         return optimizer.optim
     return optimizer
 

@@ -20,12 +20,13 @@ Nothing here issues a collective or reads a device value on the host.
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from guardrails._dist import imported_class
 
 #: Wrapper layers followed at most (a real chain is 1-2 deep; the bound only stops a
 #: module that wraps itself).
@@ -67,13 +68,8 @@ def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel): the
     parameters have global shapes and global norms, and their state goes through
     ``torch.distributed.checkpoint`` (``_sharded.py``), each rank writing its shards."""
-    # Looked up, not imported: a DTensor exists only once its module was imported, and
-    # importing it costs a run that has none up to ~0.2 s of CPU at start (its op
-    # tables).
-    tensor = sys.modules.get("torch.distributed.tensor")
-    if tensor is None:
-        return False
-    return any(isinstance(p, tensor.DTensor) for p in model.parameters())
+    dtensor = imported_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def holds_shards(model: nn.Module) -> bool:
