@@ -136,7 +136,7 @@ def flat_norm(grads: list[Tensor]) -> Tensor:
     however many gradients (see the module docstring). Float32; a bfloat16/float16
     model's is summed in float32."""
     if not grads:  # no parameter has a gradient this step (cat refuses an empty list)
-        return torch.zeros((), dtype=torch.float32)
+        return total_norm(grads, torch.device("cpu"), False)
     # The C++ op under torch._utils._flatten_dense_tensors (which adds a Python frame):
     # one cat of each tensor's view(-1), dispatched from C++.
     flat = torch._C._nn.flatten_dense_tensors(grads)

@@ -330,8 +330,8 @@ class Watchdog(Component):
         """Whether to hold the verdict for a live peer's stack. A peer publishes its
         stack on the tick its own idle clock passes the suspect mark, and that clock
         can run behind this rank's: the peer made its last progress later, or its
-        watchdog thread was starved on a loaded host (seen in CI: a verdict reached
-        1.5 s before the stuck rank's stack). Its heartbeat says how idle it was; one
+        watchdog thread was starved on a loaded host (seen once in CI: a verdict
+        without the stuck rank's stack). Its heartbeat says how idle it was; one
         below the mark has not published yet, so wait for its next ticks, at most the
         mark itself (a peer whose watchdog never publishes is reported without)."""
         mark = min(timeout / 2, SUSPECT_AFTER_S)
