@@ -1,0 +1,1 @@
+"""Private: see ARCHITECTURE.md."""
