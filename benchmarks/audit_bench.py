@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import guardrails
-from guardrails._audit_calls import OPS
+from guardrails.guards.audit.calls import OPS
 
 
 def _free_port() -> int:

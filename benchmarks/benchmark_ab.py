@@ -65,7 +65,7 @@ def _subject(a: argparse.Namespace, device):  # -> (model, opt, sched, batches)
             return model(x, y, w)
 
         return model, opt, sched, loader, step_fn
-    from guardrails._bench import SIZES, RefGPT
+    from guardrails.cli.bench import SIZES, RefGPT
 
     n_layer, n_head, n_embd, vocab = SIZES[a.size]
     model = RefGPT(n_layer, n_head, n_embd, vocab, a.seq).to(device)

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import guardrails
-from guardrails._bench import SIZES, RefGPT
-from guardrails._benchmark_mode import render
+from guardrails.cli.bench import SIZES, RefGPT
+from guardrails.engine.benchmark_mode import render
 
 
 def main() -> None:

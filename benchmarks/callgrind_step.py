@@ -41,20 +41,20 @@ EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 #: --split: the C iterator each piece runs inside, and what it measures.
 PIECES = {
     "takewhile_next": (
-        "guardrails._nan",
+        "guardrails.guards.nan.guard",
         "NanGuard",
         "before_step",
         "NanGuard.before_step (with the row write and grad norm)",
     ),
-    "filterfalse_next": ("guardrails._gradnorm", "GradNorm", "__call__", "the grad norm"),
-    "functools_reduce": ("guardrails._nan", "NanGuard", "_judge", "NanGuard._judge"),
+    "filterfalse_next": ("guardrails.engine.gradnorm", "GradNorm", "__call__", "the grad norm"),
+    "functools_reduce": ("guardrails.guards.nan.guard", "NanGuard", "_judge", "NanGuard._judge"),
     "dropwhile_next": (
-        "guardrails._telemetry",
+        "guardrails.guards.telemetry",
         "Telemetry",
         "after_step",
         "Telemetry.after_step (with its flush)",
     ),
-    "groupby_next": ("guardrails._telemetry", "Telemetry", "_flush", "Telemetry._flush"),
+    "groupby_next": ("guardrails.guards.telemetry", "Telemetry", "_flush", "Telemetry._flush"),
 }
 
 

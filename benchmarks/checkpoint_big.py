@@ -192,7 +192,7 @@ def parent(args: argparse.Namespace) -> None:
     # every child ran this checkout's guardrails, the "old" variant included (the A/Bs
     # of sessions 9-13 until this was found; benchmarks/RESULTS.md says which).
     sys.path.insert(0, str(ROOT))
-    from guardrails._bench_checkpoint import disk_floor
+    from guardrails.cli.bench_checkpoint import disk_floor
 
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
     work = Path(tempfile.mkdtemp(prefix="ckbig-", dir=base))
@@ -424,7 +424,8 @@ def _patch(kind: str) -> None:
     written to /dev/null (serialized and hashed, never sent to disk); ``nowrite``: the
     shards are staged and the plan exchanged, then no item is written (the writer
     sleeps 5 s)."""
-    from guardrails import _digest, _sharded
+    from guardrails.checkpoint import digest as _digest
+    from guardrails.checkpoint import sharded
 
     if kind == "nohash":
 
@@ -466,7 +467,7 @@ def _patch(kind: str) -> None:
             time.sleep(5)
             raise OSError("--patch nowrite: no item written")
 
-        _sharded._write_items = sleep_instead
+        sharded._write_items = sleep_instead
 
 
 def _spy(kind: str, rank: int, out: Path) -> None:

@@ -36,7 +36,7 @@ def child(variant: str, calls: int) -> None:
     import numpy as np
     import torch
 
-    from guardrails._gradnorm import flat_norm, total_norm
+    from guardrails.engine.gradnorm import flat_norm, total_norm
 
     sys.path.insert(0, str(HERE))
     from overhead import Tiny

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT
 
-from guardrails._gradnorm import GradNorm, total_norm
+from guardrails.engine.gradnorm import GradNorm, total_norm
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from guardrails import _gradnorm_kernel as K
+from guardrails.engine import gradnorm_kernel as K
 
 
 def gpt2_small_sizes() -> list[int]:

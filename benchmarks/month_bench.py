@@ -34,8 +34,8 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from guardrails._metrics_compact import Compactor  # noqa: E402
-from guardrails._metrics_file import METRICS_DIR, SCHEMA  # noqa: E402
+from guardrails.metrics.compact import Compactor  # noqa: E402
+from guardrails.metrics.file import METRICS_DIR, SCHEMA  # noqa: E402
 
 T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC
 

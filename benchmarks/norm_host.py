@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import Stack
 
 import guardrails
-from guardrails._gradnorm import BucketNorms
+from guardrails.engine.gradnorm import BucketNorms
 
 try:
-    from guardrails._gradnorm_kernel import _to_device
+    from guardrails.engine.gradnorm_kernel import _to_device
 except ImportError:  # no Triton: the kernel path is not taken
     _to_device = None
 
@@ -127,7 +127,7 @@ def flat_sweep(n: int, repeats: int) -> list[dict]:
     """CPU: 16 gradients of each size, normed per tensor (``total_norm``) and by one
     flat copy (``flat_norm``): where the copy starts to cost more than the dispatches
     it saves (``_gradnorm.FLAT_NUMEL_PER_TENSOR``)."""
-    from guardrails._gradnorm import flat_norm, total_norm
+    from guardrails.engine.gradnorm import flat_norm, total_norm
 
     cpu = torch.device("cpu")
     rows = []

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT
 
 import guardrails
-from guardrails import _gradnorm
+from guardrails.engine import gradnorm
 
 
 class Tiny(nn.Module):
@@ -211,7 +211,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
 
     if variant not in ("guarded", "graph_norm", "eager_norm", "ddp_guard"):
         return loop(cycle(data, total))
-    _gradnorm.USE_KERNEL = variant != "eager_norm"
+    gradnorm.USE_KERNEL = variant != "eager_norm"
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(
             step_model,
@@ -223,7 +223,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
         ) as g:
             per_step = loop(g, g)
             KERNEL_NORM_STEPS[variant] = KERNEL_NORM_STEPS.get(variant, 0) + g._norm.kernel_steps
-        _gradnorm.USE_KERNEL = True
+        gradnorm.USE_KERNEL = True
         for line in (Path(d) / "events.jsonl").read_text().splitlines():
             event = json.loads(line)
             if event["kind"] == "grad_norm_graph":  # replays/eager/captures of this run

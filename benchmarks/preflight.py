@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import GPT
 
 import guardrails
-from guardrails._audit_calls import entry_dict
-from guardrails._guard import Guard
-from guardrails._preflight import Preflight
-from guardrails._preflight_facts import SAMPLE_PER_TENSOR, param_table
+from guardrails.engine.guard import Guard
+from guardrails.guards.audit.calls import entry_dict
+from guardrails.guards.preflight.facts import SAMPLE_PER_TENSOR, param_table
+from guardrails.guards.preflight.preflight import Preflight
 
 
 def _sync(device: torch.device) -> None:

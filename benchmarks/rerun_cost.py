@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from guardrails import _checkpoint, save_checkpoint
+from guardrails import save_checkpoint
+from guardrails.checkpoint import commit, restore
 
 
 def timed(fn, repeats: int) -> float:
@@ -59,10 +60,10 @@ def main() -> None:
             lambda: save_checkpoint(root, next(step), model=model, optimizer=opt, keep_last=1),
             max(3, a.repeats // 4),
         )
-        ckpt = _checkpoint.list_checkpoints(root)[-1][1]
-        record_s = timed(lambda: _checkpoint.run_record(config, {"optimizer": opt}), a.repeats)
-        read_s = timed(lambda: _checkpoint.saved_run(ckpt), a.repeats)
-        mark_s = timed(lambda: _checkpoint.mark_finished(ckpt, time.time()), a.repeats)
+        ckpt = format.list_checkpoints(root)[-1][1]
+        record_s = timed(lambda: commit.run_record(config, {"optimizer": opt}), a.repeats)
+        read_s = timed(lambda: restore.saved_run(ckpt), a.repeats)
+        mark_s = timed(lambda: commit.mark_finished(ckpt, time.time()), a.repeats)
         mb = sum(f.stat().st_size for f in ckpt.iterdir()) / 1e6
         print(f"torch {torch.__version__}, {mb:.0f} MB checkpoint on {root.parent}")
         print(f"save_checkpoint (baseline)       {save_s * 1e3:9.2f} ms  (once per save)")

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import guardrails
-from guardrails._events import EventLog
-from guardrails._sinks import EventTail, SinkRunner
+from guardrails.metrics.events import EventLog
+from guardrails.metrics.sinks import EventTail, SinkRunner
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -124,7 +124,7 @@ def main() -> None:
 
     # 2. The sink thread's share, per row.
     for name in names:
-        sink = guardrails._sinks.build([name])[0]
+        sink = guardrails.metrics.sinks.build([name])[0]
         sink.open(tmp / f"write-{name}")
         per = []
         for k in range(3):

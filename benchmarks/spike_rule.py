@@ -25,7 +25,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from guardrails._nan import _spikes
+from guardrails.guards.nan.spikes import _spikes
 
 FACTORS = {"grad_norm": 5.0, "loss": 4.0}
 

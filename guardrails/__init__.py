@@ -55,39 +55,39 @@ from guardrails._version import __version__
 #: start (--help: 3.6-3.8 s median before, 0.08 s after; benchmarks/RESULTS.md).
 _EXPORTS = {
     "CheckpointError": "_errors",
-    "CollectiveAuditor": "_audit",
+    "CollectiveAuditor": "guards.audit.auditor",
     "CollectiveMismatchError": "_errors",
-    "Component": "_component",
+    "Component": "engine.component",
     "ConfigMismatchError": "_errors",
-    "ErrorExplainer": "_explain",
-    "GCScheduler": "_gc",
-    "Guard": "_guard",
-    "GuardedDDP": "_ddp",
+    "ErrorExplainer": "guards.explain",
+    "GCScheduler": "guards.gc",
+    "Guard": "engine.guard",
+    "GuardedDDP": "guards.ddp",
     "GuardrailsError": "_errors",
     "HangError": "_errors",
     "LaunchError": "_errors",
-    "MLflowSink": "_sinks",
-    "MemoryGuard": "_memory",
-    "NanGuard": "_nan",
+    "MLflowSink": "metrics.sinks",
+    "MemoryGuard": "guards.memory.guard",
+    "NanGuard": "guards.nan.guard",
     "NonFiniteError": "_errors",
     "OutOfMemoryError": "_errors",
-    "Preflight": "_preflight",
+    "Preflight": "guards.preflight.preflight",
     "RankFailedError": "_errors",
     "ResumeError": "_errors",
-    "SignalCheckpointer": "_checkpointer",
-    "Sink": "_sinks",
-    "Telemetry": "_telemetry",
-    "TensorBoardSink": "_sinks",
+    "SignalCheckpointer": "guards.checkpointer.checkpointer",
+    "Sink": "metrics.sinks",
+    "Telemetry": "guards.telemetry",
+    "TensorBoardSink": "metrics.sinks",
     "UnevenDataError": "_errors",
-    "WandbSink": "_sinks",
-    "Watchdog": "_watchdog",
-    "explain": "_explain",
+    "WandbSink": "metrics.sinks",
+    "Watchdog": "guards.watchdog.watchdog",
+    "explain": "guards.explain",
     "guard": "_factory",
-    "iter_metrics": "_metrics_file",
-    "read_metrics": "_metrics_file",
-    "record": "_record",
-    "resume": "_checkpoint",
-    "save_checkpoint": "_checkpoint",
+    "iter_metrics": "metrics.file",
+    "read_metrics": "metrics.file",
+    "record": "engine.record",
+    "resume": "checkpoint.restore",
+    "save_checkpoint": "checkpoint.commit",
 }
 
 #: The public names: _EXPORTS and __version__ (tests/test_api.py checks they agree).
@@ -136,9 +136,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f"guardrails.{module}"), name)
         globals()[name] = value  # later lookups are plain attribute reads
         return value
-    if name.startswith("_") and not name.startswith("__"):
-        # A private module read as an attribute (``guardrails._checkpoint.x``): the
-        # eager imports made that work; keep it working.
+    if not name.startswith("__"):
+        # A private subpackage read as an attribute (``guardrails.engine.guard``), as
+        # ``import guardrails.engine`` would make it one.
         try:
             return importlib.import_module(f"guardrails.{name}")
         except ModuleNotFoundError as e:
@@ -152,11 +152,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_api.py keeps it = _EXPORTS
-    from guardrails._audit import CollectiveAuditor
-    from guardrails._checkpoint import resume, save_checkpoint
-    from guardrails._checkpointer import SignalCheckpointer
-    from guardrails._component import Component
-    from guardrails._ddp import GuardedDDP
     from guardrails._errors import (
         CheckpointError,
         CollectiveMismatchError,
@@ -170,15 +165,21 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_api.py keeps it
         ResumeError,
         UnevenDataError,
     )
-    from guardrails._explain import ErrorExplainer, explain
     from guardrails._factory import guard
-    from guardrails._gc import GCScheduler
-    from guardrails._guard import Guard
-    from guardrails._memory import MemoryGuard
-    from guardrails._metrics_file import iter_metrics, read_metrics
-    from guardrails._nan import NanGuard
-    from guardrails._preflight import Preflight
-    from guardrails._record import record
-    from guardrails._sinks import MLflowSink, Sink, TensorBoardSink, WandbSink
-    from guardrails._telemetry import Telemetry
-    from guardrails._watchdog import Watchdog
+    from guardrails.checkpoint.commit import save_checkpoint
+    from guardrails.checkpoint.restore import resume
+    from guardrails.engine.component import Component
+    from guardrails.engine.guard import Guard
+    from guardrails.engine.record import record
+    from guardrails.guards.audit.auditor import CollectiveAuditor
+    from guardrails.guards.checkpointer.checkpointer import SignalCheckpointer
+    from guardrails.guards.ddp import GuardedDDP
+    from guardrails.guards.explain import ErrorExplainer, explain
+    from guardrails.guards.gc import GCScheduler
+    from guardrails.guards.memory.guard import MemoryGuard
+    from guardrails.guards.nan.guard import NanGuard
+    from guardrails.guards.preflight.preflight import Preflight
+    from guardrails.guards.telemetry import Telemetry
+    from guardrails.guards.watchdog.watchdog import Watchdog
+    from guardrails.metrics.file import iter_metrics, read_metrics
+    from guardrails.metrics.sinks import MLflowSink, Sink, TensorBoardSink, WandbSink

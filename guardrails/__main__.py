@@ -20,19 +20,19 @@ import sys
 #: is the module's own (a test keeps them equal): ``--help`` lists it without the import.
 COMMANDS = {
     "bench": (
-        "guardrails._bench",
+        "guardrails.cli.bench",
         "per-step cost of each guard on a GPT-2-shaped model vs the unguarded loop",
     ),
     "doctor": (
-        "guardrails._doctor",
+        "guardrails.cli.doctor",
         "environment report: versions, GPUs, env flags, port, zombies",
     ),
     "inspect": (
-        "guardrails._inspect",
+        "guardrails.cli.inspect",
         "list a directory's checkpoints: valid or not (and why), step, size, contents",
     ),
     "report": (
-        "guardrails._report",
+        "guardrails.cli.report",
         "a run's story from metrics.parquet and events.jsonl, and a PNG",
     ),
     "run": ("guardrails.run", "run a training script (no main() needed) under @guardrails.record"),

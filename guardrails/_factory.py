@@ -18,20 +18,20 @@ from typing import Any
 
 from torch import nn
 
-from guardrails._audit import CollectiveAuditor
-from guardrails._checkpointer import SignalCheckpointer
-from guardrails._component import Component
-from guardrails._config import ALIASES, apply_aliases, check_knobs, section
-from guardrails._explain import ErrorExplainer
-from guardrails._gc import GCScheduler
-from guardrails._guard import Guard, Optimizers
-from guardrails._memory import MemoryGuard
-from guardrails._nan import NanGuard
-from guardrails._preflight import Preflight
-from guardrails._sinks import Sink, check_sinks
-from guardrails._store import distributed
-from guardrails._telemetry import Telemetry
-from guardrails._watchdog import Watchdog
+from guardrails.distributed.store import distributed
+from guardrails.engine.component import Component
+from guardrails.engine.config import ALIASES, apply_aliases, check_knobs, section
+from guardrails.engine.guard import Guard, Optimizers
+from guardrails.guards.audit.auditor import CollectiveAuditor
+from guardrails.guards.checkpointer.checkpointer import SignalCheckpointer
+from guardrails.guards.explain import ErrorExplainer
+from guardrails.guards.gc import GCScheduler
+from guardrails.guards.memory.guard import MemoryGuard
+from guardrails.guards.nan.guard import NanGuard
+from guardrails.guards.preflight.preflight import Preflight
+from guardrails.guards.telemetry import Telemetry
+from guardrails.guards.watchdog.watchdog import Watchdog
+from guardrails.metrics.sinks import Sink, check_sinks
 
 #: The default components, as ``guard()`` sections: section name -> component class,
 #: in the order they run (each class's ``after`` / ``before`` says why it is there).
@@ -46,9 +46,6 @@ SECTIONS: dict[str, type[Component]] = {
     "preflight": Preflight,
     "checkpoint": SignalCheckpointer,
 }
-#: Sections installed only in a distributed run: a single process has nobody to
-#: wait for or to compare with.
-_DISTRIBUTED_ONLY = ("watchdog", "audit")
 
 Section = bool | Mapping[str, Any] | None
 
@@ -69,17 +66,8 @@ def guard(
     replay_fn: Callable[[Any, Any], Any] | None = None,
     benchmark: bool = False,
     graph_grad_norm: bool = False,
-    explain: Section | ErrorExplainer.Config = True,
-    gc: Section | GCScheduler.Config = True,
-    memory: Section | MemoryGuard.Config = True,
-    nan: Section | NanGuard.Config = True,
-    watchdog: Section | Watchdog.Config = True,
-    audit: Section | CollectiveAuditor.Config = True,
-    metrics: Section | Telemetry.Config = True,
-    preflight: Section | Preflight.Config = True,
-    checkpoint: Section | SignalCheckpointer.Config = True,
     components: Sequence[Component] | None = None,
-    **old_knobs: Any,
+    **sections: Section | Any,
 ) -> Guard:
     """Guard a training loop with the default components::
 
@@ -129,53 +117,26 @@ def guard(
         log_to: also send the metrics and events to ``"tensorboard"``, ``"wandb"``,
             ``"mlflow"``, a :class:`~guardrails.Sink` or a function of the rows, or a
             list of those (telemetry's ``sinks``): rank 0 only, at each metrics part.
-        explain: :class:`~guardrails.ErrorExplainer`: re-raise a known torch / NCCL /
-            gloo / CUDA error that ends the loop as the guardrails error of its family,
-            with the cause and fix; the original is its ``__cause__``.
-        gc: :class:`~guardrails.GCScheduler.Config`: Python's GC only every
-            ``every_n_steps``, at the same step on every rank.
-        memory: :class:`~guardrails.MemoryGuard.Config`: leak checks, data starvation,
-            out-of-memory explanations.
-        nan: :class:`~guardrails.NanGuard.Config`: a step with NaN/Inf gradients is
-            skipped on every rank, diagnosed, and raised after ``max_consecutive_skips``.
-        watchdog: :class:`~guardrails.Watchdog.Config`: distributed runs: a hang, a
-            dead rank or uneven data becomes an error on every rank.
-        audit: :class:`~guardrails.CollectiveAuditor.Config`: distributed runs: two
-            ranks' collective sequences differing raises
-            :class:`~guardrails.CollectiveMismatchError` on every rank.
-        metrics: :class:`~guardrails.Telemetry.Config`: per-step telemetry to
-            ``run_dir/metrics.parquet`` and the progress bar.
-        preflight: :class:`~guardrails.Preflight.Config`: distributed runs: what must
-            match across ranks is compared once at start; launch problems raise
-            :class:`~guardrails.LaunchError`. Also warns about bf16 on a CPU without it.
-        checkpoint: :class:`~guardrails.SignalCheckpointer.Config`: save on SIGTERM /
-            SIGINT / SIGUSR1 (every rank at the same step), periodic saves, resume.
         components: extra components, run after the defaults. One of the same type as
             a default (e.g. ``NanGuard(spike_factor=10)``) replaces that default.
+        **sections: one keyword per default component, configured by its ``Config``
+            (each knob documented there, and in docs/configuration.md): {sections}.
 
     The flat knobs of release 0.1 (``nan_policy``, ``checkpoint_every_n_steps``,
     ``hang_timeout_s``...) still work in this release, with a ``DeprecationWarning``
-    naming the section that replaces each (``_config.ALIASES``).
+    naming the section that replaces each (``engine/config.ALIASES``).
 
     Returns:
         A :class:`~guardrails.Guard`, not yet started: use it in ``with`` (or call
         ``start()`` / ``close()``).
     """
-    given = {
-        "explain": explain,
-        "gc": gc,
-        "memory": memory,
-        "nan": nan,
-        "watchdog": watchdog,
-        "audit": audit,
-        "metrics": metrics,
-        "preflight": preflight,
-        "checkpoint": checkpoint,
-    }
+    old_knobs = {k: sections.pop(k) for k in list(sections) if k not in SECTIONS}
     unknown = {k: v for k, v in old_knobs.items() if k not in ALIASES["guard"]}
     if unknown:
         check_knobs(unknown, _KNOBS, "guard()")
-    configs = {name: section(name, value, SECTIONS[name].Config) for name, value in given.items()}
+    configs = {
+        name: section(name, sections.get(name, True), cls.Config) for name, cls in SECTIONS.items()
+    }
     _fold_old_knobs(configs, old_knobs)
     _set_top_level(configs, "checkpoint", "resume", resume, "auto")
     _set_top_level(configs, "preflight", "run_config", config, None)
@@ -191,7 +152,7 @@ def guard(
         _set_top_level(configs, "metrics", "sinks", sinks, (), knob="log_to")
     chosen: list[Component] = []
     for name, cfg in configs.items():
-        if cfg is None or (name in _DISTRIBUTED_ONLY and not distributed()):
+        if cfg is None or (SECTIONS[name].distributed_only and not distributed()):
             continue
         if not getattr(cfg, "does_anything", True):
             continue
@@ -262,10 +223,21 @@ def _set_top_level(
     configs[where] = dataclasses.replace(cfg, **{field: value})
 
 
+#: Every keyword guard() takes, for the closest-name hint on a typo.
 _KNOBS = [
-    name
-    for name in guard.__code__.co_varnames[
-        : guard.__code__.co_argcount + guard.__code__.co_kwonlyargcount
-    ]
-    if name not in ("model", "optimizer", "loader")
+    *(
+        name
+        for name in guard.__code__.co_varnames[
+            : guard.__code__.co_argcount + guard.__code__.co_kwonlyargcount
+        ]
+        if name not in ("model", "optimizer", "loader")
+    ),
+    *SECTIONS,
 ]
+# The sections in guard()'s help, from SECTIONS: adding a section is one line there.
+guard.__doc__ = (guard.__doc__ or "").replace(
+    "{sections}",
+    ", ".join(
+        f"``{name}`` (:class:`~guardrails.{cls.__name__}`)" for name, cls in SECTIONS.items()
+    ),
+)

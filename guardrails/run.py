@@ -19,7 +19,7 @@ import os
 import runpy
 import sys
 
-from guardrails._record import record
+from guardrails.engine.record import record
 
 USAGE = (
     "usage: python -m guardrails.run SCRIPT [ARGS...]\n"

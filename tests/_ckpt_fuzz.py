@@ -9,7 +9,7 @@ each way is the public API a user calls:
 
 * ``resume(root)``: ``guardrails.resume(run/checkpoints, ...)``;
 * ``resume(step)``: ``guardrails.resume(run/checkpoints/step_N, ...)``;
-* ``inspect``: ``python -m guardrails inspect``'s function (``_inspect.main``);
+* ``inspect``: ``python -m guardrails inspect``'s function (``inspect.main``);
 * ``guard``: ``guardrails.guard(..., resume="auto")`` and two steps of a real loop
   (last: a guarded run writes into the copy, its closing save).
 
@@ -51,8 +51,8 @@ import torch
 from conftest import Regressor
 
 import guardrails
-from guardrails import _inspect
-from guardrails._manifest import _self_hash
+from guardrails.checkpoint.manifest import _self_hash
+from guardrails.cli import inspect
 
 NEWEST, PREVIOUS = 4, 2
 NEWEST_DIR, PREVIOUS_DIR = f"step_{NEWEST:09d}", f"step_{PREVIOUS:09d}"
@@ -1224,8 +1224,8 @@ def way_inspect(case: Case, root: Path, timeout_s: float) -> tuple[str, list[str
     out = io.StringIO()
     try:
         with deadline(timeout_s), contextlib.redirect_stdout(out):
-            code = _inspect.main(argparse.Namespace(path=root, json=False))
-            facts = _inspect.inspect_dir(root)
+            code = inspect.main(argparse.Namespace(path=root, json=False))
+            facts = inspect.inspect_dir(root)
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
             raise

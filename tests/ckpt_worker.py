@@ -53,15 +53,15 @@ def main() -> None:
     if a.slow_dcp_writes:
         import time
 
-        from guardrails import _sharded
+        from guardrails.checkpoint import sharded
 
-        item_data = _sharded._item_data
+        item_data = sharded._item_data
 
         def slow(planner, item):
             time.sleep(0.3)
             return item_data(planner, item)
 
-        _sharded._item_data = slow
+        sharded._item_data = slow
     if a.world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
         dist.init_process_group("gloo", rank=a.rank, world_size=a.world)

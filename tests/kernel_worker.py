@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from guardrails import _gradnorm_kernel as K
+from guardrails.engine import gradnorm_kernel as K
 
 _TABLES: dict[int, K.TableNorm] = {}
 
@@ -75,7 +75,7 @@ def main() -> None:
     # BucketNorms on the kernel (as on CUDA): bucket 0 by the kernel, bucket 1 (float64)
     # by hand, and bucket 2 when the kernel fails to build (a broken Triton, stood in
     # for here: the interpreter builds anything), by hand in the same slots from then on.
-    from guardrails._gradnorm import BucketNorms
+    from guardrails.engine.gradnorm import BucketNorms
 
     def broken_build(x: torch.Tensor, partials: torch.Tensor) -> None:
         raise RuntimeError("PTX assembly failed")

@@ -105,7 +105,7 @@ def summary(run_dir: Path, g: guardrails.Guard | None, error: BaseException | No
     """What is on disk, and what a resume gets from it."""
     import pyarrow.parquet as pq
 
-    from guardrails._manifest import MANIFEST
+    from guardrails.checkpoint.manifest import MANIFEST
 
     ckpts = run_dir / "checkpoints"
     out: dict = {
@@ -154,9 +154,9 @@ def main() -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
         dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
     if a.max_pending_rows is not None:
-        from guardrails import _telemetry
+        from guardrails.guards import telemetry
 
-        _telemetry.MAX_PENDING_ROWS = a.max_pending_rows
+        telemetry.MAX_PENDING_ROWS = a.max_pending_rows
     failing = a.rank in {int(r) for r in a.fail_ranks.split(",")}
     disk = Disk(a.fail, a.run_dir) if a.fail and failing else None
     if disk is not None and a.fail_at == 0:

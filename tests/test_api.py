@@ -91,7 +91,7 @@ def test_names_load_on_first_use_and_type_checkers_see_the_same_ones():
     assert guardrails.__all__ == sorted([*guardrails._EXPORTS, "__version__"])
     tree = ast.parse(Path(guardrails.__file__).read_text())
     typed = {
-        alias.name: node.module.rsplit(".", 1)[1]
+        alias.name: node.module.removeprefix("guardrails.")
         for block in tree.body
         if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
         for node in block.body
@@ -102,7 +102,7 @@ def test_names_load_on_first_use_and_type_checkers_see_the_same_ones():
     for name, module in guardrails._EXPORTS.items():
         assert getattr(guardrails, name).__module__ == f"guardrails.{module}", name
     assert set(guardrails.__all__) <= set(dir(guardrails))
-    assert guardrails._checkpoint.verify_checkpoint  # private modules still read as attributes
+    assert guardrails.checkpoint.read.verify_checkpoint  # private modules still read as attributes
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         guardrails.nope  # noqa: B018
 

@@ -31,9 +31,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import guardrails
 from guardrails import CollectiveAuditor, CollectiveMismatchError, Guard, NanGuard
-from guardrails._audit_calls import OPS
-from guardrails._audit_flight import _HEADER, _ring_dir, _sweep_stale_rings
-from guardrails._audit_seq import _History
+from guardrails.guards.audit.calls import OPS
+from guardrails.guards.audit.flight import _HEADER, _ring_dir, _sweep_stale_rings
+from guardrails.guards.audit.seq import _History
 
 HERE = Path(__file__).resolve()
 BOUND_S = 90.0  # generous: 2 cores shared by several test runs; typical is ~10 s

@@ -9,7 +9,7 @@ import torch
 from conftest import Regressor, batches, read_events
 
 import guardrails
-from guardrails._benchmark_mode import BLOCK_STEPS, WARMUP_STEPS
+from guardrails.engine.benchmark_mode import BLOCK_STEPS, WARMUP_STEPS
 
 
 def _train(run_dir, n_steps, **knobs):

@@ -25,7 +25,8 @@ from safetensors import safe_open
 from torch import nn
 
 import guardrails
-from guardrails._checkpoint import _self_hash, list_checkpoints, verify_checkpoint
+from guardrails.checkpoint.manifest import _self_hash, list_checkpoints
+from guardrails.checkpoint.read import verify_checkpoint
 
 
 class DropoutNet(nn.Module):
@@ -395,7 +396,7 @@ def test_real_dcp_metadata_reads_as_pickle_reads_it(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from guardrails._sharded import read_metadata
+    from guardrails.checkpoint.sharded import read_metadata
 
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters())
@@ -509,27 +510,27 @@ def test_a_file_hashed_as_written_has_the_record_a_read_back_gives(tmp_path, siz
     """FSDP2 background saves hash their files on the way to disk (HashingFile): the
     record must be exactly what verifying by reading back computes, at and around
     every piece boundary, whatever sizes the serializer writes in."""
-    from guardrails import _digest
+    from guardrails.checkpoint import digest
 
     data = os.urandom(size)
-    f = _digest.HashingFile(tmp_path / "f", chunk=1024)
+    f = digest.HashingFile(tmp_path / "f", chunk=1024)
     for start in range(0, size, 300):  # torch.save writes records of any size
         f.write(memoryview(data)[start : start + 300])
     assert f.tell() == size
     record = f.close()
-    [read_back] = _digest._hash_files([tmp_path / "f"], threads=2, chunk=1024)
+    [read_back] = digest._hash_files([tmp_path / "f"], threads=2, chunk=1024)
     assert record == read_back and (tmp_path / "f").read_bytes() == data
-    assert (_digest.CHUNK_KEY in record) == (size > 1024)
+    assert (digest.CHUNK_KEY in record) == (size > 1024)
 
 
 def test_a_hashed_file_abandoned_mid_write_stops_at_the_next_piece(tmp_path):
     """A stop abandons an older save within a piece: once the cancel is set, the file
     takes nothing past the next piece boundary (the serializer finishes its item into
     nothing, without an error torch.save would garble), and says it was cancelled."""
-    from guardrails import _digest
+    from guardrails.checkpoint import digest
 
     cancel = threading.Event()
-    f = _digest.HashingFile(tmp_path / "f", chunk=1 << 20, cancel=cancel)
+    f = digest.HashingFile(tmp_path / "f", chunk=1 << 20, cancel=cancel)
     f.write(b"x" * 1000)
     cancel.set()
     torch.save(torch.zeros(3 << 20), f)  # 12 MiB, twelve pieces: stops at the first
@@ -543,24 +544,25 @@ def test_pieces_are_sent_to_disk_as_written_on_linux(tmp_path):
     """Checkpoint files go to disk a piece at a time (libc's sync_file_range, found and
     called for real): a missing binding would silently leave gigabytes for one final
     fsync that no stop can interrupt. A real error of the call is raised."""
-    from guardrails import _digest
+    from guardrails.checkpoint import digest
 
-    assert _digest._sync_file_range is not None
+    assert digest._sync_file_range is not None
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
     fd = os.open(path, os.O_RDWR)
     try:
-        _digest.send_to_disk(fd, 0, 1 << 20, wait=True)
-        _digest.send_to_disk(fd, 0, 1 << 20, wait=False)
+        digest.send_to_disk(fd, 0, 1 << 20, wait=True)
+        digest.send_to_disk(fd, 0, 1 << 20, wait=False)
     finally:
         os.close(fd)
     with pytest.raises(OSError) as info:
-        _digest.send_to_disk(fd, 0, 1 << 20, wait=True)  # closed: EBADF
+        digest.send_to_disk(fd, 0, 1 << 20, wait=True)  # closed: EBADF
     assert info.value.errno == errno.EBADF
 
 
 def test_large_files_carry_a_piecewise_sha256_that_catches_one_flipped_byte(tmp_path):
-    from guardrails import _digest
+
+    from guardrails.checkpoint import digest
 
     model, ckpt = _big_run(tmp_path)
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -568,10 +570,10 @@ def test_large_files_carry_a_piecewise_sha256_that_catches_one_flipped_byte(tmp_
     assert manifest["format_version"] == 4
     # Over one piece: the sha256 of the pieces' sha256 digests; a small file: plain sha256.
     big = files["optimizer.safetensors"]
-    assert big["bytes"] > 2 * _digest.CHUNK_BYTES
-    assert big["sha256_chunk_bytes"] == _digest.CHUNK_BYTES
+    assert big["bytes"] > 2 * digest.CHUNK_BYTES
+    assert big["sha256_chunk_bytes"] == digest.CHUNK_BYTES
     data = (ckpt / "optimizer.safetensors").read_bytes()
-    pieces = [data[i : i + _digest.CHUNK_BYTES] for i in range(0, len(data), _digest.CHUNK_BYTES)]
+    pieces = [data[i : i + digest.CHUNK_BYTES] for i in range(0, len(data), digest.CHUNK_BYTES)]
     tree = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
     assert big["sha256"] == tree
     small = files["optimizer.json"]
@@ -621,7 +623,8 @@ def test_format_3_checkpoints_with_whole_file_sha256_still_verify_and_load(tmp_p
 
 
 def test_every_dtype_round_trips_through_the_header_writer(tmp_path):
-    from guardrails._checkpoint import _SAFETENSORS_DTYPES, Part, _read_tensors
+    from guardrails.checkpoint.common import _read_tensors
+    from guardrails.checkpoint.stage import _SAFETENSORS_DTYPES, Part
 
     tensors = {
         f"t.{dtype}".replace("torch.", ""): torch.arange(24).reshape(2, 3, 4).to(dtype)

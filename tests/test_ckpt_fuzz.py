@@ -294,7 +294,7 @@ def test_every_torch_optimizer_and_scheduler_resumes_without_a_false_alarm(tmp_p
         for name, s in scheds.items():
             s.step(1.0) if name == "plateau" else s.step()
     ckpt = guardrails.save_checkpoint(tmp_path, 3, model=model, optimizer=opt, scheduler=scheds)
-    from guardrails._checkpoint import verify_checkpoint
+    from guardrails.checkpoint.read import verify_checkpoint
 
     assert verify_checkpoint(ckpt) is None
     model2, opt2, scheds2 = build(1)

@@ -87,8 +87,8 @@ def test_doctor_judges_gpu_settings_by_the_torch_build():
     """The three builds a user meets, through doctor's own functions on the readings
     its probes return: this machine runs one build only (the tests above run the real
     probes on it)."""
-    from guardrails._doctor import _build_flags, render
-    from guardrails._env_rules import env_flags
+    from guardrails.cli.doctor import _build_flags, render
+    from guardrails.cli.env_rules import env_flags
 
     env = {"NCCL_P2P_DISABLE": "1", "CUDA_LAUNCH_BLOCKING": "1", "OMP_NUM_THREADS": "1"}
     names = lambda flags: [f["name"] for f in flags]  # noqa: E731
@@ -546,8 +546,8 @@ def test_report_inspect_and_help_never_import_torch(preempted, tmp_path):
         for args, says, module in (
             (["--help"], "report", "guardrails"),
             (["report", str(run_dir), "--png", str(png)], "resumed      at step 6", "pyarrow"),
-            (["report", "--help"], "--all", "guardrails._metrics_file"),
-            (["inspect", str(run_dir)], "resume would use: ", "guardrails._text"),
+            (["report", "--help"], "--all", "guardrails.metrics.file"),
+            (["inspect", str(run_dir)], "resume would use: ", "guardrails.util.text"),
         ):
             out, modules = _imported([*entry, *args])
             assert says in out, out

@@ -27,9 +27,9 @@ import torch
 from conftest import Regressor, batches
 
 import guardrails
-from guardrails._metrics_compact import Compactor
-from guardrails._metrics_file import BATCH_ROWS, METRICS_DIR, SCHEMA, sources
-from guardrails._report_stats import EXACT_VALUES, Median
+from guardrails.cli.report_stats import EXACT_VALUES, Median
+from guardrails.metrics.compact import Compactor
+from guardrails.metrics.file import BATCH_ROWS, METRICS_DIR, SCHEMA, sources
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC: windows start on the hour
@@ -198,7 +198,7 @@ def test_a_part_left_next_to_the_file_holding_it_is_read_once_and_removed(tmp_pa
 def test_a_merge_waits_for_a_reader_and_never_deletes_a_part_under_it(tmp_path):
     """While a reader holds the lock (as iter_metrics does for its whole read) a merge
     renames and deletes nothing; it commits once the reader is done."""
-    from guardrails._metrics_file import lock
+    from guardrails.metrics.file import lock
 
     write_parts(tmp_path, parts=8, rows_per_part=60, dt=1.0)
     d = tmp_path / METRICS_DIR
@@ -218,7 +218,7 @@ KILLED = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from guardrails._metrics_compact import Compactor
+    from guardrails.metrics.compact import Compactor
     c = Compactor(Path(sys.argv[1]), 0, 60.0)
     c.scan()
     print("ready", flush=True)
@@ -369,7 +369,7 @@ def test_the_report_reads_a_batch_at_a_time_whatever_the_length_of_the_run(tmp_p
     2.5 days at 10 steps/s, merged hourly) is that for 36k rows (an hour). The old
     report loaded every row: peak RSS 231 -> 1,418 MiB for these two (now 147 -> 145);
     ~15 GB for a month. It drew a line per skipped step too (+300 MB for 8,666)."""
-    from guardrails import _report
+    from guardrails.cli import report
 
     sizes = {}
     for name, hours in (("short", 1), ("long", 60)):
@@ -381,8 +381,8 @@ def test_the_report_reads_a_batch_at_a_time_whatever_the_length_of_the_run(tmp_p
         assert (run_dir / "r.png").read_bytes()[:4] == b"\x89PNG"
         # Structural: the streaming pass holds one batch, never the run.
         events: list = []
-        runs = _report.split_runs(events, _report._metrics_keys(run_dir)[0])
-        peak = _report.gather(run_dir, runs, runs, plots=True)
+        runs = report.split_runs(events, report._metrics_keys(run_dir)[0])
+        peak = report.gather(run_dir, runs, runs, plots=True)
         assert 0 < peak <= BATCH_ROWS
         assert len(runs[0].curves.line(0, "loss")[0]) <= 4000
     (short, rss_short), (long, rss_long) = sizes["short"], sizes["long"]

@@ -11,8 +11,8 @@ import torch
 from conftest import Regressor, batches, guarded_run
 
 import guardrails
-from guardrails._config import ALIASES
 from guardrails._factory import SECTIONS
+from guardrails.engine.config import ALIASES
 
 
 def _guard(tmp_path, **knobs):

@@ -85,7 +85,7 @@ def case_audited(rank):
             opt.zero_grad()
         auditor = g.auditor
         assert auditor is not None, "no CollectiveAuditor running"
-        recent = [guardrails._audit.entry_dict(e) for e in auditor.recent]
+        recent = [guardrails.guards.audit.calls.entry_dict(e) for e in auditor.recent]
     return {"entries": [(e["step"], str(e["site"]), e["op"]) for e in recent], "steps": g.step}
 
 
@@ -338,7 +338,7 @@ def test_bucket_norms_recorded_from_many_threads_at_once_keep_every_bucket():
     growths raced into a shape error (1 run in 4 of the DDP tests above)."""
     import threading
 
-    from guardrails._gradnorm import BucketNorms
+    from guardrails.engine.gradnorm import BucketNorms
 
     buckets = [torch.full((64,), float(i + 1)) for i in range(8)]
     for trial in range(200):

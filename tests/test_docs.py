@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from guardrails._config import ALIASES
 from guardrails._factory import SECTIONS, guard
+from guardrails.engine.config import ALIASES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -181,7 +181,7 @@ def test_every_deprecated_knob_is_documented_with_its_new_place():
 
 
 def test_every_metrics_column_is_documented_with_its_type():
-    from guardrails._telemetry import SCHEMA
+    from guardrails.guards.telemetry import SCHEMA
 
     text = _FENCE.sub("", (ROOT / "docs" / "metrics.md").read_text())
     rows = re.findall(r"^\| `(\w+)` \| (\w+) \|", text, re.M)

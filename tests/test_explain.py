@@ -16,7 +16,7 @@ import torch.distributed as dist
 from conftest import Regressor, batches
 
 import guardrails
-from guardrails._explain import SIGNATURES, match, translate
+from guardrails.guards.explain import SIGNATURES, match, translate
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import torch
 from conftest import read_events
 
 import guardrails
-from guardrails._gradnorm import MAX_MISSES, total_norm
+from guardrails.engine.gradnorm import MAX_MISSES, total_norm
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -114,8 +114,8 @@ def test_kernel_grad_norm_is_a_float64_norm_within_rounding_and_nan_when_a_gradi
     number of gradients (the eager norm creates one per gradient)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from guardrails._gradnorm import GradNorm
-    from guardrails._gradnorm_kernel import CHUNK
+    from guardrails.engine.gradnorm import GradNorm
+    from guardrails.engine.gradnorm_kernel import CHUNK
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -248,7 +248,7 @@ def test_bucket_norms_sum_squares_by_kernel_in_fixed_slots_and_fall_back_per_buc
     by the kernel, a float64 one by vector_norm in the same slots, a bucket that shrinks
     at DDP's rebuild leaves no stale partial sum, and a NaN in any bucket makes the
     total NaN."""
-    from guardrails._gradnorm import BucketNorms
+    from guardrails.engine.gradnorm import BucketNorms
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -299,7 +299,7 @@ def test_step_ring_rows_reach_the_host_lagged_without_a_sync():
     """The step ring NanGuard and telemetry share, on CUDA: one stack per row, a
     reader's copies (across the ring's end, and past a row another component wrote
     while this one's hooks were bypassed) read an interval later, with no sync."""
-    from guardrails._lagged import StepRing
+    from guardrails.engine.lagged import StepRing
 
     ring = StepRing(torch.device("cuda"))
     reader = ring.reader(3)  # a ring of 6 rows
@@ -780,7 +780,7 @@ with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, checkpo
 # device-to-host copy per item, against training's kernel launches).
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
-from guardrails._sharded import _empty_pinned
+from guardrails.checkpoint.sharded import _empty_pinned
 def leaves(o):
     if isinstance(o, dict):
         return [x for v in o.values() for x in leaves(v)]

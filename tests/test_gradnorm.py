@@ -12,7 +12,7 @@ import torch
 from conftest import read_events
 
 import guardrails
-from guardrails._gradnorm import FLAT_NUMEL_PER_TENSOR, GradNorm, total_norm
+from guardrails.engine.gradnorm import FLAT_NUMEL_PER_TENSOR, GradNorm, total_norm
 
 
 def exact(params: list[torch.Tensor]) -> float:

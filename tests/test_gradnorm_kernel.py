@@ -73,7 +73,7 @@ def test_parameters_the_kernel_cannot_read_are_named():
     no size before its first forward); any reason keeps the eager norm for the run."""
     import torch
 
-    from guardrails._gradnorm_kernel import supports
+    from guardrails.engine.gradnorm_kernel import supports
 
     lazy = torch.nn.LazyLinear(4)
     assert "lazy module" in supports(list(lazy.parameters()))
@@ -92,7 +92,7 @@ def test_the_kernels_compile_for_an_h100(dtype):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from guardrails import _gradnorm_kernel as K
+    from guardrails.engine import gradnorm_kernel as K
 
     h100 = GPUTarget("cuda", 90, 32)
     table = {

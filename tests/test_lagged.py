@@ -1,4 +1,4 @@
-"""The lagged device-to-host copy (guardrails._lagged) that Telemetry and NanGuard
+"""The lagged device-to-host copy (guardrails.engine.lagged) that Telemetry and NanGuard
 share, on a CPU ring (the CUDA path, pinned memory and events, runs in test_gpu.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from guardrails._lagged import LaggedCopy, StepRing
+from guardrails.engine.lagged import LaggedCopy, StepRing
 
 
 def test_start_hands_back_the_previous_copy_and_take_the_newest():

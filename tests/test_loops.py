@@ -130,9 +130,9 @@ def test_zero_redundancy_optimizer_skips_and_saves_every_ranks_shard(tmp_path):
     manifest["files"] = {
         k: v for k, v in manifest["files"].items() if not k.startswith("rank00001.optimizer")
     }
-    manifest["manifest_sha256"] = guardrails._checkpoint._self_hash(manifest)  # consistent
+    manifest["manifest_sha256"] = guardrails.checkpoint.manifest._self_hash(manifest)  # consistent
     (bad / "manifest.json").write_text(json.dumps(manifest))
-    why = guardrails._checkpoint.verify_checkpoint(bad)
+    why = guardrails.checkpoint.read.verify_checkpoint(bad)
     assert why is not None and "rank(s) [1]" in why and "optimizer" in why, why
     out = subprocess.run(
         [sys.executable, "-m", "guardrails", "inspect", str(bad)],
@@ -481,9 +481,9 @@ def test_held_batch_saved_from_a_gpu_resumes_on_the_guards_device(tmp_path):
         "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
     }
-    manifest["manifest_sha256"] = guardrails._checkpoint._self_hash(manifest)
+    manifest["manifest_sha256"] = guardrails.checkpoint.manifest._self_hash(manifest)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    assert guardrails._checkpoint.verify_checkpoint(ckpt) is None
+    assert guardrails.checkpoint.read.verify_checkpoint(ckpt) is None
     got = _global_rng_train(tmp_path / "b", steps=8)
     assert_state_equal(want, got)
 
@@ -893,10 +893,10 @@ def test_a_long_fast_forward_says_how_far_it_is_and_how_long_is_left(tmp_path, m
     # start is blocked meanwhile: past PROGRESS_EVERY_S it says how far it is, the
     # rate and the time left (a position the loader cannot reach in reasonable time
     # shows as days), at each interval, and the usual data_fast_forward at the end.
-    import guardrails._data
+    import guardrails.engine.data
 
     _train_forever(tmp_path, 40)
-    monkeypatch.setattr(guardrails._data, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(guardrails.engine.data, "PROGRESS_EVERY_S", 0.05)
     _train_forever(tmp_path, 41, delay_s=0.01)  # 40 batches at >= 10 ms: ~8 notes
     events = read_events(tmp_path)
     notes = [e for e in events if e["kind"] == "data_fast_forward_progress"]
@@ -908,7 +908,7 @@ def test_a_long_fast_forward_says_how_far_it_is_and_how_long_is_left(tmp_path, m
     (ff,) = [e for e in events if e["kind"] == "data_fast_forward"]
     assert ff["batches"] == 40
     # A quick fast-forward (well under the interval) says nothing more than that.
-    monkeypatch.setattr(guardrails._data, "PROGRESS_EVERY_S", 60.0)
+    monkeypatch.setattr(guardrails.engine.data, "PROGRESS_EVERY_S", 60.0)
     _train_forever(tmp_path / "quick", 40)
     _train_forever(tmp_path / "quick", 41)
     kinds = [e["kind"] for e in read_events(tmp_path / "quick")]

@@ -1,4 +1,4 @@
-"""Model plumbing (guardrails._model) on real wrappers: DDP over a one-rank gloo group,
+"""Model plumbing (guardrails.engine.model) on real wrappers: DDP over a one-rank gloo group,
 torch.compile, FSDP2 on a one-rank CPU mesh; every one unwraps to the bare module."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import Regressor
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from guardrails import _model
+from guardrails.engine import model as _model
 
 
 @pytest.fixture

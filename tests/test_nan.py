@@ -477,7 +477,7 @@ def test_steady_rise_of_the_grad_norm_is_not_a_spike(tmp_path):
 def test_spike_rule_follows_the_trend_and_the_noise():
     from collections import deque
 
-    from guardrails._nan import _spikes
+    from guardrails.guards.nan.spikes import _spikes
 
     # Too few values, or a metric that is not always positive: not judged.
     assert _spikes(deque([1.0] * 19), [100.0], 5.0) == []
@@ -505,7 +505,7 @@ def test_the_kept_swing_judges_as_the_one_recomputed_from_the_window():
     import random
     from collections import deque
 
-    from guardrails._nan import _Series, _spikes
+    from guardrails.guards.nan.spikes import _Series, _spikes
 
     rng = random.Random(0)
     judged = 0

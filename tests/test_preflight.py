@@ -22,7 +22,7 @@ from conftest import Regressor, batches, free_port, read_events, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 import guardrails
-from guardrails._launch import check_launch, launch_problems
+from guardrails.distributed.launch import check_launch, launch_problems
 
 # ---------------------------------------------------------------------- scenarios
 
@@ -372,7 +372,7 @@ def test_master_addr_loopback_on_another_node_and_unresolvable():
 
 
 def test_preflight_is_a_no_op_in_one_process(tmp_path):
-    from guardrails._preflight import Preflight
+    from guardrails.guards.preflight.preflight import Preflight
 
     torch.manual_seed(0)
     model = Regressor()
@@ -390,7 +390,7 @@ def test_preflight_is_a_no_op_in_one_process(tmp_path):
 
 
 def test_bf16_on_a_cpu_without_native_bf16_is_a_warning(tmp_path):
-    from guardrails._probes import cpu_info
+    from guardrails.util.probes import cpu_info
 
     torch.manual_seed(0)
     model = Regressor().to(torch.bfloat16)

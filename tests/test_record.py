@@ -16,7 +16,7 @@ from conftest import free_port
 
 import guardrails
 from guardrails import _errors
-from guardrails._exit import EXIT_CODES, code_for
+from guardrails.engine.process import EXIT_CODES, code_for
 
 
 def _raise(error: BaseException):
@@ -136,7 +136,7 @@ def test_die_from_a_thread_ends_a_stuck_process(tmp_path):
     code = (
         "import os, threading, time\n"
         "import guardrails\n"
-        "from guardrails._exit import die\n"
+        "from guardrails.engine.process import die\n"
         "err = guardrails.RankFailedError('rank 1 died', rank=0, step=3, failed_rank=1)\n"
         "threading.Timer(0.5, die, args=(err,)).start()\n"
         "r, w = os.pipe()\n"

@@ -24,7 +24,8 @@ from conftest import Regressor, batches, read_events
 from torch import nn
 
 import guardrails
-from guardrails._checkpoint import _self_hash, list_checkpoints, verify_checkpoint
+from guardrails.checkpoint.manifest import _self_hash, list_checkpoints
+from guardrails.checkpoint.read import verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from conftest import Regressor, batches, free_port, spawn
 
-from guardrails._sharded import _empty_pinned
+from guardrails.checkpoint.sharded import _empty_pinned
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -98,7 +98,8 @@ def _writer_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from guardrails import _sharded, _store
+    from guardrails.checkpoint import sharded
+    from guardrails.distributed import store as _store
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -113,7 +114,7 @@ def _writer_worker(rank: int, world: int, port: int, out: str) -> None:
             opt.step()
             opt.zero_grad()
         store = _store.side_store(0, "test")
-        writer = _sharded.ShardWriter()
+        writer = sharded.ShardWriter()
 
         def write(name, staged, cancel=None):
             try:
@@ -151,7 +152,7 @@ def _writer_worker(rank: int, world: int, port: int, out: str) -> None:
             def full(planner, item):
                 raise OSError(28, "No space left on device")
 
-            _sharded._item_data = full
+            sharded._item_data = full
         result["failed"] = write("failed", writer.stage(model, opt))
     finally:
         dist.destroy_process_group()
@@ -204,7 +205,8 @@ def _alone_worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from guardrails import _sharded, _store
+    from guardrails.checkpoint import sharded
+    from guardrails.distributed import store as _store
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -216,7 +218,7 @@ def _alone_worker(rank: int, port: int, out: str) -> None:
         model(torch.randn(8, 64)).square().mean().backward()
         opt.step()
         assert _store.side_store(0, "alone") is None  # as the checkpointer finds it
-        writer = _sharded.ShardWriter()
+        writer = sharded.ShardWriter()
         records = writer.write(
             Path(out),
             writer.live(model, opt),
@@ -257,7 +259,8 @@ def _hsdp_worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from guardrails import _sharded, _store
+    from guardrails.checkpoint import sharded
+    from guardrails.distributed import store as _store
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -269,7 +272,7 @@ def _hsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         model(torch.randn(8, 64)).square().mean().backward()
         opt.step()
-        writer = _sharded.ShardWriter()
+        writer = sharded.ShardWriter()
         records = writer.write(
             Path(out, "ckpt"),
             writer.stage(model, opt),

@@ -24,7 +24,8 @@ from conftest import Regressor, batches, read_events
 from torch import nn
 
 import guardrails
-from guardrails._checkpoint import _self_hash, verify_checkpoint
+from guardrails.checkpoint.manifest import _self_hash
+from guardrails.checkpoint.read import verify_checkpoint
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 ROOT = Path(__file__).resolve().parents[1]

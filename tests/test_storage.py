@@ -35,9 +35,9 @@ from conftest import Regressor, batches, read_events
 from test_nan import poisoned, run_until_raise
 
 import guardrails
-from guardrails._checkpoint import CRASH_ENV, list_checkpoints
-from guardrails._inspect import inspect_dir
-from guardrails._manifest import MANIFEST
+from guardrails.checkpoint.common import CRASH_ENV
+from guardrails.checkpoint.manifest import MANIFEST, _dumps, _self_hash, list_checkpoints
+from guardrails.cli.inspect import inspect_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("storage_worker.py")
@@ -221,7 +221,7 @@ def test_events_kept_while_the_disk_fails_are_bounded_and_the_gap_is_recorded(tm
         import resource, signal, sys, logging
         sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
-        from guardrails import _events
+        from guardrails.metrics import events as _events
         _events.MAX_PENDING = 10
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         log = _events.EventLog(Path({str(tmp_path)!r}), rank=0)
@@ -460,7 +460,6 @@ def test_save_checkpoint_without_a_model_is_refused_before_anything_is_written(t
 def test_a_checkpoint_without_model_state_is_a_resume_error(tmp_path):
     # One written before save_checkpoint(model=None) was refused: its manifest lists
     # no model file.
-    from guardrails._checkpoint import _dumps, _self_hash
 
     model = Regressor()
     ckpt = guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=None)

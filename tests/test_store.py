@@ -1,4 +1,4 @@
-"""The side store's first-writer-wins verdict (guardrails._store), on a real HashStore:
+"""The side store's first-writer-wins verdict (guardrails.distributed.store), on a real HashStore:
 the store kind torch's own tests use in one process, with TCPStore's add/set/check/get."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import torch.distributed as dist
 
-from guardrails._store import claim_verdict, read_verdict
+from guardrails.distributed.store import claim_verdict, read_verdict
 
 
 def test_the_first_claim_wins_and_every_reader_sees_it():

@@ -65,7 +65,7 @@ def test_recorded_loss_and_grad_norm_are_the_steps_float32_values_bitwise(
     step's loss and of the guard's fused grad norm, as when each component stacked its
     own row; a float64 model's loss is rounded to float32 as the stack's cast rounds it.
     A non-finite step is recorded skipped with its NaN norm."""
-    from guardrails._gradnorm import flat_norm
+    from guardrails.engine.gradnorm import flat_norm
 
     monkeypatch.setattr(guardrails.NanGuard, "_lagged_on_cpu", lagged)
     torch.manual_seed(0)

@@ -20,9 +20,9 @@ import torch
 from _ranks import Job, RankResult, launch, launch_torchrun, wait_all
 
 import guardrails
-from guardrails import _watchdog
-from guardrails._exit import EXIT_CODES
-from guardrails._watchdog import Watchdog, auto_timeout_s
+from guardrails.engine.process import EXIT_CODES
+from guardrails.guards.watchdog import records, watchdog
+from guardrails.guards.watchdog.watchdog import Watchdog, auto_timeout_s
 
 WORKER = Path(__file__).parent / "hang_worker.py"
 TIMEOUT_S = 3.0
@@ -364,14 +364,14 @@ def test_a_verdict_waits_for_a_stuck_peer_that_has_not_published_its_stack_yet()
 
 
 def test_auto_timeout_numbers():
-    assert auto_timeout_s(None) == _watchdog.AUTO_CAP_S == 300
-    assert auto_timeout_s(0.3) == _watchdog.AUTO_FLOOR_S == 60  # fast steps: the floor
+    assert auto_timeout_s(None) == watchdog.AUTO_CAP_S == 300
+    assert auto_timeout_s(0.3) == watchdog.AUTO_FLOOR_S == 60  # fast steps: the floor
     assert auto_timeout_s(20.0) == 100.0  # 5x the slowest gap
     assert auto_timeout_s(500.0) == 300  # never past the cap (half NCCL's 10 min)
 
 
 def test_where_reads_the_auditors_entry():
-    """The auditor sets ``guard.collective`` (``_audit.entry_dict``); the report names
+    """The auditor sets ``guard.collective`` (``audit/calls.entry_dict``); the report names
     the op, its number, shapes, dtype, group and call site from it."""
     rec = {
         "step": 3,
@@ -386,13 +386,13 @@ def test_where_reads_the_auditors_entry():
             "step": 3,
         },
     }
-    assert _watchdog._where(rec) == (
+    assert records._where(rec) == (
         "in all_reduce #12 ([4, 4], torch.float32, group 0) at train.py:40"
     )
-    assert _watchdog._in_collective(rec)
+    assert records._in_collective(rec)
     # Ordering for "who is behind": step, then phase, then collective number.
     behind = {"step": 3, "phase": "loop", "collective": None}
-    assert _watchdog._progress_key(behind) < _watchdog._progress_key(rec)
+    assert records._progress_key(behind) < records._progress_key(rec)
 
 
 def test_auto_timeout_follows_the_step_gaps(tmp_path):

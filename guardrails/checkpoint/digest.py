@@ -363,12 +363,3 @@ def _write(fd: int, piece: list[Piece], cancel: threading.Event | None) -> bytes
     start, last = piece[0][0], piece[-1]
     send_to_disk(fd, start, last[0] + last[1].nbytes - start, wait=True)
     return h.digest()
-
-
-def fsync_path(path: Path | str) -> None:
-    """fsync a file or a directory by path (a directory: so a rename in it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

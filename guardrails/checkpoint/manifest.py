@@ -15,7 +15,7 @@ whether one is intact and what its manifest says. A checkpoint is valid when
   tensors tile the file exactly.
 
 Only listed files are ever read: a file the manifest does not name is not part of the
-checkpoint. :mod:`guardrails._checkpoint` (the format's writer and
+checkpoint. :mod:`guardrails.checkpoint` (the format's writer and
 :func:`guardrails.resume`) and ``python -m guardrails inspect`` both judge a checkpoint
 here, so ``inspect`` answers "which one would ``resume`` pick?" exactly as resume does,
 without importing torch (``inspect``: 3.3-4.0 s median before, 0.15 s after, on a loaded
@@ -43,9 +43,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from guardrails import _digest
-from guardrails._text import shorten
 from guardrails._version import __version__
+from guardrails.checkpoint import digest
+from guardrails.util.text import shorten
 
 FORMAT = "guardrails-checkpoint"
 #: 2: RNG streams moved from rng.* into per-rank rank<R>.* files (format 1 still reads).
@@ -79,7 +79,7 @@ MAX_HEADER_BYTES = 100_000_000
 #: The largest integer a count, size or position may be (int64, what torch and the OS
 #: hold): 10**30 in a manifest is damage, and would overflow further down.
 MAX_INT = 2**63 - 1
-#: Data positions as :mod:`guardrails._data` writes them.
+#: Data positions as :mod:`guardrails.engine.data` writes them.
 DATA_KINDS = ("state_dict", "replay", "fast_forward")
 #: torch.optim classes whose per-parameter state values are tensors, numbers or None,
 #: and whose elementwise states (below) have their parameter's shape. (Adafactor's
@@ -356,8 +356,8 @@ def check_manifest(m: Any) -> None:
         _int(entry["bytes"], f"{field}.bytes")
         if not _HEX64.match(_str(entry["sha256"], f"{field}.sha256")):
             raise Bad(f"{field}.sha256", f"is {_show(entry['sha256'])}, not 64 hex digits")
-        if _digest.CHUNK_KEY in entry:
-            _int(entry[_digest.CHUNK_KEY], f"{field}.{_digest.CHUNK_KEY}", low=1)
+        if digest.CHUNK_KEY in entry:
+            _int(entry[digest.CHUNK_KEY], f"{field}.{digest.CHUNK_KEY}", low=1)
     world = _int(m.get("world_size", 1), "world_size", low=1, high=2**31)
     if "ranks" in m:
         for i, r in enumerate(_list(m["ranks"], "ranks")):
@@ -462,11 +462,11 @@ def problem(
     metadata_check: Callable[[Path], str | None] | None = None,
 ) -> tuple[str, str] | None:
     """``(file, why)`` for the first problem found in ``ckpt``, or ``None``. Reads every
-    listed byte once (sha256, in parallel for large files: :mod:`guardrails._digest`),
+    listed byte once (sha256, in parallel for large files: :mod:`guardrails.checkpoint.digest`),
     then checks each listed file's content (:func:`content_problem`). ``entry``:
     ``ckpt`` was found under a root (not named by the user), so it must be a directory
     of its own, not a link. ``metadata_check(path)``: why DCP's ``.metadata`` cannot be
-    read, or ``None`` (it needs torch; :mod:`guardrails._sharded`). A format newer than
+    read, or ``None`` (it needs torch; :mod:`guardrails.checkpoint.sharded`). A format newer than
     this guardrails reads is not a problem of the checkpoint: it raises
     :class:`ManifestError` (``too_new``)."""
     if entry:
@@ -514,7 +514,7 @@ def problem(
             )
             return str(f), why
         try:
-            matches = _digest.digest(f, rec) == rec["sha256"]
+            matches = digest.digest(f, rec) == rec["sha256"]
         except (OSError, ValueError) as e:
             return str(f), f"{f} cannot be verified: {e}"
         if not matches:

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from guardrails import _digest
 from guardrails._errors import CheckpointError, ResumeError
-from guardrails._manifest import read_bytes
+from guardrails.checkpoint import digest as _digest
+from guardrails.checkpoint.manifest import read_bytes
 
 DCP_DIR = "dcp"
 
@@ -100,7 +100,7 @@ def read_metadata(directory: Path) -> Any:
     """DCP's metadata under ``directory``, built by :class:`_MetadataUnpickler`: a
     ``CheckpointError`` naming the object when it holds anything else, or the damage
     when it is not a pickle DCP wrote. The file must be a regular file (not a link, not
-    a FIFO: :func:`guardrails._manifest.not_regular`)."""
+    a FIFO: :func:`guardrails.checkpoint.manifest.not_regular`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = directory / ".metadata"
@@ -334,8 +334,8 @@ class ShardWriter:
         is ``None`` in a single process). Returns the manifest record (size, sha256) of
         each file this rank wrote, by name: hashed on the way to disk, fsynced. Setting
         ``cancel`` ends the write within about a piece of each file
-        (:class:`guardrails._digest.HashingFile`) with
-        :class:`guardrails._digest.Cancelled`; a failure on any rank is a
+        (:class:`guardrails.checkpoint.digest.HashingFile`) with
+        :class:`guardrails.checkpoint.digest.Cancelled`; a failure on any rank is a
         ``CheckpointError`` on every rank, not a wait (``timeout_s``: how long a rank
         waits for another's part)."""
         from torch.distributed import HashStore

@@ -186,23 +186,22 @@ class Bench:
                 return loop(g, g)
 
     def _guard(self, variant: str, batches: Any, run_dir: str) -> Any:
-        import guardrails
+        from guardrails._factory import guard
+        from guardrails.engine.guard import Guard
 
         knobs: dict[str, Any] = {"run_dir": run_dir, "progress": False, "resume": None}
-        full = guardrails.guard(self.step_model, self.opt, batches, **knobs)
+        full = guard(self.step_model, self.opt, batches, **knobs)
         if variant == "guarded":
             return full
         wanted = variant.removeprefix("only:")
         mine = [c for c in full.components if type(c).__name__ == wanted]
-        return guardrails.Guard(
-            self.step_model, self.opt, batches, run_dir=run_dir, components=mine
-        )
+        return Guard(self.step_model, self.opt, batches, run_dir=run_dir, components=mine)
 
     def component_names(self) -> list[str]:
-        import guardrails
+        from guardrails._factory import guard
 
         with tempfile.TemporaryDirectory() as d:
-            g = guardrails.guard(self.step_model, self.opt, [], run_dir=d, resume=None)
+            g = guard(self.step_model, self.opt, [], run_dir=d, resume=None)
             return [type(c).__name__ for c in g.components]
 
 
@@ -296,11 +295,11 @@ def add_parser(sub: Any) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        from guardrails import _bench_checkpoint
+        from guardrails.cli import bench_checkpoint
 
         cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         device = torch.device("cuda" if cuda else "cpu")
-        print(_bench_checkpoint.main(args.dir, args.checkpoint_gb, device))
+        print(bench_checkpoint.main(args.dir, args.checkpoint_gb, device))
         return 0
     wanted = args.variants.split(",") if args.variants else None
     bench = Bench(args)

@@ -60,7 +60,7 @@ def save_throughput(directory: Path, nbytes: int, device: Any) -> dict[str, floa
     (pinned staging on a GPU, files hashed as written, fsynced)."""
     import torch
 
-    from guardrails import _checkpoint
+    from guardrails.checkpoint import stage
 
     n_tensors = 16
     per = max(1, nbytes // n_tensors // 4)
@@ -68,10 +68,10 @@ def save_throughput(directory: Path, nbytes: int, device: Any) -> dict[str, floa
     tmp = Path(tempfile.mkdtemp(prefix=".guardrails-bench-", dir=directory))
     try:
         t0 = time.perf_counter()
-        part = _checkpoint.Part(_checkpoint.Staging() if device.type == "cuda" else None)
+        part = stage.Part(stage.Staging() if device.type == "cuda" else None)
         part.add_tensors("state.safetensors", tensors, copy=True)
         part.ready()
-        stage = time.perf_counter() - t0
+        stage_s = time.perf_counter() - t0
         files: dict[str, Any] = {}
         part.write(tmp, files)
         total = time.perf_counter() - t0
@@ -80,7 +80,7 @@ def save_throughput(directory: Path, nbytes: int, device: Any) -> dict[str, floa
     size = files["state.safetensors"]["bytes"]
     return {
         "bytes": size,
-        "stage_s": stage,
+        "stage_s": stage_s,
         "write_s": part.write_s,
         "fsync_s": part.fsync_s,
         "total_s": total,

@@ -28,8 +28,8 @@ reported as unavailable, never a crash.
 
 This module is the command: it assembles the report, judges the hardware readings
 (ECC, throttling, temperature, leftover processes, bf16), compares ranks and renders
-the text or JSON. The readings themselves are :mod:`guardrails._probes`; the table of
-environment settings and what each does wrong is :mod:`guardrails._env_rules`.
+the text or JSON. The readings themselves are :mod:`guardrails.util.probes`; the table of
+environment settings and what each does wrong is :mod:`guardrails.cli.env_rules`.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ import socket
 import sys
 from typing import Any
 
-from guardrails import _probes
-from guardrails._env_rules import env_flags
-from guardrails._env_rules import flag as _flag
-from guardrails._probes import int_env as _int_env
 from guardrails._version import __version__
+from guardrails.cli.env_rules import env_flags
+from guardrails.cli.env_rules import flag as _flag
+from guardrails.util import probes
+from guardrails.util.probes import int_env as _int_env
 
 logger = logging.getLogger("guardrails.doctor")
 
@@ -109,11 +109,11 @@ def collect() -> dict[str, Any]:
         "platform": platform.platform(),
     }
     for key, probe in (
-        ("versions", _probes.torch_versions),
-        ("gpus", _probes.gpu_info),
-        ("topology", _probes.gpu_topology),
-        ("cpu", _probes.cpu_info),
-        ("ports", _probes.rendezvous_ports),
+        ("versions", probes.torch_versions),
+        ("gpus", probes.gpu_info),
+        ("topology", probes.gpu_topology),
+        ("cpu", probes.cpu_info),
+        ("ports", probes.rendezvous_ports),
     ):
         try:
             report[key] = probe()
@@ -224,7 +224,7 @@ def _gpu_flags(gpus: dict[str, Any]) -> list[dict[str, str]]:
         if isinstance(temp, (int, float)) and temp >= _HOT_C:
             flags.append(_flag("warn", tag, f"is at {temp} C: expect thermal throttling."))
     for p in gpus.get("processes", []):
-        if p["pid"] in _probes.ancestors():
+        if p["pid"] in probes.ancestors():
             continue
         flags.append(
             _flag(
@@ -356,7 +356,7 @@ def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) 
     if not devices:
         why = gpus.get("why") or gpus.get("error") or "the driver lists none"
         if "torch" in v and not cuda_build:  # installing NVML bindings would not help
-            why = "; ".join(p for p in why.split("; ") if p != _probes.NVML_MISSING) or why
+            why = "; ".join(p for p in why.split("; ") if p != probes.NVML_MISSING) or why
         lines.append(f"  no GPU found: {why}")
     for d in devices:
         clock = ""

@@ -5,7 +5,7 @@ Accepts a run directory (its ``checkpoints/`` is used), a checkpoint root or one
 ``step_*`` directory. Every file is verified against the manifest (sizes and sha256,
 reading each byte once), so the answer to "which one would ``resume`` pick?" is the
 same one :func:`guardrails.resume` would give: the checks are the ones resume runs
-(:mod:`guardrails._manifest`), which need no torch, so the command starts without it.
+(:mod:`guardrails.checkpoint.manifest`), which need no torch, so the command starts without it.
 Exit code 0 when at least one checkpoint is valid, 1 when none is, 2 when there is
 nothing there.
 """
@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from guardrails import _manifest
+from guardrails.checkpoint import manifest as _manifest
 
 
 def inspect_dir(path: Path) -> dict[str, Any]:
@@ -56,9 +56,9 @@ def inspect_dir(path: Path) -> dict[str, Any]:
 def _metadata_problem(directory: Path) -> str | None:
     # DCP's metadata is a pickle: only torch's classes can check it, so a sharded
     # checkpoint's inspect imports torch (about 3 s); other checkpoints never do.
-    from guardrails import _sharded
+    from guardrails.checkpoint import sharded
 
-    return _sharded.metadata_problem(directory)
+    return sharded.metadata_problem(directory)
 
 
 def _one(step: int, ckpt: Path, *, entry: bool) -> dict[str, Any]:

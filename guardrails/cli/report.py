@@ -28,10 +28,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from guardrails._events import EVENTS_FILE, json_safe
-from guardrails._metrics_file import METRICS_DIR
-from guardrails._perms import make_dirs, restrict
-from guardrails._report_stats import (
+from guardrails.cli.report_stats import (
     FIRST_LAST,
     Counter,
     Curves,
@@ -41,7 +38,10 @@ from guardrails._report_stats import (
     scan_keys,
     stream,
 )
-from guardrails._text import shorten
+from guardrails.metrics.events import EVENTS_FILE, json_safe
+from guardrails.metrics.file import METRICS_DIR
+from guardrails.util.files import make_dirs, restrict
+from guardrails.util.text import shorten
 
 logger = logging.getLogger("guardrails.report")
 

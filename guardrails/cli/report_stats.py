@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from guardrails._metrics_file import iter_metrics
+from guardrails.metrics.file import iter_metrics
 
 #: Values a median keeps exactly (512 KiB of float64) before it switches to buckets.
 EXACT_VALUES = 1 << 16
@@ -219,7 +219,7 @@ class _Ends:
 
 
 class RunStats:
-    """What :func:`guardrails._report.summarize` says of a run's rows, added a batch at
+    """What :func:`guardrails.cli.report.summarize` says of a run's rows, added a batch at
     a time. ``lead``: the rank that tells the loss story (the lowest with rows);
     ``first``: the lead rank's first row (started_at, step), left out of the step-time
     median as the original report did (it includes start-up)."""

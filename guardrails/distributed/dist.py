@@ -2,7 +2,7 @@
 around the user's optimizer and loader (HF accelerate's) that guardrails looks through.
 
 Read once at guard start; nothing here issues a collective. The model's own wrappers
-(DDP, torch.compile) are unwrapped in :mod:`guardrails._model`.
+(DDP, torch.compile) are unwrapped in :mod:`guardrails.engine.model`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def delegates(obj: Any) -> list[Any]:
     """``obj`` and every object it delegates to, outermost first: an accelerate
     ``AcceleratedOptimizer``'s ``.optimizer``, a prepared loader's ``.base_dataloader``
     (the ``torch.utils.data.DataLoader`` it iterates). Not modules: see
-    :func:`guardrails._model.wrappers`."""
+    :func:`guardrails.engine.model.wrappers`."""
     chain = [obj]
     for _ in range(4):
         attr = next(

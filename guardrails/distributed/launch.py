@@ -21,7 +21,7 @@ Where each check runs, and why there:
 * **At guard start** in a distributed run (the preflight, once the process group
   exists): the same environment checks; ``WORLD_SIZE`` / ``RANK`` against the process
   group actually formed; across ranks, two ranks on one physical GPU (the preflight
-  exchange, :mod:`guardrails._preflight`).
+  exchange, :mod:`guardrails.guards.preflight.preflight`).
 * **Only when called** (:func:`check_launch`; ``python -m guardrails doctor`` shows the
   same facts): ``LOCAL_RANK`` against the visible GPUs and ``MASTER_PORT`` free on the
   rank that will host the store. ``@guardrails.record`` runs neither. Before ``main``
@@ -343,7 +343,7 @@ def _master_port(env: dict[str, str], *_: Any) -> list[LaunchProblem]:
     rank = _int(env.get("RANK")) or 0
     if port is None or rank != 0 or not _is_local(env.get("MASTER_ADDR", "localhost")):
         return []
-    from guardrails._probes import port_status
+    from guardrails.util.probes import port_status
 
     status = port_status(port)
     if status.get("status") != "in use":

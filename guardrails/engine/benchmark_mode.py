@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from guardrails import _perms, _storage
+from guardrails.util import files, storage
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.benchmark")
 
@@ -129,15 +129,15 @@ class StepBenchmark:
             "benchmark.json" if guard.rank == 0 else f"benchmark-rank{guard.rank}.json"
         )
         try:
-            _perms.write_text(path, json.dumps(table, indent=1))
+            files.write_text(path, json.dumps(table, indent=1))
             saved = str(path)
         except OSError as e:  # the table is in the event and the log all the same
             saved = None
             logger.warning(
                 "guardrails: %s could not be written (%s): %s",
                 path,
-                _storage.cause_of(e, path) or e,
-                _storage.fix_for(e, path.parent),
+                storage.cause_of(e, path) or e,
+                storage.fix_for(e, path.parent),
             )
         guard.event(
             "benchmark",

@@ -49,11 +49,13 @@ the guard is built):
 * ``essential``: its per-step hooks keep the ranks in step (a stop agreement), so
   benchmark mode never bypasses them.
 * ``saves_checkpoints``: it answers :meth:`Guard.save_checkpoint` through ``save``.
+* ``distributed_only``: ``guard()`` leaves it out of a single-process run (it has no
+  other rank to wait for or compare with).
 * ``state_dict()`` / ``load_state_dict()``: what it keeps across a resume (statistics,
   counters), saved in every checkpoint under its ``name``; ``None``: nothing.
 
 A component never writes the guard's state: it reads ``guard.step``, ``guard.phase``
-and the rest (``_state.py`` declares them, each with its one writer) and asks the
+and the rest (``engine/state.py`` declares them, each with its one writer) and asks the
 engine for changes through the guard's services (``request_stop``, ``skip_update``,
 ``record_skip``, ``step_row``, ``pause_watchdog``, ``in_phase``, ``quiet``,
 ``replaying``, ``resume_from``, ``fail_from_thread``, ``wrap_batches``,
@@ -68,7 +70,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 HOOKS = (
     "on_start",
@@ -100,6 +102,8 @@ class Component:
     essential: ClassVar[bool] = False
     #: It saves checkpoints: :meth:`Guard.save_checkpoint` calls its :meth:`save`.
     saves_checkpoints: ClassVar[bool] = False
+    #: Only useful with other ranks: ``guard()`` leaves it out of a single process.
+    distributed_only: ClassVar[bool] = False
 
     def on_start(self, guard: Guard) -> None:
         """The guard started: allocate buffers, open files."""

@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from guardrails import _dist
+from guardrails.distributed import dist
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.data")
 
@@ -59,7 +59,7 @@ def stateful(loader: Any) -> bool:
 def _generators(loader: Any) -> dict[str, torch.Generator]:
     """The torch generators a pass over ``loader`` draws from, besides the default one."""
     gens: dict[str, torch.Generator] = {}
-    owners = (("loader_generator", _dist.inner(loader)), ("sampler_generator", _sampler(loader)))
+    owners = (("loader_generator", dist.inner(loader)), ("sampler_generator", _sampler(loader)))
     for name, owner in owners:
         g = getattr(owner, "generator", None)
         if isinstance(g, torch.Generator) and all(g is not h for h in gens.values()):
@@ -72,8 +72,8 @@ def _sampler(loader: Any) -> Any:
     (``DataLoader(batch_sampler=BatchSampler(RandomSampler(...)))`` leaves
     ``loader.sampler`` an unused SequentialSampler; accelerate's BatchSamplerShard
     wraps the user's BatchSampler), else ``loader.sampler``. Under accelerate's
-    prepared loader, the DataLoader it iterates (``_dist.inner``)."""
-    loader = _dist.inner(loader)
+    prepared loader, the DataLoader it iterates (``dist.inner``)."""
+    loader = dist.inner(loader)
     if not isinstance(loader, DataLoader):
         return None
     batches = loader.batch_sampler
@@ -184,10 +184,10 @@ def _plain(obj: Any) -> bool:
 def _encode_held(held: list[Any], tensors: dict[str, Tensor]) -> dict[str, Any]:
     """Position entries for ``held``: the batches, and the device of each tensor not on
     the CPU (a checkpoint's tensors load on the CPU; nanoGPT's batches are on the GPU)."""
-    from guardrails._checkpoint import _encode
+    from guardrails.checkpoint.codec import encode
 
     mine: dict[str, Tensor] = {}
-    entries = {"held": _encode(held, "held", mine)}
+    entries = {"held": encode(held, "held", mine)}
     devices = {k: str(t.device) for k, t in mine.items() if t.device.type != "cpu"}
     if devices:
         entries["held_devices"] = devices
@@ -201,14 +201,14 @@ def _own_state(guard: Guard, loader: Any) -> tuple[dict[str, Any], dict[str, Ten
     ``state_dict()``, or when it raised or cannot be stored: then the position is kept
     as a count of batches (replay or fast-forward), with one warning, and this guard
     does not call it again. A save never fails on the data position."""
-    from guardrails._checkpoint import _encode
+    from guardrails.checkpoint.codec import encode
 
     if not stateful(loader) or guard._loader_state_error is not None:
         return None
     tensors: dict[str, Tensor] = {}
     try:
         entries = {
-            "loader": _encode(loader.state_dict(), "loader", tensors),
+            "loader": encode(loader.state_dict(), "loader", tensors),
             # The loader's own state is past the batches a prefetching loop fetched for
             # the next step; they are saved and handed out first on resume (no rewind).
             **_encode_held(_held(guard), tensors),
@@ -239,7 +239,7 @@ def _own_state(guard: Guard, loader: Any) -> tuple[dict[str, Any], dict[str, Ten
 
 def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Tensor]) -> None:
     """Make ``guard``'s next pass continue ``position`` (called at resume)."""
-    from guardrails._checkpoint import _decode
+    from guardrails.checkpoint.codec import decode
 
     position = dict(position)
     position["epoch_start"] = {
@@ -249,12 +249,12 @@ def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Ten
     }
     loader = guard.loader
     if position.get("loader") is not None and stateful(loader):
-        loader.load_state_dict(_decode(position["loader"], tensors))  # type: ignore[union-attr]
+        loader.load_state_dict(decode(position["loader"], tensors))  # type: ignore[union-attr]
     # Fresh copies: a tensor read from the checkpoint's file may sit at an alignment
     # that sends CPU matmuls down another kernel (last-bit differences, measured).
     # Held batches go back to the device they were fetched to.
     devices = position.get("held_devices") or {}
-    position["held"] = _decode(
+    position["held"] = decode(
         position.get("held") or [],
         {k: _to(v, devices[k], guard) if k in devices else v.clone() for k, v in tensors.items()},
     )
@@ -273,7 +273,7 @@ def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> 
     can reach. A position past the end of a pass (a checkpoint saved with another
     batch size or dataset, or an edited file) would otherwise be fast-forwarded batch by
     batch: 10**12 batches never end. The position's types were checked with the file
-    (:func:`guardrails._manifest.check_rank_state`); here, its size, where the loader
+    (:func:`guardrails.checkpoint.manifest.check_rank_state`); here, its size, where the loader
     has a length. A loader with its own state (``state_dict``) keeps its own position;
     one without a length is bounded as it is fast-forwarded (:func:`_fast_forward`)."""
     from guardrails._errors import ResumeError
@@ -313,7 +313,7 @@ def _replayable(loader: Any) -> bool:
     # __class__): its own __iter__ places batches on the device and syncs the shuffle
     # across ranks, and ignores a batch_sampler set on a copy, so it is fast-forwarded.
     return (
-        _dist.inner(loader) is loader
+        dist.inner(loader) is loader
         and isinstance(loader, DataLoader)
         and loader.batch_sampler is not None
         and not isinstance(loader.dataset, IterableDataset)
@@ -457,7 +457,7 @@ def _fast_forward(
         # iteration (device placement, the ranks' shuffle sync): it is not replayed.
         how = (
             "wraps a DataLoader and iterates it itself"
-            if _dist.inner(loader) is not loader
+            if dist.inner(loader) is not loader
             else "cannot skip without loading. A DataLoader over a map-style dataset, or a "
             "loader with state_dict()/load_state_dict() (torchdata's StatefulDataLoader), "
             "resumes without loading them"

@@ -8,7 +8,7 @@ host spends ~316 us per step on the three (H200 host, ``benchmarks/norm_host.py`
 ~3.5 ms for 1,500 gradients. That was the guard's largest per-step host cost, and it
 lands on the step time whenever the loop is host-bound (GPT-2 small at 2x1024).
 
-**The kernel** (``_gradnorm_kernel.TableNorm``, the default on one CUDA device): the
+**The kernel** (``gradnorm_kernel.TableNorm``, the default on one CUDA device): the
 host reads each gradient's address into a pinned table and launches one kernel per
 dtype that sums every square into per-chunk partials, whose last program writes the
 norm. ~90 us of host time at 150 gradients, ~510 at 1,500; 122 us of kernel time for GPT-2
@@ -84,7 +84,7 @@ from torch import Tensor
 logger = logging.getLogger("guardrails.guard")
 
 #: Take the norm by one kernel over the gradients' addresses where it applies
-#: (``_gradnorm_kernel.py``). A switch for benchmarks and tests, which compare it with
+#: (``gradnorm_kernel.py``). A switch for benchmarks and tests, which compare it with
 #: the eager norm in one process; not a user knob.
 USE_KERNEL = True
 #: Captures allowed in one run before the guard stays eager (each costs ~1 ms of host
@@ -176,7 +176,7 @@ class GradNorm:
         )
         self.enabled = self.wanted  # False once given up or closed: eager from then on
         #: The norm by one Triton kernel over the gradients' addresses
-        #: (``_gradnorm_kernel.py``): the default on one CUDA device, ``None`` where it
+        #: (``gradnorm_kernel.py``): the default on one CUDA device, ``None`` where it
         #: does not apply (CPU, several devices, DTensor, no Triton) or was given up;
         #: ``True`` until the first step builds it (a lazy module's parameters have no
         #: size before its first forward).
@@ -342,16 +342,16 @@ class GradNorm:
 
 
 def _table_norm(params: list[Tensor]) -> Any:
-    """The kernel norm for ``params`` (``_gradnorm_kernel.TableNorm``), or ``None``
+    """The kernel norm for ``params`` (``gradnorm_kernel.TableNorm``), or ``None``
     where Triton is missing or the parameters do not suit it."""
-    _gradnorm_kernel = _kernel_module()
-    if _gradnorm_kernel is None:  # a CUDA torch without Triton (it ships with its wheels)
+    kernel = _kernel_module()
+    if kernel is None:  # a CUDA torch without Triton (it ships with its wheels)
         return None
-    why = _gradnorm_kernel.supports(params)
+    why = kernel.supports(params)
     if why is not None:
         logger.debug("guardrails: the grad norm stays eager: %s", why)
         return None
-    return _gradnorm_kernel.TableNorm(params)
+    return kernel.TableNorm(params)
 
 
 class BucketNorms:
@@ -360,7 +360,7 @@ class BucketNorms:
     backward reported (:meth:`total`).
 
     On CUDA each bucket's sum of squares is taken by the guard's Triton kernel
-    (``_gradnorm_kernel.flat_sum_of_squares``, ``FLAT_PROGRAMS`` partial sums a bucket,
+    (``gradnorm_kernel.flat_sum_of_squares``, ``FLAT_PROGRAMS`` partial sums a bucket,
     in fixed slots): GPT-2 small's 13 buckets in 207 us of kernel time beside backward
     on 2 H200s, where ``vector_norm`` and its memsets took 255 us. Elsewhere (gloo on
     CPU, no Triton, a float64 bucket) one ``vector_norm`` per bucket.
@@ -446,12 +446,12 @@ def _norm_into(bucket: Tensor, slot: Tensor) -> None:
 
 
 def _kernel_module() -> Any:
-    """``_gradnorm_kernel`` where Triton is, else ``None``."""
+    """``gradnorm_kernel`` where Triton is, else ``None``."""
     try:
-        from guardrails import _gradnorm_kernel
+        from guardrails.engine import gradnorm_kernel
     except ImportError:
         return None
-    return _gradnorm_kernel
+    return gradnorm_kernel
 
 
 def share_clip_norm(on_clip: Callable[[list[Any], Tensor], None]) -> Callable[[], None]:

@@ -66,16 +66,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from guardrails import _dist, _perms, _store
-from guardrails._checks import named, positive_int
-from guardrails._component import HOOKS, Component, check_components, overrides
 from guardrails._errors import GuardrailsError
-from guardrails._events import EventLog, logger_of
-from guardrails._gradnorm import GradNorm, share_clip_norm, total_norm
-from guardrails._lagged import OpenRow, StepRing
-from guardrails._model import find_loss as _find_loss
-from guardrails._model import is_loss as _is_loss
-from guardrails._state import Shared, StepState
+from guardrails.distributed import dist, store
+from guardrails.engine import process
+from guardrails.engine.component import HOOKS, Component, check_components, overrides
+from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
+from guardrails.engine.lagged import OpenRow, StepRing
+from guardrails.engine.model import find_loss as _find_loss
+from guardrails.engine.model import is_loss as _is_loss
+from guardrails.engine.state import Shared, StepState
+from guardrails.metrics.events import EventLog, logger_of
+from guardrails.util import files
+from guardrails.util.checks import named, positive_int
 
 logger = logging.getLogger("guardrails.guard")
 
@@ -167,7 +169,7 @@ class Guard(StepState):
         self.scheduler = next(iter(self.schedulers.values()), None)
         # accelerate's fp16 GradScaler lives in its prepared optimizer: checkpointed
         # like one passed here (a resume without it restarts the loss scale).
-        self.scaler = scaler if scaler is not None else _dist.own_scaler(self.optimizer)
+        self.scaler = scaler if scaler is not None else dist.own_scaler(self.optimizer)
         self.components: list[Component] = list(components or ())
         self.tokens_per_batch = tokens_per_batch
         if replay_fn is not None and not callable(replay_fn):
@@ -210,12 +212,12 @@ class Guard(StepState):
         self._ending_at = math.nan
 
         # RNG states just before the current pass's iter(loader), so a resumed run can
-        # replay the pass's shuffle (see _data.py); None until the first pass.
+        # replay the pass's shuffle (see data.py); None until the first pass.
         self._epoch_start: dict[str, Any] | None = None
         # Set by a resume: the data position the first pass continues from.
         self._resume_position: dict[str, Any] | None = None
         # Why the loader's state_dict() could not be saved, once it failed (reported
-        # once; later saves keep the position as a count, see _data._own_state).
+        # once; later saves keep the position as a count, see data._own_state).
         self._loader_state_error: str | None = None
         self._at_boundary = False
         # Batches fetched since the last training forward (the next step's, in a loop
@@ -223,7 +225,7 @@ class Guard(StepState):
         self._fetched: list[Any] = []
         self._n_fetched = 0  # batches fetched through the guard, all passes
         # The data position at the last training forward: (epoch, batch_in_epoch,
-        # epoch-start RNG states). What a checkpoint saves (_data.save_position).
+        # epoch-start RNG states). What a checkpoint saves (data.save_position).
         self._trained_at: tuple[int, int, dict[str, Any] | None] | None = None
         self._forward_seen = False  # a training forward since the last step
         # Fire the boundary at the next training forward too, not only at the next
@@ -267,7 +269,7 @@ class Guard(StepState):
         #: This guard's number among the guards started in this process (the same on
         #: every rank), which namespaces its side-channel keys.
         self.generation = -1
-        #: A gloo group over every rank for rare agreements (see ``_store.py``), or
+        #: A gloo group over every rank for rare agreements (see ``store.py``), or
         #: ``None`` in a single-process run. Never the training's group.
         self.side_group: Any = None
         self._replacement: BaseException | None = None
@@ -300,12 +302,12 @@ class Guard(StepState):
                 "guardrails.guard([gen, disc], [opt_g, opt_d], loader) (or dicts by "
                 "name); close the first guard before starting another."
             )
-        self.rank = _dist.rank()
-        self.world_size = _dist.world_size()
+        self.rank = dist.rank()
+        self.world_size = dist.world_size()
         # A full or read-only disk does not stop the guard: the events log says so and
         # keeps its events in memory (_events.py); only a checkpoint needs the disk.
         with contextlib.suppress(OSError):
-            _perms.make_dirs(self.run_dir)  # never group/other-writable, whatever the umask
+            files.make_dirs(self.run_dir)  # never group/other-writable, whatever the umask
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
         _running = self
@@ -313,10 +315,10 @@ class Guard(StepState):
         # reaches its g.close(): close at the interpreter's exit instead.
         atexit.register(self._close_at_exit)
         try:
-            self.generation = _store.next_generation()
-            published = _store.publish_run_id(self.generation)  # before the collective
-            self.side_group = _store.open_side_group()
-            run_id = _store.read_run_id(self.generation, published)
+            self.generation = store.next_generation()
+            published = store.publish_run_id(self.generation)  # before the collective
+            self.side_group = store.open_side_group()
+            run_id = store.read_run_id(self.generation, published)
             self._handles = [
                 _wrap_step(opt, name, self, counted=i == 0)
                 for i, (name, opt) in enumerate(self.optimizers.items())
@@ -356,7 +358,7 @@ class Guard(StepState):
                 if overrides(c, "on_abort"):
                     self._dispatch["on_abort"].insert(0, c.on_abort)
             if self.benchmark:
-                from guardrails._benchmark_mode import StepBenchmark
+                from guardrails.engine.benchmark_mode import StepBenchmark
 
                 self._bench = StepBenchmark(self, self._dispatch)
         except BaseException as exc:
@@ -380,8 +382,6 @@ class Guard(StepState):
         if _running is self:
             _running = None
         atexit.unregister(self._close_at_exit)
-        from guardrails import _exit
-
         # Ending with an error, or with a signal stop's non-zero exit: the diagnosis (the
         # auditor's, the watchdog's) or the last save is finished while closing, and a
         # launcher's SIGTERM (torchrun sends one to every rank as soon as one exits)
@@ -391,16 +391,16 @@ class Guard(StepState):
         if isinstance(exc, SystemExit):
             failing = exc.code not in (0, None)
         if failing:
-            _exit.hold_signals()
+            process.hold_signals()
         self._ending_at = time.time()  # the time of the open step's row (open_row())
         try:
             self._close(exc)
         finally:
-            if failing and not _exit.recording:  # else @record releases, after its report
+            if failing and not process.recording:  # else @record releases, after its report
                 # A SIGTERM that came meanwhile is dropped, not raised again: the error
                 # is on its way out to the loop's code (its handler, then the process's
                 # exit), which a re-raised SIGTERM would kill before it could run.
-                _exit.release_signals(deliver=False)
+                process.release_signals(deliver=False)
 
     def _close(self, exc: BaseException | None) -> None:
         errors: list[BaseException] = []
@@ -463,7 +463,7 @@ class Guard(StepState):
                 source="clip_grad_norm_",
             )
         self._dispatch = self._live = {h: [] for h in HOOKS}
-        _store.close_side_group(self.side_group)
+        store.close_side_group(self.side_group)
         self.side_group = None
         # The error the user will see: the loop's own, or the one a component explained
         # it with, or a component's failure while closing.
@@ -484,9 +484,7 @@ class Guard(StepState):
             replacement, self._replacement = self._replacement, None
             raise replacement from exc
         if exc is None and self.exit_code is not None:  # a signal save at the last step
-            from guardrails import _exit
-
-            raise _exit.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
+            raise process.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
 
     def _point_to_report(self) -> None:
         """One line on rank 0 at a clean end or a signal stop: the command that tells
@@ -522,9 +520,8 @@ class Guard(StepState):
         after the components' last words (:meth:`Component.on_abort`: the metrics the
         host holds) and the ``end`` event, so a run guardrails ends never looks like
         one the OOM killer took."""
-        from guardrails import _exit
 
-        _exit.die(error, exit_code=exit_code, last_words=self._last_words)
+        process.die(error, exit_code=exit_code, last_words=self._last_words)
 
     def _last_words(self, error: BaseException) -> None:
         self._ending_at = time.time()
@@ -582,9 +579,9 @@ class Guard(StepState):
         return saver.save(self)
 
     def side_store(self, name: str) -> Any:
-        """A store for this guard's side-channel keys under ``name`` (see ``_store.py``),
+        """A store for this guard's side-channel keys under ``name`` (see ``store.py``),
         or ``None`` when not distributed."""
-        return _store.side_store(self.generation, name)
+        return store.side_store(self.generation, name)
 
     @contextlib.contextmanager
     def _temporarily(self, name: str, value: Any) -> Iterator[None]:
@@ -654,15 +651,15 @@ class Guard(StepState):
     ) -> None:
         """The checkpointer, at start: continue from a checkpoint of step ``step``:
         the user's :attr:`state`, and the data position the first pass continues from
-        (``position`` and its ``tensors``, as ``_data.save_position`` wrote them)."""
+        (``position`` and its ``tensors``, as ``data.save_position`` wrote them)."""
         self.step = step
         if state is not None:
             self.state.clear()
             self.state.update(state)
         if position is not None and self.loader is not None:
-            from guardrails import _data
+            from guardrails.engine import data
 
-            _data.load_position(self, position, tensors or {})
+            data.load_position(self, position, tensors or {})
 
     def fail_from_thread(self, error: BaseException, *, abort_after_s: float = 5.0) -> bool:
         """From a background thread (watchdog, auditor): make the main thread raise
@@ -716,18 +713,18 @@ class Guard(StepState):
         return self._batches(self.loader)
 
     def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        from guardrails import _data
+        from guardrails.engine import data
 
         if self.stopping is not None:
             return
         position, self._resume_position = self._resume_position, None
         if position is not None:  # continue the interrupted pass where it stopped
-            it, self._epoch_start = _data.resume_iter(loader, position, self)
+            it, self._epoch_start = data.resume_iter(loader, position, self)
             self.batch_in_epoch = int(position["batch_in_epoch"])
         else:
             if self.batch_in_epoch:  # the last pass was left mid-way (a break): a new one
                 self.epoch += 1
-            self._epoch_start = _data.epoch_start(loader)
+            self._epoch_start = data.epoch_start(loader)
             it = iter(loader)
             self.batch_in_epoch = 0
         for wrap in self._batch_wrappers:
@@ -1011,11 +1008,7 @@ class Guard(StepState):
                     return
                 self._clip_order = order
         scaler = self.scaler
-        if (
-            scaler is not None
-            and scaler.is_enabled()
-            and not _dist.unscaled(scaler, self.optimizer)
-        ):
+        if scaler is not None and scaler.is_enabled() and not dist.unscaled(scaler, self.optimizer):
             return
         self._grad_norm = total if total.dtype == torch.float32 else total.float()
         self._norm_shared = True
@@ -1062,7 +1055,7 @@ class Guard(StepState):
         self.data_wait_s = self._data_wait_s
         self.tokens = self._tokens
         lr = self.optimizer.param_groups[0].get("lr", math.nan)
-        self.lr = lr if type(lr) is float else _lr(self.optimizer)  # a float: no call
+        self.lr = lr if type(lr) is float else current_lr(self.optimizer)  # a float: no call
         for fn in self._live["before_step"]:
             fn(self)
 
@@ -1326,12 +1319,12 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
     # without stepping until the micro-batch that syncs. Those calls are not steps
     # (counted, g.step would count micro-batches and a checkpoint could fall between
     # them, losing the accumulated gradients).
-    idle = _dist.accumulating(opt)
+    idle = dist.accumulating(opt)
     # With fp16 its step() runs a GradScaler: a skipped step still goes in, and the
     # scaler, finding the same non-finite gradients, leaves weights and state alone and
     # lowers its scale. Left out, the scale never drops and every later step overflows
     # (measured: NonFiniteError after 10 steps).
-    scaler = _dist.own_scaler(opt)
+    scaler = dist.own_scaler(opt)
 
     @functools.wraps(inner)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1340,7 +1333,7 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
             return inner(*args, **kwargs)
         guard._skip = False
         guard._opt_steps += 1
-        if scaler is not None and _dist.overflowed(scaler, _dist.inner(opt)):
+        if scaler is not None and dist.overflowed(scaler, dist.inner(opt)):
             # The scaler inside step() will skip this update: its normal calibration,
             # told to components as such (not judged as non-finite gradients), and
             # the gradients they see are unscaled, as the update would have used.
@@ -1397,7 +1390,7 @@ def _wrap_scaler_step(guard: Guard) -> _Restore:
     return _Restore(undo)
 
 
-def _lr(optimizer: torch.optim.Optimizer) -> float:
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
     """The first param group's LR (``nan`` for a device tensor: reading it would sync)."""
     lr = optimizer.param_groups[0].get("lr", math.nan)
     if isinstance(lr, Tensor):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from guardrails._dist import imported_class
+from guardrails.distributed.dist import imported_class
 
 #: Wrapper layers followed at most (a real chain is 1-2 deep; the bound only stops a
 #: module that wraps itself).

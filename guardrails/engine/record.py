@@ -5,7 +5,7 @@ https://pytorch.org/docs/stable/elastic/errors.html" unless the worker wrote an 
 file. torch's own ``@record`` writes one with the traceback; this one writes the
 guardrails message (what happened, which rank, step, collective, the fix) where
 torchrun reads the root cause, prints it once per failing rank instead of a traceback,
-and exits with a code per error class (``_exit.EXIT_CODES``), with or without torchrun.
+and exits with a code per error class (``exit.EXIT_CODES``), with or without torchrun.
 
 Other exceptions keep torch's behaviour exactly: torch's ``ErrorHandler`` writes the
 traceback to the error file, and the exception propagates (traceback, exit code 1).
@@ -23,8 +23,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from guardrails import _exit, _launch
 from guardrails._errors import GuardrailsError
+from guardrails.distributed import launch
+from guardrails.engine import process
 
 log = logging.getLogger("guardrails.record")
 
@@ -44,7 +45,7 @@ def record(fn: F) -> F:
     Before ``main`` runs, the launch checks that hold on any device and however the
     ranks were started (the environment's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
     ``LOCAL_WORLD_SIZE`` consistent, ``MASTER_ADDR`` resolvable and reachable; see
-    :mod:`guardrails._launch`): a problem is a :class:`~guardrails.LaunchError`,
+    :mod:`guardrails.distributed.launch`): a problem is a :class:`~guardrails.LaunchError`,
     reported as below, and ``main`` does not start.
 
     While ``main`` runs, ``faulthandler`` is on for all threads (a segfault or a fatal
@@ -57,7 +58,7 @@ def record(fn: F) -> F:
     * stderr gets one summary block: rank, error class, exit code, the message and fix;
     * the process groups are aborted (a peer may be stuck in a collective; a normal
       destroy could wait for it) and the process exits with the class's code
-      (80-99, see ``guardrails._exit``) through ``SystemExit``.
+      (80-99, see ``guardrails.engine.process``) through ``SystemExit``.
 
     Any other exception: torch's ``@record`` behaviour (traceback in the error file,
     the exception propagates), with the process group destroyed. A normal return also
@@ -69,46 +70,46 @@ def record(fn: F) -> F:
         was_enabled = faulthandler.is_enabled()
         if not was_enabled:  # already on: keep the file its owner chose
             _enable_faulthandler()
-        _exit.recording += 1
+        process.recording += 1
         try:
             # A launch that cannot work fails here, before main waits at a rendezvous.
-            _launch.check_before_main()
+            launch.check_before_main()
             result = fn(*args, **kwargs)
         except SystemExit as exc:
-            _exit.hold_signals()  # the report first; see _exit.hold_signals
+            process.hold_signals()  # the report first; see process.hold_signals
             _close_running_guard(exc)
             if getattr(exc, "guardrails_message", None):  # a signal stop: say so
-                _exit.write_error_file(exc, with_traceback=False)
+                process.write_error_file(exc, with_traceback=False)
             if exc.code in (0, None):  # like torch's record: a clean sys.exit returns
-                _exit.release_process_group(abort=False)
+                process.release_process_group(abort=False)
                 return None
             # A non-zero exit (a signal save's 128+signum, the user's sys.exit(1)): the
             # process group goes too, bounded, in case a peer is still in a collective.
-            _exit.release_process_group(abort=True)
-            _reported(_exit.code_for(exc))
+            process.release_process_group(abort=True)
+            _reported(process.code_for(exc))
             raise
         except GuardrailsError as exc:
-            _exit.hold_signals()
+            process.hold_signals()
             _close_running_guard(exc)
-            _exit.write_error_file(exc)
-            sys.stderr.write(_exit.summary(exc))
+            process.write_error_file(exc)
+            sys.stderr.write(process.summary(exc))
             sys.stderr.flush()
-            _exit.release_process_group(abort=True)
-            _reported(_exit.code_for(exc))
-            raise SystemExit(_exit.code_for(exc)) from exc
+            process.release_process_group(abort=True)
+            _reported(process.code_for(exc))
+            raise SystemExit(process.code_for(exc)) from exc
         except Exception as exc:
-            _exit.hold_signals()
+            process.hold_signals()
             _close_running_guard(exc)
             _torch_record_exception(exc)
-            _exit.release_process_group(abort=True)
+            process.release_process_group(abort=True)
             _reported(1)
             raise
         finally:
-            _exit.recording -= 1
-            _exit.release_signals(deliver=False, all_holds=True)
+            process.recording -= 1
+            process.release_signals(deliver=False, all_holds=True)
             if not was_enabled:
                 faulthandler.disable()
-        _exit.release_process_group(abort=False)
+        process.release_process_group(abort=False)
         return result
 
     return cast(F, wrapper)
@@ -121,7 +122,7 @@ def _reported(code: int) -> None:
     rank's own outcome in torchrun's summary. Only under torchrun (its workers have
     ``TORCHELASTIC_RUN_ID``): a ``main`` called in-process (a test, a notebook) keeps
     its handlers."""
-    _exit.release_signals(deliver=False, all_holds=True)
+    process.release_signals(deliver=False, all_holds=True)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if under_torchrun and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
@@ -132,9 +133,9 @@ def _close_running_guard(exc: BaseException) -> None:
     ``g = guard(...).start()`` with no ``with``), before the process groups go: its
     metrics are flushed, its ``end`` event written, its threads and its gloo group
     released (a gloo group left to the interpreter's exit can abort the process)."""
-    from guardrails import _guard
+    from guardrails.engine import guard
 
-    running = _guard._running
+    running = guard._running
     if running is None:
         return
     try:

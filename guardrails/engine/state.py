@@ -29,15 +29,15 @@ from typing import Any
 from torch import Tensor, nn
 
 #: Who writes each published field: the module allowed to assign it. The engine's are
-#: written by ``_guard.py`` (and ``_data.py``, the engine's data-position half); a
+#: written by ``engine/guard.py`` (and ``engine/data.py``, its data-position half); a
 #: component that wants one changed calls a service instead.
-ENGINE_MODULES = ("_guard", "_data")
+ENGINE_MODULES = ("engine.guard", "engine.data")
 
 #: Each :class:`Shared` field and the one module that writes it.
 SHARED_WRITERS: dict[str, str] = {
-    "collective": "_audit",
-    "auditor": "_audit",
-    "gc_total_s": "_gc",
+    "collective": "guards.audit.auditor",
+    "auditor": "guards.audit.auditor",
+    "gc_total_s": "guards.gc",
 }
 
 

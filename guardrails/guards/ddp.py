@@ -4,7 +4,7 @@ its gradient all-reduces to the CollectiveAuditor, and explains its own errors.
 Three additions, public DDP API only:
 
 * **At construction**, before DDP's own checks, the ranks exchange their parameter
-  tables (names, shapes, dtypes, weight checksums: :func:`guardrails._preflight_facts.param_table`)
+  tables (names, shapes, dtypes, weight checksums: ``preflight/facts.py``'s ``param_table``)
   once. A model that differs in structure raises :class:`~guardrails.ConfigMismatchError`
   on every rank naming the parameters, instead of DDP's "DDP expects same model across
   all ranks, but Rank 1 has 6 params, while rank 0 has inconsistent 8 params". Weights
@@ -56,11 +56,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from guardrails._errors import ConfigMismatchError, GuardrailsError
-from guardrails._gradnorm import BucketNorms
-from guardrails._text import shorten
+from guardrails.engine.gradnorm import BucketNorms
+from guardrails.util.text import shorten
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.ddp")
 
@@ -298,8 +298,8 @@ def _check_models(module: nn.Module, group: Any) -> None:
     ConfigMismatchError on every rank if their structure differs."""
     from torch.distributed import distributed_c10d as c10d
 
-    from guardrails._preflight_diff import _by_rank, _odd_ranks, param_diffs
-    from guardrails._preflight_facts import param_table
+    from guardrails.guards.preflight.diff import by_rank, odd_ranks, param_diffs
+    from guardrails.guards.preflight.facts import param_table
 
     pg = group if group is not None else c10d._get_default_group()
     temp = None
@@ -325,11 +325,11 @@ def _check_models(module: nn.Module, group: Any) -> None:
             "0's, so training is correct, but different seeds also mean different dropout "
             "masks and per-rank shuffles. Seed every rank the same before building the "
             "model if that is not intended.",
-            _by_rank(weights),
+            by_rank(weights),
         )
     if fields:
-        odd = sorted({r for v in fields.values() for r in _odd_ranks(v)})
-        lines = "\n".join(f"  {k}: {_by_rank(v)}" for k, v in fields.items())
+        odd = sorted({r for v in fields.values() for r in odd_ranks(v)})
+        lines = "\n".join(f"  {k}: {by_rank(v)}" for k, v in fields.items())
         raise ConfigMismatchError(
             f"GuardedDDP: the ranks built different models (differing rank(s): "
             f"{shorten(odd, 8)}):\n{lines}",

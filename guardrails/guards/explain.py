@@ -19,10 +19,10 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from guardrails._component import Component
+from guardrails.engine.component import Component
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 
 @dataclass(frozen=True)
@@ -308,7 +308,7 @@ def _context(guard: Guard | None) -> dict[str, Any]:
     recent = getattr(auditor, "recent", None)
     if collective is None and recent:
         try:
-            from guardrails._audit_calls import entry_dict, is_own
+            from guardrails.guards.audit.calls import entry_dict, is_own
 
             mine = [e for e in recent if not is_own(e)]
             collective = entry_dict(mine[-1]) if mine else None
@@ -375,7 +375,7 @@ def _port_hint(port: int) -> str:
     import os
 
     try:
-        from guardrails._probes import port_holders
+        from guardrails.util.probes import port_holders
 
         holders = port_holders(port) or []
     except Exception:

@@ -49,12 +49,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from guardrails._checks import non_negative, positive_int
-from guardrails._component import Component
-from guardrails._config import configure
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.util.checks import non_negative, positive_int
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.gc")
 

@@ -54,19 +54,26 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from guardrails._checks import non_negative, positive, positive_int
-from guardrails._component import Component
-from guardrails._config import configure
-from guardrails._events import EVENTS_FILE
-from guardrails._lagged import Copy
-from guardrails._metrics_compact import Compactor
-from guardrails._metrics_file import METRICS_DIR, SCHEMA
-from guardrails._perms import make_dirs, restrict
-from guardrails._sinks import ABORT_WAIT_S, EventTail, SinkRunner, build, check_sinks, end_event
-from guardrails._storage import Trouble
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.engine.lagged import Copy
+from guardrails.metrics.compact import Compactor
+from guardrails.metrics.events import EVENTS_FILE
+from guardrails.metrics.file import METRICS_DIR, SCHEMA
+from guardrails.metrics.sinks import (
+    ABORT_WAIT_S,
+    EventTail,
+    SinkRunner,
+    build,
+    check_sinks,
+    end_event,
+)
+from guardrails.util.checks import non_negative, positive, positive_int
+from guardrails.util.files import make_dirs, restrict
+from guardrails.util.storage import Trouble
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 try:  # ru_maxrss gives peak RSS on CPU runs; absent on Windows.
     import resource

@@ -42,8 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from guardrails._digest import fsync_path
-from guardrails._metrics_file import (
+from guardrails.metrics.file import (
     BATCH_ROWS,
     COMPACT_PREFIX,
     PART_PREFIX,
@@ -53,7 +52,7 @@ from guardrails._metrics_file import (
     lock,
     sources,
 )
-from guardrails._perms import restrict
+from guardrails.util.files import fsync_path, restrict
 
 logger = logging.getLogger("guardrails.telemetry")
 

@@ -8,7 +8,7 @@ Read it with ``pandas.read_json(path, lines=True)`` or ``pyarrow.json.read_json`
 
 A file that cannot be written (a full disk, a read-only remount: any ``OSError``) does
 not end the run: the events are kept in memory (at most :data:`MAX_PENDING`, the oldest
-dropped beyond it and counted), the trouble is logged once (:mod:`guardrails._storage`)
+dropped beyond it and counted), the trouble is logged once (:mod:`guardrails.util.storage`)
 and the next event retries, writing the kept ones first, in order. A full disk stopped
 the guard from starting before this: the ``start`` event could not be written.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from guardrails._storage import Trouble
+from guardrails.util.storage import Trouble
 
 logger = logging.getLogger("guardrails.guard")
 

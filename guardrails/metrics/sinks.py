@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from guardrails._checks import positive_int
+from guardrails.util.checks import positive_int
 
 logger = logging.getLogger("guardrails.sinks")
 
@@ -691,7 +691,7 @@ class MLflowSink(Sink):
         if not self._dirty:
             return
         self._dirty = False
-        from guardrails._events import json_safe
+        from guardrails.metrics.events import json_safe
 
         text = "".join(json.dumps(json_safe(e), default=str) + "\n" for e in self._events)
         self._client.log_text(self.run_id, text, "guardrails/events.jsonl")

@@ -80,3 +80,12 @@ def restrict_tree(root: str | os.PathLike[str]) -> None:
     for dirpath, dirnames, filenames in os.walk(root):
         for name in (*dirnames, *filenames):
             restrict(os.path.join(dirpath, name))
+
+
+def fsync_path(path: Path | str) -> None:
+    """fsync a file or a directory by path (a directory: so a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,10 +1,10 @@
 """Readings of this host for diagnosis: versions, GPUs, topology, CPU, ports, processes.
 
 Each function reads one thing and returns plain JSON-able data; none judges it (that is
-:mod:`guardrails._doctor` for the ``doctor`` report and :mod:`guardrails._env_rules` for
+:mod:`guardrails.cli.doctor` for the ``doctor`` report and :mod:`guardrails.cli.env_rules` for
 the environment). ``doctor`` shows them; other modules reuse single readings where an
-error needs them: :mod:`guardrails._launch` asks whether ``MASTER_PORT`` is taken and
-by whom (:func:`port_status`), :mod:`guardrails._explain` names the holder of the port
+error needs them: :mod:`guardrails.distributed.launch` asks whether ``MASTER_PORT`` is taken and
+by whom (:func:`port_status`), :mod:`guardrails.guards.explain` names the holder of the port
 in an "Address already in use" error (:func:`port_holders`), and the preflight compares
 the ranks' CPUs (:func:`cpu_info`: bf16 support differs between node types).
 

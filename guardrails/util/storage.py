@@ -6,7 +6,7 @@ Those writes are not worth a run: on an ``OSError`` they keep what they could no
 write in memory, bounded, say so once (and again at most every
 :data:`WARN_EVERY_S`), and retry at their next write. Checkpoints are the one write a
 run depends on; their errors are :class:`guardrails.CheckpointError` with the fix
-(:func:`fix_for`), raised by :mod:`guardrails._checkpoint`.
+(:func:`fix_for`), raised by :mod:`guardrails.checkpoint`.
 
 Imports neither torch nor numpy (the events log is plumbing every part uses).
 """

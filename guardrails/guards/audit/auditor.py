@@ -97,7 +97,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from guardrails._audit_calls import (
+from guardrails._errors import CollectiveMismatchError
+from guardrails.distributed.store import claim_verdict, read_verdict
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.guards.audit.calls import (
     _FRAME_WALK,
     _MAX,
     _OWN_DIRS,
@@ -111,17 +115,13 @@ from guardrails._audit_calls import (
     _user_frame,
     entry_dict,
 )
-from guardrails._audit_flight import _SLOT, _SLOT_HEAD, _Ring, _ring_path, _sweep_stale_rings
-from guardrails._audit_report import _error
-from guardrails._audit_seq import _display, _fields, _History, _merge
-from guardrails._checks import non_negative
-from guardrails._component import Component
-from guardrails._config import configure
-from guardrails._errors import CollectiveMismatchError
-from guardrails._store import claim_verdict, read_verdict
+from guardrails.guards.audit.flight import _SLOT, _SLOT_HEAD, _Ring, _ring_path, _sweep_stale_rings
+from guardrails.guards.audit.report import _error
+from guardrails.guards.audit.seq import _display, _fields, _History, _merge
+from guardrails.util.checks import non_negative
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 log = logging.getLogger("guardrails.audit")
 _get_ident = threading.get_ident  # bound once: read on every collective call
@@ -172,6 +172,7 @@ class CollectiveAuditor(Component):
             self.flight_recorder = bool(self.flight_recorder)
 
     name = "audit"
+    distributed_only = True
     # Closing runs in reverse: a mismatch that explains a peer's crash replaces the
     # loop's error before the watchdog's "rank failed" would.
     after = ("watchdog",)

@@ -7,12 +7,12 @@ lookup or a bounded frame walk (see ``_audit.py`` for the measured cost).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from guardrails.engine.where import PACKAGE_DIR, TORCH_DIR
 
 # op -> (tensor arg position, reduce-op position, root (name, position), group position,
 # async_op position, kind). Positions read off torch 2.13's signatures; they are the
@@ -107,7 +107,7 @@ def is_own(entry: tuple[Any, ...]) -> bool:
 
 #: Frames that are not the user's loop: guardrails' own, and torch's (an optimizer's
 #: step wrapper, an LR scheduler's).
-_OWN_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+_OWN_DIRS = (PACKAGE_DIR, TORCH_DIR)
 _TENSOR_KW = {
     "all_reduce": "tensor",
     "broadcast": "tensor",

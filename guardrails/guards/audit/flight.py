@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from guardrails import _dist
-from guardrails._audit_seq import _digest, _row
+from guardrails.distributed import dist
+from guardrails.guards.audit.seq import _digest, _row
 
 log = logging.getLogger("guardrails.audit")
 
@@ -55,7 +55,7 @@ def _sweep_stale_rings(older_than_s: float = 60.0) -> None:
                     continue
                 with open(path, "rb") as f:
                     magic, _, pid, _ = _HEADER.unpack(f.read(_HEADER.size))
-                if magic == _MAGIC and not _dist.pid_alive(pid):
+                if magic == _MAGIC and not dist.pid_alive(pid):
                     os.unlink(path)
 
 

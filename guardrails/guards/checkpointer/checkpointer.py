@@ -27,7 +27,7 @@ What it does, and where the cost goes:
   and commits while training goes on. The next save waits for the previous one; a
   writer error is raised in the main thread at the next step boundary. Sharded state
   (FSDP2) is staged into pinned memory the same way and written in DCP's format by the
-  writer thread (``_sharded.ShardWriter``). The signal save is synchronous (the
+  writer thread (``sharded.ShardWriter``). The signal save is synchronous (the
   process is about to exit), and a periodic save still being written when it comes
   is abandoned: its files go to disk a piece at a time, so it stops within a piece.
 * **Grace period**: torchrun and SLURM send SIGKILL 30 s after SIGTERM. Every save is
@@ -36,7 +36,7 @@ What it does, and where the cost goes:
 * **Multi-rank commit**: every rank writes its own files (RNG streams, data position)
   into one temp directory (``run_dir`` must be on a disk every rank sees), publishes
   their sizes and checksums through the side store, and rank 0 writes the manifest and
-  renames: one atomic commit for the whole job (see ``_checkpoint.py``).
+  renames: one atomic commit for the whole job (see ``format.py``).
 * **A save that cannot be written** (a full disk, a read-only remount, permissions) is
   a :class:`~guardrails.CheckpointError` naming the cause and the fix; what happens
   then depends on what it would cost:
@@ -66,18 +66,13 @@ What it does, and where the cost goes:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import select
-import shutil
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,38 +80,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from guardrails import _checkpoint, _data, _digest, _exit, _model, _perms, _sharded, _storage
-from guardrails._checks import config_dict, positive_int
-from guardrails._component import Component
-from guardrails._config import configure
-from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
-from guardrails._events import to_console
+from guardrails._errors import CheckpointError
+from guardrails.checkpoint import commit, sharded, stage
+from guardrails.engine import model, process
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.guards.checkpointer.resume import ResumeAtStart
+from guardrails.guards.checkpointer.signals import SignalCapture
+from guardrails.guards.checkpointer.writer import CheckpointWriter
+from guardrails.util.checks import config_dict, positive_int
 
 log = logging.getLogger("guardrails.checkpoint")
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 #: The signals that mean "save and stop" by default (SIGUSR1 where the OS has it).
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-#: How long rank 0 waits for the other ranks' files, and they for its commit: a rank
-#: that is this late has died or hung (the watchdog reports which).
-_COMMIT_TIMEOUT_S = 600.0
-#: How long rank 0 waits for the other ranks to read a commit's outcome.
-_ACK_WAIT_S = 10.0
-#: Warn when a save takes more than this share of the grace period: the step in flight
-#: when the signal comes must finish too.
-_GRACE_SHARE = 0.8
-# After a stop signal, a rank whose main thread shows no progress (no step, batch, phase
-# or collective) for this long cannot reach a step boundary to save: it is stuck (in a
-# collective waiting for a stuck peer, in its loader, in a C call where Python signal
-# handlers never run) and exits with 128+signum. 5 s: several steps of any model that
-# advertises progress per phase; well inside torchrun's and SLURM's 30 s before SIGKILL,
-# which is what such a rank got before, with nothing written.
-_SIGNAL_STUCK_S = 5.0
 
 
-class SignalCheckpointer(Component):
+class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Component):
     """Checkpoints on SIGTERM / SIGINT / SIGUSR1 and every N steps or seconds, agreed on
     by every rank, and the resume that continues exactly. Knobs:
     :class:`SignalCheckpointer.Config` (``guardrails.guard(checkpoint=...)``)."""
@@ -291,7 +274,7 @@ class SignalCheckpointer(Component):
         self._warned_grace = False
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
-        self._writing: tuple[int, _checkpoint.Part] | None = None  # (step, its part)
+        self._writing: tuple[int, stage.Part] | None = None  # (step, its part)
         self._next_check = 1
         self._check_t = 0.0
         self._check_step = 0
@@ -306,7 +289,7 @@ class SignalCheckpointer(Component):
         # The writer of every sharded save (None for a model that is not sharded),
         # kept so its pinned staging and save plan are reused, and the thread
         # allocating that staging ahead of the first background save.
-        self._shard_writer: _sharded.ShardWriter | None = None
+        self._shard_writer: sharded.ShardWriter | None = None
         #: Deleting retired checkpoints (``.trash-*``) off the writer's path.
         self._emptying: threading.Thread | None = None
         self._dcp_prepared: threading.Thread | None = None
@@ -316,7 +299,7 @@ class SignalCheckpointer(Component):
         self._contents: dict[str, Any] = {}
         # Pinned host blocks every save stages device tensors into (allocated ahead of
         # the first periodic save, see _plan_staging; nothing is allocated on a CPU run).
-        self._staging = _checkpoint.Staging()
+        self._staging = stage.Staging()
         self._staging_planned = False
         #: Periodic saves skipped or delayed because the previous one was still writing.
         self.skipped_saves = 0
@@ -330,14 +313,14 @@ class SignalCheckpointer(Component):
             # A sharded optimizer (ZeroRedundancyOptimizer, or one that reduces the
             # gradients inside its step, like nanochat's: then the ranks' gradients, and
             # so their states, differ) holds a different part on every rank.
-            agree = all(_model.grads_agree(m) for m in guard.models.values())
+            agree = all(model.grads_agree(m) for m in guard.models.values())
             self._per_rank = {
                 name
                 for name, opt in guard.optimizers.items()
-                if _checkpoint.per_rank(opt) is not opt or not agree
+                if stage.per_rank(opt) is not opt or not agree
             }
-        self._contents = _checkpoint.contents_of(guard.optimizers, guard.schedulers, self._per_rank)
-        self._run = _checkpoint.run_record(self.run_config, guard.optimizers)
+        self._contents = commit.contents_of(guard.optimizers, guard.schedulers, self._per_rank)
+        self._run = commit.run_record(self.run_config, guard.optimizers)
         self._token = self._agree_token(guard)
         # This run's id, in every checkpoint it saves (rank 0's is the one written); a
         # resume replaces it with the resumed checkpoint's: the same run, continued.
@@ -346,9 +329,9 @@ class SignalCheckpointer(Component):
             # A re-save killed between its renames left the step's old copy aside:
             # back under its name before a resume picks (resume reads it either way).
             with contextlib.suppress(OSError):
-                _checkpoint.settle_asides(self.root)
+                commit.settle_asides(self.root)
         if guard.rank == 0:  # what a stop left in the trash (the save it abandoned...)
-            self._emptying = _checkpoint.empty_trash(self.root)
+            self._emptying = commit.empty_trash(self.root)
         if self.resume is not None:
             self._resume(guard)
         else:
@@ -356,8 +339,8 @@ class SignalCheckpointer(Component):
         self._last_save_t = self._check_t = time.monotonic()
         self._check_step = guard.step
         self._next_check = guard.step + 1
-        if _model.is_sharded(_model.unwrap(guard.model)):
-            self._shard_writer = _sharded.ShardWriter()  # no memory until it stages
+        if model.is_sharded(model.unwrap(guard.model)):
+            self._shard_writer = sharded.ShardWriter()  # no memory until it stages
         if threading.current_thread() is not threading.main_thread():
             if self.signals:
                 guard.event(
@@ -374,92 +357,10 @@ class SignalCheckpointer(Component):
         if self.signals:
             self._watch_signals(guard)
 
-    def _watch_signals(self, guard: Guard) -> None:
-        """A thread that learns of a stop signal even while the main thread is stuck.
-
-        Python runs a signal handler only when the main thread executes bytecode, so a
-        rank blocked in a collective or a C call never runs ours: it ignored its
-        launcher's SIGTERM until the SIGKILL 30 s later. The C-level handler also writes
-        the signal number to the wakeup fd (``signal.set_wakeup_fd``), which this thread
-        reads; bytes for a wakeup fd set before ours (asyncio's) are passed on to it."""
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        try:
-            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        except (ValueError, OSError):  # not the main thread, or an unusable fd
-            os.close(read_fd)
-            os.close(write_fd)
-            return
-        self._wakeup = (read_fd, write_fd)
-        nums = {int(getattr(signal, name)) for name in self.signals}
-        self._watcher = threading.Thread(
-            target=self._watch, args=(guard, read_fd, nums), name="guardrails-signals", daemon=True
-        )
-        self._watcher.start()
-
-    def _watch(self, guard: Guard, read_fd: int, nums: set[int]) -> None:
-        from guardrails._watchdog import main_thread_site, progress_key
-
-        signum = 0
-        key: Any = None
-        since = 0.0
-        while True:
-            timeout = None if not signum else 0.5
-            ready, _, _ = select.select([read_fd], [], [], timeout)
-            if ready:
-                try:
-                    data = os.read(read_fd, 64)
-                except OSError:
-                    return
-                if not data:  # closed at on_end
-                    return
-                if self._previous_wakeup >= 0:
-                    with contextlib.suppress(OSError):
-                        os.write(self._previous_wakeup, data)
-                if not signum:
-                    signum = next((b for b in data if b in nums), 0)
-                    self._watched_signal = signum or None
-                    key, since = progress_key(guard), time.monotonic()
-            if not signum or self._stop_at is not None or guard.stopping is not None:
-                continue  # no signal yet, or the stop is under way: its save is bounded
-            now = time.monotonic()
-            here = progress_key(guard)
-            if here != key or guard.paused:
-                key, since = here, now
-                continue
-            step_s = guard.step_time_s if guard.step_time_s == guard.step_time_s else 0.0
-            wait_s = min(self.grace_s / 2, max(_SIGNAL_STUCK_S, 3 * step_s))
-            if now - since < wait_s:
-                continue
-            name = signal.Signals(signum).name
-            message = (
-                f"{name} received at step {guard.step}, but this rank made no progress "
-                f"for {now - since:.0f} s after it (its main thread is at "
-                f"{main_thread_site()}), so it could not reach a step boundary to save: "
-                f"exited without a checkpoint; {self._last_checkpoint()}. If the job "
-                "should have saved, see why this rank was stuck (the other ranks' "
-                "reports, or the watchdog's)."
-            )
-            guard.die(_exit.stop_exit(128 + signum, message))
-            return
-
     def _last_checkpoint(self) -> str:
         if self.last_path is not None:
             return f"the last checkpoint is {self.last_path}"
         return "no checkpoint was saved in this run"
-
-    def _unwatch_signals(self) -> None:
-        if self._wakeup is None:
-            return
-        read_fd, write_fd = self._wakeup
-        self._wakeup = None
-        with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
-            signal.set_wakeup_fd(self._previous_wakeup)
-        os.close(write_fd)  # the thread reads EOF and ends
-        if self._watcher is not None:
-            self._watcher.join(1.0)
-            self._watcher = None
-        os.close(read_fd)
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         try:
@@ -471,7 +372,7 @@ class SignalCheckpointer(Component):
                 # happened; a "rank 1 died" report would be a false alarm.
                 name = signal.Signals(signum).name
                 guard.replace_error(
-                    _exit.stop_exit(
+                    process.stop_exit(
                         128 + signum,
                         f"{name} received at step {guard.step}; before the ranks could "
                         f"agree to stop and save, this rank failed with "
@@ -516,22 +417,6 @@ class SignalCheckpointer(Component):
                 if self._emptying is not None and self._stop_at is None:
                     self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
                     self._emptying = None
-
-    def _restore_handlers(self) -> None:
-        self._unwatch_signals()
-        for num, previous in self._previous.items():
-            _exit.restore_handler(num, previous)  # after a failing close's hold, if any
-        self._previous = {}
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        # A flag only: this runs between two bytecodes of whatever the main thread was
-        # doing (maybe inside the logging module's lock), so no I/O and no collective.
-        if self._signal is None:
-            self._signal = signum
-            return
-        if signum == signal.SIGINT:  # the second Ctrl+C: out, now
-            self._restore_handlers()
-            raise KeyboardInterrupt
 
     # ------------------------------------------------------------------ per step
 
@@ -631,31 +516,6 @@ class SignalCheckpointer(Component):
             delayed=delayed,
         )
 
-    def _plan_staging(self, guard: Guard) -> None:
-        """Allocate the pinned staging memory of the first periodic save now, in a
-        thread, while training goes on: once the optimizer has stepped, its state exists
-        and the sizes are known. Without it the first save paid for pinning its whole
-        state (5.9 s of stall at 10 GB, H200)."""
-        if guard.step < 1:
-            return  # the optimizer's state appears at its first step
-        self._staging_planned = True
-        if not torch.cuda.is_available():
-            return  # nothing to pin without a GPU
-        bare = _model.unwrap(guard.model)
-        if _model.is_sharded(bare):
-            if self._shard_writer is not None and self.background:  # it stages them
-                self._dcp_prepared = _sharded.prepare_staging(
-                    self._shard_writer.stager, bare, guard.optimizer, self._dcp_stats
-                )
-            return
-        try:
-            part = _checkpoint.Part(measure=True)
-            self._stage(guard, part, measure=True)
-            if part.device_bytes:
-                self._staging.prepare(part.device_bytes, guard.device)
-        except Exception as e:  # only an optimisation: the save itself will say what fails
-            log.debug("guardrails: staging memory not allocated ahead: %r", e)
-
     def _stop(self, guard: Guard, *, exit_now: bool = True) -> None:
         name = signal.Signals(self._stop_signal).name
         mine = self._signal == self._stop_signal
@@ -698,7 +558,7 @@ class SignalCheckpointer(Component):
         # code of the exit raised here (and of a close at the interpreter's exit).
         guard.request_stop(reason, exit_code=128 + self._stop_signal)
         if exit_now:
-            raise _exit.stop_exit(128 + self._stop_signal, reason)
+            raise process.stop_exit(128 + self._stop_signal, reason)
 
     # ------------------------------------------------------------------ saving
 
@@ -711,855 +571,4 @@ class SignalCheckpointer(Component):
             e.rehint(f"{e.hint} Meanwhile {self._latest_text()}.")
             raise
 
-    def _save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
-        step = guard.step
-        if final_save:
-            self._abandon_older_write(guard, step)
-        self._settle_writer(guard, stopping=final_save)  # the next save waits for the previous one
-        done = self.last_path
-        if final_save and done is not None and done.name == f"step_{step:09d}":
-            # The signal came while this very step's periodic save was being written:
-            # that save (now committed) is the checkpoint; writing it again would only
-            # spend the grace period.
-            return done
-        t0 = time.perf_counter()
-        with guard.pause_watchdog("checkpoint"):
-            part = _checkpoint.Part(self._staging)
-            bare = _model.unwrap(guard.model)
-            if self._shard_writer is not None:  # sharded: every rank writes its shards
-                writer = self._shard_writer
-                try:
-                    if background:  # staged to host memory now; the writer thread writes
-                        if self._dcp_prepared is not None:
-                            # Its memory still being allocated ahead: wait rather than
-                            # have DCP allocate a second copy.
-                            t_wait = time.perf_counter()
-                            self._dcp_prepared.join()
-                            self._dcp_prepared = None
-                            waited = round(time.perf_counter() - t_wait, 3)
-                            self._dcp_stats["waited_s"] = waited
-                        part.dcp = (writer, writer.stage(bare, guard.optimizer))
-                    else:  # written below, in this thread, before training goes on
-                        part.dcp = (writer, writer.live(bare, guard.optimizer))
-                except BaseException as e:
-                    error = _write_error(self.root / f"step_{step:09d}", step, e)
-                    if error is not e:
-                        raise error from e
-                    raise
-            self._stage(guard, part)
-            part.ready()
-            self._last_saved_step = step
-            self._last_save_t = time.monotonic()
-            part.stage_s = blocking = time.perf_counter() - t0
-            if background:
-                self.blocking_times_s.append(blocking)
-                self._writing = (step, part)
-                self._writer = threading.Thread(
-                    target=self._write_safely,
-                    args=(guard, step, part, t0),
-                    name="guardrails-checkpoint-writer",
-                )
-                self._writer.start()
-                return self.root / f"step_{step:09d}"
-            path = self._write(guard, step, part, t0, final_save=final_save)
-            self.blocking_times_s.append(time.perf_counter() - t0)
-            return path
-
-    def _stage(self, guard: Guard, part: _checkpoint.Part, *, measure: bool = False) -> None:
-        """Stage what this rank writes into ``part``: rank 0 the replicated state (model,
-        optimizers, schedulers, scaler, ``g.state``), every rank its own (data position,
-        RNG, the components' state, optimizer state that differs per rank). With
-        ``measure``, only what lives on the device is looked at (its sizes, in the same
-        order a save stages it: :meth:`_plan_staging`)."""
-        bare = _model.unwrap(guard.model)
-        is_sharded = _model.is_sharded(bare)
-        stems = _checkpoint.stems("optimizer", list(guard.optimizers))
-        replicated = {
-            n: o for n, o in guard.optimizers.items() if not is_sharded and n not in self._per_rank
-        }
-        per_rank = {stems[n]: guard.optimizers[n] for n in sorted(self._per_rank)}
-        if measure:  # the device tensors below, in the order they are staged
-            if guard.rank == 0:
-                if not is_sharded:
-                    part.add_tensors("model.safetensors", bare.state_dict(), copy=False)
-                for name, opt in replicated.items():
-                    _checkpoint.stage_optimizer(part, name, opt, copy=False)
-            for stem, opt in per_rank.items():
-                _checkpoint.stage_optimizer(part, stem, opt, copy=False)
-            return
-        if guard.rank == 0:
-            _checkpoint.stage_replicated(
-                model=None if is_sharded else bare,
-                optimizers=replicated,
-                schedulers=guard.schedulers,
-                scaler=guard.scaler,
-                extras=guard.state,
-                part=part,
-            )
-        position, tensors = _data.save_position(guard)
-        components = {
-            c.name: state for c in guard.components if (state := c.state_dict()) is not None
-        }
-        state = {
-            "step": guard.step,
-            "data": position,
-            "components": components,
-        }
-        _checkpoint.stage_rank(
-            guard.rank, state=state, tensors=tensors, optimizers=per_rank, part=part
-        )
-
-    def _abandon_older_write(self, guard: Guard, step: int) -> None:
-        """A stop's save while a periodic save of an earlier step is still being written:
-        that write is abandoned (uncommitted; its temp directory removed), so the stop's
-        save, which supersedes it, starts now. Waiting for it cost the H100 benchmark's
-        10 GB pre-emption ~5 s of the launcher's 30 s grace period."""
-        writing, self._writing = self._writing, None
-        if writing is None or self._writer is None or not self._writer.is_alive():
-            return
-        old_step, part = writing
-        if old_step == step:
-            return  # this very step: its save is the checkpoint (see _save)
-        part.cancel.set()
-        self._writer.join()
-        self._writer = None
-        error, self._writer_error = self._writer_error, None
-        if error is None:
-            return  # it was past its last piece: committed after all
-        guard.event(
-            "checkpoint_abandoned",
-            step=old_step,
-            message=f"the save of step {old_step}, still being written, was abandoned: "
-            f"the stop's save of step {step} supersedes it.",
-        )
-        if not isinstance(error, _digest.Cancelled):
-            log.debug("guardrails: the abandoned save of step %d also failed: %r", old_step, error)
-
-    def _write_safely(self, guard: Guard, step: int, part: _checkpoint.Part, t0: float) -> None:
-        try:
-            self._write(guard, step, part, t0)
-        except BaseException as e:  # raised in the main thread at the next boundary
-            self._writer_error = e
-
-    def _write(
-        self,
-        guard: Guard,
-        step: int,
-        part: _checkpoint.Part,
-        t0: float,
-        *,
-        final_save: bool = False,
-    ) -> Path:
-        root, rank = self.root, guard.rank
-        final = root / f"step_{step:09d}"
-        store = guard.side_store("checkpoint")
-        key = f"{self._token}/{step}"
-        tmp: Path | None = None
-        files: dict[str, Any] = {}
-        try:
-            if rank == 0:
-                _perms.make_dirs(root)
-                # A stop's save leaves the cleaning to the next start: deleting the
-                # checkpoint the last periodic save retired takes seconds at 10 GB.
-                if not final_save:
-                    if self._emptying is not None:  # it had a whole save interval
-                        self._emptying.join()
-                        self._emptying = None
-                    _checkpoint.remove_leftovers(root, keep=self._token)
-            tmp = _checkpoint.begin(root, step, self._token)
-            part.write(tmp, files)
-            t_shards = time.perf_counter()
-            if part.dcp is not None:  # a sharded save: its shards next
-                writer, staged = part.dcp
-                records = writer.write(
-                    tmp,
-                    staged,
-                    rank=rank,
-                    world=guard.world_size,
-                    store=store,
-                    key=key,
-                    cancel=part.cancel,
-                    timeout_s=_COMMIT_TIMEOUT_S,
-                )  # hashed as written
-                part.sealed = [tmp / _sharded.DCP_DIR / name for name in records]
-                files.update({f"{_sharded.DCP_DIR}/{n}": r for n, r in records.items()})
-            part.write_s += time.perf_counter() - t_shards
-        except BaseException as e:
-            error = _write_error(final, step, e)
-            if store is not None:  # so rank 0 does not wait for files that never come
-                said = error.message if isinstance(error, CheckpointError) else repr(e)
-                store.set(f"{key}/files/{rank}", json.dumps({"error": said}))
-                if rank == 0:  # nor the other ranks for a commit that never comes
-                    store.set(f"{key}/commit", json.dumps({"error": said}))
-            if tmp is not None and rank == 0:
-                trashed = False
-                if part.cancel.is_set():  # abandoned by a stop: the next start deletes it
-                    with contextlib.suppress(OSError):
-                        _checkpoint.to_trash(tmp)
-                        trashed = True
-                if not trashed:
-                    shutil.rmtree(tmp, ignore_errors=True)
-            if error is not e:
-                raise error from e
-            raise
-        t_commit = time.perf_counter()
-        try:
-            if store is None:
-                final = _checkpoint.commit(
-                    root,
-                    step,
-                    tmp,
-                    files,
-                    world_size=1,
-                    ranks=[0],
-                    keep_last=self.keep_last,
-                    delete_old=False,  # retired to .trash-*; deleted below
-                    contents=self._contents,
-                    run=self._run,
-                    adopt_unlabelled=self._adopt_unlabelled,
-                )
-            else:
-                store.set(f"{key}/files/{rank}", json.dumps(files))
-                final = self._commit_together(guard, store, key, root, step, tmp, files, final_save)
-        except BaseException as e:  # the manifest or the rename failed: nothing committed
-            if store is None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            error = _write_error(final, step, e)
-            if error is not e:
-                raise error from e
-            raise
-        took = time.perf_counter() - t0
-        if rank == 0 and not final_save:  # the stop's save leaves them to the next start
-            self._emptying = _checkpoint.empty_trash(root)
-        self.save_times_s.append(took)
-        self.last_path = final
-        self._committed_step = step
-        # Where the time went: staging blocks training (device-to-host copy); writing
-        # includes hashing (done on the way to disk); the fsyncs wait for the disk;
-        # commit is the manifest, the rename and (multi-rank) waiting for every rank.
-        guard.event(
-            "checkpoint",
-            step=step,
-            path=str(final),
-            bytes=part.nbytes,
-            seconds=round(took, 3),
-            stage_s=round(part.stage_s, 3),
-            write_s=round(part.write_s, 3),
-            fsync_s=round(part.fsync_s, 3),
-            commit_s=round(time.perf_counter() - t_commit, 3),
-            background=threading.current_thread() is not threading.main_thread(),
-            sharded=bool(part.sealed),
-            **({"dcp_staging": dict(self._dcp_stats)} if part.sealed and self._dcp_stats else {}),
-        )
-        if took > _GRACE_SHARE * self.grace_s and not self._warned_grace:
-            self._warned_grace = True
-            guard.event(
-                "checkpoint_slow",
-                level="warning",
-                message=f"saving a checkpoint took {took:.1f} s ({part.nbytes / 1e9:.2f} GB "
-                f"on rank {rank}), more than {_GRACE_SHARE:.0%} of the {self.grace_s:.0f} s "
-                "the launcher waits between SIGTERM and SIGKILL: a pre-emption would "
-                "likely lose this save. Save to a faster disk (local NVMe, then copy), "
-                "checkpoint more often so less is lost, or ask the scheduler for an "
-                "earlier warning (SLURM: --signal=USR1@120) and raise grace_s to match.",
-                seconds=round(took, 3),
-                grace_s=self.grace_s,
-            )
-        return final
-
-    def _commit_together(
-        self,
-        guard: Guard,
-        store: Any,
-        key: str,
-        root: Path,
-        step: int,
-        tmp: Path,
-        files: dict[str, Any],
-        final_save: bool,
-    ) -> Path:
-        """Rank 0 commits once every rank's files are in; the others wait for its word."""
-        timeout = timedelta(seconds=_COMMIT_TIMEOUT_S)
-        world = guard.world_size
-        if guard.rank != 0:
-            store.wait([f"{key}/commit"], timeout)
-            result = json.loads(store.get(f"{key}/commit"))
-            store.add(f"{key}/ack", 1)  # rank 0 may exit (and take its store) after this
-            if "error" in result:
-                raise CheckpointError(
-                    f"checkpoint step {step} was not committed: {result['error']}",
-                    step=step,
-                    rank=guard.rank,
-                    path=str(root / f"step_{step:09d}"),
-                    hint="see rank 0's log for the cause and its fix (free space, the "
-                    "permissions of run_dir, or another run_dir); the previous checkpoints "
-                    "are intact.",
-                )
-            return Path(result["path"])
-        try:
-            keys = [f"{key}/files/{r}" for r in range(world)]
-            try:
-                store.wait(keys, timeout)
-            except Exception as e:
-                missing = [r for r, k in enumerate(keys) if not store.check([k])]
-                raise CheckpointError(
-                    f"rank(s) {missing} did not finish writing checkpoint step {step} "
-                    f"within {_COMMIT_TIMEOUT_S:.0f} s",
-                    step=step,
-                    path=str(tmp),
-                    hint="those ranks died or hung mid-save; the previous checkpoints are intact.",
-                ) from e
-            merged: dict[str, Any] = {}
-            for r, k in enumerate(keys):
-                got = json.loads(store.get(k))
-                if "error" in got:
-                    raise CheckpointError(
-                        f"rank {r} could not write its part of checkpoint step {step}: "
-                        f"{got['error']}",
-                        step=step,
-                        path=str(tmp),
-                        hint="free space, or check the permissions of run_dir, on that "
-                        "rank's node, or point run_dir at another disk; the previous "
-                        "checkpoints are intact.",
-                    )
-                merged.update(got)
-            final = _checkpoint.commit(
-                root,
-                step,
-                tmp,
-                merged,
-                world_size=world,
-                ranks=list(range(world)),
-                keep_last=self.keep_last,
-                delete_old=False,  # retired to .trash-*; deleted below
-                contents=self._contents,
-                run=self._run,
-                adopt_unlabelled=self._adopt_unlabelled,
-            )
-        except BaseException as e:
-            error = _write_error(root / f"step_{step:09d}", step, e)
-            said = f"{type(e).__name__}: {e}"
-            if isinstance(error, CheckpointError):
-                said = error.message
-            store.set(f"{key}/commit", json.dumps({"error": said}))
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        store.set(f"{key}/commit", json.dumps({"path": str(final)}))
-        # Outside torchrun rank 0's process hosts the store: after a signal save it
-        # exits at once, so wait (briefly) until every rank has read the outcome.
-        deadline = time.monotonic() + _ACK_WAIT_S
-        while store.add(f"{key}/ack", 0) < world - 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return final
-
-    def _settle_writer(self, guard: Guard, *, stopping: bool = False) -> None:
-        """Wait for the background writer; a save it could not write is handled like
-        any failed periodic save (:meth:`_save_failed`), anything else raised. When
-        ``stopping`` (a signal's stop is about to save), any failure of the older save
-        is only said: the stop's own save must still be tried, or a pre-emption would
-        lose every step since the last checkpoint to an error of a save it supersedes
-        (a writer process killed by the launcher's SIGTERM, say)."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        error = self._writer_error
-        if isinstance(error, CheckpointError) or (stopping and error is not None):
-            self._writer_error = None
-            step = None if self._writing is None else self._writing[0]
-            self._save_failed(guard, _writer_failed(error, self.root, step), stopping=stopping)
-        else:
-            self._wait_writer(raise_error=True)
-
-    def _save_failed(self, guard: Guard, error: CheckpointError, *, stopping: bool = False) -> None:
-        """A periodic save could not be written (a full disk, permissions): a warning,
-        and training goes on with the previous checkpoint as the latest; the next save
-        retries. Raised when this run has no checkpoint to fall back on (a run_dir that
-        takes none at all is a setup mistake, best found now), unless ``stopping``: the
-        stop's save is the retry, and it comes next."""
-        self._last_saved_step = self._committed_step  # the next save retries
-        if self._writing is not None and self._writing[0] == error.step:
-            self._writing = None
-        if self.last_path is None and not stopping:
-            raise error.rehint(
-                f"{error.hint} This run has no checkpoint yet to fall back on, so it stops "
-                "at its first save rather than train on unprotected (a pre-emption would "
-                "lose every step). Periodic saves that fail later, once one was written, "
-                "are warnings and training goes on."
-            )
-        self.failed_saves += 1
-        now = time.monotonic()
-        again = now - self._failed_warned_t < _storage.WARN_EVERY_S
-        if not again:
-            self._failed_warned_t = now
-        step = error.step if error.step is not None else guard.step
-        then = (
-            f"The stop's save comes next; until it commits, {self._latest_text()}"
-            if stopping
-            else f"Training goes on and the next periodic save retries ({self.failed_saves} "
-            f"failed so far); {self._latest_text()}, and a pre-emption now loses the steps "
-            "since"
-        )
-        guard.event(
-            "checkpoint_failed",
-            # Once, then at most every 10 min while saves keep failing (the others are
-            # in the events at INFO, each with its cause).
-            level="info" if again else "warning",
-            step=step,
-            message=f"the checkpoint of step {step} could not be saved: {error.message}. "
-            f"{then}. Fix: {error.hint}",
-            path=error.path,
-            failed=self.failed_saves,
-        )
-
-    def _latest_text(self) -> str:
-        """Which checkpoint stays the latest, in words."""
-        if self.last_path is None:
-            return "this run has no checkpoint, so a re-run starts from scratch"
-        return (
-            f"the latest checkpoint is {self.last_path} (step {self._committed_step}), "
-            "which a re-run of the same command resumes"
-        )
-
-    def _wait_writer(self, *, raise_error: bool) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
-        error, self._writer_error = self._writer_error, None
-        if error is not None and raise_error:
-            if isinstance(error, GuardrailsError):
-                raise error
-            raise _writer_failed(error, self.root) from error
-
     # ------------------------------------------------------------------ resume
-
-    def _prepare(self, guard: Guard, ckpt: Path) -> _checkpoint.Plan:
-        """``_checkpoint.prepare`` for the guard (everything read and checked, nothing
-        applied), with the data position checked against this run's loader; its
-        ``ResumeError`` says how to fix it in ``guard()``'s terms (``guard()`` has no
-        ``strict`` and takes every optimizer and scheduler it guards), and names the way
-        out when this is another run: a run_dir of its own."""
-        try:
-            return _checkpoint.prepare(
-                ckpt,
-                _model.unwrap(guard.model),
-                guard.optimizers,
-                scheduler=guard.schedulers or None,
-                scaler=guard.scaler,
-                allow_world_size_change=self.allow_world_size_change,
-                check=lambda state, f: _data.check_position(guard.loader, state.get("data"), f),
-            )
-        except ResumeError as e:
-            remedy = getattr(e, "remedy", None)
-            fresh = f"or, if this is another run, {self._new_run(guard)}. Nothing was modified."
-            if remedy == "strict":
-                raise e.rehint(
-                    "build the model with the same architecture and config that was saved; "
-                    "to load only the matching part (a backbone under a new head), call "
-                    f"guardrails.resume('{ckpt}', model, strict=False) before the guard and "
-                    "pass guard(..., resume=None); " + fresh
-                ) from None
-            if remedy == "no_model":
-                raise e.rehint(
-                    "its manifest lists no model file, so there is no model to resume: "
-                    "resume from an older step_* directory (guard(..., resume=...)), or "
-                    "start fresh with resume=None; " + fresh
-                ) from None
-            if remedy == "no_optimizer":
-                raise e.rehint(
-                    "build the optimizer over the same parameters, in the same order and "
-                    "param groups, as the run that saved it; to restart the optimizer from "
-                    f"scratch, call guardrails.resume('{ckpt}', model) before the guard and "
-                    "pass guard(..., resume=None); " + fresh
-                ) from None
-            if remedy is not None and remedy.startswith("no_"):
-                what = remedy[3:]
-                raise e.rehint(
-                    f"the checkpoint holds no {what}: resume it without one (leave "
-                    f"{what}= out of guard(...)), or call guardrails.resume('{ckpt}', "
-                    f"model, optimizer, strict=False) before the guard and pass "
-                    "guard(..., resume=None); " + fresh
-                ) from None
-            if remedy == "world_size":
-                raise e.rehint(
-                    f"relaunch with {e.saved_world} rank(s) for an exact resume; or pass "
-                    "guard(..., checkpoint={'allow_world_size_change': True}) to restore "
-                    "the replicated state and start the interrupted pass over; " + fresh
-                ) from None
-            if e.hint is not None and "run_dir" not in e.hint:
-                hint = e.hint.removesuffix(" Nothing was modified.")
-                raise e.rehint(f"{hint} {fresh}") from None
-            raise
-
-    def _new_run(self, guard: Guard) -> str:
-        """The way out when the checkpoints found belong to another run: where this one
-        should go instead, in the terms the user set it with."""
-        if self.directory is not None:
-            return (
-                "give this run a checkpoint directory of its own "
-                f"(guard(checkpoint={{'directory': ...}})), or move {self.root} away"
-            )
-        return (
-            "give this run a run_dir of its own (guard(run_dir=...); your script's "
-            f"--run-dir option, if it has one), or move {self.root} away"
-        )
-
-    def _agree_token(self, guard: Guard) -> str:
-        """One name per guard for this run's temp directories, the same on every rank."""
-        store = guard.side_store("checkpoint")
-        if store is None:
-            return uuid.uuid4().hex[:8]
-        if guard.rank == 0:
-            store.set("token", uuid.uuid4().hex[:8])
-        return store.get("token").decode()
-
-    def _resume(self, guard: Guard) -> None:
-        auto = self.resume == "auto"
-        where = self.root if auto else Path(self.resume)  # type: ignore[arg-type]
-        store = guard.side_store("checkpoint")
-        chosen: str | None = None
-        plan: _checkpoint.Plan | None = None
-        if guard.rank == 0:
-            try:
-                if auto and not _checkpoint.list_checkpoints(where):
-                    chosen = ""  # nothing saved yet: a fresh run
-                else:
-                    # Rank 0 reads and checks each candidate, newest first, against this
-                    # run (its model, optimizers, loader): a damaged one is skipped, said
-                    # in an event, and the previous one is tried.
-                    found, plan, skipped = _checkpoint.pick(
-                        where, lambda c: self._prepare(guard, c)
-                    )
-                    chosen = str(found)
-                    for name, why in skipped:
-                        guard.event(
-                            "checkpoint_invalid",
-                            level="warning",
-                            message=f"skipped checkpoint {name}: {why}; resuming from "
-                            f"{found.name} instead (delete or move {name} away to keep "
-                            "this from being said at every start)",
-                            checkpoint=name,
-                            reason=why,
-                            using=chosen,
-                        )
-            except GuardrailsError as e:
-                if store is not None:
-                    store.set("resume", json.dumps({"error": str(e)}))
-                if auto and getattr(e, "remedy", None) == "all_invalid":
-                    e.rehint(
-                        "every checkpoint under the run's checkpoint directory is invalid; "
-                        "restore them from a backup, pass resume=None to start fresh (they "
-                        "are kept), or resume= a specific checkpoint; if this is another "
-                        f"run, {self._new_run(guard)}."
-                    )
-                raise
-            if store is not None:
-                store.set("resume", json.dumps({"path": chosen}))
-        else:
-            assert store is not None
-            got = json.loads(store.get("resume"))
-            if "error" in got:
-                raise ResumeError(
-                    f"rank 0 could not pick a checkpoint to resume from: {got['error']}",
-                    rank=guard.rank,
-                    path=str(where),
-                )
-            chosen = got["path"]
-        if not chosen:
-            return
-        ckpt = Path(chosen)
-        # Checked before anything is restored, on every rank (the same manifest, and the
-        # preflight has compared the ranks' configs): a refusal leaves all as it was.
-        saved = _checkpoint.saved_run(ckpt)
-        changed = self._check_config(guard, ckpt, saved)
-        settings = self._settings_changed(saved)
-        if plan is None:  # the other ranks: their own files of the checkpoint rank 0 chose
-            try:
-                plan = self._prepare(guard, ckpt)
-            except CheckpointError as e:
-                raise e.rehint(_checkpoint._skip_hint(ckpt)) from None
-        # The components' own state first: their load_state_dict is theirs (a custom
-        # component's may refuse a well-formed dict), and a refusal must leave the
-        # model, optimizers, schedulers, scaler and RNG as they were.
-        self._load_components(guard, ckpt, plan.rank_state.get("components", {}))
-        with guard.quiet():  # a sharded load may step the optimizer to create its state
-            out = _checkpoint.apply(plan)
-        rank_state, tensors = out["rank_state"], out["rank_tensors"]
-        position = rank_state.get("data")
-        if position is not None and "loader" in rank_state:  # format 2 kept it beside
-            position = {**position, "loader": rank_state["loader"]}
-        self._last_saved_step = self._committed_step = out["step"]
-        # The same run, continued: its checkpoints keep the run's id (retention counts
-        # them together). One saved before run ids: a new id, and those without one
-        # count as this run's too (they are the run this one continues).
-        if isinstance(saved.get("id"), str):
-            self._run["id"] = saved["id"]
-        else:
-            self._adopt_unlabelled = True
-        guard.resume_from(out["step"], state=out["extras"], position=position, tensors=tensors)
-        self.last_path = Path(out["path"])
-        self._resumed = True
-        self._resumed_step = out["step"]
-        self._resumed_finished = saved.get("finished_at")
-        self._announce(guard, saved, changed, settings)
-
-    def _load_components(self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]) -> None:
-        """Each component's saved state into it, before anything else is restored: a
-        ``ResumeError`` naming the component if its ``load_state_dict`` raises."""
-        for c in guard.components:
-            if c.name not in saved:
-                continue
-            try:
-                c.load_state_dict(saved[c.name])
-            except Exception as e:
-                raise ResumeError(
-                    f"component {c.name!r} ({type(c).__name__}) could not load its state "
-                    f"from {ckpt}: {type(e).__name__}: {e}; nothing else was restored "
-                    "(model, optimizers, schedulers, scaler and RNG are as they were)",
-                    rank=guard.rank,
-                    path=str(ckpt),
-                    hint=f"fix {type(c).__name__}.load_state_dict for the state its "
-                    "state_dict() saved, or resume with a run_dir of its own to start fresh",
-                ) from e
-
-    def _check_config(
-        self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]
-    ) -> dict[str, tuple[Any, Any]]:
-        """The config keys that differ from the checkpoint's, ``key -> (saved, given)``;
-        a ``ResumeError`` unless ``allow_config_change`` allows them all."""
-        old, new = saved.get("config"), self._run.get("config")
-        if old is None or new is None:  # saved without one, or none given: nothing to compare
-            return {}
-        changed = {
-            key: (old.get(key, _ABSENT), new.get(key, _ABSENT))
-            for key in [*new, *(k for k in old if k not in new)]
-            if not (key in old and key in new and _same(old[key], new[key]))
-        }
-        allow = self.allow_config_change
-        refused = {
-            key: values
-            for key, values in changed.items()
-            if not (
-                allow is True or (allow and any(key == k or key.startswith(f"{k}.") for k in allow))
-            )
-        }
-        if not refused:
-            return changed
-        raise ResumeError(
-            f"{ckpt} was saved by a run with another config ({len(refused)} setting(s) "
-            f"differ: {_changes(refused)}): resuming it would continue that run's weights "
-            "and optimizer state under the new settings",
-            step=int(saved["step"]),
-            path=str(ckpt),
-            changed=refused,
-            hint=f"if this is a new run, {self._new_run(guard)}; the same command then "
-            "starts fresh. To continue that run with the new settings, pass "
-            "guard(..., checkpoint={'allow_config_change': True}), or a list of the keys "
-            f"that may change ({list(refused)[:3]}). Nothing was modified.",
-        )
-
-    def _settings_changed(self, saved: Mapping[str, Any]) -> list[str]:
-        """Each optimizer setting the code now builds differently from the run that saved
-        the checkpoint (both as built, before any step or resume: a scheduler's moves
-        of ``lr`` are not a change), as ``"group 0 lr: checkpoint 0.1, code 0.05"``."""
-        old = saved.get("optimizer_settings") or {}
-        new = self._run["optimizer_settings"]
-        if not old:  # saved before settings were recorded
-            return []
-        lone = len(new) == 1 and len(old) == 1
-        found = []
-        for name, groups in new.items():
-            was = next(iter(old.values())) if lone else old.get(name)
-            if was is None or len(was) != len(groups):  # the load names a real mismatch
-                continue
-            who = "" if len(new) == 1 else f"optimizer {name!r} "
-            for i, (before, now) in enumerate(zip(was, groups, strict=True)):
-                for key, value in now.items():
-                    # Keys one torch version has and another lacks are not settings
-                    # the user changed.
-                    if key in before and not _same(before[key], value):
-                        found.append(
-                            f"{who}group {i} {key}: checkpoint {_show(before[key])}, "
-                            f"code {_show(value)}"
-                        )
-        return found
-
-    def _announce(
-        self,
-        guard: Guard,
-        saved: Mapping[str, Any],
-        changed: Mapping[str, tuple[Any, Any]],
-        settings: list[str],
-    ) -> None:
-        """Say the resume on the console (rank 0) and in the events: which checkpoint,
-        its step and age, a config continued despite changes, a finished run; and the
-        optimizer settings the resume put back over the code's."""
-        saved_at = saved.get("time")
-        finished = self._resumed_finished
-        text = f"resumed from {self.last_path} (step {self._resumed_step}"
-        if isinstance(saved_at, (int, float)) and finished is None:
-            text += f", saved {_ago(saved_at)}"
-        text += ")"
-        if finished is not None:
-            text += f": the end of a run that finished {_ago(finished)}; this run continues past it"
-        if changed:
-            text += f", with a changed config (allow_config_change): {_changes(changed)}"
-        if finished is not None:
-            text += f". If this is a new run, {self._new_run(guard)}"
-        guard.event(
-            "resumed",
-            message=text,
-            path=str(self.last_path),
-            saved_at=saved_at,
-            finished_at=finished,
-            config_changed=list(changed) or None,
-        )
-        if guard.rank == 0:
-            to_console(f"guardrails: {text}")
-        if settings and guard.rank == 0:
-            base = (
-                "; for lr, the scheduler's base_lrs[i] too: it sets each group's lr from "
-                "them at its next step"
-                if guard.schedulers
-                else ""
-            )
-            guard.event(
-                "optimizer_settings_changed",
-                level="warning",
-                message=f"the optimizer settings in your code differ from those of the "
-                f"run that saved {self.last_path}, and the resume restored the "
-                f"checkpoint's (an optimizer's state_dict holds its settings): "
-                f"{'; '.join(settings)}. The checkpoint's values are used now. To train "
-                "with the code's, set them after the guard has started "
-                f"(optimizer.param_groups[i]['lr'] = ...{base}); if this is a new run, "
-                f"{self._new_run(guard)}.",
-                settings=settings,
-            )
-
-    def _finish(self, guard: Guard) -> None:
-        """The run ended normally: mark the checkpoint it ended with as finished (so a
-        re-run of the same command says it resumes a finished run), or, when it resumed
-        a finished run and trained nothing, say so."""
-        if self._resumed_finished is not None and guard.step == self._resumed_step:
-            if guard.rank == 0:
-                guard.event(
-                    "nothing_trained",
-                    level="warning",
-                    message=f"this run trained no step: it resumed {self.last_path} "
-                    f"(step {guard.step}), the end of a run that finished "
-                    f"{_ago(self._resumed_finished)}, and its loop ended at once (the "
-                    "script's own end, its step or epoch count, was reached already). "
-                    f"If this is a new run, {self._new_run(guard)}; to train further, raise "
-                    "the script's step or epoch count.",
-                )
-            return
-        self._settle_writer(guard)
-        last = self.last_path
-        if (
-            guard.rank != 0
-            or last is None
-            or last.name != f"step_{guard.step:09d}"
-            or last.resolve().parent != self.root.resolve()  # not a checkpoint of another run
-        ):
-            return
-        try:
-            _checkpoint.mark_finished(last, time.time())
-        except (OSError, GuardrailsError) as e:  # the run itself is done and saved
-            guard.event(
-                "checkpoint_unmarked",
-                level="warning",
-                message=f"could not record in {last} that the run finished ({e}): a re-run "
-                "of this command resumes it without saying that the run had finished.",
-            )
-
-    def _warn_beside_checkpoints(self, guard: Guard) -> None:
-        """``resume=None`` with periodic saves into a directory that holds another run's
-        checkpoints: the two runs are kept apart (run ids), but the directory now holds
-        both, and ``resume="auto"`` will continue this one, not the other."""
-        if guard.rank != 0 or not (self.every_n_steps or self.every_s):
-            return
-        found = _checkpoint.list_checkpoints(self.root)
-        if not found:
-            return
-        newest = found[-1][1]
-        kept = (
-            f"keep_last={self.keep_last} counts only this run's checkpoints (the other "
-            "run's stay, and keep their disk space); "
-            if self.keep_last is not None
-            else ""
-        )
-        guard.event(
-            "fresh_run_beside_checkpoints",
-            level="warning",
-            message=f"resume=None: this run starts fresh, but {self.root} holds another "
-            f"run's checkpoints (up to {newest.name}), and this run's saves go beside "
-            f"them, kept apart: {kept}a later resume='auto' continues the run that saved "
-            f"last (this one, once it has saved), so the other run is continued only by "
-            f"naming its checkpoint (resume='{newest}'). To keep the runs in separate "
-            f"directories, {self._new_run(guard)} first.",
-        )
-
-
-_ABSENT = "(absent)"
-
-
-def _writer_failed(error: BaseException, root: Path, step: int | None = None) -> CheckpointError:
-    """What the background writer raised, as the CheckpointError that says it."""
-    if isinstance(error, CheckpointError):
-        return error
-    failed = CheckpointError(
-        f"the background checkpoint writer failed: {type(error).__name__}: {error}",
-        path=str(root),
-        step=step,
-        hint="the previous checkpoints are intact; fix the cause (disk space, "
-        "permissions) and the next save retries.",
-    )
-    failed.__cause__ = error
-    return failed
-
-
-def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
-    """A storage error of a save as a :class:`CheckpointError` with the fix (the
-    latest checkpoint is said by the checkpointer, which knows this run's); anything
-    else as it is."""
-    if _storage.is_storage_error(e):
-        return _checkpoint.write_error(final, step, e, latest=False)
-    return e
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal as settings: NaN equals NaN, 1 equals 1.0, but True is not 1."""
-    if isinstance(a, bool) != isinstance(b, bool):
-        return False
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
-def _show(value: Any, n: int = 40) -> str:
-    """A value in a message: its repr, cut to ``n`` characters."""
-    text = _ABSENT if value is _ABSENT else repr(value)
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _changes(changed: Mapping[str, tuple[Any, Any]], n: int = 8) -> str:
-    """``lr: 0.1 -> 0.05; batch_size: 32 -> 64`` for the first ``n`` changed keys."""
-    items = [f"{k}: {_show(old)} -> {_show(new)}" for k, (old, new) in changed.items()]
-    return "; ".join(items[:n]) + (f"; ... {len(items) - n} more" if len(items) > n else "")
-
-
-def _ago(when: float) -> str:
-    """``"3 min ago, at 2025-06-01 12:03"``: how long ago, and the local time."""
-    seconds = max(0.0, time.time() - when)
-    if seconds < 90:
-        age = f"{seconds:.0f} s"
-    elif seconds < 90 * 60:
-        age = f"{seconds / 60:.0f} min"
-    elif seconds < 36 * 3600:
-        age = f"{seconds / 3600:.0f} h"
-    else:
-        age = f"{seconds / 86400:.0f} days"
-    return f"{age} ago, at {time.strftime('%Y-%m-%d %H:%M', time.localtime(when))}"

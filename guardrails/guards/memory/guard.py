@@ -4,22 +4,22 @@ Three ways a run ends in memory trouble or an idle accelerator, each easy to nam
 the right numbers sit in one place. This module is the component that schedules them;
 each feature's machinery is its own module:
 
-* **Leaks** (:mod:`guardrails._leaks`): memory that grows every step, most often a
+* **Leaks** (:mod:`guardrails.guards.memory.leaks`): memory that grows every step, most often a
   loss kept with its autograd graph (``losses.append(loss)``), which ends in an OOM
   hours later, far from its cause. Every ``leak_check_every_n_steps`` steps, two host
   counters (no device sync); a census of live objects only when they grew through a
   whole window; one ``leak`` event naming the types, the variable holding them and
   the fix.
-* **Data starvation** (:mod:`guardrails._starvation`): the share of step time spent
+* **Data starvation** (:mod:`guardrails.guards.memory.starvation`): the share of step time spent
   waiting for the loader, judged per window of ``data_starvation_window_steps``; one
   ``data_starvation`` event with the remedies that fit this loader.
-* **Out of memory** (:mod:`guardrails._oom`): an OOM that ends the guarded loop comes
+* **Out of memory** (:mod:`guardrails.guards.memory.oom`): an OOM that ends the guarded loop comes
   out as :class:`guardrails.OutOfMemoryError` with the phase, the allocator's numbers,
   the largest live tensors, the other ranks' memory (read from ``run_dir/memory/``,
   which each rank writes at its leak checks: no collective) and ranked remedies.
 
 Per step MemoryGuard costs two float adds and a compare; everything else runs at
-window ends, at checks, or at the error. The counters are :mod:`guardrails._mem_stats`.
+window ends, at checks, or at the error. The counters are :mod:`guardrails.guards.memory.stats`.
 """
 
 from __future__ import annotations
@@ -29,16 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guardrails import _oom
-from guardrails._checks import fraction, non_negative, positive_int
-from guardrails._component import Component
-from guardrails._config import configure
-from guardrails._leaks import LeakDetector
-from guardrails._oom import is_oom
-from guardrails._starvation import StarvationMeter
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.guards.memory import oom
+from guardrails.guards.memory.leaks import LeakDetector
+from guardrails.guards.memory.oom import is_oom
+from guardrails.guards.memory.starvation import StarvationMeter
+from guardrails.util.checks import fraction, non_negative, positive_int
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 
 class MemoryGuard(Component):
@@ -126,7 +126,7 @@ class MemoryGuard(Component):
         self._next = min(self._next_leak, self._meter.next_window)
         self._rank_file: Path | None = None
         if guard.world_size > 1:
-            self._rank_file = _oom.rank_file(guard.run_dir, guard.rank)
+            self._rank_file = oom.rank_file(guard.run_dir, guard.rank)
             # A file left by an earlier run in this run_dir would pass for this one's.
             self._rank_file.unlink(missing_ok=True)
 
@@ -149,12 +149,12 @@ class MemoryGuard(Component):
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         self._leaks.close()
         if exc is not None and self.explain_oom and is_oom(exc):
-            guard.replace_error(_oom.explain(guard, exc, self.leak))
+            guard.replace_error(oom.explain(guard, exc, self.leak))
 
     def _check_leak(self, guard: Guard, step: int) -> None:
         # The other ranks read this file at their OOM: written at every check.
         if self._rank_file is not None:
-            _oom.write_rank_file(self._rank_file, guard, self._device)
+            oom.write_rank_file(self._rank_file, guard, self._device)
         if self.leak is not None:  # reported once
             return
         found = self._leaks.check(guard, step)

@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from guardrails._mem_stats import fmt_bytes, memory_bytes, storages
+from guardrails.engine.where import PACKAGE_DIR, TORCH_DIR
+from guardrails.guards.memory.stats import fmt_bytes, memory_bytes, storages
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.memory")
 
@@ -55,7 +56,7 @@ MIN_OBJECTS_PER_STEP = 100
 MIN_BYTES_PER_STEP = 64 * 1024
 
 #: Frames in these directories are ours or torch's: not where a user's variable lives.
-_PROJECT_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
+_PROJECT_DIRS = (PACKAGE_DIR, TORCH_DIR)
 
 
 class LeakDetector:

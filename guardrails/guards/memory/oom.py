@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from guardrails import _perms
 from guardrails._errors import OutOfMemoryError
-from guardrails._mem_stats import (
+from guardrails.guards.memory.stats import (
     fmt_bytes,
     meminfo,
     peak_rss_bytes,
@@ -43,9 +42,10 @@ from guardrails._mem_stats import (
     same_device,
     storage,
 )
+from guardrails.util import files
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.memory")
 
@@ -253,9 +253,9 @@ def write_rank_file(path: Path, guard: Guard, device: torch.device) -> None:
     else:
         record.update(allocated=rss_bytes(), reserved=None, peak=peak_rss_bytes())
     try:
-        _perms.make_dirs(path.parent)
+        files.make_dirs(path.parent)
         tmp = path.with_name(f".tmp-{path.name}")
-        _perms.write_text(tmp, json.dumps(record))
+        files.write_text(tmp, json.dumps(record))
         os.replace(tmp, path)
     except OSError as err:  # a full or read-only disk must not stop training
         logger.warning("guardrails: could not write %s: %s", path, err)

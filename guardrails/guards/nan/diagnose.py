@@ -52,12 +52,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from guardrails import _model, _perms, _storage
-from guardrails._events import json_safe
-from guardrails._text import shorten
+from guardrails.engine import model as _model
+from guardrails.metrics.events import json_safe
+from guardrails.util import files, storage
+from guardrails.util.text import shorten
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 NONFINITE_DIR = "nonfinite"
 #: Finite steps before the fault that are searched for a spike.
@@ -278,13 +279,13 @@ def _diagnose(
         except Exception as e:
             # A full or read-only disk must not turn a skipped step into a crash: the
             # diagnosis itself is in the event and the log.
-            if not _storage.is_storage_error(e):
+            if not storage.is_storage_error(e):
                 raise
             where = guard.run_dir / NONFINITE_DIR
-            said = _storage.cause_of(e, where) or f"{type(e).__name__}: {e}"
+            said = storage.cause_of(e, where) or f"{type(e).__name__}: {e}"
             diag["message"] += (
                 f". The batch could not be saved under {where} ({said}): "
-                f"{_storage.fix_for(e, where)}"
+                f"{storage.fix_for(e, where)}"
             )
     return diag
 
@@ -524,8 +525,8 @@ def _save(
     root = guard.run_dir / NONFINITE_DIR
     final = root / f"step{step:08d}-rank{guard.rank}"
     tmp = root / f".tmp-{uuid.uuid4().hex[:8]}"
-    _perms.make_dirs(root)
-    os.mkdir(tmp, _perms.DIR_MODE)
+    files.make_dirs(root)
+    os.mkdir(tmp, files.DIR_MODE)
     try:
         return _save_into(tmp, final, root, inputs, batches, diag)
     except BaseException:
@@ -559,7 +560,7 @@ def _save_into(
     info["batch_file"] = "batch.safetensors" if tensors else None
     info["batch_keys"] = sorted(tensors)
     (tmp / "info.json").write_text(json.dumps(json_safe(info), indent=2, default=str))
-    _perms.restrict_tree(tmp)  # safetensors' and write_text's files: 0o666 less the umask
+    files.restrict_tree(tmp)  # safetensors' and write_text's files: 0o666 less the umask
     if final.exists():  # a second diagnosis of the same step (a resumed run): keep both
         final = root / f"{final.name}-{uuid.uuid4().hex[:6]}"
     os.replace(tmp, final)

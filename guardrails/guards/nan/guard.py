@@ -48,7 +48,7 @@ host as the row is written (``Tensor.tolist()`` of a CPU tensor: no kernel, no
 dispatch) and judged at once: the flag is a float comparison there, so no kernel runs
 for it and the optimizer (``found_inf``) is touched only on a bad step.
 
-What the host does with the rows (``_diagnose.py`` has the details):
+What the host does with the rows (``diagnose.py`` has the details):
 
 * finite steps are judged in blocks of ``check_every_n_steps``: a grad norm or loss
   is a ``spike`` event when it jumps above its recent trend (the median of the last
@@ -71,48 +71,35 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from itertools import islice
-from operator import itemgetter, sub
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from guardrails import _diagnose, _dist, _model
-from guardrails._checks import non_negative, positive_int
-from guardrails._component import Component
-from guardrails._config import configure
 from guardrails._errors import NonFiniteError
-from guardrails._guard import _lr
-from guardrails._lagged import SCALER_SKIPPED, SKIPPED, Copy
+from guardrails.distributed import dist as _dist
+from guardrails.engine import model
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.engine.guard import current_lr
+from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
+from guardrails.guards.nan import diagnose
+from guardrails.guards.nan.health import _Health
+from guardrails.guards.nan.spikes import TREND_STEPS, _Series, _spikes
+from guardrails.util.checks import non_negative, positive_int
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.nan")
 
 POLICIES = ("skip", "raise", "warn")
 #: The ring row's flag for a step a GradScaler skipped itself (1.0: non-finite).
 SCALER_SKIP = SCALER_SKIPPED
-
-#: A value is judged against the median of this many finite values just before it
-#: (its trend). Twenty steps can tell a spike from noise, and follow a trend: a grad
-#: norm climbing 3% a step (20x over 100 steps) sits 1.4x over the median of its last
-#: 20, where the old rule (5x the median of the last 100, as of its block) saw it at
-#: 4.4-5.7x and flagged the climb.
-TREND_STEPS = 20
-#: ...and it must also clear the trend by this many times the metric's usual
-#: step-to-step swing (a robust standard deviation of the change of log(value) from
-#: one step to the next, over ``window_steps``; a trend barely moves it). On 45 healthy
-#: CPU runs (57,700 steps: nanochat, the README example, MLP classifiers, 2-16 sample
-#: regressions on pure noise) the old rule flagged 393 steps, the 20-step median alone
-#: 449 (small-batch noise), with 4 swings 0 and with 3.5 3; 5 keeps a margin and still
-#: catches a 10x grad-norm jump in every language-model run tried (benchmarks/RESULTS.md).
-SPIKE_SWINGS = 5.0
 
 
 def _skip_scale(guard: Guard) -> float:
@@ -239,7 +226,7 @@ class NanGuard(Component):
         self._fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
         # Gradients that differ across ranks at step(): agree on the flag (host path).
         self._reduce = guard.world_size > 1 and not all(
-            _model.grads_agree(m) for m in guard.models.values()
+            model.grads_agree(m) for m in guard.models.values()
         )
         # Steps whose agreed flag was set by another rank (this rank's was finite).
         self._foreign: set[int] = set()
@@ -486,7 +473,7 @@ class NanGuard(Component):
         self.nonfinite_steps.append(step)
         streak.append(step)
         if len(streak) == 1:
-            lr = _lr(guard.optimizers[name])
+            lr = current_lr(guard.optimizers[name])
             self._streak_diags[name] = self._diagnose(
                 step, math.nan, norm_v, lr, now=True, optimizer=name
             )
@@ -660,7 +647,7 @@ class NanGuard(Component):
     ) -> dict:
         guard = self._guard
         calls, batches = self._inputs_of(step, now=now)
-        diag = _diagnose.diagnose(
+        diag = diagnose.diagnose(
             guard,
             step=step,
             loss=loss,
@@ -791,189 +778,3 @@ class NanGuard(Component):
             module=diag.get("module"),
             samples=diag.get("samples"),
         )
-
-
-def _spikes(
-    window: deque[float],
-    values: list[float],
-    factor: float,
-    swing: Callable[[], float] | None = None,
-) -> list[tuple[int, float, float]]:
-    """``(index, median, threshold)`` of each spike among ``values`` (a block of steps,
-    in order, just after ``window``): a value over ``threshold``, the median of the
-    ``TREND_STEPS`` finite values just before it times ``factor``, or times
-    ``SPIKE_SWINGS`` step-to-step swings where the metric (over ``window``) is noisier.
-    Nothing is judged before ``TREND_STEPS`` values, nor while a value <= 0 is in the
-    window (a loss that can be zero or negative has no "x times its median").
-
-    In log space: a ratio is a distance, and a grad norm's noise is multiplicative.
-    A block with no value over ``factor`` times the lowest value around it cannot hold
-    a spike and costs ~2 us a metric (2-core VM; every block of the nanochat and
-    README-example runs): the swing is measured only for the others (~18 us), and a
-    value's own median only where it clears the bar over that lowest value
-    (benchmarks/RESULTS.md). ``swing``: the window's median step-to-step move, from
-    :class:`_Series`, which keeps it up to date (the same number, half the cost)."""
-    n = len(window)
-    if n < TREND_STEPS:
-        return []
-    recent = list(islice(window, n - TREND_STEPS, n))
-    # No median of these values and the block's is lower. min() and max() compare as
-    # `value < lowest` / `value > cut` would, from a finite first value: NaN never wins.
-    lowest = min(min(recent), *values)
-    cut = factor * lowest
-    if not max(cut, *values) > cut or min(window) <= 0:
-        return []
-    # The median absolute change of log(value) from one step to the next, as the
-    # standard deviation of one step's noise (x 1.4826 / sqrt 2, were it Gaussian and
-    # independent): a trend adds only its slope, a 3%/step climb 0.03.
-    if swing is None:
-        logs = list(map(math.log, window))
-        moves = sorted(map(abs, map(sub, logs[1:], logs)))
-        move = moves[len(moves) // 2]
-    else:
-        move = swing()
-    bar = max(factor, math.exp(SPIKE_SWINGS * 1.0483 * move))
-    if not max(bar * lowest, *values) > bar * lowest:
-        return []  # no value clears the bar over the lowest, so none is a spike
-    out = []
-    for i, value in enumerate(values):
-        if value > bar * lowest:
-            median = sorted(recent[-TREND_STEPS:])[TREND_STEPS // 2]
-            if value > bar * median:
-                out.append((i, median, bar * median))
-        if not -math.inf < value < math.inf:
-            continue  # NaN: no loss seen; an Inf loss with finite grads is no level
-        if value <= 0:
-            break  # in the window of the values after it: those are not judged
-        recent.append(value)
-    return out
-
-
-class _Series:
-    """A metric's last finite values (:attr:`values`, the spike rule's window) and, for
-    :func:`_spikes`, the median absolute change of log(value) from one value to the
-    next (:meth:`swing`), kept up to date as values arrive.
-
-    Recomputed from the window (100 logs, 99 moves, a sort), the swing costs ~13 us a
-    block (2-core VM, warm; more in the loop), paid in every block of the benchmark's
-    tiny regression, whose noisy loss clears the first cut each time; here each value's
-    log and move are computed once, when first needed, and a block pays for its 10 new
-    ones and the sort (~6 us). The numbers are the same: the same ``math.log`` of the
-    same values, the same differences."""
-
-    __slots__ = ("_logs", "_moves", "_new", "values")
-
-    def __init__(self, window_steps: int) -> None:
-        self.values: deque[float] = deque(maxlen=window_steps)
-        self._logs: deque[float] = deque(maxlen=window_steps)
-        self._moves: deque[float] = deque(maxlen=max(window_steps - 1, 0))
-        self._new = 0  # values at the end of the window whose log is not taken yet
-
-    def extend(self, values: list[float]) -> None:
-        self.values.extend(values)
-        self._new = min(self._new + len(values), len(self.values))
-
-    def swing(self) -> float:
-        """The median (the upper one) of ``abs(log(v[k + 1]) - log(v[k]))`` over the
-        window; every value in it must be > 0."""
-        new, values, logs, moves = self._new, self.values, self._logs, self._moves
-        if new:
-            if new == len(values):  # all of it: the logs kept are of values gone
-                logs.clear()
-                moves.clear()
-            previous = logs[-1] if logs else None
-            for x in map(math.log, islice(values, len(values) - new, None)):
-                if previous is not None:
-                    moves.append(abs(x - previous))
-                logs.append(x)
-                previous = x
-            self._new = 0
-        ordered = sorted(moves)
-        return ordered[len(ordered) // 2]
-
-
-class _Health:
-    """Training-health warnings for the usual "loss not decreasing" causes: optimizer
-    params that never get a gradient, all-zero gradients, a loss that does not fall."""
-
-    #: The first steps, each checked once for optimizer params without a gradient.
-    CHECK_GRADS_STEPS = 2
-
-    def __init__(self, window_steps: int) -> None:
-        self._window = window_steps
-        self._losses: list[float] = []
-        self._flat_checked = False
-        self._zero_warned = False
-        self._no_grad: set[str] | None = None
-
-    def after_step(self, guard: Guard, param_ids: set[int]) -> None:
-        # The first steps only: optimizer params that received no gradient in any of
-        # them. O(n_params) Python work, twice per run; nothing after.
-        if guard.step > self.CHECK_GRADS_STEPS or guard.rank != 0:
-            return
-        now = {
-            n
-            for n, p in guard.model.named_parameters()
-            if id(p) in param_ids and p.requires_grad and p.grad is None
-        }
-        self._no_grad = now if self._no_grad is None else self._no_grad & now
-        if guard.step < self.CHECK_GRADS_STEPS or not self._no_grad:
-            return
-        names = [n for n, _ in guard.model.named_parameters() if n in self._no_grad]
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        guard.event(
-            "params_without_grad",
-            level="warning",
-            message=(
-                f"{len(names)} parameter(s) in the optimizer received no gradient in the "
-                f"first {guard.step} steps: {shown}. They never train: the forward does not "
-                "use them (a skipped branch, a detach(), a frozen sub-module feeding them), "
-                "or zero_grad(set_to_none=True) ran between backward and step."
-            ),
-            params=names,
-        )
-
-    def observe(self, guard: Guard, rows: list[tuple[int, float, float, float]]) -> None:
-        """Finite steps as (step, loss, norm, lr), in order."""
-        zero = next((r[0] for r in rows if r[2] == 0.0), None)
-        if zero is not None and not self._zero_warned:
-            step = zero
-            self._zero_warned = True
-            guard.event(
-                "zero_grads",
-                level="warning",
-                message=(
-                    f"every gradient is exactly zero at step {step}: nothing trains. Check "
-                    "that the loss depends on the parameters (no detach / no_grad in the "
-                    "forward), and that zero_grad() runs before backward, not between "
-                    "backward and step."
-                ),
-            )
-        # Only the first window: "cannot learn at all" is the bug; a flat loss later
-        # is convergence (or noise around it).
-        if self._flat_checked:
-            return
-        self._losses.extend(r[1] for r in rows if not math.isnan(r[1]))
-        if len(self._losses) < self._window:
-            return
-        step = rows[-1][0]
-        losses = self._losses[: self._window]
-        half = self._window // 2
-        first = float(np.median(losses[:half]))
-        second = float(np.median(losses[half:]))
-        self._losses = []
-        self._flat_checked = True
-        if second >= first:
-            guard.event(
-                "loss_not_decreasing",
-                level="warning",
-                message=(
-                    f"the loss did not decrease over steps {step - self._window + 1}-{step} "
-                    f"(median {first:.4g} -> {second:.4g}). Try to overfit one batch "
-                    "first (a model that cannot is wired wrong); check the LR (too low "
-                    "crawls, too high bounces), label/mask wiring, and that the optimizer "
-                    "holds the trainable parameters."
-                ),
-                first_half_median=first,
-                second_half_median=second,
-            )

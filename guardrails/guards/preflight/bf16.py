@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.preflight")
 
@@ -30,7 +30,7 @@ def _warn_bf16_on_cpu(guard: Guard) -> None:
         )
     if not bf16:
         return
-    from guardrails._probes import cpu_info
+    from guardrails.util.probes import cpu_info
 
     try:
         native = cpu_info().get("bf16_native")

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import ConfigMismatchError, LaunchError
-from guardrails._text import shorten
+from guardrails.util.text import shorten
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 #: Fields shown per kind before "... N more".
 _SHOWN = 6
@@ -166,7 +166,7 @@ def _same(fields: dict[str, Any], key: str, gathered: list[dict[str, Any]]) -> b
     return key not in fields and all(g.get("facts", {}).get(key) is not None for g in gathered)
 
 
-def _by_rank(values: Mapping[int, Any]) -> str:
+def by_rank(values: Mapping[int, Any]) -> str:
     groups: dict[str, list[int]] = {}
     for r, v in values.items():
         groups.setdefault(json.dumps(v, default=str), []).append(r)
@@ -177,7 +177,7 @@ def _by_rank(values: Mapping[int, Any]) -> str:
     return "; ".join(parts)
 
 
-def _odd_ranks(values: Mapping[int, Any]) -> list[int]:
+def odd_ranks(values: Mapping[int, Any]) -> list[int]:
     """The ranks outside the largest group of equal values (ties: rank 0's group is
     the reference)."""
     groups: dict[str, list[int]] = {}
@@ -188,8 +188,8 @@ def _odd_ranks(values: Mapping[int, Any]) -> list[int]:
 
 
 def _mismatch(guard: Guard, fields: dict[str, dict[int, Any]]) -> ConfigMismatchError:
-    lines = [f"  {k}: {_by_rank(v)}" for k, v in fields.items()]
-    odd = sorted({r for v in fields.values() for r in _odd_ranks(v)})
+    lines = [f"  {k}: {by_rank(v)}" for k, v in fields.items()]
+    odd = sorted({r for v in fields.values() for r in odd_ranks(v)})
     kinds = []
     for k in fields:
         kind = k if k in _FIXES else k.split(".")[0].split("[")[0]

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from guardrails import _model
+from guardrails.engine import model as _model
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 #: Strided elements hashed per parameter tensor (bitwise).
 SAMPLE_PER_TENSOR = 64

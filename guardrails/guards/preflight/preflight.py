@@ -21,7 +21,7 @@ The facts:
 * world size, backend, device type, parameter dtypes and the autocast dtype when
   autocast is already on at start; torch, CUDA and NCCL versions;
 * the user's ``config`` mapping, if given (``guard(..., config=vars(args))``);
-* launch problems found by :mod:`guardrails._launch` (after ``init_process_group``), and
+* launch problems found by :mod:`guardrails.distributed.launch` (after ``init_process_group``), and
   two ranks on one GPU (same host, same device).
 
 **The weights checksum** (``_preflight_facts.py``) is an integer sum of each tensor's
@@ -61,22 +61,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from guardrails import _model
-from guardrails._bf16 import _warn_bf16_on_cpu
-from guardrails._checks import config_dict
-from guardrails._component import Component
-from guardrails._config import configure
-from guardrails._even_batches import _agreed_chunks
-from guardrails._preflight_diff import (
+from guardrails.distributed.store import distributed
+from guardrails.engine import model
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.guards.preflight.bf16 import _warn_bf16_on_cpu
+from guardrails.guards.preflight.diff import (
     _NO_BATCH,
-    _by_rank,
     _diff_facts,
     _mismatch,
     _raise_launch,
     _same,
+    by_rank,
     param_diffs,
 )
-from guardrails._preflight_facts import (
+from guardrails.guards.preflight.even_batches import _agreed_chunks
+from guardrails.guards.preflight.facts import (
     _compute,
     _flatten,
     _gpu_identity,
@@ -87,10 +87,10 @@ from guardrails._preflight_facts import (
     batch_fingerprint,
     param_table,
 )
-from guardrails._store import distributed
+from guardrails.util.checks import config_dict
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.preflight")
 
@@ -192,7 +192,7 @@ class Preflight(Component):
     # ------------------------------------------------------------------ facts
 
     def _facts(self, guard: Guard) -> dict[str, Any]:
-        from guardrails import _launch
+        from guardrails.distributed import launch
 
         loader = guard.loader
         out: dict[str, Any] = {"len": _len(loader)}
@@ -202,7 +202,7 @@ class Preflight(Component):
             "world_size": guard.world_size,
             "backend": str(dist.get_backend()),
             "device_type": guard.device.type,
-            "model.type": type(_model.unwrap(guard.model)).__name__,
+            "model.type": type(model.unwrap(guard.model)).__name__,
         }
         facts.update(_versions())
         facts.update(_compute(guard))
@@ -218,7 +218,7 @@ class Preflight(Component):
             facts.update({f"config.{k}": v for k, v in _flatten(self.run_config).items()})
         out["facts"] = {k: _plain(v) for k, v in facts.items()}
         out["params"] = param_table(guard.model)
-        problems = _launch.launch_problems(device_type=guard.device.type, device_chosen=True)
+        problems = launch.launch_problems(device_type=guard.device.type, device_chosen=True)
         out["launch"] = [p.__dict__ for p in problems]
         out["gpu"] = _gpu_identity(guard.device)
         return out
@@ -244,7 +244,7 @@ class Preflight(Component):
                         "uneven_data",
                         message=(
                             "ranks have different amounts of data ("
-                            + "; ".join(f"{k}: {_by_rank(v)}" for k, v in uneven.items())
+                            + "; ".join(f"{k}: {by_rank(v)}" for k, v in uneven.items())
                             + "): even_batches stops every rank after "
                             + (
                                 f"{self.batch_limit} batches per pass"

@@ -51,25 +51,36 @@ import json
 import logging
 import math
 import os
-import socket
-import sys
-import sysconfig
 import threading
 import time
-import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guardrails import _dist
-from guardrails._checks import positive
-from guardrails._component import Component
-from guardrails._config import configure
-from guardrails._errors import GuardrailsError, HangError, RankFailedError, UnevenDataError
-from guardrails._store import claim_verdict, read_verdict
+from guardrails._errors import GuardrailsError, HangError, RankFailedError
+from guardrails.distributed import dist as _dist
+from guardrails.distributed.store import claim_verdict, read_verdict
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.engine.where import (
+    data_position,
+    progress_key,
+    thread_stack,
+)
+from guardrails.guards.watchdog.records import (
+    STALE_PERIODS,
+    _first_line,
+    _from_peer,
+    _host_id,
+    _in_collective,
+    _jsonable,
+    _past,
+    _position,
+)
+from guardrails.guards.watchdog.verdicts import _RAISED_EVERYWHERE, Verdicts, _build
+from guardrails.util.checks import positive
 
 if TYPE_CHECKING:
-    from guardrails._guard import Guard
+    from guardrails.engine.guard import Guard
 
 log = logging.getLogger("guardrails.watchdog")
 
@@ -89,26 +100,10 @@ AUTO_CAP_S = 300.0
 # Until this rank completes its first optimizer step: compile / autotune / lazy NCCL
 # init. 600 s is NCCL's default collective timeout, so no slower than torch alone.
 FIRST_STEP_TIMEOUT_S = 600.0
-# Heartbeats missed before a rank on another machine counts as gone: a thread that
-# wakes every period misses 3 only when the process is dead or frozen holding the GIL.
-STALE_PERIODS = 3
-# Stacks in a HangError: stuck ranks' first, then waiting ones, 8 in all (at 1,000
-# ranks all stacks would make a ~3 MB verdict, copied into every rank's error file).
-STACKS_SHOWN = 8
 # Idle this long (or half the timeout, if shorter), a rank publishes its stack and reads
 # every heartbeat (dead peers, pauses): 30 s bounds how late a SIGKILLed peer is seen
 # during the 600 s first step, and keeps the all-heartbeat reads to stalls only.
 SUSPECT_AFTER_S = 30.0
-# A stack is capped (innermost frames kept): 30 frames cover a training step's depth
-# with room for the framework around it, and keep one rank's record under ~6 KB.
-STACK_FRAMES = 30
-
-_PHASE_ORDER = {"setup": 0, "data": 1, "loop": 2, "forward": 3, "backward": 4, "optimizer": 5}
-_TORCH_DIR = str(Path(__import__("torch").__file__).parent) + os.sep
-_GUARDRAILS_DIR = str(Path(__file__).parent) + os.sep
-_STDLIB_DIRS = tuple(
-    {sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep}
-)
 
 
 def auto_timeout_s(longest_gap_s: float | None) -> float:
@@ -119,7 +114,7 @@ def auto_timeout_s(longest_gap_s: float | None) -> float:
     return min(AUTO_CAP_S, max(AUTO_FLOOR_S, AUTO_FACTOR * longest_gap_s))
 
 
-class Watchdog(Component):
+class Watchdog(Verdicts, Component):
     """Turns a hang, a dead rank or uneven data into ``HangError``, ``RankFailedError`` or
     ``UnevenDataError`` on every rank, within ``hang_timeout_s``. Distributed runs only;
     a real no-op in a single process. Knobs: :class:`Watchdog.Config`
@@ -169,6 +164,7 @@ class Watchdog(Component):
             self.abort_after_s = float(self.abort_after_s)
 
     name = "watchdog"
+    distributed_only = True
 
     def __init__(self, config: Watchdog.Config | None = None, /, **knobs: Any) -> None:
         configure(self, config, knobs)
@@ -287,7 +283,7 @@ class Watchdog(Component):
         timeout = self._timeout(guard)
         suspect = idle >= min(timeout / 2, SUSPECT_AFTER_S)
         if suspect:  # refreshed every tick: the report shows where it is now
-            self._store.set(f"stack/{self._rank}", _stack(self._main_ident))
+            self._store.set(f"stack/{self._rank}", thread_stack(self._main_ident))
         self._publish(self._record(guard, now, idle=idle))
 
         adopted = self._adopt_verdict(guard)
@@ -305,7 +301,7 @@ class Watchdog(Component):
             # This rank ran out of data but is still inside the guard (closing, or in
             # a collective after its loop): a peer already past this rank's last batch
             # will wait for it forever. Seen here within a heartbeat, not a timeout.
-            ahead = self._peers_ahead(_here(guard))
+            ahead = self._peers_ahead(data_position(guard))
             if ahead:
                 mine = self._record(guard, now, idle=idle)
                 return self._uneven(guard, {**ahead, self._rank: mine})
@@ -400,7 +396,7 @@ class Watchdog(Component):
     def _record(self, guard: Guard, now: float, *, idle: float = 0.0) -> dict[str, Any]:
         self._seq += 1
         coll = guard.shared.collective
-        here = _here(guard)
+        here = data_position(guard)
         return {
             "rank": self._rank,
             "seq": self._seq,
@@ -552,7 +548,7 @@ class Watchdog(Component):
                     return adopted
         exhausted = {r: rec for r, rec in finished.items() if rec.get("exhausted")}
         if guard.exhausted_at is None and any(
-            _past(_here(guard), _position(e)) for e in exhausted.values()
+            _past(data_position(guard), _position(e)) for e in exhausted.values()
         ):
             mine = self._record(guard, time.monotonic())
             return self._uneven(guard, {**finished, self._rank: mine})
@@ -566,7 +562,7 @@ class Watchdog(Component):
 
     def _waiting(self, guard: Guard) -> bool:
         """Whether this rank's main thread is waiting on other ranks right now."""
-        stack = _stack(self._main_ident)
+        stack = thread_stack(self._main_ident)
         return _in_collective({"collective": guard.shared.collective, "_stack": stack})
 
     def _dead_peers(
@@ -599,487 +595,11 @@ class Watchdog(Component):
     def _idle(self) -> float:
         return time.monotonic() - self._last_progress
 
-    def _rank_failed(
-        self, guard: Guard, records: dict[int, dict[str, Any]], r: int, *, dead: bool
-    ) -> GuardrailsError:
-        rec = records.get(r)
-        if rec is None:
-            what = (
-                f"rank {r} never reported to the watchdog: it died or hung before its guard "
-                "started (check its log for an error at startup)"
-            )
-            spec = _spec(
-                "RankFailedError",
-                what,
-                failed_rank=r,
-                last_step=None,
-                last_phase=None,
-                reason="never_started",
-                hint=f"read rank {r}'s log (stderr; torchrun: --log-dir DIR --tee 3 keeps "
-                "one file per rank) for the first error.",
-            )
-            return self._claim(guard, spec)
-        where = _where(rec)
-        logs = f"its events in {rec['events']}" if rec.get("events") else "its log"
-        if dead:
-            pid_gone = rec.get("host") == self._host and not _dist.pid_alive(int(rec["pid"]))
-            how = (
-                f"its process (pid {rec['pid']}) is gone: killed (SIGKILL, the OOM killer) "
-                "or crashed without a Python exception"
-                if pid_gone
-                else f"it stopped sending heartbeats for over "
-                f"{STALE_PERIODS * self.heartbeat_every_s:.0f} s: the process or its "
-                "machine died, or it is frozen holding the GIL"
-            )
-            what = f"rank {r} died (last heartbeat: step {rec['step']}, {where}): {how}."
-            reason = "killed" if pid_gone else "no_heartbeat"
-            hint = (
-                f"read rank {r}'s log and {logs}; on Linux `dmesg | grep -i -e oom -e killed` "
-                "tells an OOM kill (host memory: fewer DataLoader workers, smaller "
-                "prefetch). Then restart from the last checkpoint."
-            )
-        else:
-            state = rec.get("state")
-            if state == "failed":
-                what = (
-                    f"rank {r} failed at step {rec['step']} ({where}) with "
-                    f"{rec.get('error', 'an exception')}; this rank would wait for it forever."
-                )
-                reason = "exception"
-                hint = f"the error and its traceback are in rank {r}'s log; fix that error."
-            else:
-                what = (
-                    f"rank {r} left the guarded loop at step {rec['step']} (closed normally) "
-                    "while this rank still waits for it."
-                )
-                reason = "left_loop"
-                hint = (
-                    "every rank must run the same number of steps: stop all ranks on the "
-                    "same condition (a step count, not a per-rank data or time budget)."
-                )
-        spec = _spec(
-            "RankFailedError",
-            what,
-            failed_rank=r,
-            last_step=rec.get("step"),
-            last_phase=rec.get("phase"),
-            reason=reason,
-            log=rec.get("events"),
-            hint=hint,
-        )
-        return self._claim(guard, spec)
-
-    def _uneven(self, guard: Guard, records: dict[int, dict[str, Any]]) -> GuardrailsError:
-        lengths = {r: int(rec.get("batches", 0)) for r, rec in sorted(records.items())}
-        out = sorted(r for r, rec in records.items() if rec.get("exhausted"))
-        still = [r for r in lengths if r not in out]
-        shown = ", ".join(f"rank {r}: {n}{'' if r in out else '+'}" for r, n in lengths.items())
-        waiting = "; ".join(f"rank {r} waits {_where(records[r])}" for r in still)
-        what = (
-            f"the loader ran out on rank(s) {', '.join(map(str, out))} while other ranks "
-            f"still had data (batches fetched: {shown}; + = still fetching). "
-            + (f"{waiting}. " if waiting else "")
-            + "Ranks that run out leave the loop; the others wait in the next collective "
-            "for a partner that never comes."
-        )
-        spec = _spec(
-            "UnevenDataError",
-            what,
-            lengths=lengths,
-            exhausted_ranks=out,
-            hint="give every rank the same number of batches: the same dataset on every "
-            "rank (check the data path/shards each rank sees), a DistributedSampler "
-            "(drop_last=True) instead of per-rank files, and DataLoader(drop_last=True).",
-        )
-        return self._claim(guard, spec)
-
-    def _diagnose(
-        self, guard: Guard, records: dict[int, dict[str, Any]], timeout: float
-    ) -> GuardrailsError | None:
-        live = {r: rec for r, rec in records.items() if "state" not in rec}
-        others = [r for r in live if r != self._rank]
-        if not others and len(live) < len(records):
-            # Every other rank has left its loop. Only a hang if this rank waits for them
-            # (in a collective); rank-0-only work after the loop (a final eval, a save)
-            # waits for nobody.
-            if not self._waiting(guard):
-                return None
-            return self._rank_failed(guard, records, min(set(records) - set(live)), dead=False)
-        if (
-            others
-            and not any(
-                live[r].get("idle_s", 0) >= timeout / 2 or live[r].get("collective") for r in others
-            )
-            and not self._waiting(guard)
-        ):
-            return None  # the others move and this rank waits for none: not a hang
-        exhausted = [r for r, rec in records.items() if rec.get("exhausted")]
-        if exhausted and len(exhausted) < len(records):
-            return self._uneven(guard, records)
-        stacks = self._read_stacks(sorted(records))
-        if self._awaiting_stacks(live, stacks, timeout):
-            return None
-        for r, rec in records.items():
-            rec["_stack"] = stacks.get(r, "")
-        waiting = {r: _in_collective(rec) for r, rec in live.items()}
-        stuck = [r for r in live if not waiting[r]]
-        if not stuck or len(stuck) == len(live):
-            keys = {r: _progress_key(rec) for r, rec in live.items()}
-            lowest = min(keys.values())
-            stuck = sorted(r for r, k in keys.items() if k == lowest)
-        stuck.sort()
-        waiters = [r for r in sorted(live) if r not in stuck]
-        lines = [
-            f"rank {r} is stuck at step {live[r]['step']}, {_where(live[r])}"
-            + ("" if waiting[r] else ", outside any collective")
-            for r in stuck[:STACKS_SHOWN]
-        ]
-        if len(stuck) > STACKS_SHOWN:
-            lines.append(f"and {len(stuck) - STACKS_SHOWN} more stuck ranks")
-        waits = [
-            f"{_ranks(rs)} {'waits' if len(rs) == 1 else 'wait'} for it {where}"
-            for where, rs in _group(live, waiters).items()
-        ]
-        if len(stuck) == len(live) and len(live) > 1:
-            head = (
-                f"no rank made progress for {timeout:.0f} s and none is behind the others: "
-                + "; ".join(f"{_ranks(rs)} {w}" for w, rs in _group(live, sorted(live)).items())
-                + ". Every rank waits: ranks in different collectives are a collective "
-                "mismatch; all in the same one points at the network or a GPU."
-            )
-        else:
-            head = (
-                f"no progress for {timeout:.0f} s: "
-                + "; ".join(lines)
-                + (". " + "; ".join(waits) if waits else "")
-                + "."
-            )
-        # STACKS_SHOWN stacks, stuck ranks first: the verdict travels through the store
-        # and into every rank's error file.
-        shown = stuck[:STACKS_SHOWN] + [r for r in sorted(records) if r not in stuck]
-        shown = sorted(shown[:STACKS_SHOWN])
-        stack_text = "\n".join(
-            f"--- rank {r} ({'stuck' if r in stuck else 'waiting'}), main thread, innermost "
-            f"last ---\n{records[r]['_stack'] or '  (no stack: its watchdog did not publish one)'}"
-            for r in shown
-        )
-        if len(shown) < len(records):
-            stack_text += f"\n(the stacks of {len(records) - len(shown)} more ranks: not shown)"
-        spot = _where(live[stuck[0]]) if stuck else "the place shown"
-        hint = (
-            f"look at what rank {stuck[0]} does {spot} (its stack is above): a sleep, a lock, a "
-            "read from a pipe/socket/stalled filesystem, a DataLoader worker, or a branch "
-            "taken on some ranks only that skips a collective. If the pause is legitimate "
-            '(evaluation, a big save) wrap it in `with g.pause_watchdog("eval"):` or '
-            'raise the timeout: guard(..., watchdog={"hang_timeout_s": ...}).'
-        )
-        spec = _spec(
-            "HangError",
-            f"{head}\n{stack_text}",
-            stuck_ranks=stuck,
-            where={r: _where(rec) for r, rec in live.items()},
-            stacks={r: records[r]["_stack"] for r in shown},
-            timeout_s=timeout,
-            hint=hint,
-        )
-        return self._claim(guard, spec)
-
-    def _explain(self, guard: Guard, *, deadline_s: float) -> GuardrailsError | None:
-        """For an exception from a collective: which peer ended (failed, was killed,
-        ran out of data, left the loop), read within ``deadline_s``; ``None`` if none."""
-        end = time.monotonic() + deadline_s
-        while True:
-            try:
-                adopted = self._adopt_verdict(guard)
-                if adopted is not None:
-                    return adopted
-                finished = self._read("end", exclude_self=True)
-                for r, rec in sorted(finished.items()):
-                    if rec.get("state") == "failed":
-                        return self._rank_failed(guard, finished, r, dead=False)
-                exhausted = {r: rec for r, rec in finished.items() if rec.get("exhausted")}
-                if exhausted and guard.exhausted_at is None:
-                    mine = self._record(guard, time.monotonic())
-                    if any(_past(_here(guard), _position(e)) for e in exhausted.values()):
-                        return self._uneven(guard, {**finished, self._rank: mine})
-                records = self._read("hb", exclude_self=True)
-                for r, rec in sorted(records.items()):
-                    if r in finished:
-                        continue
-                    if rec.get("host") == self._host and not _dist.pid_alive(int(rec["pid"])):
-                        return self._rank_failed(guard, records, r, dead=True)
-                if finished:
-                    return self._rank_failed(guard, finished, min(finished), dead=False)
-            except Exception as exc:  # the store is gone: its host died
-                return self._store_down_now(guard, exc)
-            if time.monotonic() >= end:
-                return None
-            time.sleep(0.1)
-
     def _store_down_now(self, guard: Guard, exc: Exception) -> GuardrailsError:
         self._store_down_since = time.monotonic() - 1e9
         error = self._store_down(guard, exc)
         assert error is not None
         return error
 
-    def _peers_ahead(self, mine: tuple[int, int]) -> dict[int, dict[str, Any]]:
-        """Peers (heartbeats and final records) that fetched past position ``mine``."""
-        records = self._read("hb", exclude_self=True)
-        records.update(self._read("end", exclude_self=True))
-        if any(_past(_position(rec), mine) for rec in records.values()):
-            return records
-        return {}
-
-    def _check_uneven_at_end(self, guard: Guard) -> GuardrailsError | None:
-        """This rank's loop ended because its loader ran out: if a peer has already
-        fetched more batches, the data is uneven and the peer is now waiting for this
-        rank in a collective. Waits at most a few heartbeats, and only while some peer
-        is still on the same batch without having run out itself."""
-        deadline = time.monotonic() + 2 * self.heartbeat_every_s + 1
-        mine = _here(guard)
-        while True:
-            try:
-                finished = self._read("end", exclude_self=True)
-                records = self._read("hb", exclude_self=True)
-            except Exception:
-                return None
-            records.update(finished)
-            ahead = [r for r, rec in records.items() if _past(_position(rec), mine)]
-            if ahead:
-                me = self._record(guard, time.monotonic())
-                me["exhausted"] = True
-                return self._uneven(guard, {**records, self._rank: me})
-            pending = [
-                r for r, rec in records.items() if not rec.get("exhausted") and r not in finished
-            ]
-            if not pending or time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
-
 
 # ---------------------------------------------------------------------- helpers
-
-#: Errors a component raises on every rank at the same step (so a peer's is not news).
-_RAISED_EVERYWHERE = {"NonFiniteError", "CollectiveMismatchError", "ConfigMismatchError"}
-
-_CLASSES: dict[str, type[GuardrailsError]] = {
-    "HangError": HangError,
-    "RankFailedError": RankFailedError,
-    "UnevenDataError": UnevenDataError,
-}
-
-
-def _group(records: dict[int, dict[str, Any]], ranks: list[int]) -> dict[str, list[int]]:
-    """``ranks`` grouped by where they are (one clause per place, not per rank: a
-    thousand ranks waiting in the same all-reduce are one line)."""
-    out: dict[str, list[int]] = {}
-    for r in ranks:
-        out.setdefault(_where(records[r]), []).append(r)
-    return out
-
-
-def _ranks(ranks: list[int]) -> str:
-    """``rank 3`` / ``ranks 0-2, 5``: consecutive runs collapsed."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    text = ", ".join(
-        f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs
-    )
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
-
-
-def _spec(cls: str, message: str, *, hint: str, **fields: Any) -> dict[str, Any]:
-    return {"cls": cls, "message": message, "hint": hint, "fields": fields}
-
-
-def _build(spec: dict[str, Any], guard: Guard) -> GuardrailsError:
-    """The verdict as this rank's error: same class, message and fields everywhere,
-    ``rank``/``step`` this rank's."""
-    fields = dict(spec.get("fields", {}))
-    for name in ("lengths", "where", "stacks"):  # JSON made the rank keys strings
-        if isinstance(fields.get(name), dict):
-            fields[name] = {int(k): v for k, v in fields[name].items()}
-    fields["verdict_by"] = spec.get("by")
-    cls = _CLASSES.get(spec.get("cls", ""), HangError)
-    return cls(spec["message"], rank=guard.rank, step=guard.step, hint=spec.get("hint"), **fields)
-
-
-def _position(rec: dict[str, Any]) -> tuple[int, int]:
-    """How far a rank got through its data: (pass over the loader, batches in it)."""
-    return int(rec.get("epoch", 0)), int(rec.get("batches", 0))
-
-
-def _past(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """Whether position ``a`` is past ``b`` in the same pass over the data. A peer in a
-    later pass also ran out of this one (it may just be quicker to start the next)."""
-    return a[0] == b[0] and a[1] > b[1]
-
-
-def progress_key(guard: Guard) -> tuple[Any, ...]:
-    """What the main thread advertises, as one comparable value: it changes whenever the
-    rank makes progress (a step, a batch, a phase, a collective)."""
-    coll = guard.shared.collective
-    return (
-        guard.step,
-        _here(guard),
-        guard.phase,
-        None if coll is None else (coll.get("seq"), coll.get("op")),
-    )
-
-
-def main_thread_site() -> str:
-    """Where the main thread is, in the user's code: ``file:line (function)`` of its
-    innermost frame outside torch, guardrails and the standard library."""
-    frames = _frames(_stack(threading.main_thread().ident or 0))
-    for path, line, func in reversed(frames):
-        if _is_user(path):
-            return f"{os.path.basename(path)}:{line} ({func})"
-    if frames:
-        path, line, func = frames[-1]
-        return f"{os.path.basename(path)}:{line} ({func})"
-    return "an unknown place"
-
-
-def _here(guard: Guard) -> tuple[int, int]:
-    """This rank's data position: where its loader ran out, else the current pass and
-    batch. ``exhausted_at`` is read first: the engine sets it before it moves the epoch
-    counters on, so a non-``None`` value is always consistent."""
-    done = guard.exhausted_at
-    return done if done is not None else (guard.epoch, guard.batch_in_epoch)
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:300] if text else ""
-
-
-def _from_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a collective that failed because of another rank
-    (gloo: "Connection reset/closed by peer"; NCCL: a DistBackendError)."""
-    import torch.distributed as dist
-
-    text = str(exc).lower()
-    if "address already in use" in text or "eaddrinuse" in text:
-        return False  # this rank's own launch problem (the translator's LaunchError)
-    if isinstance(exc, getattr(dist, "DistError", ())):  # DistBackendError, ... (torch 2.2+)
-        return True
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("gloo", "nccl", "connection", "peer", "timed out", "broken pipe")
-    )
-
-
-def _host_id() -> str:
-    """Hostname plus the PID namespace: two ranks may check each other's pids only when
-    both match (containers on one host share a hostname but not pids)."""
-    try:
-        ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        ns = "?"
-    return f"{socket.gethostname()}|{ns}"
-
-
-def _stack(ident: int) -> str:
-    """The Python stack of thread ``ident``, innermost frame last, capped."""
-    frame = sys._current_frames().get(ident)
-    if frame is None:
-        return "  (the thread has ended)"
-    frames = traceback.extract_stack(frame)[-STACK_FRAMES:]
-    return "".join(traceback.format_list(frames)).rstrip()
-
-
-def _frames(stack: str) -> list[tuple[str, str, str]]:
-    """(file, line, function) of each ``File "...", line N, in f`` line of a stack."""
-    out = []
-    for line in stack.splitlines():
-        line = line.strip()
-        if line.startswith('File "'):
-            try:
-                path, rest = line[6:].split('", line ', 1)
-                num, func = rest.split(", in ", 1)
-                out.append((path, num, func))
-            except ValueError:
-                continue
-    return out
-
-
-def _is_user(path: str) -> bool:
-    return not (
-        path.startswith(_TORCH_DIR)
-        or path.startswith(_GUARDRAILS_DIR)
-        or path.startswith(_STDLIB_DIRS)
-    )
-
-
-def _in_collective(rec: dict[str, Any]) -> bool:
-    """Whether the rank is waiting on other ranks: inside a collective the auditor saw,
-    or its innermost Python frame is in torch.distributed / DDP, or in autograd's
-    backward (where DDP waits for its gradient all-reduce)."""
-    if rec.get("collective"):
-        return True
-    frames = _frames(rec.get("_stack", ""))
-    if not frames:
-        return False
-    path = frames[-1][0]
-    return path.startswith(_TORCH_DIR) and any(
-        part in path for part in (f"distributed{os.sep}", f"autograd{os.sep}")
-    )
-
-
-def _progress_key(rec: dict[str, Any]) -> tuple[int, int, int]:
-    coll = rec.get("collective") or {}
-    seq = coll.get("seq") if isinstance(coll, dict) else None
-    return (
-        int(rec.get("step", 0)),
-        _PHASE_ORDER.get(str(rec.get("phase")), 0),
-        int(seq) if isinstance(seq, int) else -1,
-    )
-
-
-def _where(rec: dict[str, Any]) -> str:
-    """Where a rank is, in words: the collective (op #seq at file:line), else the phase
-    and the innermost frame of the user's code."""
-    coll = rec.get("collective")
-    if isinstance(coll, dict) and coll:
-        # The auditor's entry (_audit.entry_dict): op, seq, group, shapes, dtype, site.
-        op = coll.get("op", "a collective")
-        seq = coll.get("seq")
-        site = coll.get("site")
-        what = [str(v) for v in (coll.get("shapes"), coll.get("dtype")) if v is not None]
-        if coll.get("group") is not None:
-            what.append(f"group {coll['group']}")
-        text = f"in {op}" + (f" #{seq}" if seq is not None else "")
-        if what:
-            text += f" ({', '.join(what)})"
-        return text + (f" at {site}" if site else "")
-    phase = rec.get("phase")
-    if rec.get("paused"):
-        text = f"paused ({rec['paused']})"
-    else:
-        text = {
-            "data": "in the loader's next()",
-            "forward": "in the model's forward",
-            "backward": "between forward and optimizer.step() (backward: DDP's gradient "
-            "all-reduce)",
-            "optimizer": "in optimizer.step()",
-            "loop": "in the loop body",
-            "setup": "before the first batch",
-            "agree": "in the guard's stop/save agreement with the other ranks",
-        }.get(str(phase), f"in phase {phase}")
-    frames = _frames(rec.get("_stack", ""))
-    if frames:
-        inner = frames[-1]
-        user = [f for f in frames if _is_user(f[0])]
-        if inner[0].startswith(_TORCH_DIR) and "distributed" in inner[0]:
-            text = f"in torch.distributed {inner[2]}()"
-        if user:
-            path, num, func = user[-1]
-            text += f" at {Path(path).name}:{num} ({func})"
-    return text

@@ -1,0 +1,517 @@
+"""The read side's checks: a checkpoint's files read and each part held against the live
+object it will load into (keys, shapes, classes, values) before anything is applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import random
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from torch import Tensor, nn
+
+from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
+from guardrails.checkpoint import sharded as _sharded
+from guardrails.checkpoint.codec import decode
+from guardrails.checkpoint.common import (
+    _manifest_error,
+    _natural,
+    _read_tensors,
+    _short,
+    log,
+)
+
+# The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
+from guardrails.checkpoint.manifest import (
+    ASIDE_RE,
+    MANIFEST,
+    STEP_RE,
+    Bad,
+    ManifestError,
+    list_checkpoints,
+    not_regular,
+    read_json,
+)
+from guardrails.checkpoint.manifest import check_rng as _manifest_check_rng
+from guardrails.checkpoint.manifest import problem as _manifest_problem
+from guardrails.checkpoint.stage import (
+    _ELEMENTWISE_STATE,
+    per_rank,
+)
+
+
+class _Reader:
+    """Reads a checkpoint's listed files, and only those, turning whatever a damaged
+    file raises (``SafetensorError``, ``JSONDecodeError``, ``KeyError``...) into a
+    ``CheckpointError`` naming the file and the field."""
+
+    def __init__(self, ckpt: Path, step: int, files: Mapping[str, Any]) -> None:
+        self.ckpt, self.step, self.files = ckpt, step, files
+
+    def path(self, name: str) -> Path:
+        if name not in self.files:
+            raise self.bad(name, "", f"is not among the files {MANIFEST} lists, so it is not read")
+        return self.ckpt / name
+
+    def json(self, name: str) -> Any:
+        with self.reading(name):
+            return read_json(self.path(name))
+
+    def tensors(self, name: str) -> dict[str, Tensor]:
+        with self.reading(name):
+            return _read_tensors(self.path(name))
+
+    @contextlib.contextmanager
+    def reading(self, name: str, field: str = "") -> Iterator[None]:
+        try:
+            yield
+        except GuardrailsError:
+            raise
+        except Bad as e:
+            raise self.bad(name, e.field, e.why) from None
+        except _DAMAGE as e:
+            raise self.bad(name, field, f"cannot be decoded ({type(e).__name__}: {e})") from None
+
+    def bad(self, name: str, field: str, why: str) -> CheckpointError:
+        f = self.ckpt / name
+        what = f"field {field} " if field else ""
+        return CheckpointError(
+            f"checkpoint {self.ckpt} is not valid: {f} is corrupt: {what}{why}",
+            step=self.step,
+            path=str(f),
+            field=field or None,
+        )
+
+    def like(self, name: str, saved: Any, live: Any) -> None:
+        """``saved`` (a state_dict read from ``name``) has the types of ``live`` (the
+        live object's own state_dict, of the same class): a number where it holds a
+        number, a list as long as its list. Strings, booleans and ``None`` on the live
+        side are not compared (their defaults change between torch versions)."""
+        problem = _unlike(saved, live, "")
+        if problem is not None:
+            raise self.bad(name, *problem)
+
+
+#: What reading a damaged file can raise, besides guardrails' own errors.
+_DAMAGE = (
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    RecursionError,
+    AttributeError,
+    SafetensorError,
+    RuntimeError,
+    pickle.UnpicklingError,
+    EOFError,
+)
+
+
+def _torch_own(obj: Any, module: str) -> bool:
+    """Whether ``obj`` is of one of torch's own classes, whose state keeps its shape
+    (a list of one lr per group); a user's scheduler may keep a history that grows, so
+    its fresh state is no template for a saved one."""
+    return type(obj).__module__.startswith(module)
+
+
+def _unlike(saved: Any, live: Any, field: str) -> tuple[str, str] | None:
+    """``(field, why)`` where ``saved`` does not have ``live``'s types, or ``None``."""
+    if isinstance(live, bool) or live is None or isinstance(live, str):
+        return None
+    if isinstance(live, (int, float)):
+        # Not int against float: a scheduler decays an lr given as 1 to 0.5; the fields
+        # that must be integers are checked with the file (_manifest's schemas).
+        if isinstance(saved, bool) or not isinstance(saved, (int, float, Tensor)):
+            return field, f"is {_show(saved)}, where this run's holds a number ({live!r})"
+        return None
+    if isinstance(live, Tensor):
+        if not isinstance(saved, (Tensor, int, float)) or isinstance(saved, bool):
+            return field, f"is {_show(saved)}, where this run's holds a tensor"
+        return None
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)):
+            return field, f"is {_show(saved)}, where this run's holds a list of {len(live)}"
+        if len(saved) != len(live):
+            return field, f"has {len(saved)} items, where this run's has {len(live)}"
+        for i, (s, v) in enumerate(zip(saved, live, strict=True)):
+            found = _unlike(s, v, f"{field}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            return field, f"is {_show(saved)}, where this run's holds an object"
+        for key in saved:
+            if key in live:
+                found = _unlike(saved[key], live[key], f"{field}.{key}" if field else str(key))
+                if found is not None:
+                    return found
+    return None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:30] + "..."
+
+
+def _check_optimizer_values(
+    reader: _Reader, name: str, optimizer: Any, saved: Mapping[str, Any]
+) -> None:
+    """The saved param groups' settings have the types of the live optimizer's (a
+    string ``lr`` loads, then the first step dies)."""
+    groups = per_rank(optimizer).param_groups
+    for i, (g, s) in enumerate(zip(groups, saved["param_groups"], strict=True)):
+        if not isinstance(s, Mapping):
+            raise reader.bad(name, f"param_groups[{i}]", f"is {_show(s)}, not an object")
+        # Numbers and tuples only (lr, betas): settings, fixed in shape; a user's
+        # optimizer may keep a list in its group that grows.
+        live = {
+            k: v
+            for k, v in g.items()
+            if k not in ("params", "param_names") and not isinstance(v, (list, Mapping))
+        }
+        problem = _unlike({k: v for k, v in s.items() if k in live}, live, f"param_groups[{i}]")
+        if problem is not None:
+            raise reader.bad(name, *problem)
+
+
+def _check_rng(
+    reader: _Reader,
+    name: str,
+    tensors_name: str,
+    states: Mapping[str, Any] | None,
+    tensors: Mapping[str, Tensor],
+) -> None:
+    """The RNG streams load: each one set into a scratch generator of its kind (their
+    own checks, exact), so none can fail while being restored."""
+    if states is not None:
+        with reader.reading(name, "rng"):
+            _manifest_check_rng(states, "rng")
+            kind, keys, pos, has_gauss, cached = states["numpy"]
+            np.random.RandomState().set_state(
+                (kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+            )
+    for key, t in tensors.items():
+        if key == "torch.cpu" or key.startswith("torch.cuda."):
+            with reader.reading(tensors_name, key):
+                if t.dtype != torch.uint8 or t.dim() != 1:
+                    raise ValueError(
+                        f"a {t.dtype} tensor of shape {tuple(t.shape)}, not a byte tensor"
+                    )
+                if key == "torch.cpu":
+                    torch.Generator().set_state(t)
+
+
+def _corrupt(ckpt: Path, bad_file: str, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {ckpt} is not valid: {why}",
+        path=bad_file,
+        hint=skip_hint(ckpt),
+    )
+
+
+def _check_materialized(ckpt: Path, step: int, model: nn.Module) -> None:
+    """The model's tensors have storage: a model built on the meta device (``with
+    torch.device("meta")``, accelerate's ``init_empty_weights``) takes no values from
+    ``load_state_dict`` (it "resumed" and loaded nothing)."""
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ResumeError(
+            f"the model has {len(meta)} tensor(s) on the meta device ({_short(meta, 3)}): "
+            f"they hold no memory, so nothing from {ckpt} could be loaded into them",
+            step=step,
+            path=str(ckpt),
+            hint="materialize the model first, then resume: model.to_empty(device=...) "
+            "(allocates every tensor, uninitialized; the resume then fills them). "
+            "Nothing was modified.",
+        )
+
+
+def _check_model(
+    ckpt: Path, step: int, model: nn.Module, saved: Mapping[str, Tensor], strict: bool
+) -> None:
+    live = model.state_dict()
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    shapes = [
+        f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in live.items()
+        if k in saved and isinstance(v, Tensor) and tuple(saved[k].shape) != tuple(v.shape)
+    ]
+    problems = []
+    if shapes:
+        problems.append(f"shape mismatch ({len(shapes)}): {_short(shapes)}")
+    if strict and missing:
+        problems.append(f"in the model but not the checkpoint ({len(missing)}): {_short(missing)}")
+    if strict and unexpected:
+        problems.append(
+            f"in the checkpoint but not the model ({len(unexpected)}): {_short(unexpected)}"
+        )
+    if problems:
+        hint = (
+            "build the model with the same architecture and config that was saved "
+            "(width, depth, vocab size, wrappers such as DDP or torch.compile add a "
+            "'module.' / '_orig_mod.' prefix)"
+        )
+        if not shapes:  # only keys differ: loading the matching part can work
+            hint += (
+                "; to load only the matching part, e.g. a backbone under a new head, pass "
+                "strict=False"
+            )
+        raise ResumeError(
+            f"checkpoint {ckpt} does not fit this model; " + "; ".join(problems),
+            step=step,
+            path=str(ckpt),
+            hint=hint + ". The model was not modified.",
+            remedy=None if shapes else "strict",
+        )
+
+
+def _pair(
+    ckpt: Path,
+    step: int,
+    kind: str,
+    live: Mapping[str, Any],
+    contents: Mapping[str, Any],
+    strict: bool,
+) -> list[tuple[str, Any, Any]]:
+    """``(name, live object, what the manifest says of it)`` for each live optimizer /
+    scheduler: matched by name, or the lone one to the lone one."""
+    saved = contents[f"{kind}s"]
+    if not live:
+        return []
+    if not saved:
+        if strict:
+            raise _missing(ckpt, step, kind)
+        return []
+    if len(live) == 1 and len(saved) == 1:
+        return [(next(iter(live)), next(iter(live.values())), next(iter(saved.values())))]
+    unknown = [n for n in live if n not in saved]
+    if unknown and strict:
+        raise ResumeError(
+            f"checkpoint {ckpt} holds no {kind} named {_short(unknown)}: it holds "
+            f"{_short(list(saved))}, this run has {_short(list(live))}",
+            step=step,
+            path=str(ckpt),
+            hint=f"pass the {kind}s under the names they were saved with (the keys of the "
+            f"dict, or their positions in the list, given to guard()). Nothing was modified.",
+        )
+    return [(n, obj, saved[n]) for n, obj in live.items() if n in saved]
+
+
+def _check_optimizer(
+    ckpt: Path,
+    step: int,
+    name: str | None,
+    optimizer: Any,
+    saved: Mapping[str, Any],
+    model: nn.Module,
+) -> None:
+    """The saved state fits ``optimizer``: the same param groups, the same number of
+    parameters in each, each parameter the shape it had when saved. The state tensors
+    themselves are trusted to fit (a state need not have its parameter's shape: Muon
+    keeps one stacked momentum per group of parameters)."""
+    opt = per_rank(optimizer)
+    which = "optimizer" if name is None else f"optimizer {name!r}"
+    groups = opt.param_groups
+    saved_groups = saved["param_groups"]
+    problems = []
+    if len(groups) != len(saved_groups):
+        problems.append(f"{len(saved_groups)} param groups saved, {len(groups)} now")
+    else:
+        for i, (g, s) in enumerate(zip(groups, saved_groups, strict=True)):
+            if len(g["params"]) != len(s["params"]):
+                problems.append(
+                    f"group {i}: {len(s['params'])} parameters saved, {len(g['params'])} now"
+                )
+    if not problems:
+        names = {id(p): n for n, p in model.named_parameters()}
+        params = [p for g in groups for p in g["params"]]
+        ids = [i for s in saved_groups for i in s["params"]]
+        shapes = saved.get("param_shapes")
+        for pos, (idx, p) in enumerate(zip(ids, params, strict=True)):
+            label = f"param {idx}" + (f" (`{names[id(p)]}`)" if id(p) in names else "")
+            if shapes is not None:  # format 3: the shape each parameter was saved with
+                if tuple(shapes[pos]) != tuple(p.shape):
+                    problems.append(
+                        f"{label}: saved for shape {tuple(shapes[pos])}, the parameter is "
+                        f"{tuple(p.shape)} now"
+                    )
+                continue
+            for key, v in saved["state"].get(idx, {}).items():  # formats 1-2
+                if key in _ELEMENTWISE_STATE and isinstance(v, Tensor) and v.shape != p.shape:
+                    problems.append(
+                        f"{label} {key}: checkpoint {tuple(v.shape)} vs parameter {tuple(p.shape)}"
+                    )
+    if problems:
+        raise ResumeError(
+            f"checkpoint {ckpt} {which} state does not fit this {which}; " + _short(problems),
+            step=step,
+            path=str(ckpt),
+            hint="build the optimizer over the same parameters, in the same order and "
+            "param groups, as the run that saved it; to restart the optimizer from "
+            "scratch, pass optimizer=None. Nothing was modified.",
+            remedy="no_optimizer",
+        )
+
+
+def _check_classes(
+    ckpt: Path,
+    step: int,
+    contents: Mapping[str, Any],
+    optimizers: Mapping[str, Any],
+    schedulers: Mapping[str, Any],
+) -> None:
+    """Each optimizer and scheduler is of the class whose state was saved (checkpoints
+    that record classes: written by guardrails 0.2 since this check)."""
+    saved = contents.get("classes") or {}
+    wrong = []
+    for kind, objs in (("optimizer", optimizers), ("scheduler", schedulers)):
+        for name, obj in objs.items():
+            was = saved.get(f"{kind}:{name}")
+            now = type(per_rank(obj) if kind == "optimizer" else obj).__name__
+            if was is not None and was != now:
+                who = kind if len(objs) == 1 else f"{kind} {name!r}"
+                wrong.append(f"the {who} was saved from {was}, this run's is {now}")
+    if wrong:
+        raise ResumeError(
+            f"checkpoint {ckpt} does not fit this run: " + "; ".join(wrong) + " (another "
+            "class's state would load half-way and fail later)",
+            step=step,
+            path=str(ckpt),
+            hint="resume with the classes that saved it, or start this configuration as a "
+            "new run (a new run_dir, or guard(..., resume=None)). Nothing was modified.",
+        )
+
+
+def _component_state(reader: _Reader, name: str, strict: bool) -> Any:
+    """The saved state_dict of an optional component (``scheduler``, ``scaler``): its
+    ``<name>.json``, or ``<name>.pt`` when it was not JSON-able; ``None`` if absent and
+    not ``strict``."""
+    if f"{name}.json" in reader.files:
+        return decode(reader.json(f"{name}.json"))
+    if f"{name}.pt" in reader.files:
+        with reader.reading(f"{name}.pt"):
+            path = reader.path(f"{name}.pt")
+            why = not_regular(path)
+            if why is not None:
+                raise OSError(why)
+            return torch.load(path, weights_only=True)
+    if strict:
+        raise _missing(reader.ckpt, reader.step, name)
+    return None
+
+
+def _missing(ckpt: Path, step: int, what: str) -> ResumeError:
+    if what == "model":
+        return ResumeError(
+            f"checkpoint {ckpt} holds no model state: its {MANIFEST} lists no "
+            "model.safetensors (field files), and files it does not list are never read",
+            step=step,
+            path=str(ckpt / MANIFEST),
+            field="files",
+            hint="resume from an older step_* directory; or pass strict=False to leave "
+            "the model as it is and restore the rest. Nothing was modified.",
+            remedy="no_model",
+        )
+    return ResumeError(
+        f"checkpoint {ckpt} holds no {what} state, but a {what} was passed to resume()",
+        step=step,
+        path=str(ckpt),
+        hint=f"pass {what}=None to keep this {what} as it is, or strict=False to skip "
+        "what the checkpoint lacks. Nothing was modified.",
+        remedy=f"no_{what}",
+    )
+
+
+def _load_optimizer(reader: _Reader, stem: str = "optimizer") -> dict[str, Any]:
+    tensors = {}
+    if f"{stem}.safetensors" in reader.files:
+        tensors = reader.tensors(f"{stem}.safetensors")
+    raw = reader.json(f"{stem}.json")
+    with reader.reading(f"{stem}.json", "state"):
+        if not isinstance(raw, dict) or not isinstance(raw.get("state"), dict):
+            raise ValueError("the state is not an object")
+        state = {int(k): decode(v, tensors) for k, v in raw["state"].items()}
+    with reader.reading(f"{stem}.json", "param_groups"):
+        out = {"state": state, "param_groups": decode(raw["param_groups"], tensors)}
+        if not isinstance(out["param_groups"], list):
+            raise ValueError("param_groups is not a list")
+    if "param_shapes" in raw:
+        out["param_shapes"] = raw["param_shapes"]
+    return out
+
+
+def _restore_rng(states: Mapping[str, Any] | None, tensors: Mapping[str, Tensor]) -> None:
+    if states is not None:
+        version, internal, gauss = states["python"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "torch.cpu" in tensors:
+        torch.set_rng_state(tensors["torch.cpu"])
+    cuda = [tensors[k] for k in sorted(tensors, key=_natural) if k.startswith("torch.cuda.")]
+    if cuda:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n != len(cuda):
+            log.warning(
+                "guardrails: the checkpoint holds CUDA RNG states for %d devices, this "
+                "process sees %d; restoring the first %d (dropout on the others differs)",
+                len(cuda),
+                n,
+                min(n, len(cuda)),
+            )
+        for i, s in enumerate(cuda[:n]):
+            torch.cuda.set_rng_state(s, i)
+
+
+def skip_hint(ckpt: Path) -> str:
+    """What to do about an invalid checkpoint: the previous valid one next to it, if
+    any (each older one verified, newest first), else a backup."""
+    previous = None
+    m = STEP_RE.match(ckpt.name) or ASIDE_RE.match(ckpt.name)  # a re-save's aside copy too
+    step = int(m.group(m.lastindex or 1)) if m else -1
+    for s, p in reversed(list_checkpoints(ckpt.parent)):
+        try:
+            if s < step and verify_checkpoint(p) is None:
+                previous = p
+                break
+        except GuardrailsError:  # an older one in a newer format: not a candidate
+            continue
+    if previous is not None:
+        return (
+            f"resume from the previous valid checkpoint instead ({previous}), or delete "
+            f"or move away {ckpt}: a resume from the run's checkpoint directory then "
+            "uses the previous one (it skips invalid ones by itself); or start fresh "
+            "with resume=None."
+        )
+    return (
+        f"no earlier valid checkpoint exists next to it: restore {ckpt} from a backup, "
+        "or start fresh with resume=None (or delete or move it away)."
+    )
+
+
+def verify_checkpoint(ckpt: str | os.PathLike[str]) -> str | None:
+    """``None`` when ``ckpt`` is a valid checkpoint, else why not (one line, naming the
+    file and the field). Reads every byte once (sha256) and checks every listed file's
+    content against what guardrails writes there."""
+    problem = _problem(Path(ckpt))
+    return None if problem is None else problem[1]
+
+
+def _problem(ckpt: Path, *, entry: bool = False) -> tuple[str, str] | None:
+    """``(file, why)`` for the first problem found in ``ckpt``, or ``None``. ``entry``:
+    found under a root, so it must not be a link."""
+    try:
+        return _manifest_problem(ckpt, entry=entry, metadata_check=_sharded.metadata_problem)
+    except ManifestError as e:  # a newer format: intact, but not ours to read
+        raise _manifest_error(e) from None

@@ -1,0 +1,419 @@
+"""The write side's first half: a checkpoint's tensors copied into one reusable staging
+buffer (pinned on CUDA), then written as safetensors and JSON files by :class:`Part`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from guardrails.checkpoint import digest
+from guardrails.checkpoint.codec import encode
+from guardrails.checkpoint.common import (
+    ALIASES_KEY,
+    _seal,
+    log,
+)
+
+# The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
+from guardrails.checkpoint.manifest import (
+    _dumps,
+    _rank_name,
+)
+from guardrails.distributed import dist
+
+#: Optimizer states that are elementwise copies of their parameter's shape, so a shape
+#: mismatch is a certain sign of a different model. (Factored states such as
+#: Adafactor's row/column statistics legitimately differ and are not checked.)
+_ELEMENTWISE_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum"}
+    | {"acc_delta", "grad_avg", "prev", "ax"}  # not NAdam's mu_product: a scalar
+)
+
+
+class Staging:
+    """Pinned host memory for device tensors, allocated once and reused by every save.
+
+    A fresh pinned allocation per save cost the first periodic save of a 10 GB state
+    5.9 s on an H200 (pinning the pages is the slow part, not the copy). Here the
+    memory is a few pinned blocks, laid out the same way at every save (the state's
+    tensors keep their sizes), so from the second save on staging is only the
+    device-to-host copy (~0.5 s for 10 GB at PCIe speed). :meth:`prepare` allocates
+    the blocks ahead of the first save, in a thread. Blocks are powers of two (torch's
+    pinned allocator rounds every request up to one, so a 10 GB block would pin 16).
+
+    One save uses it at a time: a save waits for the previous save's writer, which
+    reads from these blocks, before it stages.
+    """
+
+    #: At least this many bytes per block: few blocks (a handful of cudaHostAlloc calls)
+    #: and at most one block's tail unused.
+    BLOCK_BYTES = 1 << 30
+    _ALIGN = 64  # each tensor's offset: any dtype's alignment, and a cache line
+
+    def __init__(self) -> None:
+        self._blocks: list[Tensor] = []
+        self._lock = threading.Lock()  # prepare()'s thread vs a save's place()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self._blocks)
+
+    def prepare(self, sizes: list[int], device: torch.device | None = None) -> None:
+        """Allocate, in a background thread, the blocks a save of tensors of ``sizes``
+        bytes needs (the layout :meth:`place` will use), pinned from ``device``'s CUDA
+        context: a new thread's current device is GPU 0, whatever the rank's."""
+        if self._thread is not None:
+            return
+
+        def grow() -> None:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+            self._grow(sizes)
+
+        self._thread = threading.Thread(target=grow, name="guardrails-checkpoint-pin", daemon=True)
+        self._thread.start()
+
+    def place(self, tensors: list[Tensor]) -> list[Tensor]:
+        """A pinned host tensor for each device tensor (same dtype and shape), in this
+        staging's blocks, allocating what is missing now."""
+        if self._thread is not None:  # the ahead-of-time allocation: wait for it
+            self._thread.join()
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        self._grow(sizes)
+        out = []
+        for t, (block, offset, n) in zip(tensors, self._layout(sizes), strict=True):
+            out.append(self._blocks[block][offset : offset + n].view(t.dtype).view(t.shape))
+        return out
+
+    def _grow(self, sizes: list[int]) -> None:
+        with self._lock:
+            self._layout(sizes, allocate=True)
+
+    def _layout(self, sizes: list[int], *, allocate: bool = False) -> list[tuple[int, int, int]]:
+        """``(block, offset, bytes)`` per tensor, first fit in order; with ``allocate``,
+        missing blocks are allocated (else they must exist)."""
+        where = []
+        block, offset = 0, 0
+        for n in sizes:
+            while True:
+                if block == len(self._blocks):
+                    if not allocate:
+                        raise RuntimeError("staging blocks were not allocated")
+                    size = max(self.BLOCK_BYTES, 1 << max(0, (n - 1).bit_length()))
+                    self._blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+                if offset + n <= self._blocks[block].numel():
+                    break
+                block, offset = block + 1, 0
+            where.append((block, offset, n))
+            offset += -(-n // self._ALIGN) * self._ALIGN
+        return where
+
+
+class Part:
+    """What one rank writes into one checkpoint, already copied off the live objects, so
+    a writer thread can serialise it while training mutates the originals.
+
+    Staging is the only part of a save that must block training: device tensors are
+    copied to pinned host memory (``staging``'s reused blocks, or fresh pinned memory
+    without one) with ``non_blocking`` copies and one wait at the end (:meth:`ready`),
+    host tensors are cloned, and everything that is not a tensor is serialised to bytes
+    at once.
+    """
+
+    def __init__(self, staging: Staging | None = None, *, measure: bool = False) -> None:
+        #: file name -> (tensors stored once each, alias key -> stored key)
+        self.tensors: dict[str, tuple[dict[str, Tensor], dict[str, str]]] = {}
+        #: file name -> the file's bytes (JSON, or torch.save for odd schedulers)
+        self.blobs: dict[str, bytes] = {}
+        #: The sharded state's files, once written (hashed as written).
+        self.sealed: list[Path] = []
+        #: A sharded save's (ShardWriter, shards: staged, or live for a save written
+        #: before training goes on): written after the files above.
+        self.dcp: Any = None
+        #: Seconds the save blocked training (set by the caller), spent writing and
+        #: hashing, and in the final fsyncs (set by :meth:`write`).
+        self.stage_s = 0.0
+        self.write_s = 0.0
+        self.fsync_s = 0.0
+        #: Set to abandon the write (the pieces not yet written are not): a stop's save
+        #: supersedes a periodic save still being written.
+        self.cancel = threading.Event()
+        self._staging = staging
+        #: With ``measure``, nothing is copied: only the device tensors' byte sizes are
+        #: collected (what :meth:`Staging.prepare` needs), in staging order.
+        self._measure = measure
+        self.device_bytes: list[int] = []
+        # Device tensors waiting for ready(): (file name, key, tensor)
+        self._on_device: list[tuple[str, str, Tensor]] = []
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(len(b) for b in self.blobs.values())
+        for unique, _ in self.tensors.values():
+            n += sum(t.numel() * t.element_size() for t in unique.values())
+        return n
+
+    def add_tensors(self, name: str, tensors: Mapping[str, Any], *, copy: bool) -> None:
+        """Stage ``tensors`` for ``name`` (a .safetensors file), each storage once.
+
+        safetensors refuses tensors that share memory (tied embeddings: ``lm_head.weight``
+        *is* ``embed.weight``). The same view under two keys is stored once and the other
+        key recorded as an alias; different views of one storage are copied apart.
+        ``copy``: clone host tensors too (the caller goes on mutating them).
+        """
+        unique: dict[str, Tensor] = {}
+        aliases: dict[str, str] = {}
+        by_view: dict[tuple[Any, ...], str] = {}
+        storages: set[int] = set()
+        for key, value in tensors.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"{name}: {key!r} is a {type(value).__name__}, not a tensor; "
+                    "guardrails checkpoints hold tensors here (get_extra_state() objects "
+                    "are not supported yet)"
+                )
+            t = value.detach()
+            ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+            view = (t.device, ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if ptr and view in by_view:
+                aliases[key] = by_view[view]
+                continue
+            shared = ptr and (t.device, ptr) in storages
+            if ptr:
+                by_view[view] = key
+                storages.add((t.device, ptr))
+            if t.device.type != "cpu":
+                # Copied into pinned memory by ready(), all at once, with one wait.
+                self._on_device.append((name, key, t))
+                self.device_bytes.append(t.numel() * t.element_size())
+            elif self._measure:
+                pass
+            elif shared or copy:  # a copy apart from the storage it shares / the caller
+                t = t.clone(memory_format=torch.contiguous_format)
+            elif not t.is_contiguous():  # safetensors stores contiguous tensors only
+                t = t.contiguous()
+            unique[key] = t
+        self.tensors[name] = (unique, aliases)
+
+    def add_json(self, name: str, obj: Any) -> None:
+        self.blobs[name] = _dumps(obj)
+
+    def ready(self) -> None:
+        """Copy the device tensors to host memory without waiting, then wait once for
+        all of them (one sync per save, not per tensor)."""
+        if not self._on_device or self._measure:
+            return
+        sources = [t for _, _, t in self._on_device]
+        if self._staging is not None:
+            targets = self._staging.place(sources)
+            for dst, src in zip(targets, sources, strict=True):
+                dst.copy_(src, non_blocking=True)
+        else:  # into fresh pinned memory
+            targets = [t.to("cpu", non_blocking=True) for t in sources]
+        for (name, key, _), dst in zip(self._on_device, targets, strict=True):
+            self.tensors[name][0][key] = dst
+        self._on_device = []
+        torch.cuda.synchronize()
+
+    def write(self, directory: Path, files: dict[str, Any]) -> None:
+        """Write every file into ``directory``, hashed as written and fsynced, recording
+        size and sha256. The small files (JSON: data position, RNG, optimizer settings)
+        go first, then the tensors, largest last."""
+        t0 = time.perf_counter()
+        jobs: list[tuple[Path, Sequence[Any]]] = [
+            (directory / name, [data]) for name, data in self.blobs.items()
+        ]
+        odd: list[str] = []
+        for name, (unique, aliases) in sorted(
+            self.tensors.items(), key=lambda kv: sum(t.nbytes for t in kv[1][0].values())
+        ):
+            buffers = _safetensors_buffers(unique, {ALIASES_KEY: json.dumps(aliases)})
+            if buffers is None:  # a dtype the header writer does not know
+                odd.append(name)
+            else:
+                jobs.append((directory / name, buffers))
+        timings: dict[str, float] = {}
+        files.update(digest.write_files(jobs, timings=timings, cancel=self.cancel))
+        for name in odd:  # safetensors' own writer, then read back to hash
+            unique, aliases = self.tensors[name]
+            save_file(unique, str(directory / name), metadata={ALIASES_KEY: json.dumps(aliases)})
+        _seal([directory / name for name in odd], files)
+        self.fsync_s = timings.get("fsync_s", 0.0)
+        self.write_s = time.perf_counter() - t0 - self.fsync_s
+
+
+#: safetensors' dtype names (its format spec,
+#: https://github.com/huggingface/safetensors#format). The header is written here so
+#: that the bytes are hashed on their way to disk; safetensors' reader checks it.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    **{
+        getattr(torch, name): code
+        for name, code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"))
+        if hasattr(torch, name)
+    },
+}
+
+
+def _safetensors_buffers(
+    tensors: Mapping[str, Tensor], metadata: Mapping[str, str]
+) -> list[Any] | None:
+    """A .safetensors file as buffers (header, then each tensor's bytes), without
+    copying a tensor; ``None`` for a dtype this writer does not know.
+
+    The format: 8 bytes of little-endian header length, the JSON header (dtype, shape
+    and byte range of each tensor, ``__metadata__``) padded with spaces to a multiple
+    of 8, then the tensors' bytes back to back. Tensors go widest dtype first, like
+    safetensors' own writer, so each one's offset is a multiple of its element size.
+    """
+    order = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    buffers: list[Any] = []
+    offset = 0
+    for key, t in order:
+        code = _SAFETENSORS_DTYPES.get(t.dtype)
+        if code is None or not t.is_contiguous():
+            return None
+        n = t.numel() * t.element_size()
+        header[key] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        if n:
+            buffers.append(t.reshape(-1).view(torch.uint8).numpy())
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [struct.pack("<Q", len(raw)) + raw, *buffers]
+
+
+def stems(kind: str, names: list[str]) -> dict[str, str]:
+    """The file stem of each optimizer / scheduler: ``optimizer`` for a lone one named
+    so (formats 1-2), else ``optimizer.<name>``."""
+    if names == [kind]:
+        return {kind: kind}
+    return {n: f"{kind}.{re.sub(r'[^A-Za-z0-9_-]', '_', n)}" for n in names}
+
+
+def per_rank(optimizer: Any) -> Any:
+    """The optimizer whose ``state_dict()`` this rank saves: ZeroRedundancyOptimizer's
+    own needs a consolidation collective and holds every rank's shard; its local
+    optimizer holds this rank's, which is what this rank saves and loads."""
+    zero = dist.imported_class(
+        "torch.distributed.optim.zero_redundancy_optimizer", "ZeroRedundancyOptimizer"
+    )
+    if zero is not None and isinstance(optimizer, zero):
+        return optimizer.optim
+    return optimizer
+
+
+def stage_optimizer(part: Part, stem: str, optimizer: Any, *, copy: bool = True) -> None:
+    """Stage ``optimizer``'s state as ``<stem>.safetensors`` + ``<stem>.json``, with the
+    shapes of the parameters it was saved for (the resume's check: a state tensor need
+    not have its parameter's shape, like Muon's stacked momentum)."""
+    opt = per_rank(optimizer)
+    sd = opt.state_dict()
+    tensors: dict[str, Tensor] = {}
+    state = {str(idx): encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
+    groups = encode(list(sd["param_groups"]), "param_groups", tensors)
+    shapes = [list(p.shape) for g in opt.param_groups for p in g["params"]]
+    part.add_tensors(f"{stem}.safetensors", tensors, copy=copy)
+    part.add_json(f"{stem}.json", {"state": state, "param_groups": groups, "param_shapes": shapes})
+
+
+def stage_replicated(
+    *,
+    model: nn.Module | None,
+    optimizers: Mapping[str, Any] | None,
+    schedulers: Mapping[str, Any] | None = None,
+    scaler: Any = None,
+    extras: Mapping[str, Any] | None = None,
+    copy: bool = True,
+    part: Part | None = None,
+) -> Part:
+    """Stage the state every rank holds the same copy of (written once, by rank 0).
+    ``model`` ``None``: not here (absent, or sharded and saved by DCP); ``optimizers``:
+    those whose state every rank holds the same copy of, by name."""
+    part = part if part is not None else Part()
+    # Serialise the caller's values first: a TypeError for a bad extra must come before
+    # any file is touched.
+    part.add_json("extras.json", encode(dict(extras or {}), "extras"))
+    if model is not None:
+        part.add_tensors("model.safetensors", model.state_dict(), copy=copy)
+    optimizers = dict(optimizers or {})
+    for name, stem in stems("optimizer", list(optimizers)).items():
+        stage_optimizer(part, stem, optimizers[name], copy=copy)
+    schedulers = dict(schedulers or {})
+    for name, stem in stems("scheduler", list(schedulers)).items():
+        sd = dict(schedulers[name].state_dict())
+        try:
+            part.add_json(f"{stem}.json", encode(sd, stem))
+        except TypeError as e:
+            # Schedulers with tensors or non-string keys in their state (rare, e.g. a
+            # custom one) are not JSON; torch.save keeps them exact. resume() reads this
+            # file with weights_only=True, so it can hold containers and tensors, never code.
+            log.debug("guardrails: scheduler state is not JSON (%s); using %s.pt", e, stem)
+            buf = io.BytesIO()
+            torch.save(sd, buf)
+            part.blobs[f"{stem}.pt"] = buf.getvalue()
+    if scaler is not None:
+        part.add_json("scaler.json", encode(scaler.state_dict(), "scaler"))
+    return part
+
+
+def stage_rank(
+    rank: int,
+    *,
+    state: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, Tensor] | None = None,
+    optimizers: Mapping[str, Any] | None = None,
+    part: Part | None = None,
+) -> Part:
+    """Stage one rank's own state: every RNG stream, plus ``state`` (JSON: data position,
+    guard state), ``tensors`` (e.g. the epoch-start RNG states) and the state of the
+    ``optimizers`` whose state differs per rank (``rank<R>.<stem>.*``; ``optimizers``
+    maps their stem to the optimizer)."""
+    part = part if part is not None else Part()
+    for stem, optimizer in (optimizers or {}).items():
+        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer)
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    doc = {
+        "rank": rank,
+        "rng": {
+            "python": [version, list(internal), gauss],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        },
+        **encode(dict(state or {}), f"rank{rank}"),
+    }
+    rng = {"torch.cpu": torch.get_rng_state()}
+    # Only when CUDA is already initialized: reading the CUDA generators would otherwise
+    # create a context on every device (seconds, and memory on each GPU) just to save a
+    # state that nothing has drawn from.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"torch.cuda.{i}"] = s
+    part.add_json(f"{_rank_name(rank)}.json", doc)
+    part.add_tensors(f"{_rank_name(rank)}.safetensors", {**rng, **(tensors or {})}, copy=True)
+    return part

@@ -1,0 +1,97 @@
+"""Where a thread is: the main thread's stack, its innermost frame in the user's code, the
+position it advertises. Read by the watchdog (a hang's stacks) and the checkpointer (a
+signal stuck behind a collective is reported the way a hang is).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+
+# A stack is capped (innermost frames kept): 30 frames cover a training step's depth
+# with room for the framework around it, and keep one rank's record under ~6 KB.
+STACK_FRAMES = 30
+
+
+TORCH_DIR = str(Path(__import__("torch").__file__).parent) + os.sep
+
+
+# guardrails/ itself (this file is guardrails/engine/where.py): its frames are not the user's.
+PACKAGE_DIR = str(Path(__file__).parents[1]) + os.sep
+
+
+STDLIB_DIRS = tuple(
+    {sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep}
+)
+
+
+def progress_key(guard: Guard) -> tuple[Any, ...]:
+    """What the main thread advertises, as one comparable value: it changes whenever the
+    rank makes progress (a step, a batch, a phase, a collective)."""
+    coll = guard.shared.collective
+    return (
+        guard.step,
+        data_position(guard),
+        guard.phase,
+        None if coll is None else (coll.get("seq"), coll.get("op")),
+    )
+
+
+def main_thread_site() -> str:
+    """Where the main thread is, in the user's code: ``file:line (function)`` of its
+    innermost frame outside torch, guardrails and the standard library."""
+    frames = parse_stack(thread_stack(threading.main_thread().ident or 0))
+    for path, line, func in reversed(frames):
+        if is_user_file(path):
+            return f"{os.path.basename(path)}:{line} ({func})"
+    if frames:
+        path, line, func = frames[-1]
+        return f"{os.path.basename(path)}:{line} ({func})"
+    return "an unknown place"
+
+
+def data_position(guard: Guard) -> tuple[int, int]:
+    """This rank's data position: where its loader ran out, else the current pass and
+    batch. ``exhausted_at`` is read first: the engine sets it before it moves the epoch
+    counters on, so a non-``None`` value is always consistent."""
+    done = guard.exhausted_at
+    return done if done is not None else (guard.epoch, guard.batch_in_epoch)
+
+
+def thread_stack(ident: int) -> str:
+    """The Python stack of thread ``ident``, innermost frame last, capped."""
+    frame = sys._current_frames().get(ident)
+    if frame is None:
+        return "  (the thread has ended)"
+    frames = traceback.extract_stack(frame)[-STACK_FRAMES:]
+    return "".join(traceback.format_list(frames)).rstrip()
+
+
+def parse_stack(stack: str) -> list[tuple[str, str, str]]:
+    """(file, line, function) of each ``File "...", line N, in f`` line of a stack."""
+    out = []
+    for line in stack.splitlines():
+        line = line.strip()
+        if line.startswith('File "'):
+            try:
+                path, rest = line[6:].split('", line ', 1)
+                num, func = rest.split(", in ", 1)
+                out.append((path, num, func))
+            except ValueError:
+                continue
+    return out
+
+
+def is_user_file(path: str) -> bool:
+    return not (
+        path.startswith(TORCH_DIR) or path.startswith(PACKAGE_DIR) or path.startswith(STDLIB_DIRS)
+    )

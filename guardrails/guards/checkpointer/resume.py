@@ -1,0 +1,432 @@
+"""Resume orchestration for :class:`SignalCheckpointer`: which checkpoint (rank 0 picks and
+verifies, every rank loads the same), the run's config checked against the saved one,
+what is announced.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
+from guardrails.checkpoint import commit, manifest, read, restore
+from guardrails.engine import data as _data
+from guardrails.engine import model
+from guardrails.metrics.events import to_console
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+
+_ABSENT = "(absent)"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as settings: NaN equals NaN, 1 equals 1.0, but True is not 1."""
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _show(value: Any, n: int = 40) -> str:
+    """A value in a message: its repr, cut to ``n`` characters."""
+    text = _ABSENT if value is _ABSENT else repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _changes(changed: Mapping[str, tuple[Any, Any]], n: int = 8) -> str:
+    """``lr: 0.1 -> 0.05; batch_size: 32 -> 64`` for the first ``n`` changed keys."""
+    items = [f"{k}: {_show(old)} -> {_show(new)}" for k, (old, new) in changed.items()]
+    return "; ".join(items[:n]) + (f"; ... {len(items) - n} more" if len(items) > n else "")
+
+
+def _ago(when: float) -> str:
+    """``"3 min ago, at 2025-06-01 12:03"``: how long ago, and the local time."""
+    seconds = max(0.0, time.time() - when)
+    if seconds < 90:
+        age = f"{seconds:.0f} s"
+    elif seconds < 90 * 60:
+        age = f"{seconds / 60:.0f} min"
+    elif seconds < 36 * 3600:
+        age = f"{seconds / 3600:.0f} h"
+    else:
+        age = f"{seconds / 86400:.0f} days"
+    return f"{age} ago, at {time.strftime('%Y-%m-%d %H:%M', time.localtime(when))}"
+
+
+class ResumeAtStart:
+    """Part of :class:`SignalCheckpointer`: see its docstring."""
+
+    def _prepare(self, guard: Guard, ckpt: Path) -> restore.Plan:
+        """``restore.prepare`` for the guard (everything read and checked, nothing
+        applied), with the data position checked against this run's loader; its
+        ``ResumeError`` says how to fix it in ``guard()``'s terms (``guard()`` has no
+        ``strict`` and takes every optimizer and scheduler it guards), and names the way
+        out when this is another run: a run_dir of its own."""
+        try:
+            return restore.prepare(
+                ckpt,
+                model.unwrap(guard.model),
+                guard.optimizers,
+                scheduler=guard.schedulers or None,
+                scaler=guard.scaler,
+                allow_world_size_change=self.allow_world_size_change,
+                check=lambda state, f: _data.check_position(guard.loader, state.get("data"), f),
+            )
+        except ResumeError as e:
+            remedy = getattr(e, "remedy", None)
+            fresh = f"or, if this is another run, {self._new_run(guard)}. Nothing was modified."
+            if remedy == "strict":
+                raise e.rehint(
+                    "build the model with the same architecture and config that was saved; "
+                    "to load only the matching part (a backbone under a new head), call "
+                    f"guardrails.resume('{ckpt}', model, strict=False) before the guard and "
+                    "pass guard(..., resume=None); " + fresh
+                ) from None
+            if remedy == "no_model":
+                raise e.rehint(
+                    "its manifest lists no model file, so there is no model to resume: "
+                    "resume from an older step_* directory (guard(..., resume=...)), or "
+                    "start fresh with resume=None; " + fresh
+                ) from None
+            if remedy == "no_optimizer":
+                raise e.rehint(
+                    "build the optimizer over the same parameters, in the same order and "
+                    "param groups, as the run that saved it; to restart the optimizer from "
+                    f"scratch, call guardrails.resume('{ckpt}', model) before the guard and "
+                    "pass guard(..., resume=None); " + fresh
+                ) from None
+            if remedy is not None and remedy.startswith("no_"):
+                what = remedy[3:]
+                raise e.rehint(
+                    f"the checkpoint holds no {what}: resume it without one (leave "
+                    f"{what}= out of guard(...)), or call guardrails.resume('{ckpt}', "
+                    f"model, optimizer, strict=False) before the guard and pass "
+                    "guard(..., resume=None); " + fresh
+                ) from None
+            if remedy == "world_size":
+                raise e.rehint(
+                    f"relaunch with {e.saved_world} rank(s) for an exact resume; or pass "
+                    "guard(..., checkpoint={'allow_world_size_change': True}) to restore "
+                    "the replicated state and start the interrupted pass over; " + fresh
+                ) from None
+            if e.hint is not None and "run_dir" not in e.hint:
+                hint = e.hint.removesuffix(" Nothing was modified.")
+                raise e.rehint(f"{hint} {fresh}") from None
+            raise
+
+    def _new_run(self, guard: Guard) -> str:
+        """The way out when the checkpoints found belong to another run: where this one
+        should go instead, in the terms the user set it with."""
+        if self.directory is not None:
+            return (
+                "give this run a checkpoint directory of its own "
+                f"(guard(checkpoint={{'directory': ...}})), or move {self.root} away"
+            )
+        return (
+            "give this run a run_dir of its own (guard(run_dir=...); your script's "
+            f"--run-dir option, if it has one), or move {self.root} away"
+        )
+
+    def _agree_token(self, guard: Guard) -> str:
+        """One name per guard for this run's temp directories, the same on every rank."""
+        store = guard.side_store("checkpoint")
+        if store is None:
+            return uuid.uuid4().hex[:8]
+        if guard.rank == 0:
+            store.set("token", uuid.uuid4().hex[:8])
+        return store.get("token").decode()
+
+    def _resume(self, guard: Guard) -> None:
+        auto = self.resume == "auto"
+        where = self.root if auto else Path(self.resume)  # type: ignore[arg-type]
+        store = guard.side_store("checkpoint")
+        chosen: str | None = None
+        plan: restore.Plan | None = None
+        if guard.rank == 0:
+            try:
+                if auto and not manifest.list_checkpoints(where):
+                    chosen = ""  # nothing saved yet: a fresh run
+                else:
+                    # Rank 0 reads and checks each candidate, newest first, against this
+                    # run (its model, optimizers, loader): a damaged one is skipped, said
+                    # in an event, and the previous one is tried.
+                    found, plan, skipped = restore.pick(where, lambda c: self._prepare(guard, c))
+                    chosen = str(found)
+                    for name, why in skipped:
+                        guard.event(
+                            "checkpoint_invalid",
+                            level="warning",
+                            message=f"skipped checkpoint {name}: {why}; resuming from "
+                            f"{found.name} instead (delete or move {name} away to keep "
+                            "this from being said at every start)",
+                            checkpoint=name,
+                            reason=why,
+                            using=chosen,
+                        )
+            except GuardrailsError as e:
+                if store is not None:
+                    store.set("resume", json.dumps({"error": str(e)}))
+                if auto and getattr(e, "remedy", None) == "all_invalid":
+                    e.rehint(
+                        "every checkpoint under the run's checkpoint directory is invalid; "
+                        "restore them from a backup, pass resume=None to start fresh (they "
+                        "are kept), or resume= a specific checkpoint; if this is another "
+                        f"run, {self._new_run(guard)}."
+                    )
+                raise
+            if store is not None:
+                store.set("resume", json.dumps({"path": chosen}))
+        else:
+            assert store is not None
+            got = json.loads(store.get("resume"))
+            if "error" in got:
+                raise ResumeError(
+                    f"rank 0 could not pick a checkpoint to resume from: {got['error']}",
+                    rank=guard.rank,
+                    path=str(where),
+                )
+            chosen = got["path"]
+        if not chosen:
+            return
+        ckpt = Path(chosen)
+        # Checked before anything is restored, on every rank (the same manifest, and the
+        # preflight has compared the ranks' configs): a refusal leaves all as it was.
+        saved = restore.saved_run(ckpt)
+        changed = self._check_config(guard, ckpt, saved)
+        settings = self._settings_changed(saved)
+        if plan is None:  # the other ranks: their own files of the checkpoint rank 0 chose
+            try:
+                plan = self._prepare(guard, ckpt)
+            except CheckpointError as e:
+                raise e.rehint(read.skip_hint(ckpt)) from None
+        # The components' own state first: their load_state_dict is theirs (a custom
+        # component's may refuse a well-formed dict), and a refusal must leave the
+        # model, optimizers, schedulers, scaler and RNG as they were.
+        self._load_components(guard, ckpt, plan.rank_state.get("components", {}))
+        with guard.quiet():  # a sharded load may step the optimizer to create its state
+            out = restore.apply(plan)
+        rank_state, tensors = out["rank_state"], out["rank_tensors"]
+        position = rank_state.get("data")
+        if position is not None and "loader" in rank_state:  # format 2 kept it beside
+            position = {**position, "loader": rank_state["loader"]}
+        self._last_saved_step = self._committed_step = out["step"]
+        # The same run, continued: its checkpoints keep the run's id (retention counts
+        # them together). One saved before run ids: a new id, and those without one
+        # count as this run's too (they are the run this one continues).
+        if isinstance(saved.get("id"), str):
+            self._run["id"] = saved["id"]
+        else:
+            self._adopt_unlabelled = True
+        guard.resume_from(out["step"], state=out["extras"], position=position, tensors=tensors)
+        self.last_path = Path(out["path"])
+        self._resumed = True
+        self._resumed_step = out["step"]
+        self._resumed_finished = saved.get("finished_at")
+        self._announce(guard, saved, changed, settings)
+
+    def _load_components(self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]) -> None:
+        """Each component's saved state into it, before anything else is restored: a
+        ``ResumeError`` naming the component if its ``load_state_dict`` raises."""
+        for c in guard.components:
+            if c.name not in saved:
+                continue
+            try:
+                c.load_state_dict(saved[c.name])
+            except Exception as e:
+                raise ResumeError(
+                    f"component {c.name!r} ({type(c).__name__}) could not load its state "
+                    f"from {ckpt}: {type(e).__name__}: {e}; nothing else was restored "
+                    "(model, optimizers, schedulers, scaler and RNG are as they were)",
+                    rank=guard.rank,
+                    path=str(ckpt),
+                    hint=f"fix {type(c).__name__}.load_state_dict for the state its "
+                    "state_dict() saved, or resume with a run_dir of its own to start fresh",
+                ) from e
+
+    def _check_config(
+        self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]
+    ) -> dict[str, tuple[Any, Any]]:
+        """The config keys that differ from the checkpoint's, ``key -> (saved, given)``;
+        a ``ResumeError`` unless ``allow_config_change`` allows them all."""
+        old, new = saved.get("config"), self._run.get("config")
+        if old is None or new is None:  # saved without one, or none given: nothing to compare
+            return {}
+        changed = {
+            key: (old.get(key, _ABSENT), new.get(key, _ABSENT))
+            for key in [*new, *(k for k in old if k not in new)]
+            if not (key in old and key in new and _same(old[key], new[key]))
+        }
+        allow = self.allow_config_change
+        refused = {
+            key: values
+            for key, values in changed.items()
+            if not (
+                allow is True or (allow and any(key == k or key.startswith(f"{k}.") for k in allow))
+            )
+        }
+        if not refused:
+            return changed
+        raise ResumeError(
+            f"{ckpt} was saved by a run with another config ({len(refused)} setting(s) "
+            f"differ: {_changes(refused)}): resuming it would continue that run's weights "
+            "and optimizer state under the new settings",
+            step=int(saved["step"]),
+            path=str(ckpt),
+            changed=refused,
+            hint=f"if this is a new run, {self._new_run(guard)}; the same command then "
+            "starts fresh. To continue that run with the new settings, pass "
+            "guard(..., checkpoint={'allow_config_change': True}), or a list of the keys "
+            f"that may change ({list(refused)[:3]}). Nothing was modified.",
+        )
+
+    def _settings_changed(self, saved: Mapping[str, Any]) -> list[str]:
+        """Each optimizer setting the code now builds differently from the run that saved
+        the checkpoint (both as built, before any step or resume: a scheduler's moves
+        of ``lr`` are not a change), as ``"group 0 lr: checkpoint 0.1, code 0.05"``."""
+        old = saved.get("optimizer_settings") or {}
+        new = self._run["optimizer_settings"]
+        if not old:  # saved before settings were recorded
+            return []
+        lone = len(new) == 1 and len(old) == 1
+        found = []
+        for name, groups in new.items():
+            was = next(iter(old.values())) if lone else old.get(name)
+            if was is None or len(was) != len(groups):  # the load names a real mismatch
+                continue
+            who = "" if len(new) == 1 else f"optimizer {name!r} "
+            for i, (before, now) in enumerate(zip(was, groups, strict=True)):
+                for key, value in now.items():
+                    # Keys one torch version has and another lacks are not settings
+                    # the user changed.
+                    if key in before and not _same(before[key], value):
+                        found.append(
+                            f"{who}group {i} {key}: checkpoint {_show(before[key])}, "
+                            f"code {_show(value)}"
+                        )
+        return found
+
+    def _announce(
+        self,
+        guard: Guard,
+        saved: Mapping[str, Any],
+        changed: Mapping[str, tuple[Any, Any]],
+        settings: list[str],
+    ) -> None:
+        """Say the resume on the console (rank 0) and in the events: which checkpoint,
+        its step and age, a config continued despite changes, a finished run; and the
+        optimizer settings the resume put back over the code's."""
+        saved_at = saved.get("time")
+        finished = self._resumed_finished
+        text = f"resumed from {self.last_path} (step {self._resumed_step}"
+        if isinstance(saved_at, (int, float)) and finished is None:
+            text += f", saved {_ago(saved_at)}"
+        text += ")"
+        if finished is not None:
+            text += f": the end of a run that finished {_ago(finished)}; this run continues past it"
+        if changed:
+            text += f", with a changed config (allow_config_change): {_changes(changed)}"
+        if finished is not None:
+            text += f". If this is a new run, {self._new_run(guard)}"
+        guard.event(
+            "resumed",
+            message=text,
+            path=str(self.last_path),
+            saved_at=saved_at,
+            finished_at=finished,
+            config_changed=list(changed) or None,
+        )
+        if guard.rank == 0:
+            to_console(f"guardrails: {text}")
+        if settings and guard.rank == 0:
+            base = (
+                "; for lr, the scheduler's base_lrs[i] too: it sets each group's lr from "
+                "them at its next step"
+                if guard.schedulers
+                else ""
+            )
+            guard.event(
+                "optimizer_settings_changed",
+                level="warning",
+                message=f"the optimizer settings in your code differ from those of the "
+                f"run that saved {self.last_path}, and the resume restored the "
+                f"checkpoint's (an optimizer's state_dict holds its settings): "
+                f"{'; '.join(settings)}. The checkpoint's values are used now. To train "
+                "with the code's, set them after the guard has started "
+                f"(optimizer.param_groups[i]['lr'] = ...{base}); if this is a new run, "
+                f"{self._new_run(guard)}.",
+                settings=settings,
+            )
+
+    def _finish(self, guard: Guard) -> None:
+        """The run ended normally: mark the checkpoint it ended with as finished (so a
+        re-run of the same command says it resumes a finished run), or, when it resumed
+        a finished run and trained nothing, say so."""
+        if self._resumed_finished is not None and guard.step == self._resumed_step:
+            if guard.rank == 0:
+                guard.event(
+                    "nothing_trained",
+                    level="warning",
+                    message=f"this run trained no step: it resumed {self.last_path} "
+                    f"(step {guard.step}), the end of a run that finished "
+                    f"{_ago(self._resumed_finished)}, and its loop ended at once (the "
+                    "script's own end, its step or epoch count, was reached already). "
+                    f"If this is a new run, {self._new_run(guard)}; to train further, raise "
+                    "the script's step or epoch count.",
+                )
+            return
+        self._settle_writer(guard)
+        last = self.last_path
+        if (
+            guard.rank != 0
+            or last is None
+            or last.name != f"step_{guard.step:09d}"
+            or last.resolve().parent != self.root.resolve()  # not a checkpoint of another run
+        ):
+            return
+        try:
+            commit.mark_finished(last, time.time())
+        except (OSError, GuardrailsError) as e:  # the run itself is done and saved
+            guard.event(
+                "checkpoint_unmarked",
+                level="warning",
+                message=f"could not record in {last} that the run finished ({e}): a re-run "
+                "of this command resumes it without saying that the run had finished.",
+            )
+
+    def _warn_beside_checkpoints(self, guard: Guard) -> None:
+        """``resume=None`` with periodic saves into a directory that holds another run's
+        checkpoints: the two runs are kept apart (run ids), but the directory now holds
+        both, and ``resume="auto"`` will continue this one, not the other."""
+        if guard.rank != 0 or not (self.every_n_steps or self.every_s):
+            return
+        found = manifest.list_checkpoints(self.root)
+        if not found:
+            return
+        newest = found[-1][1]
+        kept = (
+            f"keep_last={self.keep_last} counts only this run's checkpoints (the other "
+            "run's stay, and keep their disk space); "
+            if self.keep_last is not None
+            else ""
+        )
+        guard.event(
+            "fresh_run_beside_checkpoints",
+            level="warning",
+            message=f"resume=None: this run starts fresh, but {self.root} holds another "
+            f"run's checkpoints (up to {newest.name}), and this run's saves go beside "
+            f"them, kept apart: {kept}a later resume='auto' continues the run that saved "
+            f"last (this one, once it has saved), so the other run is continued only by "
+            f"naming its checkpoint (resume='{newest}'). To keep the runs in separate "
+            f"directories, {self._new_run(guard)} first.",
+        )

@@ -1,0 +1,130 @@
+"""Signal capture for :class:`SignalCheckpointer`: handlers that only set a flag, a watcher
+thread that wakes on a signal's wakeup byte, and exact restoration of the previous
+handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from guardrails.engine import process
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+
+# After a stop signal, a rank whose main thread shows no progress (no step, batch, phase
+# or collective) for this long cannot reach a step boundary to save: it is stuck (in a
+# collective waiting for a stuck peer, in its loader, in a C call where Python signal
+# handlers never run) and exits with 128+signum. 5 s: several steps of any model that
+# advertises progress per phase; well inside torchrun's and SLURM's 30 s before SIGKILL,
+# which is what such a rank got before, with nothing written.
+_SIGNAL_STUCK_S = 5.0
+
+
+class SignalCapture:
+    """Part of :class:`SignalCheckpointer`: see its docstring."""
+
+    def _watch_signals(self, guard: Guard) -> None:
+        """A thread that learns of a stop signal even while the main thread is stuck.
+
+        Python runs a signal handler only when the main thread executes bytecode, so a
+        rank blocked in a collective or a C call never runs ours: it ignored its
+        launcher's SIGTERM until the SIGKILL 30 s later. The C-level handler also writes
+        the signal number to the wakeup fd (``signal.set_wakeup_fd``), which this thread
+        reads; bytes for a wakeup fd set before ours (asyncio's) are passed on to it."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except (ValueError, OSError):  # not the main thread, or an unusable fd
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._wakeup = (read_fd, write_fd)
+        nums = {int(getattr(signal, name)) for name in self.signals}
+        self._watcher = threading.Thread(
+            target=self._watch, args=(guard, read_fd, nums), name="guardrails-signals", daemon=True
+        )
+        self._watcher.start()
+
+    def _watch(self, guard: Guard, read_fd: int, nums: set[int]) -> None:
+        from guardrails.engine.where import main_thread_site, progress_key
+
+        signum = 0
+        key: Any = None
+        since = 0.0
+        while True:
+            timeout = None if not signum else 0.5
+            ready, _, _ = select.select([read_fd], [], [], timeout)
+            if ready:
+                try:
+                    data = os.read(read_fd, 64)
+                except OSError:
+                    return
+                if not data:  # closed at on_end
+                    return
+                if self._previous_wakeup >= 0:
+                    with contextlib.suppress(OSError):
+                        os.write(self._previous_wakeup, data)
+                if not signum:
+                    signum = next((b for b in data if b in nums), 0)
+                    self._watched_signal = signum or None
+                    key, since = progress_key(guard), time.monotonic()
+            if not signum or self._stop_at is not None or guard.stopping is not None:
+                continue  # no signal yet, or the stop is under way: its save is bounded
+            now = time.monotonic()
+            here = progress_key(guard)
+            if here != key or guard.paused:
+                key, since = here, now
+                continue
+            step_s = guard.step_time_s if guard.step_time_s == guard.step_time_s else 0.0
+            wait_s = min(self.grace_s / 2, max(_SIGNAL_STUCK_S, 3 * step_s))
+            if now - since < wait_s:
+                continue
+            name = signal.Signals(signum).name
+            message = (
+                f"{name} received at step {guard.step}, but this rank made no progress "
+                f"for {now - since:.0f} s after it (its main thread is at "
+                f"{main_thread_site()}), so it could not reach a step boundary to save: "
+                f"exited without a checkpoint; {self._last_checkpoint()}. If the job "
+                "should have saved, see why this rank was stuck (the other ranks' "
+                "reports, or the watchdog's)."
+            )
+            guard.die(process.stop_exit(128 + signum, message))
+            return
+
+    def _unwatch_signals(self) -> None:
+        if self._wakeup is None:
+            return
+        read_fd, write_fd = self._wakeup
+        self._wakeup = None
+        with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
+            signal.set_wakeup_fd(self._previous_wakeup)
+        os.close(write_fd)  # the thread reads EOF and ends
+        if self._watcher is not None:
+            self._watcher.join(1.0)
+            self._watcher = None
+        os.close(read_fd)
+
+    def _restore_handlers(self) -> None:
+        self._unwatch_signals()
+        for num, previous in self._previous.items():
+            process.restore_handler(num, previous)  # after a failing close's hold, if any
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # A flag only: this runs between two bytecodes of whatever the main thread was
+        # doing (maybe inside the logging module's lock), so no I/O and no collective.
+        if self._signal is None:
+            self._signal = signum
+            return
+        if signum == signal.SIGINT:  # the second Ctrl+C: out, now
+            self._restore_handlers()
+            raise KeyboardInterrupt

@@ -1,0 +1,139 @@
+"""A rank's published watchdog record, read: where the rank is in words, whether it waits
+inside a collective, how far it got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from guardrails.engine.where import (
+    TORCH_DIR,
+    is_user_file,
+    parse_stack,
+)
+
+if TYPE_CHECKING:
+    pass
+
+# Heartbeats missed before a rank on another machine counts as gone: a thread that
+# wakes every period misses 3 only when the process is dead or frozen holding the GIL.
+STALE_PERIODS = 3
+
+
+_PHASE_ORDER = {"setup": 0, "data": 1, "loop": 2, "forward": 3, "backward": 4, "optimizer": 5}
+
+
+def _position(rec: dict[str, Any]) -> tuple[int, int]:
+    """How far a rank got through its data: (pass over the loader, batches in it)."""
+    return int(rec.get("epoch", 0)), int(rec.get("batches", 0))
+
+
+def _past(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether position ``a`` is past ``b`` in the same pass over the data. A peer in a
+    later pass also ran out of this one (it may just be quicker to start the next)."""
+    return a[0] == b[0] and a[1] > b[1]
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _from_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a collective that failed because of another rank
+    (gloo: "Connection reset/closed by peer"; NCCL: a DistBackendError)."""
+    import torch.distributed as dist
+
+    text = str(exc).lower()
+    if "address already in use" in text or "eaddrinuse" in text:
+        return False  # this rank's own launch problem (the translator's LaunchError)
+    if isinstance(exc, getattr(dist, "DistError", ())):  # DistBackendError, ... (torch 2.2+)
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "nccl", "connection", "peer", "timed out", "broken pipe")
+    )
+
+
+def _host_id() -> str:
+    """Hostname plus the PID namespace: two ranks may check each other's pids only when
+    both match (containers on one host share a hostname but not pids)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = "?"
+    return f"{socket.gethostname()}|{ns}"
+
+
+def _in_collective(rec: dict[str, Any]) -> bool:
+    """Whether the rank is waiting on other ranks: inside a collective the auditor saw,
+    or its innermost Python frame is in torch.distributed / DDP, or in autograd's
+    backward (where DDP waits for its gradient all-reduce)."""
+    if rec.get("collective"):
+        return True
+    frames = parse_stack(rec.get("_stack", ""))
+    if not frames:
+        return False
+    path = frames[-1][0]
+    return path.startswith(TORCH_DIR) and any(
+        part in path for part in (f"distributed{os.sep}", f"autograd{os.sep}")
+    )
+
+
+def _progress_key(rec: dict[str, Any]) -> tuple[int, int, int]:
+    coll = rec.get("collective") or {}
+    seq = coll.get("seq") if isinstance(coll, dict) else None
+    return (
+        int(rec.get("step", 0)),
+        _PHASE_ORDER.get(str(rec.get("phase")), 0),
+        int(seq) if isinstance(seq, int) else -1,
+    )
+
+
+def _where(rec: dict[str, Any]) -> str:
+    """Where a rank is, in words: the collective (op #seq at file:line), else the phase
+    and the innermost frame of the user's code."""
+    coll = rec.get("collective")
+    if isinstance(coll, dict) and coll:
+        # The auditor's entry (audit/calls.entry_dict): op, seq, group, shapes, dtype, site.
+        op = coll.get("op", "a collective")
+        seq = coll.get("seq")
+        site = coll.get("site")
+        what = [str(v) for v in (coll.get("shapes"), coll.get("dtype")) if v is not None]
+        if coll.get("group") is not None:
+            what.append(f"group {coll['group']}")
+        text = f"in {op}" + (f" #{seq}" if seq is not None else "")
+        if what:
+            text += f" ({', '.join(what)})"
+        return text + (f" at {site}" if site else "")
+    phase = rec.get("phase")
+    if rec.get("paused"):
+        text = f"paused ({rec['paused']})"
+    else:
+        text = {
+            "data": "in the loader's next()",
+            "forward": "in the model's forward",
+            "backward": "between forward and optimizer.step() (backward: DDP's gradient "
+            "all-reduce)",
+            "optimizer": "in optimizer.step()",
+            "loop": "in the loop body",
+            "setup": "before the first batch",
+            "agree": "in the guard's stop/save agreement with the other ranks",
+        }.get(str(phase), f"in phase {phase}")
+    frames = parse_stack(rec.get("_stack", ""))
+    if frames:
+        inner = frames[-1]
+        user = [f for f in frames if is_user_file(f[0])]
+        if inner[0].startswith(TORCH_DIR) and "distributed" in inner[0]:
+            text = f"in torch.distributed {inner[2]}()"
+        if user:
+            path, num, func = user[-1]
+            text += f" at {Path(path).name}:{num} ({func})"
+    return text

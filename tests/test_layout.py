@@ -1,0 +1,217 @@
+"""The package's layout, as ARCHITECTURE.md draws it, checked on the source (no import):
+
+* each folder imports only its own layer and the layers below (ARCHITECTURE.md's LAYERS);
+* a guard does not import another guard, except the stated exceptions;
+* nothing inside imports the package itself (``import guardrails``);
+* no ``_name`` is imported (or read off a module) across folders: a name another folder
+  needs is public inside the package, so ``_`` keeps meaning "this folder's own";
+* no module-level import cycle;
+* ARCHITECTURE.md lists every module, and no module that is gone.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "guardrails"
+
+#: Bottom first. A module imports from its own layer or a lower one; the units of one
+#: layer may import each other. A unit is a folder under guardrails/ or a root module.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("_errors", "_version"),
+    ("util",),
+    ("distributed",),
+    ("metrics",),
+    ("checkpoint",),
+    ("engine",),
+    ("guards",),
+    ("_factory",),
+    ("cli", "run", "__main__", "__init__"),
+)
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+#: Guards that use another guard's module, and why (ARCHITECTURE.md repeats these).
+GUARD_EXCEPTIONS = {
+    ("guards.ddp", "guards.preflight"): "GuardedDDP compares parameter tables as the preflight",
+    ("guards.explain", "guards.audit"): "an explained error names the last audited collective",
+}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted name -> file, for every module of the package."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 2:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = modules()
+
+
+def unit(dotted: str) -> str:
+    """``guardrails.guards.nan.guard`` -> ``guards``; ``guardrails._errors`` -> ``_errors``."""
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def guard_unit(dotted: str) -> str | None:
+    """The guard a module belongs to: ``guards.nan`` (a folder) or ``guards.gc``."""
+    parts = dotted.split(".")
+    return ".".join(parts[1:3]) if len(parts) > 2 and parts[1] == "guards" else None
+
+
+def folder(dotted: str) -> str:
+    """The package a module sits in (``guardrails.guards.nan`` for ``...nan.spikes``)."""
+    path = MODULES[dotted]
+    return dotted if path.name == "__init__.py" else dotted.rsplit(".", 1)[0]
+
+
+def imports(dotted: str) -> list[tuple[int, str, list[str]]]:
+    """(line, module imported from, names) of every guardrails import in a module,
+    lazy ones and TYPE_CHECKING ones included: all of them are dependencies."""
+    tree = ast.parse(MODULES[dotted].read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "guardrails" or node.module.startswith("guardrails."):
+                out.append((node.lineno, node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "guardrails" or a.name.startswith("guardrails."):
+                    out.append((node.lineno, a.name, []))
+    return out
+
+
+def targets(module: str, names: list[str]) -> list[str]:
+    """The modules an import statement depends on: ``from guardrails.engine import data``
+    is ``guardrails.engine.data``; ``from guardrails.engine.data import x`` the module."""
+    if module in MODULES and MODULES[module].name != "__init__.py":
+        return [module]
+    subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+    return subs or [module]
+
+
+def test_each_folder_imports_only_its_own_layer_and_below():
+    assert set(LAYER_OF) == {unit(m) for m in MODULES}, "a folder or root module is missing"
+    wrong = []
+    for mod in MODULES:
+        for line, source, names in imports(mod):
+            for dep in targets(source, names):
+                if LAYER_OF[unit(dep)] > LAYER_OF[unit(mod)]:
+                    wrong.append(f"{MODULES[mod].relative_to(ROOT)}:{line} imports {dep}")
+    assert not wrong, "imports that run up the layers:\n" + "\n".join(wrong)
+
+
+def test_a_guard_imports_no_other_guard_but_the_stated_exceptions():
+    found = set()
+    for mod in MODULES:
+        mine = guard_unit(mod)
+        for line, source, names in imports(mod):
+            for dep in targets(source, names):
+                theirs = guard_unit(dep)
+                if mine and theirs and theirs != mine:
+                    found.add((mine, theirs))
+                    assert (mine, theirs) in GUARD_EXCEPTIONS, (
+                        f"{MODULES[mod].relative_to(ROOT)}:{line}: {mine} imports {dep}"
+                    )
+    assert found == set(GUARD_EXCEPTIONS), "an exception no module needs any more"
+
+
+def test_nothing_inside_imports_the_package_itself():
+    wrong = []
+    for mod in MODULES:
+        for line, source, names in imports(mod):
+            if source == "guardrails" and any(f"guardrails.{n}" not in MODULES for n in names):
+                wrong.append(f"{MODULES[mod].relative_to(ROOT)}:{line}")
+            if source == "guardrails" and not names:  # `import guardrails`
+                wrong.append(f"{MODULES[mod].relative_to(ROOT)}:{line}")
+    assert not wrong, "import the defining module instead:\n" + "\n".join(wrong)
+
+
+def test_no_underscore_name_crosses_a_folder():
+    wrong = []
+    for mod in MODULES:
+        tree = ast.parse(MODULES[mod].read_text())
+        foreign_modules = {}  # local alias -> module imported from another folder
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            if not node.module.startswith("guardrails."):
+                continue
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if sub in MODULES:  # a module imported by name
+                    if folder(sub) != folder(mod):
+                        foreign_modules[a.asname or a.name] = sub
+                    continue
+                private = a.name.startswith("_") and not a.name.startswith("__")
+                if private and folder(node.module) != folder(mod):
+                    wrong.append(f"{MODULES[mod].relative_to(ROOT)}: {node.module}.{a.name}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in foreign_modules
+                and node.attr.startswith("_")
+            ):
+                where = f"{MODULES[mod].relative_to(ROOT)}:{node.lineno}"
+                wrong.append(f"{where}: {foreign_modules[node.value.id]}.{node.attr}")
+    assert not wrong, "private names used from another folder:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_level_import_cycles():
+    """Import order never matters: no cycle among module-level imports (a lazy import
+    inside a function, or one under TYPE_CHECKING, is not one)."""
+    graph: dict[str, set[str]] = {}
+    for mod, path in MODULES.items():
+        deps: set[str] = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for n in ast.walk(node):
+                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("guardrails"):
+                    deps.update(targets(n.module, [a.name for a in n.names]))
+        graph[mod] = deps - {mod}
+
+    def visit(module: str, stack: list[str]) -> None:
+        for dep in graph.get(module, ()):
+            assert dep not in stack, "import cycle: " + " -> ".join([*stack, dep])
+            visit(dep, [*stack, dep])
+
+    for module in graph:
+        visit(module, [module])
+
+
+def architecture_files() -> set[str]:
+    """The paths listed in ARCHITECTURE.md's "The files" block."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    block = text.split("## The files", 1)[1].split("```", 2)[1]
+    return set(re.findall(r"^\s*([\w/]+\.py)\b", block, flags=re.M))
+
+
+def test_architecture_lists_every_module():
+    real = {
+        str(p.relative_to(PKG))
+        for p in PKG.rglob("*.py")
+        if not (p.name == "__init__.py" and p.parent != PKG)
+    }
+    listed = architecture_files()
+    assert real - listed == set(), "modules missing from ARCHITECTURE.md"
+    assert listed - real == set(), "ARCHITECTURE.md lists modules that do not exist"
+
+
+@pytest.mark.parametrize("pair", sorted(GUARD_EXCEPTIONS))
+def test_architecture_states_each_guard_exception(pair):
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    mine, theirs = (p.split(".", 1)[1] for p in pair)
+    assert re.search(rf"`{mine}[/.]\S*` uses\s+`{theirs}/", text), pair
