@@ -12,7 +12,9 @@ precise error or a clean checkpoint::
             opt.step()
             opt.zero_grad()
 
-Everything public lives in this one namespace; the ``_``-prefixed modules are private.
+Everything public lives in this one namespace; the subpackages (``engine``, ``guards``,
+``checkpoint``, ``metrics``, ...) and the ``_``-prefixed modules are private, laid out
+as ARCHITECTURE.md draws them.
 Names are imported on first use, so ``import guardrails`` alone does not import torch
 and ``python -m guardrails report`` / ``inspect`` / ``--help`` start without it.
 
@@ -51,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 from guardrails._version import __version__
 
 #: Each public name -> the private module that defines it, imported on first use:
-#: the CLI's report, inspect and --help need no torch, whose import was most of their
-#: start (--help: 3.6-3.8 s median before, 0.08 s after; benchmarks/RESULTS.md).
+#: the CLI's report, inspect and --help need no torch, whose import (~2.3 s on a 2-core
+#: CPU VM) would be most of their start (--help starts in 0.08 s median without it).
 _EXPORTS = {
     "CheckpointError": "_errors",
     "CollectiveAuditor": "guards.audit.auditor",

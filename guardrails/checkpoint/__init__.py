@@ -84,14 +84,14 @@ So at every instant ``step_<N>`` either does not exist or is complete:
   resumed): the old ``step_<N>`` is renamed to ``.aside-step_<N>``, the new one renamed
   in, then the aside deleted. Between the two renames the aside is that step's
   checkpoint: :func:`list_checkpoints` lists it while ``step_<N>`` is missing, and the
-  next save renames it back. Before this, a kill there lost both copies (both under
-  names no reader picks), and with ``keep_last=1`` the run restarted at step 0.
+  next save renames it back. Without the aside, a kill there would lose both copies
+  (both under names no reader picks), and with ``keep_last=1`` restart the run at step 0.
 
 Runs kept apart: a guard's checkpoints carry its run's id (``run.id`` in the manifest:
 new for a fresh start, carried over by a resume). Retention counts only this run's
 checkpoints, and a resume tries the run that saved last first
 (:func:`~guardrails.checkpoint.manifest.resume_order`): a fresh run started beside another run's
-checkpoints no longer has its low steps deleted for the other run's high ones, nor does
+checkpoints does not have its low steps deleted for the other run's high ones, nor does
 a later ``resume="auto"`` pick the other run's.
 
 Storage errors: a save that cannot write (a full disk, a read-only remount, missing

@@ -2,10 +2,9 @@
 written, and verified with the same parallel hash. Imports neither torch nor numpy
 (``guardrails inspect`` verifies checkpoints with it).
 
-A save of a 0.84B-parameter model with AdamW state (10 GB) used to take 27 s on an
-H200 host: ``safetensors.save_file`` wrote each file from one thread, then every file
-was read back in full for one single-threaded sha256 (~1.5-2 GB/s), then fsynced.
-Now:
+Writing each file from one thread (``safetensors.save_file``), then reading it back in
+full for one single-threaded sha256 (~1.5-2 GB/s), then fsyncing it takes 27 s for a save
+of a 0.84B-parameter model with AdamW state (10 GB) on an H200 host. Instead:
 
 * **Hash while writing.** Each file is cut into ``CHUNK_BYTES`` pieces at fixed file
   offsets; a pool of threads takes one piece at a time, feeds its bytes to sha256 and
@@ -14,19 +13,20 @@ Now:
 * **The digest of a large file** is the sha256 of its pieces' sha256 digests, in file
   order (a hash tree of one level): it is computed from independent pieces, so it
   parallelises for writing *and* for verifying, and it is as strict as a plain sha256
-  (any changed byte changes its piece's digest, hence the file's). A file of at most
-  one piece gets the plain sha256 of its bytes, as every file did before; the manifest
-  records ``sha256_chunk_bytes`` for a tree digest, so each digest says how to check it.
-* **Each piece sent to the disk as it is written** (Linux's ``sync_file_range``), so
-  the bytes not yet on disk are at most a piece or two per thread: a save can be
-  abandoned between any two pieces, never stuck in a final fsync of gigabytes (a stop
-  waited 7.6-8.6 s for an older FSDP2 save's fsync before its own save could start, 2
-  H200), and the disk works while the rest is being written (a 10 GB save in 4.4-5.5 s
-  where writing it all, then one fsync, took 7-8 s). Then **one fsync per file**, all
-  files' fsyncs at once, for the metadata and the disk's cache.
+  (any changed byte changes its piece's digest, hence the file's). A file of at most one
+  piece gets the plain sha256 of its bytes (what older checkpoints hold for every file);
+  the manifest records ``sha256_chunk_bytes`` for a tree digest, so each digest says how
+  to check it.
+* **Each piece sent to the disk as it is written** (Linux's ``sync_file_range``), so the
+  bytes not yet on disk are at most a piece or two per thread: a save can be abandoned
+  between any two pieces, never stuck in a final fsync of gigabytes (with one final
+  fsync, a stop waits 7.6-8.6 s for an earlier FSDP2 save's fsync before its own save
+  can start, 2 H200), and the disk works while the rest is being written (a 10 GB save
+  in 4.4-5.5 s where writing it all, then one fsync, takes 7-8 s). Then **one fsync per
+  file**, all files' fsyncs at once, for the metadata and the disk's cache.
 
-``sha256`` stays the checksum: no new dependency, and on the GPU hosts measured
-(benchmarks/RESULTS.md) eight threads hash faster than the disk writes.
+``sha256`` is the checksum: no new dependency, and on the GPU hosts measured eight
+threads hash faster than the disk writes.
 """
 
 from __future__ import annotations

@@ -18,14 +18,14 @@ Only listed files are ever read: a file the manifest does not name is not part o
 checkpoint. :mod:`guardrails.checkpoint` (the format's writer and
 :func:`guardrails.resume`) and ``python -m guardrails inspect`` both judge a checkpoint
 here, so ``inspect`` answers "which one would ``resume`` pick?" exactly as resume does,
-without importing torch (``inspect``: 3.3-4.0 s median before, 0.15 s after, on a loaded
-2-core VM; benchmarks/RESULTS.md). The one check that needs torch, DCP's pickled
+without importing torch (``inspect`` starts in 0.15 s median on a loaded 2-core CPU VM,
+where torch's import alone takes ~2.3 s). The one check that needs torch, DCP's pickled
 metadata, is passed in by the caller (``metadata_check``).
 
 Problems are returned as ``(file, why)`` or raised as :class:`ManifestError`, not as
 :class:`guardrails.CheckpointError`: the exception tree imports torch
-(``OutOfMemoryError`` is also a ``torch.OutOfMemoryError``); ``_checkpoint`` turns them
-into the public errors. Every message names the file and the field.
+(``OutOfMemoryError`` is also a ``torch.OutOfMemoryError``); ``checkpoint/common.py``
+turns them into the public errors. Every message names the file and the field.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ MANIFEST = "manifest.json"
 SELF_HASH = "manifest_sha256"
 STEP_RE = re.compile(r"^step_(\d+)$")
 #: A checkpoint a same-step re-save renamed aside, before renaming the new one in (see
-#: ``_checkpoint.commit``): while ``step_<N>`` itself is missing, it is that checkpoint.
+#: ``commit._replace``): while ``step_<N>`` itself is missing, it is that checkpoint.
 ASIDE_RE = re.compile(r"^\.aside-(step_(\d+))$")
 #: Header metadata key of a .safetensors file that maps alias key -> stored key.
 ALIASES_KEY = "guardrails.aliases"
@@ -536,7 +536,7 @@ def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] 
     files and the .safetensors headers, not the tensors: 2 ms for a one-rank checkpoint,
     0.5 ms more per rank (its rank<R>.json, mostly RNG state); verifying a 604 MB
     checkpoint took 1.13-1.15 s with these checks and 1.19-1.23 s without (medians of
-    5, a loaded 2-core VM: the sha256 of every byte is the cost)."""
+    5, a loaded 2-core CPU VM: the sha256 of every byte is the cost)."""
     files = manifest["files"]
     contents = _contents(manifest)
     classes = contents.get("classes") or {}
@@ -937,13 +937,13 @@ def resume_order(found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
     that saved last first, each run's checkpoints highest step first.
 
     Runs apart: a fresh run (``resume=None``) started beside another run's checkpoints
-    saves low steps next to its high ones, and "the highest step" was the other run's.
+    saves low steps next to its high ones, and "the highest step" is the other run's.
     Each checkpoint's manifest names its run (``run.id``, carried over by every
     resume); runs are ordered by the time of their newest save, and within a run by
     step (the step order of one run is exact; clocks are only compared between runs).
     Checkpoints without a run id (written before it, or by ``save_checkpoint``) and
     those whose manifest cannot be read form one group; a directory holding only those
-    is tried by step, as before. Reads only the manifests (no hashing)."""
+    is tried by step alone. Reads only the manifests (no hashing)."""
     groups: dict[str | None, list[tuple[int, Path]]] = {}
     newest: dict[str | None, float] = {}
     unreadable: list[tuple[int, Path]] = []

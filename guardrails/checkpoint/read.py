@@ -129,7 +129,7 @@ def _unlike(saved: Any, live: Any, field: str) -> tuple[str, str] | None:
         return None
     if isinstance(live, (int, float)):
         # Not int against float: a scheduler decays an lr given as 1 to 0.5; the fields
-        # that must be integers are checked with the file (_manifest's schemas).
+        # that must be integers are checked with the file (manifest.py's schemas).
         if isinstance(saved, bool) or not isinstance(saved, (int, float, Tensor)):
             return field, f"is {_show(saved)}, where this run's holds a number ({live!r})"
         return None

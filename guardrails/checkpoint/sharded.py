@@ -236,11 +236,11 @@ def _empty_pinned(obj: Any, pin: bool = True) -> Any:
             return obj  # as DCP does: a 0-d DTensor is kept, not staged
         # The same spec around a host tensor, as DCP's ``obj.to("cpu")`` then a pinned
         # ``_local_tensor`` gives. Not ``DTensor.from_local``: it moves a local tensor to
-        # its mesh's device, so the "staging" was a second copy of every shard on the
-        # GPU (5 GB a rank at 0.8B parameters), which the writer threads then copied to
+        # its mesh's device, so the "staging" would be a second copy of every shard on
+        # the GPU (5 GB a rank at 0.8B parameters), which the writer threads then copy to
         # the host item by item, each copy holding the CUDA driver's lock against the
-        # training thread's kernel launches: 1.0-1.5 s of stall at the step that started
-        # a save (2 H200, py-spy: benchmarks/RESULTS.md, session 14).
+        # training thread's kernel launches: 1.0-1.5 s of stall at the step that starts
+        # a save (2 H200, py-spy).
         return DTensor(_empty_pinned(obj._local_tensor, pin), obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
         if obj.dim() == 0:
@@ -267,12 +267,12 @@ class ShardWriter:
     host that stalled FSDP2 training 9.1 s at the step that started a save (0.84B
     parameters, 5 GB a rank, 2 H200, foreach AdamW), where writing the same ~1,000
     items a rank with ``torch.save`` from 8 threads stalled it 0.29 s; on three other
-    hosts ``dcp.async_save`` and this writer both stalled it 1.0-2.3 s
-    (benchmarks/RESULTS.md, "Session 12"). Here the save plan (which rank writes which
-    item: DCP's own ``DefaultSavePlanner``) depends only on the state's layout, so it is
-    made once and exchanged through the job's store; it is made again only when the
-    layout changes (an optimizer that gained a param group). Each save then costs the
-    store a few round trips, and its writer threads a ``torch.save`` per item."""
+    hosts ``dcp.async_save`` and this writer both stalled it 1.0-2.3 s. Here the save
+    plan (which rank writes which item: DCP's own ``DefaultSavePlanner``) depends only
+    on the state's layout, so it is made once and exchanged through the job's store; it
+    is made again only when the layout changes (an optimizer that gained a param group).
+    Each save then costs the store a few round trips, and its writer threads a
+    ``torch.save`` per item."""
 
     def __init__(self) -> None:
         self.stager = stager()
@@ -376,7 +376,7 @@ class ShardWriter:
         from the last save's; else the same bytes again: a ``torch.save`` item's length
         depends only on its shape and dtype, so once the layout is fixed every save's
         results are the same, and DCP's one ``pickle.dump`` of the metadata (70-100 ms
-        holding the GIL on the CI class VM, 985 items a rank) is not repeated. Only its
+        holding the GIL on a 2-core CPU VM, 985 items a rank) is not repeated. Only its
         ``storage_meta`` (the path and id of the save that wrote it) is then the
         first's, which nothing reads (the path named a temp directory anyway)."""
         target = directory / DCP_DIR / ".metadata"

@@ -1,1 +1,3 @@
-"""Private: see ARCHITECTURE.md."""
+"""``python -m guardrails COMMAND``: one module per command (``report`` and
+``inspect`` import no torch). Private.
+"""

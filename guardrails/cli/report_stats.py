@@ -1,9 +1,9 @@
 """The report's numbers, computed while streaming ``metrics.parquet``: memory bounded by
 one batch of rows, not by the length of the run.
 
-The report used to load every row of every rank into numpy (``read_metrics``): ~15 GB
-for one rank's month at 10 steps/s. Now it reads in two passes, a batch
-(``BATCH_ROWS`` rows) at a time (``_metrics_file.iter_metrics``):
+Every row of every rank loaded into numpy (``read_metrics``) would be ~15 GB for one
+rank's month at 10 steps/s, so the report reads in two passes, a batch (``BATCH_ROWS``
+rows) at a time (``metrics/file.iter_metrics``):
 
 1. :func:`scan_keys`: the columns ``rank``, ``started_at``, ``step``, kept only as one
    :class:`KeyInfo` per (rank, started_at) pair (rows, first and last step): what splits

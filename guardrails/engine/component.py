@@ -92,7 +92,7 @@ class Component:
     #: benchmark rows. Set it on the class, or on an instance when one class is used
     #: twice (two components named alike are refused).
     name: str = "component"
-    #: Its knobs as a dataclass (``None``: it has none). See ``_config.py``.
+    #: Its knobs as a dataclass (``None``: it has none). See ``engine/config.py``.
     Config: ClassVar[type[Any] | None] = None
     #: Names of components that, when present, must come before this one.
     after: ClassVar[tuple[str, ...]] = ()

@@ -153,7 +153,7 @@ def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
     elif kind == "fast_forward":
         held = _held(guard)
         # Fetching it again would draw it afresh (see the module docstring); a batch
-        # that would not come back as the same types is fetched again, as before.
+        # that would not come back as the same types is fetched again.
         if held and _plain(held):
             position.update(_encode_held(held, tensors))
     return position, tensors

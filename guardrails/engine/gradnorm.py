@@ -5,8 +5,8 @@ computes anyway (GuardedDDP's buckets, the loop's own ``clip_grad_norm_``).
 Eagerly the norm is three ops, ``vector_norm(stack(_foreach_norm(grads)))``, but
 ``_foreach_norm`` returns one tensor per gradient: on GPT-2 small (148 gradients) the
 host spends ~316 us per step on the three (H200 host, ``benchmarks/norm_host.py``),
-~3.5 ms for 1,500 gradients. That was the guard's largest per-step host cost, and it
-lands on the step time whenever the loop is host-bound (GPT-2 small at 2x1024).
+~3.5 ms for 1,500 gradients. That would be the guard's largest per-step host cost, and
+it lands on the step time whenever the loop is host-bound (GPT-2 small at 2x1024).
 
 **The kernel** (``gradnorm_kernel.TableNorm``, the default on one CUDA device): the
 host reads each gradient's address into a pinned table and launches one kernel per
@@ -30,7 +30,7 @@ eager for the run. Off by default: in the first loop measured (GPT-2 small, 8x10
 30-step runs) the gradients never came back to the previous step's addresses.
 
 **On CPU** ``_foreach_norm`` has no fused kernel: it is one full ``linalg_vector_norm``
-dispatch per gradient, ~5 us each on the 2-core CI-class VM. Where the model is small
+dispatch per gradient, ~5 us each on a 2-core CPU VM. Where the model is small
 for its number of tensors (``FLAT_NUMEL_PER_TENSOR`` elements a tensor or fewer, on
 average), the gradients are copied into one flat tensor by torch's C++
 ``flatten_dense_tensors`` and its norm taken, two calls: the guard's norm in 7.1 us
@@ -100,7 +100,7 @@ MAX_MISSES = 50
 RECENT_LAYOUTS = 4
 #: On CPU, the norm of one flat copy of the gradients when the model has at most this
 #: many elements per gradient tensor on average: 16 float32 tensors of 4,096 elements,
-#: 27 us flat against 38 per tensor; of 16,384, 94 against 57 (2-core VM).
+#: 27 us flat against 38 per tensor; of 16,384, 94 against 57 (a 2-core CPU VM).
 FLAT_NUMEL_PER_TENSOR = 4096
 
 
@@ -229,7 +229,7 @@ class GradNorm:
         if not self.enabled:  # (a sparse gradient gave the graph up: see _found_sparse)
             # One ``.grad`` read per parameter, not two: ``p.grad`` on a Parameter (a
             # Tensor subclass) looks up ``__torch_function__`` each time. The gather
-            # for GPT-2 small's 148 tensors: 13.0 us instead of 23.1 (2-core VM).
+            # for GPT-2 small's 148 tensors: 13.0 us against 23.1 (a 2-core CPU VM).
             grads = [g for p in params if (g := p.grad) is not None]
             if not self.sparse:
                 try:  # free until it raises

@@ -2,16 +2,16 @@
 
 The eager norm, ``vector_norm(stack(_foreach_norm(grads)))``, creates one output tensor
 per gradient and stacks them: ~2.1 us of host time per gradient on an H200 host (316 us
-at 150 tensors, 3,529 us at 1,500; ``benchmarks/norm_host.py``), which was the guard's
-whole overhead on a host-bound step. Here the host reads each gradient's address into
-a pinned int64 table, copies it to the device, and launches one kernel per dtype that
-squares and sums every element of every gradient into per-chunk partial sums; the last
-program to finish sums those in one fixed order and writes the square root. Host time
-on an H200 host: ~90 us at 150 tensors (the address pass 36, the table's copy 17, the
-launch 25), ~510 us at 1,500 (the Python pass over ``p.grad`` is what still grows,
-~0.24 us a tensor). The launches and the tensors created are the same for 15
-gradients or 15,000. On the device it reads GPT-2 small's 124M float32 gradients in
-122 us on an H200 (~4.1 TB/s; ``_foreach_norm``: 160-190 us).
+at 150 tensors, 3,529 us at 1,500; ``benchmarks/norm_host.py``), which would be the
+guard's whole overhead on a host-bound step. Here the host reads each gradient's address
+into a pinned int64 table, copies it to the device, and launches one kernel per dtype
+that squares and sums every element of every gradient into per-chunk partial sums; the
+last program to finish sums those in one fixed order and writes the square root. Host
+time on an H200 host: ~90 us at 150 tensors (the address pass 36, the table's copy 17,
+the launch 25), ~510 us at 1,500 (the Python pass over ``p.grad`` is what still grows,
+~0.24 us a tensor). The launches and the tensors created are the same for 15 gradients
+or 15,000. On the device it reads GPT-2 small's 124M float32 gradients in 122 us on an
+H200 (~4.1 TB/s; ``_foreach_norm``: 160-190 us).
 
 The kernel reads ``numel`` elements from each address, which is the gradient only when
 it is dense: backward always leaves gradients in their parameter's layout, so the
@@ -23,7 +23,7 @@ Numerically it is the eager norm's definition (float32 squares summed, square ro
 summed in another order: within float32 rounding of it, and NaN or Inf exactly when a
 gradient holds one (NanGuard's flag is the norm's finiteness).
 
-Imported only where Triton is (it ships with torch's CUDA wheels); ``_gradnorm`` falls
+Imported only where Triton is (it ships with torch's CUDA wheels); ``gradnorm.py`` falls
 back to the eager norm where it is not, or where the kernel fails to build.
 """
 

@@ -36,13 +36,13 @@ loader position at the step's last training forward. A loop that prefetched the 
 batch resumes with that batch, not after it.
 
 Nothing here reads a device value on the host: the loss and the grad norm stay device
-tensors, and components move them to the host lagged (see ``_telemetry.py``). Host work
-per step is a fixed number of Python calls whatever the model size; the one piece that
-touches every parameter is the grad norm's single list comprehension over ``p.grad``
-(``_gradnorm.py``): on one GPU each gradient's address for the guard's kernel (~0.24 us
-a tensor on an H200 host); on CPU the gradients for one flat copy (a small model) or
-``_foreach_norm``; elsewhere the gradients for ``_foreach_norm``, which then makes one
-output per gradient (~2 us each on that host).
+tensors, and components move them to the host lagged (see ``guards/telemetry.py``). Host
+work per step is a fixed number of Python calls whatever the model size; the one piece
+that touches every parameter is the grad norm's single list comprehension over
+``p.grad`` (``engine/gradnorm.py``): on one GPU each gradient's address for the guard's
+kernel (~0.24 us a tensor on an H200 host); on CPU the gradients for one flat copy (a
+small model) or ``_foreach_norm``; elsewhere the gradients for ``_foreach_norm``, which
+then makes one output per gradient (~2 us each on that host).
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ class Guard(StepState):
         tokens_per_batch: tokens in one batch, for tokens/s. Default: inferred from
             the batch when its first tensor is an integer ``(batch, seq)`` tensor.
         benchmark: measure the guard's own cost in this loop by sampling a few steps
-            with the components' per-step hooks bypassed (see ``_benchmark_mode.py``); the
+            with the components' per-step hooks bypassed (see ``benchmark_mode.py``); the
             table goes to ``run_dir/benchmark.json`` and the log at close.
         graph_grad_norm: experimental, one GPU: replay the eager per-step grad norm as
             a CUDA graph when the gradients are where a captured graph expects them,
-            instead of the default kernel over their addresses (``_gradnorm.py``).
+            instead of the default kernel over their addresses (``gradnorm.py``).
             Default False.
     """
 
@@ -145,9 +145,9 @@ class Guard(StepState):
         graph_grad_norm: bool = False,
         replay_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
-        StepState.__init__(self)  # the published fields: step, epoch, phase... (_state.py)
+        StepState.__init__(self)  # the published fields: step, epoch, phase... (state.py)
         #: What components produce for each other (the collective in flight, GC time),
-        #: each field with one writer: see ``_state.Shared``.
+        #: each field with one writer: see ``state.Shared``.
         self.shared = Shared()
         #: The modules whose forward is wrapped: the model, or each one given.
         self.models: dict[str, nn.Module] = named("model", model, nn.Module)
@@ -191,7 +191,7 @@ class Guard(StepState):
         self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
         #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
         #: graph expects them (one launch instead of one output per gradient; opt-in,
-        #: see _gradnorm.py).
+        #: see gradnorm.py).
         self.graph_grad_norm = graph_grad_norm
         self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
         self._norm.scaled = self.scaler is not None and self.scaler.is_enabled()
@@ -244,7 +244,7 @@ class Guard(StepState):
         self._handles: list[Any] = []
         self._dispatch: dict[str, list[Callable[..., Any]]] = {h: [] for h in HOOKS}
         # The per-step hooks this step runs: the same table as _dispatch, except on the
-        # steps benchmark mode samples with some components bypassed (_benchmark_mode.py).
+        # steps benchmark mode samples with some components bypassed (benchmark_mode.py).
         self._live = self._dispatch
         self.benchmark = benchmark
         self._bench: Any = None
@@ -269,8 +269,9 @@ class Guard(StepState):
         #: This guard's number among the guards started in this process (the same on
         #: every rank), which namespaces its side-channel keys.
         self.generation = -1
-        #: A gloo group over every rank for rare agreements (see ``store.py``), or
-        #: ``None`` in a single-process run. Never the training's group.
+        #: A gloo group over every rank for rare agreements (see
+        #: ``distributed/store.py``), or ``None`` in a single-process run. Never the
+        #: training's group.
         self.side_group: Any = None
         self._replacement: BaseException | None = None
         # Set inside quiet(): optimizer steps there are not training steps (a sharded
@@ -305,7 +306,8 @@ class Guard(StepState):
         self.rank = dist.rank()
         self.world_size = dist.world_size()
         # A full or read-only disk does not stop the guard: the events log says so and
-        # keeps its events in memory (_events.py); only a checkpoint needs the disk.
+        # keeps its events in memory (metrics/events.py); only a checkpoint needs the
+        # disk.
         with contextlib.suppress(OSError):
             files.make_dirs(self.run_dir)  # never group/other-writable, whatever the umask
         self.events = EventLog(self.run_dir, rank=self.rank)
@@ -330,7 +332,7 @@ class Guard(StepState):
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
                 handle = attach(self)
                 self._handles.append(handle)
-                # ...and takes each reduced bucket's norm: the step's, see _gradnorm.py
+                # ...and takes each reduced bucket's norm: the step's, see gradnorm.py
                 self._norm.buckets = getattr(handle, "bucket_norms", None)
             for hook in HOOKS:
                 self._dispatch[hook] = [
@@ -554,7 +556,7 @@ class Guard(StepState):
             self._replacement = error
 
     # ------------------------------------------------------------------ services
-    # What a component asks of the engine instead of writing its state (_state.py).
+    # What a component asks of the engine instead of writing its state (state.py).
 
     @property
     def running(self) -> bool:
@@ -579,8 +581,8 @@ class Guard(StepState):
         return saver.save(self)
 
     def side_store(self, name: str) -> Any:
-        """A store for this guard's side-channel keys under ``name`` (see ``store.py``),
-        or ``None`` when not distributed."""
+        """A store for this guard's side-channel keys under ``name`` (see
+        ``distributed/store.py``), or ``None`` when not distributed."""
         return store.side_store(self.generation, name)
 
     @contextlib.contextmanager
@@ -910,7 +912,7 @@ class Guard(StepState):
     def grad_norm(self) -> Tensor:
         """The total L2 norm of the gradients at this step, a 0-d float32 device tensor.
 
-        Computed once per step (``_gradnorm.py``): on one GPU by one kernel over the
+        Computed once per step (``engine/gradnorm.py``): on one GPU by one kernel over the
         gradients' addresses, on CPU by one flat copy of a small model's gradients,
         elsewhere by a fused ``_foreach_norm`` (one kernel per device and dtype), or
         taken from the loop's ``clip_grad_norm_`` or GuardedDDP's
@@ -924,8 +926,8 @@ class Guard(StepState):
     @property
     def step_ring(self) -> StepRing:
         """The ring of each step's (loss, grad norm, skipped) rows that NanGuard and
-        Telemetry share (``_lagged.StepRing``): a component that reads it on the host
-        registers a reader at start (``g.step_ring.reader(every_n_steps)``)."""
+        Telemetry share (``engine/lagged.StepRing``): a component that reads it on the
+        host registers a reader at start (``g.step_ring.reader(every_n_steps)``)."""
         return self._ring
 
     def open_row(self) -> OpenRow | None:
@@ -1001,7 +1003,7 @@ class Guard(StepState):
         if not all(map(operator.is_, parameters, params)):
             # Another order (nanoGPT's decay / no-decay groups): the same set, once
             # checked, is then recognised by its order (a tuple compare: 110 us at
-            # 1,500 tensors on the 2-core VM, against 430 us to build a set).
+            # 1,500 tensors on a 2-core CPU VM, against 430 us to build a set).
             order = tuple(map(id, parameters))
             if order != self._clip_order:
                 if len(set(order)) != len(order) or not self._param_ids.issuperset(order):

@@ -148,9 +148,9 @@ class StepRing:
     host sees it through a :class:`RingReader`'s lagged copies. On a CPU device
     (``host=True``) the ring is host memory: :meth:`write` reads the loss and the grad
     norm with ``Tensor.tolist()`` (no kernel, no dispatch: ~2 us for both in the loop,
-    against ~7.5 us for the stack and a numpy read of its row, 2-core VM), stores them
-    into the ring through a memoryview and keeps them in :attr:`loss` / :attr:`norm`,
-    exactly the float32 values the row holds.
+    against ~7.5 us for the stack and a numpy read of its row, a 2-core CPU VM), stores
+    them into the ring through a memoryview and keeps them in :attr:`loss` /
+    :attr:`norm`, exactly the float32 values the row holds.
     """
 
     def __init__(self, device: torch.device, *, host: bool | None = None) -> None:
@@ -197,7 +197,7 @@ class StepRing:
         self._mv = None if self._np is None else memoryview(self._np).cast("B").cast("f")
         self._nan = torch.full((), math.nan, device=self.device)
         # float, not bool: a bool in the stack sends it down a dtype-promoting path
-        # that costs ~2.7 us more per step on CPU (measured, host_ops.py).
+        # that costs ~2.7 us more per step on CPU (measured, benchmarks/host_ops.py).
         self._zero = torch.zeros((), device=self.device)
 
     def write(self, loss: Tensor | None, norm: Tensor) -> int:

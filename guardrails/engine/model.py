@@ -67,7 +67,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel): the
     parameters have global shapes and global norms, and their state goes through
-    ``torch.distributed.checkpoint`` (``_sharded.py``), each rank writing its shards."""
+    ``torch.distributed.checkpoint`` (``checkpoint/sharded.py``), each rank writing its
+    shards."""
     dtensor = imported_class("torch.distributed.tensor", "DTensor")
     return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 

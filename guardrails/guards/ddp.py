@@ -17,9 +17,9 @@ Three additions, public DDP API only:
   it only copies, and the hook averages:
   - on NCCL, by an AVG all-reduce: NCCL multiplies each rank's input by ``1/world_size``
     inside its own kernel (``ncclAvg`` is a pre-multiplied sum for floating point), the
-    reducer's arithmetic, with no pass of its own over the bucket. Dividing first cost
+    reducer's arithmetic, with no pass of its own over the bucket. Dividing first costs
     a second elementwise pass: 225 us of kernel time a step for GPT-2 small's 124M
-    gradients on an H200 (benchmarks/RESULTS.md, session 14);
+    gradients on an H200;
   - elsewhere (gloo has no AVG), as torch's reference ``allreduce_hook`` does
     (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``:
     ``tensor.div_(group.size())`` then a SUM ``all_reduce``, "DDP results is expected
@@ -32,7 +32,7 @@ Three additions, public DDP API only:
   reported once, through ``guard.shared.auditor.record(...)``, with the bucket index as site.
   After each bucket's all-reduce the hook also takes the reduced bucket's norm, so the
   guard's per-step grad norm comes from the buckets instead of a second pass over
-  every gradient (``_gradnorm.BucketNorms``).
+  every gradient (``engine/gradnorm.BucketNorms``).
 * **Its errors explained**: "Expected to have finished reduction in the prior
   iteration" (parameters that got no gradient) is re-raised, chained, naming the
   parameters (DDP gives their indices only, or names with TORCH_DISTRIBUTED_DEBUG) and

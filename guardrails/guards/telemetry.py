@@ -18,19 +18,19 @@ an H200). Telemetry does both:
   ``write_every_s`` seconds and at close, each atomically (temp name, then rename), so a
   run killed by SIGKILL keeps every part written before it died. Once an hour
   (``compact_every_s``) is over, a thread merges the rank's parts of that hour into one
-  file (``_metrics_compact.py``): 720 files per rank in 30 days, not 43,200.
+  file (``metrics/compact.py``): 720 files per rank in 30 days, not 43,200.
 * A part that cannot be written (a full disk, a read-only remount, a quota: any
   ``OSError``) does not stop training: its rows stay in memory (at most
   :data:`MAX_PENDING_ROWS`, the oldest dropped beyond it and counted in
   ``rows_dropped``), the trouble is logged once (again at most every 10 min) and the
-  next part writes them too. Before this, a full disk ended a run at its next part.
+  next part writes them too. Otherwise a full disk would end a run at its next part.
 
 Rank 0 also shows a tqdm bar (step, loss, grad norm, tok/s), updated from the same
 lagged values: it costs no sync, and its loss is up to ``2 * every_n_steps`` old.
 
-Each part also goes to the ``sinks`` (TensorBoard, W&B, MLflow, a function: ``_sinks.py``)
-on rank 0, with the events written since the last part, through one queue put: the
-sinks run on their own thread, once per part, never per step.
+Each part also goes to the ``sinks`` (TensorBoard, W&B, MLflow, a function:
+``metrics/sinks.py``) on rank 0, with the events written since the last part, through
+one queue put: the sinks run on their own thread, once per part, never per step.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class Telemetry(Component):
             make_dirs(self._dir)
         self._rank = guard.rank
         # A part being written when its process was killed stays as a temp file: this
-        # rank's are removed (the old spelling ended in .parquet and broke *.parquet
+        # rank's are removed (older versions' names ended in .parquet and broke *.parquet
         # globs: duckdb's and polars' readers failed on the half-written file).
         for pattern in (f".part-r{self._rank:05d}-*.tmp", f".tmp-part-r{self._rank:05d}-*"):
             for stale in self._dir.glob(pattern):
@@ -193,7 +193,7 @@ class Telemetry(Component):
         self._device = guard.device
         self._cuda = guard.device.type == "cuda"
         # The device columns are the step ring's row, written once per step for NanGuard
-        # and telemetry (_lagged.StepRing), copied to the host once per interval and
+        # and telemetry (engine/lagged.StepRing), copied to the host once per interval and
         # read an interval later; each copy keeps the host columns of its rows (meta).
         self._ring = guard.step_ring
         self._copies = self._ring.reader(n)
@@ -385,8 +385,8 @@ class Telemetry(Component):
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         # The main thread is stuck (guard.die): write the rows the host holds. On CUDA
         # the newest rows' device columns (loss, grad norm, skipped) stay NaN: reading
-        # them would queue behind the stuck kernel or collective. Before this, a rank
-        # the watchdog ended lost every row since its last part (up to 60 s of steps).
+        # them would queue behind the stuck kernel or collective. Otherwise a rank the
+        # watchdog ended would lose every row since its last part (up to 60 s of steps).
         # on_end may be writing them already (the main thread got free): wait for it a
         # while; past that it is stuck itself (a device read) and these rows go now.
         locked = self._end_lock.acquire(timeout=ABORT_WAIT_S / 2)

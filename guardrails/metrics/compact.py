@@ -10,10 +10,10 @@ A merge, on its own thread (never the training thread's time):
 1. reads the hour's parts one at a time and writes them, ``BATCH_ROWS`` rows per row
    group, to a temp file (``.compact-*.parquet.tmp``: no ``*.parquet`` glob matches it)
    whose footer names every part it holds (``guardrails.sources``); fsync;
-2. under the exclusive lock that readers take shared (``_metrics_file.lock``): renames
+2. under the exclusive lock that readers take shared (``metrics/file.lock``): renames
    it into place, fsyncs the directory, deletes the parts.
 
-A reader (``_metrics_file.snapshot``) skips every part a compacted file names, so a row
+A reader (``metrics/file.snapshot``) skips every part a compacted file names, so a row
 is never read twice, and a part it listed is not deleted until it is done reading, so
 none is missed. A SIGKILL leaves either the temp file (removed at the rank's next start;
 the parts are untouched) or the compacted file and some of its parts (the reader skips

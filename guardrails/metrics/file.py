@@ -2,12 +2,12 @@
 
 :class:`guardrails.Telemetry` writes the parts; :func:`guardrails.read_metrics` and
 ``python -m guardrails report`` read them. Kept apart from the writer so the report
-starts without importing torch (3.7 s median before, 0.65-0.7 s after, for a 100k-row run on a
-loaded 2-core VM; benchmarks/RESULTS.md).
+starts without importing torch (~2.3 s on its own): 0.65-0.7 s median for a 100k-row run
+on a loaded 2-core CPU VM.
 
 Two kinds of file hold the rows: the parts a rank writes (``part-r<rank>-s<step>-*``,
 one per ``write_every_s``) and, once an hour is over, one ``compact-r<rank>-t<time>-*``
-per rank and hour that merges them (``_metrics_compact.py``). A compacted file names the
+per rank and hour that merges them (``metrics/compact.py``). A compacted file names the
 parts it holds in its parquet metadata (``guardrails.sources``) and is renamed into
 place before they are deleted, so a part and the file holding it can both be on disk
 for a moment (or, after a kill in that moment, until the rank's next start). The reader

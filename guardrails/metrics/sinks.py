@@ -1,13 +1,13 @@
 """Metric sinks: telemetry's rows and the run's events, also sent to TensorBoard,
 Weights & Biases, MLflow or a function of yours (``guard(log_to=...)``).
 
-Telemetry already brings every step's row to the host without a sync (``_lagged.py``)
-and writes them as a parquet part every ``write_every_s`` seconds and at close. A sink
-receives exactly those parts, as the same ``pyarrow.Table``, so it costs the training
-step nothing: no per-step call, no host read of a device value. Between the rows come
-the events of the same rank (skips, spikes, saves, a stop, the end), read from
-``events.jsonl``, each placed after the rows of the steps it follows, so a sink sees
-one stream in step order.
+Telemetry already brings every step's row to the host without a sync
+(``engine/lagged.py``) and writes them as a parquet part every ``write_every_s`` seconds
+and at close. A sink receives exactly those parts, as the same ``pyarrow.Table``, so it
+costs the training step nothing: no per-step call, no host read of a device value.
+Between the rows come the events of the same rank (skips, spikes, saves, a stop, the
+end), read from ``events.jsonl``, each placed after the rows of the steps it follows, so
+a sink sees one stream in step order.
 
 Sinks run on rank 0 only (one dashboard curve per run; every rank's rows stay in
 ``metrics.parquet``), and not on the training thread: the main thread hands each part
@@ -19,8 +19,8 @@ turned off with one warning naming it and the error; training goes on.
 The three packages are optional extras, imported only when their sink opens:
 ``pip install torch-guardrails[tensorboard]`` (``[wandb]``, ``[mlflow]``).
 
-What a sink costs is its own work per row, on its thread: measured on a busy 2-core VM
-(benchmarks/sinks_bench.py), TensorBoard ~0.1-0.3 ms a row, W&B offline ~0.6-2.5 ms,
+What a sink costs is its own work per row, on its thread: measured on a busy 2-core CPU
+VM (benchmarks/sinks_bench.py), TensorBoard ~0.1-0.3 ms a row, W&B offline ~0.6-2.5 ms,
 MLflow's file store ~1-2 ms. The training thread's share is ~2 us a part. On a
 host-bound loop of ~2 ms steps with all three on 2 cores that CPU work showed as
 +2.2 ms a step (the cores are shared); each sink's ``every_n_steps`` thins the rows it
@@ -441,7 +441,7 @@ class TensorBoardSink(Sink):
             and the curve continues.
         every_n_steps: log the rows of every this many steps (and every skipped or
             non-finite step); default 1, every row. A row costs the sink thread
-            ~0.1-0.3 ms of CPU (measured on a busy 2-core VM).
+            ~0.1-0.3 ms of CPU (measured on a busy 2-core CPU VM).
     """
 
     def __init__(
@@ -520,8 +520,8 @@ class WandbSink(Sink):
         project: the W&B project of a run this sink starts.
         every_n_steps: log the rows of every this many steps (and every skipped or
             non-finite step); default 1, every row. A row costs the sink thread
-            ~0.6-2.5 ms of CPU in ``wandb.log`` (measured offline on a busy 2-core VM):
-            raise this for loops of more than a few hundred steps a second.
+            ~0.6-2.5 ms of CPU in ``wandb.log`` (measured offline on a busy 2-core CPU
+            VM): raise this for loops of more than a few hundred steps a second.
         init: more ``wandb.init`` arguments for a run this sink starts.
     """
 
@@ -618,7 +618,7 @@ class MLflowSink(Sink):
         every_n_steps: log the rows of every this many steps (and every skipped or
             non-finite step); default 1, every row. A row costs the sink thread ~1-2 ms
             of CPU with MLflow's file store (one file append per value; measured on a
-            busy 2-core VM), less through a tracking server (one request a batch).
+            busy 2-core CPU VM), less through a tracking server (one request a batch).
     """
 
     #: MLflow's limit of values per ``log_batch`` request.

@@ -1,1 +1,3 @@
-"""Private: see ARCHITECTURE.md."""
+"""CollectiveAuditor: every rank's collectives recorded and compared off the training
+group; a mismatch named on every rank.
+"""

@@ -72,10 +72,9 @@ collectives (``torch.distributed._functional_collectives``) are not seen. FSDP2
 functions, so they are seen and compared (tests/test_audit.py, gloo, torch 2.13).
 
 Where the parts live: this module holds the component (patching, the per-call
-bookkeeping, the background comparison, close); ``_audit_calls.py`` what a call is
-(the op table, groups, call sites); ``_audit_seq.py`` a group's sequence as ranks
-publish and compare it; ``_audit_flight.py`` the flight recorder; ``_audit_report.py``
-the error's text.
+bookkeeping, the background comparison, close); ``calls.py`` what a call is (the op
+table, groups, call sites); ``seq.py`` a group's sequence as ranks publish and compare
+it; ``flight.py`` the flight recorder; ``report.py`` the error's text.
 """
 
 from __future__ import annotations

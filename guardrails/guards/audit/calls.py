@@ -2,7 +2,7 @@
 op's tensor, reduce op, root, group and ``async_op`` sit in its arguments, the process
 group it runs on (numbered per group), the user's call site, and the in-flight call the
 watchdog shows. Read per call on the training's thread, so everything here is a table
-lookup or a bounded frame walk (see ``_audit.py`` for the measured cost).
+lookup or a bounded frame walk (see ``auditor.py`` for the measured cost).
 """
 
 from __future__ import annotations

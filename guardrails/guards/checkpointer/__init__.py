@@ -1,1 +1,3 @@
-"""Private: see ARCHITECTURE.md."""
+"""SignalCheckpointer: signal, periodic and final saves, agreed by every rank, and the
+resume at start.
+"""

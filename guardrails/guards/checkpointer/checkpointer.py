@@ -36,7 +36,7 @@ What it does, and where the cost goes:
 * **Multi-rank commit**: every rank writes its own files (RNG streams, data position)
   into one temp directory (``run_dir`` must be on a disk every rank sees), publishes
   their sizes and checksums through the side store, and rank 0 writes the manifest and
-  renames: one atomic commit for the whole job (see ``format.py``).
+  renames: one atomic commit for the whole job (see ``checkpoint/commit.py``).
 * **A save that cannot be written** (a full disk, a read-only remount, permissions) is
   a :class:`~guardrails.CheckpointError` naming the cause and the fix; what happens
   then depends on what it would cost:

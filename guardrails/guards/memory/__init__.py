@@ -1,1 +1,1 @@
-"""Private: see ARCHITECTURE.md."""
+"""MemoryGuard: leaks, data starvation, out-of-memory errors explained."""

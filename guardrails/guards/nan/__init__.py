@@ -1,1 +1,3 @@
-"""Private: see ARCHITECTURE.md."""
+"""NanGuard: a non-finite step skipped on every rank and diagnosed; the spike rule and
+the training-health checks beside it.
+"""

@@ -214,7 +214,7 @@ class NanGuard(Component):
     def on_start(self, guard: Guard) -> None:
         self._guard = guard
         # The torch optimizer under accelerate's prepared one: a fused step() reads
-        # found_inf from itself, not from the wrapper (_dist.inner).
+        # found_inf from itself, not from the wrapper (distributed/dist.inner).
         opt = self._opt = _dist.inner(guard.optimizer)
         dev = guard.device
         self._cuda = dev.type == "cuda"
@@ -236,8 +236,8 @@ class NanGuard(Component):
         self._scales: dict[int, float] = {}
         n = self.check_every_n_steps if self._lagged else 1
         # The step's (loss, grad norm, skipped) row is the engine's, shared with
-        # telemetry (_lagged.StepRing): one write per step for both. Lagged path: its
-        # rows reach the host in copies read an interval later, each kept with its
+        # telemetry (engine/lagged.StepRing): one write per step for both. Lagged path:
+        # its rows reach the host in copies read an interval later, each kept with its
         # rows' (step, lr, row count).
         self._ring = guard.step_ring
         self._reader = self._ring.reader(n) if self._lagged else None

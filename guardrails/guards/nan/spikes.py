@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 #: A value is judged against the median of this many finite values just before it
 #: (its trend). Twenty steps can tell a spike from noise, and follow a trend: a grad
 #: norm climbing 3% a step (20x over 100 steps) sits 1.4x over the median of its last
-#: 20, where the old rule (5x the median of the last 100, as of its block) saw it at
-#: 4.4-5.7x and flagged the climb.
+#: 20, where 5x the median of the last 100 (as of its block) would see it at 4.4-5.7x
+#: and flag the climb.
 TREND_STEPS = 20
 
 
@@ -26,9 +26,10 @@ TREND_STEPS = 20
 #: step-to-step swing (a robust standard deviation of the change of log(value) from
 #: one step to the next, over ``window_steps``; a trend barely moves it). On 45 healthy
 #: CPU runs (57,700 steps: nanochat, the README example, MLP classifiers, 2-16 sample
-#: regressions on pure noise) the old rule flagged 393 steps, the 20-step median alone
-#: 449 (small-batch noise), with 4 swings 0 and with 3.5 3; 5 keeps a margin and still
-#: catches a 10x grad-norm jump in every language-model run tried (benchmarks/RESULTS.md).
+#: regressions on pure noise) ``factor`` times the 100-step median flagged 393 steps,
+#: the 20-step median alone 449 (small-batch noise), with 4 swings 0 and with 3.5
+#: swings 3; 5 keeps a margin and still catches a 10x grad-norm jump in every
+#: language-model run tried (benchmarks/RESULTS.md).
 SPIKE_SWINGS = 5.0
 
 
@@ -47,11 +48,11 @@ def _spikes(
 
     In log space: a ratio is a distance, and a grad norm's noise is multiplicative.
     A block with no value over ``factor`` times the lowest value around it cannot hold
-    a spike and costs ~2 us a metric (2-core VM; every block of the nanochat and
+    a spike and costs ~2 us a metric (a 2-core CPU VM; every block of the nanochat and
     README-example runs): the swing is measured only for the others (~18 us), and a
-    value's own median only where it clears the bar over that lowest value
-    (benchmarks/RESULTS.md). ``swing``: the window's median step-to-step move, from
-    :class:`_Series`, which keeps it up to date (the same number, half the cost)."""
+    value's own median only where it clears the bar over that lowest value. ``swing``:
+    the window's median step-to-step move, from :class:`_Series`, which keeps it up to
+    date (the same number, half the cost)."""
     n = len(window)
     if n < TREND_STEPS:
         return []
@@ -94,11 +95,11 @@ class _Series:
     next (:meth:`swing`), kept up to date as values arrive.
 
     Recomputed from the window (100 logs, 99 moves, a sort), the swing costs ~13 us a
-    block (2-core VM, warm; more in the loop), paid in every block of the benchmark's
-    tiny regression, whose noisy loss clears the first cut each time; here each value's
-    log and move are computed once, when first needed, and a block pays for its 10 new
-    ones and the sort (~6 us). The numbers are the same: the same ``math.log`` of the
-    same values, the same differences."""
+    block (a 2-core CPU VM, warm; more in the loop), paid in every block of the
+    benchmark's tiny regression, whose noisy loss clears the first cut each time; here
+    each value's log and move are computed once, when first needed, and a block pays for
+    its 10 new ones and the sort (~6 us). The numbers are the same: the same
+    ``math.log`` of the same values, the same differences."""
 
     __slots__ = ("_logs", "_moves", "_new", "values")
 

@@ -1,1 +1,1 @@
-"""Private: see ARCHITECTURE.md."""
+"""Preflight: what must match across ranks, compared once before the first step."""

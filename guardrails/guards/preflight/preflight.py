@@ -24,7 +24,7 @@ The facts:
 * launch problems found by :mod:`guardrails.distributed.launch` (after ``init_process_group``), and
   two ranks on one GPU (same host, same device).
 
-**The weights checksum** (``_preflight_facts.py``) is an integer sum of each tensor's
+**The weights checksum** (``facts.py``) is an integer sum of each tensor's
 raw bits plus a hash of 64 strided elements: exact, order-independent, compared
 bitwise. Sharded models (FSDP, DTensor) hold a different shard per rank: their
 weights are not compared, only names, shapes and dtypes.
@@ -44,9 +44,9 @@ batches, never per step), which holds up to 16 batches in memory ahead of the lo
 DDP's ``join()`` keeps working either way (with even batches it has nothing to do).
 
 Where the parts live: this module holds the component (the exchanges and the
-decision); ``_preflight_facts.py`` what each rank gathers, ``_preflight_diff.py`` the
-comparison and the error's text, ``_even_batches.py`` the chunked cut, ``_bf16.py``
-the local bf16-on-CPU warning.
+decision); ``facts.py`` what each rank gathers, ``diff.py`` the comparison and the
+error's text, ``even_batches.py`` the chunked cut, ``bf16.py`` the local bf16-on-CPU
+warning.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Private: see ARCHITECTURE.md."""
+"""Watchdog: hangs, dead ranks and uneven data as errors naming the rank."""

@@ -5,8 +5,8 @@ One daemon thread per rank. Every ``heartbeat_every_s`` (1 s) it samples, withou
 touching the main thread, what the main thread advertises on the guard (``step``,
 ``phase``, ``collective`` set by the auditor, ``paused``, batches fetched, loader
 exhausted) and publishes it as this rank's heartbeat in the side store
-(``guard.side_store("watchdog")``, see ``_store.py``). The training loop pays nothing
-per step: no hook, no store call, no lock; the thread reads plain attributes.
+(``guard.side_store("watchdog")``, see ``distributed/store.py``). The training loop pays
+nothing per step: no hook, no store call, no lock; the thread reads plain attributes.
 
 A rank that has not advanced (step, batch, collective, phase) for half the timeout (at
 most 30 s) is *suspect*: its thread captures the main thread's Python stack
@@ -25,14 +25,14 @@ the full timeout it diagnoses from all ranks' records:
   information, the least advanced ones) are stuck; the others wait for them.
 
 The first rank to conclude claims the verdict in the store (``add`` returns 1 to exactly
-one caller) and every other rank adopts it on its next tick, so all ranks report the same
-diagnosis, each with its own rank in the message. Then ``guard.fail_from_thread``: the
-main thread raises the error at its next step boundary if it gets there within
+one caller) and every other rank adopts it on its next tick, so all ranks report the
+same diagnosis, each with its own rank in the message. Then ``guard.fail_from_thread``:
+the main thread raises the error at its next step boundary if it gets there within
 ``abort_after_s``; if not (stuck in a collective or a C call that Python cannot
-interrupt) the process reports and exits (``_exit.die``), so the launcher tears the job
-down. Death of a peer and the end of a peer's loop are announced at once (a counter in
-the store every thread polls), so an exception on one rank ends the others in about a
-second, not after the timeout.
+interrupt) the process reports and exits (``engine/process.die``), so the launcher tears
+the job down. Death of a peer and the end of a peer's loop are announced at once (a
+counter in the store every thread polls), so an exception on one rank ends the others
+in about a second, not after the timeout.
 
 Not a hang: a rank inside ``g.pause_watchdog(...)`` (and everyone waiting for it); the
 first step (``torch.compile``, cuDNN autotuning, NCCL's lazy communicator setup take
@@ -131,8 +131,8 @@ class Watchdog(Verdicts, Component):
                 and every rank's stack, and ends the job. ``None`` (default): 5x the
                 longest gap between two steps seen so far, at least 60 s and at most
                 300 s (300 s until a gap after the first step is seen); see ``AUTO_*``
-                in ``_watchdog.py`` for why these numbers. Mark long legitimate pauses
-                with ``g.pause_watchdog()``.
+                in ``guards/watchdog/watchdog.py`` for why these numbers. Mark long
+                legitimate pauses with ``g.pause_watchdog()``.
             first_step_timeout_s: the allowance for a rank inside its first optimizer
                 step (compilation, autotuning, NCCL's lazy communicator setup); a rank
                 still waiting for its first batch gets ``hang_timeout_s``. Default
