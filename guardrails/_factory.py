@@ -133,7 +133,7 @@ def guard(
     old_knobs = {k: sections.pop(k) for k in list(sections) if k not in SECTIONS}
     unknown = {k: v for k, v in old_knobs.items() if k not in ALIASES["guard"]}
     if unknown:
-        check_knobs(unknown, _KNOBS, "guard()")
+        check_knobs(unknown, [*_TOP_LEVEL, *SECTIONS], "guard()")
     configs = {
         name: section(name, sections.get(name, True), cls.Config) for name, cls in SECTIONS.items()
     }
@@ -223,16 +223,13 @@ def _set_top_level(
     configs[where] = dataclasses.replace(cfg, **{field: value})
 
 
-#: Every keyword guard() takes, for the closest-name hint on a typo.
-_KNOBS = [
-    *(
-        name
-        for name in guard.__code__.co_varnames[
-            : guard.__code__.co_argcount + guard.__code__.co_kwonlyargcount
-        ]
-        if name not in ("model", "optimizer", "loader")
-    ),
-    *SECTIONS,
+#: guard()'s own keywords (the sections are SECTIONS'), for the closest-name hint.
+_TOP_LEVEL = [
+    name
+    for name in guard.__code__.co_varnames[
+        : guard.__code__.co_argcount + guard.__code__.co_kwonlyargcount
+    ]
+    if name not in ("model", "optimizer", "loader")
 ]
 # The sections in guard()'s help, from SECTIONS: adding a section is one line there.
 guard.__doc__ = (guard.__doc__ or "").replace(

@@ -215,3 +215,52 @@ def test_architecture_states_each_guard_exception(pair):
     text = (ROOT / "ARCHITECTURE.md").read_text()
     mine, theirs = (p.split(".", 1)[1] for p in pair)
     assert re.search(rf"`{mine}[/.]\S*` uses\s+`{theirs}/", text), pair
+
+
+def test_a_new_section_is_one_entry_in_sections(tmp_path, monkeypatch):
+    """Adding a default guard to guard() is one line in SECTIONS: the keyword, its
+    Config, its validation and the closest-name hint follow from it."""
+    import dataclasses
+
+    import torch
+
+    import guardrails
+    from guardrails import _factory
+
+    class Plateau(guardrails.Component):
+        """A stand-in new guard: counts the steps it saw."""
+
+        name = "plateau"
+
+        @dataclasses.dataclass
+        class Config:
+            """patience_steps: steps without improvement before it speaks."""
+
+            patience_steps: int = 100
+
+        def __init__(self, config=None, /, **knobs):
+            guardrails.engine.config.configure(self, config, knobs)
+            self.seen = 0
+
+        def after_step(self, guard):
+            self.seen += 1
+
+    monkeypatch.setitem(_factory.SECTIONS, "plateau", Plateau)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+    with guardrails.guard(
+        model, opt, data, run_dir=tmp_path, progress=False, plateau={"patience_steps": 7}
+    ) as g:
+        for x, y in g:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    (mine,) = [c for c in g.components if isinstance(c, Plateau)]
+    assert (mine.patience_steps, mine.seen) == (7, 3)
+    with pytest.raises(TypeError, match="patience_step.*patience_steps"):
+        guardrails.guard(model, opt, data, run_dir=tmp_path, plateau={"patience_step": 1})
+    with pytest.raises(TypeError, match="Did you mean `plateau`"):
+        guardrails.guard(model, opt, data, run_dir=tmp_path, plateu=False)
+    g = guardrails.guard(model, opt, data, run_dir=tmp_path, plateau=False)
+    assert not any(isinstance(c, Plateau) for c in g.components)
