@@ -20,6 +20,12 @@ torchrun child with it) and the test fails, naming the ranks and their last outp
 ``spawn`` is the in-process form (``torch.multiprocessing`` with the spawn method) for a
 module-level function; ``torchrun`` runs one command under ``torch.distributed.run``.
 Nothing is mocked: real processes, real gloo, real signals.
+
+Every deadline here, and every wait of the tests on a process (``subprocess.run``'s
+``timeout``, a poll's deadline), goes through ``patience``: the seconds a test names are
+what it needs on an idle machine, stretched on a busy one (the load per core) and by
+``GUARDRAILS_TEST_PATIENCE``. A hang still fails, later; guardrails' own knobs
+(``hang_timeout_s``, ``grace_s``) and the bounds the tests assert on them never stretch.
 """
 
 from __future__ import annotations
@@ -52,6 +58,34 @@ LAUNCHER_VARS = (
     "TORCHELASTIC_ERROR_FILE",
     "TORCHELASTIC_RUN_ID",
 )
+
+
+#: Multiplies every wait of the test harness (``patience``); default 1. For a machine
+#: slower than its load shows (a throttled VM, a debugger, coverage): e.g. 3.
+PATIENCE_VAR = "GUARDRAILS_TEST_PATIENCE"
+
+
+#: The most the machine's load stretches a wait: a hung test still fails within 4x its
+#: idle-machine bound (GUARDRAILS_TEST_PATIENCE stretches further, by hand).
+MAX_STRETCH = 4.0
+
+
+def patience(seconds: float) -> float:
+    """How long to wait for what takes up to ``seconds`` on an idle machine: ``seconds``
+    times the load per core (the 1-minute load average over the cores, read now) where
+    that is above 1, at most ``MAX_STRETCH`` times, times ``GUARDRAILS_TEST_PATIENCE``
+    (default 1): with a load of 6 on 2 cores a 120 s wait is 360 s. The load only
+    stretches a wait: a real hang still fails, later (at most 4x later unless the
+    variable says otherwise)."""
+    raw = os.environ.get(PATIENCE_VAR, "").strip() or "1"
+    try:
+        factor = float(raw)
+    except ValueError:
+        factor = -1.0
+    if not factor > 0:
+        raise ValueError(f"{PATIENCE_VAR}={raw!r}: expected a number above 0 (default 1)")
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * min(MAX_STRETCH, max(1.0, load)) * factor
 
 
 # Ports for MASTER_PORT come from below Linux's ephemeral range (32768-60999 by
@@ -186,8 +220,8 @@ class Job:
         return out
 
     def wait(self, timeout_s: float = 120.0, *, fail: bool = True) -> list[RankResult]:
-        """Wait up to ``timeout_s`` for every rank (polling, to time when each ended).
-        Ranks still running then are killed and, with ``fail``, the test fails."""
+        """Wait up to ``patience(timeout_s)`` for every rank (polling, to time when each
+        ended). Ranks still running then are killed and, with ``fail``, the test fails."""
         wait_all({"job": self}, timeout_s, fail=fail)
         return self.results()
 
@@ -300,9 +334,14 @@ def run_ranks(
 
 def wait_all(jobs: dict[str, Job], timeout_s: float, *, fail: bool = True) -> None:
     """Wait for several jobs running side by side, noting when each rank ended; past
-    ``timeout_s`` kill what still runs and (with ``fail``) fail the test."""
-    deadline = time.monotonic() + timeout_s
-    while not all([job.poll() for job in jobs.values()]) and time.monotonic() < deadline:
+    ``patience(timeout_s)`` kill what still runs and (with ``fail``) fail the test. The
+    patience is read again at each poll and only grows: a machine that gets busy during
+    the wait stretches it too."""
+    start, limit = time.monotonic(), patience(timeout_s)
+    while not all([job.poll() for job in jobs.values()]):
+        limit = max(limit, patience(timeout_s))
+        if time.monotonic() - start >= limit:
+            break
         time.sleep(0.05)
     late = {name: job.kill() for name, job in jobs.items()}
     late = {name: ranks for name, ranks in late.items() if ranks}
@@ -313,19 +352,23 @@ def wait_all(jobs: dict[str, Job], timeout_s: float, *, fail: bool = True) -> No
             for r, res in enumerate(jobs[name].results())
             if r in ranks
         }
-        _fail(f"still running after {timeout_s:.0f} s (killed): {late}\n{tails}")
+        waited = f"{limit:.0f} s ({timeout_s:.0f} s, stretched by patience())"
+        _fail(f"still running after {waited} (killed): {late}\n{tails}")
 
 
 def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 120.0) -> None:
     """``fn(rank, *args)`` in ``nprocs`` fresh processes (torch.multiprocessing, spawn),
-    with a deadline: a hang fails the test instead of blocking the suite, and an
-    exception in a rank fails it with that rank's traceback."""
+    with a deadline (``patience(deadline_s)``, read again each second, only growing): a
+    hang fails the test instead of blocking the suite, and an exception in a rank fails
+    it with that rank's traceback."""
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    end = time.monotonic() + deadline_s
+    start, limit = time.monotonic(), patience(deadline_s)
     while not ctx.join(timeout=1.0):
-        if time.monotonic() > end:
+        limit = max(limit, patience(deadline_s))
+        if time.monotonic() - start > limit:
             for p in ctx.processes:
                 p.kill()
-            _fail(f"ranks still running after {deadline_s:.0f} s: a hang")
+            waited = f"{limit:.0f} s ({deadline_s:.0f} s, stretched by patience())"
+            _fail(f"ranks still running after {waited}: a hang")

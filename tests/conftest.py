@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import torch
-from _ranks import free_port, spawn  # noqa: F401  (the tests import them from here)
+from _ranks import free_port, patience, spawn  # noqa: F401  (the tests import them from here)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -66,6 +66,16 @@ def reference_grad_norm(model: nn.Module) -> float:
     return float(torch.stack(norms).norm())
 
 
+def train_loop(g, model, opt) -> None:
+    """The plain loop over a guard's batches: ``model(x, y).backward()``, ``opt.step()``,
+    ``opt.zero_grad()``, each step, to the end. A test whose point is inside the loop (a
+    fault at step k, a signal, a collective) writes its loop out instead."""
+    for x, y in g:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
     """Train a fresh seeded Regressor with SGD for ``n_steps`` under
     ``guardrails.guard(..., run_dir=run_dir, **knobs)``; ``inside(g)`` runs before the
@@ -76,10 +86,7 @@ def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guardrails.guard(model, opt, batches(n_steps), run_dir=run_dir, **knobs) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
         if inside is not None:
             inside(g)
     return g

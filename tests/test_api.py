@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _ranks import patience
 
 import guardrails
 
@@ -141,7 +142,7 @@ PARTS = textwrap.dedent(
     """
     import logging, math, sys, torch
     import guardrails
-    from conftest import Regressor, batches
+    from conftest import Regressor, batches, train_loop
 
     run_dir, quiet = sys.argv[1], sys.argv[2]
     if quiet != "none":
@@ -154,10 +155,7 @@ PARTS = textwrap.dedent(
     # A save slower than 80% of grace_s warns about pre-emption (guardrails.checkpoint).
     ckpt = {"every_n_steps": 2, "grace_s": 1e-6}
     with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, checkpoint=ckpt) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     named = [n for n in logging.Logger.manager.loggerDict if n.startswith("guardrails")]
     bad = [n for n in named if logging.getLogger(n).handlers or not logging.getLogger(n).propagate]
     print(sorted(named), bad)
@@ -165,6 +163,7 @@ PARTS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow(reason="3 training processes")
 def test_each_part_logs_to_its_own_logger_so_one_can_be_quieted(tmp_path):
     """A user quiets one part by its logger (``guardrails.nan``) and still sees another's
     warning (``guardrails.checkpoint``), and the other way round; the events file keeps
@@ -181,7 +180,7 @@ def test_each_part_logs_to_its_own_logger_so_one_can_be_quieted(tmp_path):
             capture_output=True,
             text=True,
             env=env,
-            timeout=120,
+            timeout=patience(120),
             cwd=ROOT,
         )
         assert proc.returncode == 0, proc.stderr

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, read_events, train_loop
 
 import guardrails
 from guardrails.engine.benchmark_mode import BLOCK_STEPS, WARMUP_STEPS
@@ -19,10 +19,7 @@ def _train(run_dir, n_steps, **knobs):
     with guardrails.guard(
         model, opt, batches(n_steps), run_dir=run_dir, progress=False, **knobs
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     return model, g
 
 

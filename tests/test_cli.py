@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import patience
 
 import guardrails
 
@@ -33,7 +34,7 @@ def cli(*args, env=None, ok=True, timeout=120, cwd=None):
         [sys.executable, "-m", "guardrails", *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patience(timeout),
         env=full,
         cwd=cwd or ROOT,
     )
@@ -169,6 +170,7 @@ def test_doctor_names_the_process_holding_the_port():
     assert f"stop it (`kill {holder.pid}`) or pick another port" in line
 
 
+@pytest.mark.slow(reason="torchrun and its 2 ranks")
 def test_doctor_under_torchrun_compares_ranks(tmp_path):
     # torchrun gives every rank the same environment; a wrapper gives each rank its own
     # data directory, the classic "ranks that see different data directories".
@@ -193,7 +195,7 @@ def test_doctor_under_torchrun_compares_ranks(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
         env=env,
         cwd=ROOT,
     )
@@ -218,7 +220,7 @@ def nan_run(tmp_path_factory):
         [sys.executable, str(EXAMPLE), "--run-dir", str(tmp / "run"), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
         env={**os.environ, "OMP_NUM_THREADS": "2"},
         cwd=tmp,
     )
@@ -239,6 +241,7 @@ needs_matplotlib = pytest.mark.skipif(
 
 
 @needs_matplotlib
+@pytest.mark.slow(reason="the shared NaN fixture: a run of the example")
 def test_report_names_the_skipped_step_and_its_cause(nan_run):
     out = cli("report", str(nan_run)).stdout
     assert "run 1 of 1" in out and "1 rank(s) on cpu" in out
@@ -256,6 +259,7 @@ def test_report_names_the_skipped_step_and_its_cause(nan_run):
 
 
 @needs_matplotlib
+@pytest.mark.slow(reason="the shared NaN fixture: a run of the example")
 def test_report_json_and_png_path(nan_run, tmp_path):
     png = tmp_path / "plots" / "nan.png"
     facts = json.loads(cli("report", str(nan_run), "--json", "--png", str(png)).stdout)
@@ -273,7 +277,7 @@ CRASH = textwrap.dedent(
     import os, signal, sys, torch
     import guardrails
     sys.path.insert(0, {tests!r})
-    from conftest import Regressor, batches
+    from conftest import Regressor, batches, train_loop
 
     run_dir, write_every = sys.argv[1], float(sys.argv[2])
     torch.manual_seed(0)
@@ -281,10 +285,7 @@ CRASH = textwrap.dedent(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     # A first run that ends cleanly, then a second one in the same run_dir, killed.
     with guardrails.guard(model, opt, batches(6), run_dir=run_dir, progress=False) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     with guardrails.guard(model, opt, batches(40), run_dir=run_dir, progress=False,
                           metrics={{"every_n_steps": 4, "write_every_s": write_every}}) as g:
         for x, y in g:
@@ -305,7 +306,7 @@ def crashed_run(tmp_path: Path, write_every_s: float) -> Path:
         [sys.executable, str(script), str(run_dir), str(write_every_s)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == -9, proc.stdout + proc.stderr  # it really died by SIGKILL
@@ -313,6 +314,7 @@ def crashed_run(tmp_path: Path, write_every_s: float) -> Path:
 
 
 @needs_matplotlib
+@pytest.mark.slow(reason="a training process, SIGKILLed")
 def test_report_on_a_run_killed_mid_way(tmp_path):
     run_dir = crashed_run(tmp_path, write_every_s=0)  # a part every 4 steps
     out = cli("report", str(run_dir)).stdout
@@ -334,6 +336,7 @@ def test_report_on_a_run_killed_mid_way(tmp_path):
     assert not (run_dir / "report-run1.png").exists()  # --no-png
 
 
+@pytest.mark.slow(reason="a training process, SIGKILLed")
 def test_report_on_a_run_killed_before_its_first_metrics_part(tmp_path):
     run_dir = crashed_run(tmp_path, write_every_s=3600)
     facts = json.loads(cli("report", str(run_dir), "--json").stdout)
@@ -344,6 +347,7 @@ def test_report_on_a_run_killed_before_its_first_metrics_part(tmp_path):
     assert "no end event: the process died" in out
 
 
+@pytest.mark.slow(reason="the shared NaN fixture: a run of the example")
 def test_report_without_matplotlib_still_tells_the_story(nan_run, tmp_path):
     # A matplotlib that fails to import, first on the path: what a user without the
     # `plot` extra sees.
@@ -372,7 +376,9 @@ def test_the_guardrails_command_is_the_same_cli():
     script = Path(sys.executable).parent / "guardrails"
     if not script.exists():
         pytest.skip("the console script is not installed: pip install -e . again")
-    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, timeout=patience(120)
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: guardrails ")
     for sub in ("doctor", "report", "inspect", "bench", "run"):
@@ -386,7 +392,7 @@ WORLD = textwrap.dedent(
     """
     import os, sys, torch, torch.distributed as dist
     import guardrails
-    from conftest import Regressor, batches
+    from conftest import Regressor, batches, train_loop
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
@@ -395,10 +401,7 @@ WORLD = textwrap.dedent(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with guardrails.guard(model, opt, batches(6), run_dir=sys.argv[1], progress=False,
                           checkpoint=False) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     if dist.is_initialized():
         dist.destroy_process_group()
     """
@@ -406,6 +409,7 @@ WORLD = textwrap.dedent(
 
 
 @needs_matplotlib
+@pytest.mark.slow(reason="3 training processes: a run of 1 rank, then 2")
 def test_report_all_splits_a_one_rank_run_from_the_two_rank_run_after_it(tmp_path):
     """A debugging run on one process, then the real one on two ranks, in one run_dir.
     Rank 1's start came before rank 0's about half the time, and the report put rank 1
@@ -459,7 +463,12 @@ def preempted(tmp_path_factory):
 
     def run():
         return subprocess.run(
-            [sys.executable, *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp
+            [sys.executable, *args],
+            capture_output=True,
+            text=True,
+            timeout=patience(300),
+            env=env,
+            cwd=tmp,
         )
 
     first = run()
@@ -470,6 +479,7 @@ def preempted(tmp_path_factory):
     return run_dir, before
 
 
+@pytest.mark.slow(reason="the shared pre-empted fixture: 2 runs of the example")
 def test_a_preemption_is_reported_as_one_not_as_an_error(preempted):
     run_dir, before = preempted
     assert "run 1 of 1" in before
@@ -496,6 +506,7 @@ def test_a_preemption_is_reported_as_one_not_as_an_error(preempted):
 
 
 @needs_matplotlib
+@pytest.mark.slow(reason="the shared pre-empted fixture: 2 runs of the example")
 def test_a_resumed_run_says_where_and_its_plot_starts_at_step_1(preempted, tmp_path):
     run_dir, _ = preempted
     png = tmp_path / "resumed.png"
@@ -523,7 +534,9 @@ def _imported(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, l
     """Run ``cmd`` with ``-X importtime`` (PYTHONPROFILEIMPORTTIME): its stdout and
     every module it imported."""
     full = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full, cwd=ROOT)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=patience(120), env=full, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     modules = [
         ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import")
@@ -532,6 +545,7 @@ def _imported(cmd: list[str], env: dict[str, str] | None = None) -> tuple[str, l
 
 
 @needs_matplotlib
+@pytest.mark.slow(reason="the shared pre-empted fixture: 2 runs of the example")
 def test_report_inspect_and_help_never_import_torch(preempted, tmp_path):
     """Importing torch was most of a report's start (3.7-4.0 s median before, 0.5 s after):
     report, inspect and --help import none of it, through ``python -m guardrails`` and
@@ -568,6 +582,7 @@ def test_report_inspect_and_help_never_import_torch(preempted, tmp_path):
     weights.write_bytes(bytes(data))
 
 
+@pytest.mark.slow(reason="the shared NaN fixture: a run of the example")
 def test_a_reader_that_leaves_early_gets_no_traceback(nan_run):
     """``guardrails report RUN | head -3``: head exits before the report is written.
     A pipe whose reader is already closed makes every write fail, every time."""
@@ -579,7 +594,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(nan_run):
             stdout=w,
             stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
+            timeout=patience(120),
             cwd=ROOT,
         )
     finally:
@@ -644,9 +659,11 @@ def _on_a_terminal(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
             break
         chunks.append(data)
     os.close(master)
-    return proc.wait(timeout=120), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    code = proc.wait(timeout=patience(120))
+    return code, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
 
 
+@pytest.mark.slow(reason="3 training processes, 2 on a pseudo-terminal")
 def test_a_run_ends_with_one_line_naming_its_report(tmp_path):
     script = tmp_path / "pointer.py"
     script.write_text(POINTER)
@@ -663,7 +680,7 @@ def test_a_run_ends_with_one_line_naming_its_report(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=patience(120),
     )
     assert proc.returncode == 0 and "guardrails report" not in proc.stderr, proc.stderr
     # Where the user's logging shows INFO, it is logged there (once, not also printed).

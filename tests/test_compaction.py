@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import Regressor, batches
+from conftest import Regressor, batches, patience
 
 import guardrails
 from guardrails.cli.report_stats import EXACT_VALUES, Median
@@ -143,6 +143,7 @@ def test_compact_every_s_is_checked():
     assert guardrails.Telemetry(compact_every_s=None).compact_every_s is None
 
 
+@pytest.mark.slow(reason="a 3 s run: merges of 1 s windows")
 def test_a_guarded_run_merges_its_parts_off_the_training_thread(tmp_path, caplog):
     # Windows of 1 s and a part every 2 steps: the run's 3 s leave a few merged files.
     caplog.set_level(logging.WARNING, logger="guardrails")
@@ -239,7 +240,7 @@ def _kill_when(d: Path, script: Path, seen_before: set[str], ready, *, delay_s: 
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.stdout.readline().strip() == "ready"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + patience(120)
     if delay_s:
         time.sleep(delay_s)
     else:
@@ -253,6 +254,7 @@ def _kill_when(d: Path, script: Path, seen_before: set[str], ready, *, delay_s: 
     return proc.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow(reason="compaction processes SIGKILLed mid-merge")
 def test_sigkill_in_the_middle_of_merges_never_loses_or_repeats_a_row(tmp_path):
     """Real SIGKILLs of a compaction (6 windows of 100 parts) at its two dangerous
     moments, found by watching the directory: while the merged file is written, and
@@ -354,7 +356,7 @@ def _report_rss(run_dir: Path, tmp_path: Path) -> tuple[dict, int]:
         [sys.executable, str(script), str(run_dir), str(run_dir / "r.png")],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=patience(600),
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr
@@ -364,6 +366,7 @@ def _report_rss(run_dir: Path, tmp_path: Path) -> tuple[dict, int]:
     return facts, last["rss"] * 1024
 
 
+@pytest.mark.slow(reason="2 report processes, one over 2.16M rows")
 def test_the_report_reads_a_batch_at_a_time_whatever_the_length_of_the_run(tmp_path):
     """The report's memory is one batch of rows: its peak RSS for 2.16M rows (a rank's
     2.5 days at 10 steps/s, merged hourly) is that for 36k rows (an hour). The old

@@ -22,11 +22,15 @@ from conftest import (
     read_events,
     reference_grad_norm,
     spawn,
+    train_loop,
 )
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import guardrails
+
+#: The tests that read the shared two-rank fixture (plain DDP and GuardedDDP, spawned).
+two_ranks = pytest.mark.slow(reason="reads the shared two-rank fixture: 2 spawned ranks")
 
 
 class TwoHeads(nn.Module):
@@ -79,10 +83,7 @@ def case_audited(rank):
         metrics=False,
         checkpoint={"save_on_signal": False},
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
         auditor = g.auditor
         assert auditor is not None, "no CollectiveAuditor running"
         recent = [guardrails.guards.audit.calls.entry_dict(e) for e in auditor.recent]
@@ -232,6 +233,7 @@ def outcomes(tmp_path_factory):
     return {name: (ranks[0][name], ranks[1][name]) for name in CASES}
 
 
+@two_ranks
 def test_gradients_and_weights_equal_plain_ddp_bitwise(outcomes):
     for res in outcomes["bitwise"]:
         assert "error" not in res, res
@@ -245,6 +247,7 @@ def test_gradients_and_weights_equal_plain_ddp_bitwise(outcomes):
     assert all(torch.equal(a, b) for a, b in zip(r0["guarded"][-1], r1["guarded"][-1], strict=True))
 
 
+@two_ranks
 def test_bucket_all_reduces_reach_the_auditor(outcomes):
     for res in outcomes["audited"]:
         assert "error" not in res, res
@@ -258,6 +261,7 @@ def test_bucket_all_reduces_reach_the_auditor(outcomes):
         assert not any("torch" in site for _, site, _ in res["entries"]), res["entries"]
 
 
+@two_ranks
 def test_the_step_norm_comes_from_the_reduced_buckets(outcomes):
     """No clipping: the guard's grad norm is the buckets' (taken in the comm hook after
     each all-reduce), equal to the gradients' norm, with no pass of its own."""
@@ -270,6 +274,7 @@ def test_the_step_norm_comes_from_the_reduced_buckets(outcomes):
     assert r0["recorded"] == r1["recorded"]  # the averaged gradients: the same everywhere
 
 
+@two_ranks
 def test_float64_buckets_give_the_step_norm_too(outcomes):
     """A float64 model's buckets (vector_norm refuses to narrow them to float32 in one
     call: the hook raised inside backward before this was fixed)."""
@@ -279,6 +284,7 @@ def test_float64_buckets_give_the_step_norm_too(outcomes):
         assert res["shared"] == [("ddp_buckets", 4)]
 
 
+@two_ranks
 def test_a_nan_on_one_rank_is_caught_from_the_buckets_on_both(outcomes):
     for res in outcomes["bucket_norm_nan"]:
         assert "error" not in res, res
@@ -287,6 +293,7 @@ def test_a_nan_on_one_rank_is_caught_from_the_buckets_on_both(outcomes):
         assert res["shared"] == [("ddp_buckets", 4)]  # the NaN was seen in the buckets
 
 
+@two_ranks
 def test_buckets_of_gradients_a_scaler_unscales_later_are_not_used(outcomes):
     """Under a GradScaler the buckets hold scaled gradients (unscaled after the
     all-reduce): the guard computes its own norm, of the unscaled ones, as before."""
@@ -297,6 +304,7 @@ def test_buckets_of_gradients_a_scaler_unscales_later_are_not_used(outcomes):
         assert res["recorded"] == pytest.approx([n / 4 for n in res["norms"]], rel=1e-5)
 
 
+@two_ranks
 def test_different_models_are_named_at_construction_on_every_rank(outcomes):
     r0, r1 = outcomes["structure"]
     for r, res in enumerate((r0, r1)):
@@ -307,12 +315,14 @@ def test_different_models_are_named_at_construction_on_every_rank(outcomes):
     assert "net.6.weight" in r0["message"]  # the extra layer, by name
 
 
+@two_ranks
 def test_different_seeds_are_fine_under_ddp(outcomes):
     r0, r1 = outcomes["seeds"]
     assert "error" not in r0 and "error" not in r1, (r0, r1)
     assert all(torch.equal(a, b) for a, b in zip(r0["weights"], r1["weights"], strict=True))
 
 
+@two_ranks
 def test_unused_parameters_are_named_with_the_fix(outcomes):
     for r, res in enumerate(outcomes["unused"]):
         assert res.get("error") == "GuardrailsError", res
@@ -323,6 +333,7 @@ def test_unused_parameters_are_named_with_the_fix(outcomes):
         assert res["rank"] == r
 
 
+@two_ranks
 def test_join_still_handles_uneven_inputs(outcomes):
     r0, r1 = outcomes["join"]
     assert "error" not in r0 and "error" not in r1, (r0, r1)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ranks import patience
 
 import guardrails
 
@@ -18,6 +19,8 @@ EXAMPLE = ROOT / "examples" / "train_gpt.py"
 # A 1-layer, 32-wide GPT (~10x cheaper steps than the default 0.8M parameters): for the
 # tests about flags, faults and resumes, which do not depend on the model's size.
 SMALL = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2"]
+# Every test runs the example: a process importing torch, or torchrun and 2 ranks.
+pytestmark = pytest.mark.slow(reason="runs the example GPT: a process, or torchrun and 2 ranks")
 
 
 def run(args, tmp_path, timeout=600, torchrun=False, ok=True):
@@ -35,7 +38,7 @@ def run(args, tmp_path, timeout=600, torchrun=False, ok=True):
         [*launcher, str(EXAMPLE), "--run-dir", str(tmp_path / "run"), *args],
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=patience(timeout),
         env=env,
         cwd=tmp_path,
     )

@@ -10,7 +10,7 @@ from collections import deque
 
 import pytest
 import torch
-from conftest import Regressor, batches, guarded_run, read_events
+from conftest import Regressor, batches, guarded_run, read_events, train_loop
 
 import guardrails
 from guardrails import GCScheduler, Guard, Telemetry
@@ -147,10 +147,7 @@ def test_an_unscheduled_collection_is_named_as_such(tmp_path):
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Guard(model, opt, batches(2), run_dir=tmp_path / "b", components=[sched]) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
         gc.collect()
     ours = [e for e in read_events(tmp_path / "b") if e["kind"] == "gc_pause"]
     assert ours[-1]["scheduled"] is None and ours[-1]["level"] == "warning"

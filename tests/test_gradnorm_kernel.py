@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ranks import patience
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None,
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORKER = Path(__file__).resolve().parent / "kernel_worker.py"
+#: The tests that read the shared run of the kernels under the Triton interpreter.
+interpreted = pytest.mark.slow(reason="reads the shared Triton-interpreter run (a process)")
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +35,13 @@ def out() -> dict:
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
     )
     assert got.returncode == 0, got.stderr[-3000:]
     return json.loads(got.stdout.splitlines()[-1])
 
 
+@interpreted
 def test_the_table_kernel_is_the_float64_norm_of_every_gradient_within_rounding(out):
     # One launch per dtype; 6 parameters each (1, 7, CHUNK - 1, CHUNK, CHUNK + 1 and
     # 2 CHUNK + 5 elements): 1 + 1 + 1 + 1 + 2 + 3 chunks. Parameters without a gradient
@@ -49,12 +53,14 @@ def test_the_table_kernel_is_the_float64_norm_of_every_gradient_within_rounding(
     assert out["strided_is_left_to_eager"]
 
 
+@interpreted
 def test_one_nan_or_inf_anywhere_makes_the_norm_non_finite(out):
     assert len(out["nonfinite"]) == 8
     for i, bad, norm in out["nonfinite"]:
         assert math.isnan(norm) if math.isnan(bad) else norm == math.inf, (i, bad, norm)
 
 
+@interpreted
 def test_bucket_partials_fill_fixed_slots_and_a_shrunk_bucket_leaves_no_stale_sum(out):
     got, exact = out["flat"]
     assert got == pytest.approx(exact, rel=1e-6)
@@ -62,6 +68,7 @@ def test_bucket_partials_fill_fixed_slots_and_a_shrunk_bucket_leaves_no_stale_su
     assert got == pytest.approx(exact, rel=1e-6)
 
 
+@interpreted
 def test_bucket_norms_whose_kernel_fails_to_launch_fill_the_same_slots_by_hand(out):
     got, exact, given_up = out["bucket_fallback"]
     assert got == pytest.approx(exact, rel=1e-6)

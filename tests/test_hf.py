@@ -23,7 +23,7 @@ pytest.importorskip("transformers", reason="the transformers tests need HF trans
 
 import pyarrow.parquet as pq
 import torch
-from conftest import assert_state_equal, read_events
+from conftest import assert_state_equal, patience, read_events
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
@@ -38,7 +38,7 @@ SCALE = 2.0**126
 
 def _run(run_dir: Path, *args: object) -> tuple[int, str]:
     cmd = [sys.executable, str(WORKER), str(run_dir), str(run_dir), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=patience(240))
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -18,7 +18,7 @@ import textwrap
 import pyarrow as pa
 import pytest
 import torch
-from conftest import Regressor, batches, reference_grad_norm
+from conftest import Regressor, batches, patience, reference_grad_norm
 
 import guardrails
 from guardrails import Component, NanGuard, NonFiniteError
@@ -190,6 +190,7 @@ def test_a_healthy_run_has_no_extra_row_and_no_warning(tmp_path, caplog):
 # ---------------------------------------------------------------------- SIGTERM, stuck
 
 
+@pytest.mark.slow(reason="a training process stuck for 5 s before it ends")
 def test_a_sigterm_the_stuck_step_never_answers_keeps_that_steps_row(tmp_path):
     """SIGTERM while the main thread is stuck inside step 12's optimizer.step() (a C
     call that never returns in time): the signal watcher ends the process with 143
@@ -218,7 +219,7 @@ def test_a_sigterm_the_stuck_step_never_answers_keeps_that_steps_row(tmp_path):
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=patience(120)
     )
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "made no progress" in proc.stderr
@@ -257,6 +258,7 @@ def _resumable(run_dir, *, fail_at: int | None) -> None:
             opt.zero_grad()
 
 
+@pytest.mark.slow(reason="2 runs and a report process")
 def test_a_resumed_run_sees_the_failed_runs_last_rows_once(tmp_path):
     """Run 1 fails inside step 12 (rows 1-12, the last one its own) after saving
     checkpoints every 5 steps; run 2 resumes from the last one committed (step 10, or
@@ -306,7 +308,7 @@ def test_rows_written_by_the_abort_are_not_written_again_at_close(tmp_path):
     def stuck(*_):
         words = threading.Thread(target=running[0]._last_words, args=(RuntimeError("hang"),))
         words.start()
-        words.join(30)
+        words.join(patience(30))
         aborted.set()
         raise RuntimeError("the process group was aborted")
 

@@ -19,12 +19,14 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import patience, run_ranks
 from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
 from torch import nn
 
 import guardrails
+from guardrails.checkpoint.manifest import _self_hash
+from guardrails.checkpoint.read import verify_checkpoint
 
 WORKER = Path(__file__).with_name("loop_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,9 +132,9 @@ def test_zero_redundancy_optimizer_skips_and_saves_every_ranks_shard(tmp_path):
     manifest["files"] = {
         k: v for k, v in manifest["files"].items() if not k.startswith("rank00001.optimizer")
     }
-    manifest["manifest_sha256"] = guardrails.checkpoint.manifest._self_hash(manifest)  # consistent
+    manifest["manifest_sha256"] = _self_hash(manifest)  # consistent
     (bad / "manifest.json").write_text(json.dumps(manifest))
-    why = guardrails.checkpoint.read.verify_checkpoint(bad)
+    why = verify_checkpoint(bad)
     assert why is not None and "rank(s) [1]" in why and "optimizer" in why, why
     out = subprocess.run(
         [sys.executable, "-m", "guardrails", "inspect", str(bad)],
@@ -481,9 +483,9 @@ def test_held_batch_saved_from_a_gpu_resumes_on_the_guards_device(tmp_path):
         "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
     }
-    manifest["manifest_sha256"] = guardrails.checkpoint.manifest._self_hash(manifest)
+    manifest["manifest_sha256"] = _self_hash(manifest)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
-    assert guardrails.checkpoint.read.verify_checkpoint(ckpt) is None
+    assert verify_checkpoint(ckpt) is None
     got = _global_rng_train(tmp_path / "b", steps=8)
     assert_state_equal(want, got)
 
@@ -709,6 +711,7 @@ g.close()
 
 
 @pytest.mark.parametrize("fault", ["sigterm", "nan"])
+@pytest.mark.slow(reason="a training process per fault")
 def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, fault):
     # The loop ends by the guard's own SystemExit (a signal save) or an uncaught
     # NonFiniteError, so `g.close()` never runs: the guard closes itself at the
@@ -719,7 +722,7 @@ def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, faul
         [sys.executable, str(script), str(tmp_path / "run"), fault],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
     )
     assert proc.returncode == (143 if fault == "sigterm" else 1), proc.stderr
     (end,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "end"]

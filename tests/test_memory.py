@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, read_events, train_loop
 
 import guardrails
 from guardrails import GCScheduler, Guard, MemoryGuard
@@ -198,10 +198,7 @@ def run_until(tmp_path, model, n=6, components=None, loader=None, opt=None):
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.01)
     components = components if components is not None else [MemoryGuard()]
     with Guard(model, opt, loader or batches(n), run_dir=tmp_path, components=components) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     return g
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, read_events, spawn
+from conftest import Regressor, batches, free_port, read_events, spawn, train_loop
 from safetensors.torch import load_file
 from torch import nn
 
@@ -111,10 +111,7 @@ def run_until_raise(run_dir, data):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     with pytest.raises(NonFiniteError) as info:
         with guardrails.guard(model, opt, data, run_dir=run_dir, nan={"policy": "raise"}) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+            train_loop(g, model, opt)
     return info.value, g
 
 
@@ -167,10 +164,7 @@ def test_consecutive_skips_raise_after_the_limit(tmp_path, lagged):
         with guardrails.guard(
             model, opt, data, run_dir=tmp_path, nan={"max_consecutive_skips": 3}
         ) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+            train_loop(g, model, opt)
     err = info.value
     assert err.skipped_steps == [4, 5, 6] and err.step == 4
     assert "3 optimizer steps in a row" in str(err) and "max_consecutive_skips=3" in str(err)
@@ -187,10 +181,7 @@ def test_warn_policy_lets_the_update_through(tmp_path):
     with guardrails.guard(
         model, opt, poisoned(5, 3), run_dir=tmp_path, nan={"policy": "warn"}
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     assert not torch.isfinite(model.net[0].weight).all()  # what the guard prevents by default
     events = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
     assert len(events) == 1 and events[0]["step"] <= 3 and "NOT skipped" in events[0]["message"]
@@ -342,10 +333,7 @@ def test_fp16_without_a_scaler_is_fp16_overflow(tmp_path):
     assert torch.isfinite(data[3][0]).all()
     with pytest.raises(NonFiniteError) as info:
         with guardrails.guard(model, opt, data, run_dir=tmp_path, nan={"policy": "raise"}) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+            train_loop(g, model, opt)
     err = info.value
     assert err.cause == "fp16_overflow" and err.step == 4
     # The replay names where it overflowed: here the MSE of the model's own forward.
@@ -378,10 +366,7 @@ def test_fault_that_does_not_replay_is_not_reproducible(tmp_path):
         with guardrails.guard(
             model, opt, batches(6), run_dir=tmp_path, nan={"policy": "raise"}
         ) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+            train_loop(g, model, opt)
     err = info.value
     assert err.cause == "not_reproducible" and err.step == 4
     assert "same weights" in str(err) and "hardware" in err.hint
@@ -399,10 +384,7 @@ def test_grad_norm_spike_is_an_event(tmp_path):
     x, y = data[29]
     data[29] = (x * 50, y * 50)  # finite, but a 100x+ larger gradient at step 30
     with guardrails.guard(model, opt, data, run_dir=tmp_path) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     spikes = [e for e in read_events(tmp_path) if e["kind"] == "spike"]
     assert any(e["step"] == 30 and e["metric"] == "grad_norm" for e in spikes), spikes
     assert "running median" in spikes[0]["message"]
@@ -551,10 +533,7 @@ def test_health_warnings_name_the_problem(tmp_path):
     with guardrails.guard(
         model, opt, batches(45), run_dir=tmp_path, components=[NanGuard(window_steps=40)]
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     events = {e["kind"]: e for e in read_events(tmp_path)}
     assert events["params_without_grad"]["params"] == ["unused.weight", "unused.bias"]
     assert (
@@ -607,10 +586,7 @@ def _ddp_worker(rank: int, world: int, port: int, run_dir: str, out: str, ddp: b
         # Rank 1's batch for step 3 holds an Inf in sample 5; rank 0's data is clean.
         data = poisoned(6, 3, row=5, seed=rank) if rank == 1 else batches(6, seed=rank)
         with guardrails.guard(model, opt, data, run_dir=run_dir) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+            train_loop(g, model, opt)
         nan = next(c for c in g.components if isinstance(c, NanGuard))
         weights = torch.cat([p.detach().flatten() for p in model.parameters()])
         torch.save(

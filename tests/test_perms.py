@@ -11,6 +11,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+from _ranks import patience
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent(
@@ -18,7 +21,7 @@ SCRIPT = textwrap.dedent(
     import math, os, sys, torch
     os.umask(0)  # what some launchers and containers set: files 0o666, dirs 0o777
     sys.path.insert(0, {tests!r})
-    from conftest import Regressor, batches
+    from conftest import Regressor, batches, train_loop
     import guardrails
 
     run_dir, other = sys.argv[1], sys.argv[2]
@@ -30,10 +33,7 @@ SCRIPT = textwrap.dedent(
     with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False,
                           metrics={{"every_n_steps": 2, "write_every_s": 0}},
                           checkpoint={{"every_n_steps": 2}}) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     guardrails.save_checkpoint(other, model=model, optimizer=opt, step=6)
     """
 )
@@ -57,11 +57,12 @@ def run_under_umask_0(tmp_path: Path, pythonpath: Path = ROOT) -> subprocess.Com
         [sys.executable, str(script), str(tmp_path / "a" / "b" / "run"), str(tmp_path / "ckpts")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath)},
     )
 
 
+@pytest.mark.slow(reason="a training process under umask 000")
 def test_nothing_is_group_or_world_writable_under_umask_000(tmp_path):
     proc = run_under_umask_0(tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, read_events, spawn
+from conftest import Regressor, batches, free_port, read_events, spawn, train_loop
 from torch.utils.data import DataLoader, TensorDataset
 
 import guardrails
@@ -37,10 +37,7 @@ def _loop(model, opt, data, run_dir, **knobs):
         checkpoint={"save_on_signal": False},
         **knobs,
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     return {"steps": g.step}
 
 
@@ -186,6 +183,10 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+#: The tests that read the shared two-rank fixture (every scenario, spawned once).
+two_ranks = pytest.mark.slow(reason="reads the shared two-rank fixture: 2 spawned ranks")
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight")
@@ -203,6 +204,7 @@ def _both_raise(outcomes, name, error="ConfigMismatchError"):
     return r0, r1
 
 
+@two_ranks
 def test_clean_run_passes_and_records_the_exchange(outcomes):
     r0, r1, run_dir = outcomes["clean"]
     assert r0.get("error") is None and r1.get("error") is None, (r0, r1)
@@ -211,6 +213,7 @@ def test_clean_run_passes_and_records_the_exchange(outcomes):
     assert events and events[0]["seconds"] < 5
 
 
+@two_ranks
 def test_different_seeds_name_the_weights_and_the_ranks(outcomes):
     r0, _ = _both_raise(outcomes, "seeds")
     assert set(r0["fields"]) == {"params.weights"}
@@ -220,6 +223,7 @@ def test_different_seeds_name_the_weights_and_the_ranks(outcomes):
     assert "torch.manual_seed" in r0["message"]
 
 
+@two_ranks
 def test_different_dataset_length_names_the_loader_length(outcomes):
     r0, _ = _both_raise(outcomes, "dataset_len")
     assert r0["fields"]["loader.len"] == {0: 8, 1: 5}
@@ -227,6 +231,7 @@ def test_different_dataset_length_names_the_loader_length(outcomes):
     assert '"even_batches": True' in r0["message"] and "DistributedSampler" in r0["message"]
 
 
+@two_ranks
 def test_different_batch_size_is_named(outcomes):
     r0, _ = _both_raise(outcomes, "batch_size")
     # Same number of batches: the dataset lengths alone would be harmless.
@@ -235,6 +240,7 @@ def test_different_batch_size_is_named(outcomes):
     assert "loader.batch_size: rank 0: 8; rank 1: 4" in r0["message"]
 
 
+@two_ranks
 def test_first_batch_shape_is_compared_at_the_first_batch(outcomes):
     r0, _ = _both_raise(outcomes, "first_batch")
     assert set(r0["fields"]) == {"first_batch"}
@@ -242,6 +248,7 @@ def test_first_batch_shape_is_compared_at_the_first_batch(outcomes):
     assert "float32[6, 4]" in r0["fields"]["first_batch"][1]
 
 
+@two_ranks
 def test_different_dtype_names_the_parameters_and_the_compute_dtype(outcomes):
     r0, _ = _both_raise(outcomes, "dtype")
     assert r0["fields"]["compute.param_dtypes"] == {0: ["float32"], 1: ["float64"]}
@@ -249,17 +256,20 @@ def test_different_dtype_names_the_parameters_and_the_compute_dtype(outcomes):
     assert "compute dtype" in r0["message"]
 
 
+@two_ranks
 def test_user_config_is_compared_key_by_key(outcomes):
     r0, _ = _both_raise(outcomes, "config")
     assert set(r0["fields"]) == {"config.lr"}
     assert r0["fields"]["config.lr"] == {0: 3e-4, 1: 1e-3}
 
 
+@two_ranks
 def test_optimizer_hyperparameters_are_compared(outcomes):
     r0, _ = _both_raise(outcomes, "optimizer")
     assert set(r0["fields"]) == {"optimizer.weight_decay"}
 
 
+@two_ranks
 def test_even_batches_stops_every_rank_at_the_shortest(outcomes):
     r0, r1, run_dir = outcomes["even_len"]
     assert r0.get("error") is None and r1.get("error") is None, (r0, r1)
@@ -268,23 +278,27 @@ def test_even_batches_stops_every_rank_at_the_shortest(outcomes):
     assert uneven and "after 3 batches" in uneven[0]["message"]
 
 
+@two_ranks
 def test_even_batches_without_len_agrees_in_chunks(outcomes):
     r0, r1, _ = outcomes["even_nolen"]
     assert r0.get("error") is None and r1.get("error") is None, (r0, r1)
     assert r0["steps"] == r1["steps"] == 18  # 20 and 18 batches, chunks of 16
 
 
+@two_ranks
 def test_an_empty_loader_on_one_rank_does_not_leave_the_other_waiting(outcomes):
     r0, _ = _both_raise(outcomes, "empty")
     assert "empty" in r0["fields"]["first_batch"][1]
 
 
+@two_ranks
 def test_world_size_env_against_the_process_group_is_a_launch_error(outcomes):
     r0, r1 = _both_raise(outcomes, "world_size_env", error="LaunchError")
     assert r0["check"] == r1["check"] == "world_size"
     assert "WORLD_SIZE=3" in r0["message"] and "2 ranks" in r0["message"]
 
 
+@two_ranks
 def test_a_real_torch_error_is_explained_with_rank_step_and_last_collective(outcomes):
     r0, r1, _ = outcomes["explained"]
     for r, res in enumerate((r0, r1)):
@@ -378,10 +392,7 @@ def test_preflight_is_a_no_op_in_one_process(tmp_path):
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, metrics=False) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     pre = next(c for c in g.components if isinstance(c, Preflight))
     assert pre.seconds is None and g._batch_wrappers == []
     assert not any(e["kind"] == "preflight" for e in read_events(tmp_path))

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, patience
 
 import guardrails
 from guardrails import _errors
@@ -144,7 +144,7 @@ def test_die_from_a_thread_ends_a_stuck_process(tmp_path):
     )
     env = {"TORCHELASTIC_ERROR_FILE": str(path), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patience(60)
     )
     assert proc.returncode == 84
     assert proc.stderr.count("guardrails: rank 0 failed with RankFailedError") == 1
@@ -175,6 +175,7 @@ main()
 """
 
 
+@pytest.mark.slow(reason="a training process, SIGTERMed")
 def test_a_preemption_says_so_in_the_error_file(tmp_path):
     # torchrun shows the error file of a rank that exited non-zero as the root cause:
     # after a signal save that is what happened and what to do, not "To enable
@@ -187,7 +188,7 @@ def test_a_preemption_says_so_in_the_error_file(tmp_path):
         [sys.executable, str(script), str(tmp_path / "run")],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
         env=env,
     )
     assert proc.returncode == 143, proc.stderr
@@ -202,6 +203,7 @@ def test_a_preemption_says_so_in_the_error_file(tmp_path):
     "launch",
     [["-m", "guardrails", "run"], ["-m", "guardrails.run"], ["-m", "guardrails.run", "-m"]],
 )
+@pytest.mark.slow(reason="a training process per launcher")
 def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
     # `python -m guardrails run SCRIPT`, `python -m guardrails.run SCRIPT` and its
     # `-m MODULE` form (torchrun ... -m guardrails.run -m scripts.base_train): the same
@@ -216,7 +218,7 @@ def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
         [sys.executable, *launch, target, str(tmp_path / "run"), "nan"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
         env=env,
         cwd=tmp_path,
     )
@@ -230,12 +232,13 @@ def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
     assert end["error"].startswith("NonFiniteError")
 
 
+@pytest.mark.slow(reason="a process importing torch")
 def test_the_launcher_says_what_it_needs(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "guardrails.run", str(tmp_path / "missing.py")],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=patience(60),
     )
     assert proc.returncode == 1 and "no such script" in proc.stderr and "usage:" in proc.stderr
 
@@ -296,7 +299,7 @@ def test_record_stops_a_launch_that_cannot_work_before_main(tmp_path, bad, says)
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
         env=_launch_env(TORCHELASTIC_ERROR_FILE=str(error_file), **bad),
     )
     assert proc.returncode == 90, proc.stdout + proc.stderr
@@ -315,13 +318,14 @@ def test_record_is_silent_on_a_healthy_single_process_run(tmp_path):
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
         env=_launch_env(),
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "main ran\n" and proc.stderr == ""
 
 
+@pytest.mark.slow(reason="torchrun and its 2 ranks")
 def test_record_is_silent_on_a_healthy_torchrun_gloo_run(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(LAUNCHED)
@@ -338,7 +342,7 @@ def test_record_is_silent_on_a_healthy_torchrun_gloo_run(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=patience(180),
         env=_launch_env(OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, patience, read_events, train_loop
 from torch import nn
 
 import guardrails
@@ -95,7 +95,7 @@ def user_run(tmp_path: Path, ok: bool = True, **args) -> subprocess.CompletedPro
         [sys.executable, str(script), json.dumps(args)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=patience(240),
         env=env,
         cwd=tmp_path,
     )
@@ -129,6 +129,7 @@ def files_of(root: Path) -> dict[str, tuple[bytes, int]]:
 # --------------------------------------------------------------------- finished runs
 
 
+@pytest.mark.slow(reason="3 training processes")
 def test_rerunning_a_finished_run_says_so_and_that_it_trained_nothing(tmp_path):
     # 5 batches a pass, 2 passes: 10 steps, saved every 5. The save at step 10 is
     # committed before the loop learns that the data ran out: the mark comes after.
@@ -174,6 +175,7 @@ def test_rerunning_a_finished_run_says_so_and_that_it_trained_nothing(tmp_path):
     assert new > marked
 
 
+@pytest.mark.slow(reason="2 training processes, the first SIGTERMed")
 def test_a_resume_is_announced_once_on_the_console(tmp_path):
     # Pre-empted at step 4 (a checkpoint, not a finished run), then the same command.
     user_run(tmp_path, sigterm_at=4, ok=False)
@@ -327,10 +329,7 @@ def guarded_run_with(run_dir: Path, config, *, steps: int = 2, every: int = 1) -
     with guardrails.guard(
         model, opt, loader(steps), run_dir=run_dir, config=config, checkpoint=ck, progress=False
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     return g
 
 
@@ -457,10 +456,7 @@ def test_a_fresh_run_beside_another_runs_checkpoints_is_warned(tmp_path):
     with guardrails.guard(
         model, opt, batches(1), run_dir=tmp_path, resume=None, checkpoint=ck, progress=False
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     [event] = warnings_in(tmp_path)
     assert event["kind"] == "fresh_run_beside_checkpoints"
     assert "step_000000002" in event["message"] and "keep_last=2" in event["message"]
@@ -475,10 +471,7 @@ def test_a_fresh_run_beside_another_runs_checkpoints_is_warned(tmp_path):
         checkpoint=ck,
         progress=False,
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     assert warnings_in(tmp_path / "b") == []
 
 

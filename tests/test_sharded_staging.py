@@ -7,10 +7,14 @@ import os
 import pickle
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import Regressor, batches, free_port, spawn
 
 from guardrails.checkpoint.sharded import _empty_pinned
+
+# Every test spawns its ranks (1 to 4, FSDP2 and DCP).
+pytestmark = pytest.mark.slow(reason="spawns 1-4 FSDP2 ranks")
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import Regressor, batches
+from conftest import Regressor, batches, patience, train_loop
 
 import guardrails
 
@@ -241,10 +241,7 @@ def _two_ranks(rank: int, port: int, out: str) -> None:
             progress=False,
             metrics={"every_n_steps": 2, "write_every_s": 0},
         ) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
+            train_loop(g, model, opt)
     finally:
         dist.destroy_process_group()
 
@@ -408,6 +405,7 @@ def test_log_to_is_checked_when_the_guard_is_built(tmp_path, monkeypatch):
     assert g.component("telemetry").sinks == (print,)
 
 
+@pytest.mark.slow(reason="a process with 3 guarded runs")
 def test_no_sink_package_is_imported_unless_used(tmp_path):
     """One process: guards without sinks, with a function, then with TensorBoard; which
     of the sinks' packages each left imported."""
@@ -415,7 +413,7 @@ def test_no_sink_package_is_imported_unless_used(tmp_path):
         f"""
         import importlib.util, sys, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from conftest import Regressor, batches
+        from conftest import Regressor, batches, train_loop
         import guardrails
         names = ("tensorboard", "torch.utils.tensorboard", "wandb", "mlflow")
         runs = [None, len]  # len: a function of the rows that prints nothing
@@ -426,10 +424,7 @@ def test_no_sink_package_is_imported_unless_used(tmp_path):
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             with guardrails.guard(model, opt, batches(3), run_dir=f"{{sys.argv[1]}}/{{i}}",
                                   log_to=log_to, progress=False) as g:
-                for x, y in g:
-                    model(x, y).backward()
-                    opt.step()
-                    opt.zero_grad()
+                train_loop(g, model, opt)
             print(sorted(n for n in names if n in sys.modules))
         """
     )
@@ -438,7 +433,7 @@ def test_no_sink_package_is_imported_unless_used(tmp_path):
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=120,
+        timeout=patience(120),
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
@@ -518,10 +513,7 @@ def test_tensorboard_every_n_steps_keeps_the_skipped_steps(tmp_path):
         progress=False,
         log_to=guardrails.TensorBoardSink(every_n_steps=3),
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     acc = read_tensorboard(tmp_path / "tensorboard")
     assert [s.step for s in acc.Scalars("train/loss")] == [3, 5, 6, 9]
     assert [s.value for s in acc.Scalars("train/skipped")] == [0.0, 1.0, 0.0, 0.0]
@@ -584,12 +576,13 @@ def read_wandb_file(path) -> list:
     """The records of a finished offline run's ``.wandb`` file. wandb's service process
     writes it after ``finish()`` returns (measured: a process's second run's file held
     only its header just after), so wait for the run's ``exit`` record."""
-    deadline = time.monotonic() + 60
+    limit = patience(60)
+    deadline = time.monotonic() + limit
     while True:
         records = _wandb_records(path)
         if any(r.WhichOneof("record_type") == "exit" for r in records):
             return records
-        assert time.monotonic() < deadline, f"{path} has no exit record after 60 s"
+        assert time.monotonic() < deadline, f"{path} has no exit record after {limit:.0f} s"
         time.sleep(0.2)
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events
+from conftest import Regressor, batches, patience, read_events, train_loop
 from test_nan import poisoned, run_until_raise
 
 import guardrails
@@ -76,7 +76,7 @@ def run_worker(run_dir: Path, *args: object, tmpfs: bool = False, env: dict | No
         cmd,
         capture_output=True,  # pipes: under RLIMIT_FSIZE a file would refuse the output
         text=True,
-        timeout=240,
+        timeout=patience(240),
         env={**os.environ, **(env or {})},
     )
     lines = [ln for ln in got.stdout.splitlines() if ln.startswith("summary: ")]
@@ -200,10 +200,7 @@ def test_a_full_events_file_does_not_stop_the_guard_from_starting(tmp_path, capl
     with guardrails.guard(
         model, opt, batches(6), run_dir=tmp_path, progress=False, checkpoint=False
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     assert g.step == 6
     said = [r.getMessage() for r in caplog.records if "events.jsonl" in r.getMessage()]
     # One warning while it fails, one at the end for what never got out; no more.
@@ -362,6 +359,7 @@ def _as_unprivileged() -> list[str] | None:
 @pytest.mark.parametrize(
     ("how", "odd_dtype"), [("fsize", False), ("fsize", True), ("chmod", False)]
 )
+@pytest.mark.slow(reason="a process per storage fault")
 def test_save_checkpoint_storage_errors_are_checkpoint_errors_with_the_fix(
     tmp_path, how, odd_dtype
 ):
@@ -376,7 +374,10 @@ def test_save_checkpoint_storage_errors_are_checkpoint_errors_with_the_fix(
     root = tmp_path / "ckpts"
     script = SAVE_TWICE.format(root=str(ROOT), root_dir=str(root), how=how, odd_dtype=odd_dtype)
     got = subprocess.run(
-        [*prefix, sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [*prefix, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=patience(120),
     )
     assert got.returncode == 0, got.stderr
     out = json.loads(got.stdout.splitlines()[-1])
@@ -517,10 +518,7 @@ def _train(run_dir, n, *, resume, every, keep_last=2):
         model, opt, batches(n), run_dir=run_dir, resume=resume, checkpoint=ck, progress=False
     ) as g:
         first = g.step
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     return first, g.step
 
 
@@ -594,9 +592,6 @@ def test_benchmark_table_on_a_failing_disk_is_still_reported(tmp_path):
     with guardrails.guard(
         model, opt, batches(8) * 30, run_dir=tmp_path, benchmark=True, progress=False
     ) as g:
-        for xb, yb in g:
-            model(xb, yb).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     [bench] = [e for e in read_events(tmp_path) if e["kind"] == "benchmark"]
     assert bench["path"] is None and "overhead_pct" in bench

@@ -162,6 +162,7 @@ def test_parts_are_plain_parquet_and_a_rerun_appends(tmp_path):
         assert sorted(steps) == list(range(1, 8))
 
 
+@pytest.mark.slow(reason="a training process, SIGKILLed")
 def test_sigkill_keeps_every_part_written_before_it(tmp_path):
     """A run killed with SIGKILL (no cleanup at all) keeps the metrics it flushed."""
     script = textwrap.dedent(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks import Job, RankResult, launch, launch_torchrun, wait_all
+from _ranks import Job, RankResult, launch, launch_torchrun, patience, wait_all
 
 import guardrails
 from guardrails.engine.process import EXIT_CODES
@@ -178,7 +178,7 @@ def test_a_stuck_dataloader_worker_ends_with_its_rank(runs):
         assert res.code == 83, res.out[-3000:]
     assert "stuck at step 4, in the loader's next()" in info(results[1])["report"]
     pid = int((results[0].dir / "worker_pid").read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + patience(5)
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), f"DataLoader worker {pid} outlived its rank"
