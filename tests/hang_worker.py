@@ -17,7 +17,9 @@ pairs with rank 0's next gradient bucket), ``swap`` (both ranks issue two all_re
 of different sizes, in opposite orders), ``workerstuck`` (rank 1's DataLoader worker
 hangs in ``__getitem__``; its pid goes to ``DIR/worker_pid``), ``sigterm`` (rank 1 is
 blocked in a C read, as ``pipe``, with a 60 s hang timeout, and each rank sends itself
-SIGTERM 1 s after the fault, as a launcher does). ``extra`` and ``swap`` wrap the model in
+SIGTERM 1 s after the fault, as a launcher does), ``hangsigterm`` (as ``pipe``; once the
+watchdog's verdict is in, rank 0 gets SIGTERM and rank 1 is SIGKILLed, as when the stuck
+rank ends first and torchrun tears the job down). ``extra`` and ``swap`` wrap the model in
 GuardedDDP, so the gradient buckets are part of the audited sequence.
 Just before the fault, rank 1 writes the wall-clock time to ``DIR/fault_time``, so the
 caller can measure the time from fault to error. Real processes, real gloo, real
@@ -101,6 +103,24 @@ def sigterm_after_fault(out: Path, delay_s: float) -> None:
     threading.Thread(target=send, daemon=True).start()
 
 
+def stuck_rank_exits_after_verdict(g: guardrails.Guard, out: Path, delay_s: float) -> None:
+    """Rank 0, once the watchdog's verdict is in the store: what happens when the stuck
+    rank ends first (it reached its own end of grace sooner): torchrun SIGTERMs every
+    other rank, and this rank's collective fails, the peer gone. Here: SIGTERM to
+    itself, then rank 1 SIGKILLed (its pid in ``OUT/pid1``)."""
+    store = g.side_store("watchdog")
+
+    def send() -> None:
+        while not store.check(["verdict"]):
+            time.sleep(0.05)
+        time.sleep(delay_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(int((out / "pid1").read_text()), signal.SIGKILL)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
 def never_yields(out: Path):
     """A loader whose first batch never comes (a data directory it cannot read, a
     shard server that never answers): stuck before the first step."""
@@ -164,6 +184,10 @@ def main() -> None:
         metrics=args.metrics or kind in ("sigterm", "sleep"),
         progress=False,
     ) as g:
+        if kind == "hangsigterm" and rank == 0:
+            stuck_rank_exits_after_verdict(g, out, delay_s=0.5)
+        elif kind == "hangsigterm":
+            (out / "pid1").write_text(str(os.getpid()))
         if kind == "unevennext":  # the loop fetches by hand: next() raises at the end
             it = iter(g)
             while g.step < args.steps:
@@ -177,7 +201,8 @@ def main() -> None:
         for x, y in g if kind != "unevennext" else ():
             at = 0 if kind == "slowfirst" else FAULT_STEP
             if rank == fault_rank and g.step == at and kind not in ("workerstuck",):
-                fault("pipe" if kind == "sigterm" else kind, out, g, args.hang_timeout_s, device)
+                stuck = "pipe" if kind in ("sigterm", "hangsigterm") else kind
+                fault(stuck, out, g, args.hang_timeout_s, device)
             elif kind == "swap" and g.step == at:
                 dist.all_reduce(torch.ones(4, device=device))
                 dist.all_reduce(torch.ones(7, device=device))

@@ -675,6 +675,7 @@ class Guard(StepState):
         if self._pending is not None or self._state != "started":
             return False
         self._pending = error
+        self.verdict_at = time.monotonic()
 
         def last_resort() -> None:
             if self._pending is error and self._state == "started":

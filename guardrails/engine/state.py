@@ -79,6 +79,10 @@ class StepState:
         #: The code the process must exit with, once a component decided so (a signal
         #: save: 128 + signum), or ``None``. Set through ``request_stop``.
         self.exit_code: int | None = None
+        #: When (``time.monotonic()``) this rank took a background thread's error (a
+        #: watchdog or auditor verdict, :meth:`~guardrails.Guard.fail_from_thread`), or
+        #: ``None``. A verdict taken before a signal is the error the rank reports.
+        self.verdict_at: float | None = None
 
         # What the current step did; reset after every optimizer step.
         #: The forward calls of the current step, as ``(module, args, kwargs)`` (by

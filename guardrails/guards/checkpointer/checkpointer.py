@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
 import threading
 import time
@@ -253,6 +254,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         #: Seconds each save blocked training (staging; all of it for a sync save).
         self.blocking_times_s: list[float] = []
         self._signal: int | None = None  # set by the handler: the only thing it does
+        # When the first stop signal came (time.monotonic()), by the handler or the watcher.
+        self._signal_at: float | None = None
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the wakeup fd
         self._previous_wakeup = -1
@@ -365,7 +368,13 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         try:
             signum = self._signal or self._watched_signal
-            if signum and self._stop_at is None and isinstance(exc, Exception):
+            # A verdict this rank had taken before the signal came (a hang another rank
+            # diagnosed, then torchrun's SIGTERM once a rank exited) is what happened:
+            # the signal only ended it.
+            signal_at = self._signal_at if self._signal_at is not None else math.inf
+            verdict_first = guard.verdict_at is not None and guard.verdict_at <= signal_at
+            preempted = signum and self._stop_at is None and isinstance(exc, Exception)
+            if preempted and not verdict_first:
                 # Pre-empted before a stop could be agreed, then failed: under a
                 # launcher's SIGTERM to every rank, a peer that could not save left,
                 # and this rank's collective failed for it. The signal is what

@@ -77,8 +77,13 @@ class SignalCapture:
                     signum = next((b for b in data if b in nums), 0)
                     self._watched_signal = signum or None
                     key, since = progress_key(guard), time.monotonic()
+                    if signum and self._signal_at is None:
+                        self._signal_at = since
             if not signum or self._stop_at is not None or guard.stopping is not None:
                 continue  # no signal yet, or the stop is under way: its save is bounded
+            verdict_at = guard.verdict_at
+            if verdict_at is not None and verdict_at <= (self._signal_at or 0.0):
+                continue  # a verdict came first: the engine ends the rank with it
             now = time.monotonic()
             here = progress_key(guard)
             if here != key or guard.paused:
@@ -124,6 +129,8 @@ class SignalCapture:
         # doing (maybe inside the logging module's lock), so no I/O and no collective.
         if self._signal is None:
             self._signal = signum
+            if self._signal_at is None:  # a float set: no I/O, no lock
+                self._signal_at = time.monotonic()
             return
         if signum == signal.SIGINT:  # the second Ctrl+C: out, now
             self._restore_handlers()

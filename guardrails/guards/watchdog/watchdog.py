@@ -189,6 +189,7 @@ class Watchdog(Verdicts, Component):
         self._seq = 0
         self._reset_clock(guard, time.monotonic())
         self._ends_seen = 0
+        self._finished: dict[int, dict[str, Any]] = {}
         self._peer_seen: dict[int, tuple[int, float]] = {}  # rank -> (seq, first seen)
         self._store_down_since: float | None = None
         self._stop.clear()
@@ -290,10 +291,14 @@ class Watchdog(Verdicts, Component):
         if adopted is not None:
             return adopted
         ends = self._store.add("ends", 0)
-        finished: dict[int, dict[str, Any]] = {}
-        if ends > self._ends_seen or suspect:
-            finished = self._read("end", exclude_self=True)
+        grew = ends > self._ends_seen
+        if grew:
+            # A rank writes its end record once, before it counts itself in "ends":
+            # the records are read again only when the count grows.
+            self._finished = self._read("end", exclude_self=True)
             self._ends_seen = ends
+        finished = self._finished
+        if grew or suspect:
             early = self._check_ended_peers(guard, finished, idle)
             if early is not None:
                 return early
@@ -428,14 +433,33 @@ class Watchdog(Verdicts, Component):
                 record["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
                 record["error_class"] = type(exc).__name__
             self._store.set(f"end/{self._rank}", json.dumps(record, default=str))
+            # Which ranks ended, in one key: a reader gets the list, then just their
+            # records, instead of asking for every rank's key in turn.
+            self._store.append("ended", f"{self._rank} ")
             self._store.add("ends", 1)
         except Exception as err:
             log.debug("guardrails: watchdog could not announce the end: %s", err)
 
     def _read(self, kind: str, *, exclude_self: bool) -> dict[int, dict[str, Any]]:
-        ranks = [r for r in range(self._world) if not (exclude_self and r == self._rank)]
+        """Every rank's ``kind`` record (``hb``, ``end``) in at most three round trips to
+        the store, whatever the number of ranks. Heartbeats: one ``check`` of all the
+        keys, one ``multi_get`` (each key checked on its own only while some rank has
+        not started its guard yet). End records: the list of ranks that ended, then
+        just theirs."""
+        if kind == "end":
+            if not self._store.check(["ended"]):
+                return {}
+            listed = {int(r) for r in bytes(self._store.get("ended")).split()}
+            ranks = sorted(listed - ({self._rank} if exclude_self else set()))
+        else:
+            ranks = [r for r in range(self._world) if not (exclude_self and r == self._rank)]
         keys = [f"{kind}/{r}" for r in ranks]
-        present = [k for k in keys if self._store.check([k])]
+        if not keys:
+            return {}
+        if kind == "end" or self._store.check(keys):
+            present = keys  # a rank lists itself as ended only after its record is set
+        else:
+            present = [k for k in keys if self._store.check([k])]
         if not present:
             return {}
         raw = self._store.multi_get(present)
