@@ -9,7 +9,7 @@ when there is one, so the device-to-host copy is part of it) through the same pa
 guard's saves take, and reports staging, writing (hashed on the way), fsync and the
 total, beside the **disk floor**: the same number of bytes written from one buffer by 1
 and by 8 threads, then fsynced. Rough rule: a save takes ~1.1-1.3x the floor plus the
-device-to-host copy (H100/H200 hosts; benchmarks/RESULTS.md).
+device-to-host copy (measured on H100 and H200 hosts).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ TREND_STEPS = 20
 #: regressions on pure noise) ``factor`` times the 100-step median flagged 393 steps,
 #: the 20-step median alone 449 (small-batch noise), with 4 swings 0 and with 3.5
 #: swings 3; 5 keeps a margin and still catches a 10x grad-norm jump in every
-#: language-model run tried (benchmarks/RESULTS.md).
+#: language-model run tried (nanochat and the README example's GPT, on CPU).
 SPIKE_SWINGS = 5.0
 
 
