@@ -2,8 +2,8 @@
 on the job's key-value store (the side store) and every collective on its gloo side
 group, with the bytes, per phase of a run (start, steady, hang, close).
 
-    python benchmarks/store_calls.py [--world 2,4,8] [--scenarios steady,hang]
-                                     [--steady-s 10] [--out DIR]
+    python benchmarks/store_calls.py [--world 2,4,8] [--scenarios steady,hang,epoch]
+                                     [--nodes 1] [--steady-s 10] [--out DIR]
 
 Each run is a real job under torchrun (gloo on CPU, one process per rank): a small
 DDP model trained with a fixed step time (``--step-ms``), guarded with the defaults.
@@ -16,7 +16,12 @@ collectives on guardrails' side group are counted the same way. Phases, on every
 * ``hang`` (scenario ``hang``): from the step where the last rank stops (it sleeps in
   its loop; the others then wait for it in DDP's all-reduce) until each rank's
   ``HangError``: the failure path, with ``hang_timeout_s=--hang-timeout-s``;
-* ``close``: ``guard.__exit__`` (the final save, the end records, the side group).
+* ``close``: ``guard.__exit__`` (the final save, the end records, the side group);
+  scenario ``epoch`` ends every rank's loop by running out of a finite loader of the
+  same length (the close that checks for uneven data).
+
+``--nodes K`` runs the job as K simulated nodes: K torchrun agents on this host with a
+static rendezvous (``--nnodes K --node-rank i``), the store in node 0's agent.
 
 The loop all-reduces its loss every ``--log-every`` steps (1), as scripts do to log it:
 the collective the auditor records and compares across ranks.
@@ -112,9 +117,10 @@ def _size(x) -> int:
 class CountingStore:
     """The real store, with every call counted (one round trip each)."""
 
-    def __init__(self, store, counts: Counts) -> None:
+    def __init__(self, store, counts: Counts, owner: str) -> None:
         self._store = store
         self._counts = counts
+        self._owner = owner  # the side store's name: watchdog, audit, news, agree...
 
     def __getattr__(self, name):
         real = getattr(self._store, name)
@@ -127,7 +133,7 @@ class CountingStore:
             n_keys = len(keys) if isinstance(keys, (list, tuple)) else 1
             sent = _size(args) + _size(list(kwargs.values()))
             got = _size(out) if name in ("get", "multi_get", "compare_set") else 0
-            self._counts.add(f"store.{name}", n_keys, sent + got)
+            self._counts.add(f"store.{self._owner}.{name}", n_keys, sent + got)
             return out
 
         return call
@@ -158,7 +164,7 @@ def rank_main(args: argparse.Namespace) -> None:
 
     def counted_side_store(generation, name):
         s = real_side_store(generation, name)
-        return None if s is None else CountingStore(s, counts)
+        return None if s is None else CountingStore(s, counts, name)
 
     def counted_open_group(*a, **k):
         t = time.monotonic()
@@ -169,10 +175,14 @@ def rank_main(args: argparse.Namespace) -> None:
 
     side.side_store, side.open_side_group = counted_side_store, counted_open_group
 
-    def counted(fn_name):
-        real = getattr(dist, fn_name)
+    from torch.distributed import distributed_c10d as c10d
 
+    def counted(fn_name):
         def call(*a, **k):
+            # Looked up at each call: the collective auditor replaces c10d's function
+            # at guard start (and leaves ``dist.X`` alone once it is not torch's own
+            # any more), so the loop's calls must reach c10d's current one to be seen.
+            real = getattr(c10d, fn_name)
             group = k.get("group")
             if group is None:
                 group = next((x for x in a if isinstance(x, dist.ProcessGroup)), None)
@@ -205,10 +215,16 @@ def rank_main(args: argparse.Namespace) -> None:
 
     def batches():
         g = torch.Generator().manual_seed(rank)
-        while True:
+        # "epoch": a finite loader, the same length on every rank, so the loop ends by
+        # running out of data (the close that checks for uneven data).
+        n = round(args.steady_s * 1000 / args.step_ms) + 1 if args.scenario == "epoch" else None
+        i = 0
+        while n is None or i < n:
+            i += 1
             yield torch.randn(16, 32, generator=g), torch.randn(16, 1, generator=g)
 
     step_s = args.step_ms / 1000
+    steady_steps = round(args.steady_s / step_s)
     hang_step = None
     error = None
     try:
@@ -235,7 +251,11 @@ def rank_main(args: argparse.Namespace) -> None:
                     counts.enter("steady")
                 elif (
                     counts.phase == "steady"
-                    and time.monotonic() - counts.t0["steady"] >= args.steady_s
+                    and args.scenario != "epoch"  # that one ends when its data does
+                    # A step count, the same on every rank: a per-rank time budget
+                    # would leave some ranks waiting for others that already left
+                    # (which the watchdog reports as a failure, rightly).
+                    and g.step >= 1 + steady_steps
                 ):
                     if args.scenario == "steady":
                         break
@@ -263,12 +283,32 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def run(world: int, scenario: str, args: argparse.Namespace, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={world}",
-        "--monitor-interval=0.5",
+    nodes = args.nodes
+    if world % nodes:
+        raise SystemExit(f"--world {world} is not a multiple of --nodes {nodes}")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval=0.5"]
+    if nodes == 1:
+        launchers = [[*launcher, f"--nproc-per-node={world}"]]
+    else:
+        # Simulated nodes: one torchrun agent per "node" on this host, static rendezvous
+        # through node 0's agent, whose store is the job's (as on a real cluster).
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        launchers = [
+            [
+                *launcher,
+                f"--nnodes={nodes}",
+                f"--node-rank={i}",
+                f"--nproc-per-node={world // nodes}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+            ]
+            for i in range(nodes)
+        ]
+    child = [
         str(HERE),
         "--child",
         "--scenario",
@@ -284,9 +324,24 @@ def run(world: int, scenario: str, args: argparse.Namespace, out: Path) -> dict:
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    procs = [
+        subprocess.Popen(
+            [*cmd, *child], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for cmd in launchers
+    ]
+    logs, rcs = [], []
+    for proc in procs:
+        try:
+            logs.append(
+                proc.communicate(timeout=max(1.0, args.timeout_s - (time.monotonic() - t)))[0]
+            )
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            logs.append(proc.communicate()[0])
+        rcs.append(proc.returncode)
     wall = time.monotonic() - t
-    (out / "torchrun.log").write_text(proc.stdout + proc.stderr)
+    (out / "torchrun.log").write_text("\n".join(logs))
     ranks = {}
     for r in range(world):
         p = out / f"rank{r}.json"
@@ -295,7 +350,8 @@ def run(world: int, scenario: str, args: argparse.Namespace, out: Path) -> dict:
     return {
         "world": world,
         "scenario": scenario,
-        "rc": proc.returncode,
+        "rc": max(rcs, key=abs),
+        "nodes": nodes,
         "wall_s": wall,
         "ranks": ranks,
     }
@@ -341,10 +397,21 @@ def summarize(res: dict) -> list[str]:
         for row in rows:
             for k, v in row[6].items():
                 methods[k] += v[0]
-        lines.append(
-            "          by call (all ranks): "
-            + ", ".join(f"{k.split('.', 1)[1]} {v}" for k, v in methods.most_common())
-        )
+        if p == "steady":  # per rank per second
+            rank_s = sum(x[5] for x in rows)
+            lines.append(
+                "          by call, per rank per second: "
+                + ", ".join(
+                    f"{k.split('.', 1)[1]} {v / rank_s:.2f}" for k, v in methods.most_common()
+                )
+            )
+        else:
+            lines.append(
+                "          by call, per rank: "
+                + ", ".join(
+                    f"{k.split('.', 1)[1]} {v / len(rows):.1f}" for k, v in methods.most_common()
+                )
+            )
     log = (Path(res["out"]) / "torchrun.log").read_text() if "out" in res else ""
     errs = collections.Counter(d["extra"].get("error", "")[:60] for d in res["ranks"].values())
     errs.update({"ranks failed with HangError": log.count("failed with HangError")} if log else {})
@@ -372,6 +439,7 @@ def main() -> None:
     p.add_argument("--hang-timeout-s", type=float, default=10.0)
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--log-every", type=int, default=1, help="the loop's all_reduce (0: none)")
+    p.add_argument("--nodes", type=int, default=1, help="simulated nodes (torchrun agents)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.child:
@@ -387,9 +455,12 @@ def main() -> None:
     )
     for scenario in args.scenarios.split(","):
         for world in (int(w) for w in args.world.split(",")):
-            res = run(world, scenario, args, base / f"{scenario}-{world}")
+            res = run(world, scenario, args, base / f"{scenario}-{world}x{args.nodes}")
             results.append(res)
-            print(f"{scenario} N={world}: rc {res['rc']}, {res['wall_s']:.0f} s", flush=True)
+            print(
+                f"{scenario} N={world} nodes={args.nodes}: rc {res['rc']}, {res['wall_s']:.0f} s",
+                flush=True,
+            )
             for line in summarize(res):
                 print(line, flush=True)
     (base / "results.json").write_text(json.dumps(results, default=str))

@@ -54,9 +54,10 @@ def _stop_and_resume(tmp_path, shape, steps, stop_at, world=1, stop_rank=0, extr
     stopped = _run(shape, tmp_path / "b", tmp_path / "b", *args, world=world)
     assert all(rc == 128 + signal.SIGTERM for rc, _ in stopped), stopped
     ckpts = sorted(p.name for p in (tmp_path / "b/checkpoints").iterdir())
-    # Several ranks stop at the first step they agree on after the signal (the worker
-    # agrees at every step); one stops at once.
-    assert len(ckpts) == 1 and stop_at <= int(ckpts[0][5:]) <= stop_at + 1, ckpts
+    # Several ranks stop at the first check (the worker checks at every step) that no
+    # rank had decided when the signalled rank wrote "stop": the next step, or the one
+    # after when a faster rank had decided the next already. One rank stops at once.
+    assert len(ckpts) == 1 and stop_at <= int(ckpts[0][5:]) <= stop_at + 2, ckpts
     stopped_at = tmp_path / "b/checkpoints" / ckpts[0]
     resumed = _run(shape, tmp_path / "b", tmp_path / "b", *run_args, world=world)
     assert all(rc == 0 for rc, _ in resumed), resumed

@@ -49,6 +49,7 @@ from torch import nn
 from guardrails._errors import CheckpointError, ResumeError
 from guardrails.checkpoint import digest as _digest
 from guardrails.checkpoint.manifest import read_bytes
+from guardrails.distributed.store import wait_keys
 
 DCP_DIR = "dcp"
 
@@ -353,7 +354,7 @@ class ShardWriter:
             store.set(f"{key}/dcp-plan/{rank}", self._local)
             if rank == 0:
                 self._plan_globally(planner, store, key, world, timeout_s)
-            got = _take(store, f"{key}/dcp-global/{rank}", "rank 0", timeout_s)
+            got = _take(store, f"{key}/dcp-global/{rank}", "rank 0", timeout_s, world)
             if self._mine is None or self._mine[0] != got:
                 self._mine = (got, pickle.loads(got))
             target = directory / DCP_DIR
@@ -361,7 +362,7 @@ class ShardWriter:
             store.set(f"{key}/dcp-results/{rank}", pickle.dumps(results))
             if rank == 0:
                 everyone = [
-                    _take(store, f"{key}/dcp-results/{r}", f"rank {r}", timeout_s)
+                    _take(store, f"{key}/dcp-results/{r}", f"rank {r}", timeout_s, world)
                     for r in range(world)
                 ]
                 records[".metadata"] = self._write_metadata(directory, everyone)
@@ -397,7 +398,9 @@ class ShardWriter:
     ) -> None:
         """Rank 0: every rank's final plan into the store (DCP's global plan: which
         rank writes each replicated item), made again only when a local plan changed."""
-        asked = [_take(store, f"{key}/dcp-plan/{r}", f"rank {r}", timeout_s) for r in range(world)]
+        asked = [
+            _take(store, f"{key}/dcp-plan/{r}", f"rank {r}", timeout_s, world) for r in range(world)
+        ]
         digest = hashlib.sha256(b"".join(hashlib.sha256(b).digest() for b in asked)).digest()
         if digest != self._asked:
             plans, self._metadata = planner.create_global_plan([pickle.loads(b) for b in asked])
@@ -422,11 +425,13 @@ def _layout(flat: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
-def _take(store: Any, key: str, who: str, timeout_s: float) -> bytes:
+def _take(store: Any, key: str, who: str, timeout_s: float, world: int) -> bytes:
     """``key``'s value once it is set (then removed from the store), or a
     ``CheckpointError`` when ``who`` said it failed or never set it."""
     try:
-        store.wait([key], timedelta(seconds=timeout_s))
+        # Polled, not store.wait: a wait would hold the process's store client (and
+        # every other thread's calls) until the key comes.
+        wait_keys(store, [key], timedelta(seconds=timeout_s), world=world)
     except Exception:
         raise CheckpointError(
             f"{who} did not get to its part of the sharded save within {timeout_s:.0f} s",

@@ -26,6 +26,19 @@ Both are ``None`` in a single-process run; callers treat ``None`` as "nobody to 
 
 Over a side store, :func:`claim_verdict` and :func:`read_verdict` make one rank's
 finding the job's: the first rank to claim it wins, and every rank reports that one.
+
+What keeps the store's load flat in the number of ranks N (one TCPStore server does
+~90,000 calls/s; 10,000 ranks each polling five keys a second would take half of it):
+
+* :class:`News`: one counter for the whole job. A rank with something for the others
+  (a verdict, the end of its loop, a request for heartbeats, a stop) writes it, then
+  bumps the counter; every rank reads the counter once a period and looks at the keys
+  behind it only when it moved. A healthy run costs one call per rank per period for
+  all of guardrails' watching, whatever the number of components.
+* :func:`stretched`: the periods of the polls grow with N so that all ranks together
+  stay under :data:`STEADY_CALLS_PER_S` per periodic task: 1 s up to 2,500 ranks, 4 s
+  at 10,000. Detection gets slower by seconds at that size; the store stays free for
+  the job's own use (rendezvous, torch's barriers, the launcher's health checks).
 """
 
 from __future__ import annotations
@@ -33,6 +46,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -45,6 +60,83 @@ log = logging.getLogger("guardrails.guard")
 #: Guards started in this process so far. Every rank starts its guards in the same order,
 #: so the count is the same on every rank and makes key names unique per guard.
 _generation = itertools.count()
+
+
+#: Store calls per second, summed over all ranks, that one periodic task of guardrails
+#: (the news poll, the collective comparison, the stop/save agreement) may cost in a
+#: healthy run: three tasks take 7,500/s, ~8% of the ~90,000 calls/s one TCPStore
+#: server sustains (measured with guardrails' call mix, ``benchmarks/store_server.py``).
+STEADY_CALLS_PER_S = 2500.0
+
+
+def stretched(period_s: float, world: int, *, calls: float = 1.0) -> float:
+    """``period_s``, or longer: the period at which ``world`` ranks each making
+    ``calls`` store calls per period stay within :data:`STEADY_CALLS_PER_S`."""
+    return max(period_s, calls * world / STEADY_CALLS_PER_S)
+
+
+class News:
+    """The job's news counter (see the module docstring): :meth:`post` after writing
+    something other ranks must see, :meth:`current` to learn whether anything was
+    posted. Reads are shared by every thread of the process: a value younger than the
+    caller's ``max_age_s`` is returned without a store call, so the watchdog, the
+    auditor and the checkpointer polling at their own periods cost one call a period
+    between them."""
+
+    def __init__(self, store: dist.Store, *, world: int) -> None:
+        self._store = store
+        #: How old a read may be by default: 1 s, stretched with the world size.
+        self.period_s = stretched(1.0, world)
+        self._lock = threading.Lock()
+        self._value = 0
+        self._read_at = -math.inf
+
+    def post(self, *, verdict: bool = False) -> None:
+        """Tell every rank to look (call it after the write it announces).
+        ``verdict``: what was written is a verdict the job will end with; the first
+        one's wall-clock time is kept (:meth:`verdict_claimed_at`)."""
+        if verdict:
+            self._store.compare_set("verdict_at", "", repr(time.time()))
+        self._store.add("n", 1)
+
+    def verdict_claimed_at(self) -> float | None:
+        """When (``time.time()``) the first verdict of the job was claimed, on any rank,
+        or ``None``. For a rank that got a signal: a verdict claimed before it is what
+        ended the job, whether or not this rank had read it yet."""
+        if not self._store.check(["verdict_at"]):
+            return None
+        return float(bytes(self._store.get("verdict_at")).decode())
+
+    def current(self, *, max_age_s: float | None = None) -> int:
+        """The counter, read from the store unless this process read it less than
+        ``max_age_s`` (default :attr:`period_s`) ago. It only grows: a larger value
+        than last seen means news."""
+        if max_age_s is None:
+            max_age_s = self.period_s
+        with self._lock:
+            now = time.monotonic()
+            if now - self._read_at >= max_age_s:
+                self._value = int(self._store.add("n", 0))
+                self._read_at = now
+            return self._value
+
+
+def wait_keys(store: dist.Store, keys: list[str], timeout: timedelta, *, world: int) -> None:
+    """``store.wait(keys, timeout)`` without holding the store meanwhile. ``TCPStore``'s
+    client runs one call at a time for the whole process, and a ``wait`` keeps its turn
+    until the keys come: a background writer waiting a minute for a checkpoint's
+    commit would hold up every other thread's call for that minute, the main thread's
+    agreements and the watchdog's heartbeats included. So: ``check`` every 50 ms
+    (stretched with the world size, all ranks polling at once), ``TimeoutError`` at the
+    end."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    poll_s = stretched(0.05, world)
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{len(keys)} key(s) ({keys[0]}...) not set within {timeout.total_seconds():.0f} s"
+            )
+        time.sleep(poll_s)
 
 
 def distributed() -> bool:

@@ -273,6 +273,10 @@ class Guard(StepState):
         #: ``distributed/store.py``), or ``None`` in a single-process run. Never the
         #: training's group.
         self.side_group: Any = None
+        #: The job's news counter (``distributed/store.py``'s :class:`News`): what
+        #: components post after writing something for the other ranks and poll
+        #: instead of each polling its own keys. ``None`` in a single process.
+        self.news: store.News | None = None
         self._replacement: BaseException | None = None
         # Set inside quiet(): optimizer steps there are not training steps (a sharded
         # resume's set_state_dict runs a zero-grad step() to create the state).
@@ -319,6 +323,10 @@ class Guard(StepState):
         try:
             self.generation = store.next_generation()
             published = store.publish_run_id(self.generation)  # before the collective
+            news_store = store.side_store(self.generation, "news")
+            self.news = (
+                None if news_store is None else store.News(news_store, world=self.world_size)
+            )
             self.side_group = store.open_side_group()
             run_id = store.read_run_id(self.generation, published)
             self._handles = [

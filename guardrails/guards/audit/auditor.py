@@ -19,14 +19,19 @@ tool. Here the per-call work is host bookkeeping and the comparison is elsewhere
   and writes one fixed-size slot of a local memory-mapped flight recorder. No store
   call, no collective, no formatting beyond a cache hit. ``guard.collective`` holds the
   in-flight call (a dict) for the watchdog while a blocking call runs.
-* **Background thread, every ``interval_s``** (0.25 s): hashes the new entries into a
-  per-group rolling hash, publishes this rank's fingerprint (count, hash anchors, the
-  last entries) to ``guard.side_store("audit")``, and compares its own sequence with
-  the group leader's (the group's lowest rank) on their common prefix only: a rank
-  that is ahead is not a mismatch, and nothing is compared beyond what both issued.
-  A difference is written once as the verdict; every rank's thread sees it and calls
-  ``guard.fail_from_thread``: the main thread raises at its next step boundary, or,
-  stuck in a collective, the process exits non-zero after the grace period.
+* **Background thread, every ``interval_s``** (0.25 s, stretched from 313 ranks on
+  so that the job's total stays within the store's budget, ``distributed/store.py``):
+  hashes the new entries into a per-group rolling hash, publishes this rank's
+  fingerprint (count, hash anchors, the last entries; the group's size, not its rank
+  list) to ``guard.side_store("audit")``, and compares its own sequence with its
+  neighbour's (the member just before it in the group) on their common prefix only: a
+  rank that is ahead is not a mismatch, and nothing is compared beyond what both
+  issued. Neighbours chain through the group, so any two ranks that differ are seen
+  to, while each record has one reader (two store calls a rank a tick, no key read by
+  N ranks). A difference is written once as the verdict and posted as the job's
+  news; every rank's thread sees it and calls ``guard.fail_from_thread``: the main
+  thread raises at its next step boundary, or, stuck in a collective, the process
+  exits non-zero after the grace period.
 * **On close**: a final publish and comparison (every rank waits at most
   ``close_wait_s`` for the others), which also catches a mismatch in the last interval
   and, when the loop died of the backend's own error (gloo's "Connection reset by
@@ -97,6 +102,7 @@ import torch
 import torch.distributed as dist
 
 from guardrails._errors import CollectiveMismatchError
+from guardrails.distributed import store as _store
 from guardrails.distributed.store import claim_verdict, read_verdict
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
@@ -123,6 +129,9 @@ if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
 
 log = logging.getLogger("guardrails.audit")
+# At close, how many members before a neighbour that never published its final record
+# stand in for it (read from the store, or their flight recorders).
+CLOSE_FALLBACK = 4
 _get_ident = threading.get_ident  # bound once: read on every collective call
 
 
@@ -139,9 +148,10 @@ class CollectiveAuditor(Component):
         Attributes:
             interval_s: how often the background thread publishes this rank's
                 fingerprint and compares (seconds). Default 0.25: a mismatch is seen in
-                about two intervals; each costs this rank at most 4 store calls (set
-                its record, check for a verdict, check and get the leader's), all off
-                the main thread.
+                about two intervals; each costs this rank 2 store calls (set its
+                record, get its neighbour's), all off the main thread. It stretches
+                with the world size (to 2 N / 2,500 s from 313 ranks on: 8 s at
+                10,000 ranks) so the job's total stays within the store's budget.
             close_wait_s: on close, how long to wait for the other ranks' final records
                 before the last comparison. Default 1 s: ranks that finish the same
                 loop close within milliseconds of each other; only a rank that never
@@ -198,6 +208,11 @@ class CollectiveAuditor(Component):
         self._payloads: dict[tuple[Any, ...], bytes] = {}
         self._store_ok = True
         self._published_n: dict[str, int] = {}
+        self._published_peers: set[int] = set()
+        # neighbour -> {group: this rank's count when a read of it covered them all}
+        self._covered: dict[int, dict[str, int]] = {}
+        self._news_seen = -1
+        self._period_s = self.interval_s
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,6 +227,11 @@ class CollectiveAuditor(Component):
         self._stop = threading.Event()
         self._queue.clear()
         self._groups, self._hist, self._published_n = {}, {}, {}
+        self._published_peers, self._news_seen = set(), 0  # 0: this guard's keys are new
+        self._covered = {}
+        # Two store calls a tick (this rank's record, its neighbour's): the interval
+        # stretches with the world size to keep the job's total within budget.
+        self._period_s = _store.stretched(self.interval_s, guard.world_size, calls=2)
         self._main_ident = threading.get_ident()
         self._store = guard.side_store("audit")
         # A job-unique token (rank 0's, read by all once here) names the flight
@@ -477,7 +497,7 @@ class CollectiveAuditor(Component):
     # ------------------------------------------------------------------ background
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.wait(self._period_s):
             try:
                 self._tick()
             except Exception:  # the store went away (a peer died): keep quiet, retry
@@ -493,7 +513,7 @@ class CollectiveAuditor(Component):
             g = entry[0]
             hist = self._hist.get(g.name)
             if hist is None:
-                hist = self._hist[g.name] = _History(g.name, g.ranks)
+                hist = self._hist[g.name] = _History(g.name, g.ranks, self._rank)
             hist.add(entry)
 
     def _blob(self, *, final: bool = False, error: str | None = None) -> bytes:
@@ -512,17 +532,47 @@ class CollectiveAuditor(Component):
     def _tick(self) -> None:
         self._drain()
         self._publish()
-        if self.error is not None:
+        if self.error is not None or self._guard is None:
             return
-        verdict = self._read_verdict()
+        # A verdict is looked for only when the job's news moved (a claim posts it).
+        news = self._guard.news.current()
+        verdict = None
+        if news != self._news_seen:
+            self._news_seen = news
+            verdict = self._read_verdict()
         if verdict is None:
-            leaders = {h.leader for h in self._hist.values()} - {self._rank}
-            views = {r: v for r in sorted(leaders) if (v := self._read_peer(r)) is not None}
+            before = {h.before for h in self._hist.values()} - {None, self._rank}
+            views = {
+                r: v
+                for r in sorted(before)
+                if self._unchecked(r) and (v := self._read_peer(r)) is not None
+            }
             verdict = self._compare(views)
+            if verdict is None:
+                self._note_checked(views)
             if verdict is not None:
                 self._write_verdict(verdict)
         if verdict is not None:
             self._fail(verdict)
+
+    def _unchecked(self, rank: int) -> bool:
+        """Whether this rank issued calls on a group shared with neighbour ``rank``
+        since its last comparison covered them all. If not (a rank waiting in a
+        collective, or idle), reading the neighbour again could show nothing new: only
+        calls both ranks issued are compared, and the neighbour already had all of
+        this rank's."""
+        covered = self._covered.get(rank, {})
+        return any(h.n != covered.get(h.name) for h in self._hist.values() if h.before == rank)
+
+    def _note_checked(self, views: dict[int, dict[str, Any]]) -> None:
+        for r, view in views.items():
+            covered = self._covered.setdefault(r, {})
+            for h in self._hist.values():
+                theirs = view.get("groups", {}).get(h.name)
+                if h.before == r and theirs is not None and theirs["n"] >= h.n:
+                    covered[h.name] = h.n
+                else:
+                    covered.pop(h.name, None)
 
     def _fail(self, verdict: dict[str, Any]) -> None:
         # The verdict is in the store for every peer: the flight recorder has served.
@@ -542,12 +592,16 @@ class CollectiveAuditor(Component):
 
     def _write_verdict(self, verdict: dict[str, Any]) -> None:
         # First writer wins; a rank that lost goes on with the verdict it found.
-        claim_verdict(self._store, verdict)
+        if claim_verdict(self._store, verdict) and self._guard is not None:
+            self._guard.news.post(verdict=True)
 
     def _read_peer(self, rank: int) -> dict[str, Any] | None:
         key = f"r{rank}"
-        if not self._store.check([key]):
-            return None
+        # A record, once published, stays: after the first sight one call, not two.
+        if rank not in self._published_peers:
+            if not self._store.check([key]):
+                return None
+            self._published_peers.add(rank)
         return json.loads(self._store.get(key))
 
     # ------------------------------------------------------------------ comparison
@@ -558,7 +612,7 @@ class CollectiveAuditor(Component):
         for view in views.values():
             for name, theirs in view.get("groups", {}).items():
                 mine = self._hist.get(name)
-                if mine is None or self._rank not in theirs["ranks"]:
+                if mine is None:  # a group this rank is not in (or never used)
                     continue
                 found = mine.diverges_from(theirs)
                 if found is not None:
@@ -626,14 +680,18 @@ class CollectiveAuditor(Component):
         mine_groups = list(self._hist.values())
         if not mine_groups:
             return None
-        world = self._guard.world_size  # type: ignore[union-attr]
-        peers = [r for r in range(world) if r != self._rank][:64]  # bounded, once
-        leader = min(h.leader for h in mine_groups)
-        # Wait for the leader's final record (the leader waits for everyone's), then
-        # compare with every peer readable: the store's records, completed by the flight
-        # recorders of peers that never published a final one (dead, or stuck in a
-        # collective), so a non-leader that differs from another non-leader is seen too.
-        wait_for = peers if self._rank == leader else [leader]
+        # Wait for each group's neighbour (the member just before this rank) to publish
+        # its final record, then compare with it. A neighbour that never does (dead, or
+        # stuck in a collective) is completed by its flight recorder (same host), and
+        # the members before it stand in (at most CLOSE_FALLBACK). Every rank does the
+        # same, so each pair of neighbours is compared: a few records a rank, whatever N.
+        wait_for = sorted({h.before for h in mine_groups} - {None, self._rank})
+        peers = list(wait_for)
+        for h in mine_groups:
+            members = sorted(h.ranks)
+            if h.before is not None:
+                at = members.index(h.before)
+                peers += members[max(0, at - CLOSE_FALLBACK) : at][::-1]
         views: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.close_wait_s
         verdict = None
@@ -654,7 +712,10 @@ class CollectiveAuditor(Component):
                 break
             time.sleep(min(0.05, self.interval_s))
         if verdict is None:
-            for r in peers:
+            for r in dict.fromkeys(peers):
+                stand_in = r not in wait_for
+                if stand_in and all(w in views for w in wait_for):
+                    break  # every neighbour is accounted for: no stand-ins needed
                 if r not in views and store_ok:
                     try:
                         if (view := self._read_peer(r)) is not None:

@@ -22,10 +22,16 @@ class _History:
     """One group's sequence on this rank, for the background thread: rolling hash,
     the last HISTORY entries, and anchors (the rolling hash every ANCHOR_EVERY)."""
 
-    def __init__(self, name: str, ranks: list[int]) -> None:
+    def __init__(self, name: str, ranks: list[int], me: int | None = None) -> None:
         self.name = name
         self.ranks = ranks
-        self.leader = min(ranks)
+        # The member this rank compares with: the one just before it in the group
+        # (the first member compares with nobody). Each rank's record is read by one
+        # peer, so no key has N readers, and every pair of neighbours being compared
+        # means any two ranks that differ are seen to.
+        members = sorted(ranks)
+        at = members.index(me) if me in members else 0
+        self.before: int | None = members[at - 1] if at > 0 else None
         self.n = 0
         self.cum = 0
         # (seq, key digest, rolling hash, display fields...) newest last
@@ -55,7 +61,8 @@ class _History:
 
     def published(self, *, all_entries: bool = False) -> dict[str, Any]:
         rows = list(self.entries) if all_entries else list(self.entries)[-WINDOW:]
-        return {"ranks": self.ranks, "n": self.n, "anchors": list(self.anchors), "w": rows}
+        # The group's size, not its rank list: at 10,000 ranks the list alone is 68 KB.
+        return {"size": len(self.ranks), "n": self.n, "anchors": list(self.anchors), "w": rows}
 
     def diverges_from(self, theirs: dict[str, Any]) -> tuple[int, int] | None:
         """``(first, upto)``: the first entry where the two sequences differ (walked

@@ -6,6 +6,7 @@ handlers.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import signal
@@ -81,8 +82,7 @@ class SignalCapture:
                         self._signal_at = since
             if not signum or self._stop_at is not None or guard.stopping is not None:
                 continue  # no signal yet, or the stop is under way: its save is bounded
-            verdict_at = guard.verdict_at
-            if verdict_at is not None and verdict_at <= (self._signal_at or 0.0):
+            if self._verdict_first(guard):
                 continue  # a verdict came first: the engine ends the rank with it
             now = time.monotonic()
             here = progress_key(guard)
@@ -123,6 +123,23 @@ class SignalCapture:
         for num, previous in self._previous.items():
             process.restore_handler(num, previous)  # after a failing close's hold, if any
         self._previous = {}
+
+    def _verdict_first(self, guard: Guard) -> bool:
+        """Whether a verdict came before the signal: one this rank took, or one any
+        rank claimed (the job's news keeps the first one's time) that this rank had
+        not read yet. Then the verdict is what happened; the signal (torchrun's
+        teardown once the stuck rank exited) only ended it."""
+        signal_at = self._signal_at if self._signal_at is not None else math.inf
+        if guard.verdict_at is not None and guard.verdict_at <= signal_at:
+            return True
+        if guard.news is None:
+            return False
+        try:  # one store call, on this failure path only
+            claimed = guard.news.verdict_claimed_at()
+        except Exception:  # the store went with the job
+            return False
+        signal_wall = time.time() - (time.monotonic() - signal_at)
+        return claimed is not None and claimed <= signal_wall
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # A flag only: this runs between two bytecodes of whatever the main thread was

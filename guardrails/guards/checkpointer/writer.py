@@ -18,6 +18,7 @@ import torch
 
 from guardrails._errors import CheckpointError, GuardrailsError
 from guardrails.checkpoint import commit, digest, sharded, stage
+from guardrails.distributed import store as _store
 from guardrails.engine import data as _data
 from guardrails.engine import model
 from guardrails.util import files as _perms
@@ -364,7 +365,7 @@ class CheckpointWriter:
         timeout = timedelta(seconds=_COMMIT_TIMEOUT_S)
         world = guard.world_size
         if guard.rank != 0:
-            store.wait([f"{key}/commit"], timeout)
+            _store.wait_keys(store, [f"{key}/commit"], timeout, world=world)
             result = json.loads(store.get(f"{key}/commit"))
             store.add(f"{key}/ack", 1)  # rank 0 may exit (and take its store) after this
             if "error" in result:
@@ -381,7 +382,7 @@ class CheckpointWriter:
         try:
             keys = [f"{key}/files/{r}" for r in range(world)]
             try:
-                store.wait(keys, timeout)
+                _store.wait_keys(store, keys, timeout, world=world)
             except Exception as e:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
                 raise CheckpointError(

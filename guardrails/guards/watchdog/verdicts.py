@@ -9,14 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError, HangError, RankFailedError, UnevenDataError
 from guardrails.distributed import dist as _dist
-from guardrails.engine.where import (
-    data_position,
-)
 from guardrails.guards.watchdog.records import (
     STALE_PERIODS,
     _in_collective,
-    _past,
-    _position,
     _progress_key,
     _where,
 )
@@ -109,7 +104,7 @@ class Verdicts:
                 "or crashed without a Python exception"
                 if pid_gone
                 else f"it stopped sending heartbeats for over "
-                f"{STALE_PERIODS * self.heartbeat_every_s:.0f} s: the process or its "
+                f"{STALE_PERIODS * self._period:.0f} s: the process or its "
                 "machine died, or it is frozen holding the GIL"
             )
             what = f"rank {r} died (last heartbeat: step {rec['step']}, {where}): {how}."
@@ -267,22 +262,24 @@ class Verdicts:
 
     def _explain(self, guard: Guard, *, deadline_s: float) -> GuardrailsError | None:
         """For an exception from a collective: which peer ended (failed, was killed,
-        ran out of data, left the loop), read within ``deadline_s``; ``None`` if none."""
+        ran out of data, left the loop), read within ``deadline_s``; ``None`` if none.
+        The one-key answers first (the job's verdict, the first failure, the first
+        rank out of data); every rank's records only if they say nothing."""
         end = time.monotonic() + deadline_s
         while True:
             try:
                 adopted = self._adopt_verdict(guard)
                 if adopted is not None:
                     return adopted
+                failed = self._first("failed")
+                if failed is not None and failed["rank"] != self._rank:
+                    return self._rank_failed(
+                        guard, {failed["rank"]: failed}, failed["rank"], dead=False
+                    )
+                uneven = self._past_a_shorter_peer(guard)
+                if uneven is not None:
+                    return uneven
                 finished = self._read("end", exclude_self=True)
-                for r, rec in sorted(finished.items()):
-                    if rec.get("state") == "failed":
-                        return self._rank_failed(guard, finished, r, dead=False)
-                exhausted = {r: rec for r, rec in finished.items() if rec.get("exhausted")}
-                if exhausted and guard.exhausted_at is None:
-                    mine = self._record(guard, time.monotonic())
-                    if any(_past(data_position(guard), _position(e)) for e in exhausted.values()):
-                        return self._uneven(guard, {**finished, self._rank: mine})
                 records = self._read("hb", exclude_self=True)
                 for r, rec in sorted(records.items()):
                     if r in finished:
@@ -297,36 +294,29 @@ class Verdicts:
                 return None
             time.sleep(0.1)
 
-    def _peers_ahead(self, mine: tuple[int, int]) -> dict[int, dict[str, Any]]:
-        """Peers (heartbeats and final records) that fetched past position ``mine``."""
-        records = self._read("hb", exclude_self=True)
-        records.update(self._read("end", exclude_self=True))
-        if any(_past(_position(rec), mine) for rec in records.values()):
-            return records
-        return {}
-
     def _check_uneven_at_end(self, guard: Guard) -> GuardrailsError | None:
-        """This rank's loop ended because its loader ran out: if a peer has already
-        fetched more batches, the data is uneven and the peer is now waiting for this
-        rank in a collective. Waits at most a few heartbeats, and only while some peer
-        is still on the same batch without having run out itself."""
-        deadline = time.monotonic() + 2 * self.heartbeat_every_s + 1
-        mine = data_position(guard)
+        """This rank's loop ended because its loader ran out: if a peer has fetched
+        more batches, the data is uneven and the peer is now waiting for this rank in
+        a collective. The peer finds out from this rank's record under the pass's
+        ``len`` key and claims the verdict; this rank waits for it a few periods at
+        most, and not at all once every rank has run out of this pass too."""
+        try:
+            uneven = self._post_exhausted(guard)
+        except Exception:
+            return None
+        if uneven is not None:
+            return uneven
+        epoch = guard.exhausted_at[0] if guard.exhausted_at is not None else guard.epoch
+        deadline = time.monotonic() + 2 * self._period + 1
         while True:
             try:
-                finished = self._read("end", exclude_self=True)
-                records = self._read("hb", exclude_self=True)
+                adopted = self._adopt_verdict(guard)
+                if adopted is not None:
+                    return adopted
+                if self._store.add(f"out/{epoch}", 0) >= self._world:
+                    return None  # every rank ran out of the same pass
             except Exception:
                 return None
-            records.update(finished)
-            ahead = [r for r, rec in records.items() if _past(_position(rec), mine)]
-            if ahead:
-                me = self._record(guard, time.monotonic())
-                me["exhausted"] = True
-                return self._uneven(guard, {**records, self._rank: me})
-            pending = [
-                r for r, rec in records.items() if not rec.get("exhausted") and r not in finished
-            ]
-            if not pending or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 return None
-            time.sleep(0.05)
+            time.sleep(0.1)

@@ -4,17 +4,25 @@ instead of NCCL's 10-minute or gloo's 30-minute timeout with no rank, op or line
 One daemon thread per rank. Every ``heartbeat_every_s`` (1 s) it samples, without
 touching the main thread, what the main thread advertises on the guard (``step``,
 ``phase``, ``collective`` set by the auditor, ``paused``, batches fetched, loader
-exhausted) and publishes it as this rank's heartbeat in the side store
-(``guard.side_store("watchdog")``, see ``distributed/store.py``). The training loop pays
-nothing per step: no hook, no store call, no lock; the thread reads plain attributes.
+exhausted). The training loop pays nothing per step: no hook, no store call, no lock;
+the thread reads plain attributes.
+
+The store (``guard.side_store("watchdog")``, see ``distributed/store.py``) sees one call
+per rank per period in a healthy run: the job's news counter (``guard.news``), which a
+rank bumps after writing something the others must see (a verdict, the end of its
+loop, running out of data, a request for heartbeats); what is behind it is read only
+when it moved. The period stretches with the number of ranks (1 s up to 2,500 ranks, 4 s
+at 10,000), so the job's total stays a fixed share of one store server.
 
 A rank that has not advanced (step, batch, collective, phase) for half the timeout (at
-most 30 s) is *suspect*: its thread captures the main thread's Python stack
-(``sys._current_frames``) and publishes it, and starts reading every rank's heartbeat.
-Reading all heartbeats only while suspect keeps the store traffic at one write and two
-small reads (the end counter, the verdict key) per rank per second in a healthy run;
-every rank reading every rank would be N² calls a second, a million at 1,000 ranks. At
-the full timeout it diagnoses from all ranks' records:
+most 30 s) is *suspect*: it counts itself in the job's ``wake`` counter, and while that
+count is above zero every rank publishes its heartbeat (its record above) each period;
+the suspect also publishes its main thread's Python stack (``sys._current_frames``).
+The first rank to become suspect (the one whose count made it 1) is the *diagnoser*:
+it alone reads every rank's records, each period, so a hang costs the others one write
+and one read a period and the store O(N) reads, not O(N²); another suspect takes over
+only if no verdict came half a timeout after its own (the diagnoser died, or its thread
+is starved). At the full timeout the diagnoser concludes from all ranks' records:
 
 * a rank whose process is gone (same machine: its pid no longer exists, seen at once;
   elsewhere: no new heartbeat for 3 periods and half the timeout) or that ended with an
@@ -25,14 +33,18 @@ the full timeout it diagnoses from all ranks' records:
   information, the least advanced ones) are stuck; the others wait for them.
 
 The first rank to conclude claims the verdict in the store (``add`` returns 1 to exactly
-one caller) and every other rank adopts it on its next tick, so all ranks report the
-same diagnosis, each with its own rank in the message. Then ``guard.fail_from_thread``:
-the main thread raises the error at its next step boundary if it gets there within
-``abort_after_s``; if not (stuck in a collective or a C call that Python cannot
-interrupt) the process reports and exits (``engine/process.die``), so the launcher tears
-the job down. Death of a peer and the end of a peer's loop are announced at once (a
-counter in the store every thread polls), so an exception on one rank ends the others
-in about a second, not after the timeout.
+one caller) and posts it as news; every other rank adopts it within a period, so all
+ranks report the same diagnosis, each with its own rank in the message. Then
+``guard.fail_from_thread``: the main thread raises the error at its next step boundary
+if it gets there within ``abort_after_s``; if not (stuck in a collective or a C call
+that Python cannot interrupt) the process reports and exits (``engine/process.die``), so
+the launcher tears the job down. Death of a peer and the end of a peer's loop are
+announced at once (its end record, the first failure kept under one key, and news), so
+an exception on one rank ends the others in about a period, not after the timeout. A
+rank whose loader runs out puts its record under the pass's ``len`` key
+(``compare_set``: the first one stays); a rank still fetching past that length sees it
+with the news and claims ``UnevenDataError``; when every rank ran out of the same pass,
+nobody waits.
 
 Not a hang: a rank inside ``g.pause_watchdog(...)`` (and everyone waiting for it); the
 first step (``torch.compile``, cuDNN autotuning, NCCL's lazy communicator setup take
@@ -58,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError, HangError, RankFailedError
 from guardrails.distributed import dist as _dist
+from guardrails.distributed import store as _store
 from guardrails.distributed.store import claim_verdict, read_verdict
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
@@ -189,7 +202,19 @@ class Watchdog(Verdicts, Component):
         self._seq = 0
         self._reset_clock(guard, time.monotonic())
         self._ends_seen = 0
-        self._finished: dict[int, dict[str, Any]] = {}
+        # The counter starts at 0 with this guard's keys: anything a peer posts, even
+        # before this rank's first tick, is news.
+        self._news_seen = 0
+        # The news poll's period, and the heartbeats' while someone asks for them:
+        # stretched with the world size so that all ranks stay within the store's
+        # budget (1 s up to 2,500 ranks, 4 s at 10,000).
+        self._period = _store.stretched(self.heartbeat_every_s, self._world)
+        self._published_at = -math.inf
+        self._awake = False  # some rank is suspect: publish heartbeats every period
+        self._woke = False  # this rank counted itself in "wake"
+        self._diagnoser = False  # ...and was the first to: it reads every rank
+        self._exhausted_posted: tuple[int, int] | None = None
+        self._exhausted_lock = threading.Lock()
         self._peer_seen: dict[int, tuple[int, float]] = {}  # rank -> (seq, first seen)
         self._store_down_since: float | None = None
         self._stop.clear()
@@ -283,35 +308,50 @@ class Watchdog(Verdicts, Component):
         idle = now - self._last_progress
         timeout = self._timeout(guard)
         suspect = idle >= min(timeout / 2, SUSPECT_AFTER_S)
+        self._count_suspect(guard, suspect)
         if suspect:  # refreshed every tick: the report shows where it is now
             self._store.set(f"stack/{self._rank}", thread_stack(self._main_ident))
-        self._publish(self._record(guard, now, idle=idle))
 
-        adopted = self._adopt_verdict(guard)
-        if adopted is not None:
-            return adopted
-        ends = self._store.add("ends", 0)
-        grew = ends > self._ends_seen
-        if grew:
-            # A rank writes its end record once, before it counts itself in "ends":
-            # the records are read again only when the count grows.
-            self._finished = self._read("end", exclude_self=True)
-            self._ends_seen = ends
-        finished = self._finished
-        if grew or suspect:
-            early = self._check_ended_peers(guard, finished, idle)
-            if early is not None:
-                return early
-        if guard.exhausted_at is not None and self._world > 1:
-            # This rank ran out of data but is still inside the guard (closing, or in
-            # a collective after its loop): a peer already past this rank's last batch
-            # will wait for it forever. Seen here within a heartbeat, not a timeout.
-            ahead = self._peers_ahead(data_position(guard))
-            if ahead:
-                mine = self._record(guard, now, idle=idle)
-                return self._uneven(guard, {**ahead, self._rank: mine})
+        # A healthy run costs one call here a period: the job's news counter. What is
+        # behind it (a verdict, a peer's end, a request for heartbeats) is read only
+        # when it moved.
+        news = guard.news.current(max_age_s=self._period)
+        if news != self._news_seen:
+            self._news_seen = news
+            adopted = self._adopt_verdict(guard)
+            if adopted is not None:
+                return adopted
+            self._awake = self._store.add("wake", 0) > 0
+            ends = self._store.add("ends", 0)
+            if ends > self._ends_seen:
+                self._ends_seen = ends
+                failed = self._peer_failed(guard, idle)
+                if failed is not None:
+                    return failed
+            uneven = self._past_a_shorter_peer(guard)
+            if uneven is not None:
+                return uneven
+        if (self._awake or suspect) and now - self._published_at >= self._period:
+            self._publish(self._record(guard, now, idle=idle))
+        if guard.exhausted_at is not None:
+            # Ran out of data but still inside the guard (closing, or in a collective
+            # after its loop): a peer already past this rank's last batch will wait
+            # for it forever. Said once; the peer (or this rank) claims the verdict.
+            uneven = self._post_exhausted(guard)
+            if uneven is not None:
+                return uneven
         if not suspect:
             return None
+        # One rank (the first suspect) reads every rank's records each tick; the others
+        # wait for its verdict, and take over only if none comes (it died, or its
+        # thread is starved) half a timeout after their own.
+        takeover = idle >= timeout + max(timeout / 2, STALE_PERIODS * self._period)
+        if not (self._diagnoser or takeover):
+            return None
+        finished = self._read("end", exclude_self=True)
+        early = self._check_ended_peers(guard, finished, idle)
+        if early is not None:
+            return early
         records = self._read("hb", exclude_self=False)
         records.update(finished)
         dead = self._dead_peers(records, now, finished, timeout)
@@ -324,6 +364,72 @@ class Watchdog(Verdicts, Component):
             self._stacks_awaited_since = None
             return None
         return self._diagnose(guard, records, timeout)
+
+    def _count_suspect(self, guard: Guard, suspect: bool) -> None:
+        """Count this rank in the job's ``wake`` counter while it is suspect: every rank
+        publishes heartbeats while the count is above zero (only then are they read),
+        and the rank that made it 1 is the one that reads them."""
+        if suspect == self._woke:
+            return
+        n = self._store.add("wake", 1 if suspect else -1)
+        self._woke = suspect
+        self._diagnoser = suspect and n == 1
+        self._awake = self._awake or suspect
+        guard.news.post()
+
+    def _first(self, key: str) -> dict[str, Any] | None:
+        """The record under ``key`` (set once, by ``compare_set``), or ``None``."""
+        if not self._store.check([key]):
+            return None
+        return json.loads(bytes(self._store.get(key)).decode())
+
+    def _peer_failed(self, guard: Guard, idle: float) -> GuardrailsError | None:
+        """A peer's loop ended with an exception (the first one, from one key)."""
+        rec = self._first("failed")
+        if rec is None or rec["rank"] == self._rank:
+            return None
+        # An error raised on every rank at the same step (NaN policy, the auditor's
+        # mismatch) is about to be raised here too: give it a beat (look again on
+        # the next ticks).
+        if rec.get("error_class") in _RAISED_EVERYWHERE and idle < 2 * self.heartbeat_every_s + 1:
+            self._news_seen = -1
+            return None
+        return self._rank_failed(guard, {rec["rank"]: rec}, rec["rank"], dead=False)
+
+    def _post_exhausted(self, guard: Guard) -> GuardrailsError | None:
+        """Once per pass that ran out: put this rank's record under the pass's ``len``
+        key unless a peer's is there (the first to run out), count it in the pass's
+        ``out`` counter, and tell everyone. A first record with another length than
+        this rank's means uneven data."""
+        with self._exhausted_lock:
+            at = guard.exhausted_at
+            if at is None or at == self._exhausted_posted:
+                return None
+            self._exhausted_posted = at
+            mine = self._record(guard, time.monotonic())
+            mine.update(exhausted=True, epoch=at[0], batches=at[1])
+            first = json.loads(
+                bytes(
+                    self._store.compare_set(f"len/{at[0]}", "", json.dumps(mine, default=str))
+                ).decode()
+            )
+            self._store.add(f"out/{at[0]}", 1)
+            guard.news.post()
+        if first["rank"] != self._rank and _position(first) != at:
+            return self._uneven(guard, {first["rank"]: first, self._rank: mine})
+        return None
+
+    def _past_a_shorter_peer(self, guard: Guard) -> GuardrailsError | None:
+        """This rank, still fetching, is past where a peer's loader ran out in the same
+        pass: the peer will never join this rank's next collective."""
+        if guard.exhausted_at is not None:
+            return None
+        here = data_position(guard)
+        first = self._first(f"len/{here[0]}")
+        if first is None or not _past(here, _position(first)):
+            return None
+        mine = self._record(guard, time.monotonic())
+        return self._uneven(guard, {first["rank"]: first, self._rank: mine})
 
     def _awaiting_stacks(
         self, live: dict[int, dict[str, Any]], stacks: dict[int, str], timeout: float
@@ -421,6 +527,7 @@ class Watchdog(Verdicts, Component):
 
     def _publish(self, record: dict[str, Any]) -> None:
         self._store.set(f"hb/{self._rank}", json.dumps(record, default=str))
+        self._published_at = time.monotonic()
 
     def _announce(self, guard: Guard, state: str, exc: BaseException | None) -> None:
         """The loop on this rank ended (``closed``, ``failed`` with ``exc``, or
@@ -432,11 +539,15 @@ class Watchdog(Verdicts, Component):
             if exc is not None:
                 record["error"] = f"{type(exc).__name__}: {_first_line(exc)}"
                 record["error_class"] = type(exc).__name__
-            self._store.set(f"end/{self._rank}", json.dumps(record, default=str))
+            text = json.dumps(record, default=str)
+            self._store.set(f"end/{self._rank}", text)
             # Which ranks ended, in one key: a reader gets the list, then just their
             # records, instead of asking for every rank's key in turn.
             self._store.append("ended", f"{self._rank} ")
+            if state == "failed":  # the first failure, where every rank reads it
+                self._store.compare_set("failed", "", text)
             self._store.add("ends", 1)
+            guard.news.post()
         except Exception as err:
             log.debug("guardrails: watchdog could not announce the end: %s", err)
 
@@ -490,6 +601,7 @@ class Watchdog(Verdicts, Component):
         the verdict in force, as this rank's error."""
         spec = {**spec, "by": self._rank}
         if claim_verdict(self._store, spec):
+            guard.news.post(verdict=True)
             return _build(spec, guard)
         # Lost: the winner sets its verdict right after its claim.
         won = read_verdict(self._store, wait_s=2.0)
@@ -602,7 +714,9 @@ class Watchdog(Verdicts, Component):
         only that long is it called dead). Plus ranks that never published during a
         whole timeout (they died before their guard started)."""
         dead = []
-        stale_after = max(STALE_PERIODS * self.heartbeat_every_s + 0.5, timeout / 2)
+        # Plus two periods: a peer publishes only once it has seen the news that some
+        # rank is suspect, which takes up to a period (more on a starved host).
+        stale_after = max(STALE_PERIODS * self._period + 0.5, timeout / 2) + 2 * self._period
         for r, rec in records.items():
             if r == self._rank or r in finished:
                 continue
