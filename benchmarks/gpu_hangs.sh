@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Time from fault to error, per scenario and rank, on 2 ranks:
+# Time from fault to error, per scenario and rank, on 2 ranks (NPROC=4: 4 ranks, 4 GPUs):
 #     bash benchmarks/gpu_hangs.sh OUT_DIR            # 2 GPUs, NCCL (the default)
 #     BACKEND=gloo bash benchmarks/gpu_hangs.sh OUT   # the same on CPU, gloo
 #
@@ -13,7 +13,7 @@
 # file's float `time`, written when the rank reported), and the first line of the error.
 # Results: OUT_DIR/hangs.json and OUT_DIR/hangs.md; logs under OUT_DIR/<mode>-<scenario>.
 # Knobs (env): SCENARIOS (a subset; ONLY=1 leaves out the example desync), BACKEND
-# (nccl|gloo), HANG_TIMEOUT_S (5), CAP_S (60: wall-clock cap per
+# (nccl|gloo), NPROC (2: ranks, one GPU each), HANG_TIMEOUT_S (5), CAP_S (60: wall-clock cap per
 # run, `timeout`), MODES ("torchrun procs"), PYTHON (python3).
 set -u -o pipefail
 OUT=${1:?usage: gpu_hangs.sh OUT_DIR}
@@ -21,6 +21,7 @@ BACKEND=${BACKEND:-nccl}
 T=${HANG_TIMEOUT_S:-5}
 CAP=${CAP_S:-60}
 MODES=${MODES:-torchrun procs}
+NPROC=${NPROC:-2}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -30,7 +31,7 @@ if [ "$BACKEND" = nccl ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/machine.txt" 2>&1
   DEVICE=cuda
 else
-  echo "cpu, $(nproc) cores" > "$OUT/machine.txt"
+  echo "cpu, $(getconf _NPROCESSORS_ONLN) cores" > "$OUT/machine.txt"
   DEVICE=cpu
 fi
 $PY -c "import torch; print('torch', torch.__version__)" >> "$OUT/machine.txt" \
@@ -58,18 +59,18 @@ for mode in $MODES; do
     start=$(date +%s.%N)
     if [ "$mode" = torchrun ]; then
       # --log-dir keeps each rank's error.json (and --redirects 3 its output) there.
-      timeout -k 5 "$CAP" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+      timeout -k 5 "$CAP" $PY -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
         --log-dir "$dir/logs" --redirects 3 $(target "$s" "$dir") > "$dir/torchrun.log" 2>&1
       echo $? > "$dir/rc"
     else
       port=$(free_port)
-      for r in 0 1; do
-        RANK=$r LOCAL_RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      for r in $(seq 0 $((NPROC - 1))); do
+        RANK=$r LOCAL_RANK=$r WORLD_SIZE=$NPROC MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
         TORCHELASTIC_ERROR_FILE="$dir/logs/error$r.json" \
           timeout -k 5 "$CAP" $PY $(target "$s" "$dir") > "$dir/logs/rank$r.log" 2>&1 &
         eval "pid$r=$!"
       done
-      for r in 0 1; do
+      for r in $(seq 0 $((NPROC - 1))); do
         eval "wait \$pid$r"; echo $? > "$dir/rc$r"; date +%s.%N > "$dir/end$r"
       done
     fi
@@ -78,11 +79,12 @@ for mode in $MODES; do
   done
 done
 
-$PY - "$OUT" "$T" "$BACKEND" "$MODES" <<'PY'
+$PY - "$OUT" "$T" "$BACKEND" "$MODES" "$NPROC" <<'PY'
 import json, re, sys
 from pathlib import Path
 
 out, timeout_s, backend, modes = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+nproc = int(sys.argv[5])
 rows = []
 for d in sorted(p for p in out.iterdir() if p.is_dir()):
     mode, scenario = d.name.split("-", 1)
@@ -108,7 +110,7 @@ for d in sorted(p for p in out.iterdir() if p.is_dir()):
             "seconds_after_fault": None if fault is None or "time" not in extra
             else round(extra["time"] - fault, 2),
         }
-    for r in (0, 1):
+    for r in range(nproc):
         rc_file = d / (f"rc{r}" if mode == "procs" else "rc")
         rc = int(rc_file.read_text()) if rc_file.exists() else None
         end_file = d / f"end{r}"
@@ -129,7 +131,7 @@ for d in sorted(p for p in out.iterdir() if p.is_dir()):
 meta = {"backend": backend, "hang_timeout_s": timeout_s,
         "machine": (out / "machine.txt").read_text().strip(), "rows": rows}
 (out / "hangs.json").write_text(json.dumps(meta, indent=1))
-lines = [f"# Fault to error, 2 ranks, {backend}, hang_timeout_s={timeout_s:g}", "",
+lines = [f"# Fault to error, {nproc} ranks, {backend}, hang_timeout_s={timeout_s:g}", "",
          "```", meta["machine"], "```", "",
          "| mode | scenario | rank | exit | error | error s after fault | process end s | first line |",
          "|---|---|---|---|---|---|---|---|"]

@@ -97,7 +97,8 @@ class Counts:
                 "now": time.monotonic(),
                 "extra": self.extra,
             }
-        tmp = self.path.with_suffix(".tmp")
+        # A file per thread: the flusher and the rank's last dump may write at once.
+        tmp = self.path.with_suffix(f".{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.path)
 

@@ -528,6 +528,8 @@ class CollectiveAuditor(Component):
         if force or counts != self._published_n:
             self._store.set(f"r{self._rank}", self._blob(**kw))
             self._published_n = counts
+        if kw.get("final"):  # a flag a closing neighbour polls, instead of the record
+            self._store.set(f"final/{self._rank}", "1")
 
     def _tick(self) -> None:
         self._drain()
@@ -695,20 +697,17 @@ class CollectiveAuditor(Component):
         views: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.close_wait_s
         verdict = None
+        flags = [f"final/{r}" for r in wait_for]
         while store_ok:
             try:
                 verdict = self._read_verdict()
-                for r in wait_for:
-                    if (view := self._read_peer(r)) is not None:
-                        views[r] = view
+                if verdict is None and (not flags or self._store.check(flags)):
+                    views.update((r, v) for r in wait_for if (v := self._read_peer(r)))
+                    break
             except Exception:
                 store_ok = False
                 break
-            if verdict is not None:
-                break
-            if all(views.get(r, {}).get("final") for r in wait_for):
-                break
-            if time.monotonic() >= deadline:
+            if verdict is not None or time.monotonic() >= deadline:
                 break
             time.sleep(min(0.05, self.interval_s))
         if verdict is None:

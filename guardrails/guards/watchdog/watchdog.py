@@ -209,7 +209,7 @@ class Watchdog(Verdicts, Component):
         # stretched with the world size so that all ranks stay within the store's
         # budget (1 s up to 2,500 ranks, 4 s at 10,000).
         self._period = _store.stretched(self.heartbeat_every_s, self._world)
-        self._published_at = -math.inf
+        self._published_at = self._stack_at = -math.inf
         self._awake = False  # some rank is suspect: publish heartbeats every period
         self._woke = False  # this rank counted itself in "wake"
         self._diagnoser = False  # ...and was the first to: it reads every rank
@@ -309,8 +309,10 @@ class Watchdog(Verdicts, Component):
         timeout = self._timeout(guard)
         suspect = idle >= min(timeout / 2, SUSPECT_AFTER_S)
         self._count_suspect(guard, suspect)
-        if suspect:  # refreshed every tick: the report shows where it is now
+        if suspect and now - self._stack_at >= self._period:
+            # Refreshed every period: the report shows where it is now.
             self._store.set(f"stack/{self._rank}", thread_stack(self._main_ident))
+            self._stack_at = now
 
         # A healthy run costs one call here a period: the job's news counter. What is
         # behind it (a verdict, a peer's end, a request for heartbeats) is read only
@@ -580,15 +582,22 @@ class Watchdog(Verdicts, Component):
         return out
 
     def _read_stacks(self, ranks: list[int]) -> dict[int, str]:
-        stacks: dict[int, str] = {}
-        for r in ranks:
-            key = f"stack/{r}"
-            try:
-                if self._store.check([key]):
-                    stacks[r] = bytes(self._store.get(key)).decode()
-            except Exception:
-                pass
-        return stacks
+        """The published stacks of ``ranks``: two round trips when all are there (the
+        usual case: every live rank in a hang is suspect and publishes), else one
+        ``check`` per key."""
+        keys = [f"stack/{r}" for r in ranks]
+        try:
+            if keys and self._store.check(keys):
+                present = keys
+            else:
+                present = [k for k in keys if self._store.check([k])]
+            values = self._store.multi_get(present) if present else []
+        except Exception:
+            return {}
+        return {
+            int(k.rsplit("/", 1)[1]): bytes(v).decode()
+            for k, v in zip(present, values, strict=True)
+        }
 
     # ------------------------------------------------------------------ verdicts
 
