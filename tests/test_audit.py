@@ -289,6 +289,22 @@ def test_extra_collective_with_another_shape(tmp_path):
     assert any("float32[3]" in text and "float32[8, 4]" in text for text in reports)
 
 
+@pytest.mark.slow(reason="2 ranks (gloo), GuardedDDP")
+def test_the_first_rank_names_the_mismatch_when_gloo_aborted_the_last(tmp_path):
+    # The other way round: rank 1 issues the extra call (GuardedDDP: its buckets are in
+    # the audited sequence) and gloo aborts rank 1. Rank 0, the group's first member,
+    # has no member before it to compare with: at close it compares with the one after
+    # it, from that rank's flight recorder.
+    worker = HERE.parent / "hang_worker.py"
+    cmd = [sys.executable, worker, "extra", "--hang-timeout-s", 5, "--out", tmp_path]
+    with launch(cmd, out=tmp_path, error_files=True) as job:
+        first, last = job.wait(BOUND_S)
+    assert last.code != 0 and first.code == 82, first.out[-3000:]
+    extra = first.error["message"]["extraInfo"]
+    assert extra["error_class"] == "CollectiveMismatchError", extra
+    assert "collective mismatch on the default group" in extra["py_callstack"]
+
+
 # DDP with the test's recording hook, and the real GuardedDDP (its own hook reports
 # each bucket to the auditor).
 @pytest.mark.parametrize("scenario", ["extra_same", "extra_same_gddp"])

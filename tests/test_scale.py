@@ -53,7 +53,7 @@ def _per_rank(res: dict, phase: str, owner: str | None = None) -> dict[int, tupl
 
 
 def test_a_healthy_rank_makes_the_same_store_calls_at_2_and_6_ranks(tmp_path):
-    jobs = _jobs(tmp_path, "steady", steady_s=5)
+    jobs = _jobs(tmp_path, "steady", steady_s=3)
     for world, res in jobs.items():
         assert res["rc"] == 0 and len(res["ranks"]) == world, res["rc"]
         # The watchdog in a healthy run: the job's news counter (shared with the other
@@ -78,7 +78,7 @@ def test_a_healthy_rank_makes_the_same_store_calls_at_2_and_6_ranks(tmp_path):
 
 
 def test_in_a_hang_only_the_diagnoser_reads_every_rank(tmp_path):
-    jobs = _jobs(tmp_path, "hang", steady_s=2, hang_timeout_s=6)
+    jobs = _jobs(tmp_path, "hang", steady_s=1, hang_timeout_s=5)
     for world, res in jobs.items():
         hang = _per_rank(res, "hang")
         assert len(hang) == world

@@ -1,5 +1,7 @@
-"""The side store's first-writer-wins verdict (guardrails.distributed.store), on a real HashStore:
-the store kind torch's own tests use in one process, with TCPStore's add/set/check/get."""
+"""The side store's helpers (guardrails.distributed.store) on a real HashStore, threads
+standing in for ranks: the store kind torch's own tests use in one process, with
+TCPStore's add/set/check/get/compare_set/wait. The first-writer-wins verdict, the
+store barrier and agreement, the job's news counter."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ import time
 
 import torch.distributed as dist
 
-from guardrails.distributed.store import claim_verdict, read_verdict
+from guardrails.distributed.store import (
+    News,
+    barrier,
+    claim_verdict,
+    read_verdict,
+    same_everywhere,
+)
 
 
 def test_the_first_claim_wins_and_every_reader_sees_it():
@@ -49,3 +57,68 @@ def test_a_reader_waits_for_a_claim_being_written():
     timer.join()
     # Nothing to wait for: None after the wait.
     assert read_verdict(dist.HashStore(), wait_s=0.1) is None
+
+
+def _as_ranks(world: int, fn) -> list:
+    """``fn(rank)`` in ``world`` threads at once (ranks sharing one real store)."""
+    out: list = [None] * world
+    start = threading.Barrier(world)
+
+    def run(rank: int) -> None:
+        start.wait()
+        out[rank] = fn(rank)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return out
+
+
+def test_same_everywhere_gives_every_rank_the_same_answer():
+    store = dist.HashStore()
+    same = _as_ranks(6, lambda r: same_everywhere(store, "a", "digest", world=6))
+    assert same == [True] * 6
+    # One rank differs (whichever arrives first): every rank hears it.
+    odd = _as_ranks(6, lambda r: same_everywhere(store, "b", f"d{r == 4}", world=6))
+    assert odd == [False] * 6
+    # A rank with trouble (a launch error) and the same value: the same.
+    trouble = _as_ranks(6, lambda r: same_everywhere(store, "c", "d", world=6, trouble=r == 2))
+    assert trouble == [False] * 6
+
+
+def test_nobody_leaves_the_barrier_before_the_last_rank_arrives():
+    store = dist.HashStore()
+    left: list[float] = []
+    late = 0.3
+
+    def rank(r: int) -> None:
+        if r == 3:
+            time.sleep(late)
+        t0 = time.monotonic()
+        barrier(store, "x", world=4)
+        left.append(time.monotonic() - t0 if r != 3 else late)
+
+    _as_ranks(4, rank)
+    assert len(left) == 4 and min(left) >= late * 0.8, left
+
+
+def test_news_reads_the_store_at_most_once_per_period():
+    store = dist.HashStore()
+    calls = {"add": 0}
+
+    class Counting:  # the real store, its adds counted
+        def add(self, key: str, n: int) -> int:
+            calls["add"] += 1
+            return store.add(key, n)
+
+    news = News(Counting(), world=8)
+    assert news.period_s == 1.0 and News(store, world=10_000).period_s == 4.0
+    assert news.current() == 0 and calls["add"] == 1
+    for _ in range(100):
+        news.current()  # cached: no store call
+    assert calls["add"] == 1
+    News(store, world=8).post()  # another rank posts
+    assert news.current() == 0  # not seen until the period has passed...
+    assert news.current(max_age_s=0) == 1  # ...or a caller asks for a fresh read

@@ -47,6 +47,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -61,6 +62,8 @@ log = logging.getLogger("guardrails.guard")
 #: so the count is the same on every rank and makes key names unique per guard.
 _generation = itertools.count()
 
+
+_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 
 #: Store calls per second, summed over all ranks, that one periodic task of guardrails
 #: (the news poll, the collective comparison, the stop/save agreement) may cost in a
@@ -139,6 +142,33 @@ def wait_keys(store: dist.Store, keys: list[str], timeout: timedelta, *, world: 
         time.sleep(poll_s)
 
 
+def barrier(store: dist.Store, name: str, *, world: int, timeout_s: float = 600.0) -> None:
+    """Every rank waits here until all ``world`` ranks have arrived: one ``add`` each,
+    and one ``wait`` the store answers when the last rank sets the key (no polling,
+    no collective, so no ring whose latency grows with N). Main thread, at start:
+    the ``wait`` holds the process's store client meanwhile."""
+    if store.add(f"{name}/arrived", 1) >= world:
+        store.set(f"{name}/go", "1")
+    else:
+        store.wait([f"{name}/go"], timedelta(seconds=timeout_s))
+
+
+def same_everywhere(
+    store: dist.Store, name: str, value: str, *, world: int, trouble: bool = False
+) -> bool:
+    """Whether every rank called this with the same ``value`` (a digest, never empty)
+    and none with ``trouble``: the same answer on every rank, in four store calls a
+    rank whatever N. The first rank's value is kept (``compare_set``), a rank whose
+    value differs counts itself, and after a :func:`barrier` every rank reads the
+    count. Every rank must call it, with the same ``name``. Details on a ``False``
+    are the caller's to gather (the failure path)."""
+    first = bytes(store.compare_set(f"{name}/first", "", value)).decode()
+    if first != value or trouble:
+        store.add(f"{name}/trouble", 1)
+    barrier(store, name, world=world)
+    return int(store.add(f"{name}/trouble", 0)) == 0
+
+
 def distributed() -> bool:
     """Whether a default process group with more than one rank is up."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -197,7 +227,21 @@ def open_side_group(timeout_s: float = 600.0) -> dist.ProcessGroup | None:
     rank must call it, in the same order relative to other group creations."""
     if not distributed():
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    # Lazily connected: gloo otherwise opens a socket to every other rank at creation
+    # (N-1 a rank, each pair's address through the store: O(N^2) store reads at 10,000
+    # ranks), for a group that on a healthy run carries no collective at all. With
+    # TORCH_GLOO_LAZY_INIT a pair connects on its first use (ring algorithms: the
+    # neighbours only). Read when the group is built, so set for that call only;
+    # torch versions without it ignore it.
+    previous = os.environ.get(_GLOO_LAZY)
+    os.environ[_GLOO_LAZY] = "1"
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    finally:
+        if previous is None:
+            del os.environ[_GLOO_LAZY]
+        else:
+            os.environ[_GLOO_LAZY] = previous
 
 
 def close_side_group(group: dist.ProcessGroup | None) -> None:

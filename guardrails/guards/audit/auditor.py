@@ -682,12 +682,15 @@ class CollectiveAuditor(Component):
         mine_groups = list(self._hist.values())
         if not mine_groups:
             return None
-        # Wait for each group's neighbour (the member just before this rank) to publish
-        # its final record, then compare with it. A neighbour that never does (dead, or
-        # stuck in a collective) is completed by its flight recorder (same host), and
-        # the members before it stand in (at most CLOSE_FALLBACK). Every rank does the
-        # same, so each pair of neighbours is compared: a few records a rank, whatever N.
-        wait_for = sorted({h.before for h in mine_groups} - {None, self._rank})
+        # Wait for each group's neighbours (the members just before and after this rank)
+        # to publish their final records, then compare with them. A neighbour that
+        # never does (dead, or stuck in a collective) is completed by its flight
+        # recorder (same host), and the members before it stand in (at most
+        # CLOSE_FALLBACK). Every rank does the same, so each pair of neighbours is
+        # compared from both sides: a few records a rank, whatever N.
+        wait_for = sorted(
+            {r for h in mine_groups for r in (h.before, h.after)} - {None, self._rank}
+        )
         peers = list(wait_for)
         for h in mine_groups:
             members = sorted(h.ranks)

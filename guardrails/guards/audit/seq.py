@@ -32,6 +32,9 @@ class _History:
         members = sorted(ranks)
         at = members.index(me) if me in members else 0
         self.before: int | None = members[at - 1] if at > 0 else None
+        # ...and the one after it, also compared at close: a neighbour the backend
+        # aborted cannot compare, so each side of it does.
+        self.after: int | None = members[at + 1] if at + 1 < len(members) else None
         self.n = 0
         self.cum = 0
         # (seq, key digest, rolling hash, display fields...) newest last
