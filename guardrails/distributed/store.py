@@ -129,28 +129,31 @@ def wait_keys(store: dist.Store, keys: list[str], timeout: timedelta, *, world: 
     client runs one call at a time for the whole process, and a ``wait`` keeps its turn
     until the keys come: a background writer waiting a minute for a checkpoint's
     commit would hold up every other thread's call for that minute, the main thread's
-    agreements and the watchdog's heartbeats included. So: ``check`` every 50 ms
-    (stretched with the world size, all ranks polling at once), ``TimeoutError`` at the
-    end."""
+    agreements and the watchdog's heartbeats included. So: ``check``, first after 1 ms
+    and then twice as long each time up to 50 ms (stretched with the world size: every
+    rank may be polling at once), ``TimeoutError`` at the end. What comes within
+    milliseconds is seen within milliseconds."""
     deadline = time.monotonic() + timeout.total_seconds()
-    poll_s = stretched(0.05, world)
+    poll_s, longest_s = 0.001, stretched(0.05, world)
     while not store.check(keys):
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"{len(keys)} key(s) ({keys[0]}...) not set within {timeout.total_seconds():.0f} s"
             )
         time.sleep(poll_s)
+        poll_s = min(2 * poll_s, longest_s)
 
 
 def barrier(store: dist.Store, name: str, *, world: int, timeout_s: float = 600.0) -> None:
     """Every rank waits here until all ``world`` ranks have arrived: one ``add`` each,
-    and one ``wait`` the store answers when the last rank sets the key (no polling,
-    no collective, so no ring whose latency grows with N). Main thread, at start:
-    the ``wait`` holds the process's store client meanwhile."""
+    then polls (:func:`wait_keys`) for the key the last rank sets. No collective, so
+    no ring whose latency grows with N; and no ``store.wait``, which would hold the
+    process's store client, and the watchdog with it, while a rank never arrives (its
+    loader stuck before the first batch, say)."""
     if store.add(f"{name}/arrived", 1) >= world:
         store.set(f"{name}/go", "1")
     else:
-        store.wait([f"{name}/go"], timedelta(seconds=timeout_s))
+        wait_keys(store, [f"{name}/go"], timedelta(seconds=timeout_s), world=world)
 
 
 def same_everywhere(
