@@ -16,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,6 @@ def main() -> None:
     )
     a = p.parse_args()
     if a.slow_dcp_writes:
-        import time
-
         from guardrails.checkpoint import sharded
 
         item_data = sharded._item_data
@@ -123,6 +122,11 @@ def main() -> None:
                 if g.step == a.sigterm_at and a.rank in kill:
                     os.kill(os.getpid(), signal.SIGTERM)
                 if g.step == a.crash_at:  # a crash: no signal save, writers cut off
+                    if a.rank == 0 and a.world > 1:
+                        # Rank 0 hosts the store here (torchrun's agent would): it goes
+                        # last, so a peer still finishing this step's store calls (the
+                        # stop/save agreement) does not find the store gone first.
+                        time.sleep(1.0)
                     os._exit(3)
                 if g.step >= a.steps:
                     break

@@ -82,10 +82,14 @@ def info(result: RankResult) -> dict:
 
 
 def assert_bounded(results: list[RankResult]) -> None:
+    # The bound stretches with the machine's load like every wait of the harness (the
+    # 1-minute load average still holds the 27 processes that just ran side by side):
+    # a process that got its error in time can take seconds more to exit on 2 cores.
+    bound = patience(BOUND_S)
     t0 = fault_time(results)
     for r, res in enumerate(results):
         assert res.ended is not None, f"rank {r} never ended:\n{res.out[-3000:]}"
-        assert res.ended - t0 < BOUND_S, f"rank {r} took {res.ended - t0:.1f} s"
+        assert res.ended - t0 < bound, f"rank {r} took {res.ended - t0:.1f} s (bound {bound:.0f})"
 
 
 # ---------------------------------------------------------------------- stuck ranks

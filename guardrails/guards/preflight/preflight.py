@@ -172,7 +172,9 @@ class Preflight(Component):
         self._guard = guard
         self._store = guard.side_store("preflight")
         mine = self._facts(guard)
-        if self._agreed(guard, mine):
+        with guard.in_phase("agree"):
+            agreed = self._agreed(guard, mine)
+        if agreed:
             # Every rank's facts are this rank's: decide from this rank's alone (the
             # launch problems and GPU of the others were checked on the way).
             self._decide(guard, [{**mine, "gpu": None}])
@@ -324,7 +326,9 @@ class Preflight(Component):
         mine = _NO_BATCH if batch is None else batch_fingerprint(batch)
         key = mine if isinstance(mine, str) else mine["key"]
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode())
-        if same_everywhere(self._store, "batch", digest.hexdigest(), world=guard.world_size):
+        with guard.in_phase("agree"):  # waits for every rank: a stuck one is named
+            same = same_everywhere(self._store, "batch", digest.hexdigest(), world=guard.world_size)
+        if same:
             return  # every rank's first batch has this one's structure
         gathered: list[Any] = [None] * guard.world_size
         dist.all_gather_object(gathered, mine, group=guard.side_group)

@@ -75,8 +75,9 @@ def _host_id() -> str:
 def _in_collective(rec: dict[str, Any]) -> bool:
     """Whether the rank is waiting on other ranks: inside a collective the auditor saw,
     or its innermost Python frame is in torch.distributed / DDP, or in autograd's
-    backward (where DDP waits for its gradient all-reduce)."""
-    if rec.get("collective"):
+    backward (where DDP waits for its gradient all-reduce), or in a guardrails
+    agreement between ranks (phase ``agree``: preflight's exchange through the store)."""
+    if rec.get("collective") or rec.get("phase") == "agree":
         return True
     frames = parse_stack(rec.get("_stack", ""))
     if not frames:
@@ -125,7 +126,7 @@ def _where(rec: dict[str, Any]) -> str:
             "optimizer": "in optimizer.step()",
             "loop": "in the loop body",
             "setup": "before the first batch",
-            "agree": "in the guard's stop/save agreement with the other ranks",
+            "agree": "in a guardrails agreement with the other ranks (start checks, stop/save)",
         }.get(str(phase), f"in phase {phase}")
     frames = parse_stack(rec.get("_stack", ""))
     if frames:
