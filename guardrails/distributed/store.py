@@ -275,8 +275,9 @@ def claim_verdict(store: dist.Store, value: Any, key: str = "verdict") -> bool:
 def read_verdict(
     store: dist.Store, key: str = "verdict", *, wait_s: float = 0.0, poll_s: float = 0.05
 ) -> Any:
-    """The value published under ``key`` by :func:`claim_verdict`, or ``None`` if there
-    is none (after waiting up to ``wait_s`` for it, polling every ``poll_s``)."""
+    """The value published under ``key`` by :func:`claim_verdict` (or any JSON value
+    set once under it, by ``compare_set``), or ``None`` if there is none (after waiting
+    up to ``wait_s`` for it, polling every ``poll_s``)."""
     deadline = time.monotonic() + wait_s
     while True:
         if store.check([key]):

@@ -211,7 +211,7 @@ class CollectiveAuditor(Component):
         self._published_peers: set[int] = set()
         # neighbour -> {group: this rank's count when a read of it covered them all}
         self._covered: dict[int, dict[str, int]] = {}
-        self._news_seen = -1
+        self._news_seen = 0
         self._period_s = self.interval_s
 
     # ------------------------------------------------------------------ lifecycle
@@ -718,8 +718,7 @@ class CollectiveAuditor(Component):
             time.sleep(min(0.05, self.interval_s))
         if verdict is None:
             for r in dict.fromkeys(peers):
-                stand_in = r not in wait_for
-                if stand_in and all(w in views for w in wait_for):
+                if r not in wait_for and all(w in views for w in wait_for):
                     break  # every neighbour is accounted for: no stand-ins needed
                 if r not in views and store_ok:
                     try:

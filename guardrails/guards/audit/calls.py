@@ -54,13 +54,12 @@ _FRAME_WALK = 8  # frames climbed out of torch.distributed at most (all_gather_o
 class _Group:
     """What the auditor knows about one process group (cached per group object)."""
 
-    __slots__ = ("leader", "name", "p2p", "pg", "ranks", "seq")
+    __slots__ = ("name", "p2p", "pg", "ranks", "seq")
 
     def __init__(self, pg: Any, name: str, ranks: list[int]) -> None:
         self.pg = pg  # held so that id(pg) stays unique while cached
         self.name = name
         self.ranks = ranks
-        self.leader = min(ranks)
         self.seq = 0  # collectives issued on this group (compared across ranks)
         self.p2p = 0  # point-to-point calls (numbered apart: ranks differ legitimately)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 WINDOW = 48  # entries per group published each interval (~6 KB of JSON)
-HISTORY = 4096  # entries per group kept locally to compare against a lagging leader
+HISTORY = 4096  # entries per group kept locally to compare against a lagging neighbour
 ANCHOR_EVERY = 64  # a rolling-hash anchor every this many entries, the last 64 published
 
 

@@ -4,6 +4,7 @@ or is stuck, and the error each rank raises, naming it.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -271,11 +272,9 @@ class Verdicts:
                 adopted = self._adopt_verdict(guard)
                 if adopted is not None:
                     return adopted
-                failed = self._first("failed")
-                if failed is not None and failed["rank"] != self._rank:
-                    return self._rank_failed(
-                        guard, {failed["rank"]: failed}, failed["rank"], dead=False
-                    )
+                failed = self._peer_failed(guard, idle=math.inf)  # no beat: it failed
+                if failed is not None:
+                    return failed
                 uneven = self._past_a_shorter_peer(guard)
                 if uneven is not None:
                     return uneven

@@ -379,15 +379,9 @@ class Watchdog(Verdicts, Component):
         self._awake = self._awake or suspect
         guard.news.post()
 
-    def _first(self, key: str) -> dict[str, Any] | None:
-        """The record under ``key`` (set once, by ``compare_set``), or ``None``."""
-        if not self._store.check([key]):
-            return None
-        return json.loads(bytes(self._store.get(key)).decode())
-
     def _peer_failed(self, guard: Guard, idle: float) -> GuardrailsError | None:
         """A peer's loop ended with an exception (the first one, from one key)."""
-        rec = self._first("failed")
+        rec = read_verdict(self._store, "failed")  # set once, by compare_set
         if rec is None or rec["rank"] == self._rank:
             return None
         # An error raised on every rank at the same step (NaN policy, the auditor's
@@ -427,7 +421,7 @@ class Watchdog(Verdicts, Component):
         if guard.exhausted_at is not None:
             return None
         here = data_position(guard)
-        first = self._first(f"len/{here[0]}")
+        first = read_verdict(self._store, f"len/{here[0]}")
         if first is None or not _past(here, _position(first)):
             return None
         mine = self._record(guard, time.monotonic())
