@@ -125,6 +125,13 @@ class CountingStore:
 
     def __getattr__(self, name):
         real = getattr(self._store, name)
+        if name == "clone":  # a connection of its own (store.wait_keys): counted too
+
+            def clone():
+                self._counts.add(f"store.{self._owner}.clone", 0, 0)
+                return CountingStore(real(), self._counts, self._owner)
+
+            return clone
         if name not in METHODS:
             return real
 

@@ -128,11 +128,27 @@ def wait_keys(store: dist.Store, keys: list[str], timeout: timedelta, *, world: 
     """``store.wait(keys, timeout)`` without holding the store meanwhile. ``TCPStore``'s
     client runs one call at a time for the whole process, and a ``wait`` keeps its turn
     until the keys come: a background writer waiting a minute for a checkpoint's
-    commit would hold up every other thread's call for that minute, the main thread's
-    agreements and the watchdog's heartbeats included. So: ``check``, first after 1 ms
-    and then twice as long each time up to 50 ms (stretched with the world size: every
-    rank may be polling at once), ``TimeoutError`` at the end. What comes within
-    milliseconds is seen within milliseconds."""
+    commit, or a rank at a barrier waiting for one whose loader is stuck, would hold up
+    every other thread's call for that minute, the watchdog's heartbeats included.
+
+    So the wait runs on a clone of the store (``Store.clone()``: a connection of its
+    own, dropped on return): one blocking call, woken by the server the moment the keys
+    are set, whatever N, where polling would cost a call per poll and up to a poll's
+    period of delay (seconds at 10,000 ranks). A store that cannot be cloned is polled:
+    ``check`` after 1 ms, then twice as long each time up to 50 ms (stretched with the
+    world size: every rank may be polling at once). ``TimeoutError`` at the end."""
+    waiter = _clone(store)
+    if waiter is not None:
+        try:
+            waiter.wait(keys, timeout)
+            return
+        except dist.DistStoreError as exc:
+            if not store.check(keys):  # the wait's own timeout, or the store is gone
+                raise TimeoutError(
+                    f"{len(keys)} key(s) ({keys[0]}...) not set within "
+                    f"{timeout.total_seconds():.0f} s ({exc})"
+                ) from exc
+            return
     deadline = time.monotonic() + timeout.total_seconds()
     poll_s, longest_s = 0.001, stretched(0.05, world)
     while not store.check(keys):
@@ -144,12 +160,26 @@ def wait_keys(store: dist.Store, keys: list[str], timeout: timedelta, *, world: 
         poll_s = min(2 * poll_s, longest_s)
 
 
+def _clone(store: dist.Store) -> dist.Store | None:
+    """A second client of ``store``'s server, or ``None`` where there is none to have:
+    ``Store.clone()`` is absent before torch 2.6-ish builds and raises on stores that
+    do not implement it."""
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return None
+    try:
+        return clone()
+    except Exception:  # not implemented for this store type: poll instead
+        log.debug("guardrails: could not clone the store; polling", exc_info=True)
+        return None
+
+
 def barrier(store: dist.Store, name: str, *, world: int, timeout_s: float = 600.0) -> None:
     """Every rank waits here until all ``world`` ranks have arrived: one ``add`` each,
-    then polls (:func:`wait_keys`) for the key the last rank sets. No collective, so
-    no ring whose latency grows with N; and no ``store.wait``, which would hold the
-    process's store client, and the watchdog with it, while a rank never arrives (its
-    loader stuck before the first batch, say)."""
+    then waits (:func:`wait_keys`, on a store client of its own) for the key the last
+    rank sets. No collective, so no ring whose latency grows with N; and the process's
+    own store client stays free for the watchdog while a rank never arrives (its loader
+    stuck before the first batch, say)."""
     if store.add(f"{name}/arrived", 1) >= world:
         store.set(f"{name}/go", "1")
     else:

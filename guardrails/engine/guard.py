@@ -273,6 +273,9 @@ class Guard(StepState):
         #: ``distributed/store.py``), or ``None`` in a single-process run. Never the
         #: training's group.
         self.side_group: Any = None
+        #: This guard's run id: 12 hex digits drawn by rank 0, the same on every rank
+        #: (and on the ``start`` event), so job-unique names need no exchange of their own.
+        self.run_id = ""
         #: The job's news counter (``distributed/store.py``'s :class:`News`): what
         #: components post after writing something for the other ranks and poll
         #: instead of each polling its own keys. ``None`` in a single process.
@@ -328,7 +331,7 @@ class Guard(StepState):
                 None if news_store is None else store.News(news_store, world=self.world_size)
             )
             self.side_group = store.open_side_group()
-            run_id = store.read_run_id(self.generation, published)
+            run_id = self.run_id = store.read_run_id(self.generation, published)
             self._handles = [
                 _wrap_step(opt, name, self, counted=i == 0)
                 for i, (name, opt) in enumerate(self.optimizers.items())

@@ -91,11 +91,9 @@ import os
 import sys
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -234,17 +232,11 @@ class CollectiveAuditor(Component):
         self._period_s = _store.stretched(self.interval_s, guard.world_size, calls=2)
         self._main_ident = threading.get_ident()
         self._store = guard.side_store("audit")
-        # A job-unique token (rank 0's, read by all once here) names the flight
-        # recorders so a survivor finds a dead peer's without the store, which may
-        # have died with it (rank 0 hosts it outside torchrun).
-        if self._rank == 0:
-            self._store.set("token", uuid.uuid4().hex[:12])
+        # The run's id names the flight recorders, so a survivor finds a dead peer's
+        # without the store, which may have died with it (rank 0 hosts it outside
+        # torchrun).
+        self._token = guard.run_id
         _sweep_stale_rings()  # every rank: each host has its own /dev/shm
-        try:  # bounded: a rank 0 with the auditor off must not stall the others' start
-            self._store.wait(["token"], timedelta(seconds=60))
-            self._token = self._store.get("token").decode()
-        except Exception:
-            log.warning("guardrails: rank 0 published no audit token; no flight recorder")
         if self.flight_recorder and self._token:
             self._ring = _Ring.create(_ring_path(self._token, self._rank), self._rank)
         self._active = True

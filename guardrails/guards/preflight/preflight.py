@@ -247,14 +247,12 @@ class Preflight(Component):
         digest = hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode())
         error = any(p["level"] == "error" for p in mine.get("launch", []))
         gpu = mine.get("gpu")
-        if gpu:
-            store.add(f"gpu/{gpu}", 1)  # counted before the barrier below
-        if not same_everywhere(store, "facts", digest.hexdigest(), world=world, trouble=error):
-            return False
-        if guard.device.type != "cuda":  # the same on every rank: it is in the facts
-            return True
-        shared_gpu = bool(gpu) and int(store.add(f"gpu/{gpu}", 0)) > 1
-        return same_everywhere(store, "gpus", "ok", world=world, trouble=shared_gpu)
+        # The second rank to count itself on a GPU knows at once that two share it; its
+        # trouble sends every rank to the all-gather, which names both.
+        shared_gpu = bool(gpu) and int(store.add(f"gpu/{gpu}", 1)) > 1
+        return same_everywhere(
+            store, "facts", digest.hexdigest(), world=world, trouble=error or shared_gpu
+        )
 
     def _decide(self, guard: Guard, gathered: list[dict[str, Any]]) -> None:
         lengths = {r: g["len"] for r, g in enumerate(gathered)}
