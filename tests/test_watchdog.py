@@ -11,6 +11,7 @@ speed claim; measured times are in the notes and RESULTS).
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -260,6 +261,28 @@ def test_exception_on_one_rank_ends_the_other(runs):
     assert extra["fields"]["failed_rank"] == 1 and extra["fields"]["reason"] == "exception"
     assert extra["fields"]["last_step"] == 3
     assert "ValueError: boom" in extra["report"]
+
+
+@pytest.mark.slow(reason="2 real ranks, one raises, the other gets SIGTERM")
+def test_a_peer_failure_stays_the_report_when_the_launchers_sigterm_comes_first(tmp_path):
+    # torchrun SIGTERMs the other ranks as soon as one exits: often before they have
+    # read the failure (the news poll is once a second). The failure came first, so
+    # it is what every rank reports, not "SIGTERM received", and its exit code the
+    # process's (not -15).
+    cmd = [sys.executable, WORKER, "raise", "--hang-timeout-s", TIMEOUT_S, "--out", tmp_path]
+    # TORCHELASTIC_RUN_ID: a torchrun worker's, where the report's exit code must hold.
+    job = launch(cmd, out=tmp_path, error_files=True, env={"TORCHELASTIC_RUN_ID": "t"})
+    with job:
+        deadline = time.monotonic() + patience(BOUND_S)
+        while job.procs[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        job.procs[0].send_signal(signal.SIGTERM)  # what torchrun does, at once
+        r0, r1 = job.wait(BOUND_S)
+    assert r1.code == 1
+    assert r0.code == 84, r0.out[-3000:]
+    extra = info(r0)
+    assert extra["error_class"] == "RankFailedError", extra["py_callstack"]
+    assert extra["fields"]["failed_rank"] == 1 and "ValueError: boom" in extra["report"]
 
 
 @jobs_test

@@ -117,15 +117,20 @@ def record(fn: F) -> F:
 
 def _reported(code: int) -> None:
     """The report is out and the process is on its way out with ``code``: a launcher's
-    SIGTERM from here on (torchrun sends one to every rank as soon as one exits) ends it
-    with that code at once, rather than as "killed by SIGTERM" (-15), which hid the
-    rank's own outcome in torchrun's summary. Only under torchrun (its workers have
-    ``TORCHELASTIC_RUN_ID``): a ``main`` called in-process (a test, a notebook) keeps
-    its handlers."""
+    SIGTERM from here on (torchrun sends one to every rank as soon as one exits) is
+    ignored, so the process ends with that code rather than as "killed by SIGTERM"
+    (-15), which hid the rank's own outcome in torchrun's summary. Only under torchrun
+    (its workers have ``TORCHELASTIC_RUN_ID``): a ``main`` called in-process (a test, a
+    notebook) keeps its handlers."""
     process.release_signals(deliver=False, all_holds=True)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if under_torchrun and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(code))
+        # Ignored, not handled: the interpreter's shutdown puts a Python handler back
+        # to the default before the last destructors run (the process group's take
+        # hundreds of ms), and a SIGTERM then showed as -15; an ignored one stays
+        # ignored to the end, and the process exits with its own code. (A hung
+        # shutdown still ends by the launcher's SIGKILL.)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _close_running_guard(exc: BaseException) -> None:

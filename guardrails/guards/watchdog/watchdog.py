@@ -543,7 +543,9 @@ class Watchdog(Verdicts, Component):
             if state == "failed":  # the first failure, where every rank reads it
                 self._store.compare_set("failed", "", text)
             self._store.add("ends", 1)
-            guard.news.post()
+            # A failure is a verdict for the job: the launcher's SIGTERM that follows
+            # this rank's exit must not take its place in the others' reports.
+            guard.news.post(verdict=state == "failed")
         except Exception as err:
             log.debug("guardrails: watchdog could not announce the end: %s", err)
 
