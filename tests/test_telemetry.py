@@ -263,3 +263,21 @@ def test_a_killed_writers_temp_part_is_no_parquet_file_and_is_removed_at_the_nex
     written = sorted(p.name for p in parts.glob("*.parquet"))
     assert written and all(n.startswith("part-r00000-") for n in written)
     assert guardrails.read_metrics(tmp_path).column("step").to_pylist() == [1, 2, 3]
+
+
+def test_file_cadence_keeps_the_jobs_file_creations_flat_in_the_number_of_ranks():
+    from guardrails.guards.telemetry import JOB_PARTS_PER_S, file_cadence
+
+    # Up to 600 ranks a part a minute and an hourly merge, as configured.
+    assert file_cadence(60.0, 3600.0, 2) == (60.0, 3600.0)
+    assert file_cadence(60.0, 3600.0, 600) == (60.0, 3600.0)
+    # Beyond, both stretch by one factor: the job's parts stay at 10 a second.
+    for world in (1_200, 10_000, 100_000):
+        write_s, compact_s = file_cadence(60.0, 3600.0, world)
+        assert world / write_s == pytest.approx(JOB_PARTS_PER_S)
+        assert compact_s == pytest.approx(3600.0 * write_s / 60.0)
+    assert file_cadence(60.0, 3600.0, 10_000)[0] == pytest.approx(1000.0)
+    assert file_cadence(60.0, None, 10_000)[1] is None
+    # Already slow enough, or a part at every copy (0) on purpose: as given.
+    assert file_cadence(3600.0, 7200.0, 10_000) == (3600.0, 7200.0)
+    assert file_cadence(0.0, 3600.0, 10_000) == (0.0, 3600.0)

@@ -95,9 +95,31 @@ HOST_COLUMNS = (
     "gc_s",
     "mem_peak_bytes",
 )
+#: Part files the whole job may create a second, whatever its size: every rank writes
+#: into one directory, usually on a shared filesystem whose metadata server serves the
+#: whole cluster. A part a minute from 10,000 ranks would be 167 creations a second;
+#: from 600 ranks on, the cadence stretches instead (1,000 s at 10,000 ranks), and the
+#: compaction span with it (:func:`file_cadence`).
+JOB_PARTS_PER_S = 10.0
+
 #: Rows kept in memory while no part can be written (~100 bytes each as a table, so
 #: ~10 MB): 2.8 h of a run at 10 steps/s. Beyond it the oldest rows are dropped.
 MAX_PENDING_ROWS = 100_000
+
+
+def file_cadence(
+    write_every_s: float, compact_every_s: float | None, world: int
+) -> tuple[float, float | None]:
+    """``(write_every_s, compact_every_s)`` for a job of ``world`` ranks: as given, or
+    both stretched by the same factor so that the job's part files stay within
+    :data:`JOB_PARTS_PER_S` (and its compacted files in the same proportion)."""
+    if write_every_s <= 0:  # a part at every copy: asked for, kept
+        return write_every_s, compact_every_s
+    factor = max(1.0, world / (JOB_PARTS_PER_S * write_every_s))
+    if factor == 1.0:
+        return write_every_s, compact_every_s
+    compact = None if compact_every_s is None else compact_every_s * factor
+    return write_every_s * factor, compact
 
 
 class Telemetry(Component):
@@ -114,7 +136,9 @@ class Telemetry(Component):
                 values on the bar. Default 50.
             write_every_s: at most one parquet part file per this many seconds (and one
                 at close). Bounds both the number of files and what a SIGKILL can lose.
-                Default 60.
+                Default 60. Stretched from 600 ranks on (60 s x N / 600: 1,000 s at
+                10,000 ranks) so the job creates at most 10 files a second in the
+                shared directory.
             progress: show the tqdm bar on rank 0. ``None`` (default): only when stderr
                 is a terminal and ``CI`` is not set.
             sinks: where rank 0 also sends every row and its events, at each part (so
@@ -128,7 +152,7 @@ class Telemetry(Component):
                 is over, merge this rank's parts of it into one file, on a thread of its
                 own, so a long run is a bounded number of files. Default 3600 (hourly:
                 720 files per rank in 30 days instead of 43,200); ``None`` keeps every
-                part.
+                part. Stretched with ``write_every_s``, by the same factor.
         """
 
         every_n_steps: int = 50
@@ -187,6 +211,9 @@ class Telemetry(Component):
             for stale in self._dir.glob(pattern):
                 stale.unlink(missing_ok=True)
         self._started_at = time.time()
+        self.write_every_s, self.compact_every_s = file_cadence(
+            self.write_every_s, self.compact_every_s, guard.world_size
+        )
         if self.compact_every_s is not None:
             self._compactor = Compactor(self._dir, self._rank, self.compact_every_s)
             self._compactor.start()
