@@ -89,6 +89,7 @@ from guardrails.guards.nan import diagnose
 from guardrails.guards.nan.health import _Health
 from guardrails.guards.nan.spikes import TREND_STEPS, _Series, _spikes
 from guardrails.util.checks import non_negative, positive_int
+from guardrails.util.text import shorten
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -553,6 +554,8 @@ class NanGuard(Component):
         self._prev_found = prev
         opt.found_inf = found
         self._set_found = True
+        # The step's buffers (BatchNorm statistics) are put back by the same flag.
+        self._guard.skip_update(where=found)
 
     def _restore_found(self, opt: Any) -> None:
         self._set_found = False
@@ -669,11 +672,20 @@ class NanGuard(Component):
         )
         self.diagnoses.append(diag)
         what = {"skip": "skipped", "raise": "skipped", "warn": "NOT skipped (policy warn)"}
+        restored = ""
+        # Only the first optimizer's skips put the model's buffers back.
+        if self.policy != "warn" and guard.restored_buffers and optimizer is None:
+            restored = (
+                " and the buffers its forward wrote put back as they were before it ("
+                + shorten(guard.restored_buffers, 4)
+                + ")"
+            )
+            diag["restored_buffers"] = list(guard.restored_buffers)
         guard.event(
             "nonfinite",
             level="warning",
-            message=f"non-finite gradients at step {step}, update {what[self.policy]}: "
-            + diag["message"],
+            message=f"non-finite gradients at step {step}, update {what[self.policy]}"
+            f"{restored}: " + diag["message"],
             **{k: v for k, v in diag.items() if k not in ("message", "rank")},
         )
         return diag
@@ -696,6 +708,30 @@ class NanGuard(Component):
         streak = self._streak if streak is None else streak
         first, n = streak[0], len(streak)
         whose = "" if optimizer is None else f"optimizer {optimizer!r}: "
+        broken = self._guard.nonfinite_buffers() if optimizer is None else []
+        if broken:
+            # Finite gradients again, but a buffer a forward writes holds a NaN or an
+            # Inf (an update that went in, policy "warn"): the model is not recovered.
+            # Every evaluation from here on is non-finite. Said once per streak.
+            self._guard.event(
+                "nonfinite_buffers",
+                level="warning",
+                message=(
+                    f"the gradients are finite again at step {step} after {n} non-finite "
+                    f"step(s) from step {first}, but the model's buffers "
+                    f"{shorten(broken, 4)} hold NaN/Inf (written by a training forward of a "
+                    "non-finite step): the model is not recovered, and evaluations and "
+                    "saved weights are non-finite from here on. Resume from a checkpoint "
+                    "before that step, or reset those statistics (e.g. "
+                    "module.reset_running_stats() for BatchNorm) and re-estimate them."
+                ),
+                step=step,
+                first_step=first,
+                buffers=broken,
+            )
+            self._streak = []
+            self._streak_diag = None
+            return
         self._guard.event(
             "nonfinite_recovered",
             message=f"{whose}finite again at step {step} after {n} skipped step(s) from "
