@@ -917,3 +917,72 @@ def test_a_long_fast_forward_says_how_far_it_is_and_how_long_is_left(tmp_path, m
     _train_forever(tmp_path / "quick", 41)
     kinds = [e["kind"] for e in read_events(tmp_path / "quick")]
     assert "data_fast_forward_progress" not in kinds and "data_fast_forward" in kinds
+
+
+# ---------------------------------------------------------------------- closure optimizers
+
+
+def _closure_run(run_dir, *, guarded, nan_at=None, make_opt=None, keyword=False, steps=6):
+    """Train with ``opt.step(closure)`` (LBFGS by default), the loss computed outside
+    the model; a NaN sample in step ``nan_at``'s batch. Returns (model, weights before
+    step ``nan_at``, after it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = (make_opt or (lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=5)))(model.parameters())
+    g_ = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(16, 4, generator=g_), torch.randn(16, 1, generator=g_)) for _ in range(steps)
+    ]
+    if nan_at is not None:
+        data[nan_at - 1][0][1, 1] = float("nan")
+    seen = {}
+
+    def loop(it):
+        for i, (x, y) in enumerate(it):
+
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            if i + 1 == nan_at:
+                seen["before"] = [p.detach().clone() for p in model.parameters()]
+            opt.step(closure=closure) if keyword else opt.step(closure)
+            if i + 1 == nan_at:
+                seen["after"] = [p.detach().clone() for p in model.parameters()]
+
+    if guarded:
+        with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False) as g:
+            loop(g)
+    else:
+        loop(data)
+    return model, seen
+
+
+@pytest.mark.parametrize(
+    ("make_opt", "keyword"),
+    [(None, False), (None, True), (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False)],
+    ids=["lbfgs", "lbfgs_keyword", "sgd_closure"],
+)
+def test_closure_optimizer_is_bitwise_plain_and_silent(tmp_path, make_opt, keyword):
+    plain, _ = _closure_run(tmp_path / "a", guarded=False, make_opt=make_opt, keyword=keyword)
+    guarded, _ = _closure_run(tmp_path / "b", guarded=True, make_opt=make_opt, keyword=keyword)
+    for a, b in zip(plain.parameters(), guarded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    events = read_events(tmp_path / "b")
+    assert [e for e in events if e["level"] == "warning"] == []  # no zero_grads at start
+
+
+def test_closure_optimizer_nan_is_skipped_before_the_update(tmp_path):
+    # The closure computes the gradients inside step(): judged after it ran, before
+    # the update, so the NaN never reaches the weights and the run goes on.
+    model, seen = _closure_run(tmp_path, guarded=True, nan_at=3)
+    for a, b in zip(seen["before"], seen["after"], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    events = read_events(tmp_path)
+    (ev,) = [e for e in events if e["kind"] == "nonfinite"]
+    assert (ev["step"], ev["cause"], ev["samples"]) == (3, "bad_data", [1]), ev
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_recovered"] == [4]
+    assert events[-1]["kind"] == "end" and events[-1]["error"] is None

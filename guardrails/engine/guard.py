@@ -1451,6 +1451,19 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
         if guard._quiet or (idle is not None and idle()):
             return inner(*args, **kwargs)
         guard._skip = False
+        closure = kwargs.get("closure", args[0] if args else None)
+        first: Any = None
+        if closure is not None:
+            # LBFGS's step(closure): the closure computes the gradients, so the guard
+            # runs it first (as the optimizer would: grad enabled) and judges what it
+            # produced; the optimizer's own first call gets that result (_FirstResult).
+            with torch.enable_grad():
+                first = closure()
+            replay = _FirstResult(first, closure, guard)
+            if args:
+                args = (replay, *args[1:])
+            else:
+                kwargs = {**kwargs, "closure": replay}
         guard._opt_steps += 1
         if scaler is not None and dist.overflowed(scaler, dist.inner(opt)):
             # The scaler inside step() will skip this update: its normal calibration,
@@ -1468,7 +1481,7 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
         guard._skip_where = None
         if guard._skip and scaler is None:
             guard._skip = False
-            out = None  # skipped: weights and optimizer state untouched
+            out = first  # skipped: weights and optimizer state untouched
         else:
             guard._skip = False
             out = inner(*args, **kwargs)
@@ -1476,6 +1489,27 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
         return out
 
     return _set_on_instance(opt, "step", types.MethodType(step, opt))
+
+
+class _FirstResult:
+    """The closure handed to a closure optimizer's ``step()`` after the guard ran it
+    once: its first call returns that run's result (the gradients it left are the
+    ones the guard judged), later calls run the closure again (LBFGS's line search),
+    as re-evaluations: not the step's training forwards or loss."""
+
+    def __init__(self, first: Any, closure: Callable[[], Any], guard: Guard) -> None:
+        self._first: Any = first
+        self._used = False
+        self._closure = closure
+        self._guard = guard
+
+    def __call__(self) -> Any:
+        if not self._used:
+            self._used = True
+            first, self._first = self._first, None
+            return first
+        with self._guard.replaying():
+            return self._closure()
 
 
 def _wrap_scaler_step(guard: Guard) -> _Restore:
