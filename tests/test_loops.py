@@ -986,3 +986,64 @@ def test_closure_optimizer_nan_is_skipped_before_the_update(tmp_path):
     assert (ev["step"], ev["cause"], ev["samples"]) == (3, "bad_data", [1]), ev
     assert [e["step"] for e in events if e["kind"] == "nonfinite_recovered"] == [4]
     assert events[-1]["kind"] == "end" and events[-1]["error"] is None
+
+
+# ---------------------------------------------------------------------- the loss
+
+
+def _outside_loss_run(run_dir, *, accum=1, backward=None, scaler=None, steps=4):
+    """``loss = criterion(model(x), y)`` (the model returns predictions), backpropagated
+    by ``backward(loss)`` (default ``loss.backward()``); returns each micro-batch's loss."""
+    torch.manual_seed(0)
+    model = Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    g_ = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(8, 4, generator=g_), torch.randint(0, 3, (8,), generator=g_))
+        for _ in range(steps * accum)
+    ]
+    losses = []
+    with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, scaler=scaler) as g:
+        for i, (x, y) in enumerate(g):
+            loss = crit(model(x), y)
+            losses.append(loss.detach().clone())
+            if scaler is not None:
+                scaler.scale(loss / accum).backward()
+            else:
+                (backward or torch.Tensor.backward)(loss / accum)
+            if (i + 1) % accum == 0:
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_loss_computed_outside_the_model_is_recorded(tmp_path, accum):
+    original = torch.Tensor.__dict__["backward"]
+    losses = _outside_loss_run(tmp_path, accum=accum)
+    assert torch.Tensor.__dict__["backward"] is original  # put back exactly at close
+    recorded = guardrails.read_metrics(tmp_path).column("loss").to_pylist()
+    # With (loss / accum).backward() per micro-batch, the step's loss is their mean.
+    expected = losses.view(-1, accum).mean(1).tolist()
+    assert recorded == pytest.approx(expected, rel=1e-6)
+    warnings = [e for e in read_events(tmp_path) if e["level"] == "warning"]
+    assert warnings == [], warnings
+
+
+def test_loss_scaled_by_a_grad_scaler_is_recorded_unscaled(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    losses = _outside_loss_run(tmp_path, scaler=scaler)
+    recorded = guardrails.read_metrics(tmp_path).column("loss").to_pylist()
+    assert recorded == pytest.approx(losses.tolist(), rel=1e-6)
+
+
+def test_loss_the_guard_cannot_see_is_named_once_with_the_fix(tmp_path):
+    _outside_loss_run(tmp_path, backward=torch.autograd.backward)
+    (ev,) = [e for e in read_events(tmp_path) if e["level"] == "warning"]
+    assert ev["kind"] == "no_loss" and ev["step"] == 1, ev
+    assert "g.observe(loss)" in ev["message"]
