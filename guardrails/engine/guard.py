@@ -1440,16 +1440,22 @@ class _Restore:
 def _set_on_instance(obj: Any, name: str, value: Any) -> _Restore:
     """Set ``obj.<name>`` on the instance; the handle puts back exactly what was there:
     the instance attribute a wrapper (torch.compile's, an LR scheduler's, another
-    tool's) had set, or none."""
-    had_own = name in obj.__dict__
-    previous = obj.__dict__.get(name)
-    setattr(obj, name, value)
+    tool's) had set, or none.
+
+    Into the instance's ``__dict__``, not through ``setattr``: Lightning Fabric's
+    module wrapper sets an attribute the wrapped module also has on both, so the
+    model's own ``forward`` became the guard's, which called Fabric's, which called the
+    model's: a ``RecursionError`` at the first forward."""
+    own = vars(obj)
+    had_own = name in own
+    previous = own.get(name)
+    own[name] = value
 
     def undo() -> None:
         if had_own:
-            setattr(obj, name, previous)
+            own[name] = previous
         else:
-            obj.__dict__.pop(name, None)
+            own.pop(name, None)
 
     return _Restore(undo)
 
