@@ -814,3 +814,52 @@ def test_no_recovery_is_reported_while_a_buffer_is_nonfinite(tmp_path):
     (ev,) = [e for e in events if e["kind"] == "nonfinite_buffers"]
     assert ev["step"] == 4 and ev["buffers"] == ["0.stat"], ev
     assert "not recovered" in ev["message"]
+
+
+# ---------------------------------------------------------------------- zero_grad
+
+
+def _zero_grad_run(run_dir, shape: str, steps: int = 8):
+    """A Regressor loop whose gradient reset has ``shape``: ``forgotten``, or one of
+    the healthy ones."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    accum = 3 if shape == "accumulation" else 1
+    norms = []
+    with guardrails.guard(model, opt, batches(steps * accum), run_dir=run_dir, progress=False) as g:
+        for i, (x, y) in enumerate(g):
+            if shape == "zero_before_backward":
+                loss = model(x, y)
+                opt.zero_grad()
+                loss.backward()
+            else:
+                (model(x, y) / accum).backward()
+            if (i + 1) % accum:
+                continue
+            norms.append(float(g.grad_norm()) if shape == "forgotten" else 0.0)
+            opt.step()
+            if shape == "metric_backward":  # a backward after the step, then the reset
+                model(x, y).backward()
+            if shape == "set_to_none_false":
+                opt.zero_grad(set_to_none=False)
+            elif shape in ("plain", "accumulation", "metric_backward"):
+                opt.zero_grad()
+    return [e for e in read_events(run_dir) if e["level"] == "warning"], norms
+
+
+def test_forgotten_zero_grad_is_named_once_with_the_fix(tmp_path):
+    warnings, norms = _zero_grad_run(tmp_path, "forgotten")
+    assert norms[-1] > 3 * norms[0]  # the symptom: gradients summed over the steps
+    (ev,) = warnings
+    assert ev["kind"] == "grads_not_reset" and ev["step"] == 2, ev
+    assert "optimizer.zero_grad() after optimizer.step()" in ev["message"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["plain", "accumulation", "set_to_none_false", "zero_before_backward", "metric_backward"],
+)
+def test_healthy_gradient_resets_are_not_named(tmp_path, shape):
+    warnings, _ = _zero_grad_run(tmp_path, shape, steps=25)
+    assert warnings == [], warnings

@@ -86,7 +86,7 @@ from guardrails.engine.config import configure
 from guardrails.engine.guard import current_lr
 from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
 from guardrails.guards.nan import diagnose
-from guardrails.guards.nan.health import _Health
+from guardrails.guards.nan.health import _Health, _StaleGrads
 from guardrails.guards.nan.spikes import TREND_STEPS, _Series, _spikes
 from guardrails.util.checks import non_negative, positive_int
 from guardrails.util.text import shorten
@@ -262,6 +262,17 @@ class NanGuard(Component):
         # yet: at most two intervals.
         self._recent: deque[tuple[int, Any, Any]] = deque(maxlen=2 * n + 2)
         self._health = _Health(self.window_steps)
+        # A forgotten zero_grad(), watched on one parameter for the first steps. Not
+        # with several optimizers (a GAN's generator loss backpropagates through the
+        # discriminator after its step, legitimately) nor sharded parameters.
+        sentinel = next((p for p in guard.params if p.requires_grad), None)
+        self._stale: _StaleGrads | None = (
+            _StaleGrads(sentinel)
+            if sentinel is not None
+            and len(guard.optimizers) == 1
+            and not model.holds_shards(guard.model)
+            else None
+        )
         # The other optimizers' parameters and skip streaks (several optimizers).
         self._extra = {
             name: [p for g in o.param_groups for p in g["params"]]
@@ -440,6 +451,8 @@ class NanGuard(Component):
     def after_step(self, guard: Guard) -> None:
         if self._set_found:
             self._restore_found(self._opt)
+        if self._stale is not None and not self._stale.after_step(guard):
+            self._stale = None  # the first steps only
         if guard.step <= _Health.CHECK_GRADS_STEPS:
             self._health.after_step(guard, self._param_ids)
         if self._lagged:
@@ -509,6 +522,9 @@ class NanGuard(Component):
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
             self._restore_found(self._opt)
+        if self._stale is not None:
+            self._stale.remove()
+            self._stale = None
         if exc is None or guard.stopping is not None:
             # Rows the host has not seen yet (lagged path): read them now, while the
             # batches are still held, also when the loop ends by a signal stop (the
