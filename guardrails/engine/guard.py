@@ -1159,6 +1159,12 @@ class Guard(StepState):
         :meth:`_keep_written_buffers` can tell which ones a forward writes."""
         from guardrails.engine.model import unwrap
 
+        if len(self.optimizers) > 1:
+            # A GAN's step holds both models' forwards around the first optimizer's
+            # step: a snapshot at "the step's first forward" would be the other
+            # model's, and a skip would undo that model's good statistics.
+            self._buffers = []
+            return
         seen: set[int] = set()
         names, bufs = [], []
         for name, b in unwrap(self.model).named_buffers():
