@@ -917,3 +917,193 @@ def test_a_long_fast_forward_says_how_far_it_is_and_how_long_is_left(tmp_path, m
     _train_forever(tmp_path / "quick", 41)
     kinds = [e["kind"] for e in read_events(tmp_path / "quick")]
     assert "data_fast_forward_progress" not in kinds and "data_fast_forward" in kinds
+
+
+# ---------------------------------------------------------------------- closure optimizers
+
+
+def _closure_run(run_dir, *, guarded, nan_at=None, make_opt=None, keyword=False, steps=6):
+    """Train with ``opt.step(closure)`` (LBFGS by default), the loss computed outside
+    the model; a NaN sample in step ``nan_at``'s batch. Returns (model, weights before
+    step ``nan_at``, after it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = (make_opt or (lambda p: torch.optim.LBFGS(p, lr=0.5, max_iter=5)))(model.parameters())
+    g_ = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(16, 4, generator=g_), torch.randn(16, 1, generator=g_)) for _ in range(steps)
+    ]
+    if nan_at is not None:
+        data[nan_at - 1][0][1, 1] = float("nan")
+    seen = {}
+
+    def loop(it):
+        for i, (x, y) in enumerate(it):
+
+            def closure(x=x, y=y):
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+
+            if i + 1 == nan_at:
+                seen["before"] = [p.detach().clone() for p in model.parameters()]
+            opt.step(closure=closure) if keyword else opt.step(closure)
+            if i + 1 == nan_at:
+                seen["after"] = [p.detach().clone() for p in model.parameters()]
+
+    if guarded:
+        with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False) as g:
+            loop(g)
+    else:
+        loop(data)
+    return model, seen
+
+
+@pytest.mark.parametrize(
+    ("make_opt", "keyword"),
+    [(None, False), (None, True), (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False)],
+    ids=["lbfgs", "lbfgs_keyword", "sgd_closure"],
+)
+def test_closure_optimizer_is_bitwise_plain_and_silent(tmp_path, make_opt, keyword):
+    plain, _ = _closure_run(tmp_path / "a", guarded=False, make_opt=make_opt, keyword=keyword)
+    guarded, _ = _closure_run(tmp_path / "b", guarded=True, make_opt=make_opt, keyword=keyword)
+    for a, b in zip(plain.parameters(), guarded.parameters(), strict=True):
+        assert torch.equal(a, b)
+    events = read_events(tmp_path / "b")
+    assert [e for e in events if e["level"] == "warning"] == []  # no zero_grads at start
+
+
+def test_closure_optimizer_nan_is_skipped_before_the_update(tmp_path):
+    # The closure computes the gradients inside step(): judged after it ran, before
+    # the update, so the NaN never reaches the weights and the run goes on.
+    model, seen = _closure_run(tmp_path, guarded=True, nan_at=3)
+    for a, b in zip(seen["before"], seen["after"], strict=True):
+        assert torch.equal(a, b)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    events = read_events(tmp_path)
+    (ev,) = [e for e in events if e["kind"] == "nonfinite"]
+    assert (ev["step"], ev["cause"], ev["samples"]) == (3, "bad_data", [1]), ev
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_recovered"] == [4]
+    assert events[-1]["kind"] == "end" and events[-1]["error"] is None
+
+
+# ---------------------------------------------------------------------- the loss
+
+
+def _outside_loss_run(run_dir, *, accum=1, backward=None, scaler=None, steps=4):
+    """``loss = criterion(model(x), y)`` (the model returns predictions), backpropagated
+    by ``backward(loss)`` (default ``loss.backward()``); returns each micro-batch's loss."""
+    torch.manual_seed(0)
+    model = Classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    crit = nn.CrossEntropyLoss()
+    g_ = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(8, 4, generator=g_), torch.randint(0, 3, (8,), generator=g_))
+        for _ in range(steps * accum)
+    ]
+    losses = []
+    with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, scaler=scaler) as g:
+        for i, (x, y) in enumerate(g):
+            loss = crit(model(x), y)
+            losses.append(loss.detach().clone())
+            if scaler is not None:
+                scaler.scale(loss / accum).backward()
+            else:
+                (backward or torch.Tensor.backward)(loss / accum)
+            if (i + 1) % accum == 0:
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_loss_computed_outside_the_model_is_recorded(tmp_path, accum):
+    original = torch.Tensor.__dict__["backward"]
+    losses = _outside_loss_run(tmp_path, accum=accum)
+    assert torch.Tensor.__dict__["backward"] is original  # put back exactly at close
+    recorded = guardrails.read_metrics(tmp_path).column("loss").to_pylist()
+    # With (loss / accum).backward() per micro-batch, the step's loss is their mean.
+    expected = losses.view(-1, accum).mean(1).tolist()
+    assert recorded == pytest.approx(expected, rel=1e-6)
+    warnings = [e for e in read_events(tmp_path) if e["level"] == "warning"]
+    assert warnings == [], warnings
+
+
+def test_loss_scaled_by_a_grad_scaler_is_recorded_unscaled(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    losses = _outside_loss_run(tmp_path, scaler=scaler)
+    recorded = guardrails.read_metrics(tmp_path).column("loss").to_pylist()
+    assert recorded == pytest.approx(losses.tolist(), rel=1e-6)
+
+
+def test_loss_the_guard_cannot_see_is_named_once_with_the_fix(tmp_path):
+    _outside_loss_run(tmp_path, backward=torch.autograd.backward)
+    (ev,) = [e for e in read_events(tmp_path) if e["level"] == "warning"]
+    assert ev["kind"] == "no_loss" and ev["step"] == 1, ev
+    assert "g.observe(loss)" in ev["message"]
+
+
+# ---------------------------------------------------------------------- Lightning Fabric
+
+
+def _fabric_run(run_dir, *, guarded, nan_at=None, steps=6):
+    """A Fabric loop on what ``fabric.setup()`` returned: a BatchNorm model, fused
+    AdamW, ``loss = mse(model(x), y)``, ``fabric.backward(loss)``."""
+    lightning = pytest.importorskip(
+        "lightning", reason="Lightning Fabric is an optional integration, not in every CI"
+    )
+    fabric = lightning.Fabric(accelerator="cpu", devices=1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, opt = fabric.setup(model, opt)
+    g_ = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(16, 4, generator=g_), torch.randn(16, 1, generator=g_)) for _ in range(steps)
+    ]
+    if nan_at is not None:
+        data[nan_at - 1][0][2, 1] = float("nan")
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(data, batch_size=None))
+
+    def loop(it):
+        for x, y in it:
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+
+    if guarded:
+        with guardrails.guard(model, opt, loader, run_dir=run_dir, progress=False) as g:
+            loop(g)
+        assert "forward" not in vars(model) and "forward" not in vars(model.module)
+    else:
+        loop(loader)
+    return model.module
+
+
+def test_fabric_setup_objects_train_as_given_bitwise_and_silent(tmp_path):
+    plain = _fabric_run(tmp_path / "a", guarded=False)
+    guarded = _fabric_run(tmp_path / "b", guarded=True)
+    for (k, a), (_, b) in zip(
+        plain.state_dict().items(), guarded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), k
+    assert [e for e in read_events(tmp_path / "b") if e["level"] == "warning"] == []
+    losses = guardrails.read_metrics(tmp_path / "b").column("loss").to_pylist()
+    assert len(losses) == 6 and all(v == v for v in losses)  # fabric.backward(loss): recorded
+
+
+def test_fabric_nan_is_skipped_in_the_wrapped_fused_optimizer(tmp_path):
+    # The skip flag must reach the torch optimizer under Fabric's wrapper (a fused
+    # step reads found_inf from itself), and the BatchNorm statistics are put back.
+    model = _fabric_run(tmp_path, guarded=True, nan_at=3)
+    assert all(torch.isfinite(t).all() for t in model.state_dict().values())
+    events = read_events(tmp_path)
+    (ev,) = [e for e in events if e["kind"] == "nonfinite"]
+    assert ev["step"] == 3 and ev["cause"] == "bad_data", ev
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_recovered"] == [4]

@@ -219,7 +219,8 @@ class Net(nn.Module):
 
 def run_net(tmp_path, *, guarded, bad_step=6, n=10, policy="skip"):
     """Train Net with fused AdamW; LogLayer is broken during step ``bad_step``.
-    Unguarded, that step is skipped by hand (forward+backward, no update)."""
+    Unguarded, that step is skipped by hand (forward+backward, no update, the
+    BatchNorm statistics put back as a guarded skip does)."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -228,9 +229,13 @@ def run_net(tmp_path, *, guarded, bad_step=6, n=10, policy="skip"):
     def loop(it, step_of):
         for i, (x, y) in enumerate(it):
             model.blocks[3].broken = i + 1 == bad_step
+            kept = [b.clone() for b in model.buffers()]
             model(x, y).backward()
             if guarded or i + 1 != bad_step:
                 opt.step()
+            else:
+                for b, k in zip(model.buffers(), kept, strict=True):
+                    b.copy_(k)
             opt.zero_grad()
             torch.rand(1)  # the loop's own RNG use after the step must line up too
 
@@ -690,3 +695,171 @@ def test_two_ranks_judge_spikes_on_their_combined_grad_norm(two_ranks):
         assert sorted(e["rank"] for e in events) == [0, 1]
         assert all("root mean square of the 2 ranks'" in e["message"] for e in events)
     assert ranks[0][False] == ranks[0][True]  # the same run, judged the same on both paths
+
+
+# ---------------------------------------------------------------------- buffers
+
+
+class SqrtTracker(nn.Module):
+    """Keeps the square root of its input's sum in a buffer (a running statistic of
+    its own): a negative input writes NaN there while the gradients stay finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.zeros(()))
+
+    def forward(self, x):
+        self.stat.copy_(x.detach().sum().sqrt())
+        return x
+
+
+def bn_model(tracker: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [SqrtTracker()] if tracker else []
+    layers += [nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)]
+    return nn.Sequential(*layers)
+
+
+def bn_batches(n: int, nan_at: int | None = None, accum: int = 1, negative_at: int | None = None):
+    """``n * accum`` positive micro-batches; NaN in a sample of the last micro-batch of
+    step ``nan_at``, a negative (finite) value in step ``negative_at``'s."""
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.rand(16, 4, generator=g) + 0.1, torch.randn(16, 1, generator=g))
+        for _ in range(n * accum)
+    ]
+    if nan_at is not None:
+        data[nan_at * accum - 1][0][2, 1] = math.nan
+    if negative_at is not None:
+        data[negative_at * accum - 1][0][5, 0] = -50.0
+    return data
+
+
+def _bn_train(run_dir, model, opt, data, *, accum: int = 1, watch: int | None = None, **knobs):
+    """Train with ``loss = mse(model(x), y)``; returns the buffers before step
+    ``watch``'s first forward and after its optimizer step."""
+    seen = {}
+    with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False, **knobs) as g:
+        for i, (x, y) in enumerate(g):
+            if i % accum == 0 and g.step + 1 == watch:
+                seen["before"] = {k: v.clone() for k, v in model.named_buffers()}
+            (nn.functional.mse_loss(model(x), y) / accum).backward()
+            if (i + 1) % accum == 0:
+                opt.step()
+                opt.zero_grad()
+                if g.step == watch:
+                    seen["after"] = {k: v.clone() for k, v in model.named_buffers()}
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("make_opt", "accum"),
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 1),
+        (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), 1),  # skipped on the device
+        (lambda p: torch.optim.SGD(p, lr=0.05), 3),  # NaN in the third micro-batch
+    ],
+    ids=["sgd", "adamw_fused", "accumulation"],
+)
+def test_skipped_step_puts_batchnorm_statistics_back(tmp_path, lagged, make_opt, accum):
+    # A NaN sample in a BatchNorm model: the training forward writes NaN into
+    # running_mean / running_var before any gradient exists; the skip must undo it.
+    model = bn_model()
+    opt = make_opt(model.parameters())
+    seen = _bn_train(
+        tmp_path, model, opt, bn_batches(8, nan_at=4, accum=accum), accum=accum, watch=4
+    )
+    for name, before in seen["before"].items():
+        assert torch.equal(seen["after"][name], before), name  # bitwise, step count too
+    for name, b in model.named_buffers():
+        assert torch.isfinite(b).all(), name
+    model.eval()
+    assert torch.isfinite(model(torch.rand(4, 4))).all()  # the saved model evaluates
+    events = read_events(tmp_path)
+    (ev,) = [e for e in events if e["kind"] == "nonfinite"]
+    assert "1.running_mean" in ev["message"] and "put back" in ev["message"], ev["message"]
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_recovered"] == [5]
+    assert not [e for e in events if e["kind"] == "nonfinite_buffers"]
+
+
+def test_healthy_batchnorm_run_is_bitwise_plain_and_silent(tmp_path, lagged):
+    data = bn_batches(12)
+    states = []
+    for guarded in (False, True):
+        model = bn_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if guarded:
+            _bn_train(tmp_path, model, opt, data)
+        else:
+            for x, y in data:
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+    warnings = [e for e in read_events(tmp_path) if e.get("level") == "warning"]
+    assert warnings == [], warnings
+
+
+def test_no_recovery_is_reported_while_a_buffer_is_nonfinite(tmp_path):
+    # Step 3 is skipped (NaN gradients, buffers put back); step 4's gradients are finite
+    # but its forward writes NaN into a buffer of the model's own: not a recovery.
+    model = bn_model(tracker=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    _bn_train(tmp_path, model, opt, bn_batches(6, nan_at=3, negative_at=4))
+    events = read_events(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "nonfinite"] == [3]
+    assert not [e for e in events if e["kind"] == "nonfinite_recovered"]
+    (ev,) = [e for e in events if e["kind"] == "nonfinite_buffers"]
+    assert ev["step"] == 4 and ev["buffers"] == ["0.stat"], ev
+    assert "not recovered" in ev["message"]
+
+
+# ---------------------------------------------------------------------- zero_grad
+
+
+def _zero_grad_run(run_dir, shape: str, steps: int = 8):
+    """A Regressor loop whose gradient reset has ``shape``: ``forgotten``, or one of
+    the healthy ones."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    accum = 3 if shape == "accumulation" else 1
+    norms = []
+    with guardrails.guard(model, opt, batches(steps * accum), run_dir=run_dir, progress=False) as g:
+        for i, (x, y) in enumerate(g):
+            if shape == "zero_before_backward":
+                loss = model(x, y)
+                opt.zero_grad()
+                loss.backward()
+            else:
+                (model(x, y) / accum).backward()
+            if (i + 1) % accum:
+                continue
+            norms.append(float(g.grad_norm()) if shape == "forgotten" else 0.0)
+            opt.step()
+            if shape == "metric_backward":  # a backward after the step, then the reset
+                model(x, y).backward()
+            if shape == "set_to_none_false":
+                opt.zero_grad(set_to_none=False)
+            elif shape in ("plain", "accumulation", "metric_backward"):
+                opt.zero_grad()
+    return [e for e in read_events(run_dir) if e["level"] == "warning"], norms
+
+
+def test_forgotten_zero_grad_is_named_once_with_the_fix(tmp_path):
+    warnings, norms = _zero_grad_run(tmp_path, "forgotten")
+    assert norms[-1] > 3 * norms[0]  # the symptom: gradients summed over the steps
+    (ev,) = warnings
+    assert ev["kind"] == "grads_not_reset" and ev["step"] == 2, ev
+    assert "optimizer.zero_grad() after optimizer.step()" in ev["message"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["plain", "accumulation", "set_to_none_false", "zero_before_backward", "metric_backward"],
+)
+def test_healthy_gradient_resets_are_not_named(tmp_path, shape):
+    warnings, _ = _zero_grad_run(tmp_path, shape, steps=25)
+    assert warnings == [], warnings

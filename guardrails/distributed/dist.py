@@ -53,13 +53,20 @@ def pid_alive(pid: int) -> bool:
 DELEGATES = {
     ("accelerate.optimizer", "AcceleratedOptimizer"): "optimizer",
     ("accelerate.data_loader", "DataLoaderAdapter"): "base_dataloader",
+    # Lightning Fabric's setup() / setup_dataloaders() (the `lightning` package, and
+    # the standalone `lightning_fabric`).
+    ("lightning.fabric.wrappers", "_FabricOptimizer"): "_optimizer",
+    ("lightning.fabric.wrappers", "_FabricDataLoader"): "_dataloader",
+    ("lightning_fabric.wrappers", "_FabricOptimizer"): "_optimizer",
+    ("lightning_fabric.wrappers", "_FabricDataLoader"): "_dataloader",
 }
 
 
 def delegates(obj: Any) -> list[Any]:
     """``obj`` and every object it delegates to, outermost first: an accelerate
     ``AcceleratedOptimizer``'s ``.optimizer``, a prepared loader's ``.base_dataloader``
-    (the ``torch.utils.data.DataLoader`` it iterates). Not modules: see
+    (the ``torch.utils.data.DataLoader`` it iterates), Lightning Fabric's optimizer and
+    loader wrappers' ``._optimizer`` / ``._dataloader``. Not modules: see
     :func:`guardrails.engine.model.wrappers`."""
     chain = [obj]
     for _ in range(4):

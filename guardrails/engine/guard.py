@@ -232,6 +232,23 @@ class Guard(StepState):
         # fetch: set at each step from what the loop does (see the module docstring).
         self._fire_on_forward = True
         self._skip = False  # set by skip_update(): the wrapper does not call step()
+        # Set by skip_update(where=flag): the optimizer leaves the update out on the
+        # device where the flag is set (a fused one's found_inf); buffers follow it.
+        self._skip_where: Tensor | None = None
+        # The buffers a training forward writes in place (BatchNorm's running
+        # statistics), their names, and a preallocated shadow of each: a copy of the
+        # buffers as they were before the step's first forward, put back when the
+        # update is skipped (a NaN batch writes NaN into running_mean / running_var
+        # before any gradient exists). None until the first step tells which they are.
+        self._buffers: list[Tensor] | None = None
+        self._buffer_names: list[str] = []
+        self._shadows: list[Tensor] = []
+        # Integer views of both, same bytes: the restore by a device flag is exact
+        # integer arithmetic (x * 1 + y * 0), which a NaN cannot poison.
+        self._buffer_bits: list[Tensor] = []
+        self._shadow_bits: list[Tensor] = []
+        # The first step only: a copy of every buffer, to find the written ones.
+        self._first_copies: list[Tensor] = []
         # (tensor, version) of the step's forward arguments, to notice a loader that
         # refills them in place; then copy them instead (see _check_refill).
         self._arg_versions: list[tuple[Tensor, int]] = []
@@ -254,6 +271,13 @@ class Guard(StepState):
         self._auto_n = 0
         self._explicit_loss: Tensor | None = None
         self._explicit_n = 0
+        # The losses the step backpropagated (loss.backward()), summed: the loss its
+        # gradients are of, for loops that compute it outside the model.
+        self._backward_loss: Tensor | None = None
+        self._backward_n = 0
+        # (scaled, loss) of the last GradScaler.scale(loss): its backward is the loss's.
+        self._scaled: tuple[Tensor, Tensor] | None = None
+        self._loss_checked = False  # the first step said whether a loss was recorded
         self._grad_norm: Tensor | None = None
         self._opt_steps = 0  # optimizer.step() calls that reached a wrapper
         self._scaler_warned = False
@@ -338,6 +362,10 @@ class Guard(StepState):
             ]
             self._handles += [_wrap_forward(m, self) for m in self.models.values()]
             self._handles.append(_wrap_scaler_step(self))
+            if len(self.optimizers) == 1:
+                # A GAN's two losses straddle its first optimizer's step: the one
+                # backpropagated after it is the other model's, not the next step's.
+                self._handles.append(_wrap_backward(self))
             self._handles.append(_Restore(share_clip_norm(self._took_clip_norm)))
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
@@ -809,6 +837,39 @@ class Guard(StepState):
             self._explicit_loss = self._explicit_loss + loss
         self._explicit_n += 1
 
+    def _on_backward(self, loss: Tensor) -> None:
+        """``loss.backward()`` of a scalar while the guard is open (not a replay): the
+        step backpropagates ``loss`` (the unscaled one when a GradScaler scaled it).
+        Kept on the device, summed; read lagged like a loss the model returns."""
+        scaled = self._scaled
+        if scaled is not None and scaled[0] is loss:
+            loss = scaled[1]
+            self._scaled = None
+        loss = loss.detach()
+        if loss.ndim:  # a (1,)-shaped loss
+            loss = loss.reshape(())
+        total = self._backward_loss
+        self._backward_loss = loss if total is None else total + loss
+        self._backward_n += 1
+
+    def _check_loss_recorded(self) -> None:
+        """The end of the first step: say once, with the fix, when no loss reached the
+        guard (the progress bar, metrics and report would show none)."""
+        self._loss_checked = True
+        if self._explicit_n or self._auto_n or self._backward_n or len(self.optimizers) > 1:
+            return
+        self.event(
+            "no_loss",
+            level="warning",
+            message=(
+                f"no loss was recorded at step {self.step}: the model returns none and no "
+                "scalar loss.backward() ran in the step (torch.autograd.backward, "
+                "autograd.grad, or a backward with an explicit gradient), so the progress "
+                "bar, the metrics and the report show no loss and loss spikes are not "
+                "judged. Hand it over: g.observe(loss) once per micro-batch."
+            ),
+        )
+
     def _check_refill(self, versions: list[tuple[Tensor, int]]) -> None:
         """After a fetch, ``versions`` (a training forward's tensors and their version
         counters then) showed a tensor written in place since: a loader that refills
@@ -850,6 +911,12 @@ class Guard(StepState):
         if not self._forward_seen:  # the step's first forward
             self._forward_seen = True
             self._arg_versions = []
+            # The buffers before the step (one fused copy, no sync; none for a model
+            # whose forward writes no buffer): what a skipped step puts back.
+            if self._shadows:
+                torch._foreach_copy_(self._shadows, self._buffers)
+            elif self._buffers is None:
+                self._snapshot_all_buffers()
         # A norm shared by a clip before this forward (a clip per micro-batch) is not
         # the norm of the gradients this step will apply.
         self._grad_norm = None
@@ -907,14 +974,18 @@ class Guard(StepState):
 
     @property
     def step_loss(self) -> Tensor | None:
-        """This step's loss as a 0-d tensor on the guard's device (mean over
-        micro-batches), or ``None`` when the model returned none and nothing was
-        observed. Computed once per step and shared by the components."""
+        """This step's loss as a 0-d tensor on the guard's device: the mean of what
+        :meth:`observe` was given, else the mean of the losses the model returned, else
+        the sum of the losses the step backpropagated (``loss.backward()``, with
+        ``(loss / accum).backward()`` the mean micro-batch loss); ``None`` when none of
+        these happened. Computed once per step and shared by the components."""
         if self._step_loss is None:
             if self._explicit_n:
                 total, n = self._explicit_loss, self._explicit_n
-            else:
+            elif self._auto_n:
                 total, n = self._auto_loss, self._auto_n
+            else:
+                total, n = self._backward_loss, 1
             if total is not None:
                 if total.device != self.device:  # model parallel: loss on the last device
                     total = total.to(self.device, non_blocking=True)
@@ -1046,12 +1117,101 @@ class Guard(StepState):
 
     # ------------------------------------------------------------------ optimizer hooks
 
-    def skip_update(self) -> None:
+    def skip_update(self, *, where: Tensor | None = None) -> None:
         """From a component's ``before_step`` / ``before_extra_step``: do not call this
         optimizer step at all (the wrapper returns ``None`` without calling it), so
         weights and optimizer state stay bitwise as they were whatever the optimizer
-        does with its gradients. The step still counts and ``after_step`` runs."""
-        self._skip = True
+        does with its gradients. The step still counts and ``after_step`` runs.
+
+        The buffers the step's training forwards wrote (BatchNorm's running
+        statistics) are put back as they were before its first forward, bitwise
+        (:attr:`restored_buffers` names them).
+
+        ``where``: the optimizer is called and leaves the update out itself, on the
+        device, where this 0-d tensor is non-zero (a fused optimizer's ``found_inf``);
+        the buffers are put back by the same flag, on the device, without reading it.
+        """
+        if where is None:
+            self._skip = True
+        else:
+            self._skip_where = where
+
+    @property
+    def restored_buffers(self) -> list[str]:
+        """The model's buffers a training forward writes (BatchNorm's running
+        statistics, found at the first step), which a skipped step puts back as they
+        were before its first forward. Empty before the first step and for models
+        whose forward writes no buffer."""
+        return self._buffer_names
+
+    def nonfinite_buffers(self) -> list[str]:
+        """The names of the :attr:`restored_buffers` holding a NaN or an Inf now (one
+        host read: call it rarely, e.g. before reporting a recovery)."""
+        floats = [
+            (n, b)
+            for n, b in zip(self._buffer_names, self._buffers or (), strict=False)
+            if b.is_floating_point()
+        ]
+        if not floats:
+            return []
+        finite = torch.stack([torch.isfinite(b).all() for _, b in floats]).tolist()
+        return [n for (n, _), ok in zip(floats, finite, strict=True) if not ok]
+
+    def _snapshot_all_buffers(self) -> None:
+        """The first training forward: copy every buffer of the model (once), so that
+        :meth:`_keep_written_buffers` can tell which ones a forward writes."""
+        from guardrails.engine.model import unwrap
+
+        if len(self.optimizers) > 1:
+            # A GAN's step holds both models' forwards around the first optimizer's
+            # step: a snapshot at "the step's first forward" would be the other
+            # model's, and a skip would undo that model's good statistics.
+            self._buffers = []
+            return
+        seen: set[int] = set()
+        names, bufs = [], []
+        for name, b in unwrap(self.model).named_buffers():
+            # Buffers whose bytes an integer view covers (every real one; not complex128).
+            if id(b) in seen or b.element_size() not in _INT_OF_SIZE or b.is_complex():
+                continue
+            seen.add(id(b))
+            names.append(name)
+            bufs.append(b)
+        self._buffer_names, self._buffers = names, bufs
+        self._first_copies = [b.detach().clone() for b in bufs]
+
+    def _keep_written_buffers(self) -> None:
+        """The first step's update is next: keep, of the model's buffers, those its
+        forwards changed (by value: BatchNorm updates its statistics in a kernel that
+        does not bump their version counters). Once per run; on CUDA one host read per
+        buffer, then never again."""
+        copies, self._first_copies = self._first_copies, []
+        keep = [
+            i
+            for i, (b, c) in enumerate(zip(self._buffers or (), copies, strict=True))
+            if not torch.equal(b, c)
+        ]
+        self._buffers = [self._buffers[i] for i in keep]  # type: ignore[index]
+        self._buffer_names = [self._buffer_names[i] for i in keep]
+        self._shadows = [copies[i] for i in keep]  # this step's snapshot: the clones
+        self._buffer_bits = [_bits(b) for b in self._buffers]
+        self._shadow_bits = [_bits(s) for s in self._shadows]
+
+    def _restore_buffers(self) -> None:
+        """A skipped step: the written buffers as they were before its first forward."""
+        if self._shadows and self._forward_seen:
+            torch._foreach_copy_(self._buffers, self._shadows)
+
+    def _restore_buffers_where(self, flag: Tensor) -> None:
+        """The optimizer skips on the device where ``flag`` is set: the buffers follow,
+        also on the device. Integer views, so ``buf * keep + shadow * skip`` is exact
+        and a NaN in the buffer cannot leak through a multiplication by zero. Four
+        fused calls, no sync."""
+        if not (self._shadows and self._forward_seen):
+            return
+        skip = (flag != 0).to(torch.int64)
+        torch._foreach_mul_(self._buffer_bits, 1 - skip)
+        torch._foreach_add_(self._buffer_bits, torch._foreach_mul(self._shadow_bits, skip))
 
     def _before_step(self) -> None:
         self.phase = "optimizer"
@@ -1062,6 +1222,8 @@ class Guard(StepState):
             # steps per batch, or a model called around the guard's wrapper): the
             # boundary is due now at the latest, before this update.
             self._boundary()
+        if self._buffers is not None and len(self._buffers) != len(self._shadows):
+            self._keep_written_buffers()  # the first step, once
         if not self._forward_seen:  # no forward observed: the fetch position it is
             self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
             self.step_batches += self._fetched
@@ -1102,9 +1264,12 @@ class Guard(StepState):
         if self._norm_shared:
             self.clip_norm_steps += 1
             self._norm_shared = False
+        if not self._loss_checked:
+            self._check_loss_recorded()
         self._auto_loss = self._explicit_loss = self._step_loss = self._grad_norm = None
+        self._backward_loss = self._scaled = None
         self._row = self.skipped = None
-        self._auto_n = self._explicit_n = 0
+        self._auto_n = self._explicit_n = self._backward_n = 0
         self._data_wait_s = 0.0
         self._tokens = None
         # New lists, not cleared ones: NanGuard keeps this step's for its lagged read.
@@ -1284,16 +1449,22 @@ class _Restore:
 def _set_on_instance(obj: Any, name: str, value: Any) -> _Restore:
     """Set ``obj.<name>`` on the instance; the handle puts back exactly what was there:
     the instance attribute a wrapper (torch.compile's, an LR scheduler's, another
-    tool's) had set, or none."""
-    had_own = name in obj.__dict__
-    previous = obj.__dict__.get(name)
-    setattr(obj, name, value)
+    tool's) had set, or none.
+
+    Into the instance's ``__dict__``, not through ``setattr``: Lightning Fabric's
+    module wrapper sets an attribute the wrapped module also has on both, so the
+    model's own ``forward`` became the guard's, which called Fabric's, which called the
+    model's: a ``RecursionError`` at the first forward."""
+    own = vars(obj)
+    had_own = name in own
+    previous = own.get(name)
+    own[name] = value
 
     def undo() -> None:
         if had_own:
-            setattr(obj, name, previous)
+            own[name] = previous
         else:
-            obj.__dict__.pop(name, None)
+            own.pop(name, None)
 
     return _Restore(undo)
 
@@ -1346,6 +1517,19 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
         if guard._quiet or (idle is not None and idle()):
             return inner(*args, **kwargs)
         guard._skip = False
+        closure = kwargs.get("closure", args[0] if args else None)
+        first: Any = None
+        if closure is not None:
+            # LBFGS's step(closure): the closure computes the gradients, so the guard
+            # runs it first (as the optimizer would: grad enabled) and judges what it
+            # produced; the optimizer's own first call gets that result (_FirstResult).
+            with torch.enable_grad():
+                first = closure()
+            replay = _FirstResult(first, closure, guard)
+            if args:
+                args = (replay, *args[1:])
+            else:
+                kwargs = {**kwargs, "closure": replay}
         guard._opt_steps += 1
         if scaler is not None and dist.overflowed(scaler, dist.inner(opt)):
             # The scaler inside step() will skip this update: its normal calibration,
@@ -1356,9 +1540,14 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
             before()
         finally:
             guard.skip_cause = guard.skip_scaler = None
+        if guard._skip:
+            guard._restore_buffers()
+        elif guard._skip_where is not None:
+            guard._restore_buffers_where(guard._skip_where)
+        guard._skip_where = None
         if guard._skip and scaler is None:
             guard._skip = False
-            out = None  # skipped: weights and optimizer state untouched
+            out = first  # skipped: weights and optimizer state untouched
         else:
             guard._skip = False
             out = inner(*args, **kwargs)
@@ -1366,6 +1555,27 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
         return out
 
     return _set_on_instance(opt, "step", types.MethodType(step, opt))
+
+
+class _FirstResult:
+    """The closure handed to a closure optimizer's ``step()`` after the guard ran it
+    once: its first call returns that run's result (the gradients it left are the
+    ones the guard judged), later calls run the closure again (LBFGS's line search),
+    as re-evaluations: not the step's training forwards or loss."""
+
+    def __init__(self, first: Any, closure: Callable[[], Any], guard: Guard) -> None:
+        self._first: Any = first
+        self._used = False
+        self._closure = closure
+        self._guard = guard
+
+    def __call__(self) -> Any:
+        if not self._used:
+            self._used = True
+            first, self._first = self._first, None
+            return first
+        with self._guard.replaying():
+            return self._closure()
 
 
 def _wrap_scaler_step(guard: Guard) -> _Restore:
@@ -1382,7 +1592,15 @@ def _wrap_scaler_step(guard: Guard) -> _Restore:
     from torch.amp import GradScaler
 
     inner = GradScaler.__dict__["step"]
+    inner_scale = GradScaler.__dict__["scale"]
     names = {id(opt): name for name, opt in guard.optimizers.items()}
+
+    @functools.wraps(inner_scale)
+    def scale(scaler: Any, outputs: Any) -> Any:
+        out = inner_scale(scaler, outputs)
+        if isinstance(outputs, Tensor) and guard._state == "started":
+            guard._scaled = (out, outputs)  # its backward records the unscaled loss
+        return out
 
     @functools.wraps(inner)
     def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1397,9 +1615,54 @@ def _wrap_scaler_step(guard: Guard) -> _Restore:
         return out
 
     GradScaler.step = step  # type: ignore[method-assign]
+    GradScaler.scale = scale  # type: ignore[method-assign]
 
     def undo() -> None:
         GradScaler.step = inner  # type: ignore[method-assign]
+        GradScaler.scale = inner_scale  # type: ignore[method-assign]
+
+    return _Restore(undo)
+
+
+#: The integer dtype of each element size: a buffer's bytes as integers (_bits).
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: Tensor) -> Tensor:
+    """``t``'s bytes as integers of its element size (a view: no copy)."""
+    return (
+        t
+        if not t.is_floating_point() and t.dtype != torch.bool
+        else t.view(_INT_OF_SIZE[t.element_size()])
+    )
+
+
+def _wrap_backward(guard: Guard) -> _Restore:
+    """Set ``torch.Tensor.backward`` (the class's, restored exactly at close) to hand
+    ``guard`` each loss the loop backpropagates: the loss of a loop that computes it
+    outside the model (``criterion(model(x), y)``; accelerate's ``backward(loss)``
+    ends in ``loss.backward()`` too). Only a call without ``gradient`` (a scalar's),
+    not during a replay or a closure optimizer's re-evaluations, and only while no
+    loss came from the model or :meth:`Guard.observe` (which come first): ~0.5 us
+    per backward (a frame), ~2 us with the loss to keep (its detach)."""
+    inner = Tensor.__dict__["backward"]
+
+    @functools.wraps(inner)
+    def backward(self: Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # Inline: a loss the model returned or observe() was given comes first, so
+        # the common loop pays this wrapper's frame and one check, nothing more.
+        if (
+            gradient is None
+            and not (guard._auto_n or guard._explicit_n or guard._replaying)
+            and guard._state == "started"
+        ):
+            guard._on_backward(self)
+        return inner(self, gradient, *args, **kwargs)
+
+    Tensor.backward = backward  # type: ignore[method-assign]
+
+    def undo() -> None:
+        Tensor.backward = inner  # type: ignore[method-assign]
 
     return _Restore(undo)
 

@@ -34,8 +34,9 @@ _MAX_DEPTH = 8
 
 
 def wrappers(model: nn.Module) -> list[nn.Module]:
-    """``model`` and every module it wraps, outermost first: DDP's ``.module`` and
-    torch.compile's ``._orig_mod``, in any order. Modules are never tested for truth (a
+    """``model`` and every module it wraps, outermost first: DDP's ``.module``,
+    torch.compile's ``._orig_mod`` and Lightning Fabric's ``._forward_module``, in any
+    order. Modules are never tested for truth (a
     module with ``__len__``, like ``nn.Sequential``, can be falsy).
 
     FSDP1's ``FullyShardedDataParallel`` is not unwrapped: the module inside it holds
@@ -46,6 +47,9 @@ def wrappers(model: nn.Module) -> list[nn.Module]:
         m = chain[-1]
         if isinstance(m, nn.parallel.DistributedDataParallel):
             inner = m.module
+        elif type(m).__name__ == "_FabricModule" and "_forward_module" in m._modules:
+            # Lightning Fabric's setup(): the module it runs (DDP's, or the model).
+            inner = m._modules["_forward_module"]
         else:
             inner = getattr(m, "_orig_mod", None)  # torch.compile's OptimizedModule
         if not isinstance(inner, nn.Module):

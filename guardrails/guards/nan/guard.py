@@ -88,9 +88,10 @@ from guardrails.engine.config import configure
 from guardrails.engine.guard import current_lr
 from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
 from guardrails.guards.nan import diagnose
-from guardrails.guards.nan.health import _Health
+from guardrails.guards.nan.health import _Health, _StaleGrads
 from guardrails.guards.nan.spikes import TREND_STEPS, _Series, _spikes
 from guardrails.util.checks import non_negative, positive_int
+from guardrails.util.text import shorten
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -269,6 +270,17 @@ class NanGuard(Component):
         # yet: at most two intervals.
         self._recent: deque[tuple[int, Any, Any]] = deque(maxlen=2 * n + 2)
         self._health = _Health(self.window_steps)
+        # A forgotten zero_grad(), watched on one parameter for the first steps. Not
+        # with several optimizers (a GAN's generator loss backpropagates through the
+        # discriminator after its step, legitimately) nor sharded parameters.
+        sentinel = next((p for p in guard.params if p.requires_grad), None)
+        self._stale: _StaleGrads | None = (
+            _StaleGrads(sentinel)
+            if sentinel is not None
+            and len(guard.optimizers) == 1
+            and not model.holds_shards(guard.model)
+            else None
+        )
         # The other optimizers' parameters and skip streaks (several optimizers).
         self._extra = {
             name: [p for g in o.param_groups for p in g["params"]]
@@ -460,6 +472,8 @@ class NanGuard(Component):
     def after_step(self, guard: Guard) -> None:
         if self._set_found:
             self._restore_found(self._opt)
+        if self._stale is not None and not self._stale.after_step(guard):
+            self._stale = None  # the first steps only
         if guard.step <= _Health.CHECK_GRADS_STEPS:
             self._health.after_step(guard, self._param_ids)
         if self._lagged:
@@ -529,6 +543,9 @@ class NanGuard(Component):
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
             self._restore_found(self._opt)
+        if self._stale is not None:
+            self._stale.remove()
+            self._stale = None
         if exc is None or guard.stopping is not None:
             # Rows the host has not seen yet (lagged path): read them now, while the
             # batches are still held, also when the loop ends by a signal stop (the
@@ -583,6 +600,8 @@ class NanGuard(Component):
         self._prev_found = prev
         opt.found_inf = found
         self._set_found = True
+        # The step's buffers (BatchNorm statistics) are put back by the same flag.
+        self._guard.skip_update(where=found)
 
     def _restore_found(self, opt: Any) -> None:
         self._set_found = False
@@ -699,11 +718,20 @@ class NanGuard(Component):
         )
         self.diagnoses.append(diag)
         what = {"skip": "skipped", "raise": "skipped", "warn": "NOT skipped (policy warn)"}
+        restored = ""
+        # Only the first optimizer's skips put the model's buffers back.
+        if self.policy != "warn" and guard.restored_buffers and optimizer is None:
+            restored = (
+                " and the buffers its forward wrote put back as they were before it ("
+                + shorten(guard.restored_buffers, 4)
+                + ")"
+            )
+            diag["restored_buffers"] = list(guard.restored_buffers)
         guard.event(
             "nonfinite",
             level="warning",
-            message=f"non-finite gradients at step {step}, update {what[self.policy]}: "
-            + diag["message"],
+            message=f"non-finite gradients at step {step}, update {what[self.policy]}"
+            f"{restored}: " + diag["message"],
             **{k: v for k, v in diag.items() if k not in ("message", "rank")},
         )
         return diag
@@ -726,6 +754,30 @@ class NanGuard(Component):
         streak = self._streak if streak is None else streak
         first, n = streak[0], len(streak)
         whose = "" if optimizer is None else f"optimizer {optimizer!r}: "
+        broken = self._guard.nonfinite_buffers() if optimizer is None else []
+        if broken:
+            # Finite gradients again, but a buffer a forward writes holds a NaN or an
+            # Inf (an update that went in, policy "warn"): the model is not recovered.
+            # Every evaluation from here on is non-finite. Said once per streak.
+            self._guard.event(
+                "nonfinite_buffers",
+                level="warning",
+                message=(
+                    f"the gradients are finite again at step {step} after {n} non-finite "
+                    f"step(s) from step {first}, but the model's buffers "
+                    f"{shorten(broken, 4)} hold NaN/Inf (written by a training forward of a "
+                    "non-finite step): the model is not recovered, and evaluations and "
+                    "saved weights are non-finite from here on. Resume from a checkpoint "
+                    "before that step, or reset those statistics (e.g. "
+                    "module.reset_running_stats() for BatchNorm) and re-estimate them."
+                ),
+                step=step,
+                first_step=first,
+                buffers=broken,
+            )
+            self._streak = []
+            self._streak_diag = None
+            return
         self._guard.event(
             "nonfinite_recovered",
             message=f"{whose}finite again at step {step} after {n} skipped step(s) from "

@@ -1,5 +1,5 @@
 """Training-health checks: parameters left out of the optimizer, parameters that never
-receive a gradient, a loss that does not fall.
+receive a gradient, a loss that does not fall, gradients never reset between steps.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from guardrails.engine.guard import Guard
 
 
@@ -98,3 +100,83 @@ class _Health:
                 first_half_median=first,
                 second_half_median=second,
             )
+
+
+class _StaleGrads:
+    """Gradients carried from one optimizer step into the next: ``optimizer.zero_grad()``
+    forgotten, so each step applies the sum of every gradient so far (the grad norm
+    climbs step after step). Watched on one parameter (``sentinel``) over the first
+    :attr:`STEPS` steps the guard sees (the loop's shape shows at its second step),
+    then the hooks go: nothing per step after that.
+
+    Two hooks on the sentinel: before a gradient is added to its ``.grad`` (``_before``)
+    and after (``_after``). The ``.grad`` is *untouched* when it is the tensor, at the
+    version, last seen (after the last optimizer step or our last accumulation). The
+    first backward after a step that finds it untouched stacks on the applied gradient
+    (``stale``); a later backward that finds it reset (``zero_grad()`` after a backward
+    that was not the step's, e.g. a metric's) clears that. Micro-batches of gradient
+    accumulation are not steps; ``zero_grad(set_to_none=False)`` bumps the version (a
+    reset); ``set_to_none=True`` makes a new tensor (a reset)."""
+
+    #: Steps watched (each costs two hook calls per backward, ~3 us): the second is
+    #: the first that can stack on another's gradients.
+    STEPS = 2
+
+    def __init__(self, sentinel: Tensor) -> None:
+        self._p = sentinel
+        self._grad: Tensor | None = None  # the .grad last seen, and its version
+        self._version = -1
+        self._stepped = False  # an optimizer step since the last backward into it
+        self._steps = 0  # optimizer steps seen
+        self.stale = False
+        self._handles = [
+            sentinel.register_hook(self._before),
+            sentinel.register_post_accumulate_grad_hook(self._after),
+        ]
+
+    def _before(self, grad: Tensor) -> None:
+        g = self._p.grad
+        untouched = g is not None and g is self._grad and g._version == self._version
+        if self._stepped:
+            self._stepped = False
+            self.stale = untouched
+        elif not untouched:
+            self.stale = False  # reset since: what is applied is this step's only
+
+    def _after(self, p: Tensor) -> None:
+        self._seen(p.grad)
+
+    def _seen(self, g: Tensor | None) -> None:
+        self._grad = g
+        self._version = -1 if g is None else g._version
+
+    def after_step(self, guard: Guard) -> bool:
+        """The optimizer step is done: warn if its gradients included the previous
+        step's. Returns whether to keep watching."""
+        if self.stale:
+            step = guard.step
+            guard.event(
+                "grads_not_reset",
+                level="warning",
+                message=(
+                    f"the gradients applied at step {step} were added onto those of step "
+                    f"{step - 1}: nothing reset them after optimizer.step(), so each step "
+                    "applies the sum of every gradient so far and the grad norm climbs. "
+                    "Call optimizer.zero_grad() after optimizer.step() (or before each "
+                    "step's first backward)."
+                ),
+            )
+            self.remove()
+            return False
+        self._seen(self._p.grad)
+        self._stepped = True
+        self._steps += 1
+        if self._steps >= self.STEPS:
+            self.remove()
+            return False
+        return True
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
