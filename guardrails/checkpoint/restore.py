@@ -346,6 +346,7 @@ def apply(plan: Plan) -> dict[str, Any]:
         plan.model.load_state_dict(plan.model_sd, strict=plan.strict)
     for opt, sd in plan.opt_sds:
         per_rank(opt).load_state_dict(sd)
+        _own_allocations(per_rank(opt))
     for sched, sd in plan.sched_sds:
         if sd is not None:
             sched.load_state_dict(sd)
@@ -360,6 +361,37 @@ def apply(plan: Plan) -> dict[str, Any]:
         "rank_state": plan.rank_state,
         "rank_tensors": {k: v for k, v in plan.rank_tensors.items() if not k.startswith("torch.")},
     }
+
+
+def _own_allocations(optimizer: Any) -> None:
+    """Give each host tensor of ``optimizer``'s state a fresh allocation of its own, as
+    the optimizer's own steps would have made it.
+
+    ``load_state_dict`` keeps a loaded tensor as it is when it already has its
+    parameter's dtype and device (every state of a CPU run): then each one lies where
+    the file reader put it, at any offset (4 or 24 bytes past a 64-byte boundary, not
+    the allocator's 64), and vectorised kernels split such a tensor at other element
+    boundaries, so their sums round differently: LBFGS's dot products made a resumed
+    run's weights differ from the uninterrupted run's (4e-6 after 10 steps, 2.7e-3 in
+    a longer run). A tensor moved to an accelerator is a fresh allocation already. Two
+    keys holding one tensor keep holding one."""
+    memo: dict[int, Tensor] = {}
+
+    def fresh(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            if value.device.type != "cpu":
+                return value
+            if id(value) not in memo:
+                memo[id(value)] = value.clone(memory_format=torch.contiguous_format)
+            return memo[id(value)]
+        if isinstance(value, (list, tuple)):
+            return type(value)(fresh(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fresh(v) for k, v in value.items()}
+        return value
+
+    for param, state in optimizer.state.items():
+        optimizer.state[param] = fresh(state)
 
 
 #: The module-level name for symmetry with :func:`save_checkpoint`.
