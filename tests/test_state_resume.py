@@ -7,6 +7,8 @@ with the same command against one that was never interrupted.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import signal
 import subprocess
 import sys
@@ -15,6 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_state_equal, read_events
+
+import guardrails
+from guardrails.checkpoint.manifest import _self_hash
+from guardrails.checkpoint.read import verify_checkpoint
 
 WORKER = Path(__file__).with_name("state_worker.py")
 SIGTERM_EXIT = 128 + signal.SIGTERM
@@ -58,3 +64,86 @@ def test_every_optimizer_resumes_bitwise(tmp_path, opt):
     # resumed weights left the uninterrupted run's (4e-6 after 10 steps here).
     a, b, _ = _stop_and_resume(tmp_path, "--opt", opt, "--steps", 10, stop_at=4)
     assert_state_equal(a, b)
+
+
+# ------------------------------------------------------------------ tensors in g.state
+
+
+def test_tensors_in_extras_come_back_bitwise_with_their_dtypes_in_allocations_of_their_own(
+    tmp_path,
+):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    best = torch.tensor(0.123456789, dtype=torch.float32)
+    extras = {
+        "best": best,
+        "same": best,  # one tensor under two keys stays one
+        "seen": torch.tensor(7, dtype=torch.int64),
+        "hist": [torch.randn(5, dtype=torch.bfloat16), 3, "x"],
+        "plain": 1.5,
+    }
+    guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=opt, extras=extras)
+    ckpt = tmp_path / "step_000000001"
+    assert verify_checkpoint(ckpt) is None
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert "extras.safetensors" in manifest["files"]
+    got = guardrails.resume(tmp_path, model, opt)["extras"]
+    assert got["plain"] == 1.5 and got["hist"][1:] == [3, "x"]
+    for a, b in [(extras["best"], got["best"]), (extras["seen"], got["seen"])]:
+        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    assert got["hist"][0].dtype == torch.bfloat16 and torch.equal(got["hist"][0], extras["hist"][0])
+    assert got["same"] is got["best"]
+    assert got["best"].data_ptr() % 64 == 0 and got["hist"][0].data_ptr() % 64 == 0
+
+
+def test_extras_referencing_a_tensor_the_file_lacks_is_damage_named_by_field(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    guardrails.save_checkpoint(
+        tmp_path, 1, model=model, optimizer=None, extras={"best": torch.tensor(1.0)}
+    )
+    ckpt = tmp_path / "step_000000001"
+    f = ckpt / "extras.json"
+    f.chmod(0o644)
+    f.write_text(json.dumps({"best": {"__tensor__": "extras.other"}}))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["extras.json"] = {
+        "bytes": f.stat().st_size,
+        "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+    }
+    manifest.pop("manifest_sha256")
+    manifest["manifest_sha256"] = _self_hash(manifest)
+    (ckpt / "manifest.json").chmod(0o644)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    why = verify_checkpoint(ckpt)
+    assert why is not None and "extras.other" in why and "extras.safetensors" in why, why
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_tensors_kept_in_g_state_are_saved_at_the_signal_and_resume_bitwise(tmp_path):
+    # A best loss kept as a tensor (no .item() sync per step) made the SIGTERM save
+    # fail: TypeError, no checkpoint, exit 1.
+    a, b, ckpt = _stop_and_resume(tmp_path, "--best-tensor", "--steps", 10, stop_at=4)
+    assert_state_equal(a, b)
+    assert b["state"]["seen"].dtype == torch.int64 and int(b["state"]["seen"]) == 10
+    assert b["state"]["best"].dtype == torch.float32
+    extras = json.loads((ckpt / "extras.json").read_text())
+    assert extras["best"] == {"__tensor__": "g.state.best"}
+
+
+def test_a_signal_save_that_fails_still_exits_143_and_names_the_latest_checkpoint(tmp_path):
+    # A value no checkpoint stores, put in g.state after the last periodic save: the
+    # SIGTERM's save fails with a TypeError, which used to exit 1 with a traceback.
+    done = _run(
+        tmp_path / "r",
+        tmp_path / "r.pt",
+        *("--every", 2, "--bad-state-at", 3, "--sigterm-at", 3, "--steps", 8),
+    )
+    assert done.returncode == SIGTERM_EXIT, done.stderr
+    latest = tmp_path / "r" / "checkpoints" / "step_000000002"
+    assert sorted(p.name for p in latest.parent.iterdir()) == [latest.name]
+    assert "Traceback" not in done.stderr, done.stderr
+    (stopped,) = [e for e in read_events(tmp_path / "r") if e["kind"] == "stopped"]
+    assert stopped["saved"] is False
+    for said in ("nothing new was saved", "g.state.tags is a set", str(latest), "step 2"):
+        assert said in stopped["message"], stopped["message"]
+        assert said in done.stderr, done.stderr

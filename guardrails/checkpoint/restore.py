@@ -19,6 +19,7 @@ from guardrails._errors import CheckpointError, ResumeError
 from guardrails.checkpoint import sharded as _sharded
 from guardrails.checkpoint.codec import decode
 from guardrails.checkpoint.common import (
+    EXTRAS_TENSORS,
     _listing,
     _read_manifest,
     log,
@@ -190,6 +191,7 @@ def prepare(
     strict: bool = True,
     allow_world_size_change: bool = False,
     check: Any = None,
+    extras_device: torch.device | None = None,
 ) -> Plan:
     """Read every part of ``ckpt`` this rank loads and check it against what it loads
     into; nothing is modified. Only files the manifest lists are read (each was
@@ -199,7 +201,8 @@ def prepare(
     back to an older one); one that does not fit this run (another model, optimizer,
     world size) is a ``ResumeError``. ``check(rank_state, rank_file)``: the caller's
     own checks of this rank's saved state (the guard's: the data position against its
-    loader)."""
+    loader). ``extras_device``: where the extras' tensors saved from an accelerator go
+    (``None``: the device each was saved from); those saved from the CPU stay there."""
     manifest = _read_manifest(ckpt)
     step = int(manifest["step"])
     files = manifest["files"]
@@ -282,7 +285,19 @@ def prepare(
         )
     if scaler_sd and _torch_own(scaler, "torch."):
         reader.like("scaler.json", scaler_sd, scaler.state_dict())
-    extras = decode(reader.json("extras.json")) if "extras.json" in files else {}
+    extras: Any = {}
+    if "extras.json" in files:
+        raw = reader.json("extras.json")
+        held = reader.tensors(EXTRAS_TENSORS) if EXTRAS_TENSORS in files else {}
+        placed: dict[int, Tensor] = {}  # one tensor under two keys stays one
+
+        def place(t: Tensor, saved: str | None) -> Tensor:
+            if id(t) not in placed:
+                placed[id(t)] = _place_extra(extras_device, t, saved)
+            return placed[id(t)]
+
+        with reader.reading("extras.json"):
+            extras = decode(raw, held, place=place)
     if not isinstance(extras, dict):
         raise reader.bad("extras.json", "", f"holds {type(extras).__name__}, not an object")
     rank_state: dict[str, Any] = {}
@@ -361,6 +376,27 @@ def apply(plan: Plan) -> dict[str, Any]:
         "rank_state": plan.rank_state,
         "rank_tensors": {k: v for k, v in plan.rank_tensors.items() if not k.startswith("torch.")},
     }
+
+
+def _place_extra(device: torch.device | None, t: Tensor, saved: str | None) -> Tensor:
+    """A tensor of the caller's extras where it was saved from, in an allocation of its
+    own: a CPU tensor stays on the CPU (cloned out of the file reader's buffer, see
+    :func:`_own_allocations`); one saved from an accelerator goes to ``device`` (the
+    guard's: rank 1 takes rank 0's ``cuda:0`` tensor on its own GPU), else to the
+    device it was saved from, or stays on the CPU, said, where there is no such device."""
+    if saved is None:
+        return t.clone(memory_format=torch.contiguous_format)
+    target = device if device is not None else torch.device(saved)
+    try:
+        return t.to(target)
+    except (RuntimeError, AssertionError) as e:  # AssertionError: a CPU-only torch build
+        log.warning(
+            "guardrails: a tensor of the checkpoint's extras (g.state) was saved from %s, "
+            "which this process cannot use (%s); it is restored on the CPU",
+            saved,
+            e,
+        )
+        return t.clone(memory_format=torch.contiguous_format)
 
 
 def _own_allocations(optimizer: Any) -> None:

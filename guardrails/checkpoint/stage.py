@@ -24,6 +24,7 @@ from guardrails.checkpoint import digest
 from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.common import (
     ALIASES_KEY,
+    EXTRAS_TENSORS,
     _seal,
     log,
 )
@@ -351,14 +352,22 @@ def stage_replicated(
     extras: Mapping[str, Any] | None = None,
     copy: bool = True,
     part: Part | None = None,
+    extras_name: str = "extras",
 ) -> Part:
     """Stage the state every rank holds the same copy of (written once, by rank 0).
     ``model`` ``None``: not here (absent, or sharded and saved by DCP); ``optimizers``:
-    those whose state every rank holds the same copy of, by name."""
+    those whose state every rank holds the same copy of, by name; ``extras_name``: what
+    the caller calls ``extras`` (``g.state``), in a message about a value in it that
+    cannot be stored."""
     part = part if part is not None else Part()
     # Serialise the caller's values first: a TypeError for a bad extra must come before
-    # any file is touched.
-    part.add_json("extras.json", encode(dict(extras or {}), "extras"))
+    # any file is touched. Their tensors (a best loss kept on the GPU) are staged last,
+    # after the model's and optimizers': the pinned staging memory is laid out for
+    # those, in that order, ahead of the first save.
+    extras_tensors: dict[str, Tensor] = {}
+    part.add_json(
+        "extras.json", encode(dict(extras or {}), extras_name, extras_tensors, devices=True)
+    )
     if model is not None:
         part.add_tensors("model.safetensors", model.state_dict(), copy=copy)
     optimizers = dict(optimizers or {})
@@ -379,6 +388,8 @@ def stage_replicated(
             part.blobs[f"{stem}.pt"] = buf.getvalue()
     if scaler is not None:
         part.add_json("scaler.json", encode(scaler.state_dict(), "scaler"))
+    if extras_tensors:
+        part.add_tensors(EXTRAS_TENSORS, extras_tensors, copy=copy)
     return part
 
 

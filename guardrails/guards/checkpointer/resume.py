@@ -82,6 +82,8 @@ class ResumeAtStart:
                 scaler=guard.scaler,
                 allow_world_size_change=self.allow_world_size_change,
                 check=lambda state, f: _data.check_position(guard.loader, state.get("data"), f),
+                # g.state's tensors saved from rank 0's GPU go to this rank's.
+                extras_device=None if guard.device.type == "cpu" else guard.device,
             )
         except ResumeError as e:
             remedy = getattr(e, "remedy", None)

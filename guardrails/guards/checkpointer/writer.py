@@ -18,6 +18,7 @@ import torch
 
 from guardrails._errors import CheckpointError, GuardrailsError
 from guardrails.checkpoint import commit, digest, sharded, stage
+from guardrails.checkpoint.codec import encode
 from guardrails.distributed import store as _store
 from guardrails.engine import data as _data
 from guardrails.engine import model
@@ -99,6 +100,16 @@ class CheckpointWriter:
     def _save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
         step = guard.step
         if final_save:
+            try:
+                # What can make the stop's save fail before it writes a byte, checked
+                # before the save still being written is given up for it: a value in
+                # g.state no checkpoint stores would otherwise cost both saves.
+                if guard.rank == 0:
+                    encode(dict(guard.state), "g.state", {}, devices=True)
+            except BaseException as e:
+                self._settle_writer(guard, stopping=True)  # committed: the latest
+                self._tell_ranks(guard, step, e)
+                raise
             self._abandon_older_write(guard, step)
         self._settle_writer(guard, stopping=final_save)  # the next save waits for the previous one
         done = self.last_path
@@ -131,8 +142,12 @@ class CheckpointWriter:
                     if error is not e:
                         raise error from e
                     raise
-            self._stage(guard, part)
-            part.ready()
+            try:
+                self._stage(guard, part)
+                part.ready()
+            except BaseException as e:  # g.state holding a value no checkpoint stores...
+                self._tell_ranks(guard, step, e)
+                raise
             self._last_saved_step = step
             self._last_save_t = time.monotonic()
             part.stage_s = blocking = time.perf_counter() - t0
@@ -180,6 +195,7 @@ class CheckpointWriter:
                 scaler=guard.scaler,
                 extras=guard.state,
                 part=part,
+                extras_name="g.state",
             )
         position, tensors = _data.save_position(guard)
         components = {
@@ -191,6 +207,20 @@ class CheckpointWriter:
             "components": components,
         }
         stage.stage_rank(guard.rank, state=state, tensors=tensors, optimizers=per_rank, part=part)
+
+    def _tell_ranks(self, guard: Guard, step: int, error: BaseException) -> None:
+        """This rank's staging of ``step`` failed: say so where the other ranks wait for
+        its files (and, from rank 0, for the commit), so that they fail now, not after
+        the commit's 10-minute wait."""
+        store = guard.side_store("checkpoint")
+        if store is None:
+            return
+        key = f"{self._token}/{step}"
+        said = json.dumps({"error": f"{type(error).__name__}: {error}"})
+        with contextlib.suppress(Exception):  # the store gone too: the ranks time out
+            store.set(f"{key}/files/{guard.rank}", said)
+            if guard.rank == 0:
+                store.set(f"{key}/commit", said)
 
     def _abandon_older_write(self, guard: Guard, step: int) -> None:
         """A stop's save while a periodic save of an earlier step is still being written:
