@@ -147,3 +147,62 @@ def test_a_signal_save_that_fails_still_exits_143_and_names_the_latest_checkpoin
     for said in ("nothing new was saved", "g.state.tags is a set", str(latest), "step 2"):
         assert said in stopped["message"], stopped["message"]
         assert said in done.stderr, done.stderr
+
+
+# --------------------------------------------------------- param groups added mid-run
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_a_param_group_added_mid_run_is_recreated_by_the_same_command(tmp_path):
+    # The head unfrozen and added with optimizer.add_param_group after step 3; stopped
+    # at 5. The re-run builds its optimizer without that group (it is built before any
+    # checkpoint is read) and used to be refused, telling it to rebuild the groups.
+    a, b, _ = _stop_and_resume(tmp_path, "--unfreeze-at", 3, "--steps", 10, stop_at=5)
+    assert_state_equal(a, b)
+    assert len(b["opt"]["param_groups"]) == 2 and b["lr"] == [1e-2, 5e-3]
+    (resumed,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "resumed"]
+    assert resumed["recreated_groups"] == ["group 1 (head.weight, head.bias)"]
+    assert "head.weight, head.bias" in resumed["message"]
+
+
+def _unfreezing_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model whose second layer starts frozen, and its optimizer without that layer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    model[1].requires_grad_(False)
+    return model, torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+
+
+def test_a_param_group_added_mid_run_resumes_bitwise_without_a_guard(tmp_path):
+    model, opt = _unfreezing_model()
+    model[1].requires_grad_(True)
+    opt.add_param_group({"params": list(model[1].parameters()), "lr": 1e-3})
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt = guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=opt)
+    again, opt_again = _unfreezing_model()  # as the script builds them
+    guardrails.resume(ckpt, again, opt_again)
+    assert [g["lr"] for g in opt_again.param_groups] == [1e-2, 1e-3]
+    assert opt_again.param_groups[1]["params"] == list(again[1].parameters())
+    assert all(p.requires_grad for p in again.parameters())
+    assert_state_equal(opt_again.state_dict(), opt.state_dict())
+    assert_state_equal(again.state_dict(), model.state_dict())
+
+
+def test_an_added_group_of_parameters_outside_the_model_says_what_to_do(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    temperature = torch.nn.Parameter(torch.ones(()))  # learnt, but not the model's
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.add_param_group({"params": [temperature], "lr": 1e-3})
+    ckpt = guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=opt)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(guardrails.ResumeError) as err:
+        guardrails.resume(ckpt, model, opt)
+    text = str(err.value)
+    assert "2 param groups when it was saved, 1 here" in text, text
+    assert "group 1 (a parameter outside the model) was added during that run" in text, text
+    assert "outside the model" in text and "add group 1 to the optimizer yourself" in text, text
+    assert len(opt.param_groups) == 1 and not opt.state
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

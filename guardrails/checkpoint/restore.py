@@ -35,6 +35,7 @@ from guardrails.checkpoint.manifest import (
     resume_order,
 )
 from guardrails.checkpoint.read import (
+    _added_groups,
     _check_classes,
     _check_materialized,
     _check_model,
@@ -57,6 +58,7 @@ from guardrails.checkpoint.stage import (
 )
 from guardrails.distributed import dist
 from guardrails.util.checks import named
+from guardrails.util.text import shorten
 
 # ----------------------------------------------------------------------------- save
 
@@ -116,6 +118,11 @@ def resume(
         allow_world_size_change=allow_world_size_change,
     )
     log.info("guardrails: resumed from %s (step %d)", out["path"], out["step"])
+    if out["recreated_groups"]:
+        log.info(
+            "guardrails: re-created the optimizer's param groups added during the saved run: %s",
+            ", ".join(out["recreated_groups"]),
+        )
     return {"step": out["step"], "extras": out["extras"], "path": out["path"]}
 
 
@@ -172,6 +179,9 @@ class Plan:
     model_sd: dict[str, Tensor] | None
     optimizers: dict[str, Any]
     opt_sds: list[tuple[Any, dict[str, Any]]]
+    #: Per optimizer of ``opt_sds``: the param groups to add to it before its state
+    #: loads (``read._added_groups``), each with its parameters' ``requires_grad``.
+    added_groups: list[list[tuple[dict[str, Any], list[bool]]]]
     sched_sds: list[tuple[Any, Any]]
     scaler: Any
     scaler_sd: Any
@@ -244,6 +254,7 @@ def prepare(
         raise _missing(ckpt, step, "model")
     _check_classes(ckpt, step, contents, optimizers, schedulers)
     opt_sds: list[tuple[Any, dict[str, Any]]] = []
+    added_groups: list[list[tuple[dict[str, Any], list[bool]]]] = []
     pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
     for name, opt, saved in pairs:
         stem = saved["file"]
@@ -262,10 +273,14 @@ def prepare(
                 )
             stem = f"{_rank_name(rank)}.{stem}"
         sd = _load_optimizer(reader, stem)
+        who = name if len(optimizers) > 1 else None
         with reader.reading(f"{stem}.json"):
-            _check_optimizer(ckpt, step, name if len(optimizers) > 1 else None, opt, sd, model)
-            _check_optimizer_values(reader, f"{stem}.json", opt, sd)
+            added = _added_groups(ckpt, step, who, opt, sd, model)
+            groups = [g for g, _ in added]
+            _check_optimizer(ckpt, step, who, opt, sd, model, groups)
+            _check_optimizer_values(reader, f"{stem}.json", opt, sd, groups)
         opt_sds.append((opt, sd))
+        added_groups.append(added)
     sched_sds = []
     for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict):
         sd = _component_state(reader, saved, strict)
@@ -341,6 +356,7 @@ def prepare(
         model_sd=model_sd,
         optimizers=optimizers,
         opt_sds=opt_sds,
+        added_groups=added_groups,
         sched_sds=sched_sds,
         scaler=scaler,
         scaler_sd=scaler_sd,
@@ -359,7 +375,17 @@ def apply(plan: Plan) -> dict[str, Any]:
         _sharded.load(plan.ckpt, plan.model, next(iter(plan.optimizers.values()), None))
     elif plan.model_sd is not None:
         plan.model.load_state_dict(plan.model_sd, strict=plan.strict)
-    for opt, sd in plan.opt_sds:
+    recreated = []
+    for (opt, sd), added in zip(plan.opt_sds, plan.added_groups, strict=True):
+        names = {id(p): n for n, p in plan.model.named_parameters()} if added else {}
+        for group, trains in added:  # added during the saved run: the same command resumes
+            for p, flag in zip(group["params"], trains, strict=True):
+                p.requires_grad_(flag)
+            per_rank(opt).add_param_group(dict(group))
+            recreated.append(
+                f"group {len(per_rank(opt).param_groups) - 1} "
+                f"({shorten([names.get(id(p), '?') for p in group['params']], 4)})"
+            )
         per_rank(opt).load_state_dict(sd)
         _own_allocations(per_rank(opt))
     for sched, sd in plan.sched_sds:
@@ -375,6 +401,7 @@ def apply(plan: Plan) -> dict[str, Any]:
         "path": str(plan.ckpt),
         "rank_state": plan.rank_state,
         "rank_tensors": {k: v for k, v in plan.rank_tensors.items() if not k.startswith("torch.")},
+        "recreated_groups": recreated,
     }
 
 

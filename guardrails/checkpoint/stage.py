@@ -329,18 +329,39 @@ def per_rank(optimizer: Any) -> Any:
     return optimizer
 
 
-def stage_optimizer(part: Part, stem: str, optimizer: Any, *, copy: bool = True) -> None:
+def param_names(model: nn.Module | None) -> dict[int, str]:
+    """Each parameter's name in ``model``, by the parameter's ``id``."""
+    return {} if model is None else {id(p): n for n, p in model.named_parameters()}
+
+
+def stage_optimizer(
+    part: Part,
+    stem: str,
+    optimizer: Any,
+    *,
+    copy: bool = True,
+    names: Mapping[int, str] | None = None,
+) -> None:
     """Stage ``optimizer``'s state as ``<stem>.safetensors`` + ``<stem>.json``, with the
     shapes of the parameters it was saved for (the resume's check: a state tensor need
-    not have its parameter's shape, like Muon's stacked momentum)."""
+    not have its parameter's shape, like Muon's stacked momentum) and, by group, each
+    parameter's name in the model (``names``: by ``id``) and whether it trains: a group
+    added during the run (``add_param_group``: a layer unfrozen at step N) is
+    re-created from them by a resume whose optimizer was built without it."""
     opt = per_rank(optimizer)
     sd = opt.state_dict()
     tensors: dict[str, Tensor] = {}
     state = {str(idx): encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
     groups = encode(list(sd["param_groups"]), "param_groups", tensors)
     shapes = [list(p.shape) for g in opt.param_groups for p in g["params"]]
+    doc = {"state": state, "param_groups": groups, "param_shapes": shapes}
+    if names:
+        doc["group_params"] = [
+            [{"name": names.get(id(p)), "requires_grad": p.requires_grad} for p in g["params"]]
+            for g in opt.param_groups
+        ]
     part.add_tensors(f"{stem}.safetensors", tensors, copy=copy)
-    part.add_json(f"{stem}.json", {"state": state, "param_groups": groups, "param_shapes": shapes})
+    part.add_json(f"{stem}.json", doc)
 
 
 def stage_replicated(
@@ -371,8 +392,9 @@ def stage_replicated(
     if model is not None:
         part.add_tensors("model.safetensors", model.state_dict(), copy=copy)
     optimizers = dict(optimizers or {})
+    names = param_names(model) if optimizers else {}
     for name, stem in stems("optimizer", list(optimizers)).items():
-        stage_optimizer(part, stem, optimizers[name], copy=copy)
+        stage_optimizer(part, stem, optimizers[name], copy=copy, names=names)
     schedulers = dict(schedulers or {})
     for name, stem in stems("scheduler", list(schedulers)).items():
         sd = dict(schedulers[name].state_dict())
@@ -400,14 +422,16 @@ def stage_rank(
     tensors: Mapping[str, Tensor] | None = None,
     optimizers: Mapping[str, Any] | None = None,
     part: Part | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> Part:
     """Stage one rank's own state: every RNG stream, plus ``state`` (JSON: data position,
     guard state), ``tensors`` (e.g. the epoch-start RNG states) and the state of the
     ``optimizers`` whose state differs per rank (``rank<R>.<stem>.*``; ``optimizers``
-    maps their stem to the optimizer)."""
+    maps their stem to the optimizer; ``names``: their parameters' names in the model,
+    by ``id``)."""
     part = part if part is not None else Part()
     for stem, optimizer in (optimizers or {}).items():
-        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer)
+        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names)
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     doc = {

@@ -206,7 +206,10 @@ class CheckpointWriter:
             "data": position,
             "components": components,
         }
-        stage.stage_rank(guard.rank, state=state, tensors=tensors, optimizers=per_rank, part=part)
+        names = stage.param_names(bare) if per_rank and not is_sharded else None
+        stage.stage_rank(
+            guard.rank, state=state, tensors=tensors, optimizers=per_rank, part=part, names=names
+        )
 
     def _tell_ranks(self, guard: Guard, step: int, error: BaseException) -> None:
         """This rank's staging of ``step`` failed: say so where the other ranks wait for
