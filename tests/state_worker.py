@@ -80,7 +80,8 @@ def main() -> None:
     loader = DataLoader(
         dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2)
     )
-    checkpoint = {"every_n_steps": args.every} if args.every else True
+    # strict_cadence: every save is written (the tests count them), none skipped.
+    checkpoint = {"every_n_steps": args.every, "strict_cadence": True} if args.every else True
     passed = {"scheduler": sched} if args.scheduler == "passed" else {}
     with guardrails.guard(
         model, opt, loader, run_dir=args.run_dir, progress=False, checkpoint=checkpoint, **passed

@@ -206,3 +206,29 @@ def test_an_added_group_of_parameters_outside_the_model_says_what_to_do(tmp_path
     assert "outside the model" in text and "add group 1 to the optimizer yourself" in text, text
     assert len(opt.param_groups) == 1 and not opt.state
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+# ------------------------------------------------------------ schedulers not passed
+
+
+def test_a_scheduler_not_passed_to_the_guard_is_named_once_with_the_fix(tmp_path):
+    done = _run(tmp_path / "r", tmp_path / "r.pt", "--scheduler", "unpassed", "--every", 2)
+    assert done.returncode == 0, done.stderr
+    events = read_events(tmp_path / "r")
+    (warned,) = [e for e in events if e["kind"] == "scheduler_not_saved"]
+    assert warned["schedulers"] == ["StepLR"] and warned["step"] == 2
+    assert "a StepLR drives the learning rate" in warned["message"]
+    assert "guard(..., scheduler=sched)" in warned["message"]
+    assert "scheduler_not_saved" in done.stderr
+
+
+@pytest.mark.parametrize("scheduler", ["passed", "none"])
+def test_a_run_whose_schedulers_are_passed_is_not_warned(tmp_path, scheduler):
+    done = _run(tmp_path / "r", tmp_path / "r.pt", "--scheduler", scheduler, "--every", 2)
+    assert done.returncode == 0, done.stderr
+    events = read_events(tmp_path / "r")
+    assert [e["step"] for e in events if e["kind"] == "checkpoint"] == [2, 4, 6, 8, 10, 12]
+    assert not [e for e in events if e["level"] == "warning"], events
+    if scheduler == "passed":
+        ckpt = tmp_path / "r" / "checkpoints" / "step_000000012"
+        assert (ckpt / "scheduler.json").is_file()

@@ -283,6 +283,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._adopt_unlabelled = False
         self._last_save_t = 0.0
         self._warned_grace = False
+        self._schedulers_checked = False  # LR schedulers left out of guard(): once a run
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self._writing: tuple[int, stage.Part] | None = None  # (step, its part)

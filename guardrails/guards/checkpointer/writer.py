@@ -5,11 +5,14 @@ background writer thread, the multi-rank commit, and what a failed save costs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,6 +72,39 @@ def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
     return e
 
 
+def _find_schedulers(optimizers: Mapping[int, Any]) -> list[Any]:
+    """The live LR schedulers whose optimizer's ``id`` is in ``optimizers``: first among
+    the variables of the calling frames and their globals, and the attributes of those
+    (``self.scheduler`` of a trainer), a few hundred reads; else among every object the
+    garbage collector tracks (one ``gc.get_objects()`` pass, tens of ms for a million
+    objects: it does not see those the GC scheduler froze, hence the frames first)."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    found: dict[int, Any] = {}
+
+    def consider(obj: Any) -> None:
+        if isinstance(obj, LRScheduler) and id(getattr(obj, "optimizer", None)) in optimizers:
+            found.setdefault(id(obj), obj)
+
+    spaces: dict[int, Mapping[str, Any]] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        spaces.setdefault(id(frame.f_globals), frame.f_globals)
+        spaces[id(frame)] = dict(frame.f_locals)
+        frame = frame.f_back
+    for space in spaces.values():
+        for value in list(space.values()):
+            consider(value)
+            attrs = getattr(value, "__dict__", None)
+            if isinstance(attrs, dict) and not isinstance(value, type):
+                for attr in list(attrs.values()):
+                    consider(attr)
+    if not found:
+        for obj in gc.get_objects():
+            consider(obj)
+    return list(found.values())
+
+
 class CheckpointWriter:
     """Part of :class:`SignalCheckpointer`: see its docstring."""
 
@@ -99,6 +135,9 @@ class CheckpointWriter:
 
     def _save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
         step = guard.step
+        if not self._schedulers_checked:
+            self._schedulers_checked = True
+            self._warn_unsaved_schedulers(guard)
         if final_save:
             try:
                 # What can make the stop's save fail before it writes a byte, checked
@@ -209,6 +248,43 @@ class CheckpointWriter:
         names = stage.param_names(bare) if per_rank and not is_sharded else None
         stage.stage_rank(
             guard.rank, state=state, tensors=tensors, optimizers=per_rank, part=part, names=names
+        )
+
+    def _warn_unsaved_schedulers(self, guard: Guard) -> None:
+        """At the run's first save: an LR scheduler of a guarded optimizer that was not
+        passed to ``guard(scheduler=...)`` is not in the checkpoint, so a resume would
+        restart its schedule (another LR from the resumed step on): a warning naming it
+        and the fix. torch's schedulers mark the ``optimizer.step`` they wrap
+        (``_wrapped_by_lr_sched``, kept by the guard's own wrapper), so a run without
+        one costs an attribute read per optimizer; only for a marked optimizer that no
+        passed scheduler drives is the scheduler looked for (:func:`_find_schedulers`),
+        and one that is found nowhere (built, then dropped) is not warned about."""
+        if guard.rank != 0:
+            return
+        passed = {id(getattr(s, "optimizer", None)) for s in guard.schedulers.values()}
+        marked = {
+            id(opt): name
+            for name, opt in guard.optimizers.items()
+            if getattr(opt.step, "_wrapped_by_lr_sched", False) and id(opt) not in passed
+        }
+        if not marked:
+            return
+        found = [(marked[id(s.optimizer)], type(s).__name__) for s in _find_schedulers(marked)]
+        if not found:  # the scheduler is gone (a warmup built and dropped): nothing to keep
+            log.debug("guardrails: an LR scheduler wrapped %s, and is gone", list(marked.values()))
+            return
+        lone = len(guard.optimizers) == 1
+        what = ", ".join(
+            f"a {cls}" + ("" if lone else f" on optimizer {name!r}") for name, cls in found
+        )
+        guard.event(
+            "scheduler_not_saved",
+            level="warning",
+            message=f"{what} drives the learning rate but was not passed to guard(), so "
+            "checkpoints leave it out: a resumed run would restart its schedule and train "
+            "with another learning rate from the resumed step on. Pass it: "
+            "guard(..., scheduler=sched) (several: a list or a dict by name).",
+            schedulers=[cls for _, cls in found],
         )
 
     def _tell_ranks(self, guard: Guard, step: int, error: BaseException) -> None:
