@@ -13,6 +13,9 @@ can be compared bitwise with one that was never interrupted.
                  loop unfreezes it and adds it as a param group of its own.
 --bad-state-at   after that step, puts a value no checkpoint can store in ``g.state``.
 --scheduler      a StepLR, passed as ``scheduler=`` or only created.
+
+Launched with RANK / WORLD_SIZE / MASTER_PORT (tests/_ranks.py) it runs DDP over gloo,
+the ranks agreeing on a stop at every step; only rank 0 signals itself.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -67,11 +71,19 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo")
 
-    model = Net()
+    bare = Net()
     if args.unfreeze_at >= 0:
-        model.head.requires_grad_(False)
-    opt = build_optimizer(args.opt, [q for q in model.parameters() if q.requires_grad])
+        bare.head.requires_grad_(False)
+    opt = build_optimizer(args.opt, [q for q in bare.parameters() if q.requires_grad])
+    model: nn.Module = bare
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(bare)
     sched = None
     if args.scheduler != "none":
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -81,11 +93,14 @@ def main() -> None:
         dataset, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(2)
     )
     # strict_cadence: every save is written (the tests count them), none skipped.
-    checkpoint = {"every_n_steps": args.every, "strict_cadence": True} if args.every else True
+    checkpoint: dict = {"every_n_steps": args.every, "strict_cadence": True} if args.every else {}
     passed = {"scheduler": sched} if args.scheduler == "passed" else {}
-    with guardrails.guard(
-        model, opt, loader, run_dir=args.run_dir, progress=False, checkpoint=checkpoint, **passed
-    ) as g:
+    if world > 1:  # a stop agreed at the step after the signal, not a second later
+        ckpt = guardrails.SignalCheckpointer(agree_every_s=1e-6, **checkpoint)
+        passed["components"] = [ckpt]
+    else:
+        passed["checkpoint"] = checkpoint or True
+    with guardrails.guard(model, opt, loader, run_dir=args.run_dir, progress=False, **passed) as g:
         if args.best_tensor:
             g.state.setdefault("best", torch.tensor(float("inf")))
             g.state.setdefault("seen", torch.zeros((), dtype=torch.int64))
@@ -110,11 +125,11 @@ def main() -> None:
                     g.state["best"] = torch.minimum(g.state["best"], loss.detach())
                     g.state["seen"] = g.state["seen"] + 1
                 if g.step == args.unfreeze_at:  # unfreeze the head from the next step on
-                    model.head.requires_grad_(True)
-                    opt.add_param_group({"params": list(model.head.parameters()), "lr": 5e-3})
+                    bare.head.requires_grad_(True)
+                    opt.add_param_group({"params": list(bare.head.parameters()), "lr": 5e-3})
                 if g.step == args.bad_state_at:
                     g.state["tags"] = {"warmup", "decay"}  # a set: not storable
-                if g.step == args.sigterm_at:
+                if g.step == args.sigterm_at and rank == 0:
                     os.kill(os.getpid(), signal.SIGTERM)
                 if g.step == args.steps:
                     done = True
@@ -123,14 +138,16 @@ def main() -> None:
                 break
     torch.save(
         {
-            "model": model.state_dict(),
+            "model": bare.state_dict(),
             "opt": opt.state_dict(),
             "state": dict(g.state),
             "lr": [group["lr"] for group in opt.param_groups],
             "rng": torch.get_rng_state(),
         },
-        args.out,
+        args.out if rank == 0 else f"{args.out}.rank{rank}",
     )
+    if world > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import run_ranks
 from conftest import assert_state_equal, read_events
 
 import guardrails
@@ -147,6 +148,23 @@ def test_a_signal_save_that_fails_still_exits_143_and_names_the_latest_checkpoin
     for said in ("nothing new was saved", "g.state.tags is a set", str(latest), "step 2"):
         assert said in stopped["message"], stopped["message"]
         assert said in done.stderr, done.stderr
+
+
+@pytest.mark.slow(reason="2 ranks")
+def test_a_stop_whose_save_fails_on_rank_0_ends_every_rank_at_once_with_143(tmp_path):
+    # The other rank waits for rank 0's commit: told at once that rank 0's part failed,
+    # not after the commit's 10-minute wait (the launcher's SIGKILL comes long before).
+    argv = [sys.executable, WORKER, tmp_path / "r", tmp_path / "r.pt"]
+    # The ranks agree on the stop at step 5 or 6: before the next periodic save (9).
+    argv += ["--every", 3, "--bad-state-at", 4, "--sigterm-at", 4, "--steps", 12]
+    results = run_ranks([str(a) for a in argv], 2, out=tmp_path / "logs", timeout_s=180)
+    assert [r.code for r in results] == [SIGTERM_EXIT] * 2, [r.text[-2000:] for r in results]
+    latest = tmp_path / "r" / "checkpoints" / "step_000000003"
+    # (rank 1's part of the save that failed is in a temp dir the next start removes)
+    assert sorted(p.name for p in latest.parent.glob("step_*")) == [latest.name]
+    assert "g.state.tags is a set" in results[0].text and str(latest) in results[0].text
+    assert "nothing new was saved" in results[1].text and "g.state.tags" in results[1].text
+    assert "Traceback" not in results[0].text + results[1].text
 
 
 # --------------------------------------------------------- param groups added mid-run
