@@ -36,7 +36,10 @@ committed step::
         scheduler.json          scheduler.state_dict() (scheduler.pt when not JSON-able;
                                 scheduler.<name>.* when several)
         scaler.json             GradScaler.state_dict()
-        extras.json             the caller's extras (JSON values only)
+        extras.json             the caller's extras (g.state), JSON values, tensors
+                                referenced as {"__tensor__": "extras.best", "device":
+                                "cuda:0"} (the device when not the CPU)
+        extras.safetensors      the extras' tensors, when they hold any
         rank00000.json          each rank's own state: python and numpy RNG, the data
         rank00000.safetensors   position, the guard's state; torch CPU and CUDA RNG
         rank00001.* ...         (one pair per rank)

@@ -443,8 +443,10 @@ def save_checkpoint(
         scheduler: an LR scheduler (anything with ``state_dict()``), optional; or
             several, like ``optimizer``.
         scaler: a ``torch.amp.GradScaler``, optional.
-        extras: the caller's own state (``{"best_val": 1.92, "epoch": 3}``); JSON values
-            only, a ``TypeError`` says which key is not.
+        extras: the caller's own state (``{"best_val": 1.92, "epoch": 3}``): numbers,
+            strings, booleans, ``None``, lists, dicts and tensors (restored bitwise, with
+            their dtype, on the device they were saved from); a ``TypeError`` says which
+            key holds anything else.
         keep_last: after committing, delete all but the newest ``keep_last`` valid
             checkpoints under ``root`` (``None``: keep everything).
 

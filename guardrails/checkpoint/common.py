@@ -47,6 +47,9 @@ CRASH_ENV = "GUARDRAILS_TEST_CRASH_AT"
 #: Header metadata key of a .safetensors file that maps alias key -> stored key.
 ALIASES_KEY = "guardrails.aliases"
 
+#: The tensors of the caller's extras (``g.state``), referenced from extras.json.
+EXTRAS_TENSORS = "extras.safetensors"
+
 
 def _crash_point(name: str) -> None:
     """Tests: a real SIGKILL of this process at commit point ``name`` when the

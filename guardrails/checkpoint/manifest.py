@@ -562,7 +562,8 @@ def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] 
                     )
     checks: list[tuple[str, Callable[[Any], None]]] = []
     if "extras.json" in files:
-        checks.append(("extras.json", lambda d: _mapping(d, "")))
+        extras_header = headers.get("extras.safetensors")
+        checks.append(("extras.json", lambda d: _check_extras(d, extras_header)))
     for name in files:
         m = re.match(r"^rank(\d{5})\.json$", name)
         if m:
@@ -702,14 +703,27 @@ def tensor_keys(header: Mapping[str, Any] | None) -> set[str] | None:
     return keys
 
 
+def _check_extras(doc: Any, header: Mapping[str, Any] | None) -> None:
+    """extras.json: an object, each tensor it references held by extras.safetensors."""
+    _mapping(doc, "")
+    keys = tensor_keys(header)
+    for where, ref in _tensor_refs(doc, ""):
+        if keys is None or ref not in keys:
+            raise Bad(
+                where.lstrip("."),
+                f"references tensor {ref!r}, which extras.safetensors does not hold",
+            )
+
+
 def _tensor_refs(value: Any, field: str) -> list[tuple[str, str]]:
-    """``(field, key)`` of every ``{"__tensor__": key}`` under ``value``."""
+    """``(field, key)`` of every ``{"__tensor__": key}`` (with its ``device``, in the
+    extras) under ``value``."""
     found = []
     stack = [(value, field)]
     while stack:
         v, where = stack.pop()
         if isinstance(v, dict):
-            if set(v) == {"__tensor__"}:
+            if "__tensor__" in v and set(v) <= {"__tensor__", "device"}:
                 found.append((where, _str(v["__tensor__"], f"{where}.__tensor__")))
                 continue
             stack += [(x, f"{where}.{k}") for k, x in v.items()]

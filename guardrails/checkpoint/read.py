@@ -45,6 +45,7 @@ from guardrails.checkpoint.stage import (
     _ELEMENTWISE_STATE,
     per_rank,
 )
+from guardrails.util.text import shorten
 
 
 class _Reader:
@@ -164,11 +165,16 @@ def _show(value: Any) -> str:
 
 
 def _check_optimizer_values(
-    reader: _Reader, name: str, optimizer: Any, saved: Mapping[str, Any]
+    reader: _Reader,
+    name: str,
+    optimizer: Any,
+    saved: Mapping[str, Any],
+    added: list[dict[str, Any]] | None = None,
 ) -> None:
     """The saved param groups' settings have the types of the live optimizer's (a
-    string ``lr`` loads, then the first step dies)."""
-    groups = per_rank(optimizer).param_groups
+    string ``lr`` loads, then the first step dies); ``added``: the groups the resume
+    will add to it (:func:`_added_groups`)."""
+    groups = [*per_rank(optimizer).param_groups, *(added or [])]
     for i, (g, s) in enumerate(zip(groups, saved["param_groups"], strict=True)):
         if not isinstance(s, Mapping):
             raise reader.bad(name, f"param_groups[{i}]", f"is {_show(s)}, not an object")
@@ -315,14 +321,16 @@ def _check_optimizer(
     optimizer: Any,
     saved: Mapping[str, Any],
     model: nn.Module,
+    added: list[dict[str, Any]] | None = None,
 ) -> None:
     """The saved state fits ``optimizer``: the same param groups, the same number of
     parameters in each, each parameter the shape it had when saved. The state tensors
     themselves are trusted to fit (a state need not have its parameter's shape: Muon
-    keeps one stacked momentum per group of parameters)."""
+    keeps one stacked momentum per group of parameters). ``added``: the groups the
+    resume will add to it (:func:`_added_groups`)."""
     opt = per_rank(optimizer)
     which = "optimizer" if name is None else f"optimizer {name!r}"
-    groups = opt.param_groups
+    groups = [*opt.param_groups, *(added or [])]
     saved_groups = saved["param_groups"]
     problems = []
     if len(groups) != len(saved_groups):
@@ -362,6 +370,68 @@ def _check_optimizer(
             "scratch, pass optimizer=None. Nothing was modified.",
             remedy="no_optimizer",
         )
+
+
+def _added_groups(
+    ckpt: Path,
+    step: int,
+    name: str | None,
+    optimizer: Any,
+    saved: Mapping[str, Any],
+    model: nn.Module,
+) -> list[tuple[dict[str, Any], list[bool]]]:
+    """The param groups the run that saved ``saved`` had added to its optimizer
+    (``optimizer.add_param_group``: a layer unfrozen at step N) beyond the groups this
+    run's ``optimizer`` was built with, as groups to add to it (their parameters found
+    in ``model`` by name, their settings as saved), each with its parameters'
+    ``requires_grad`` as saved (for the resume to set: an unfrozen layer), so that
+    the same command resumes: its optimizer is built before any checkpoint is read.
+    ``[]`` when there are none; a ``ResumeError`` saying what to do when they cannot be
+    re-created. Nothing is modified."""
+    opt = per_rank(optimizer)
+    live, groups = opt.param_groups, saved["param_groups"]
+    if len(groups) <= len(live) or any(
+        len(g["params"]) != len(s["params"]) for g, s in zip(live, groups, strict=False)
+    ):
+        return []  # not groups added at the end: _check_optimizer names the mismatch
+    which = "the optimizer" if name is None else f"optimizer {name!r}"
+    by_name = dict(model.named_parameters())
+    taken = {id(p) for g in live for p in g["params"]}
+    recorded = saved.get("group_params")
+    added: list[tuple[dict[str, Any], list[bool]]] = []
+    for i in range(len(live), len(groups)):
+        entries = recorded[i] if isinstance(recorded, list) and i < len(recorded) else None
+        names = [e.get("name") for e in entries] if entries is not None else []
+        why = None
+        if entries is None or len(entries) != len(groups[i]["params"]):
+            why = "the checkpoint does not record its parameters' names (saved before they were)"
+        elif None in names:
+            why = "parameters outside the model are in it (a resume finds them by name)"
+        elif missing := [n for n in names if n not in by_name]:
+            why = f"the model has no parameter named {shorten([str(n) for n in missing], 3)}"
+        elif clash := [n for n in names if id(by_name[n]) in taken]:
+            why = f"{shorten(clash, 3)} already in another of its param groups"
+        if why is not None:
+            shown = [str(n) if n is not None else "a parameter outside the model" for n in names]
+            shown = shorten(shown, 4) if names else "its parameters"
+            raise ResumeError(
+                f"checkpoint {ckpt}: {which} had {len(groups)} param groups when it was "
+                f"saved, {len(live)} here; group {i} ({shown}) was added during that run "
+                f"(optimizer.add_param_group), and cannot be re-created here: {why}",
+                step=step,
+                path=str(ckpt),
+                hint=f"add group {i} to the optimizer yourself before the resume, over the "
+                "same parameters in the same order (optimizer.add_param_group({'params': "
+                "[...]}); its settings, lr and the rest, are restored from the checkpoint), "
+                "when a checkpoint is there to resume. Nothing was modified.",
+            )
+        assert entries is not None
+        params = [by_name[n] for n in names]
+        taken.update(id(p) for p in params)
+        settings = {k: v for k, v in groups[i].items() if k != "params"}
+        trains = [e.get("requires_grad") is not False for e in entries]
+        added.append(({"params": params, **settings}, trains))
+    return added
 
 
 def _check_classes(
@@ -446,8 +516,9 @@ def _load_optimizer(reader: _Reader, stem: str = "optimizer") -> dict[str, Any]:
         out = {"state": state, "param_groups": decode(raw["param_groups"], tensors)}
         if not isinstance(out["param_groups"], list):
             raise ValueError("param_groups is not a list")
-    if "param_shapes" in raw:
-        out["param_shapes"] = raw["param_shapes"]
+    for key in ("param_shapes", "group_params"):
+        if key in raw:
+            out[key] = raw[key]
     return out
 
 

@@ -19,6 +19,7 @@ from guardrails._errors import CheckpointError, ResumeError
 from guardrails.checkpoint import sharded as _sharded
 from guardrails.checkpoint.codec import decode
 from guardrails.checkpoint.common import (
+    EXTRAS_TENSORS,
     _listing,
     _read_manifest,
     log,
@@ -34,6 +35,7 @@ from guardrails.checkpoint.manifest import (
     resume_order,
 )
 from guardrails.checkpoint.read import (
+    _added_groups,
     _check_classes,
     _check_materialized,
     _check_model,
@@ -56,6 +58,7 @@ from guardrails.checkpoint.stage import (
 )
 from guardrails.distributed import dist
 from guardrails.util.checks import named
+from guardrails.util.text import shorten
 
 # ----------------------------------------------------------------------------- save
 
@@ -115,6 +118,11 @@ def resume(
         allow_world_size_change=allow_world_size_change,
     )
     log.info("guardrails: resumed from %s (step %d)", out["path"], out["step"])
+    if out["recreated_groups"]:
+        log.info(
+            "guardrails: re-created the optimizer's param groups added during the saved run: %s",
+            ", ".join(out["recreated_groups"]),
+        )
     return {"step": out["step"], "extras": out["extras"], "path": out["path"]}
 
 
@@ -171,6 +179,9 @@ class Plan:
     model_sd: dict[str, Tensor] | None
     optimizers: dict[str, Any]
     opt_sds: list[tuple[Any, dict[str, Any]]]
+    #: Per optimizer of ``opt_sds``: the param groups to add to it before its state
+    #: loads (``read._added_groups``), each with its parameters' ``requires_grad``.
+    added_groups: list[list[tuple[dict[str, Any], list[bool]]]]
     sched_sds: list[tuple[Any, Any]]
     scaler: Any
     scaler_sd: Any
@@ -190,6 +201,7 @@ def prepare(
     strict: bool = True,
     allow_world_size_change: bool = False,
     check: Any = None,
+    extras_device: torch.device | None = None,
 ) -> Plan:
     """Read every part of ``ckpt`` this rank loads and check it against what it loads
     into; nothing is modified. Only files the manifest lists are read (each was
@@ -199,7 +211,8 @@ def prepare(
     back to an older one); one that does not fit this run (another model, optimizer,
     world size) is a ``ResumeError``. ``check(rank_state, rank_file)``: the caller's
     own checks of this rank's saved state (the guard's: the data position against its
-    loader)."""
+    loader). ``extras_device``: where the extras' tensors saved from an accelerator go
+    (``None``: the device each was saved from); those saved from the CPU stay there."""
     manifest = _read_manifest(ckpt)
     step = int(manifest["step"])
     files = manifest["files"]
@@ -241,6 +254,7 @@ def prepare(
         raise _missing(ckpt, step, "model")
     _check_classes(ckpt, step, contents, optimizers, schedulers)
     opt_sds: list[tuple[Any, dict[str, Any]]] = []
+    added_groups: list[list[tuple[dict[str, Any], list[bool]]]] = []
     pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
     for name, opt, saved in pairs:
         stem = saved["file"]
@@ -259,10 +273,14 @@ def prepare(
                 )
             stem = f"{_rank_name(rank)}.{stem}"
         sd = _load_optimizer(reader, stem)
+        who = name if len(optimizers) > 1 else None
         with reader.reading(f"{stem}.json"):
-            _check_optimizer(ckpt, step, name if len(optimizers) > 1 else None, opt, sd, model)
-            _check_optimizer_values(reader, f"{stem}.json", opt, sd)
+            added = _added_groups(ckpt, step, who, opt, sd, model)
+            groups = [g for g, _ in added]
+            _check_optimizer(ckpt, step, who, opt, sd, model, groups)
+            _check_optimizer_values(reader, f"{stem}.json", opt, sd, groups)
         opt_sds.append((opt, sd))
+        added_groups.append(added)
     sched_sds = []
     for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict):
         sd = _component_state(reader, saved, strict)
@@ -282,7 +300,19 @@ def prepare(
         )
     if scaler_sd and _torch_own(scaler, "torch."):
         reader.like("scaler.json", scaler_sd, scaler.state_dict())
-    extras = decode(reader.json("extras.json")) if "extras.json" in files else {}
+    extras: Any = {}
+    if "extras.json" in files:
+        raw = reader.json("extras.json")
+        held = reader.tensors(EXTRAS_TENSORS) if EXTRAS_TENSORS in files else {}
+        placed: dict[int, Tensor] = {}  # one tensor under two keys stays one
+
+        def place(t: Tensor, saved: str | None) -> Tensor:
+            if id(t) not in placed:
+                placed[id(t)] = _place_extra(extras_device, t, saved)
+            return placed[id(t)]
+
+        with reader.reading("extras.json"):
+            extras = decode(raw, held, place=place)
     if not isinstance(extras, dict):
         raise reader.bad("extras.json", "", f"holds {type(extras).__name__}, not an object")
     rank_state: dict[str, Any] = {}
@@ -326,6 +356,7 @@ def prepare(
         model_sd=model_sd,
         optimizers=optimizers,
         opt_sds=opt_sds,
+        added_groups=added_groups,
         sched_sds=sched_sds,
         scaler=scaler,
         scaler_sd=scaler_sd,
@@ -344,8 +375,19 @@ def apply(plan: Plan) -> dict[str, Any]:
         _sharded.load(plan.ckpt, plan.model, next(iter(plan.optimizers.values()), None))
     elif plan.model_sd is not None:
         plan.model.load_state_dict(plan.model_sd, strict=plan.strict)
-    for opt, sd in plan.opt_sds:
+    recreated = []
+    for (opt, sd), added in zip(plan.opt_sds, plan.added_groups, strict=True):
+        names = {id(p): n for n, p in plan.model.named_parameters()} if added else {}
+        for group, trains in added:  # added during the saved run: the same command resumes
+            for p, flag in zip(group["params"], trains, strict=True):
+                p.requires_grad_(flag)
+            per_rank(opt).add_param_group(dict(group))
+            recreated.append(
+                f"group {len(per_rank(opt).param_groups) - 1} "
+                f"({shorten([names.get(id(p), '?') for p in group['params']], 4)})"
+            )
         per_rank(opt).load_state_dict(sd)
+        _own_allocations(per_rank(opt))
     for sched, sd in plan.sched_sds:
         if sd is not None:
             sched.load_state_dict(sd)
@@ -359,7 +401,60 @@ def apply(plan: Plan) -> dict[str, Any]:
         "path": str(plan.ckpt),
         "rank_state": plan.rank_state,
         "rank_tensors": {k: v for k, v in plan.rank_tensors.items() if not k.startswith("torch.")},
+        "recreated_groups": recreated,
     }
+
+
+def _place_extra(device: torch.device | None, t: Tensor, saved: str | None) -> Tensor:
+    """A tensor of the caller's extras where it was saved from, in an allocation of its
+    own: a CPU tensor stays on the CPU (cloned out of the file reader's buffer, see
+    :func:`_own_allocations`); one saved from an accelerator goes to ``device`` (the
+    guard's: rank 1 takes rank 0's ``cuda:0`` tensor on its own GPU), else to the
+    device it was saved from, or stays on the CPU, said, where there is no such device."""
+    if saved is None:
+        return t.clone(memory_format=torch.contiguous_format)
+    target = device if device is not None else torch.device(saved)
+    try:
+        return t.to(target)
+    except (RuntimeError, AssertionError) as e:  # AssertionError: a CPU-only torch build
+        log.warning(
+            "guardrails: a tensor of the checkpoint's extras (g.state) was saved from %s, "
+            "which this process cannot use (%s); it is restored on the CPU",
+            saved,
+            e,
+        )
+        return t.clone(memory_format=torch.contiguous_format)
+
+
+def _own_allocations(optimizer: Any) -> None:
+    """Give each host tensor of ``optimizer``'s state a fresh allocation of its own, as
+    the optimizer's own steps would have made it.
+
+    ``load_state_dict`` keeps a loaded tensor as it is when it already has its
+    parameter's dtype and device (every state of a CPU run): then each one lies where
+    the file reader put it, at any offset (4 or 24 bytes past a 64-byte boundary, not
+    the allocator's 64), and vectorised kernels split such a tensor at other element
+    boundaries, so their sums round differently: LBFGS's dot products made a resumed
+    run's weights differ from the uninterrupted run's (4e-6 after 10 steps, 2.7e-3 in
+    a longer run). A tensor moved to an accelerator is a fresh allocation already. Two
+    keys holding one tensor keep holding one."""
+    memo: dict[int, Tensor] = {}
+
+    def fresh(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            if value.device.type != "cpu":
+                return value
+            if id(value) not in memo:
+                memo[id(value)] = value.clone(memory_format=torch.contiguous_format)
+            return memo[id(value)]
+        if isinstance(value, (list, tuple)):
+            return type(value)(fresh(v) for v in value)
+        if isinstance(value, dict):
+            return {k: fresh(v) for k, v in value.items()}
+        return value
+
+    for param, state in optimizer.state.items():
+        optimizer.state[param] = fresh(state)
 
 
 #: The module-level name for symmetry with :func:`save_checkpoint`.

@@ -24,6 +24,7 @@ from guardrails.checkpoint import digest
 from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.common import (
     ALIASES_KEY,
+    EXTRAS_TENSORS,
     _seal,
     log,
 )
@@ -328,18 +329,39 @@ def per_rank(optimizer: Any) -> Any:
     return optimizer
 
 
-def stage_optimizer(part: Part, stem: str, optimizer: Any, *, copy: bool = True) -> None:
+def param_names(model: nn.Module | None) -> dict[int, str]:
+    """Each parameter's name in ``model``, by the parameter's ``id``."""
+    return {} if model is None else {id(p): n for n, p in model.named_parameters()}
+
+
+def stage_optimizer(
+    part: Part,
+    stem: str,
+    optimizer: Any,
+    *,
+    copy: bool = True,
+    names: Mapping[int, str] | None = None,
+) -> None:
     """Stage ``optimizer``'s state as ``<stem>.safetensors`` + ``<stem>.json``, with the
     shapes of the parameters it was saved for (the resume's check: a state tensor need
-    not have its parameter's shape, like Muon's stacked momentum)."""
+    not have its parameter's shape, like Muon's stacked momentum) and, by group, each
+    parameter's name in the model (``names``: by ``id``) and whether it trains: a group
+    added during the run (``add_param_group``: a layer unfrozen at step N) is
+    re-created from them by a resume whose optimizer was built without it."""
     opt = per_rank(optimizer)
     sd = opt.state_dict()
     tensors: dict[str, Tensor] = {}
     state = {str(idx): encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
     groups = encode(list(sd["param_groups"]), "param_groups", tensors)
     shapes = [list(p.shape) for g in opt.param_groups for p in g["params"]]
+    doc = {"state": state, "param_groups": groups, "param_shapes": shapes}
+    if names:
+        doc["group_params"] = [
+            [{"name": names.get(id(p)), "requires_grad": p.requires_grad} for p in g["params"]]
+            for g in opt.param_groups
+        ]
     part.add_tensors(f"{stem}.safetensors", tensors, copy=copy)
-    part.add_json(f"{stem}.json", {"state": state, "param_groups": groups, "param_shapes": shapes})
+    part.add_json(f"{stem}.json", doc)
 
 
 def stage_replicated(
@@ -351,19 +373,28 @@ def stage_replicated(
     extras: Mapping[str, Any] | None = None,
     copy: bool = True,
     part: Part | None = None,
+    extras_name: str = "extras",
 ) -> Part:
     """Stage the state every rank holds the same copy of (written once, by rank 0).
     ``model`` ``None``: not here (absent, or sharded and saved by DCP); ``optimizers``:
-    those whose state every rank holds the same copy of, by name."""
+    those whose state every rank holds the same copy of, by name; ``extras_name``: what
+    the caller calls ``extras`` (``g.state``), in a message about a value in it that
+    cannot be stored."""
     part = part if part is not None else Part()
     # Serialise the caller's values first: a TypeError for a bad extra must come before
-    # any file is touched.
-    part.add_json("extras.json", encode(dict(extras or {}), "extras"))
+    # any file is touched. Their tensors (a best loss kept on the GPU) are staged last,
+    # after the model's and optimizers': the pinned staging memory is laid out for
+    # those, in that order, ahead of the first save.
+    extras_tensors: dict[str, Tensor] = {}
+    part.add_json(
+        "extras.json", encode(dict(extras or {}), extras_name, extras_tensors, devices=True)
+    )
     if model is not None:
         part.add_tensors("model.safetensors", model.state_dict(), copy=copy)
     optimizers = dict(optimizers or {})
+    names = param_names(model) if optimizers else {}
     for name, stem in stems("optimizer", list(optimizers)).items():
-        stage_optimizer(part, stem, optimizers[name], copy=copy)
+        stage_optimizer(part, stem, optimizers[name], copy=copy, names=names)
     schedulers = dict(schedulers or {})
     for name, stem in stems("scheduler", list(schedulers)).items():
         sd = dict(schedulers[name].state_dict())
@@ -379,6 +410,8 @@ def stage_replicated(
             part.blobs[f"{stem}.pt"] = buf.getvalue()
     if scaler is not None:
         part.add_json("scaler.json", encode(scaler.state_dict(), "scaler"))
+    if extras_tensors:
+        part.add_tensors(EXTRAS_TENSORS, extras_tensors, copy=copy)
     return part
 
 
@@ -389,14 +422,16 @@ def stage_rank(
     tensors: Mapping[str, Tensor] | None = None,
     optimizers: Mapping[str, Any] | None = None,
     part: Part | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> Part:
     """Stage one rank's own state: every RNG stream, plus ``state`` (JSON: data position,
     guard state), ``tensors`` (e.g. the epoch-start RNG states) and the state of the
     ``optimizers`` whose state differs per rank (``rank<R>.<stem>.*``; ``optimizers``
-    maps their stem to the optimizer)."""
+    maps their stem to the optimizer; ``names``: their parameters' names in the model,
+    by ``id``)."""
     part = part if part is not None else Part()
     for stem, optimizer in (optimizers or {}).items():
-        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer)
+        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names)
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     doc = {

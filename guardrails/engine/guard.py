@@ -288,7 +288,7 @@ class Guard(StepState):
         # Set while NanGuard replays a batch (replaying()): its loss is not a training loss.
         self._replaying = False
         #: The user's own state, saved in every checkpoint and restored on resume
-        #: (JSON values: ``g.state["best_val"] = 1.23``).
+        #: (JSON values and tensors: ``g.state["best_val"] = 1.23``).
         self.state: dict[str, Any] = {}
         #: This guard's number among the guards started in this process (the same on
         #: every rank), which namespaces its side-channel keys.

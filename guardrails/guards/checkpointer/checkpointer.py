@@ -57,7 +57,8 @@ What it does, and where the cost goes:
     mistake, raised at the first save rather than found hours later;
   - the save at a normal end (progress since the last save) and ``g.save_checkpoint()``:
     raised (nothing is left to retry it);
-  - the signal save: the process still exits ``128 + signum`` (143 for SIGTERM), with
+  - the signal save, whatever made it fail (a value in ``g.state`` that no checkpoint
+    stores too): the process still exits ``128 + signum`` (143 for SIGTERM), with
     one message saying that nothing new was saved and which checkpoint (path, step) is
     the latest, and no traceback: the launcher is about to SIGKILL it anyway.
 * **Runs kept apart**: every checkpoint carries this run's id (new for a fresh start,
@@ -282,6 +283,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._adopt_unlabelled = False
         self._last_save_t = 0.0
         self._warned_grace = False
+        self._schedulers_checked = False  # LR schedulers left out of guard(): once a run
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self._writing: tuple[int, stage.Part] | None = None  # (step, its part)
@@ -566,15 +568,22 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         where = "this rank" if mine else "another rank"
         try:
             path: Path | None = self._save(guard, background=False, final_save=True)
-        except CheckpointError as e:
-            # Still a stop by the signal (128 + signum), said in one message and no
+        except Exception as e:
+            # Still a stop by the signal (128 + signum), whatever failed (the disk, or
+            # a value in g.state no checkpoint stores), said in one message and no
             # traceback: the launcher SIGKILLs the process soon anyway, and a resume
             # needs to know which checkpoint it gets.
             path = None
+            if isinstance(e, CheckpointError):
+                cause, fix = e.message, e.hint
+            else:
+                log.debug("guardrails: the stop's save failed", exc_info=True)
+                cause = f"{type(e).__name__}: {e}"
+                fix = "change what the error names (it says how), then run the same command."
             message = (
                 f"{name} received by {where}; all {guard.world_size} rank(s) stopped at "
-                f"step {guard.step}, but nothing new was saved ({e.message}); "
-                f"{self._latest_text()}. Fix: {e.hint}"
+                f"step {guard.step}, but nothing new was saved ({cause}); "
+                f"{self._latest_text()}. Fix: {fix}"
             )
         else:
             message = (

@@ -82,6 +82,8 @@ class ResumeAtStart:
                 scaler=guard.scaler,
                 allow_world_size_change=self.allow_world_size_change,
                 check=lambda state, f: _data.check_position(guard.loader, state.get("data"), f),
+                # g.state's tensors saved from rank 0's GPU go to this rank's.
+                extras_device=None if guard.device.type == "cpu" else guard.device,
             )
         except ResumeError as e:
             remedy = getattr(e, "remedy", None)
@@ -233,7 +235,7 @@ class ResumeAtStart:
         self._resumed = True
         self._resumed_step = out["step"]
         self._resumed_finished = saved.get("finished_at")
-        self._announce(guard, saved, changed, settings)
+        self._announce(guard, saved, changed, settings, out.get("recreated_groups") or [])
 
     def _load_components(self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]) -> None:
         """Each component's saved state into it, before anything else is restored: a
@@ -322,6 +324,7 @@ class ResumeAtStart:
         saved: Mapping[str, Any],
         changed: Mapping[str, tuple[Any, Any]],
         settings: list[str],
+        recreated: list[str],
     ) -> None:
         """Say the resume on the console (rank 0) and in the events: which checkpoint,
         its step and age, a config continued despite changes, a finished run; and the
@@ -336,6 +339,11 @@ class ResumeAtStart:
             text += f": the end of a run that finished {_ago(finished)}; this run continues past it"
         if changed:
             text += f", with a changed config (allow_config_change): {_changes(changed)}"
+        if recreated:  # optimizer.add_param_group during the saved run (an unfrozen layer)
+            text += (
+                f"; the optimizer's param {'groups' if len(recreated) > 1 else 'group'} "
+                f"added during that run re-created: {', '.join(recreated)}"
+            )
         if finished is not None:
             text += f". If this is a new run, {self._new_run(guard)}"
         guard.event(
@@ -345,6 +353,7 @@ class ResumeAtStart:
             saved_at=saved_at,
             finished_at=finished,
             config_changed=list(changed) or None,
+            recreated_groups=recreated or None,
         )
         if guard.rank == 0:
             to_console(f"guardrails: {text}")
