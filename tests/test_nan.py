@@ -863,3 +863,19 @@ def test_forgotten_zero_grad_is_named_once_with_the_fix(tmp_path):
 def test_healthy_gradient_resets_are_not_named(tmp_path, shape):
     warnings, _ = _zero_grad_run(tmp_path, shape, steps=25)
     assert warnings == [], warnings
+
+
+def test_a_lazy_module_trains_guarded_from_its_first_forward(tmp_path):
+    # Its parameters take no hook before the first forward (the forgotten-zero_grad
+    # watch must pick an initialized one, or none): it raised ValueError at start.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.LazyLinear(1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    batches = [(torch.randn(4, 5), torch.randn(4, 1))] * 4
+    with guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False) as g:
+        for x, y in g:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert g.step == 4
+    assert [e["kind"] for e in read_events(tmp_path) if e["level"] != "info"] == []

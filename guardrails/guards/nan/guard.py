@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from guardrails._errors import NonFiniteError
 from guardrails.distributed import dist as _dist
@@ -273,7 +274,8 @@ class NanGuard(Component):
         # A forgotten zero_grad(), watched on one parameter for the first steps. Not
         # with several optimizers (a GAN's generator loss backpropagates through the
         # discriminator after its step, legitimately) nor sharded parameters.
-        sentinel = next((p for p in guard.params if p.requires_grad), None)
+        # A lazy module's parameters take no hook before its first forward: not those.
+        sentinel = next((p for p in guard.params if p.requires_grad and not is_lazy(p)), None)
         self._stale: _StaleGrads | None = (
             _StaleGrads(sentinel)
             if sentinel is not None
