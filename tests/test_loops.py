@@ -1110,3 +1110,13 @@ def test_fabric_nan_is_skipped_in_the_wrapped_fused_optimizer(tmp_path):
     (ev,) = [e for e in events if e["kind"] == "nonfinite"]
     assert ev["step"] == 3 and ev["cause"] == "bad_data", ev
     assert [e["step"] for e in events if e["kind"] == "nonfinite_recovered"] == [4]
+
+
+def test_a_non_scalar_backward_keeps_torchs_own_error(tmp_path):
+    # The guard watches loss.backward() for the step's loss: a mistaken backward of a
+    # non-scalar output must still fail with torch's message, not the guard's.
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, run_dir=tmp_path, progress=False):
+        with pytest.raises(RuntimeError, match="only for scalar outputs"):
+            model(torch.randn(3, 4)).backward()

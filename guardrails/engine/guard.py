@@ -1655,6 +1655,7 @@ def _wrap_backward(guard: Guard) -> _Restore:
             gradient is None
             and not (guard._auto_n or guard._explicit_n or guard._replaying)
             and guard._state == "started"
+            and self.numel() == 1  # else torch's own error, unchanged ("scalar outputs")
         ):
             guard._on_backward(self)
         return inner(self, gradient, *args, **kwargs)
