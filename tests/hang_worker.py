@@ -6,7 +6,8 @@
 
 Scenarios (the fault is on rank 1 after FAULT_STEP optimizer steps, before its next
 forward): ``clean``, ``sleep`` (stuck in Python), ``pipe`` (blocked in a C read nobody
-writes to), ``kill`` (SIGKILLs itself; ``kill_rank0``: rank 0, the TCPStore's host,
+writes to), ``spin`` (computing in Python, never done: a crawl, not a deadlock),
+``kill`` (SIGKILLs itself; ``kill_rank0``: rank 0, the TCPStore's host,
 does), ``raise`` (a ValueError), ``uneven`` (rank 1
 has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside ``g.pause_watchdog``),
 ``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation),
@@ -59,6 +60,10 @@ def fault(
         dist.all_reduce(torch.ones(4, device=device))
     elif kind == "sleep":
         time.sleep(3600)
+    elif kind == "spin":  # computing, never done: a step far slower than the timeout
+        end = time.monotonic() + 3600
+        while time.monotonic() < end:
+            pass
     elif kind == "pipe":
         r, _w = os.pipe()
         os.read(r, 1)  # nobody writes: blocked in the kernel, not in Python

@@ -114,6 +114,10 @@ def test_stuck_rank_is_named_with_every_stack(runs, scenario):
         assert extra["py_callstack"].startswith("HangError (exit code 83): [rank")
         assert "rank 1 is stuck at step 3" in extra["py_callstack"]
         assert "hang_worker.py:" in text and "outside any collective" in text
+        # Blocked, not computing: the first line says so (a crawl would say "busy").
+        head = next(ln for ln in text.splitlines() if "no progress for" in ln)
+        assert "idle: its main thread ran 0% of a core" in head, text[:600]
+        assert extra["fields"]["cpu"][str(1)] <= 0.05
         assert "rank 0 waits for it" in text and "DDP's gradient all-reduce" in text
         # Every rank's own stack, captured by its own watchdog: rank 1's shows the fault.
         stacks = extra["fields"]["stacks"]
@@ -261,6 +265,22 @@ def test_exception_on_one_rank_ends_the_other(runs):
     assert extra["fields"]["failed_rank"] == 1 and extra["fields"]["reason"] == "exception"
     assert extra["fields"]["last_step"] == 3
     assert "ValueError: boom" in extra["report"]
+
+
+@pytest.mark.slow(reason="2 real ranks, one computing past the timeout")
+def test_a_rank_computing_past_the_timeout_is_told_from_a_blocked_one(tmp_path):
+    # A crawl (a step far slower than the timeout: bf16 on a CPU, a runaway loop) is not
+    # a deadlock: the report's first line says the stuck rank is busy computing.
+    job = start("spin", tmp_path)
+    with job:
+        r0, r1 = job.wait(BOUND_S)
+    for res in (r0, r1):
+        assert res.code == 83, res.out[-3000:]
+        extra = info(res)
+        head = next(ln for ln in extra["report"].splitlines() if "no progress for" in ln)
+        assert "rank 1 is stuck at step 3" in head and "outside any collective" in head
+        assert "busy: its main thread ran" in head and "not blocked" in head, head
+        assert extra["fields"]["cpu"]["1"] >= 0.25
 
 
 @pytest.mark.slow(reason="2 real ranks, one raises, the other gets SIGTERM")

@@ -24,6 +24,52 @@ if TYPE_CHECKING:
 STALE_PERIODS = 3
 
 
+def main_thread_cpu_s() -> float | None:
+    """CPU seconds the process's main thread has run (user + system), from Linux's
+    ``/proc``; ``None`` elsewhere. The whole process's CPU would count the loader's
+    workers, gloo's and NCCL's threads; this tells whether the training thread itself
+    computes or waits."""
+    import threading
+
+    tid = threading.main_thread().native_id
+    try:
+        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
+    except OSError:
+        return None
+    # utime and stime: fields 14 and 15 of stat(5), 12 and 13 after the comm.
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+#: A main thread above this share of a core over the last sampled span computes; below
+#: IDLE_CPU it is blocked (a sleep, a lock, I/O: ~0-1%). 0.25, not more: a computing
+#: thread on a host with 4 runnable processes a core still gets a quarter of one. The
+#: sampling (the kernel's 10 ms ticks over spans of 0.5 s or more) is exact to ~2%.
+BUSY_CPU, IDLE_CPU = 0.25, 0.05
+
+
+def activity(rec: dict[str, Any]) -> str:
+    """A rank's main thread in words, from its record's ``cpu`` (its share of a core
+    since its previous heartbeat): busy or idle, or ``""`` when not known."""
+    cpu = rec.get("cpu")
+    if cpu is None:
+        return ""
+    if cpu >= BUSY_CPU:
+        gpu = " or spin-waiting for its GPU" if rec.get("device") == "cuda" else ""
+        return (
+            f"busy: its main thread ran {cpu:.0%} of a core over the last heartbeat "
+            f"(computing{gpu}: slower than the timeout, not blocked)"
+        )
+    if cpu <= IDLE_CPU:
+        return (
+            f"idle: its main thread ran {cpu:.0%} of a core over the last heartbeat "
+            "(blocked: a sleep, a lock, a read that never returns)"
+        )
+    return f"its main thread ran {cpu:.0%} of a core over the last heartbeat"
+
+
 _PHASE_ORDER = {"setup": 0, "data": 1, "loop": 2, "forward": 3, "backward": 4, "optimizer": 5}
 
 

@@ -15,6 +15,7 @@ from guardrails.guards.watchdog.records import (
     _in_collective,
     _progress_key,
     _where,
+    activity,
 )
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def _build(spec: dict[str, Any], guard: Guard) -> GuardrailsError:
     """The verdict as this rank's error: same class, message and fields everywhere,
     ``rank``/``step`` this rank's."""
     fields = dict(spec.get("fields", {}))
-    for name in ("lengths", "where", "stacks"):  # JSON made the rank keys strings
+    for name in ("lengths", "where", "stacks", "cpu"):  # JSON made the rank keys strings
         if isinstance(fields.get(name), dict):
             fields[name] = {int(k): v for k, v in fields[name].items()}
     fields["verdict_by"] = spec.get("by")
@@ -206,9 +207,13 @@ class Verdicts:
             stuck = sorted(r for r, k in keys.items() if k == lowest)
         stuck.sort()
         waiters = [r for r in sorted(live) if r not in stuck]
+        # Outside a collective, whether the rank computes (a crawl: a step slower than
+        # the timeout) or is blocked tells the user where to look first.
+        busy = {r: "" if waiting[r] else activity(live[r]) for r in stuck}
         lines = [
             f"rank {r} is stuck at step {live[r]['step']}, {_where(live[r])}"
             + ("" if waiting[r] else ", outside any collective")
+            + (f", {busy[r]}" if busy[r] else "")
             for r in stuck[:STACKS_SHOWN]
         ]
         if len(stuck) > STACKS_SHOWN:
@@ -255,6 +260,7 @@ class Verdicts:
             f"{head}\n{stack_text}",
             stuck_ranks=stuck,
             where={r: _where(rec) for r, rec in live.items()},
+            cpu={r: live[r].get("cpu") for r in stuck},
             stacks={r: records[r]["_stack"] for r in shown},
             timeout_s=timeout,
             hint=hint,

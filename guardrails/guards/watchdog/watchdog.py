@@ -88,6 +88,7 @@ from guardrails.guards.watchdog.records import (
     _jsonable,
     _past,
     _position,
+    main_thread_cpu_s,
 )
 from guardrails.guards.watchdog.verdicts import _RAISED_EVERYWHERE, Verdicts, _build
 from guardrails.util.checks import positive
@@ -200,6 +201,12 @@ class Watchdog(Verdicts, Component):
         self._rank, self._world = guard.rank, guard.world_size
         self._host = _host_id()
         self._seq = 0
+        # (monotonic time, main-thread CPU seconds) at the last sample, and the main
+        # thread's share of a core over the last span of >= 0.5 s, sampled every tick
+        # (one /proc read) and published in the heartbeat: a crawl is busy, a
+        # deadlock idle.
+        self._cpu_at: tuple[float, float] | None = None
+        self._cpu: float | None = None
         self._reset_clock(guard, time.monotonic())
         self._ends_seen = 0
         # The counter starts at 0 with this guard's keys: anything a peer posts, even
@@ -305,6 +312,9 @@ class Watchdog(Verdicts, Component):
     def _tick(self, guard: Guard) -> GuardrailsError | None:
         now = time.monotonic()
         self._sample(guard, now)
+        share = self._cpu_share(now)
+        if share is not None:
+            self._cpu = share
         idle = now - self._last_progress
         timeout = self._timeout(guard)
         suspect = idle >= min(timeout / 2, SUSPECT_AFTER_S)
@@ -505,6 +515,8 @@ class Watchdog(Verdicts, Component):
         coll = guard.shared.collective
         here = data_position(guard)
         return {
+            "cpu": self._cpu,
+            "device": guard.device.type,
             "rank": self._rank,
             "seq": self._seq,
             "time": time.time(),
@@ -520,6 +532,19 @@ class Watchdog(Verdicts, Component):
             "host": self._host,
             "events": str(guard.events.path) if guard.events is not None else None,
         }
+
+    def _cpu_share(self, now: float) -> float | None:
+        """The main thread's share of a core since the previous sample, if that was at
+        least half a second ago (shorter spans are the kernel's tick noise)."""
+        cpu = main_thread_cpu_s()
+        if cpu is None:
+            return None
+        last, self._cpu_at = self._cpu_at, (now, cpu)
+        if last is None or now - last[0] < 0.5:
+            if last is not None:
+                self._cpu_at = last  # keep the older sample: a longer span next time
+            return None
+        return round(min(1.0, (cpu - last[1]) / (now - last[0])), 2)
 
     def _publish(self, record: dict[str, Any]) -> None:
         self._store.set(f"hb/{self._rank}", json.dumps(record, default=str))
