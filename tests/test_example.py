@@ -132,7 +132,8 @@ def test_inject_sigterm_saves_exits_and_the_same_command_resumes(stop_resume):
     proc = stop_resume["stopped"]
     assert proc.returncode == 143, proc.stderr
     assert "stopped at step 15" in proc.stderr and "run the same command" in proc.stderr
-    assert "done: 30 steps" in stop_resume["resumed"].stdout
+    # The resumed process ran steps 16-30 only: it says so, not "30 steps".
+    assert "done: steps 16-30 (15 this run; resumed at 15)" in stop_resume["resumed"].stdout
     assert stop_resume["ckpts"] == ["step_000000015", "step_000000030"]
     metrics = stop_resume["metrics"]
     second = max(metrics["started_at"])
