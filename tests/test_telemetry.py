@@ -218,7 +218,7 @@ def test_progress_bar_on_request_and_off_in_ci(tmp_path, capsys, monkeypatch):
         return capsys.readouterr().err
 
     err = run(progress=True)
-    assert "train" in err and "6step" in err.replace(" ", "") and "loss=" in err and "gnorm=" in err
+    assert "train" in err and "6/6" in err and "loss=" in err and "gnorm=" in err
     monkeypatch.setenv("CI", "true")
     assert "loss=" not in run()  # auto: off in CI
     assert "loss=" not in run(progress=False)
@@ -281,3 +281,50 @@ def test_file_cadence_keeps_the_jobs_file_creations_flat_in_the_number_of_ranks(
     # Already slow enough, or a part at every copy (0) on purpose: as given.
     assert file_cadence(3600.0, 7200.0, 10_000) == (3600.0, 7200.0)
     assert file_cadence(0.0, 3600.0, 10_000) == (0.0, 3600.0)
+
+
+def _bar_of(tmp_path, capsys, data, *, accumulate: int = 1, **knobs) -> str:
+    """The progress bar's text (stderr) of a plain loop over ``data``, stepping every
+    ``accumulate`` batches (a last partial accumulation makes no step)."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=True, **knobs) as g:
+        for i, (x, y) in enumerate(g, 1):
+            model(x, y).backward()
+            if i % accumulate == 0:
+                opt.step()
+                opt.zero_grad()
+    return capsys.readouterr().err
+
+
+def test_progress_bar_has_the_pass_total_over_a_sized_loader(tmp_path, capsys):
+    err = _bar_of(tmp_path / "a", capsys, batches(12))
+    assert "12/12" in err and "train epoch 0" in err, err
+    # Gradient accumulation: 3 batches a step, so 4 steps in the pass; 14 batches
+    # make 4 whole steps too (the last 2 make none).
+    err = _bar_of(tmp_path / "b", capsys, batches(14), accumulate=3)
+    assert "4/4" in err and "/14" not in err and "/12" not in err, err
+    # No length (a generator): a plain count, no total.
+    err = _bar_of(tmp_path / "c", capsys, (b for b in batches(5)))
+    assert "5step" in err.replace(" ", "") and "/5" not in err, err
+
+
+def test_progress_bar_of_a_resumed_run_counts_from_its_checkpoint(tmp_path, capsys):
+    data = batches(12)
+
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == 4:
+                g.save_checkpoint()
+                break
+    capsys.readouterr()
+    err = _bar_of(tmp_path, capsys, data, resume="auto")
+    # Steps 5-12 of the pass's 12: the bar starts at 4 and its rate is of this run's 8.
+    assert "4/12" in err and "12/12" in err, err
