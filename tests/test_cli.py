@@ -848,3 +848,43 @@ def test_a_resumed_run_says_which_steps_it_ran(tmp_path, capsys):
     write_run(tmp_path / "run", events, range(61, 101))
     out = report_of(tmp_path / "run", capsys)
     assert "  steps        61-100 (40 this run; resumed at 60); 40 metric rows" in out, out
+
+
+def test_axis_scale_follows_the_span_of_the_values():
+    import numpy as np
+
+    from guardrails.cli.report import axis_scale
+
+    healthy = np.linspace(3.0, 1.5, 100)
+    assert axis_scale(healthy) == ("linear", {})
+    assert axis_scale(np.append(healthy, [np.nan, 4.4e8])) == ("log", {})
+    # A loss that can be negative (an ELBO, a reward) cannot go on a log axis.
+    scale, kw = axis_scale(np.append(healthy - 2.0, -4.4e8))
+    assert scale == "symlog" and 0 < kw["linthresh"] < 1
+    assert axis_scale(np.array([np.nan])) == ("linear", {})
+
+
+@needs_matplotlib
+def test_a_loss_blow_up_is_drawn_on_a_log_axis(tmp_path, capsys):
+    """One step's loss of 4.4e8 among losses of ~2: on a linear axis every other step
+    is a flat line at 0."""
+    events = [START, {"step": 40, "kind": "end", "error": None}]
+    write_run(tmp_path / "run", events, range(1, 41), loss={30: 4.4e8})
+    png = tmp_path / "plot.png"
+    from guardrails.cli import report
+
+    args = argparse.Namespace(run_dir=tmp_path / "run", png=png, no_png=False, all=False)
+    args.json = True
+    assert report.main(args) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["plot_scales"] == {"loss": "log"} and facts["png"] == str(png)
+    assert_png(png)
+    args.json = False
+    assert report.main(args) == 0
+    out = capsys.readouterr().out
+    assert "(loss on a log axis: it spans several orders of magnitude)" in out, out
+    # A healthy run keeps its linear axis, and says nothing.
+    write_run(tmp_path / "ok", events, range(1, 41))
+    args.run_dir = tmp_path / "ok"
+    assert report.main(args) == 0
+    assert "axis" not in capsys.readouterr().out

@@ -719,6 +719,7 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     missing or there are no rows."""
     try:
         import matplotlib
+        import numpy as np
 
         matplotlib.use("Agg")  # no display needed; safe before pyplot is imported
         import matplotlib.pyplot as plt
@@ -732,7 +733,14 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7.5), constrained_layout=True)
     panels = (("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("lr", "LR", "linear"))
     ranks = curves.ranks
+    s["plot_scales"] = {}
     for ax, (col, label, scale) in zip(axes, panels, strict=True):
+        kw: dict[str, float] = {}
+        if col == "loss":  # a blow-up's 4e8 on a linear axis flattens every other step
+            values = [v for r in ranks for v in curves.line(r, col)[1:]]
+            scale, kw = axis_scale(np.concatenate(values) if values else np.empty(0))
+            if scale != "linear":
+                s["plot_scales"][col] = scale
         for r in ranks:
             # NaN, not dropped: a skipped step shows as a gap in the line.
             x, y, lo, hi = curves.line(r, col)
@@ -741,8 +749,8 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
                 ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
             if col == "lr" and len(ranks) > 1:
                 break  # the same LR everywhere
-        ax.set_ylabel(label)
-        ax.set_yscale(scale)
+        ax.set_ylabel(label + ("" if scale == "linear" or col != "loss" else f" ({scale})"))
+        ax.set_yscale(scale, **kw)
         ax.grid(alpha=0.3)
         # One collection per kind, not a line each: a long run's thousands of skipped
         # steps as axvlines took 300 MB and most of the report's time. Past 50 they are
@@ -785,6 +793,32 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     plt.close(fig)
     restrict(path)  # matplotlib creates it 0o666 less the umask
     return True
+
+
+#: Largest over typical (median) magnitude a linear axis is kept for: beyond it the
+#: typical steps would be drawn within 0.1% of the axis' height, a flat line at 0.
+SPAN_LINEAR = 1e3
+
+
+def axis_scale(values: Any) -> tuple[str, dict[str, float]]:
+    """The y scale for ``values`` (a numpy array; NaN ignored) and its keywords:
+    ``linear``, unless its largest magnitude is :data:`SPAN_LINEAR` or more times its
+    median one (a loss of 4.4e8 at one step among losses of 2): then ``log`` where every
+    value is positive, else ``symlog`` (a loss that can be 0 or negative), linear up to
+    the median magnitude."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    mags = np.abs(v[v != 0])
+    if not mags.size:
+        return "linear", {}
+    typical = float(np.median(mags))
+    if float(mags.max()) < SPAN_LINEAR * typical:
+        return "linear", {}
+    if (v > 0).all():
+        return "log", {}
+    return "symlog", {"linthresh": typical}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -888,7 +922,11 @@ def main(args: argparse.Namespace) -> int:
             head += " (the newest; --all for every run)"
         text = f"{head}\n{story(s)}"
         if s.get("png"):
-            text += f"\n  plot         {s['png']}"
+            scales = s.get("plot_scales") or {}
+            text += f"\n  plot         {s['png']}" + "".join(
+                f" ({col} on a {scale} axis: it spans several orders of magnitude)"
+                for col, scale in scales.items()
+            )
         elif s.get("png_note"):
             text += f"\n  plot         {s['png_note']}"
         texts.append(text)
