@@ -168,6 +168,11 @@ def test_inject_desync_under_torchrun_names_both_calls(tmp_path):
     out = proc.stdout + proc.stderr
     assert "CollectiveMismatchError" in out and "To enable traceback" not in out
     assert "barrier" in out and "all_reduce" in out and "train_gpt.py:" in out
+    # Each rank's headline at most twice: its report, and its line in torchrun's
+    # summary, whose root cause is ours. The event's log line repeated it (6 in all).
+    assert "CollectiveMismatchError" in out[out.index("Root Cause") :], out[-3000:]
+    for rank in range(2):
+        assert 1 <= out.count(f"[rank {rank}, step") <= 2, out
 
 
 def test_inject_stuck_under_torchrun_is_a_hang_error_naming_the_rank(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -328,3 +329,37 @@ def test_progress_bar_of_a_resumed_run_counts_from_its_checkpoint(tmp_path, caps
     err = _bar_of(tmp_path, capsys, data, resume="auto")
     # Steps 5-12 of the pass's 12: the bar starts at 4 and its rate is of this run's 8.
     assert "4/12" in err and "12/12" in err, err
+
+
+def test_an_event_that_ends_the_run_is_not_printed_twice(tmp_path, capsys):
+    """A desync's, a hang's or an OOM's event carries the message of the error that
+    ends the run, which that rank prints whole (its report): with no logging set up,
+    Python's fallback printed the event's copy too (under torchrun, each rank's
+    headline 3 times with torchrun's summary). The file keeps the whole message; a
+    configured log gets its head line."""
+    import logging
+
+    from guardrails.metrics.events import EventLog
+
+    log = logging.getLogger("guardrails.test_ends_run")
+    log.propagate = False  # no handler anywhere up the tree: what a plain script has
+    events = EventLog(tmp_path, rank=1)
+    text = "[rank 1, step 6] collective mismatch\n  rank 0: barrier\n  rank 1: all_reduce"
+    events.emit("collective_mismatch", step=6, level="error", message=text, log=log, ends_run=True)
+    assert "collective mismatch" not in capsys.readouterr().err
+    # Another error-level event still reaches the console through Python's fallback.
+    events.emit("other", step=6, level="error", message="still said", log=log)
+    assert "still said" in capsys.readouterr().err
+    # Configured logging gets the event's head line only.
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        events.emit("hang", step=7, level="error", message=text, log=log, ends_run=True)
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["[rank 1 step 7] hang: [rank 1, step 6] collective mismatch"]
+    events.close()
+    written = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert written[0]["message"] == text and written[2]["message"] == text
