@@ -705,6 +705,7 @@ def write_run(
     steps: range,
     *,
     loss: dict[int, float] | None = None,
+    lr: dict[int, float] | None = None,
     step_time_s: float = 0.05,
     skipped: tuple[int, ...] = (),
 ) -> None:
@@ -729,7 +730,7 @@ def write_run(
         "time": [t0 + s for s in steps],
         "loss": [(loss or {}).get(s, 2.0 - s / 1000) for s in steps],
         "grad_norm": [0.5] * n,
-        "lr": [1e-3] * n,
+        "lr": [(lr or {}).get(s, 1e-3) for s in steps],
         "step_time_s": [step_time_s] * n,
         "data_wait_s": [0.0] * n,
         "gc_s": [0.0] * n,
@@ -869,7 +870,7 @@ def test_a_loss_blow_up_is_drawn_on_a_log_axis(tmp_path, capsys):
     """One step's loss of 4.4e8 among losses of ~2: on a linear axis every other step
     is a flat line at 0."""
     events = [START, {"step": 40, "kind": "end", "error": None}]
-    write_run(tmp_path / "run", events, range(1, 41), loss={30: 4.4e8})
+    write_run(tmp_path / "run", events, range(1, 41), loss={30: 4.4e8}, lr={35: 5e3})
     png = tmp_path / "plot.png"
     from guardrails.cli import report
 
@@ -877,12 +878,12 @@ def test_a_loss_blow_up_is_drawn_on_a_log_axis(tmp_path, capsys):
     args.json = True
     assert report.main(args) == 0
     facts = json.loads(capsys.readouterr().out)
-    assert facts["plot_scales"] == {"loss": "log"} and facts["png"] == str(png)
+    assert facts["plot_scales"] == {"loss": "log", "lr": "log"} and facts["png"] == str(png)
     assert_png(png)
     args.json = False
     assert report.main(args) == 0
     out = capsys.readouterr().out
-    assert "(loss on a log axis: it spans several orders of magnitude)" in out, out
+    assert "(loss and LR on log axes: they span several orders of magnitude)" in out, out
     # A healthy run keeps its linear axis, and says nothing.
     write_run(tmp_path / "ok", events, range(1, 41))
     args.run_dir = tmp_path / "ok"

@@ -736,7 +736,7 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     s["plot_scales"] = {}
     for ax, (col, label, scale) in zip(axes, panels, strict=True):
         kw: dict[str, float] = {}
-        if col == "loss":  # a blow-up's 4e8 on a linear axis flattens every other step
+        if scale == "linear":  # a blow-up's 4e8 on a linear axis flattens every other step
             values = [v for r in ranks for v in curves.line(r, col)[1:]]
             scale, kw = axis_scale(np.concatenate(values) if values else np.empty(0))
             if scale != "linear":
@@ -749,7 +749,7 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
                 ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
             if col == "lr" and len(ranks) > 1:
                 break  # the same LR everywhere
-        ax.set_ylabel(label + ("" if scale == "linear" or col != "loss" else f" ({scale})"))
+        ax.set_ylabel(label + (f" ({scale})" if col in s["plot_scales"] else ""))
         ax.set_yscale(scale, **kw)
         ax.grid(alpha=0.3)
         # One collection per kind, not a line each: a long run's thousands of skipped
@@ -922,11 +922,16 @@ def main(args: argparse.Namespace) -> int:
             head += " (the newest; --all for every run)"
         text = f"{head}\n{story(s)}"
         if s.get("png"):
-            scales = s.get("plot_scales") or {}
-            text += f"\n  plot         {s['png']}" + "".join(
-                f" ({col} on a {scale} axis: it spans several orders of magnitude)"
-                for col, scale in scales.items()
+            # symlog (a loss that can be 0 or negative) is a log axis too, around 0.
+            names = ["LR" if c == "lr" else c for c in s.get("plot_scales") or {}]
+            note = (
+                f" ({' and '.join(names)} on "
+                + ("a log axis: it spans" if len(names) == 1 else "log axes: they span")
+                + " several orders of magnitude)"
+                if names
+                else ""
             )
+            text += f"\n  plot         {s['png']}{note}"
         elif s.get("png_note"):
             text += f"\n  plot         {s['png_note']}"
         texts.append(text)
