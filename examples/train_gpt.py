@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
                 if g.step >= args.steps:
                     break
     elapsed = time.perf_counter() - t0
+    end_step = g.step
 
     if rank == 0 and start_step >= args.steps:
         print(
@@ -314,8 +315,15 @@ def main(argv: list[str] | None = None) -> None:
         losses = [r["loss"] for r in rows if r["rank"] == 0 and r["started_at"] == newest]
         first = sum(losses[:10]) / len(losses[:10])
         last = sum(losses[-10:]) / len(losses[-10:])
+        # A resumed run did not run the steps before its checkpoint: say which it did.
+        done = (
+            f"steps {start_step + 1}-{end_step} ({end_step - start_step} this run; resumed "
+            f"at {start_step})"
+            if start_step
+            else f"{end_step} steps"
+        )
         print(
-            f"done: {args.steps} steps in {elapsed:.1f}s; loss {first:.3f} (first 10 steps) -> "
+            f"done: {done} in {elapsed:.1f}s; loss {first:.3f} (first 10 steps) -> "
             f"{last:.3f} (last 10); metrics in {Path(args.run_dir) / 'metrics.parquet'}"
         )
         if args.sample:

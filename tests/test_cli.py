@@ -5,6 +5,7 @@ injected NaN), on a run killed with SIGKILL mid-way and on a directory holding t
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -605,7 +606,6 @@ def test_a_reader_that_leaves_early_gets_no_traceback(nan_run):
 def test_the_command_table_lists_each_command_with_its_own_help():
     """--help lists the commands from a table, without importing their modules: the
     table's help is each module's own."""
-    import argparse
     import importlib
 
     from guardrails.__main__ import COMMANDS
@@ -694,3 +694,198 @@ def test_a_run_ends_with_one_line_naming_its_report(tmp_path):
     # And the pointer is right: the newest of the four runs in the directory.
     out = cli("report", str(run_dir), "--no-png").stdout
     assert "run 4 of 4" in out and "ended        with an error at step 2" in out
+
+
+# ------------------------------------------------------ the story's lines, from written logs
+
+
+def write_run(
+    run_dir: Path,
+    events: list[dict],
+    steps: range,
+    *,
+    loss: dict[int, float] | None = None,
+    lr: dict[int, float] | None = None,
+    step_time_s: float = 0.05,
+    skipped: tuple[int, ...] = (),
+) -> None:
+    """A run_dir as a guard leaves it: ``events`` (``time``, ``rank``, ``level`` and
+    ``message`` filled in) and one metrics part of rank 0's ``steps``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from guardrails.metrics.file import METRICS_DIR, conform
+
+    t0 = 1_800_000_000.0
+    run_dir.mkdir(parents=True)
+    full = [{"time": t0, "rank": 0, "level": "info", "message": "", **e} for e in events]
+    for i, e in enumerate(full):
+        e["time"] = t0 + i * 0.001 + float(e["step"])
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in full))
+    n = len(steps)
+    rows = {
+        "step": list(steps),
+        "rank": [0] * n,
+        "started_at": [t0] * n,
+        "time": [t0 + s for s in steps],
+        "loss": [(loss or {}).get(s, 2.0 - s / 1000) for s in steps],
+        "grad_norm": [0.5] * n,
+        "lr": [(lr or {}).get(s, 1e-3) for s in steps],
+        "step_time_s": [step_time_s] * n,
+        "data_wait_s": [0.0] * n,
+        "gc_s": [0.0] * n,
+        "skipped": [s in skipped for s in steps],
+    }
+    (run_dir / METRICS_DIR).mkdir()
+    table = conform(pa.table(rows))
+    pq.write_table(table, run_dir / METRICS_DIR / f"part-r00000-s{steps[0]:09d}-0.parquet")
+
+
+def report_of(run_dir: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> str:
+    """``guardrails report RUN_DIR --no-png FLAGS``, in this process: its stdout."""
+    from guardrails.cli import report
+
+    args = argparse.Namespace(run_dir=run_dir, png=None, no_png=True, all=False, json=False)
+    for flag in flags:
+        setattr(args, flag.lstrip("-"), True)
+    assert report.main(args) == 0
+    return capsys.readouterr().out
+
+
+START = {"step": 0, "kind": "start", "run": "r1", "world_size": 1, "device": "cpu"}
+
+
+def test_failures_count_an_error_end_and_skipped_steps(tmp_path, capsys):
+    """An LR blow-up: ten skipped steps, then NonFiniteError. The failures line counts
+    them instead of saying "none" beside them."""
+    skips = tuple(range(52, 62))
+    nonfinite = [
+        {
+            "step": s,
+            "kind": "nonfinite",
+            "level": "warning",
+            "cause": "optimization_blowup",
+            "message": f"non-finite gradients at step {s}, update skipped: a blow-up",
+        }
+        for s in skips
+    ]
+    end = {"step": 61, "kind": "end", "error": "NonFiniteError: 10 steps in a row"}
+    write_run(tmp_path / "run", [START, *nonfinite, end], range(1, 62), skipped=skips)
+    out = report_of(tmp_path / "run", capsys)
+    assert "  failures     an error end (step 61), 10 skipped step(s)\n" in out, out
+    assert "ended        with an error at step 61" in out
+    facts = json.loads(report_of(tmp_path / "run", capsys, "--json"))
+    assert facts["failure_counts"] == {
+        "verdicts": 0,
+        "error_end": 1,
+        "skipped_steps": 10,
+        "nonfinite_not_skipped": 0,
+    }
+    # A clean run with nothing wrong still says none; a pre-emption is not a failure.
+    end = {"step": 20, "kind": "end", "error": "SystemExit: 143"}
+    write_run(tmp_path / "stopped", [START, end], range(1, 21))
+    out = report_of(tmp_path / "stopped", capsys)
+    assert "  failures     none\n" in out and "stopped by SIGTERM" in out, out
+
+
+def test_warnings_count_every_warning_the_run_logged(tmp_path, capsys):
+    """A warning-level event of a kind the report has no label for (a checkpoint that
+    failed its check, a lost loader position) is a warning, not "none" + "other
+    events"; a NaN step's warning keeps its own NaN/Inf line."""
+    events = [
+        START,
+        {
+            "step": 5,
+            "kind": "checkpoint_invalid",
+            "level": "warning",
+            "message": "checkpoints/step_5 is damaged: skipped",
+        },
+        {
+            "step": 7,
+            "kind": "nonfinite",
+            "level": "warning",
+            "cause": "bad_data",
+            "message": "non-finite gradients at step 7, update skipped: a NaN",
+        },
+        {"step": 9, "kind": "leak", "level": "warning", "message": "grows every step"},
+        {"step": 10, "kind": "checkpoint", "path": "checkpoints/step_10"},
+        {"step": 10, "kind": "end", "error": None},
+    ]
+    write_run(tmp_path / "run", events, range(1, 11), skipped=(7,))
+    out = report_of(tmp_path / "run", capsys)
+    assert "  warnings     2\n" in out, out
+    assert "    leak (step 9, rank 0): grows every step" in out
+    assert "    checkpoint invalid (step 5, rank 0): checkpoints/step_5 is damaged" in out
+    assert "  checkpoints  1: steps 10" in out  # the damaged one is not a save
+    assert "other events" not in out
+    assert "  NaN/Inf      step 7 rank 0: cause bad_data" in out
+
+
+def test_durations_are_written_as_people_write_them(tmp_path, capsys):
+    from guardrails.cli.report import _dur
+
+    assert [_dur(x) for x in (0.000379, 0.309, 0.9996, 8.39, 42.1, 72.0, 200.0, 72 * 60)] == [
+        "0.379 ms",
+        "309 ms",
+        "1 s",
+        "8.39 s",
+        "42.1 s",
+        "72 s",
+        "3.3 min",
+        "1.2 h",
+    ]
+    events = [START, {"step": 3, "kind": "end", "error": None}]
+    write_run(tmp_path / "run", events, range(1, 4), step_time_s=8.39)
+    out = report_of(tmp_path / "run", capsys)
+    assert "step time median 8.39 s" in out and "e+0" not in out, out
+
+
+def test_a_resumed_run_says_which_steps_it_ran(tmp_path, capsys):
+    events = [
+        START,
+        {"step": 60, "kind": "resumed", "path": str(tmp_path / "run/checkpoints/step_60")},
+        {"step": 100, "kind": "end", "error": None},
+    ]
+    write_run(tmp_path / "run", events, range(61, 101))
+    out = report_of(tmp_path / "run", capsys)
+    assert "  steps        61-100 (40 this run; resumed at 60); 40 metric rows" in out, out
+
+
+def test_axis_scale_follows_the_span_of_the_values():
+    import numpy as np
+
+    from guardrails.cli.report import axis_scale
+
+    healthy = np.linspace(3.0, 1.5, 100)
+    assert axis_scale(healthy) == ("linear", {})
+    assert axis_scale(np.append(healthy, [np.nan, 4.4e8])) == ("log", {})
+    # A loss that can be negative (an ELBO, a reward) cannot go on a log axis.
+    scale, kw = axis_scale(np.append(healthy - 2.0, -4.4e8))
+    assert scale == "symlog" and 0 < kw["linthresh"] < 1
+    assert axis_scale(np.array([np.nan])) == ("linear", {})
+
+
+@needs_matplotlib
+def test_a_loss_blow_up_is_drawn_on_a_log_axis(tmp_path, capsys):
+    """One step's loss of 4.4e8 among losses of ~2: on a linear axis every other step
+    is a flat line at 0."""
+    events = [START, {"step": 40, "kind": "end", "error": None}]
+    write_run(tmp_path / "run", events, range(1, 41), loss={30: 4.4e8}, lr={35: 5e3})
+    png = tmp_path / "plot.png"
+    from guardrails.cli import report
+
+    args = argparse.Namespace(run_dir=tmp_path / "run", png=png, no_png=False, all=False)
+    args.json = True
+    assert report.main(args) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["plot_scales"] == {"loss": "log", "lr": "log"} and facts["png"] == str(png)
+    assert_png(png)
+    args.json = False
+    assert report.main(args) == 0
+    out = capsys.readouterr().out
+    assert "(loss and LR on log axes: they span several orders of magnitude)" in out, out
+    # A healthy run keeps its linear axis, and says nothing.
+    write_run(tmp_path / "ok", events, range(1, 41))
+    args.run_dir = tmp_path / "ok"
+    assert report.main(args) == 0
+    assert "axis" not in capsys.readouterr().out

@@ -132,7 +132,8 @@ def test_inject_sigterm_saves_exits_and_the_same_command_resumes(stop_resume):
     proc = stop_resume["stopped"]
     assert proc.returncode == 143, proc.stderr
     assert "stopped at step 15" in proc.stderr and "run the same command" in proc.stderr
-    assert "done: 30 steps" in stop_resume["resumed"].stdout
+    # The resumed process ran steps 16-30 only: it says so, not "30 steps".
+    assert "done: steps 16-30 (15 this run; resumed at 15)" in stop_resume["resumed"].stdout
     assert stop_resume["ckpts"] == ["step_000000015", "step_000000030"]
     metrics = stop_resume["metrics"]
     second = max(metrics["started_at"])
@@ -167,6 +168,11 @@ def test_inject_desync_under_torchrun_names_both_calls(tmp_path):
     out = proc.stdout + proc.stderr
     assert "CollectiveMismatchError" in out and "To enable traceback" not in out
     assert "barrier" in out and "all_reduce" in out and "train_gpt.py:" in out
+    # Each rank's headline at most twice: its report, and its line in torchrun's
+    # summary, whose root cause is ours. The event's log line repeated it (6 in all).
+    assert "CollectiveMismatchError" in out[out.index("Root Cause") :], out[-3000:]
+    for rank in range(2):
+        assert 1 <= out.count(f"[rank {rank}, step") <= 2, out
 
 
 def test_inject_stuck_under_torchrun_is_a_hang_error_naming_the_rank(tmp_path):

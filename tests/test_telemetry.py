@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -218,7 +219,7 @@ def test_progress_bar_on_request_and_off_in_ci(tmp_path, capsys, monkeypatch):
         return capsys.readouterr().err
 
     err = run(progress=True)
-    assert "train" in err and "6step" in err.replace(" ", "") and "loss=" in err and "gnorm=" in err
+    assert "train" in err and "6/6" in err and "loss=" in err and "gnorm=" in err
     monkeypatch.setenv("CI", "true")
     assert "loss=" not in run()  # auto: off in CI
     assert "loss=" not in run(progress=False)
@@ -281,3 +282,84 @@ def test_file_cadence_keeps_the_jobs_file_creations_flat_in_the_number_of_ranks(
     # Already slow enough, or a part at every copy (0) on purpose: as given.
     assert file_cadence(3600.0, 7200.0, 10_000) == (3600.0, 7200.0)
     assert file_cadence(0.0, 3600.0, 10_000) == (0.0, 3600.0)
+
+
+def _bar_of(tmp_path, capsys, data, *, accumulate: int = 1, **knobs) -> str:
+    """The progress bar's text (stderr) of a plain loop over ``data``, stepping every
+    ``accumulate`` batches (a last partial accumulation makes no step)."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=True, **knobs) as g:
+        for i, (x, y) in enumerate(g, 1):
+            model(x, y).backward()
+            if i % accumulate == 0:
+                opt.step()
+                opt.zero_grad()
+    return capsys.readouterr().err
+
+
+def test_progress_bar_has_the_pass_total_over_a_sized_loader(tmp_path, capsys):
+    err = _bar_of(tmp_path / "a", capsys, batches(12))
+    assert "12/12" in err and "train epoch 0" in err, err
+    # Gradient accumulation: 3 batches a step, so 4 steps in the pass; 14 batches
+    # make 4 whole steps too (the last 2 make none).
+    err = _bar_of(tmp_path / "b", capsys, batches(14), accumulate=3)
+    assert "4/4" in err and "/14" not in err and "/12" not in err, err
+    # No length (a generator): a plain count, no total.
+    err = _bar_of(tmp_path / "c", capsys, (b for b in batches(5)))
+    assert "5step" in err.replace(" ", "") and "/5" not in err, err
+
+
+def test_progress_bar_of_a_resumed_run_counts_from_its_checkpoint(tmp_path, capsys):
+    data = batches(12)
+
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == 4:
+                g.save_checkpoint()
+                break
+    capsys.readouterr()
+    err = _bar_of(tmp_path, capsys, data, resume="auto")
+    # Steps 5-12 of the pass's 12: the bar starts at 4 and its rate is of this run's 8.
+    assert "4/12" in err and "12/12" in err, err
+
+
+def test_an_event_that_ends_the_run_is_not_printed_twice(tmp_path, capsys):
+    """A desync's, a hang's or an OOM's event carries the message of the error that
+    ends the run, which that rank prints whole (its report): with no logging set up,
+    Python's fallback printed the event's copy too (under torchrun, each rank's
+    headline 3 times with torchrun's summary). The file keeps the whole message; a
+    configured log gets its head line."""
+    import logging
+
+    from guardrails.metrics.events import EventLog
+
+    log = logging.getLogger("guardrails.test_ends_run")
+    log.propagate = False  # no handler anywhere up the tree: what a plain script has
+    events = EventLog(tmp_path, rank=1)
+    text = "[rank 1, step 6] collective mismatch\n  rank 0: barrier\n  rank 1: all_reduce"
+    events.emit("collective_mismatch", step=6, level="error", message=text, log=log, ends_run=True)
+    assert "collective mismatch" not in capsys.readouterr().err
+    # Another error-level event still reaches the console through Python's fallback.
+    events.emit("other", step=6, level="error", message="still said", log=log)
+    assert "still said" in capsys.readouterr().err
+    # Configured logging gets the event's head line only.
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        events.emit("hang", step=7, level="error", message=text, log=log, ends_run=True)
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["[rank 1 step 7] hang: [rank 1, step 6] collective mismatch"]
+    events.close()
+    written = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert written[0]["message"] == text and written[2]["message"] == text

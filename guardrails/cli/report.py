@@ -65,6 +65,9 @@ _FAILURES = {
     "uneven_data": "uneven data",
     "collective_mismatch": "collective mismatch",
 }
+#: Warning-level kinds told in lines of their own (NaN/Inf, spikes, the end), not
+#: under "warnings".
+_OWN_LINE = {"nonfinite", "spike", "stopped"}
 #: Kinds the story tells in their own lines (the rest are counted under "other events").
 _TOLD = {
     "start",
@@ -328,10 +331,14 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
             "scheduled": longest.get("scheduled"),
         }
     )
+    # Every warning the run logged that no other line tells (NaN/Inf, spikes and a
+    # signal stop have theirs): the known kinds first, then any other warning-level
+    # event, so "warnings none" never sits beside a warning.
     s["warnings"] = [
         {"kind": e["kind"], "step": e["step"], "rank": e.get("rank"), "message": e.get("message")}
-        for kind in _WARNINGS
+        for kind in [*_WARNINGS, *sorted(k for k in by_kind if k not in _WARNINGS)]
         for e in by_kind.get(kind, [])
+        if _is_warning(e)
     ]
     # What ended the run, told once: every rank reports the same verdict (the
     # watchdog's and the auditor's are agreed across ranks), so identical ones merge.
@@ -354,13 +361,18 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
     for k, es in by_kind.items():
         if "checkpoint" in k or k == "save":
             for e in es:
-                saved.setdefault((int(e["step"]), k), e)
+                if not _is_warning(e):  # an invalid or skipped one is a warning, not a save
+                    saved.setdefault((int(e["step"]), k), e)
     s["checkpoints"] = [
         {"step": e["step"], "kind": e["kind"], "path": _rel(e.get("path"), run_dir)}
         for _, e in sorted(saved.items(), key=lambda kv: kv[0])
     ]
     s["other_events"] = {
-        k: len(es) for k, es in sorted(by_kind.items()) if k not in _TOLD and "checkpoint" not in k
+        k: n
+        for k, es in sorted(by_kind.items())
+        if k not in _TOLD
+        and "checkpoint" not in k
+        and (n := sum(1 for e in es if not _is_warning(e)))
     }
     s["resumed"] = _resumed(run, runs, run_dir)
     if ends:
@@ -379,7 +391,51 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
     else:
         s["ended"] = None
     s["last_seen"] = _iso(last_time)
+    s["failure_counts"] = _failure_counts(s)
     return s
+
+
+def _is_warning(e: dict[str, Any]) -> bool:
+    """A warning the warnings line lists: a known warning kind, or any other event
+    logged at WARNING that no line of its own tells."""
+    kind = e.get("kind")
+    return kind in _WARNINGS or (e.get("level") == "warning" and kind not in _OWN_LINE)
+
+
+def _failure_counts(s: dict[str, Any]) -> dict[str, int]:
+    """What went wrong, counted from the events the story tells: the verdicts that
+    ended the run (merged across ranks), an end with an error (a signal stop is not
+    one), the skipped steps, and non-finite steps whose update went in anyway (policy
+    "warn"; a skipped one is counted once, as skipped)."""
+    e = s["ended"]
+    skipped = set(s["skipped_steps"])
+    return {
+        "verdicts": len(s["failures"]),
+        "error_end": int(bool(e and e["error"] and not e.get("preempted"))),
+        "skipped_steps": len(skipped),
+        "nonfinite_not_skipped": len(
+            {int(d["step"]) for d in s["nonfinite"] if int(d["step"]) not in skipped}
+        ),
+    }
+
+
+def _failures_line(s: dict[str, Any]) -> str:
+    """``none``, or each kind of failure with its count: ``1 hang, an error end (step
+    61), 10 skipped step(s)``."""
+    c = s["failure_counts"]
+    parts: list[str] = []
+    kinds: dict[str, int] = {}
+    for x in s["failures"]:
+        kinds[x["kind"]] = kinds.get(x["kind"], 0) + 1
+    parts += [f"{n} {_FAILURES[k]}" for k, n in kinds.items()]
+    if c["error_end"]:
+        parts.append(f"an error end (step {s['ended']['step']})")
+    if c["skipped_steps"]:
+        more = "more than " if s.get("skipped_steps_listed") else ""
+        parts.append(f"{more}{c['skipped_steps']} skipped step(s)")
+    if c["nonfinite_not_skipped"]:
+        parts.append(f"{c['nonfinite_not_skipped']} non-finite step(s) not skipped")
+    return ", ".join(parts) or "none"
 
 
 def story(s: dict[str, Any]) -> str:
@@ -390,26 +446,33 @@ def story(s: dict[str, Any]) -> str:
         + (f" on {s['device']}" if s.get("device") else "")
         + (f", components {', '.join(s['components'])}" if s.get("components") else ""),
     ]
+    r = s.get("resumed")
+    # A resumed run did not run the steps before its checkpoint: say which it did.
+    reached = (
+        f"{r['step'] + 1}-{s['last_step']} ({s['last_step'] - r['step']} this run; resumed "
+        f"at {r['step']})"
+        if r and s["last_step"] > r["step"]
+        else f"{s['last_step']} reached"
+    )
     if s["metrics_rows"]:
         per = s["steps_per_rank"]
         uneven = len(set(per.values())) > 1
         lines.append(
-            f"  steps        {s['last_step']} reached; {s['metrics_rows']} metric rows"
+            f"  steps        {reached}; {s['metrics_rows']} metric rows"
             + (f" (per rank: {per})" if uneven else "")
             + f"; wall time {_dur(s['wall_s'])}"
             + (
-                f", step time median {s['step_time_median_s'] * 1e3:.3g} ms"
+                f", step time median {_dur(s['step_time_median_s'])}"
                 if s.get("step_time_median_s") is not None
                 else ""
             )
         )
     else:
         lines.append(
-            f"  steps        {s['last_step']} reached (from events); no metric rows were "
+            f"  steps        {reached} (from events); no metric rows were "
             f"written: the run ended before its first part (parts are written every "
             f"metrics_write_every_s, default 60 s, and at close); wall time {_dur(s['wall_s'])}"
         )
-    r = s.get("resumed")
     if r:
         src = f" (saved by run {r['from_run']})" if r.get("from_run") else ""
         lines.append(
@@ -463,13 +526,13 @@ def story(s: dict[str, Any]) -> str:
     gc_total = s.get("gc_total_s")
     if gc_total is not None:
         worst = max(gc_total.values()) if gc_total else 0.0
-        text = f"  GC           {worst:.2f} s total" + (
+        text = f"  GC           {_dur(worst)} total" + (
             f" ({worst / s['wall_s']:.1%} of wall time)" if s["wall_s"] > 0 else ""
         )
         p = s.get("gc_longest_pause")
         if p:
             text += (
-                f"; longest pause {float(p['pause_s']) * 1e3:.0f} ms at step {p['step']}"
+                f"; longest pause {_dur(float(p['pause_s']))} at step {p['step']}"
                 f" ({p['scheduled']})"
             )
         lines.append(text)
@@ -485,9 +548,10 @@ def story(s: dict[str, Any]) -> str:
     lines.append(f"  warnings     {len(w) or 'none'}")
     for x in w:
         msg = (x["message"] or "").splitlines()[0] if x["message"] else ""
-        lines.append(f"    {_WARNINGS[x['kind']]} (step {x['step']}, rank {x['rank']}): {msg}")
+        label = _WARNINGS.get(x["kind"], x["kind"].replace("_", " "))
+        lines.append(f"    {label} (step {x['step']}, rank {x['rank']}): {msg}")
     f = s["failures"]
-    lines.append(f"  failures     {len(f) or 'none'}")
+    lines.append(f"  failures     {_failures_line(s)}")
     for x in f:
         who = ", ".join(str(r) for r in x["ranks"])
         head = (x["message"] or "").splitlines()[0] if x["message"] else ""
@@ -655,6 +719,7 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     missing or there are no rows."""
     try:
         import matplotlib
+        import numpy as np
 
         matplotlib.use("Agg")  # no display needed; safe before pyplot is imported
         import matplotlib.pyplot as plt
@@ -668,7 +733,14 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7.5), constrained_layout=True)
     panels = (("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("lr", "LR", "linear"))
     ranks = curves.ranks
+    s["plot_scales"] = {}
     for ax, (col, label, scale) in zip(axes, panels, strict=True):
+        kw: dict[str, float] = {}
+        if scale == "linear":  # a blow-up's 4e8 on a linear axis flattens every other step
+            values = [v for r in ranks for v in curves.line(r, col)[1:]]
+            scale, kw = axis_scale(np.concatenate(values) if values else np.empty(0))
+            if scale != "linear":
+                s["plot_scales"][col] = scale
         for r in ranks:
             # NaN, not dropped: a skipped step shows as a gap in the line.
             x, y, lo, hi = curves.line(r, col)
@@ -677,8 +749,8 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
                 ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, lw=0)
             if col == "lr" and len(ranks) > 1:
                 break  # the same LR everywhere
-        ax.set_ylabel(label)
-        ax.set_yscale(scale)
+        ax.set_ylabel(label + (f" ({scale})" if col in s["plot_scales"] else ""))
+        ax.set_yscale(scale, **kw)
         ax.grid(alpha=0.3)
         # One collection per kind, not a line each: a long run's thousands of skipped
         # steps as axvlines took 300 MB and most of the report's time. Past 50 they are
@@ -723,6 +795,32 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     return True
 
 
+#: Largest over typical (median) magnitude a linear axis is kept for: beyond it the
+#: typical steps would be drawn within 0.1% of the axis' height, a flat line at 0.
+SPAN_LINEAR = 1e3
+
+
+def axis_scale(values: Any) -> tuple[str, dict[str, float]]:
+    """The y scale for ``values`` (a numpy array; NaN ignored) and its keywords:
+    ``linear``, unless its largest magnitude is :data:`SPAN_LINEAR` or more times its
+    median one (a loss of 4.4e8 at one step among losses of 2): then ``log`` where every
+    value is positive, else ``symlog`` (a loss that can be 0 or negative), linear up to
+    the median magnitude."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    mags = np.abs(v[v != 0])
+    if not mags.size:
+        return "linear", {}
+    typical = float(np.median(mags))
+    if float(mags.max()) < SPAN_LINEAR * typical:
+        return "linear", {}
+    if (v > 0).all():
+        return "log", {}
+    return "symlog", {"linthresh": typical}
+
+
 # ---------------------------------------------------------------------------- helpers
 
 
@@ -733,11 +831,25 @@ def _iso(t: float) -> str:
 
 
 def _dur(s: float) -> str:
+    """A duration as a person writes it: ``0.379 ms``, ``309 ms``, ``8.39 s``, ``42.1 s``,
+    ``1.2 min``, ``3.5 h``, ``2.1 days`` (never ``8.39e+03 ms``)."""
+    if not math.isfinite(s):
+        return "unknown"
+    if s <= 0:
+        return "0 s"
+    if s < 1e-4:
+        return f"{s * 1e6:.3g} us"
+    if s * 1e3 < 999.5:  # 999.5 ms and up would round to "1e+03 ms"
+        return f"{s * 1e3:.3g} ms"
+    if s < 99.95:  # likewise "1e+02 s"
+        return f"{s:.3g} s"
     if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
+        return f"{s:.0f} s"
+    if s < 3600:
         return f"{s / 60:.1f} min"
-    return f"{s / 3600:.2f} h"
+    if s < 172_800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86_400:.1f} days"
 
 
 def _rel(path: str | None, run_dir: Path) -> str | None:
@@ -810,7 +922,16 @@ def main(args: argparse.Namespace) -> int:
             head += " (the newest; --all for every run)"
         text = f"{head}\n{story(s)}"
         if s.get("png"):
-            text += f"\n  plot         {s['png']}"
+            # symlog (a loss that can be 0 or negative) is a log axis too, around 0.
+            names = ["LR" if c == "lr" else c for c in s.get("plot_scales") or {}]
+            note = (
+                f" ({' and '.join(names)} on "
+                + ("a log axis: it spans" if len(names) == 1 else "log axes: they span")
+                + " several orders of magnitude)"
+                if names
+                else ""
+            )
+            text += f"\n  plot         {s['png']}{note}"
         elif s.get("png_note"):
             text += f"\n  plot         {s['png_note']}"
         texts.append(text)

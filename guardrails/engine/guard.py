@@ -1105,15 +1105,20 @@ class Guard(StepState):
         level: str = "info",
         message: str = "",
         step: int | None = None,
+        ends_run: bool = False,
         **fields: Any,
     ) -> None:
         """Append an event to ``run_dir/events.jsonl`` (and the logger of the module
         that calls this: ``guardrails.<part>``). ``step`` defaults to the steps
-        completed so far."""
+        completed so far. ``ends_run``: the message is the error about to end the run,
+        printed whole by its report: the log gets its head line only, and only where
+        logging is configured (:meth:`EventLog.emit`)."""
         if self.events is not None:
             step = self.step if step is None else step
             log = logger_of(sys._getframe(1))
-            self.events.emit(kind, step=step, level=level, message=message, log=log, **fields)
+            self.events.emit(
+                kind, step=step, level=level, message=message, log=log, ends_run=ends_run, **fields
+            )
 
     # ------------------------------------------------------------------ optimizer hooks
 

@@ -26,7 +26,8 @@ an H200). Telemetry does both:
   next part writes them too. Otherwise a full disk would end a run at its next part.
 
 Rank 0 also shows a tqdm bar (step, loss, grad norm, tok/s), updated from the same
-lagged values: it costs no sync, and its loss is up to ``2 * every_n_steps`` old.
+lagged values: it costs no sync, and its loss is up to ``2 * every_n_steps`` old. Over a
+loader with a length its total is the step the current pass ends at (and so its ETA).
 
 Each part also goes to the ``sinks`` (TensorBoard, W&B, MLflow, a function:
 ``metrics/sinks.py``) on rank 0, with the events written since the last part, through
@@ -234,8 +235,10 @@ class Telemetry(Component):
         show = self.progress
         if show is None:
             show = sys.stderr.isatty() and not os.environ.get("CI")
-        if show and guard.rank == 0:
-            self._bar = tqdm(desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        # Drawn from the first step on (_open_bar): a resumed run's count then starts
+        # at its checkpoint's step, and a step's batches are known (its total).
+        self._want_bar = bool(show) and guard.rank == 0
+        self._bar_epoch: int | None = None  # the pass the bar's total was computed for
         if self.sinks and guard.rank == 0:
             self._tail = EventTail(guard.run_dir / EVENTS_FILE, guard.rank)
             self._sinks = SinkRunner(build(self.sinks), guard.run_dir)
@@ -263,8 +266,14 @@ class Telemetry(Component):
                 count,
             )
         )
-        if self._bar is not None:
-            self._bar.update(1)
+        bar = self._bar
+        if bar is not None:
+            # A new pass, or past the total (an accumulation carried over a pass's end).
+            if guard.epoch != self._bar_epoch or (bar.total is not None and guard.step > bar.total):
+                self._set_total(guard)
+            bar.update(1)
+        elif self._want_bar:
+            self._open_bar(guard)
         if len(rows) == self.every_n_steps:
             self._flush()
 
@@ -291,6 +300,50 @@ class Telemetry(Component):
                 with guard.pause_watchdog("metrics sinks"):  # rank 0 alone, not stuck
                     end = end_event(guard.step, self._rank, exc)
                     self._close_sinks(end, self.sink_close_timeout_s)
+
+    # ------------------------------------------------------------------ the bar
+
+    def _open_bar(self, guard: Guard) -> None:
+        """The bar, at the end of the first step this process ran: its count starts
+        at the step before (a resumed run's checkpoint step, so the rate and ETA are of
+        this run's steps alone), its total where the pass's length is known."""
+        self._want_bar = False
+        total = self._total(guard)
+        self._bar = tqdm(
+            desc=_bar_desc(guard, total),
+            unit="step",
+            initial=guard.step - 1,
+            total=total,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+        self._bar.update(1)
+
+    def _set_total(self, guard: Guard) -> None:
+        """A new pass (or a total overrun): the bar's total again."""
+        total = self._total(guard)
+        self._bar.total = total
+        self._bar.set_description(_bar_desc(guard, total), refresh=False)
+
+    def _total(self, guard: Guard) -> int | None:
+        """The step at which this pass over the loader ends, from the loader's length
+        (per rank under a DistributedSampler) and the batches the step just ended took
+        (several under gradient accumulation); ``None`` where either is unknown (a
+        loader without ``len()``, a loop that feeds its own data). Once per pass:
+        ``len()`` of a DataLoader is not free."""
+        self._bar_epoch = guard.epoch
+        total = None
+        per_step = len(guard.step_batches)
+        if per_step and guard.loader is not None:
+            try:
+                per_pass: int | None = len(guard.loader)
+            except (TypeError, NotImplementedError):  # an iterable without a length
+                per_pass = None
+            left = None if per_pass is None else per_pass - guard.batch_in_epoch
+            # Whole steps only: a last partial accumulation makes no step of its own.
+            if left is not None and left >= 0:
+                total = guard.step + left // per_step
+        return total
 
     @property
     def latest(self) -> dict[str, Any] | None:
@@ -585,6 +638,11 @@ def _tokens_per_s(host: np.ndarray) -> np.ndarray:
     """tokens / step_time_s for host rows; NaN where tokens are unknown."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return host[:, HOST_COLUMNS.index("tokens")] / host[:, HOST_COLUMNS.index("step_time_s")]
+
+
+def _bar_desc(guard: Guard, total: int | None) -> str:
+    # "epoch N" with a total: the total (and the ETA) is this pass's, not the run's.
+    return "train" if total is None else f"train epoch {guard.epoch}"
 
 
 def _postfix(row: dict[str, Any]) -> dict[str, str]:

@@ -70,8 +70,15 @@ class EventLog:
         level: str = "info",
         message: str = "",
         log: logging.Logger | None = None,
+        ends_run: bool = False,
         **fields: Any,
     ) -> dict[str, Any]:
+        """Write the event and mirror it to ``log``. ``ends_run``: ``message`` is the
+        error now ending the run, which this rank prints whole once (``@record``'s
+        summary, or Python's traceback; under torchrun its one-line root cause too):
+        the file keeps the message, the log gets its head line, and only where the
+        script configured logging. With none, Python's fallback would print the
+        headline on stderr a second time per rank."""
         record: dict[str, Any] = {
             "time": time.time(),
             "rank": self.rank,
@@ -87,6 +94,10 @@ class EventLog:
             with self._lock:
                 self._append(line.encode())
         to = log or logger
+        if ends_run:
+            if not to.hasHandlers():
+                return record
+            message = message.splitlines()[0] if message else message
         say = {"warning": to.warning, "error": to.error}.get(level, to.info)
         say("[rank %d step %d] %s%s", self.rank, step, kind, f": {message}" if message else "")
         return record

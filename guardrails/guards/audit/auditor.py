@@ -740,6 +740,7 @@ class CollectiveAuditor(Component):
                 "collective_mismatch",
                 level="error",
                 message=str(self.error),
+                ends_run=True,  # the error's report prints it: not twice per rank
                 seq=verdict["seq"],
                 group=verdict["group"],
             )

@@ -90,6 +90,7 @@ def explain(guard: Guard, exc: BaseException, leak: dict[str, Any] | None) -> Ou
         "oom",
         level="error",
         message=text,
+        ends_run=True,  # the OutOfMemoryError below carries it, printed once
         phase=phase,
         in_step=step,
         memory=memory,

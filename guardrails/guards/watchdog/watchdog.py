@@ -286,7 +286,7 @@ class Watchdog(Verdicts, Component):
             uneven = self._check_uneven_at_end(guard)
             if uneven is not None:
                 self.error = uneven
-                guard.event("uneven_data", level="error", message=uneven.message)
+                guard.event("uneven_data", level="error", message=uneven.message, ends_run=True)
                 if exc is not None:  # the StopIteration becomes what it means
                     guard.replace_error(uneven)
                     return
@@ -645,7 +645,7 @@ class Watchdog(Verdicts, Component):
             )
             # The head line only: the summary on stderr carries the whole message, and
             # the event is mirrored to the logger (no duplicate stacks in the log).
-            guard.event(kind, level="error", message=error.message.splitlines()[0])
+            guard.event(kind, level="error", message=error.message.splitlines()[0], ends_run=True)
         except Exception:
             pass
         taken = guard.fail_from_thread(error, abort_after_s=self.abort_after_s)
