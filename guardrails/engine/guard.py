@@ -219,6 +219,12 @@ class Guard(StepState):
         # Why the loader's state_dict() could not be saved, once it failed (reported
         # once; later saves keep the position as a count, see data._own_state).
         self._loader_state_error: str | None = None
+        # The loop's own int variables that equalled the epoch at every pass start
+        # (its epoch counter), whether a pass past epoch 0 proved it, and, after a
+        # resume, the ones to check at the first pass (data.note_pass).
+        self._epoch_names: set[str] | None = None
+        self._epoch_proven = False
+        self._epoch_check: set[str] | None = None
         self._at_boundary = False
         # Batches fetched since the last training forward (the next step's, in a loop
         # that prefetches).
@@ -752,6 +758,9 @@ class Guard(StepState):
                 "guardrails.guard(model, opt, loader), or keep iterating your own data "
                 "inside the `with` block (steps are still observed through the optimizer)."
             )
+        from guardrails.engine import data
+
+        data.note_pass(self, sys._getframe(1))  # the loop's frame: its epoch counter
         return self._batches(self.loader)
 
     def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:

@@ -1,0 +1,86 @@
+"""Loops as users write them around the guard, stopped by a real SIGTERM and resumed
+with the same command (tests/user_loop_worker.py): their own epoch loop, an EMA of the
+model, batches from the loop's own ``torch.Generator``, and re-running a finished
+script. Each compares, bitwise, the final state of the resumed run against one never
+interrupted, or checks the warning that tells how to write the loop.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_state_equal, read_events
+
+WORKER = Path(__file__).with_name("user_loop_worker.py")
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
+
+def _run(run_dir: Path, out: Path, *args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(WORKER), str(run_dir), str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _straight_and_resumed(
+    tmp_path: Path, *args: object, stop_at: int
+) -> tuple[dict, dict, subprocess.CompletedProcess[str]]:
+    """The worker run to its end, and run again in another run_dir SIGTERMed after
+    ``stop_at`` then re-run with the same command: both final states and the re-run."""
+    straight = _run(tmp_path / "a", tmp_path / "a.pt", *args)
+    assert straight.returncode == 0, straight.stderr
+    stopped = _run(tmp_path / "b", tmp_path / "b.pt", *args, "--sigterm-at", stop_at)
+    assert stopped.returncode == SIGTERM_EXIT, stopped.stderr
+    resumed = _run(tmp_path / "b", tmp_path / "b.pt", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [e["step"] for e in read_events(tmp_path / "b") if e["kind"] == "resumed"] == [stop_at]
+    a = torch.load(tmp_path / "a.pt", weights_only=False)
+    b = torch.load(tmp_path / "b.pt", weights_only=False)
+    return a, b, resumed
+
+
+def _warnings(run_dir: Path) -> list[dict]:
+    """Warnings besides the stop itself."""
+    return [
+        e for e in read_events(run_dir) if e.get("level") == "warning" and e["kind"] != "stopped"
+    ]
+
+
+# ------------------------------------------------------------ the user's epoch loop
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_epoch_loop_counting_from_zero_is_told_at_the_resumed_pass(tmp_path):
+    # for epoch in range(3): for batch in g: -- resumed in epoch 1, the loop makes three
+    # passes after the resume begins: 8 steps more than the 24 of 3 epochs of 8 batches.
+    a, b, resumed = _straight_and_resumed(tmp_path, "--loop", "range", stop_at=12)
+    assert (a["step"], a["epoch"]) == (24, 3)
+    assert (b["step"], b["epoch"]) == (32, 4)  # the loop's own bound: not the guard's to cut
+    (warned,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "epoch_loop_restarted"]
+    assert warned["step"] == 12 and (warned["variable"], warned["value"]) == ("epoch", 0)
+    assert "`for epoch in range(g.epoch, n_epochs):`" in warned["message"]
+    assert "epoch_loop_restarted" in resumed.stderr
+    # Told at the resumed pass, before it trained a step: the first event after the resume.
+    kinds = [e["kind"] for e in read_events(tmp_path / "b")]
+    assert kinds[kinds.index("resumed") :].index("epoch_loop_restarted") < kinds[
+        kinds.index("resumed") :
+    ].index("end")
+    # Never on the run that was not interrupted.
+    assert not [e for e in read_events(tmp_path / "a") if e["kind"] == "epoch_loop_restarted"]
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_epoch_loop_counting_from_g_epoch_resumes_bitwise_and_silent(tmp_path):
+    a, b, resumed = _straight_and_resumed(tmp_path, "--loop", "g_epoch", stop_at=12)
+    assert (a["step"], a["epoch"]) == (b["step"], b["epoch"]) == (24, 3)
+    assert_state_equal(a, b)
+    for run in ("a", "b"):
+        assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
+    assert "epoch_loop_restarted" not in resumed.stderr
