@@ -84,3 +84,37 @@ def test_epoch_loop_counting_from_g_epoch_resumes_bitwise_and_silent(tmp_path):
     for run in ("a", "b"):
         assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
     assert "epoch_loop_restarted" not in resumed.stderr
+
+
+# ------------------------------------------------------------------------ an EMA
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_ema_passed_with_the_model_resumes_bitwise_without_a_warning(tmp_path):
+    # torch.optim.swa_utils.AveragedModel updated each step: guard([model, ema], ...)
+    # saves it with the model; its parameters are not in the optimizer by design.
+    a, b, _ = _straight_and_resumed(tmp_path, "--ema", "passed", stop_at=12)
+    assert a["ema"]["n_averaged"].item() == 24
+    assert_state_equal(a, b)
+    for run in ("a", "b"):
+        assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
+
+
+def test_ema_parameters_are_not_the_steps_gradients(tmp_path):
+    # The step's grad norm is over the trained parameters only: a loop that clips
+    # model.parameters() shares its norm with the guard, EMA or not.
+    import guardrails
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard([model, ema], opt, run_dir=tmp_path, progress=False) as g:
+        for _ in range(3):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+    assert g.clip_norm_steps == 3
+    assert not _warnings(tmp_path)

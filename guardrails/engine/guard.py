@@ -72,6 +72,7 @@ from guardrails.engine import process
 from guardrails.engine.component import HOOKS, Component, check_components, overrides
 from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
+from guardrails.engine.model import averaged as _averaged
 from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.state import Shared, StepState
@@ -180,6 +181,11 @@ class Guard(StepState):
         self._params = _validate(
             self.model, self.optimizers, loader, self.components, tokens_per_batch
         )
+        # An EMA passed beside the model (guard([model, ema], ...)) is saved with it;
+        # its parameters take no gradient: neither normed nor NaN-checked.
+        ema = _averaged(self.model)
+        if ema and any(id(p) not in ema for p in self._params):
+            self._params = [p for p in self._params if id(p) not in ema]
         if len(self.optimizers) > 1:
             # The step's grad norm and NaN flag are the first optimizer's: another's
             # gradients (a GAN's generator, left from its last backward) are checked
@@ -1364,6 +1370,7 @@ class Guard(StepState):
             for group in opt.param_groups
             for p in group["params"]
         }
+        owned |= _averaged(self.model)  # an EMA's: updated by update_parameters()
         missing = [
             name
             for name, p in self.model.named_parameters()
