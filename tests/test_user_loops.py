@@ -118,3 +118,46 @@ def test_ema_parameters_are_not_the_steps_gradients(tmp_path):
             ema.update_parameters(model)
     assert g.clip_norm_steps == 3
     assert not _warnings(tmp_path)
+
+
+# ------------------------------------------------- the loop's own torch.Generator
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_loop_generator_passed_to_the_guard_resumes_bitwise_and_silent(tmp_path):
+    # No loader: each batch is torch.randn(..., generator=gen) of the loop's own.
+    args = ("--loop", "generator", "--generators", "passed", "--steps", 12)
+    a, b, _ = _straight_and_resumed(tmp_path, *args, stop_at=5)
+    assert a["step"] == b["step"] == 12
+    assert_state_equal(a, b)
+    for run in ("a", "b"):
+        assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_loop_generator_not_passed_is_named_at_the_first_save(tmp_path):
+    args = ("--loop", "generator", "--steps", 12)
+    a, b, _ = _straight_and_resumed(tmp_path, *args, stop_at=5)
+    assert not torch.equal(a["gen"], b["gen"])  # what the warning is about
+    warned = [e for e in read_events(tmp_path / "b") if e["kind"] == "generator_not_saved"]
+    # At the stop's save (the run's first), and at the resumed run's first (its end).
+    assert [e["step"] for e in warned] == [5, 12]
+    assert warned[0]["generators"] == ["gen"]
+    assert 'guard(..., generators={"gen": gen})' in warned[0]["message"]
+    assert "user_loop_worker.py, main()" in warned[0]["message"]
+
+
+def test_generator_only_created_or_seeded_is_not_named(tmp_path):
+    # A generator that nothing drew from is not a loop's source of batches.
+    import guardrails
+
+    idle = torch.Generator().manual_seed(5)  # noqa: F841 (found on the stack)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, run_dir=tmp_path, progress=False) as g:
+        for _ in range(2):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        g.save_checkpoint()
+    assert not _warnings(tmp_path)

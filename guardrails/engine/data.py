@@ -67,6 +67,11 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
     return gens
 
 
+def loader_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The loader's and sampler's own generators, which every checkpoint saves."""
+    return _generators(loader)
+
+
 def _sampler(loader: Any) -> Any:
     """The sampler that draws a pass's indices: the one the loader's batch sampler reads
     (``DataLoader(batch_sampler=BatchSampler(RandomSampler(...)))`` leaves

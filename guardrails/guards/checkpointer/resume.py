@@ -19,6 +19,8 @@ from guardrails.engine import model
 from guardrails.metrics.events import to_console
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from guardrails.engine.guard import Guard
 
 
@@ -215,6 +217,7 @@ class ResumeAtStart:
         # The components' own state first: their load_state_dict is theirs (a custom
         # component's may refuse a well-formed dict), and a refusal must leave the
         # model, optimizers, schedulers, scaler and RNG as they were.
+        _check_generators(guard, ckpt, plan.rank_tensors)  # set back by resume_from
         self._load_components(guard, ckpt, plan.rank_state.get("components", {}))
         with guard.quiet():  # a sharded load may step the optimizer to create its state
             out = restore.apply(plan)
@@ -439,3 +442,34 @@ class ResumeAtStart:
             f"naming its checkpoint (resume='{newest}'). To keep the runs in separate "
             f"directories, {self._new_run(guard)} first.",
         )
+
+
+def _check_generators(guard: Guard, ckpt: Path, tensors: Mapping[str, Tensor]) -> None:
+    """The states this rank's part of ``ckpt`` holds for the loop's generators
+    (``guard(generators=...)``), checked before anything is applied: a state of another
+    size is another kind of generator's (a CUDA one's for a CPU one). A generator the
+    checkpoint lacks (passed since it was saved) keeps its state, with a warning."""
+    for name, gen in guard.generators.items():
+        state = tensors.get(f"generator.{name}")
+        if state is None:
+            guard.event(
+                "generator_not_in_checkpoint",
+                level="warning",
+                message=f"the generator {name!r} passed to guard(generators=...) is not in "
+                f"{ckpt.name} (saved before it was passed): it keeps the state it has now, "
+                "so what the loop draws from it differs from the run this one continues.",
+                generator=name,
+            )
+            continue
+        live = gen.get_state()
+        if state.dtype != live.dtype or state.shape != live.shape:
+            raise ResumeError(
+                f"{ckpt}: the state saved for generator {name!r} ({state.numel()} bytes) "
+                f"is not one of this run's generator {name!r} ({live.numel()} bytes, on "
+                f"{gen.device}): it was saved for another kind of generator",
+                path=str(ckpt),
+                field=f"generator.{name}",
+                hint="pass the generator the run was saved with under that name "
+                "(guard(generators={...})); or start fresh with resume=None. Nothing was "
+                "modified.",
+            )

@@ -73,6 +73,60 @@ def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
     return e
 
 
+def _warn_unsaved_generators(guard: Guard) -> None:
+    """At the run's first save: a ``torch.Generator`` of the loop's own (a variable of
+    a frame of the user's code on the stack, or of its module) that has been drawn from
+    since it was seeded, and that no checkpoint saves (not passed as
+    ``guard(generators=...)``, not the loader's or sampler's), is named in a warning
+    with the fix: a resumed run would draw other batches or noise from it. Drawn from:
+    its state is not the one its seed gives (a generator only created is not named).
+    Once a run; a scan of the stack's variables (well under a millisecond)."""
+    if guard.rank != 0:
+        return
+    from guardrails.engine import where
+
+    saved = {id(g) for g in guard.generators.values()}
+    saved |= {id(g) for g in _data.loader_generators(guard.loader).values()}
+    saved.add(id(torch.default_generator))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        saved |= {id(g) for g in torch.cuda.default_generators}
+    found: dict[int, tuple[torch.Generator, str, str]] = {}  # id -> (it, variable, where)
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if where.is_user_file(code.co_filename):
+            site = f"{Path(code.co_filename).name}, {code.co_name}()"
+            for space in (frame.f_locals, frame.f_globals):
+                for name, value in list(space.items()):
+                    if isinstance(value, torch.Generator) and id(value) not in saved:
+                        found.setdefault(id(value), (value, name, site))
+        frame = frame.f_back
+    unsaved = [(name, site) for gen, name, site in found.values() if _drawn(gen)]
+    if not unsaved:
+        return
+    names = ", ".join(f"`{name}` ({site})" for name, site in unsaved)
+    fix = ", ".join(f'"{name}": {name}' for name, _ in unsaved)
+    guard.event(
+        "generator_not_saved",
+        level="warning",
+        message=f"the loop draws from torch.Generator {names}, which checkpoints leave "
+        "out: a resumed run would draw other batches (or noise) from it than the run it "
+        f"continues. Pass it to be saved and set back at resume: guard(..., "
+        f"generators={{{fix}}}).",
+        generators=[name for name, _ in unsaved],
+    )
+
+
+def _drawn(gen: torch.Generator) -> bool:
+    """Whether ``gen`` was drawn from since it was seeded (its state is not its seed's)."""
+    try:
+        fresh = torch.Generator(device=gen.device)
+        fresh.manual_seed(gen.initial_seed())
+        return not torch.equal(fresh.get_state(), gen.get_state())
+    except Exception:  # a device this process cannot make a generator on: not named
+        return False
+
+
 def _find_schedulers(optimizers: Mapping[int, Any]) -> list[Any]:
     """The live LR schedulers whose optimizer's ``id`` is in ``optimizers``: first among
     the variables of the calling frames and their globals, and the attributes of those
@@ -144,6 +198,7 @@ class CheckpointWriter:
         if not self._schedulers_checked:
             self._schedulers_checked = True
             self._warn_unsaved_schedulers(guard)
+            _warn_unsaved_generators(guard)
         if final_save:
             try:
                 # What can make the stop's save fail before it writes a byte, checked
@@ -243,6 +298,9 @@ class CheckpointWriter:
                 extras_name="g.state",
             )
         position, tensors = _data.save_position(guard)
+        states = guard.generator_states  # the loop's own (guard(generators=)), as the
+        for name, gen in guard.generators.items():  # last step left them
+            tensors[f"generator.{name}"] = gen.get_state() if states is None else states[name]
         components = {
             c.name: state for c in guard.components if (state := c.state_dict()) is not None
         }
