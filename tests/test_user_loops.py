@@ -161,3 +161,38 @@ def test_generator_only_created_or_seeded_is_not_named(tmp_path):
             opt.zero_grad()
         g.save_checkpoint()
     assert not _warnings(tmp_path)
+
+
+# --------------------------------------------------- re-running a finished script
+
+
+def test_rerun_of_a_run_that_finished_without_saving_says_it_trains_again(tmp_path):
+    finished = _run(tmp_path / "run", tmp_path / "a.pt")  # no periodic saves
+    assert finished.returncode == 0, finished.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+    again = _run(tmp_path / "run", tmp_path / "b.pt")
+    assert again.returncode == 0, again.stderr
+    (warned,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "finished_run_not_saved"]
+    assert warned["step"] == 0 and warned["finished_step"] == 24
+    assert "checkpoint={'every_n_steps': N}" in warned["message"]
+    assert "finished_run_not_saved" in again.stderr
+    # What it says: the same training again, from step 0.
+    assert_state_equal(
+        torch.load(tmp_path / "a.pt", weights_only=False),
+        torch.load(tmp_path / "b.pt", weights_only=False),
+    )
+
+
+def test_rerun_of_a_run_that_saved_resumes_as_finished_and_silent(tmp_path):
+    for out in ("a.pt", "b.pt"):
+        done = _run(tmp_path / "run", tmp_path / out, "--every", 5)
+        assert done.returncode == 0, done.stderr
+    assert [e["step"] for e in read_events(tmp_path / "run") if e["kind"] == "resumed"] == [24]
+    kinds = {e["kind"] for e in read_events(tmp_path / "run")}
+    assert "finished_run_not_saved" not in kinds
+    # A first run in a fresh directory says nothing either.
+    fresh = _run(tmp_path / "other", tmp_path / "c.pt", "--sigterm-at", 3)
+    assert fresh.returncode == SIGTERM_EXIT
+    assert "finished_run_not_saved" not in {e["kind"] for e in read_events(tmp_path / "other")}
