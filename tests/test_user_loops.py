@@ -147,16 +147,17 @@ def test_loop_generator_not_passed_is_named_at_the_first_save(tmp_path):
     assert "user_loop_worker.py, main()" in warned[0]["message"]
 
 
-def test_generator_only_created_or_seeded_is_not_named(tmp_path):
-    # A generator that nothing drew from is not a loop's source of batches.
+def test_generator_that_only_built_the_data_before_the_guard_is_not_named(tmp_path):
+    # Drawn from before the guard started (the dataset), never in the loop.
     import guardrails
 
-    idle = torch.Generator().manual_seed(5)  # noqa: F841 (found on the stack)
+    data_gen = torch.Generator().manual_seed(5)
+    xs = torch.randn(2, 8, 4, generator=data_gen)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guardrails.guard(model, opt, run_dir=tmp_path, progress=False) as g:
-        for _ in range(2):
-            model(torch.randn(8, 4)).pow(2).mean().backward()
+        for x in xs:
+            model(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
         g.save_checkpoint()

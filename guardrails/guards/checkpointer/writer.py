@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from guardrails._errors import CheckpointError, GuardrailsError
 from guardrails.checkpoint import commit, digest, sharded, stage
@@ -73,16 +74,11 @@ def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
     return e
 
 
-def _warn_unsaved_generators(guard: Guard) -> None:
-    """At the run's first save: a ``torch.Generator`` of the loop's own (a variable of
-    a frame of the user's code on the stack, or of its module) that has been drawn from
-    since it was seeded, and that no checkpoint saves (not passed as
-    ``guard(generators=...)``, not the loader's or sampler's), is named in a warning
-    with the fix: a resumed run would draw other batches or noise from it. Drawn from:
-    its state is not the one its seed gives (a generator only created is not named).
-    Once a run; a scan of the stack's variables (well under a millisecond)."""
-    if guard.rank != 0:
-        return
+def stack_generators(guard: Guard) -> dict[int, tuple[torch.Generator, str, str]]:
+    """The ``torch.Generator``s in variables of the user's code on the calling stack
+    (each frame's locals and its module's globals) that no checkpoint saves: not passed
+    as ``guard(generators=...)``, not the loader's or sampler's, not torch's default
+    ones. By ``id``: ``(generator, variable, "file, function()")``."""
     from guardrails.engine import where
 
     saved = {id(g) for g in guard.generators.values()}
@@ -90,7 +86,7 @@ def _warn_unsaved_generators(guard: Guard) -> None:
     saved.add(id(torch.default_generator))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         saved |= {id(g) for g in torch.cuda.default_generators}
-    found: dict[int, tuple[torch.Generator, str, str]] = {}  # id -> (it, variable, where)
+    found: dict[int, tuple[torch.Generator, str, str]] = {}
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -101,7 +97,34 @@ def _warn_unsaved_generators(guard: Guard) -> None:
                     if isinstance(value, torch.Generator) and id(value) not in saved:
                         found.setdefault(id(value), (value, name, site))
         frame = frame.f_back
-    unsaved = [(name, site) for gen, name, site in found.values() if _drawn(gen)]
+    return found
+
+
+def stack_generator_states(guard: Guard) -> dict[int, tuple[torch.Generator, Tensor]]:
+    """At start (rank 0): the unsaved generators on the stack and their states, so the
+    first save can tell which ones the loop draws from (see ``_warn_unsaved_generators``)."""
+    if guard.rank != 0:
+        return {}
+    return {i: (gen, gen.get_state()) for i, (gen, _, _) in stack_generators(guard).items()}
+
+
+def _warn_unsaved_generators(
+    guard: Guard, at_start: Mapping[int, tuple[torch.Generator, Tensor]]
+) -> None:
+    """At the run's first save: a ``torch.Generator`` of the loop's own that no
+    checkpoint saves and that was drawn from since the guard started is named in a
+    warning with the fix: a resumed run would draw other batches or noise from it.
+    Only those that were in a variable of the user's code on the stack when the guard
+    started (``at_start``) and still are: one used only to build the data before the
+    guard (its state unchanged) is not named, nor one made later (whether the loop
+    draws from it cannot be told). Once a run; a scan of the stack's variables."""
+    if guard.rank != 0 or not at_start:
+        return
+    unsaved = [
+        (name, site)
+        for i, (gen, name, site) in stack_generators(guard).items()
+        if i in at_start and not torch.equal(at_start[i][1], gen.get_state())
+    ]
     if not unsaved:
         return
     names = ", ".join(f"`{name}` ({site})" for name, site in unsaved)
@@ -115,16 +138,6 @@ def _warn_unsaved_generators(guard: Guard) -> None:
         f"generators={{{fix}}}).",
         generators=[name for name, _ in unsaved],
     )
-
-
-def _drawn(gen: torch.Generator) -> bool:
-    """Whether ``gen`` was drawn from since it was seeded (its state is not its seed's)."""
-    try:
-        fresh = torch.Generator(device=gen.device)
-        fresh.manual_seed(gen.initial_seed())
-        return not torch.equal(fresh.get_state(), gen.get_state())
-    except Exception:  # a device this process cannot make a generator on: not named
-        return False
 
 
 def _find_schedulers(optimizers: Mapping[int, Any]) -> list[Any]:
@@ -198,7 +211,7 @@ class CheckpointWriter:
         if not self._schedulers_checked:
             self._schedulers_checked = True
             self._warn_unsaved_schedulers(guard)
-            _warn_unsaved_generators(guard)
+            _warn_unsaved_generators(guard, self._generators_at_start)
         if final_save:
             try:
                 # What can make the stop's save fail before it writes a byte, checked
