@@ -57,6 +57,7 @@ def guard(
     *,
     scheduler: Any = None,
     scaler: Any = None,
+    generators: Any = None,
     run_dir: str | PathLike[str] | None = None,
     resume: str | PathLike[str] | None = "auto",
     config: Mapping[str, Any] | None = None,
@@ -103,6 +104,9 @@ def guard(
         model, optimizer, loader, scheduler, run_dir, tokens_per_batch, replay_fn,
             benchmark, graph_grad_norm: see :class:`~guardrails.Guard`.
         scaler: the ``torch.amp.GradScaler``, if any: saved in checkpoints.
+        generators: the loop's own ``torch.Generator`` (batches or noise drawn without a
+            loader), or a list / dict of them by name: saved in checkpoints and set back
+            at resume.
         resume: ``"auto"`` (default): continue from the newest valid checkpoint under
             ``run_dir/checkpoints`` if there is one; a path: that checkpoint; ``None``:
             start fresh (see :class:`SignalCheckpointer.Config`, whose ``resume`` this
@@ -170,6 +174,7 @@ def guard(
         loader,
         scheduler=scheduler,
         scaler=scaler,
+        generators=generators,
         run_dir=run_dir,
         components=chosen,
         tokens_per_batch=tokens_per_batch,

@@ -880,6 +880,9 @@ def check_rank_state(doc: Any, rank: int, header: Mapping[str, Any] | None) -> N
             _int(data["sampler_epoch"], "data.sampler_epoch")
         if "held" in data and data["held"] is not None:
             _list(data["held"], "data.held")
+        if data.get("epoch_names") is not None:
+            for i, name in enumerate(_list(data["epoch_names"], "data.epoch_names")):
+                _str(name, f"data.epoch_names[{i}]")
         if data.get("held_devices") is not None:
             for key, device in _mapping(data["held_devices"], "data.held_devices").items():
                 _str(device, _key("data.held_devices", key))

@@ -67,6 +67,11 @@ def _generators(loader: Any) -> dict[str, torch.Generator]:
     return gens
 
 
+def loader_generators(loader: Any) -> dict[str, torch.Generator]:
+    """The loader's and sampler's own generators, which every checkpoint saves."""
+    return _generators(loader)
+
+
 def _sampler(loader: Any) -> Any:
     """The sampler that draws a pass's indices: the one the loader's batch sampler reads
     (``DataLoader(batch_sampler=BatchSampler(RandomSampler(...)))`` leaves
@@ -123,6 +128,52 @@ def trained_position(guard: Guard) -> tuple[int, int, dict[str, Tensor] | None]:
     return epoch, batch, start
 
 
+def note_pass(guard: Guard, frame: Any) -> None:
+    """At each ``iter(guard)``: which of the loop's own int variables count the passes
+    (equal to the pass's epoch at every pass so far: ``epoch`` in ``for epoch in
+    range(...): for batch in g``), and, at a resumed run's first pass, whether one the
+    run had counted with starts again from another number.
+
+    A loop ``for epoch in range(3)`` resumed in epoch 1 makes three passes after the
+    resumed one begins, not two: it trains epochs 1, 2 and 3 (one more than the run it
+    continues). The guard cannot tell where such a loop ends, only that its counter
+    no longer says what it said in the first process (``frame``: the loop's, which
+    called ``iter``). Once per pass: a scan of the frame's variables (a few µs)."""
+    if guard._resume_position is not None:
+        epoch = guard.epoch  # the resumed pass (load_position set it)
+    else:
+        epoch = guard.epoch + (1 if guard.batch_in_epoch else 0)  # as _batches counts it
+    try:
+        ints = {k: v for k, v in frame.f_locals.items() if type(v) is int}
+    except Exception:  # an exotic frame: nothing to learn from it
+        ints = {}
+    if guard._epoch_check is not None:
+        carried, guard._epoch_check = guard._epoch_check, None
+        restarted = sorted(n for n in carried if n in ints and ints[n] != epoch)
+        if restarted:
+            name = restarted[0]
+            off = epoch - ints[name]
+            more = f"{off} pass(es) more" if off > 0 else f"{-off} pass(es) fewer"
+            guard.event(
+                "epoch_loop_restarted",
+                level="warning",
+                message=f"resumed in epoch {epoch} (step {guard.step}), but your loop's "
+                f"`{name}` is {ints[name]} at the resumed pass, where the run it continues "
+                f"had it equal to the epoch: a loop `for {name} in range(n_epochs)` now "
+                f"makes {more} than the run asks for (other final weights). Count from "
+                "the guard's epoch: "
+                f"`for {name} in range(g.epoch, n_epochs):` (or `while g.epoch < "
+                "n_epochs: for batch in g:`).",
+                variable=name,
+                value=ints[name],
+                epoch=epoch,
+            )
+    same = {n for n, v in ints.items() if v == epoch}
+    guard._epoch_names = same if guard._epoch_names is None else guard._epoch_names & same
+    # Pass 0 alone proves nothing (every int that is 0 equals it).
+    guard._epoch_proven = guard._epoch_proven or epoch >= 1
+
+
 def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """``(position, tensors)`` of ``guard``'s loader at a step boundary: the JSON part
     (with the loader's own ``state_dict()`` when it has one that works) and its
@@ -144,6 +195,8 @@ def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
         "batch_in_epoch": batch,
         "sampler_epoch": getattr(_sampler(loader), "epoch", None),
     }
+    if guard._epoch_proven and guard._epoch_names:
+        position["epoch_names"] = sorted(guard._epoch_names)
     tensors = {f"epoch_start.{k}": v for k, v in (start or {}).items()}
     for name, g in _generators(loader).items():
         tensors[f"current.{name}"] = g.get_state()
@@ -266,6 +319,10 @@ def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Ten
             g.set_state(tensors[f"current.{name}"])
     guard.epoch = int(position["epoch"])
     guard._resume_position = position
+    names = position.get("epoch_names") or []
+    if names:  # the loop's pass counters in the run this one continues (note_pass)
+        guard._epoch_names, guard._epoch_proven = set(names), True
+        guard._epoch_check = set(names)
 
 
 def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> None:

@@ -72,6 +72,7 @@ from guardrails.engine import process
 from guardrails.engine.component import HOOKS, Component, check_components, overrides
 from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
+from guardrails.engine.model import averaged as _averaged
 from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.state import Shared, StepState
@@ -116,6 +117,8 @@ class Guard(StepState):
             checkpoints; the LR itself is read from the optimizer).
         scaler: the ``torch.amp.GradScaler``, if any (kept for checkpoints; accelerate's
             prepared optimizer's own is found).
+        generators: the loop's own ``torch.Generator``, or a list / dict of them by name
+            (kept for checkpoints, set back at resume).
         run_dir: where metrics, events and checkpoints go. Default ``runs/<script>``,
             the same on every rank and across restarts of the same script.
         components: the components to run, in order.
@@ -138,6 +141,7 @@ class Guard(StepState):
         *,
         scheduler: Any = None,
         scaler: Any = None,
+        generators: Any = None,
         run_dir: str | PathLike[str] | None = None,
         components: Sequence[Component] | None = None,
         tokens_per_batch: int | None = None,
@@ -170,6 +174,15 @@ class Guard(StepState):
         # accelerate's fp16 GradScaler lives in its prepared optimizer: checkpointed
         # like one passed here (a resume without it restarts the loss scale).
         self.scaler = scaler if scaler is not None else dist.own_scaler(self.optimizer)
+        #: The loop's own ``torch.Generator``s by name (batches or noise drawn without a
+        #: loader): their states are saved per rank and set back on these objects at
+        #: resume. The loader's and sampler's own generators need not be passed.
+        self.generators: dict[str, torch.Generator] = (
+            {} if generators is None else named("generator", generators, torch.Generator)
+        )
+        #: Their states as the last step left them (what checkpoints save); ``None``
+        #: before the first step and after a resume (then: as they are).
+        self.generator_states: dict[str, Tensor] | None = None
         self.components: list[Component] = list(components or ())
         self.tokens_per_batch = tokens_per_batch
         if replay_fn is not None and not callable(replay_fn):
@@ -180,6 +193,11 @@ class Guard(StepState):
         self._params = _validate(
             self.model, self.optimizers, loader, self.components, tokens_per_batch
         )
+        # An EMA passed beside the model (guard([model, ema], ...)) is saved with it;
+        # its parameters take no gradient: neither normed nor NaN-checked.
+        ema = _averaged(self.model)
+        if ema and any(id(p) not in ema for p in self._params):
+            self._params = [p for p in self._params if id(p) not in ema]
         if len(self.optimizers) > 1:
             # The step's grad norm and NaN flag are the first optimizer's: another's
             # gradients (a GAN's generator, left from its last backward) are checked
@@ -219,6 +237,12 @@ class Guard(StepState):
         # Why the loader's state_dict() could not be saved, once it failed (reported
         # once; later saves keep the position as a count, see data._own_state).
         self._loader_state_error: str | None = None
+        # The loop's own int variables that equalled the epoch at every pass start
+        # (its epoch counter), whether a pass past epoch 0 proved it, and, after a
+        # resume, the ones to check at the first pass (data.note_pass).
+        self._epoch_names: set[str] | None = None
+        self._epoch_proven = False
+        self._epoch_check: set[str] | None = None
         self._at_boundary = False
         # Batches fetched since the last training forward (the next step's, in a loop
         # that prefetches).
@@ -691,12 +715,17 @@ class Guard(StepState):
         tensors: dict[str, Tensor] | None = None,
     ) -> None:
         """The checkpointer, at start: continue from a checkpoint of step ``step``:
-        the user's :attr:`state`, and the data position the first pass continues from
-        (``position`` and its ``tensors``, as ``data.save_position`` wrote them)."""
+        the user's :attr:`state`, the data position the first pass continues from
+        (``position`` and its ``tensors``, as ``data.save_position`` wrote them) and the
+        loop's :attr:`generators` (``generator.<name>`` in ``tensors``)."""
         self.step = step
         if state is not None:
             self.state.clear()
             self.state.update(state)
+        for name, gen in self.generators.items():  # guard(generators=), checked already
+            if tensors is not None and f"generator.{name}" in tensors:
+                gen.set_state(tensors[f"generator.{name}"].clone())
+        self.generator_states = None  # as they are now, until the next step
         if position is not None and self.loader is not None:
             from guardrails.engine import data
 
@@ -752,6 +781,9 @@ class Guard(StepState):
                 "guardrails.guard(model, opt, loader), or keep iterating your own data "
                 "inside the `with` block (steps are still observed through the optimizer)."
             )
+        from guardrails.engine import data
+
+        data.note_pass(self, sys._getframe(1))  # the loop's frame: its epoch counter
         return self._batches(self.loader)
 
     def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:
@@ -1242,6 +1274,11 @@ class Guard(StepState):
 
     def _after_step(self) -> None:
         self.step += 1
+        if self.generators:
+            # What a checkpoint saves of them: where the step left them, not where they
+            # are at the boundary, which a loop without a loader reaches at the next
+            # forward, after drawing the next batch (one get_state each: 0.6 us on a CPU).
+            self.generator_states = {n: g.get_state() for n, g in self.generators.items()}
         now = time.perf_counter()
         self.step_time_s = now - self._step_start
         self._step_start = now
@@ -1360,6 +1397,7 @@ class Guard(StepState):
             for group in opt.param_groups
             for p in group["params"]
         }
+        owned |= _averaged(self.model)  # an EMA's: updated by update_parameters()
         missing = [
             name
             for name, p in self.model.named_parameters()

@@ -33,6 +33,15 @@ from guardrails.distributed.dist import imported_class
 _MAX_DEPTH = 8
 
 
+def averaged(model: nn.Module) -> set[int]:
+    """The ids of the parameters that sit in an ``AveragedModel`` inside ``model`` (an
+    EMA or SWA copy, ``torch.optim.swa_utils``): trained by ``update_parameters``, not
+    by an optimizer nor by gradients, so never in the optimizer by design."""
+    from torch.optim.swa_utils import AveragedModel
+
+    return {id(p) for m in model.modules() if isinstance(m, AveragedModel) for p in m.parameters()}
+
+
 def wrappers(model: nn.Module) -> list[nn.Module]:
     """``model`` and every module it wraps, outermost first: DDP's ``.module``,
     torch.compile's ``._orig_mod`` and Lightning Fabric's ``._forward_module``, in any

@@ -16,9 +16,11 @@ from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
 from guardrails.checkpoint import commit, manifest, read, restore
 from guardrails.engine import data as _data
 from guardrails.engine import model
-from guardrails.metrics.events import to_console
+from guardrails.metrics.events import EVENTS_FILE, to_console
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from guardrails.engine.guard import Guard
 
 
@@ -159,6 +161,7 @@ class ResumeAtStart:
             try:
                 if auto and not manifest.list_checkpoints(where):
                     chosen = ""  # nothing saved yet: a fresh run
+                    self._warn_finished_unsaved(guard)
                 else:
                     # Rank 0 reads and checks each candidate, newest first, against this
                     # run (its model, optimizers, loader): a damaged one is skipped, said
@@ -215,6 +218,7 @@ class ResumeAtStart:
         # The components' own state first: their load_state_dict is theirs (a custom
         # component's may refuse a well-formed dict), and a refusal must leave the
         # model, optimizers, schedulers, scaler and RNG as they were.
+        _check_generators(guard, ckpt, plan.rank_tensors)  # set back by resume_from
         self._load_components(guard, ckpt, plan.rank_state.get("components", {}))
         with guard.quiet():  # a sharded load may step the optimizer to create its state
             out = restore.apply(plan)
@@ -413,6 +417,27 @@ class ResumeAtStart:
                 "of this command resumes it without saying that the run had finished.",
             )
 
+    def _warn_finished_unsaved(self, guard: Guard) -> None:
+        """``resume="auto"`` finds no checkpoint, but the run directory's events say the
+        last run in it ended cleanly: it finished without saving (no periodic saves, so
+        nothing saved its end), and this run trains again from step 0 beside it. Said at
+        once, naming the finished run's step and how to make a re-run resume as
+        finished. Reads the last 64 KiB of ``events.jsonl``, once."""
+        last = _last_run_end(guard.run_dir / EVENTS_FILE, guard.run_id)
+        if last is None or last.get("error") is not None or not last.get("step"):
+            return
+        guard.event(
+            "finished_run_not_saved",
+            level="warning",
+            message=f"{guard.run_dir} holds a run that finished at step {last['step']} and "
+            "saved no checkpoint (periodic saves were off, so its end was not saved "
+            "either): this run trains again from step 0, a second run in the same "
+            "directory. To make the same command resume a finished run as finished (and "
+            "do nothing more), save periodically: guard(..., checkpoint={'every_n_steps': "
+            "N}) also saves the run's end. For a new experiment, use a new run_dir.",
+            finished_step=last["step"],
+        )
+
     def _warn_beside_checkpoints(self, guard: Guard) -> None:
         """``resume=None`` with periodic saves into a directory that holds another run's
         checkpoints: the two runs are kept apart (run ids), but the directory now holds
@@ -439,3 +464,59 @@ class ResumeAtStart:
             f"naming its checkpoint (resume='{newest}'). To keep the runs in separate "
             f"directories, {self._new_run(guard)} first.",
         )
+
+
+def _check_generators(guard: Guard, ckpt: Path, tensors: Mapping[str, Tensor]) -> None:
+    """The states this rank's part of ``ckpt`` holds for the loop's generators
+    (``guard(generators=...)``), checked before anything is applied: a state of another
+    size is another kind of generator's (a CUDA one's for a CPU one). A generator the
+    checkpoint lacks (passed since it was saved) keeps its state, with a warning."""
+    for name, gen in guard.generators.items():
+        state = tensors.get(f"generator.{name}")
+        if state is None:
+            guard.event(
+                "generator_not_in_checkpoint",
+                level="warning",
+                message=f"the generator {name!r} passed to guard(generators=...) is not in "
+                f"{ckpt.name} (saved before it was passed): it keeps the state it has now, "
+                "so what the loop draws from it differs from the run this one continues.",
+                generator=name,
+            )
+            continue
+        live = gen.get_state()
+        if state.dtype != live.dtype or state.shape != live.shape:
+            raise ResumeError(
+                f"{ckpt}: the state saved for generator {name!r} ({state.numel()} bytes) "
+                f"is not one of this run's generator {name!r} ({live.numel()} bytes, on "
+                f"{gen.device}): it was saved for another kind of generator",
+                path=str(ckpt),
+                field=f"generator.{name}",
+                hint="pass the generator the run was saved with under that name "
+                "(guard(generators={...})); or start fresh with resume=None. Nothing was "
+                "modified.",
+            )
+
+
+def _last_run_end(path: Path, run_id: str) -> dict[str, Any] | None:
+    """The ``end`` event of the last run in the events file at ``path`` (rank 0's),
+    before this run (``run_id``); ``None`` when that run has none (killed, or its
+    start is all that is left in the last 64 KiB) or the file cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:  # the chunk's cut first line, or a torn one
+            continue
+        if not isinstance(event, dict) or event.get("rank") != 0:
+            continue
+        if event.get("kind") == "end":
+            return event
+        if event.get("kind") == "start" and event.get("run") != run_id:
+            return None  # that run has no end: it did not finish
+    return None

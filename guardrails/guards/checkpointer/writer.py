@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from guardrails._errors import CheckpointError, GuardrailsError
 from guardrails.checkpoint import commit, digest, sharded, stage
@@ -71,6 +72,72 @@ def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
     if storage.is_storage_error(e):
         return commit.write_error(final, step, e, latest=False)
     return e
+
+
+def stack_generators(guard: Guard) -> dict[int, tuple[torch.Generator, str, str]]:
+    """The ``torch.Generator``s in variables of the user's code on the calling stack
+    (each frame's locals and its module's globals) that no checkpoint saves: not passed
+    as ``guard(generators=...)``, not the loader's or sampler's, not torch's default
+    ones. By ``id``: ``(generator, variable, "file, function()")``."""
+    from guardrails.engine import where
+
+    saved = {id(g) for g in guard.generators.values()}
+    saved |= {id(g) for g in _data.loader_generators(guard.loader).values()}
+    saved.add(id(torch.default_generator))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        saved |= {id(g) for g in torch.cuda.default_generators}
+    found: dict[int, tuple[torch.Generator, str, str]] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if where.is_user_file(code.co_filename):
+            site = f"{Path(code.co_filename).name}, {code.co_name}()"
+            for space in (frame.f_locals, frame.f_globals):
+                for name, value in list(space.items()):
+                    if isinstance(value, torch.Generator) and id(value) not in saved:
+                        found.setdefault(id(value), (value, name, site))
+        frame = frame.f_back
+    return found
+
+
+def stack_generator_states(guard: Guard) -> dict[int, tuple[torch.Generator, Tensor]]:
+    """At start (rank 0): the unsaved generators on the stack and their states, so the
+    first save can tell which ones the loop draws from (see ``_warn_unsaved_generators``)."""
+    if guard.rank != 0:
+        return {}
+    return {i: (gen, gen.get_state()) for i, (gen, _, _) in stack_generators(guard).items()}
+
+
+def _warn_unsaved_generators(
+    guard: Guard, at_start: Mapping[int, tuple[torch.Generator, Tensor]]
+) -> None:
+    """At the run's first save: a ``torch.Generator`` of the loop's own that no
+    checkpoint saves and that was drawn from since the guard started is named in a
+    warning with the fix: a resumed run would draw other batches or noise from it.
+    Only those that were in a variable of the user's code on the stack when the guard
+    started (``at_start``) and still are: one used only to build the data before the
+    guard (its state unchanged) is not named, nor one made later (whether the loop
+    draws from it cannot be told). Once a run; a scan of the stack's variables."""
+    if guard.rank != 0 or not at_start:
+        return
+    unsaved = [
+        (name, site)
+        for i, (gen, name, site) in stack_generators(guard).items()
+        if i in at_start and not torch.equal(at_start[i][1], gen.get_state())
+    ]
+    if not unsaved:
+        return
+    names = ", ".join(f"`{name}` ({site})" for name, site in unsaved)
+    fix = ", ".join(f'"{name}": {name}' for name, _ in unsaved)
+    guard.event(
+        "generator_not_saved",
+        level="warning",
+        message=f"the loop draws from torch.Generator {names}, which checkpoints leave "
+        "out: a resumed run would draw other batches (or noise) from it than the run it "
+        f"continues. Pass it to be saved and set back at resume: guard(..., "
+        f"generators={{{fix}}}).",
+        generators=[name for name, _ in unsaved],
+    )
 
 
 def _find_schedulers(optimizers: Mapping[int, Any]) -> list[Any]:
@@ -144,6 +211,7 @@ class CheckpointWriter:
         if not self._schedulers_checked:
             self._schedulers_checked = True
             self._warn_unsaved_schedulers(guard)
+            _warn_unsaved_generators(guard, self._generators_at_start)
         if final_save:
             try:
                 # What can make the stop's save fail before it writes a byte, checked
@@ -243,6 +311,9 @@ class CheckpointWriter:
                 extras_name="g.state",
             )
         position, tensors = _data.save_position(guard)
+        states = guard.generator_states  # the loop's own (guard(generators=)), as the
+        for name, gen in guard.generators.items():  # last step left them
+            tensors[f"generator.{name}"] = gen.get_state() if states is None else states[name]
         components = {
             c.name: state for c in guard.components if (state := c.state_dict()) is not None
         }

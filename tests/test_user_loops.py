@@ -1,0 +1,199 @@
+"""Loops as users write them around the guard, stopped by a real SIGTERM and resumed
+with the same command (tests/user_loop_worker.py): their own epoch loop, an EMA of the
+model, batches from the loop's own ``torch.Generator``, and re-running a finished
+script. Each compares, bitwise, the final state of the resumed run against one never
+interrupted, or checks the warning that tells how to write the loop.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_state_equal, read_events
+
+WORKER = Path(__file__).with_name("user_loop_worker.py")
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
+
+def _run(run_dir: Path, out: Path, *args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(WORKER), str(run_dir), str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _straight_and_resumed(
+    tmp_path: Path, *args: object, stop_at: int
+) -> tuple[dict, dict, subprocess.CompletedProcess[str]]:
+    """The worker run to its end, and run again in another run_dir SIGTERMed after
+    ``stop_at`` then re-run with the same command: both final states and the re-run."""
+    straight = _run(tmp_path / "a", tmp_path / "a.pt", *args)
+    assert straight.returncode == 0, straight.stderr
+    stopped = _run(tmp_path / "b", tmp_path / "b.pt", *args, "--sigterm-at", stop_at)
+    assert stopped.returncode == SIGTERM_EXIT, stopped.stderr
+    resumed = _run(tmp_path / "b", tmp_path / "b.pt", *args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [e["step"] for e in read_events(tmp_path / "b") if e["kind"] == "resumed"] == [stop_at]
+    a = torch.load(tmp_path / "a.pt", weights_only=False)
+    b = torch.load(tmp_path / "b.pt", weights_only=False)
+    return a, b, resumed
+
+
+def _warnings(run_dir: Path) -> list[dict]:
+    """Warnings besides the stop itself."""
+    return [
+        e for e in read_events(run_dir) if e.get("level") == "warning" and e["kind"] != "stopped"
+    ]
+
+
+# ------------------------------------------------------------ the user's epoch loop
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_epoch_loop_counting_from_zero_is_told_at_the_resumed_pass(tmp_path):
+    # for epoch in range(3): for batch in g: -- resumed in epoch 1, the loop makes three
+    # passes after the resume begins: 8 steps more than the 24 of 3 epochs of 8 batches.
+    a, b, resumed = _straight_and_resumed(tmp_path, "--loop", "range", stop_at=12)
+    assert (a["step"], a["epoch"]) == (24, 3)
+    assert (b["step"], b["epoch"]) == (32, 4)  # the loop's own bound: not the guard's to cut
+    (warned,) = [e for e in read_events(tmp_path / "b") if e["kind"] == "epoch_loop_restarted"]
+    assert warned["step"] == 12 and (warned["variable"], warned["value"]) == ("epoch", 0)
+    assert "`for epoch in range(g.epoch, n_epochs):`" in warned["message"]
+    assert "epoch_loop_restarted" in resumed.stderr
+    # Told at the resumed pass, before it trained a step: the first event after the resume.
+    kinds = [e["kind"] for e in read_events(tmp_path / "b")]
+    assert kinds[kinds.index("resumed") :].index("epoch_loop_restarted") < kinds[
+        kinds.index("resumed") :
+    ].index("end")
+    # Never on the run that was not interrupted.
+    assert not [e for e in read_events(tmp_path / "a") if e["kind"] == "epoch_loop_restarted"]
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_epoch_loop_counting_from_g_epoch_resumes_bitwise_and_silent(tmp_path):
+    a, b, resumed = _straight_and_resumed(tmp_path, "--loop", "g_epoch", stop_at=12)
+    assert (a["step"], a["epoch"]) == (b["step"], b["epoch"]) == (24, 3)
+    assert_state_equal(a, b)
+    for run in ("a", "b"):
+        assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
+    assert "epoch_loop_restarted" not in resumed.stderr
+
+
+# ------------------------------------------------------------------------ an EMA
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_ema_passed_with_the_model_resumes_bitwise_without_a_warning(tmp_path):
+    # torch.optim.swa_utils.AveragedModel updated each step: guard([model, ema], ...)
+    # saves it with the model; its parameters are not in the optimizer by design.
+    a, b, _ = _straight_and_resumed(tmp_path, "--ema", "passed", stop_at=12)
+    assert a["ema"]["n_averaged"].item() == 24
+    assert_state_equal(a, b)
+    for run in ("a", "b"):
+        assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
+
+
+def test_ema_parameters_are_not_the_steps_gradients(tmp_path):
+    # The step's grad norm is over the trained parameters only: a loop that clips
+    # model.parameters() shares its norm with the guard, EMA or not.
+    import guardrails
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard([model, ema], opt, run_dir=tmp_path, progress=False) as g:
+        for _ in range(3):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+    assert g.clip_norm_steps == 3
+    assert not _warnings(tmp_path)
+
+
+# ------------------------------------------------- the loop's own torch.Generator
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_loop_generator_passed_to_the_guard_resumes_bitwise_and_silent(tmp_path):
+    # No loader: each batch is torch.randn(..., generator=gen) of the loop's own.
+    args = ("--loop", "generator", "--generators", "passed", "--steps", 12)
+    a, b, _ = _straight_and_resumed(tmp_path, *args, stop_at=5)
+    assert a["step"] == b["step"] == 12
+    assert_state_equal(a, b)
+    for run in ("a", "b"):
+        assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
+
+
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_loop_generator_not_passed_is_named_at_the_first_save(tmp_path):
+    args = ("--loop", "generator", "--steps", 12)
+    a, b, _ = _straight_and_resumed(tmp_path, *args, stop_at=5)
+    assert not torch.equal(a["gen"], b["gen"])  # what the warning is about
+    warned = [e for e in read_events(tmp_path / "b") if e["kind"] == "generator_not_saved"]
+    # At the stop's save (the run's first), and at the resumed run's first (its end).
+    assert [e["step"] for e in warned] == [5, 12]
+    assert warned[0]["generators"] == ["gen"]
+    assert 'guard(..., generators={"gen": gen})' in warned[0]["message"]
+    assert "user_loop_worker.py, main()" in warned[0]["message"]
+
+
+def test_generator_that_only_built_the_data_before_the_guard_is_not_named(tmp_path):
+    # Drawn from before the guard started (the dataset), never in the loop.
+    import guardrails
+
+    data_gen = torch.Generator().manual_seed(5)
+    xs = torch.randn(2, 8, 4, generator=data_gen)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, run_dir=tmp_path, progress=False) as g:
+        for x in xs:
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        g.save_checkpoint()
+    assert not _warnings(tmp_path)
+
+
+# --------------------------------------------------- re-running a finished script
+
+
+def test_rerun_of_a_run_that_finished_without_saving_says_it_trains_again(tmp_path):
+    finished = _run(tmp_path / "run", tmp_path / "a.pt")  # no periodic saves
+    assert finished.returncode == 0, finished.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
+    again = _run(tmp_path / "run", tmp_path / "b.pt")
+    assert again.returncode == 0, again.stderr
+    (warned,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "finished_run_not_saved"]
+    assert warned["step"] == 0 and warned["finished_step"] == 24
+    assert "checkpoint={'every_n_steps': N}" in warned["message"]
+    assert "finished_run_not_saved" in again.stderr
+    # What it says: the same training again, from step 0.
+    assert_state_equal(
+        torch.load(tmp_path / "a.pt", weights_only=False),
+        torch.load(tmp_path / "b.pt", weights_only=False),
+    )
+
+
+def test_rerun_of_a_run_that_saved_resumes_as_finished_and_silent(tmp_path):
+    for out in ("a.pt", "b.pt"):
+        done = _run(tmp_path / "run", tmp_path / out, "--every", 5)
+        assert done.returncode == 0, done.stderr
+    assert [e["step"] for e in read_events(tmp_path / "run") if e["kind"] == "resumed"] == [24]
+    kinds = {e["kind"] for e in read_events(tmp_path / "run")}
+    assert "finished_run_not_saved" not in kinds
+    # A first run in a fresh directory says nothing either.
+    fresh = _run(tmp_path / "other", tmp_path / "c.pt", "--sigterm-at", 3)
+    assert fresh.returncode == SIGTERM_EXIT
+    assert "finished_run_not_saved" not in {e["kind"] for e in read_events(tmp_path / "other")}
