@@ -706,13 +706,15 @@ def tensor_keys(header: Mapping[str, Any] | None) -> set[str] | None:
 def _check_extras(doc: Any, header: Mapping[str, Any] | None) -> None:
     """extras.json: an object, each tensor it references held by extras.safetensors."""
     _mapping(doc, "")
+    _refs_held(doc, header, "extras.safetensors")
+
+
+def _refs_held(doc: Any, header: Mapping[str, Any] | None, holder: str) -> None:
+    """Every tensor ``doc`` references is in ``header`` (the ``holder`` file's)."""
     keys = tensor_keys(header)
     for where, ref in _tensor_refs(doc, ""):
         if keys is None or ref not in keys:
-            raise Bad(
-                where.lstrip("."),
-                f"references tensor {ref!r}, which extras.safetensors does not hold",
-            )
+            raise Bad(where.lstrip("."), f"references tensor {ref!r}, which {holder} does not hold")
 
 
 def _tensor_refs(value: Any, field: str) -> list[tuple[str, str]]:
@@ -796,13 +798,7 @@ def check_optimizer_state(
                             f"{field}.{name}",
                             f"has shape {saved}, but its parameter was saved with {want}",
                         )
-    keys = tensor_keys(header)
-    for where, ref in _tensor_refs(doc, ""):
-        if keys is None or ref not in keys:
-            raise Bad(
-                where.lstrip("."),
-                f"references tensor {ref!r}, which the .safetensors file does not hold",
-            )
+    _refs_held(doc, header, "the .safetensors file")
 
 
 #: The number-valued settings of the plain torch.optim classes' param groups.
