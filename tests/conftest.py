@@ -92,6 +92,20 @@ def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
     return g
 
 
+def run_worker(worker: Path, run_dir: Path, out: Path, *args: object):
+    """``python WORKER RUN_DIR OUT ARGS...`` to its end (a worker script of the resume
+    tests): the finished process, its output captured."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, str(worker), str(run_dir), str(out), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 def read_events(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
 

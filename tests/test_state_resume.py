@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import run_ranks
-from conftest import assert_state_equal, read_events
+from conftest import assert_state_equal, read_events, run_worker
 
 import guardrails
 from guardrails.checkpoint.manifest import _self_hash
@@ -28,12 +28,7 @@ SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
 def _run(run_dir: Path, out: Path, *args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(WORKER), str(run_dir), str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_worker(WORKER, run_dir, out, *args)
 
 
 def _stop_and_resume(tmp_path: Path, *args: object, stop_at: int) -> tuple[dict, dict, Path]:

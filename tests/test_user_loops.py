@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_state_equal, read_events
+from conftest import assert_state_equal, read_events, run_worker
 
 WORKER = Path(__file__).with_name("user_loop_worker.py")
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
 def _run(run_dir: Path, out: Path, *args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(WORKER), str(run_dir), str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    return run_worker(WORKER, run_dir, out, *args)
 
 
 def _straight_and_resumed(
