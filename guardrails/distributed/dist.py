@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from guardrails.util import probes
+
 
 def rank() -> int:
     """This process's global rank: the process group's if one is up, else torchrun's
@@ -37,11 +39,9 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a killed child not yet reaped by its launcher is a zombie: dead for us
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    # A killed child not yet reaped by its launcher is a zombie: dead for us.
+    fields = probes.stat_fields(f"/proc/{pid}/stat")
+    return not fields or fields[0] != "Z"
 
 
 #: Wrappers that keep the user's object under one attribute and delegate to it, by

@@ -358,14 +358,25 @@ def port_holders(port: int) -> list[dict[str, Any]] | None:
     return holders or None
 
 
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a Linux ``/proc/<pid>/stat`` (or ``/proc/<pid>/task/<tid>/stat``)
+    after the command name, which may itself hold spaces and ")": field 3 of stat(5)
+    (the state) is item 0. ``None`` where it cannot be read (not Linux, gone)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def ancestors() -> set[int]:
     """This process and its parents (a torchrun agent holding MASTER_PORT is ours)."""
     pids, pid = set(), os.getpid()
     while pid > 1 and pid not in pids:
         pids.add(pid)
+        fields = stat_fields(f"/proc/{pid}/stat")
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            pid = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+            pid = int(fields[1])  # type: ignore[index]
+        except (TypeError, ValueError, IndexError):
             break
     return pids

@@ -15,6 +15,7 @@ from guardrails.engine.where import (
     is_user_file,
     parse_stack,
 )
+from guardrails.util.probes import stat_fields
 
 if TYPE_CHECKING:
     pass
@@ -31,13 +32,10 @@ def main_thread_cpu_s() -> float | None:
     computes or waits."""
     import threading
 
-    tid = threading.main_thread().native_id
-    try:
-        with open(f"/proc/self/task/{tid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)"
-    except OSError:
+    fields = stat_fields(f"/proc/self/task/{threading.main_thread().native_id}/stat")
+    if fields is None:
         return None
-    # utime and stime: fields 14 and 15 of stat(5), 12 and 13 after the comm.
+    # utime and stime: fields 14 and 15 of stat(5), 11 and 12 after the comm.
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
