@@ -297,8 +297,9 @@ class NanGuard(Component):
                 message=(
                     "the ranks' gradients differ at optimizer.step() (no DDP: the "
                     "optimizer reduces them itself), so NanGuard agrees on the non-finite "
-                    "flag on the host before each update: one host sync and one small "
-                    "all-reduce per step. Wrapping the model in DDP makes the gradients "
+                    "flag on the host before each update: a host read of the step's flag "
+                    "and one small all-reduce (read back: it waits for that all-reduce) "
+                    "per step. Wrapping the model in DDP makes the gradients "
                     "agree before the step and skipping free with a fused optimizer."
                 ),
             )
