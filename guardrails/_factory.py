@@ -28,6 +28,7 @@ from guardrails.guards.explain import ErrorExplainer
 from guardrails.guards.gc import GCScheduler
 from guardrails.guards.memory.guard import MemoryGuard
 from guardrails.guards.nan.guard import NanGuard
+from guardrails.guards.pace.pace import Pace
 from guardrails.guards.preflight.preflight import Preflight
 from guardrails.guards.telemetry import Telemetry
 from guardrails.guards.watchdog.watchdog import Watchdog
@@ -43,6 +44,7 @@ SECTIONS: dict[str, type[Component]] = {
     "watchdog": Watchdog,
     "audit": CollectiveAuditor,
     "metrics": Telemetry,
+    "pace": Pace,
     "preflight": Preflight,
     "checkpoint": SignalCheckpointer,
 }

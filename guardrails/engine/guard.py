@@ -309,6 +309,13 @@ class Guard(StepState):
         self._data_wait_s = 0.0
         self._tokens: int | None = None
         self._step_start = 0.0
+        # The step's anatomy on the host clock (see StepState.forward_s): the training
+        # forwards' time so far, when the step's first forward began and the loader wait
+        # up to then, and when optimizer.step() began.
+        self._forward_s = 0.0
+        self._compute_t0 = math.nan
+        self._data_at_compute = 0.0
+        self._optimizer_t0 = math.nan
         # Set while NanGuard replays a batch (replaying()): its loss is not a training loss.
         self._replaying = False
         #: The user's own state, saved in every checkpoint and restored on resume
@@ -942,6 +949,8 @@ class Guard(StepState):
             self._boundary()
         if not self._forward_seen:  # the step's first forward
             self._forward_seen = True
+            self._compute_t0 = time.perf_counter()
+            self._data_at_compute = self._data_wait_s
             self._arg_versions = []
             # The buffers before the step (one fused copy, no sync; none for a model
             # whose forward writes no buffer): what a skipped step puts back.
@@ -1252,6 +1261,7 @@ class Guard(StepState):
 
     def _before_step(self) -> None:
         self.phase = "optimizer"
+        now = self._optimizer_t0 = time.perf_counter()
         if self._pending is not None:
             self._raise_pending()
         if self._at_boundary:
@@ -1266,6 +1276,15 @@ class Guard(StepState):
             self.step_batches += self._fetched
             self._fetched = []
         self.data_wait_s = self._data_wait_s
+        self.forward_s = self._forward_s
+        # From the first training forward to this step: what is neither a forward nor a
+        # wait for the loader (a prefetch, or the next micro-batch's fetch) is the
+        # backward, with the loss, the gradients' all-reduce and clipping.
+        self.backward_s = (
+            now - self._compute_t0 - self._forward_s - (self._data_wait_s - self._data_at_compute)
+            if self._forward_seen
+            else math.nan
+        )
         self.tokens = self._tokens
         lr = self.optimizer.param_groups[0].get("lr", math.nan)
         self.lr = lr if type(lr) is float else current_lr(self.optimizer)  # a float: no call
@@ -1281,6 +1300,7 @@ class Guard(StepState):
             self.generator_states = {n: g.get_state() for n, g in self.generators.items()}
         now = time.perf_counter()
         self.step_time_s = now - self._step_start
+        self.optimizer_s = now - self._optimizer_t0
         self._step_start = now
         try:  # free unless it raises (zero-cost try, Python 3.11+)
             for fn in self._live["after_step"]:
@@ -1312,7 +1332,7 @@ class Guard(StepState):
         self._backward_loss = self._scaled = None
         self._row = self.skipped = None
         self._auto_n = self._explicit_n = self._backward_n = 0
-        self._data_wait_s = 0.0
+        self._data_wait_s = self._forward_s = 0.0
         self._tokens = None
         # New lists, not cleared ones: NanGuard keeps this step's for its lagged read.
         self.step_calls = []
@@ -1522,9 +1542,11 @@ def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
     def forward(*args: Any, **kwargs: Any) -> Any:
         training = guard._on_forward(model, args, kwargs)
         guard.phase = "forward"
+        t0 = time.perf_counter()
         output = inner(*args, **kwargs)
         guard.phase = "backward"  # until optimizer.step(): loss, backward, clipping
         if training:
+            guard._forward_s += time.perf_counter() - t0
             guard._pick_loss(output)
         return output
 

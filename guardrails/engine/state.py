@@ -23,7 +23,7 @@ Two kinds of state:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
@@ -38,6 +38,7 @@ SHARED_WRITERS: dict[str, str] = {
     "collective": "guards.audit.auditor",
     "auditor": "guards.audit.auditor",
     "gc_total_s": "guards.gc",
+    "collective_phases": "guards.audit.auditor",
 }
 
 
@@ -106,6 +107,17 @@ class StepState:
         self.step_time_s = math.nan
         #: Seconds this step spent waiting in the loader's ``next()``.
         self.data_wait_s = 0.0
+        # The step's anatomy, host clock (a GPU's work shows where the host waits for
+        # it); with step_time_s and data_wait_s, what remains is the loop's own code
+        # (zero_grad, the scheduler, logging, evaluation, checkpoints).
+        #: Seconds in the step's training forwards (summed over its micro-batches).
+        self.forward_s = math.nan
+        #: Seconds from the step's first training forward to ``optimizer.step()``, less
+        #: its forwards and loader waits: the loss, the backward, the gradients'
+        #: all-reduce (where DDP waits for the slowest rank) and clipping.
+        self.backward_s = math.nan
+        #: Seconds in ``optimizer.step()`` (with the guard's own checks around it).
+        self.optimizer_s = math.nan
         #: Tokens fetched for this step, or ``None`` when unknown.
         self.tokens: int | None = None
         #: Learning rate of the first param group at this step (``nan`` if it is a
@@ -133,3 +145,8 @@ class Shared:
     #: Seconds spent in Python's garbage collector since start (cumulative). Writer:
     #: the GCScheduler, which times each collection; telemetry turns it into ``gc_s``.
     gc_total_s: float = 0.0
+    #: The loop's phases (``guard.phase``) in which the main thread has called a
+    #: collective since start: where a rank waits for the others. Writer: the
+    #: CollectiveAuditor, one set add per call; read by the pace guard, which judges a
+    #: straggler on the phases where no rank waits.
+    collective_phases: set[str] = field(default_factory=set)

@@ -57,6 +57,9 @@ SCHEMA = pa.schema(
         ("lr", pa.float64()),  # first param group's LR
         ("step_time_s", pa.float64()),  # end of previous step -> end of this one
         ("data_wait_s", pa.float64()),  # time blocked in the loader's next()
+        ("forward_s", pa.float64()),  # in the step's training forwards
+        ("backward_s", pa.float64()),  # first forward -> optimizer.step(), less the above
+        ("optimizer_s", pa.float64()),  # in optimizer.step()
         ("tokens", pa.int64()),  # tokens in the step (null when unknown)
         ("tokens_per_s", pa.float64()),
         ("gc_s", pa.float64()),  # time in Python's GC during the step (GCScheduler)

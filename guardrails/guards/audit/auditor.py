@@ -333,18 +333,20 @@ class CollectiveAuditor(Component):
                 frame = _user_frame(frame)  # e.g. all_gather_object -> all_gather
                 file = frame.f_code.co_filename
             entry = auditor._note(op, kind, tensor, group, red, r, file, frame.f_lineno, True)
-            if apos is None or (
-                apos >= 0 and not (args[apos] if n > apos else kwargs.get("async_op"))
-            ):
-                guard = auditor._guard
-                if guard is not None:  # blocking: the watchdog may look while we wait
-                    shared = guard.shared
-                    previous = shared.collective
-                    shared.collective = entry_dict(entry)
-                    try:
-                        return fn(*args, **kwargs)
-                    finally:
-                        shared.collective = previous
+            guard = auditor._guard
+            if guard is not None:  # where ranks wait for each other: the pace's judge
+                guard.shared.collective_phases.add(guard.phase)
+            if guard is not None and (
+                apos is None
+                or (apos >= 0 and not (args[apos] if n > apos else kwargs.get("async_op")))
+            ):  # blocking: the watchdog may look while we wait
+                shared = guard.shared
+                previous = shared.collective
+                shared.collective = entry_dict(entry)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    shared.collective = previous
             return fn(*args, **kwargs)
 
         audited.__wrapped__ = fn  # type: ignore[attr-defined]

@@ -1,0 +1,402 @@
+"""Pace: where each rank's step time goes, which rank the job waits for, and whether
+the step is communication-bound.
+
+The engine times each step's phases on the host clock (``guard.data_wait_s``,
+``forward_s``, ``backward_s``, ``optimizer_s``; ``metrics.parquet`` has them per step).
+This component turns them into findings, at a fixed cost:
+
+* **Per step**: one tuple appended (~0.3 us), nothing else.
+* **Per window** (``window_steps`` steps, and at least ``compare_every_s`` seconds,
+  stretched with the number of ranks so that the job's store traffic stays flat): the
+  median of each phase over the window; in a multi-rank job, the window published to
+  the side store under this rank's number and its two ring neighbours' latest windows
+  read back (three store calls, one key read by two ranks: O(1) per rank at any size).
+* **Judged** (``judge.py``): a rank slower than both neighbours in a phase where no
+  rank waits for another, for ``persist_windows`` windows in a row, reports itself as a
+  ``straggler`` (rank, phase, by how much, since which step); a rank whose step time
+  grew ``slowdown_factor`` times over its own best, in a phase of its own, reports a
+  ``slowdown``; under DDP, a step whose non-overlapped gradient all-reduce (DDP's own
+  timing of a sampled iteration) is ``comm_share`` of the step or more, while no rank
+  straggles, is ``comms_bound`` with the bytes and the achieved bus bandwidth.
+
+Reports are bounded however many ranks see them: a slowdown and a comms-bound finding
+once per job (the first rank to claim it in the store), at most
+:data:`MAX_STRAGGLER_REPORTS` straggler reports per job.
+
+What it cannot see: on a GPU the phases are host time, and the host waits for the
+device only where something syncs, so a GPU straggler is not named by its phases (the
+job's step time still shows the slowdown).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from torch import nn
+
+from guardrails.distributed.store import stretched
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.guards.pace import judge
+from guardrails.util.checks import fraction, non_negative, positive, positive_int
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+logger = logging.getLogger("guardrails.pace")
+
+#: Straggler reports per job: with a whole node slow, every rank on it is a straggler;
+#: eight name the pattern without flooding the events at 10,000 ranks.
+MAX_STRAGGLER_REPORTS = 8
+
+#: Rows kept between comparisons (a fast loop with a long period): the medians of the
+#: newest 10,000 steps are the window's.
+MAX_ROWS = 10_000
+
+#: DDP samples its runtime statistics at iterations 0-9 and then every 100th
+#: (torch/csrc/distributed/c10d/logger.cpp, kDDPRuntimeLoggingSampleRate): the first
+#: ten are warm-up (bucket rebuilding, lazy init), so judge from iteration 100 on.
+DDP_FIRST_STEADY_ITERATION = 100
+
+
+class Pace(Component):
+    """Per-rank step anatomy, stragglers, slowdowns and communication-bound steps.
+    Knobs: :class:`Pace.Config` (``guardrails.guard(pace=...)``)."""
+
+    @dataclass(kw_only=True)
+    class Config:
+        """Pace's knobs.
+
+        Attributes:
+            window_steps: steps per judged window (the medians of each phase over
+                them). Default 50. ``guard(pace=False)`` leaves the component out.
+            compare_every_s: the least time between two windows' judgements (and the
+                store calls of a comparison): stretched with the job's size so that all
+                ranks together stay within the store's budget. Default 10 s.
+            straggler_factor: a rank is a straggler when one of its unsynchronized
+                phases takes this many times as long as on each of its neighbours...
+                Default 1.5.
+            straggler_min_share: ...and the excess is at least this share of its
+                step time (and 2 ms). Default 0.15.
+            slowdown_factor: a ``slowdown`` when a rank's median step time reaches this
+                many times its best window's (the first window, warm-up, excluded).
+                Default 3.0.
+            comm_share: ``comms_bound`` when the gradient all-reduce's non-overlapped
+                time is at least this share of the step (and 5 ms). Default 0.5.
+            persist_windows: a finding must hold this many windows in a row before it
+                is reported. Default 2.
+        """
+
+        window_steps: int = 50
+        compare_every_s: float = 10.0
+        straggler_factor: float = 1.5
+        straggler_min_share: float = 0.15
+        slowdown_factor: float = 3.0
+        comm_share: float = 0.5
+        persist_windows: int = 2
+
+        def __post_init__(self) -> None:
+            positive_int("window_steps", self.window_steps)
+            non_negative("compare_every_s", self.compare_every_s)
+            positive("straggler_factor", self.straggler_factor)
+            fraction("straggler_min_share", self.straggler_min_share)
+            positive("slowdown_factor", self.slowdown_factor)
+            fraction("comm_share", self.comm_share)
+            positive_int("persist_windows", self.persist_windows)
+            self.compare_every_s = float(self.compare_every_s)
+
+    name = "pace"
+
+    def __init__(self, config: Pace.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
+        #: Each judged window of this rank (newest last, at most 100).
+        self.windows: deque[judge.Window] = deque(maxlen=100)
+        #: The fields of each event reported, by kind (``straggler``, ``slowdown``,
+        #: ``comms_bound``).
+        self.reported: dict[str, dict[str, Any]] = {}
+        self._rows: deque[tuple[float, float, float, float, float]] = deque(maxlen=MAX_ROWS)
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_start(self, guard: Guard) -> None:
+        self._guard = guard
+        self._rank, self._world = guard.rank, guard.world_size
+        self._store = guard.side_store("pace")
+        self._peers = sorted(
+            {(self._rank - 1) % self._world, (self._rank + 1) % self._world} - {self._rank}
+        )
+        self._seen_peers: set[int] = set()
+        self._period_s = stretched(self.compare_every_s, self._world, calls=3)
+        self._last_judged = time.monotonic()
+        self._synced = synced_phases(guard)
+        self._ddp = _find_ddp(guard)
+        self._ddp_iteration = -1
+        self._streaks: dict[str, tuple[Any, int, int]] = {}  # kind -> (what, since, count)
+
+    def after_step(self, guard: Guard) -> None:
+        rows = self._rows
+        rows.append(
+            (
+                guard.step_time_s,
+                guard.data_wait_s,
+                guard.forward_s,
+                guard.backward_s,
+                guard.optimizer_s,
+            )
+        )
+        if (
+            len(rows) >= self.window_steps
+            and time.monotonic() - self._last_judged >= self._period_s
+        ):
+            self._judge(guard)
+
+    # ------------------------------------------------------------------ windows
+
+    def _judge(self, guard: Guard) -> None:
+        self._last_judged = time.monotonic()
+        window = summarize(self._rank, guard.step, list(self._rows))
+        self._rows.clear()
+        self.windows.append(window)
+        synced = self._synced | frozenset(guard.shared.collective_phases)
+        peers = self._exchange(window)
+        self._judge_straggler(guard, window, peers, synced)
+        self._judge_slowdown(guard, window, synced)
+        self._judge_comms(guard, window, peers, synced)
+
+    def _exchange(self, window: judge.Window) -> list[judge.Window]:
+        """Publish ``window``; the neighbours' latest windows that overlap it."""
+        store = self._store
+        if store is None:
+            return []
+        try:
+            store.set(str(self._rank), json.dumps(window.to_json()))
+            keys = [str(r) for r in self._peers]
+            unseen = [
+                k for r, k in zip(self._peers, keys, strict=True) if r not in self._seen_peers
+            ]
+            if unseen and not store.check(unseen):
+                return []  # a neighbour has not finished its first window yet
+            self._seen_peers.update(self._peers)
+            raw = store.multi_get(keys)
+        except Exception as err:  # a store gone at the job's end: no judgement, no harm
+            logger.debug("guardrails: pace exchange failed: %s", err)
+            return []
+        span = window.last - window.first + 1
+        peers = [judge.Window.from_json(json.loads(bytes(b))) for b in raw]
+        # A neighbour's window from a different stretch of the run is not comparable.
+        return [p for p in peers if abs(p.last - window.last) <= 2 * span]
+
+    def _streak(self, kind: str, what: Any, window: judge.Window) -> tuple[int, int]:
+        """``(since step, windows in a row)`` of ``what`` under ``kind``."""
+        prev = self._streaks.get(kind)
+        if what is None:
+            self._streaks.pop(kind, None)
+            return 0, 0
+        if prev is not None and prev[0] == what:
+            since, count = prev[1], prev[2] + 1
+        else:
+            since, count = window.first, 1
+        self._streaks[kind] = (what, since, count)
+        return since, count
+
+    def _claim(self, key: str, *, limit: int = 1) -> bool:
+        """Whether this rank may report ``key``: the first ``limit`` ranks of the job
+        to ask (one store call), or always in a single process."""
+        if self._store is None:
+            return True
+        try:
+            return int(self._store.add(f"claim/{key}", 1)) <= limit
+        except Exception:
+            return False
+
+    def _judge_straggler(
+        self, guard: Guard, window: judge.Window, peers: list[judge.Window], synced: frozenset[str]
+    ) -> None:
+        s = judge.straggling(
+            window, peers, synced, factor=self.straggler_factor, min_share=self.straggler_min_share
+        )
+        since, count = self._streak("straggler", s.phase if s else None, window)
+        if s is None or count < self.persist_windows or "straggler" in self.reported:
+            return
+        if not self._claim("straggler", limit=MAX_STRAGGLER_REPORTS):
+            return
+        fields = {
+            "rank": self._rank,
+            "phase": s.phase,
+            "seconds": s.mine_s,
+            "neighbours_seconds": s.theirs_s,
+            "neighbours": list(s.ranks),
+            "step_s": s.step_s,
+            "since_step": since,
+        }
+        self.reported["straggler"] = fields
+        guard.event(
+            "straggler",
+            level="warning",
+            message=judge.straggler_message(self._rank, s, since, synced),
+            **fields,
+        )
+
+    def _judge_slowdown(self, guard: Guard, window: judge.Window, synced: frozenset[str]) -> None:
+        past = list(self.windows)[1:-1]  # the first is warm-up; the newest is judged
+        if not past or "slowdown" in self.reported:
+            return
+        best = min(past, key=lambda w: w.step_s)
+        found = judge.slowdown(window, best, synced, factor=self.slowdown_factor)
+        since, count = self._streak("slowdown", found[0] if found else None, window)
+        if found is None or count < self.persist_windows:
+            return
+        phase, extra = found
+        if self.reported.get("straggler", {}).get("phase") == phase:
+            return  # the straggler report said it, with the neighbours' numbers
+        if not self._claim("slowdown"):
+            return
+        fields = {
+            "rank": self._rank,
+            "phase": phase,
+            "step_s": window.step_s,
+            "best_step_s": best.step_s,
+            "best_steps": [best.first, best.last],
+            "extra_s": extra,
+            "since_step": since,
+        }
+        self.reported["slowdown"] = fields
+        guard.event(
+            "slowdown",
+            level="warning",
+            message=judge.slowdown_message(self._rank, window, best, phase, extra, since),
+            **fields,
+        )
+
+    def _judge_comms(
+        self, guard: Guard, window: judge.Window, peers: list[judge.Window], synced: frozenset[str]
+    ) -> None:
+        if self._ddp is None or "comms_bound" in self.reported or not peers:
+            return
+        stats = ddp_comm_stats(self._ddp)
+        if stats is None or stats.iteration == self._ddp_iteration:
+            return
+        self._ddp_iteration = stats.iteration
+        if stats.iteration < DDP_FIRST_STEADY_ITERATION:
+            return
+        # A rank waiting for a straggler spends the wait inside the all-reduce too.
+        if "straggler" in self._streaks or any(
+            judge.straggling(
+                p,
+                [window],
+                synced,
+                factor=self.straggler_factor,
+                min_share=self.straggler_min_share,
+            )
+            for p in peers
+        ):
+            return
+        frac = judge.comm_bound(stats, window, share=self.comm_share)
+        if frac is None or not self._claim("comms_bound"):
+            return
+        backend = _backend()
+        fields = {
+            "rank": self._rank,
+            "comm_s": stats.comm_s,
+            "overlap_s": stats.overlap_s,
+            "step_s": window.step_s,
+            "share": frac,
+            "bytes_per_step": stats.bytes,
+            "buckets": stats.buckets,
+            "bus_bandwidth_bytes_per_s": judge.bus_bandwidth(stats, self._world),
+            "world_size": self._world,
+            "backend": backend,
+            "ddp_iteration": stats.iteration,
+        }
+        self.reported["comms_bound"] = fields
+        guard.event(
+            "comms_bound",
+            level="warning",
+            message=judge.comm_message(stats, window.step_s, frac, self._world, backend),
+            **fields,
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def summarize(rank: int, step: int, rows: list[tuple[float, ...]]) -> judge.Window:
+    """The window of ``rows`` (step, data, forward, backward, optimizer seconds per
+    step) ending at ``step``: each phase's median, ``other`` the rest of the step."""
+    a = np.asarray(rows, dtype=np.float64)
+    step_s, data, fwd, bwd, opt = a.T
+    # A step with no observed forward has no backward either: its time is the rest.
+    other = step_s - data - np.nan_to_num(fwd) - np.nan_to_num(bwd) - np.nan_to_num(opt)
+
+    def med(x: np.ndarray) -> float:
+        x = x[~np.isnan(x)]
+        return float(np.median(x)) if x.size else math.nan
+
+    phases = {
+        "data": med(data),
+        "forward": med(fwd),
+        "backward": med(bwd),
+        "optimizer": med(opt),
+        "other": med(other),
+    }
+    return judge.Window(rank, step - len(rows) + 1, step, med(step_s), phases)
+
+
+def synced_phases(guard: Guard) -> frozenset[str]:
+    """The phases in which the loop's ranks wait for each other by construction: DDP's
+    all-reduce ends the backward (and, with buffers to broadcast, DDP's forward starts
+    with a broadcast); FSDP all-gathers in the forward and reduces in the backward.
+    Collectives the loop calls itself are added as the auditor sees them."""
+    phases: set[str] = set()
+    for model in guard.models.values():
+        for m in model.modules():
+            kind = type(m).__name__
+            if isinstance(m, nn.parallel.DistributedDataParallel):
+                phases.add("backward")
+                if m.broadcast_buffers and any(True for _ in m.module.buffers()):
+                    phases.add("forward")
+            elif kind == "FullyShardedDataParallel" or kind.startswith("FSDP"):
+                phases.update(("forward", "backward"))
+    return frozenset(phases)
+
+
+def _find_ddp(guard: Guard) -> nn.parallel.DistributedDataParallel | None:
+    for model in guard.models.values():
+        for m in model.modules():
+            if isinstance(m, nn.parallel.DistributedDataParallel):
+                return m
+    return None
+
+
+def ddp_comm_stats(ddp: nn.parallel.DistributedDataParallel) -> judge.CommStats | None:
+    """DDP's own timing of its latest sampled iteration (``_get_ddp_logging_data``, the
+    numbers DDP logs for itself: private, so anything missing is ``None``)."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        buckets = [int(x) for x in str(sizes).split(",") if x.strip()]
+        return judge.CommStats(
+            iteration=int(data["iteration"]),
+            comm_s=float(data["backward_comm_time"]) / 1e9,
+            overlap_s=float(data["backward_compute_comm_overlap_time"]) / 1e9,
+            bytes=sum(buckets),
+            buckets=len(buckets),
+        )
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend())
+    except Exception:
+        return "unknown"

@@ -1,0 +1,200 @@
+"""Pace: a slow rank named with its phase, a slowdown against a rank's own best, a
+communication-bound step, and silence on healthy runs.
+
+The judgements are plain functions (``guards/pace/judge.py``), tested on numbers first;
+then real jobs (gloo, DDP, real processes through ``tests/_ranks.py``) with a planted
+slowness on rank 1 from step 60 (``tests/pace_worker.py``): a busy forward at 3 ranks
+(its two neighbours must stay silent), a slow loader at 2, a model whose step is its
+all-reduce, and a healthy run (warm-up, cosine decay, evaluation pauses, checkpoint
+saves, batches of varying size) that must report nothing, all side by side on a loaded
+machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from _ranks import launch, wait_all
+from conftest import read_events
+
+from guardrails.guards.pace import judge
+from guardrails.guards.pace.pace import summarize
+
+WORKER = Path(__file__).parent / "pace_worker.py"
+FINDINGS = ("straggler", "slowdown", "comms_bound")
+SYNCED = frozenset({"backward"})  # DDP: ranks wait for each other at the end of the backward
+
+
+def window(
+    rank: int, step_s: float, first: int = 1, last: int = 50, **phases: float
+) -> judge.Window:
+    full = dict.fromkeys(judge.PHASES, 0.0)
+    full.update(phases)
+    return judge.Window(rank, first, last, step_s, full)
+
+
+# ---------------------------------------------------------------------- the judge
+
+
+def test_the_slow_rank_is_named_by_its_own_phase_not_by_its_peers_wait():
+    # Rank 1's forward takes 40 ms more; rank 0 waits the same 40 ms in its backward.
+    slow = window(1, 0.045, forward=0.041, backward=0.002)
+    waiting = window(0, 0.045, forward=0.001, backward=0.042)
+    found = judge.straggling(slow, [waiting], SYNCED, factor=1.5, min_share=0.15)
+    assert found is not None and found.phase == "forward" and found.ranks == (0,)
+    assert math.isclose(found.mine_s, 0.041) and math.isclose(found.theirs_s, 0.001)
+    assert judge.straggling(waiting, [slow], SYNCED, factor=1.5, min_share=0.15) is None
+    message = judge.straggler_message(1, found, 61, SYNCED)
+    for words in ("rank 1", "since step 61", "forward", "41.0 ms", "1.0 ms", "rank 0", "backward"):
+        assert words in message
+
+
+def test_a_rank_beside_a_straggler_or_within_noise_is_not_one():
+    me = window(2, 0.010, data=0.004)
+    # Slower than one neighbour but not the other: a pair of slow loaders is not "this rank".
+    assert (
+        judge.straggling(
+            me,
+            [window(1, 0.01, data=0.004), window(3, 0.01, data=0.0)],
+            SYNCED,
+            factor=1.5,
+            min_share=0.15,
+        )
+        is None
+    )
+    # 1 ms over a 0.3 ms neighbour: 4x, but under the 2 ms floor and 15% of the step.
+    small = window(0, 0.010, forward=0.0013)
+    assert (
+        judge.straggling(
+            small, [window(1, 0.01, forward=0.0003)], SYNCED, factor=1.5, min_share=0.15
+        )
+        is None
+    )
+    # No neighbour's window: nothing to compare with.
+    assert judge.straggling(me, [], SYNCED, factor=1.5, min_share=0.15) is None
+
+
+def test_a_slowdown_names_the_phase_that_grew_and_not_a_uniformly_slower_machine():
+    best = window(0, 0.010, 21, 40, forward=0.004, backward=0.004, optimizer=0.002)
+    grown = window(0, 0.040, 81, 100, forward=0.004, backward=0.004, optimizer=0.002, data=0.030)
+    assert judge.slowdown(grown, best, frozenset(), factor=3.0) == ("data", pytest.approx(0.030))
+    # Every phase 3x longer (another job on the machine, a throttled CPU): no single
+    # phase carries the slowdown, so this detector stays out of it.
+    uniform = window(0, 0.030, 81, 100, forward=0.012, backward=0.012, optimizer=0.006)
+    assert judge.slowdown(uniform, best, frozenset(), factor=3.0) is None
+    # Only a synchronized phase grew: the rank waits for another, who reports itself.
+    waits = window(0, 0.040, 81, 100, forward=0.004, backward=0.034, optimizer=0.002)
+    assert judge.slowdown(waits, best, SYNCED, factor=3.0) is None
+    assert judge.slowdown(window(0, 0.025), best, frozenset(), factor=3.0) is None  # 2.5x
+
+
+def test_comms_bound_needs_real_bytes_and_agreement_with_the_window():
+    steady = window(0, 0.100, backward=0.080)
+    big = judge.CommStats(iteration=100, comm_s=0.075, overlap_s=0.010, bytes=32 << 20, buckets=2)
+    assert judge.comm_bound(big, steady, share=0.5) == pytest.approx(0.65)
+    assert judge.bus_bandwidth(big, 2) == pytest.approx((32 << 20) / 0.075)
+    message = judge.comm_message(big, 0.1, 0.65, 2, "gloo")
+    for words in ("32.0 MiB", "2 buckets", "65%", "GLOO_SOCKET_IFNAME", "no_sync"):
+        assert words in message
+    # A 16 KB all-reduce that took 9 ms waited for a descheduled peer: latency, not bytes.
+    tiny = judge.CommStats(iteration=100, comm_s=0.009, overlap_s=0.0, bytes=16_900, buckets=1)
+    assert judge.comm_bound(tiny, window(0, 0.002, backward=0.001), share=0.5) is None
+    # A sample far longer than the window's median backward was an outlier iteration.
+    assert judge.comm_bound(big, window(0, 0.100, backward=0.020), share=0.5) is None
+
+
+def test_window_medians_shrug_off_an_evaluation_pause():
+    rows = [(0.010, 0.001, 0.003, 0.004, 0.001)] * 49 + [(2.0, 0.001, 0.003, 0.004, 0.001)]
+    w = summarize(0, 100, rows)
+    assert (w.first, w.last) == (51, 100)
+    assert w.step_s == pytest.approx(0.010) and w.phases["other"] == pytest.approx(0.001)
+
+
+# ---------------------------------------------------------------------- real jobs
+
+#: scenario -> (ranks, steps)
+JOBS = {"busy": (3, 120), "data": (2, 120), "comms": (2, 140), "healthy": (2, 200)}
+SINGLE = {"slower": (1, 120), "healthy": (1, 160)}
+
+
+def _run(tmp: Path, jobs: dict[str, tuple[int, int]], tag: str) -> dict[str, dict]:
+    started = {}
+    for name, (world, steps) in jobs.items():
+        out = tmp / f"{tag}-{name}"
+        out.mkdir()
+        argv = [sys.executable, WORKER, name, "--out", out, "--steps", str(steps)]
+        started[name] = launch(argv, world, out=out)
+    wait_all(started, timeout_s=150)
+    found = {}
+    for name, job in started.items():
+        ranks = job.results()
+        assert [r.code for r in ranks] == [0] * len(ranks), [r.text[-2000:] for r in ranks]
+        out = tmp / f"{tag}-{name}"
+        found[name] = {
+            "events": [e for e in read_events(out) if e["kind"] in FINDINGS],
+            "pace": [json.loads((out / f"pace{r}.json").read_text()) for r in range(len(ranks))],
+        }
+    return found
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pace")
+    found = _run(tmp, JOBS, "ddp")
+    found.update({f"single-{k}": v for k, v in _run(tmp, SINGLE, "single").items()})
+    return found
+
+
+slow = pytest.mark.slow(
+    reason="reads the pace jobs: 9 gloo ranks side by side, then 2 single runs, ~1 min"
+)
+
+
+@slow
+def test_a_busy_straggler_names_itself_and_its_neighbours_stay_silent(jobs):
+    events = jobs["busy"]["events"]
+    assert [(e["kind"], e["rank"]) for e in events] == [("straggler", 1)], events
+    e = events[0]
+    assert e["phase"] == "forward" and sorted(e["neighbours"]) == [0, 2]
+    assert e["seconds"] >= 0.03 and e["seconds"] >= 3 * e["neighbours_seconds"]
+    assert 60 <= e["since_step"] <= 81  # the slowness began at step 60; windows of 20
+    assert "rank 1 is slower than its neighbours" in e["message"] and "forward" in e["message"]
+
+
+@slow
+def test_a_slow_loader_on_one_rank_is_named_as_the_data_phase(jobs):
+    events = jobs["data"]["events"]
+    assert [(e["kind"], e["rank"], e["phase"]) for e in events] == [("straggler", 1, "data")]
+    assert "loader" in events[0]["message"]
+
+
+@slow
+def test_an_all_reduce_bound_step_is_reported_with_bytes_and_bandwidth(jobs):
+    events = jobs["comms"]["events"]
+    assert [e["kind"] for e in events] == ["comms_bound"], events
+    e = events[0]
+    # Two 2048x2048 layers' fp32 gradients and their biases, in DDP's buckets.
+    assert e["bytes_per_step"] >= 32 << 20 and e["share"] >= 0.5
+    assert e["bus_bandwidth_bytes_per_s"] > 0 and e["backend"] == "gloo"
+    assert "communication-bound" in e["message"] and "GLOO_SOCKET_IFNAME" in e["message"]
+
+
+@slow
+def test_healthy_runs_report_nothing(jobs):
+    for name in ("healthy", "single-healthy"):
+        assert jobs[name]["events"] == [], (name, jobs[name]["events"])
+        # ... though they judged windows all along.
+        assert all(len(p["windows"]) >= 5 for p in jobs[name]["pace"])
+
+
+@slow
+def test_a_single_process_that_slows_down_is_told_where_the_time_went(jobs):
+    events = jobs["single-slower"]["events"]
+    assert [(e["kind"], e["phase"]) for e in events] == [("slowdown", "other")], events
+    e = events[0]
+    assert e["step_s"] >= 3 * e["best_step_s"] and e["since_step"] >= 60
+    assert "loop's own code between steps" in e["message"]
