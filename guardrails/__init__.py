@@ -35,6 +35,7 @@ the level:
     ``guardrails.sinks``        metric sinks: TensorBoard, W&B, MLflow, your own
     ``guardrails.gc``           GCScheduler: GC pauses, freezing
     ``guardrails.memory``       MemoryGuard: leaks, data starvation, out of memory
+    ``guardrails.pace``         Pace: stragglers, slowdowns, communication-bound steps
     ``guardrails.preflight``    Preflight: checks before the first step
     ``guardrails.launch``       launch checks (``check_launch``, ``@record``)
     ``guardrails.record``       ``@record``: error files, the process's exit
@@ -73,6 +74,7 @@ _EXPORTS = {
     "NanGuard": "guards.nan.guard",
     "NonFiniteError": "_errors",
     "OutOfMemoryError": "_errors",
+    "Pace": "guards.pace.pace",
     "Preflight": "guards.preflight.preflight",
     "RankFailedError": "_errors",
     "ResumeError": "_errors",
@@ -111,6 +113,7 @@ __all__ = [
     "NanGuard",
     "NonFiniteError",
     "OutOfMemoryError",
+    "Pace",
     "Preflight",
     "RankFailedError",
     "ResumeError",
@@ -180,6 +183,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_api.py keeps it
     from guardrails.guards.gc import GCScheduler
     from guardrails.guards.memory.guard import MemoryGuard
     from guardrails.guards.nan.guard import NanGuard
+    from guardrails.guards.pace.pace import Pace
     from guardrails.guards.preflight.preflight import Preflight
     from guardrails.guards.telemetry import Telemetry
     from guardrails.guards.watchdog.watchdog import Watchdog

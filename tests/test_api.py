@@ -37,6 +37,7 @@ EXPECTED_ALL = [
     "NanGuard",
     "NonFiniteError",
     "OutOfMemoryError",
+    "Pace",
     "Preflight",
     "RankFailedError",
     "ResumeError",
