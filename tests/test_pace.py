@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -135,6 +136,7 @@ def _run(tmp: Path, jobs: dict[str, tuple[int, int]], tag: str) -> dict[str, dic
         assert [r.code for r in ranks] == [0] * len(ranks), [r.text[-2000:] for r in ranks]
         out = tmp / f"{tag}-{name}"
         found[name] = {
+            "dir": out,
             "events": [e for e in read_events(out) if e["kind"] in FINDINGS],
             "pace": [json.loads((out / f"pace{r}.json").read_text()) for r in range(len(ranks))],
         }
@@ -198,3 +200,23 @@ def test_a_single_process_that_slows_down_is_told_where_the_time_went(jobs):
     e = events[0]
     assert e["step_s"] >= 3 * e["best_step_s"] and e["since_step"] >= 60
     assert "loop's own code between steps" in e["message"]
+
+
+@slow
+def test_the_report_shows_where_each_ranks_step_time_goes(jobs):
+    out = jobs["busy"]["dir"]
+    cmd = [sys.executable, "-m", "guardrails", "report", str(out)]
+    facts = json.loads(
+        subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
+    )
+    by_rank = facts["step_anatomy"]["by_rank"]
+    assert sorted(by_rank) == ["0", "1", "2"]
+    for shares in by_rank.values():
+        assert set(shares) == {"data", "forward", "backward", "optimizer", "other"}
+        assert sum(shares.values()) == pytest.approx(1.0)
+    # Rank 1 computes in its forward what the others wait for in their backward.
+    assert by_rank["1"]["forward"] > 2 * max(by_rank["0"]["forward"], by_rank["2"]["forward"])
+    assert by_rank["0"]["backward"] > 2 * by_rank["1"]["backward"]
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "step time    data" in text and "(all ranks)" in text
+    assert "straggler (step" in text and "rank 1 is slower than its neighbours" in text

@@ -57,6 +57,9 @@ _WARNINGS = {
     "params_without_grad": "params without grad",
     "params_not_in_optimizer": "params not in optimizer",
     "nan_guard_syncs": "host syncs",
+    "straggler": "straggler",
+    "slowdown": "slowdown",
+    "comms_bound": "communication-bound",
 }
 #: The verdicts that end a run (watchdog, auditor), by event kind.
 _FAILURES = {
@@ -541,6 +544,13 @@ def story(s: dict[str, Any]) -> str:
         lines.append(
             f"  data wait    {share:.1%} of step time"
             + (" (data-starved: the accelerator idles)" if share >= 0.3 else "")
+        )
+    parts = (s.get("step_anatomy") or {}).get("all")
+    if parts:
+        lines.append(
+            "  step time    "
+            + " · ".join(f"{name} {share:.0%}" for name, share in parts.items())
+            + (" (all ranks)" if len(s["step_anatomy"]["by_rank"]) > 1 else "")
         )
     if s.get("mem_peak_bytes") is not None:
         lines.append(f"  memory       peak {s['mem_peak_bytes'] / 2**20:,.0f} MiB")

@@ -46,6 +46,31 @@ _NULLABLE = ("tokens", "mem_peak_bytes", "tokens_per_s")
 Key = tuple[int, float]  # (rank, started_at): one rank of one run
 Rows = dict[str, np.ndarray]
 
+#: The step's phases in ``metrics.parquet``; what is left of ``step_time_s`` is "other".
+ANATOMY_COLUMNS = ("data_wait_s", "forward_s", "backward_s", "optimizer_s")
+ANATOMY_NAMES = ("data", "forward", "backward", "optimizer", "other")
+
+
+def anatomy(sums: dict[int, np.ndarray]) -> dict[str, Any] | None:
+    """Shares of step time per phase, over every rank (``all``) and per rank, from
+    per-rank sums (data, forward, backward, optimizer, step time); ``None`` without
+    rows that have them."""
+
+    def shares(acc: np.ndarray) -> dict[str, float] | None:
+        total = acc[-1]
+        if not total > 0:
+            return None
+        parts = [*acc[:-1].tolist(), max(0.0, total - float(acc[:-1].sum()))]
+        return {n: float(v / total) for n, v in zip(ANATOMY_NAMES, parts, strict=True)}
+
+    if not sums:
+        return None
+    every = shares(sum(sums.values()))
+    if every is None:
+        return None
+    by_rank = {int(r): sh for r, acc in sorted(sums.items()) if (sh := shares(acc)) is not None}
+    return {"all": every, "by_rank": by_rank}
+
 
 @dataclass
 class KeyInfo:
@@ -242,6 +267,9 @@ class RunStats:
         self._wait_n = np.zeros(2, dtype=np.int64)  # rows counted in each
         self._any_later = False  # any row past step 1: then only those count
         self._gc: dict[int, float] = {}
+        # Per rank, past step 1: seconds of data wait, forward, backward, optimizer, and
+        # of step time, over the rows that have them all (older files lack them).
+        self._anatomy: dict[int, np.ndarray] = {}
         self._mem = -math.inf
         self._skipped = np.empty(0, dtype=np.int64)
         self.skipped_truncated = False
@@ -273,6 +301,16 @@ class RunStats:
         self._wait_all += (wait[ok].sum(), total[ok].sum())
         self._wait += (wait[ok & later].sum(), total[ok & later].sum())
         self._wait_n += (int(ok.sum()), int((ok & later).sum()))
+        phases = [rows[c] for c in ANATOMY_COLUMNS]
+        whole = later & np.isfinite(total) & np.isfinite(wait)
+        for col in phases[1:]:
+            whole &= np.isfinite(col)
+        if whole.any():
+            for r in np.unique(rank[whole]).tolist():
+                m = whole & (rank == r)
+                sums = [float(c[m].sum()) for c in phases] + [float(total[m].sum())]
+                acc = self._anatomy.setdefault(r, np.zeros(len(sums)))
+                acc += sums
         sk = rows["skipped"].astype(bool)
         if sk.any():
             self._skip(step[sk])
@@ -331,6 +369,7 @@ class RunStats:
         )
         s["data_wait_share"] = float(w[0] / w[1]) if n_ok and w[1] > 0 else None
         s["gc_total_s"] = {int(r): v for r, v in sorted(self._gc.items())}
+        s["step_anatomy"] = anatomy(self._anatomy)
         s["mem_peak_bytes"] = None if self._mem == -math.inf else self._mem
         s["skipped_steps"] = self._skipped.tolist()
         estimated = [
