@@ -948,3 +948,61 @@ def test_a_cuda_error_at_the_end_keeps_the_rows_the_host_holds(tmp_path):
     assert rows["step"] == list(range(1, 24)), proc.stderr[-3000:]
     assert all(v == v for v in rows["loss"][:15])
     assert all(t > 0 for t in rows["step_time_s"]) and rows["lr"] == [1e-3] * 23
+
+
+PACE_WORKER = (
+    NCCL_WORKER_START
+    + """
+import threading, time
+model = torch.nn.parallel.DistributedDataParallel(
+    GPT(65, 256, 4, 8, 512).to(device), device_ids=[device.index])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+g = torch.Generator(device=device).manual_seed(rank)
+data = [(torch.randint(0, 65, (16, 256), device=device, generator=g),) * 2 for _ in range(200)]
+hog = threading.Event()
+def side_kernels():  # rank 1's GPU also runs someone else's matmuls, on its own stream
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    s = torch.cuda.Stream(device=device)
+    hog.wait()
+    with torch.cuda.stream(s):
+        while hog.is_set():
+            for _ in range(8):
+                a @ a
+            s.synchronize()
+if rank == 1:
+    threading.Thread(target=side_kernels, daemon=True).start()
+with guardrails.guard(model, opt, data, run_dir=os.environ["RUN_DIR"], progress=False,
+                      pace={"window_steps": 20, "compare_every_s": 0.0}) as gd:
+    for x, y in gd:
+        if gd.step == 60 and rank == 1:
+            hog.set()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    hog.clear()
+    pace = next(c for c in gd.components if c.name == "pace")
+    with open(os.path.join(os.environ["RUN_DIR"], f"pace{rank}.json"), "w") as f:
+        json.dump({"windows": [w.to_json() for w in pace.windows],
+                   "device_phases": gd.device_phases}, f)
+dist.destroy_process_group()
+"""
+)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_a_gpu_straggler_is_named_from_the_devices_own_phase_times(tmp_path):
+    """Rank 1's GPU runs another stream's matmuls from step 60: its kernels slow down,
+    rank 0 waits for its gradients in NCCL. The host's phases cannot show it (the host
+    launches ahead); the sampled CUDA events can: rank 1 names itself, in a phase where
+    no rank waits (forward or optimizer, not the backward's all-reduce)."""
+    run_dir = _run_nccl_worker(tmp_path, PACE_WORKER)
+    events = [e for e in read_events(run_dir) if e["kind"] in ("straggler", "slowdown")]
+    stragglers = [e for e in events if e["kind"] == "straggler"]
+    assert [e["rank"] for e in stragglers] == [1], events
+    assert stragglers[0]["phase"] in ("forward", "optimizer") and stragglers[0]["since_step"] >= 60
+    for rank in (0, 1):
+        pace = json.loads((run_dir / f"pace{rank}.json").read_text())
+        assert pace["device_phases"] is not None
+        assert all(w["device"] for w in pace["windows"][1:]), pace["windows"]

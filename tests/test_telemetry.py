@@ -205,6 +205,7 @@ def test_events_log(tmp_path):
         "memory",
         "nan",
         "telemetry",
+        "pace",
         "preflight",
         "checkpoint",
     ]
@@ -239,6 +240,7 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
         },
         checkpoint={"save_on_signal": False},
         preflight=False,
+        pace=False,
         resume=None,
     )
     assert g.components == []

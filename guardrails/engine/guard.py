@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
 from guardrails.engine import process
+from guardrails.engine.anatomy import DeviceClock
 from guardrails.engine.component import HOOKS, Component, check_components, overrides
 from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
@@ -316,6 +317,12 @@ class Guard(StepState):
         self._compute_t0 = math.nan
         self._data_at_compute = 0.0
         self._optimizer_t0 = math.nan
+        # The same phases on the device, on sampled steps (anatomy.DeviceClock): the
+        # events the current step records (None: not sampled), and the forward's end
+        # mark while the step's first forward runs.
+        self._clock: DeviceClock | None = None
+        self._marks: list[Any] | None = None
+        self._fwd_mark: Any = None
         # Set while NanGuard replays a batch (replaying()): its loss is not a training loss.
         self._replaying = False
         #: The user's own state, saved in every checkpoint and restored on resume
@@ -422,6 +429,9 @@ class Guard(StepState):
                 components=[c.name for c in self.components],
             )
             self._step_start = time.perf_counter()
+            if self._device_type == "cuda":
+                self._clock = DeviceClock()
+                self._marks = self._clock.arm(self.step + 1)
             for c in self.components:
                 if overrides(c, "on_start"):
                     c.on_start(self)
@@ -951,6 +961,9 @@ class Guard(StepState):
             self._forward_seen = True
             self._compute_t0 = time.perf_counter()
             self._data_at_compute = self._data_wait_s
+            if self._marks is not None:  # a sampled step: its forward on the device
+                self._marks[0].record()
+                self._fwd_mark = self._marks[1]
             self._arg_versions = []
             # The buffers before the step (one fused copy, no sync; none for a model
             # whose forward writes no buffer): what a skipped step puts back.
@@ -1262,6 +1275,8 @@ class Guard(StepState):
     def _before_step(self) -> None:
         self.phase = "optimizer"
         now = self._optimizer_t0 = time.perf_counter()
+        if self._marks is not None:
+            self._marks[2].record()
         if self._pending is not None:
             self._raise_pending()
         if self._at_boundary:
@@ -1302,6 +1317,8 @@ class Guard(StepState):
         self.step_time_s = now - self._step_start
         self.optimizer_s = now - self._optimizer_t0
         self._step_start = now
+        if self._marks is not None:
+            self._sample_device_phases()
         try:  # free unless it raises (zero-cost try, Python 3.11+)
             for fn in self._live["after_step"]:
                 fn(self)
@@ -1358,8 +1375,24 @@ class Guard(StepState):
                     "`for batch in g:` or `it = iter(g); batch = next(it)`."
                 ),
             )
+        if self._clock is not None:
+            self._marks = self._clock.arm(self.step + 1)
         self._at_boundary = True
         self.phase = "loop"
+
+    def _sample_device_phases(self) -> None:
+        """A sampled step's end: its last mark, the previous sample read if the device
+        has finished it (no wait), this one kept for a later read, the next armed."""
+        clock, marks = self._clock, self._marks
+        assert clock is not None and marks is not None
+        marks[3].record()
+        sample = clock.read()
+        if sample is not None:
+            self.device_phases = sample
+        if self._forward_seen and self._fwd_mark is None:  # all four marks recorded
+            clock.recorded(self.step, marks)
+        self._fwd_mark = None
+        self._marks = None  # armed again at the boundary
 
     def _scaler_skipped(self, name: str, scaler: Any) -> None:
         """A GradScaler's ``step(optimizer)`` returned without calling
@@ -1547,6 +1580,9 @@ def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
         guard.phase = "backward"  # until optimizer.step(): loss, backward, clipping
         if training:
             guard._forward_s += time.perf_counter() - t0
+            if guard._fwd_mark is not None:  # a sampled step's first forward ended
+                guard._fwd_mark.record()
+                guard._fwd_mark = None
             guard._pick_loss(output)
         return output
 

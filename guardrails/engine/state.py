@@ -118,6 +118,11 @@ class StepState:
         self.backward_s = math.nan
         #: Seconds in ``optimizer.step()`` (with the guard's own checks around it).
         self.optimizer_s = math.nan
+        #: On CUDA, the latest sampled step's phases on the device: ``(step, forward_s,
+        #: backward_s, optimizer_s)`` from CUDA events, read once they completed (a
+        #: step sampled every ``anatomy.EVERY_N_STEPS``, read ~that many steps later);
+        #: ``None`` elsewhere or before the first sample is read.
+        self.device_phases: tuple[int, float, float, float] | None = None
         #: Tokens fetched for this step, or ``None`` when unknown.
         self.tokens: int | None = None
         #: Learning rate of the first param group at this step (``nan`` if it is a

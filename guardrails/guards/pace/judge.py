@@ -83,6 +83,8 @@ class Window:
     last: int
     step_s: float
     phases: dict[str, float]
+    #: Forward, backward and optimizer are the device's (CUDA events), not the host's.
+    device: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -90,12 +92,14 @@ class Window:
             "steps": [self.first, self.last],
             "step_s": self.step_s,
             "phases": self.phases,
+            "device": self.device,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> Window:
         first, last = d["steps"]
-        return cls(int(d["rank"]), int(first), int(last), float(d["step_s"]), dict(d["phases"]))
+        step_s, phases = float(d["step_s"]), dict(d["phases"])
+        return cls(int(d["rank"]), int(first), int(last), step_s, phases, bool(d.get("device")))
 
 
 @dataclass(frozen=True)

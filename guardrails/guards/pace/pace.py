@@ -23,9 +23,10 @@ Reports are bounded however many ranks see them: a slowdown and a comms-bound fi
 once per job (the first rank to claim it in the store), at most
 :data:`MAX_STRAGGLER_REPORTS` straggler reports per job.
 
-What it cannot see: on a GPU the phases are host time, and the host waits for the
-device only where something syncs, so a GPU straggler is not named by its phases (the
-job's step time still shows the slowdown).
+On a GPU the host's phases are launch times (the host waits for the device only where
+something syncs): there the forward, backward and optimizer of a window are the
+device's own, from the CUDA events the engine records on one step in ten
+(``engine/anatomy.py``; ``guard.device_phases``), and the data wait stays the host's.
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ class Pace(Component):
         #: DDP's all-reduce timings read so far, one per sampled iteration (newest last).
         self.comm_samples: deque[judge.CommStats] = deque(maxlen=100)
         self._rows: deque[tuple[float, float, float, float, float]] = deque(maxlen=MAX_ROWS)
+        # Sampled steps' (forward, backward, optimizer) seconds on the device (CUDA).
+        self._device_rows: deque[tuple[float, float, float]] = deque(maxlen=MAX_ROWS)
+        self._device_seen: Any = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -153,6 +157,10 @@ class Pace(Component):
                 guard.optimizer_s,
             )
         )
+        sample = guard.device_phases
+        if sample is not self._device_seen:  # a new sampled step read back (CUDA)
+            self._device_seen = sample
+            self._device_rows.append(sample[1:])
         if (
             len(rows) >= self.window_steps
             and time.monotonic() - self._last_judged >= self._period_s
@@ -163,8 +171,9 @@ class Pace(Component):
 
     def _judge(self, guard: Guard) -> None:
         self._last_judged = time.monotonic()
-        window = summarize(self._rank, guard.step, list(self._rows))
+        window = summarize(self._rank, guard.step, list(self._rows), list(self._device_rows))
         self._rows.clear()
+        self._device_rows.clear()
         self.windows.append(window)
         synced = self._synced | frozenset(guard.shared.collective_phases)
         peers = self._exchange(window)
@@ -330,9 +339,21 @@ class Pace(Component):
 # ---------------------------------------------------------------------- helpers
 
 
-def summarize(rank: int, step: int, rows: list[tuple[float, ...]]) -> judge.Window:
+#: Device samples a window needs before they replace the host's phases: with one
+#: step in ten sampled, a 50-step window has about five.
+MIN_DEVICE_SAMPLES = 3
+
+
+def summarize(
+    rank: int,
+    step: int,
+    rows: list[tuple[float, ...]],
+    device: list[tuple[float, float, float]] | None = None,
+) -> judge.Window:
     """The window of ``rows`` (step, data, forward, backward, optimizer seconds per
-    step) ending at ``step``: each phase's median, ``other`` the rest of the step."""
+    step) ending at ``step``: each phase's median, ``other`` the rest of the step. With
+    enough ``device`` samples (forward, backward, optimizer seconds on the GPU), those
+    three phases are the device's, and ``other`` what the step has beyond them."""
     a = np.asarray(rows, dtype=np.float64)
     step_s, data, fwd, bwd, opt = a.T
     # A step with no observed forward has no backward either: its time is the rest.
@@ -349,7 +370,14 @@ def summarize(rank: int, step: int, rows: list[tuple[float, ...]]) -> judge.Wind
         "optimizer": med(opt),
         "other": med(other),
     }
-    return judge.Window(rank, step - len(rows) + 1, step, med(step_s), phases)
+    on_device = device is not None and len(device) >= MIN_DEVICE_SAMPLES
+    if on_device:
+        d = np.asarray(device, dtype=np.float64)
+        for name, col in zip(("forward", "backward", "optimizer"), d.T, strict=True):
+            phases[name] = med(col)
+        rest = med(step_s) - phases["data"] - phases["forward"] - phases["backward"]
+        phases["other"] = max(0.0, rest - phases["optimizer"])
+    return judge.Window(rank, step - len(rows) + 1, step, med(step_s), phases, on_device)
 
 
 def synced_phases(guard: Guard) -> frozenset[str]:
