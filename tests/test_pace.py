@@ -12,6 +12,7 @@ machine.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -217,6 +218,9 @@ def test_the_report_shows_where_each_ranks_step_time_goes(jobs):
     # Rank 1 computes in its forward what the others wait for in their backward.
     assert by_rank["1"]["forward"] > 2 * max(by_rank["0"]["forward"], by_rank["2"]["forward"])
     assert by_rank["0"]["backward"] > 2 * by_rank["1"]["backward"]
-    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    png = out / "report.png"
+    text = subprocess.run([*cmd, "--png", str(png)], capture_output=True, text=True).stdout
     assert "step time    data" in text and "(all ranks)" in text
+    if importlib.util.find_spec("matplotlib") is not None:  # the [plot] extra
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # with the phases' panel
     assert "straggler (step" in text and "rank 1 is slower than its neighbours" in text

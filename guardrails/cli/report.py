@@ -251,7 +251,7 @@ def gather(run_dir: Path, chosen: list[Run], runs: list[Run], plots: bool) -> in
             hi = max(
                 min(max(k.step_max for k in o.keys.values()), bound) for o, bound in chain if o.keys
             )
-            run.curves = Curves(int(lo), int(max(hi, lo)))
+            run.curves = Curves(int(lo), int(max(hi, lo)), lead=run.lead()[0])
             for other, bound in chain:
                 feed(other, run.curves.add, bound)
     return stream(run_dir, feeds) if any(r.keys for r in runs) else 0
@@ -740,11 +740,20 @@ def plot(run: Run, s: dict[str, Any], path: Path) -> bool:
     if curves is None or not curves.ranks:
         return False
     resumed = s.get("resumed")
-    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7.5), constrained_layout=True)
+    phases = curves.phases()
+    rows = 3 if phases is None else 4
+    fig, axes = plt.subplots(rows, 1, sharex=True, figsize=(9, 2.5 * rows), constrained_layout=True)
     panels = (("loss", "loss", "linear"), ("grad_norm", "grad norm", "log"), ("lr", "LR", "linear"))
     ranks = curves.ranks
     s["plot_scales"] = {}
-    for ax, (col, label, scale) in zip(axes, panels, strict=True):
+    if phases is not None:  # where the lead rank's step time goes, stacked
+        x, lines = phases
+        ax = axes[3]
+        ax.stackplot(x, *(v * 1e3 for v in lines.values()), labels=list(lines), alpha=0.8)
+        ax.set_ylabel(f"rank {curves.lead} step (ms)")
+        ax.legend(loc="upper right", fontsize="small", ncol=5)
+        ax.grid(alpha=0.3)
+    for ax, (col, label, scale) in zip(axes[:3], panels, strict=True):
         kw: dict[str, float] = {}
         if scale == "linear":  # a blow-up's 4e8 on a linear axis flattens every other step
             values = [v for r in ranks for v in curves.line(r, col)[1:]]

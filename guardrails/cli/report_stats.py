@@ -49,6 +49,8 @@ Rows = dict[str, np.ndarray]
 #: The step's phases in ``metrics.parquet``; what is left of ``step_time_s`` is "other".
 ANATOMY_COLUMNS = ("data_wait_s", "forward_s", "backward_s", "optimizer_s")
 ANATOMY_NAMES = ("data", "forward", "backward", "optimizer", "other")
+#: The step shares count the steps after this one (see ``RunStats.add``).
+ANATOMY_FROM_STEP = 2
 
 
 def anatomy(sums: dict[int, np.ndarray]) -> dict[str, Any] | None:
@@ -267,7 +269,7 @@ class RunStats:
         self._wait_n = np.zeros(2, dtype=np.int64)  # rows counted in each
         self._any_later = False  # any row past step 1: then only those count
         self._gc: dict[int, float] = {}
-        # Per rank, past step 1: seconds of data wait, forward, backward, optimizer, and
+        # Per rank, past step 2: seconds of data wait, forward, backward, optimizer, and
         # of step time, over the rows that have them all (older files lack them).
         self._anatomy: dict[int, np.ndarray] = {}
         self._mem = -math.inf
@@ -302,7 +304,9 @@ class RunStats:
         self._wait += (wait[ok & later].sum(), total[ok & later].sum())
         self._wait_n += (int(ok.sum()), int((ok & later).sum()))
         phases = [rows[c] for c in ANATOMY_COLUMNS]
-        whole = later & np.isfinite(total) & np.isfinite(wait)
+        # Steps 1 and 2 hold start-up (lazy init, compilation, and the GC's one freeze
+        # after step 1, which lands in step 2's time: 2 s of a 28 s run of 3 ranks).
+        whole = (step > ANATOMY_FROM_STEP) & np.isfinite(total) & np.isfinite(wait)
         for col in phases[1:]:
             whole &= np.isfinite(col)
         if whole.any():
@@ -391,11 +395,18 @@ class Curves:
 
     COLUMNS = ("loss", "grad_norm", "lr")
 
-    def __init__(self, lo: int, hi: int, max_points: int = MAX_POINTS) -> None:
+    def __init__(
+        self, lo: int, hi: int, max_points: int = MAX_POINTS, lead: int | None = None
+    ) -> None:
         self.lo, self.span = lo, max(hi - lo + 1, 1)
         self.bins = min(self.span, max_points)
         self.binned = self.bins < self.span
         self._ranks: dict[int, dict[str, np.ndarray]] = {}
+        #: The lead rank's step time and its phases: per bin, the sum of each over
+        #: the rows that have them all, and their count (one rank: memory flat in N).
+        self.lead = lead
+        self._phases = np.zeros((len(ANATOMY_COLUMNS) + 1, self.bins))
+        self._phase_rows = np.zeros(self.bins, np.int64)
 
     def _arrays(self, rank: int) -> dict[str, np.ndarray]:
         a = self._ranks.get(rank)
@@ -416,6 +427,8 @@ class Curves:
             m = rank == r
             step = rows["step"][m].astype(np.int64)
             b = np.clip((step - self.lo) * self.bins // self.span, 0, self.bins - 1)
+            if r == self.lead:
+                self._add_phases(rows, m, b)
             a = self._arrays(r)
             a["rows"] += np.bincount(b, minlength=self.bins)
             a["step_sum"] += np.bincount(b, weights=step, minlength=self.bins)
@@ -427,6 +440,28 @@ class Curves:
                 a[f"{c}_sum"] += np.bincount(bb, weights=yy, minlength=self.bins)
                 np.minimum.at(a[f"{c}_min"], bb, yy)
                 np.maximum.at(a[f"{c}_max"], bb, yy)
+
+    def _add_phases(self, rows: Rows, m: np.ndarray, b: np.ndarray) -> None:
+        cols = [rows[c][m] for c in (*ANATOMY_COLUMNS, "step_time_s")]
+        ok = np.logical_and.reduce([np.isfinite(c) for c in cols])
+        ok &= rows["step"][m] > ANATOMY_FROM_STEP
+        self._phase_rows += np.bincount(b[ok], minlength=self.bins)
+        for i, c in enumerate(cols):
+            self._phases[i] += np.bincount(b[ok], weights=c[ok], minlength=self.bins)
+
+    def phases(self) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+        """The lead rank's mean seconds per step in each phase, by bin: x (the bins'
+        middle step) and each phase's line (``other`` the rest of the step); ``None``
+        when no row has them (an older run's file, step 1 only)."""
+        has = self._phase_rows > 0
+        if not has.any():
+            return None
+        n = self._phase_rows[has]
+        means = self._phases[:, has] / n
+        x = self.lo + (np.flatnonzero(has) + 0.5) * self.span / self.bins
+        lines = dict(zip(ANATOMY_NAMES[:-1], means[:-1], strict=True))
+        lines["other"] = np.maximum(means[-1] - means[:-1].sum(axis=0), 0.0)
+        return x, lines
 
     @property
     def ranks(self) -> list[int]:

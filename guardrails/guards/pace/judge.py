@@ -26,6 +26,10 @@ from dataclasses import dataclass
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 
+#: The engine's ``guard.phase`` names that differ from these: its "loop" (the loop's
+#: own code between the guard's points) is the step's "other".
+PHASE_OF = {"loop": "other"}
+
 #: The least excess a phase must show to name a straggler, whatever its share: below
 #: ~2 ms, one rank's scheduling on a shared CPU host moves medians that much.
 MIN_EXCESS_S = 0.002

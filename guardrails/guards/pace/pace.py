@@ -175,7 +175,8 @@ class Pace(Component):
         self._rows.clear()
         self._device_rows.clear()
         self.windows.append(window)
-        synced = self._synced | frozenset(guard.shared.collective_phases)
+        seen = guard.shared.collective_phases
+        synced = self._synced | frozenset(judge.PHASE_OF.get(p, p) for p in seen)
         peers = self._exchange(window)
         self._judge_straggler(guard, window, peers, synced)
         self._judge_slowdown(guard, window, synced)
