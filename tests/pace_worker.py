@@ -8,7 +8,8 @@ Scenarios (the slowness starts at SLOW_FROM and is 40 ms a step unless said):
 ``forward`` (rank 1's forward sleeps), ``busy`` (rank 1's forward computes: a busy
 straggler, not a sleeping one), ``data`` (rank 1's loader sleeps before each batch),
 ``healthy`` (no fault: LR warm-up and cosine decay, an evaluation pass every 40 steps,
-a checkpoint every 50, batches of varying size), ``comms`` (a model with 32 MiB of
+a checkpoint every 50, batches of varying size; with several ranks, the loss
+all-reduced every step for logging and the step paced by a sleep), ``comms`` (a model with 32 MiB of
 gradients and almost no compute: the all-reduce is the step), ``slower`` (every rank's
 loop sleeps 100 ms between steps: all slow, no straggler). The run's events go to
 ``DIR/events.jsonl``; each rank writes its Pace component's ``reported`` and its
@@ -111,7 +112,14 @@ def main() -> None:
                 model.train()
             if kind == "slower" and g.step >= SLOW_FROM:
                 time.sleep(0.1)  # well above a loaded machine's noise
-            model(x).backward()
+            t0 = time.perf_counter()
+            loss = model(x)
+            loss.backward()
+            if kind == "healthy" and world > 1:
+                # As scripts log: the loss averaged over ranks every step, and a loop
+                # paced to a step time (the ranks that waited less sleep more).
+                dist.all_reduce(loss.detach())
+                time.sleep(max(0.0, 0.004 - (time.perf_counter() - t0)))
             opt.step()
             sched.step()
             opt.zero_grad()
