@@ -1,0 +1,149 @@
+"""FLOPs per step and the device's peak: what model FLOPs utilisation (MFU) is made of.
+
+MFU = the model's FLOPs per optimizer step / (step time x the device's dense peak
+FLOP/s for the dtype the matmuls run in). The FLOPs are counted once, by torch's
+``FlopCounterMode`` over one training step (forward and backward, every micro-batch):
+it counts matmuls, convolutions and attention, the work tensor cores do, and nothing
+elementwise (the optimizer's update, norms, activations), which is how MFU is
+conventionally defined. Counted on this rank: under DDP each rank's own batch, under
+FSDP / tensor parallelism its shard of the work.
+
+The peaks are the vendors' dense figures (no 2:4 sparsity), per GPU, in FLOP/s.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from guardrails.engine.model import wrappers
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+_T = 1e12
+
+#: Dense peak FLOP/s by GPU, for bf16 / fp16 (fp32 accumulate) / tf32 / fp32 matmuls,
+#: matched against ``torch.cuda.get_device_name()`` in this order (the first pattern
+#: that matches wins, so the more specific names come first). ``None``: the GPU has no
+#: such tensor-core path (V100: no bf16, no tf32).
+PEAKS: tuple[tuple[str, str, dict[str, float | None]], ...] = (
+    (r"H100.*PCI", "H100 PCIe", {"bf16": 756 * _T, "fp16": 756 * _T, "tf32": 378 * _T, "fp32": 51.2 * _T}),
+    (r"H100.*NVL", "H100 NVL", {"bf16": 835 * _T, "fp16": 835 * _T, "tf32": 418 * _T, "fp32": 60 * _T}),
+    (r"H100|GH200", "H100 SXM", {"bf16": 989 * _T, "fp16": 989 * _T, "tf32": 495 * _T, "fp32": 67 * _T}),
+    (r"H200.*NVL", "H200 NVL", {"bf16": 835 * _T, "fp16": 835 * _T, "tf32": 418 * _T, "fp32": 60 * _T}),
+    (r"H200", "H200 SXM", {"bf16": 989 * _T, "fp16": 989 * _T, "tf32": 495 * _T, "fp32": 67 * _T}),
+    (r"A100", "A100", {"bf16": 312 * _T, "fp16": 312 * _T, "tf32": 156 * _T, "fp32": 19.5 * _T}),
+    (r"L40S", "L40S", {"bf16": 362 * _T, "fp16": 362 * _T, "tf32": 183 * _T, "fp32": 91.6 * _T}),
+    (r"\bL4\b", "L4", {"bf16": 121 * _T, "fp16": 121 * _T, "tf32": 60 * _T, "fp32": 30.3 * _T}),
+    (r"A10G", "A10G", {"bf16": 70 * _T, "fp16": 70 * _T, "tf32": 35 * _T, "fp32": 31.2 * _T}),
+    (r"\bA10\b", "A10", {"bf16": 125 * _T, "fp16": 125 * _T, "tf32": 62.5 * _T, "fp32": 31.2 * _T}),
+    (r"V100.*PCI", "V100 PCIe", {"bf16": None, "fp16": 112 * _T, "tf32": None, "fp32": 14 * _T}),
+    (r"V100", "V100 SXM2", {"bf16": None, "fp16": 125 * _T, "tf32": None, "fp32": 15.7 * _T}),
+    (r"RTX 4090", "RTX 4090", {"bf16": 165 * _T, "fp16": 165 * _T, "tf32": 82.6 * _T, "fp32": 82.6 * _T}),
+    (r"RTX 3090", "RTX 3090", {"bf16": 71 * _T, "fp16": 71 * _T, "tf32": 35.6 * _T, "fp32": 35.6 * _T}),
+)  # fmt: skip
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (``NVIDIA H100 80GB HBM3``), or ``cpu``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def peak_flops(name: str, dtype: str) -> tuple[float | None, str | None]:
+    """(dense peak FLOP/s, the table's name for the device) for matmuls in ``dtype``
+    (``bf16``, ``fp16``, ``tf32``, ``fp32``) on the device named ``name``; ``(None,
+    None)`` for a device not in :data:`PEAKS`, ``(None, its name)`` for a dtype it has
+    no figure for."""
+    for pattern, known, peaks in PEAKS:
+        if re.search(pattern, name):
+            return peaks.get(dtype), known
+    return None, None
+
+
+def tf32_enabled() -> bool:
+    """Whether float32 matmuls on CUDA may use TF32 tensor cores (either API)."""
+    mm = torch.backends.cuda.matmul
+    return (
+        torch.get_float32_matmul_precision() != "highest"
+        or bool(getattr(mm, "allow_tf32", False))
+        or getattr(mm, "fp32_precision", None) == "tf32"
+    )
+
+
+def params_dtype(guard: Guard) -> torch.dtype:
+    """The dtype most of the trained parameters' elements are in."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in guard.params:
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
+
+
+def compute_dtype(guard: Guard) -> str:
+    """The dtype the step's matmuls run in, as the peak table names it: autocast's
+    (seen in a training forward), else the parameters'; float32 on CUDA is ``tf32``
+    when TF32 is enabled."""
+    if guard.bf16_autocast:
+        return "bf16"
+    if guard.fp16_autocast:
+        return "fp16"
+    dtype = params_dtype(guard)
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    if guard.device.type == "cuda" and tf32_enabled():
+        return "tf32"
+    return "fp32"
+
+
+def compiled(guard: Guard) -> bool:
+    """Whether a guarded model is compiled (``torch.compile(model)`` or
+    ``model.compile()``, under a DDP wrapper or over one): under a dispatch mode its
+    compiled code would not run (Dynamo runs the step eagerly), so it is not counted."""
+    return any(
+        hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
+        for model in guard.models.values()
+        for m in wrappers(model)
+    )
+
+
+class FlopCount:
+    """``FlopCounterMode`` entered at one hook and left at another (the step's
+    boundary, then its ``after_step``): a pass-through dispatch mode, so the step's
+    numbers, its RNG draws and its gradients are what they would be without it."""
+
+    def __init__(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._mode: Any = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def stop(self) -> int:
+        """Leave the mode; the FLOPs counted inside it."""
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return 0
+        mode.__exit__(None, None, None)
+        return int(mode.get_total_flops())
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` is already on this thread's stack (a profiler,
+    a test's counter): one entered on top of it could not be left in order."""
+    try:
+        return torch._C._len_torch_dispatch_stack() > 0
+    except AttributeError:  # an older torch: assume the worst
+        return True
+
+
+def si(value: float, unit: str) -> str:
+    """``1.23 TFLOP``: a count with its SI prefix."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
