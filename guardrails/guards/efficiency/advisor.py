@@ -102,7 +102,9 @@ def bf16_visible_at_start(guard: Guard) -> bool:
     if params_dtype(guard) == torch.bfloat16:
         return True
     with contextlib.suppress(TypeError, RuntimeError):  # torch without per-device autocast
-        return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        return (
+            torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        )
     return False
 
 

@@ -291,4 +291,3 @@ class Efficiency(Component):
             },
             sampled_steps=[first, first + syncs.steps - 1],
         )
-

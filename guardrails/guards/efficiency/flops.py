@@ -23,28 +23,39 @@ from guardrails.engine.model import wrappers
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
 
-_T = 1e12
+
+def _tflops(
+    bf16: float | None, fp16: float, tf32: float | None, fp32: float
+) -> dict[str, float | None]:
+    return {
+        "bf16": None if bf16 is None else bf16 * 1e12,
+        "fp16": fp16 * 1e12,
+        "tf32": None if tf32 is None else tf32 * 1e12,
+        "fp32": fp32 * 1e12,
+    }
+
 
 #: Dense peak FLOP/s by GPU, for bf16 / fp16 (fp32 accumulate) / tf32 / fp32 matmuls,
 #: matched against ``torch.cuda.get_device_name()`` in this order (the first pattern
 #: that matches wins, so the more specific names come first). ``None``: the GPU has no
 #: such tensor-core path (V100: no bf16, no tf32).
 PEAKS: tuple[tuple[str, str, dict[str, float | None]], ...] = (
-    (r"H100.*PCI", "H100 PCIe", {"bf16": 756 * _T, "fp16": 756 * _T, "tf32": 378 * _T, "fp32": 51.2 * _T}),
-    (r"H100.*NVL", "H100 NVL", {"bf16": 835 * _T, "fp16": 835 * _T, "tf32": 418 * _T, "fp32": 60 * _T}),
-    (r"H100|GH200", "H100 SXM", {"bf16": 989 * _T, "fp16": 989 * _T, "tf32": 495 * _T, "fp32": 67 * _T}),
-    (r"H200.*NVL", "H200 NVL", {"bf16": 835 * _T, "fp16": 835 * _T, "tf32": 418 * _T, "fp32": 60 * _T}),
-    (r"H200", "H200 SXM", {"bf16": 989 * _T, "fp16": 989 * _T, "tf32": 495 * _T, "fp32": 67 * _T}),
-    (r"A100", "A100", {"bf16": 312 * _T, "fp16": 312 * _T, "tf32": 156 * _T, "fp32": 19.5 * _T}),
-    (r"L40S", "L40S", {"bf16": 362 * _T, "fp16": 362 * _T, "tf32": 183 * _T, "fp32": 91.6 * _T}),
-    (r"\bL4\b", "L4", {"bf16": 121 * _T, "fp16": 121 * _T, "tf32": 60 * _T, "fp32": 30.3 * _T}),
-    (r"A10G", "A10G", {"bf16": 70 * _T, "fp16": 70 * _T, "tf32": 35 * _T, "fp32": 31.2 * _T}),
-    (r"\bA10\b", "A10", {"bf16": 125 * _T, "fp16": 125 * _T, "tf32": 62.5 * _T, "fp32": 31.2 * _T}),
-    (r"V100.*PCI", "V100 PCIe", {"bf16": None, "fp16": 112 * _T, "tf32": None, "fp32": 14 * _T}),
-    (r"V100", "V100 SXM2", {"bf16": None, "fp16": 125 * _T, "tf32": None, "fp32": 15.7 * _T}),
-    (r"RTX 4090", "RTX 4090", {"bf16": 165 * _T, "fp16": 165 * _T, "tf32": 82.6 * _T, "fp32": 82.6 * _T}),
-    (r"RTX 3090", "RTX 3090", {"bf16": 71 * _T, "fp16": 71 * _T, "tf32": 35.6 * _T, "fp32": 35.6 * _T}),
-)  # fmt: skip
+    # (pattern, name, dense TFLOP/s for bf16, fp16, tf32, fp32)
+    (r"H100.*PCI", "H100 PCIe", _tflops(756, 756, 378, 51.2)),
+    (r"H100.*NVL", "H100 NVL", _tflops(835, 835, 418, 60)),
+    (r"H100|GH200", "H100 SXM", _tflops(989, 989, 495, 67)),
+    (r"H200.*NVL", "H200 NVL", _tflops(835, 835, 418, 60)),
+    (r"H200", "H200 SXM", _tflops(989, 989, 495, 67)),
+    (r"A100", "A100", _tflops(312, 312, 156, 19.5)),
+    (r"L40S", "L40S", _tflops(362, 362, 183, 91.6)),
+    (r"\bL4\b", "L4", _tflops(121, 121, 60, 30.3)),
+    (r"A10G", "A10G", _tflops(70, 70, 35, 31.2)),
+    (r"\bA10\b", "A10", _tflops(125, 125, 62.5, 31.2)),
+    (r"V100.*PCI", "V100 PCIe", _tflops(None, 112, None, 14)),
+    (r"V100", "V100 SXM2", _tflops(None, 125, None, 15.7)),
+    (r"RTX 4090", "RTX 4090", _tflops(165, 165, 82.6, 82.6)),
+    (r"RTX 3090", "RTX 3090", _tflops(71, 71, 35.6, 35.6)),
+)
 
 
 def device_name(device: torch.device) -> str:

@@ -61,8 +61,7 @@ ADVICE = (
     ),
     (
         "float(",
-        "float(tensor) copies the value to the host: keep it on the device, read it every "
-        "N steps",
+        "float(tensor) copies the value to the host: keep it on the device, read it every N steps",
     ),
 )
 GENERIC_ADVICE = (
@@ -182,9 +181,13 @@ class SyncSampler:
             every = all(counts)
             n = sum(counts) / steps
             how_often = (
-                f"{n:.3g} per step" if every else f"in {sum(1 for c in counts if c)} of {steps} steps"
+                f"{n:.3g} per step"
+                if every
+                else f"in {sum(1 for c in counts if c)} of {steps} steps"
             )
-            lines.append(f"  {site}" + (f" `{src}`" if src else "") + f": {how_often}; {advice(src)}")
+            lines.append(
+                f"  {site}" + (f" `{src}`" if src else "") + f": {how_often}; {advice(src)}"
+            )
         return "\n".join(lines)
 
 
