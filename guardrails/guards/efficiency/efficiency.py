@@ -178,7 +178,7 @@ class Efficiency(Component):
         self._after_due = _NEVER
         if self.flops_per_step is not None:
             self._found(guard, float(self.flops_per_step), "given")
-        elif self.count_flops and flops.compiled(guard):
+        elif self.count_flops and flops.compiled(guard.models.values()):
             guard.event(
                 "flops",
                 message=(

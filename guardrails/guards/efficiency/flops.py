@@ -14,6 +14,7 @@ The peaks are the vendors' dense figures (no 2:4 sparsity), per GPU, in FLOP/s.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -112,13 +113,13 @@ def compute_dtype(guard: Guard) -> str:
     return "fp32"
 
 
-def compiled(guard: Guard) -> bool:
+def compiled(models: Iterable[torch.nn.Module]) -> bool:
     """Whether a guarded model is compiled (``torch.compile(model)`` or
     ``model.compile()``, under a DDP wrapper or over one): under a dispatch mode its
     compiled code would not run (Dynamo runs the step eagerly), so it is not counted."""
     return any(
         hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
-        for model in guard.models.values()
+        for model in models
         for m in wrappers(model)
     )
 

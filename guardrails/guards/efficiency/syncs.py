@@ -91,6 +91,7 @@ class SyncSampler:
         self._prev_show: Any = None
         self._filter: Any = None
         self._main = threading.main_thread().ident
+        self._hook = self._show  # one bound method: compared by identity at release
 
     def start(self) -> bool:
         """Enter the mode; ``False`` (nothing changed) when the loop already set one
@@ -99,14 +100,19 @@ class SyncSampler:
         if prev != 0:
             return False
         self._prev_mode = prev
+        self.catch_warnings()
+        torch.cuda.set_sync_debug_mode("warn")
+        return True
+
+    def catch_warnings(self) -> None:
+        """Catch torch's sync warnings (every one: an ``"always"`` filter for their
+        text ahead of the loop's own filters); pass the others on."""
         self._prev_show = warnings.showwarning
-        warnings.showwarning = self._show
+        warnings.showwarning = self._hook
         warnings.filterwarnings("always", message=SYNC_MESSAGE, category=UserWarning)
         self._filter = warnings.filters[0]
-        torch.cuda.set_sync_debug_mode("warn")
         self.active = True
         self.next_step()
-        return True
 
     def next_step(self) -> None:
         """The next sampled step begins."""
@@ -118,9 +124,14 @@ class SyncSampler:
         """Leave the mode: the previous mode, ``showwarning`` and filters come back."""
         if not self.active:
             return
-        self.active = False
         torch.cuda.set_sync_debug_mode(self._prev_mode)
-        if warnings.showwarning is self._show:
+        self.release_warnings()
+
+    def release_warnings(self) -> None:
+        """Take out the filter and ``showwarning`` :meth:`catch_warnings` put in (a
+        filter or ``showwarning`` the loop set meanwhile stays)."""
+        self.active = False
+        if warnings.showwarning is self._hook:
             warnings.showwarning = self._prev_show
         for i, f in enumerate(warnings.filters):
             if f is self._filter:
