@@ -80,7 +80,16 @@ def test_every_component_knob_is_reachable_from_guard(tmp_path):
 
 def test_a_section_takes_true_false_a_config_or_a_dict(tmp_path):
     full = _names(_guard(tmp_path))
-    assert full == ["explain", "gc", "memory", "nan", "telemetry", "preflight", "checkpoint"]
+    assert full == [
+        "explain",
+        "gc",
+        "memory",
+        "nan",
+        "telemetry",
+        "preflight",
+        "checkpoint",
+        "efficiency",
+    ]
     assert "nan" not in _names(_guard(tmp_path, nan=False))
     assert "gc" not in _names(_guard(tmp_path, gc=None))
     g = _guard(tmp_path, nan=guardrails.NanGuard.Config(policy="raise"))

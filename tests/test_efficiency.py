@@ -138,6 +138,7 @@ def test_a_given_figure_is_used_and_nothing_is_counted(tmp_path):
     assert e["peak_flops"] is None and "peak_flops" in e["message"]
 
 
+@pytest.mark.slow(reason="imports torch._dynamo: ~2 s on the 2-core VM")
 def test_a_compiled_model_is_recognised_without_compiling_it():
     m = nn.Linear(2, 2)
     assert not flops.compiled([m])
@@ -306,6 +307,84 @@ def test_sync_warnings_are_caught_by_line_and_the_warnings_state_comes_back():
     assert f"{site} `warnings.warn(SYNC_MESSAGE" in msg and "1.5 per step" in msg
 
 
+class WarnedSyncs(Efficiency):
+    """Efficiency with its sampling schedule on a CPU run: the sampler catches the sync
+    warnings (the loop below raises torch's warning text itself, standing in for a
+    GPU's sync) without the CUDA-only sync mode. Everything else is the component's."""
+
+    def _can_sample(self, guard):
+        return True
+
+    def _new_sampler(self):
+        sampler = SyncSampler()
+        sampler.catch_warnings()
+        return sampler
+
+
+SYNC_LINE = "warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=1)  # a step's sync"
+
+
+def sync_loop(g, model, opt, *, every: int | None) -> None:
+    for i, (x, y) in enumerate(g):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if every is not None and i % every == 0:
+            warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=1)  # a step's sync
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    """Three CPU runs of 26 steps (steps 21-23 sampled): a sync every step, one every
+    10 steps (logging), none."""
+    out = {}
+    for name, every in (("each", 1), ("tenth", 10), ("clean", None)):
+        run_dir = tmp_path_factory.mktemp(name)
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with (
+            warnings.catch_warnings(),
+            guardrails.guard(
+                model,
+                opt,
+                data(26),
+                run_dir=run_dir,
+                progress=False,
+                efficiency=False,
+                components=[WarnedSyncs()],
+            ) as g,
+        ):
+            # Outside the sampled steps the stand-in syncs are only noise in the output.
+            warnings.filterwarnings("ignore", message=SYNC_MESSAGE)
+            sync_loop(g, model, opt, every=every)
+        out[name] = (g, [e for e in read_events(run_dir) if e["kind"] == "host_syncs"])
+    return out
+
+
+def test_sampled_steps_report_each_sync_line_once_with_its_count(sampled):
+    g, [e] = sampled["each"]
+    line = next(
+        i
+        for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if text.strip() == SYNC_LINE
+    )
+    site = f"test_efficiency.py:{line} (sync_loop)"
+    assert e["level"] == "warning" and e["step"] == 23, e
+    assert e["sampled_steps"] == [21, 23]
+    assert e["sites"] == {site: {"per_step": 1.0, "steps": [1, 1, 1], "source": SYNC_LINE}}
+    assert e["message"].startswith("1 host-device sync(s) per step in your loop (steps 21-23")
+    assert f"  {site} `{SYNC_LINE}`: 1 per step;" in e["message"]
+    assert g.component("efficiency").syncs.active is False  # released after step 23
+
+
+def test_a_sync_every_n_steps_is_information_and_a_clean_loop_is_silent(sampled):
+    _, [e] = sampled["tenth"]
+    assert e["level"] == "info" and "in 1 of 3 steps" in e["message"], e
+    assert "not in every one" in e["message"]
+    g, events = sampled["clean"]
+    assert events == [] and g.component("efficiency").syncs.steps == 3
+
+
 def test_the_advice_for_a_sync_follows_its_source_line():
     from guardrails.guards.efficiency.syncs import advice
 
@@ -355,7 +434,9 @@ def test_gpu_an_item_per_step_is_reported_with_its_line(tmp_path):
     _, events = gpu_run(tmp_path, item=True)
     [e] = [e for e in events if e["kind"] == "host_syncs"]
     line = next(
-        i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if ITEM_LINE in text
+        i
+        for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if text.strip() == ITEM_LINE
     )
     site = f"test_efficiency.py:{line} (gpu_loop)"
     assert e["level"] == "warning" and site in e["sites"], e

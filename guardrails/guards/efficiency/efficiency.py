@@ -149,7 +149,13 @@ class Efficiency(Component):
         self._after(guard)
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
+        syncs = self.syncs
+        # A loop that ends right after the last sampled step has no boundary after it.
+        done = syncs is not None and syncs.active and exc is None
+        done = done and guard.step >= self._sync_first - 1 + self.host_syncs_steps
         self._stop_all()
+        if done and syncs is not None:
+            self._report_syncs(guard, syncs)
 
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         self._stop_all()  # host-side settings only: no device work
@@ -168,7 +174,12 @@ class Efficiency(Component):
         if self._counter is not None:
             flop_count = self._counter.stop()
             self._counter = None
-            if flop_count > 0:
+            if step != self._count_at:
+                # Its after_step was skipped (benchmark mode bypasses the hooks of some
+                # steps): this count spans two steps. Count the next one instead.
+                self._count_at = self._after_due = step + 1
+                self._next_boundary(step)
+            elif flop_count > 0:
                 self._found(guard, float(flop_count), "counted")
             else:
                 logger.debug("guardrails: the counted step did no matmul FLOPs")
@@ -191,7 +202,7 @@ class Efficiency(Component):
         elif self.count_flops:
             self._count_at = self._base + self.flops_at_step
             self._after_due = self._count_at
-        if self.host_syncs and guard.device.type == "cuda":
+        if self.host_syncs and self._can_sample(guard):
             self._sync_first = self._base + self.host_syncs_at_step
         self._next_boundary(guard.step)  # this step's boundary is still to come
 
@@ -215,9 +226,10 @@ class Efficiency(Component):
         first = self._sync_first
         syncs = self.syncs
         if step == first - 1:
-            self.syncs = SyncSampler()
-            if not self.syncs.start():
+            self.syncs = self._new_sampler()
+            if self.syncs is None:
                 logger.debug("guardrails: the loop set a sync debug mode; syncs not sampled")
+                self._sync_first = _NEVER
         elif syncs is not None and syncs.active:
             if step == first - 1 + self.host_syncs_steps:
                 syncs.stop()
@@ -225,6 +237,16 @@ class Efficiency(Component):
             else:
                 syncs.next_step()
         self._next_boundary(step + 1)
+
+    def _can_sample(self, guard: Guard) -> bool:
+        """Whether this run's syncs can be sampled: torch's sync debug mode is CUDA's."""
+        return guard.device.type == "cuda"
+
+    def _new_sampler(self) -> SyncSampler | None:
+        """A sampler in sync debug mode, or ``None`` when the loop set a mode itself
+        (it is debugging its syncs, and ``"error"`` must stay an error)."""
+        sampler = SyncSampler()
+        return sampler if sampler.start() else None
 
     def _stop_all(self) -> None:
         if self._counter is not None:

@@ -88,6 +88,7 @@ class SyncSampler:
         #: Between start() and stop().
         self.active = False
         self._prev_mode = 0
+        self._mode_set = False  # start() set the mode: stop() puts the previous one back
         self._prev_show: Any = None
         self._filter: Any = None
         self._main = threading.main_thread().ident
@@ -102,6 +103,7 @@ class SyncSampler:
         self._prev_mode = prev
         self.catch_warnings()
         torch.cuda.set_sync_debug_mode("warn")
+        self._mode_set = True
         return True
 
     def catch_warnings(self) -> None:
@@ -124,7 +126,9 @@ class SyncSampler:
         """Leave the mode: the previous mode, ``showwarning`` and filters come back."""
         if not self.active:
             return
-        torch.cuda.set_sync_debug_mode(self._prev_mode)
+        if self._mode_set:
+            self._mode_set = False
+            torch.cuda.set_sync_debug_mode(self._prev_mode)
         self.release_warnings()
 
     def release_warnings(self) -> None:
