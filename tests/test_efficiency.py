@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import read_events
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import guardrails
 from guardrails.guards.efficiency import advisor, flops
@@ -128,6 +129,63 @@ def test_counting_a_step_changes_nothing_in_the_run(tmp_path):
         for k, v in state.items():
             assert torch.equal(v, o2["state"][i][k]), (i, k)
     assert torch.equal(r1, r2)
+
+
+class Ops(TorchDispatchMode):
+    """The loop's own dispatch mode (a profiler, a test's counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_count_survives_the_loops_own_dispatch_mode_around_its_step(tmp_path):
+    """The counted step's optimizer.step() (where the count is read) runs inside the
+    loop's own mode: the count is still the step's, and the counter is left at the
+    next boundary, from the top of the stack, leaving the loop's mode alone."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ops = Ops()
+    with guardrails.guard(model, opt, data(8), run_dir=tmp_path, progress=False) as g:
+        for i, (x, y) in enumerate(g):
+            nn.functional.mse_loss(model(x), y).backward()
+            with ops:
+                opt.step()
+                depth = torch._C._len_torch_dispatch_stack()
+            if i == 1:  # step 2, the counted one: its counter is under the loop's mode
+                assert depth == 2
+            opt.zero_grad()
+            assert torch._C._len_torch_dispatch_stack() == (1 if i == 1 else 0)
+    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 2
+    assert ops.n > 0 and torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_is_counted_again(tmp_path):
+    """Benchmark mode bypasses every per-step hook of step 30 (its after_step among
+    them): the count would span steps 30 and 31, so step 32 is counted instead."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with guardrails.guard(
+        model,
+        opt,
+        data(34),
+        run_dir=tmp_path,
+        progress=False,
+        benchmark=True,
+        efficiency={"flops_at_step": 30},
+    ) as g:
+        for x, y in g:
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 32
+    assert torch._C._len_torch_dispatch_stack() == 0
 
 
 def test_a_given_figure_is_used_and_nothing_is_counted(tmp_path):

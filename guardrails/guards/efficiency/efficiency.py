@@ -125,6 +125,7 @@ class Efficiency(Component):
         self._base = 0  # the step this run started from (a resumed run's checkpoint)
         self._counter: flops.FlopCount | None = None
         self._count_at = _NEVER  # the step whose FLOPs are counted
+        self._count_done = False  # its after_step came: leave the counter
         self._sync_first = _NEVER  # the first step sampled for host syncs
         self._bf16_at_start = False
 
@@ -171,18 +172,20 @@ class Efficiency(Component):
             self._schedule(guard)
             return
         self._after_due = _NEVER  # the counted step's end
-        if self._counter is not None:
-            flop_count = self._counter.stop()
-            self._counter = None
-            if step != self._count_at:
-                # Its after_step was skipped (benchmark mode bypasses the hooks of some
-                # steps): this count spans two steps. Count the next one instead.
-                self._count_at = self._after_due = step + 1
-                self._next_boundary(step)
-            elif flop_count > 0:
-                self._found(guard, float(flop_count), "counted")
-            else:
-                logger.debug("guardrails: the counted step did no matmul FLOPs")
+        counter = self._counter
+        if counter is None:
+            return
+        self._count_done = True  # left at the next boundary
+        if step != self._count_at:
+            # Its after_step was skipped (benchmark mode bypasses the hooks of some
+            # steps): the count spans two steps. Count the next one instead (the
+            # boundary leaves this counter and enters a new one).
+            self._count_at = self._after_due = step + 1
+        elif (flop_count := counter.total()) > 0:
+            self._found(guard, float(flop_count), "counted")
+        else:
+            logger.debug("guardrails: the counted step did no matmul FLOPs")
+        self._boundary_due = min(self._boundary_due, step)  # leave the counter there
 
     def _schedule(self, guard: Guard) -> None:
         """At the run's first step: the steps the hooks wait for."""
@@ -211,13 +214,20 @@ class Efficiency(Component):
         starts or ends at."""
         due = [self._count_at - 1, self._sync_first - 1]
         syncs = self.syncs
-        if syncs is not None and syncs.active:
-            due.append(first)
+        if (syncs is not None and syncs.active) or self._count_done:
+            due.append(first)  # every boundary while sampling, or to leave the counter
         self._boundary_due = min((d for d in due if first <= d < _NEVER - 1), default=_NEVER)
 
     def _at_boundary(self, guard: Guard) -> None:
         step = guard.step  # the steps done: the one starting now is step + 1
-        if step == self._count_at - 1:
+        counter = self._counter
+        if counter is not None and self._count_done:  # its step is over
+            if counter.leave():
+                self._counter = None
+                self._count_done = False
+            else:  # the loop's own dispatch mode is on top of it: the next boundary
+                logger.debug("guardrails: the FLOP counter is under another mode")
+        if step == self._count_at - 1 and self._counter is None:
             if flops.dispatch_mode_active():
                 logger.debug("guardrails: a dispatch mode is active; FLOPs not counted")
                 self._after_due = _NEVER
@@ -250,7 +260,12 @@ class Efficiency(Component):
 
     def _stop_all(self) -> None:
         if self._counter is not None:
-            self._counter.stop()
+            if not self._counter.leave():
+                logger.warning(
+                    "guardrails: its FLOP counter could not be left at close: a dispatch "
+                    "mode the loop entered during step %d is still active",
+                    self._count_at,
+                )
             self._counter = None
         if self.syncs is not None:
             self.syncs.stop()

@@ -125,9 +125,12 @@ def compiled(models: Iterable[torch.nn.Module]) -> bool:
 
 
 class FlopCount:
-    """``FlopCounterMode`` entered at one hook and left at another (the step's
-    boundary, then its ``after_step``): a pass-through dispatch mode, so the step's
-    numbers, its RNG draws and its gradients are what they would be without it."""
+    """``FlopCounterMode`` entered at one hook (a step's boundary) and left at a later
+    one: a pass-through dispatch mode, so the step's numbers, its RNG draws and its
+    gradients are what they would be without it. The count is read where the step ends
+    (:meth:`total`, in ``after_step``, which runs inside ``optimizer.step()``, maybe
+    inside the loop's own dispatch mode); the mode is left where it is on top of the
+    stack again (:meth:`leave`, at the next boundary), never from under another."""
 
     def __init__(self) -> None:
         from torch.utils.flop_counter import FlopCounterMode
@@ -135,13 +138,18 @@ class FlopCount:
         self._mode: Any = FlopCounterMode(display=False)
         self._mode.__enter__()
 
-    def stop(self) -> int:
-        """Leave the mode; the FLOPs counted inside it."""
-        mode, self._mode = self._mode, None
-        if mode is None:
-            return 0
-        mode.__exit__(None, None, None)
-        return int(mode.get_total_flops())
+    def total(self) -> int:
+        """The FLOPs counted so far."""
+        return int(self._mode.get_total_flops())
+
+    def leave(self) -> bool:
+        """Leave the mode if it is the innermost one; whether it was left."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if self._mode.mode is not None and _get_current_dispatch_mode() is not self._mode.mode:
+            return False
+        self._mode.__exit__(None, None, None)
+        return True
 
 
 def dispatch_mode_active() -> bool:
