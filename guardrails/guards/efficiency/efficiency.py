@@ -61,7 +61,9 @@ class Efficiency(Component):
                 at step ``flops_at_step`` of the run. That step runs slower (every op
                 passes through Python); its results, RNG draws and gradients are
                 unchanged. A compiled model is not counted (under the counter it would
-                run eagerly): pass ``flops_per_step``. Default True.
+                run eagerly): pass ``flops_per_step``. With activation checkpointing
+                the recomputed forward is counted too (the hardware's FLOPs, not the
+                model's): pass ``flops_per_step`` for MFU. Default True.
             flops_at_step: which step of this run to count (from its start, so a
                 resumed run counts too), >= 2: the first step builds lazy state.
                 Default 2.
@@ -159,7 +161,11 @@ class Efficiency(Component):
             self._report_syncs(guard, syncs)
 
     def on_abort(self, guard: Guard, error: BaseException) -> None:
-        self._stop_all()  # host-side settings only: no device work
+        # From another thread, the process ends right after: the sync mode and the
+        # warnings hook are process-wide and put back; the FLOP counter is the stuck
+        # main thread's (dispatch modes are per thread) and ends with the process.
+        if self.syncs is not None:
+            self.syncs.stop()
 
     # ------------------------------------------------------------------ the schedule
 
