@@ -5,6 +5,7 @@ and traced to the user's line (the warnings plumbing on CPU; the sync mode on a 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import warnings
@@ -443,6 +444,36 @@ def test_a_sync_every_n_steps_is_information_and_a_clean_loop_is_silent(sampled)
     assert events == [] and g.component("efficiency").syncs.steps == 3
 
 
+def test_a_sync_under_the_engines_pass_through_wrappers_is_the_loops(tmp_path):
+    """A sync in the loader's next() (here a C call straight from the guard's batch
+    generator: no frame of the loader's own) is told at the loop's `for` line, not
+    taken for one of guardrails' own."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    warn = functools.partial(warnings.warn, SYNC_MESSAGE, UserWarning)
+    loader = zip(data(4), map(warn, range(4)), strict=True)  # each next() "syncs"
+    eff = WarnedSyncs(host_syncs_at_step=2, host_syncs_steps=2)
+    with (
+        warnings.catch_warnings(),
+        guardrails.guard(
+            model, opt, loader, run_dir=tmp_path, progress=False, efficiency=False, components=[eff]
+        ) as g,
+    ):
+        warnings.filterwarnings("ignore", message=SYNC_MESSAGE)
+        for (x, y), _ in g:  # the loop's for line
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    line = next(
+        i
+        for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if text.strip() == "for (x, y), _ in g:  # the loop's for line"
+    )
+    function = "test_a_sync_under_the_engines_pass_through_wrappers_is_the_loops"
+    site = f"test_efficiency.py:{line} ({function})"
+    assert eff.syncs.sites == {site: [1, 1]} and eff.syncs.own == {}, eff.syncs.sites
+
+
 def test_the_advice_for_a_sync_follows_its_source_line():
     from guardrails.guards.efficiency.syncs import advice
 
@@ -450,6 +481,8 @@ def test_the_advice_for_a_sync_follows_its_source_line():
     assert "print every N steps" in advice("print(loss)")
     assert "torch.where" in advice("if (x > 0).any():")
     assert "every N steps" in advice("something_else(x)")
+    assert "fp16 loss scaling" in advice("scaler.step(opt)")
+    assert "fused=True" in advice("opt.step()")
 
 
 # ---------------------------------------------------------------------- on a GPU

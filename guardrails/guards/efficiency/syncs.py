@@ -60,6 +60,21 @@ ADVICE = (
         "the host: compute the branch on the device (torch.where) or check every N steps",
     ),
     (
+        "scaler.step(",
+        "a GradScaler reads on the host whether the gradients overflowed, every step: "
+        "inherent to fp16 loss scaling; bf16 autocast needs no scaler (and no sync)",
+    ),
+    (
+        ".step(",
+        "the optimizer's step reads a value on the host: build it with fused=True, or "
+        "capturable=True where it offers that",
+    ),
+    (
+        ".backward(",
+        "a sync during the backward pass: a backward hook, a custom autograd Function "
+        "or a gradient clip with error_if_nonfinite=True reads a value on the host",
+    ),
+    (
         "float(",
         "float(tensor) copies the value to the host: keep it on the device, read it every N steps",
     ),
@@ -214,16 +229,30 @@ def advice(source: str) -> str:
     return GENERIC_ADVICE
 
 
+#: The engine's wrappers that only hand control to the loop's own objects (the model's
+#: forward, the optimizer's step, the loader's next batch, a loss's backward, a
+#: GradScaler's scale and step, a closure): a sync under one of them, with no other
+#: guardrails frame in between, is the loop's (its loader's, its optimizer's), told at
+#: the loop's line that called it.
+_GUARD_PY = os.path.join(PACKAGE_DIR, "engine", "guard.py")
+PASS_THROUGH = frozenset({"forward", "step", "_batches", "backward", "scale", "__call__"})
+
+
 def _site(frame: Any) -> tuple[str, str, bool]:
     """``(file:line (function), its file's path, guardrails' own)`` of the innermost
-    frame outside torch and the standard library, from ``frame`` outwards."""
+    frame outside torch and the standard library, from ``frame`` outwards (through the
+    engine's pass-through wrappers)."""
     while frame is not None:
-        path = frame.f_code.co_filename
+        code = frame.f_code
+        path = code.co_filename
         ours = path.startswith(PACKAGE_DIR)
+        if ours and path == _GUARD_PY and code.co_name in PASS_THROUGH:
+            frame = frame.f_back
+            continue
         if ours or not (
             path.startswith(TORCH_DIR) or path.startswith(STDLIB_DIRS) or path.startswith("<frozen")
         ):
-            site = f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
+            site = f"{os.path.basename(path)}:{frame.f_lineno} ({code.co_name})"
             return site, path, ours
         frame = frame.f_back
     return "an unknown place", "", False
