@@ -245,6 +245,15 @@ def test_bad_knobs_are_refused_naming_the_knob(knob, value, error, words):
     assert words in str(info.value) and repr(value) in str(info.value)
 
 
+def test_with_every_feature_off_guard_leaves_it_out(tmp_path):
+    off = {"advise": False, "count_flops": False, "host_syncs": False}
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert guardrails.guard(model, opt, efficiency=off).component("efficiency") is None
+    on = guardrails.guard(model, opt, efficiency={**off, "advise": True})
+    assert on.component("efficiency") is not None
+
+
 # ---------------------------------------------------------------------- the advisor
 
 GPU = dict(device_type="cuda", device_name="NVIDIA H100 80GB HBM3", capability=(9, 0))

@@ -243,6 +243,7 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
         },
         checkpoint={"save_on_signal": False},
         preflight=False,
+        efficiency={"advise": False, "count_flops": False, "host_syncs": False},
         resume=None,
     )
     assert g.components == []

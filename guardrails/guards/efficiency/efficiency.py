@@ -111,6 +111,16 @@ class Efficiency(Component):
             positive("flops_per_step", self.flops_per_step, allow_none=True)
             positive("peak_flops", self.peak_flops, allow_none=True)
 
+        @property
+        def does_anything(self) -> bool:
+            """Whether any of its three features is on (``guard()`` leaves it out if not)."""
+            return (
+                self.advise
+                or self.count_flops
+                or self.flops_per_step is not None
+                or self.host_syncs
+            )
+
     name = "efficiency"
 
     def __init__(self, config: Efficiency.Config | None = None, /, **knobs: Any) -> None:
