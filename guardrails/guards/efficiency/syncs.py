@@ -155,7 +155,7 @@ class SyncSampler:
         for i, f in enumerate(warnings.filters):
             if f is self._filter:
                 del warnings.filters[i]
-                warnings._filters_mutated()  # type: ignore[attr-defined]
+                _filters_mutated()
                 break
         self._filter = self._prev_show = None
 
@@ -219,6 +219,16 @@ class SyncSampler:
                 f"  {site}" + (f" `{src}`" if src else "") + f": {how_often}; {advice(src)}"
             )
         return "\n".join(lines)
+
+
+def _filters_mutated() -> None:
+    """Tell the warnings machinery its filter list changed (its cache of "already
+    shown" is keyed on the list's version); Python 3.14 renamed the hook."""
+    hook = getattr(warnings, "_filters_mutated", None) or getattr(
+        warnings, "_filters_mutated_lock_held", None
+    )
+    if hook is not None:
+        hook()
 
 
 def advice(source: str) -> str:
