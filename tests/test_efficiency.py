@@ -189,6 +189,37 @@ def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_is_counted_again(tmp
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
+def test_attention_counts_on_a_cpu_as_torch_counts_it_on_a_gpu(tmp_path):
+    """A small GPT (the example's): every matmul 6 x tokens x its weights (forward,
+    input and weight gradients), and scaled_dot_product_attention as torch's formulas
+    count its GPU kernels (4 x B x T^2 x d forward, 10 x backward with the scores
+    recomputed; not halved for the causal mask), which torch leaves out on a CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from train_gpt import GPT
+
+    b, t, layers, d, vocab = 2, 16, 2, 32, 65
+    torch.manual_seed(0)
+    model = GPT(vocab=vocab, block_size=t, n_layer=layers, n_head=4, n_embd=d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g0 = torch.Generator().manual_seed(0)
+    batches = [
+        (
+            torch.randint(0, vocab, (b, t), generator=g0),
+            torch.randint(0, vocab, (b, t), generator=g0),
+        )
+        for _ in range(3)
+    ]
+    with guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    matmuls = 6 * b * t * (12 * layers * d * d + d * vocab)  # the head is tied to tok
+    attention = 14 * layers * b * t * t * d
+    assert e["flops_per_step"] == matmuls + attention
+
+
 def test_a_given_figure_is_used_and_nothing_is_counted(tmp_path):
     train(tmp_path, 3, flops_per_step=1.5e9)
     [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]

@@ -422,6 +422,7 @@ def _mfu(events: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, Any] | No
         "dtype": e.get("dtype"),
         "device_name": e.get("device_name"),
         "rank": e.get("rank"),
+        "message": e.get("message"),
         "mfu": None,
     }
     if flops and peak and step_s:
@@ -438,11 +439,8 @@ def _si(value: float, unit: str) -> str:
 
 def _mfu_line(m: dict[str, Any], step_s: float | None) -> str:
     flops, peak = m["flops_per_step"], m["peak_flops"]
-    if not flops:
-        return (
-            "  MFU          unknown: the model is compiled and its FLOPs were not counted "
-            "(pass efficiency={'flops_per_step': ...})"
-        )
+    if not flops:  # not counted: the event says why
+        return f"  MFU          unknown: {m.get('message') or 'no FLOPs per step'}"
     per_step = f"{_si(float(flops), 'FLOP')} a step"
     if not peak:
         return (

@@ -197,7 +197,16 @@ class Efficiency(Component):
             # steps): the count spans two steps. Count the next one instead (the
             # boundary leaves this counter and enters a new one).
             self._count_at = self._after_due = step + 1
-        elif (flop_count := counter.total()) > 0:
+        elif (flop_count := counter.total()) is None:
+            guard.event(
+                "flops",
+                message=(
+                    f"the FLOPs of step {step} could not be counted ({counter.failed}): "
+                    "pass efficiency={'flops_per_step': ...} for MFU in the report"
+                ),
+                flops_per_step=None,
+            )
+        elif flop_count > 0:
             self._found(guard, float(flop_count), "counted")
         else:
             logger.debug("guardrails: the counted step did no matmul FLOPs")

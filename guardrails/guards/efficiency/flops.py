@@ -6,7 +6,10 @@ FLOP/s for the dtype the matmuls run in). The FLOPs are counted once, by torch's
 it counts matmuls, convolutions and attention, the work tensor cores do, and nothing
 elementwise (the optimizer's update, norms, activations), which is how MFU is
 conventionally defined. Counted on this rank: under DDP each rank's own batch, under
-FSDP / tensor parallelism its shard of the work.
+FSDP / tensor parallelism its shard of the work. Attention is counted as torch counts
+its GPU kernels (full, not halved for a causal mask; the backward's recomputed scores
+included), on a CPU too. A formula that fails on an op gives the count up; it never
+fails the step.
 
 The peaks are the vendors' dense figures (no 2:4 sparsity), per GPU, in FLOP/s.
 """
@@ -135,12 +138,32 @@ class FlopCount:
     def __init__(self) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
-        self._mode: Any = FlopCounterMode(display=False)
+        class Counter(FlopCounterMode):
+            # A formula that fails on an op's shapes (torch's own asserts) must not end
+            # the user's step: the op's result goes on, the count is given up.
+            failed: str | None = None
+
+            def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+                try:
+                    return super()._count_flops(func_packet, out, args, kwargs)
+                except Exception as e:
+                    self.failed = self.failed or f"{func_packet}: {type(e).__name__}: {e}"
+                    return out
+
+        self._mode: Any = Counter(display=False, custom_mapping=_cpu_attention())
         self._mode.__enter__()
 
-    def total(self) -> int:
-        """The FLOPs counted so far."""
+    def total(self) -> int | None:
+        """The FLOPs counted so far, or ``None`` when an op's count failed (why:
+        :attr:`failed`)."""
+        if self.failed is not None:
+            return None
         return int(self._mode.get_total_flops())
+
+    @property
+    def failed(self) -> str | None:
+        """Why the count was given up (an op whose formula failed), or ``None``."""
+        return getattr(self._mode, "failed", None)
 
     def leave(self) -> bool:
         """Leave the mode if it is the innermost one; whether it was left."""
@@ -150,6 +173,36 @@ class FlopCount:
             return False
         self._mode.__exit__(None, None, None)
         return True
+
+
+def _cpu_attention() -> dict[Any, Any]:
+    """The CPU kernels of ``scaled_dot_product_attention``, which torch's formulas leave
+    out (the CUDA ones are in): the same formulas, so attention counts alike on every
+    device (full, not causal-halved, as torch counts it; the backward recomputes the
+    scores)."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    sdpa = getattr(flop_counter, "sdpa_flop", None)
+    sdpa_backward = getattr(flop_counter, "sdpa_backward_flop", None)
+    out: dict[Any, Any] = {}
+    for op, formula in ((forward, sdpa), (backward, sdpa_backward)):
+        if op is not None and formula is not None:
+            out[op] = _raw(formula)
+    return out
+
+
+def _raw(formula: Any) -> Any:
+    """Torch's registered formula (already taking tensors), marked so that
+    ``custom_mapping`` does not wrap it a second time."""
+
+    def count(*args: Any, **kwargs: Any) -> Any:
+        return formula(*args, **kwargs)
+
+    count._get_raw = True  # type: ignore[attr-defined]
+    return count
 
 
 def dispatch_mode_active() -> bool:
