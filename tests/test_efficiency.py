@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -102,6 +103,23 @@ def test_report_shows_mfu_from_the_median_step_time_and_the_peak(counted, capsys
     out = capsys.readouterr().out
     assert "  MFU          " in out and "a step in a median step of" in out, out
     assert "1 TFLOP/s fp32 peak" in out and "fast path" not in out
+
+
+def test_report_lists_the_advice_in_one_line(counted, tmp_path, capsys):
+    from guardrails.cli import report
+
+    run_dir = tmp_path / "advised"
+    shutil.copytree(counted[0], run_dir)
+    events = (run_dir / "events.jsonl").read_text().splitlines()
+    base = json.loads(events[1])
+    for kind in ("tf32_off", "loader_no_workers"):
+        events.insert(2, json.dumps({**base, "kind": kind, "level": "info", "message": "fix"}))
+    (run_dir / "events.jsonl").write_text("\n".join(events) + "\n")
+    args = argparse.Namespace(run_dir=run_dir, png=None, no_png=True, all=False, json=False)
+    assert report.main(args) == 0
+    out = capsys.readouterr().out
+    assert "  fast path    TF32 off; DataLoader without workers (each with its fix" in out, out
+    assert "tf32_off" not in out  # told in its line, not counted under "other events"
 
 
 def test_a_healthy_cpu_run_hears_no_advice_and_samples_no_syncs(counted):

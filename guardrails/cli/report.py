@@ -385,7 +385,7 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
         and (n := sum(1 for e in es if not _is_warning(e)))
     }
     s["mfu"] = _mfu(by_kind.get("flops", []), s)
-    s["advice"] = sorted({e["kind"] for k in _ADVICE for e in by_kind.get(k, [])})
+    s["advice"] = [k for k in _ADVICE if by_kind.get(k)]
     s["resumed"] = _resumed(run, runs, run_dir)
     if ends:
         errors = [e for e in ends if e.get("error")]
