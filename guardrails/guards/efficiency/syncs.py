@@ -174,14 +174,13 @@ class SyncSampler:
             return
         if threading.get_ident() != self._main or not self.active:
             return  # a loader's pin-memory thread: not the loop's
-        site, path, own = _site(sys._getframe(1))
+        site, path, line_no, own = _site(sys._getframe(1))
         if own:
             self.own[site] = self.own.get(site, 0) + 1
             return
         counts = self.sites.get(site)
         if counts is None:
             counts = self.sites[site] = [0] * self.steps
-            line_no = int(site.rpartition(":")[2].split()[0]) if path else 0
             self.lines[site] = linecache.getline(path, line_no).strip() if path else ""
         counts[-1] += 1
 
@@ -248,8 +247,8 @@ _GUARD_PY = os.path.join(PACKAGE_DIR, "engine", "guard.py")
 PASS_THROUGH = frozenset({"forward", "step", "_batches", "backward", "scale", "__call__"})
 
 
-def _site(frame: Any) -> tuple[str, str, bool]:
-    """``(file:line (function), its file's path, guardrails' own)`` of the innermost
+def _site(frame: Any) -> tuple[str, str, int, bool]:
+    """``(file:line (function), its file's path, the line, guardrails' own)`` of the innermost
     frame outside torch and the standard library, from ``frame`` outwards (through the
     engine's pass-through wrappers)."""
     while frame is not None:
@@ -262,7 +261,7 @@ def _site(frame: Any) -> tuple[str, str, bool]:
         if ours or not (
             path.startswith(TORCH_DIR) or path.startswith(STDLIB_DIRS) or path.startswith("<frozen")
         ):
-            site = f"{os.path.basename(path)}:{frame.f_lineno} ({code.co_name})"
-            return site, path, ours
+            line = frame.f_lineno
+            return f"{os.path.basename(path)}:{line} ({code.co_name})", path, line, ours
         frame = frame.f_back
-    return "an unknown place", "", False
+    return "an unknown place", "", 0, False
