@@ -169,7 +169,9 @@ class SyncSampler:
         line: str | None = None,
     ) -> None:
         if not (issubclass(category, UserWarning) and SYNC_MESSAGE in str(message)):
-            prev = self._prev_show if self._prev_show is not None else warnings._showwarning_orig  # type: ignore[attr-defined]
+            prev = self._prev_show
+            if prev is None:  # released meanwhile: Python's own
+                prev = warnings._showwarning_orig  # type: ignore[attr-defined]
             prev(message, category, filename, lineno, file, line)
             return
         if threading.get_ident() != self._main or not self.active:
@@ -248,9 +250,9 @@ PASS_THROUGH = frozenset({"forward", "step", "_batches", "backward", "scale", "_
 
 
 def _site(frame: Any) -> tuple[str, str, int, bool]:
-    """``(file:line (function), its file's path, the line, guardrails' own)`` of the innermost
-    frame outside torch and the standard library, from ``frame`` outwards (through the
-    engine's pass-through wrappers)."""
+    """``(file:line (function), its file's path, the line, guardrails' own)`` of the
+    innermost frame outside torch and the standard library, from ``frame`` outwards
+    (through the engine's pass-through wrappers)."""
     while frame is not None:
         code = frame.f_code
         path = code.co_filename
