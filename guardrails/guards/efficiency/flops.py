@@ -5,8 +5,10 @@ FLOP/s for the dtype the matmuls run in). The FLOPs are counted once, by torch's
 ``FlopCounterMode`` over one training step (forward and backward, every micro-batch):
 it counts matmuls, convolutions and attention, the work tensor cores do, and nothing
 elementwise (the optimizer's update, norms, activations), which is how MFU is
-conventionally defined. Counted on this rank: under DDP each rank's own batch, under
-FSDP / tensor parallelism its shard of the work. Attention is counted as torch counts
+conventionally defined. Counted on this rank: under DDP or FSDP its own batch through
+the whole model (FSDP computes with the gathered layers). Tensor parallelism (DTensor
+compute) is not verified: the count may be the global one there; pass
+``flops_per_step``. Attention is counted as torch counts
 its GPU kernels (full, not halved for a causal mask; the backward's recomputed scores
 included), on a CPU too. A formula that fails on an op gives the count up; it never
 fails the step.
