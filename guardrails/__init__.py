@@ -37,6 +37,7 @@ the level:
     ``guardrails.memory``       MemoryGuard: leaks, data starvation, out of memory
     ``guardrails.pace``         Pace: stragglers, slowdowns, communication-bound steps
     ``guardrails.preflight``    Preflight: checks before the first step
+    ``guardrails.efficiency``   Efficiency: FLOPs per step, host syncs, the fast path
     ``guardrails.launch``       launch checks (``check_launch``, ``@record``)
     ``guardrails.record``       ``@record``: error files, the process's exit
     ``guardrails.ddp``          GuardedDDP
@@ -62,6 +63,7 @@ _EXPORTS = {
     "CollectiveMismatchError": "_errors",
     "Component": "engine.component",
     "ConfigMismatchError": "_errors",
+    "Efficiency": "guards.efficiency.efficiency",
     "ErrorExplainer": "guards.explain",
     "GCScheduler": "guards.gc",
     "Guard": "engine.guard",
@@ -101,6 +103,7 @@ __all__ = [
     "CollectiveMismatchError",
     "Component",
     "ConfigMismatchError",
+    "Efficiency",
     "ErrorExplainer",
     "GCScheduler",
     "Guard",
@@ -179,6 +182,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_api.py keeps it
     from guardrails.guards.audit.auditor import CollectiveAuditor
     from guardrails.guards.checkpointer.checkpointer import SignalCheckpointer
     from guardrails.guards.ddp import GuardedDDP
+    from guardrails.guards.efficiency.efficiency import Efficiency
     from guardrails.guards.explain import ErrorExplainer, explain
     from guardrails.guards.gc import GCScheduler
     from guardrails.guards.memory.guard import MemoryGuard

@@ -24,6 +24,7 @@ from guardrails.engine.config import ALIASES, apply_aliases, check_knobs, sectio
 from guardrails.engine.guard import Guard, Optimizers
 from guardrails.guards.audit.auditor import CollectiveAuditor
 from guardrails.guards.checkpointer.checkpointer import SignalCheckpointer
+from guardrails.guards.efficiency.efficiency import Efficiency
 from guardrails.guards.explain import ErrorExplainer
 from guardrails.guards.gc import GCScheduler
 from guardrails.guards.memory.guard import MemoryGuard
@@ -47,6 +48,7 @@ SECTIONS: dict[str, type[Component]] = {
     "pace": Pace,
     "preflight": Preflight,
     "checkpoint": SignalCheckpointer,
+    "efficiency": Efficiency,
 }
 
 Section = bool | Mapping[str, Any] | None

@@ -25,6 +25,7 @@ EXPECTED_ALL = [
     "CollectiveMismatchError",
     "Component",
     "ConfigMismatchError",
+    "Efficiency",
     "ErrorExplainer",
     "GCScheduler",
     "Guard",

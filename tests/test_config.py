@@ -89,6 +89,7 @@ def test_a_section_takes_true_false_a_config_or_a_dict(tmp_path):
         "pace",
         "preflight",
         "checkpoint",
+        "efficiency",
     ]
     assert "nan" not in _names(_guard(tmp_path, nan=False))
     assert "gc" not in _names(_guard(tmp_path, gc=None))

@@ -197,7 +197,10 @@ def test_sigkill_keeps_every_part_written_before_it(tmp_path):
 
 def test_events_log(tmp_path):
     guarded_run(tmp_path, inside=lambda g: g.event("custom", message="hello", value=3))
-    events = [e for e in read_events(tmp_path) if not e["kind"].startswith("gc_")]
+    # The GC's and the efficiency component's own events (flops, at step 2) aside.
+    events = [
+        e for e in read_events(tmp_path) if not e["kind"].startswith("gc_") and e["kind"] != "flops"
+    ]
     assert [e["kind"] for e in events] == ["start", "custom", "end"]
     assert events[0]["components"] == [
         "explain",
@@ -208,6 +211,7 @@ def test_events_log(tmp_path):
         "pace",
         "preflight",
         "checkpoint",
+        "efficiency",
     ]
     assert events[0]["device"] == "cpu"
     assert events[1] == {**events[1], "step": 2, "message": "hello", "value": 3, "rank": 0}
@@ -241,6 +245,7 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
         checkpoint={"save_on_signal": False},
         preflight=False,
         pace=False,
+        efficiency={"advise": False, "count_flops": False, "host_syncs": False},
         resume=None,
     )
     assert g.components == []

@@ -68,6 +68,14 @@ _FAILURES = {
     "uneven_data": "uneven data",
     "collective_mismatch": "collective mismatch",
 }
+#: The efficiency advisor's kinds (info events, each with its fix), told in one line.
+_ADVICE = {
+    "tf32_off": "TF32 off",
+    "bf16_available": "float32 where bf16 is native",
+    "optimizer_not_fused": "optimizer not fused",
+    "loader_no_workers": "DataLoader without workers",
+    "loader_not_pinned": "DataLoader without pinned memory",
+}
 #: Warning-level kinds told in lines of their own (NaN/Inf, spikes, the end), not
 #: under "warnings".
 _OWN_LINE = {"nonfinite", "spike", "stopped"}
@@ -83,6 +91,8 @@ _TOLD = {
     "gc_pause",
     "gc_frozen",
     "gc_freeze_skipped",
+    "flops",
+    *_ADVICE,
     *_FAILURES,
     *_WARNINGS,
 }
@@ -377,6 +387,8 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
         and "checkpoint" not in k
         and (n := sum(1 for e in es if not _is_warning(e)))
     }
+    s["mfu"] = _mfu(by_kind.get("flops", []), s)
+    s["advice"] = [k for k in _ADVICE if by_kind.get(k)]
     s["resumed"] = _resumed(run, runs, run_dir)
     if ends:
         errors = [e for e in ends if e.get("error")]
@@ -396,6 +408,55 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
     s["last_seen"] = _iso(last_time)
     s["failure_counts"] = _failure_counts(s)
     return s
+
+
+def _mfu(events: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, Any] | None:
+    """Model FLOPs utilisation: the FLOPs of one step (the ``flops`` event of the rank
+    whose metrics tell the story) over the median step time and the device's peak."""
+    if not events:
+        return None
+    lead = s.get("lead_rank")
+    e = next((e for e in events if e.get("rank") == lead), events[0])
+    flops, peak = e.get("flops_per_step"), e.get("peak_flops")
+    step_s = s.get("step_time_median_s")
+    out = {
+        "flops_per_step": flops,
+        "peak_flops": peak,
+        "dtype": e.get("dtype"),
+        "device_name": e.get("device_name"),
+        "rank": e.get("rank"),
+        "message": e.get("message"),
+        "mfu": None,
+    }
+    if flops and peak and step_s:
+        out["mfu"] = float(flops) / (float(step_s) * float(peak))
+    return out
+
+
+def _si(value: float, unit: str) -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _mfu_line(m: dict[str, Any], step_s: float | None) -> str:
+    flops, peak = m["flops_per_step"], m["peak_flops"]
+    if not flops:  # not counted: the event says why
+        return f"  MFU          unknown: {m.get('message') or 'no FLOPs per step'}"
+    per_step = f"{_si(float(flops), 'FLOP')} a step"
+    if not peak:
+        return (
+            f"  MFU          unknown: {per_step}, but no peak FLOP/s is known for "
+            f"{m['device_name']} (pass efficiency={{'peak_flops': ...}})"
+        )
+    against = f"{_si(float(peak), 'FLOP/s')} {m['dtype']} peak"
+    if m["mfu"] is None or step_s is None:
+        return f"  MFU          unknown: no step times; {per_step} against {against}"
+    return (
+        f"  MFU          {m['mfu'] * 100:.3g}% ({per_step} in a median step of {_dur(step_s)}, "
+        f"against {against}" + (f", rank {m['rank']}" if m.get("rank") else "") + ")"
+    )
 
 
 def _is_warning(e: dict[str, Any]) -> bool:
@@ -495,6 +556,14 @@ def story(s: dict[str, Any]) -> str:
         )
     elif s["metrics_rows"]:
         lines.append("  throughput   unknown (no token counts: pass tokens_per_batch=)")
+    if s.get("mfu"):
+        lines.append(_mfu_line(s["mfu"], s.get("step_time_median_s")))
+    if s.get("advice"):
+        lines.append(
+            "  fast path    "
+            + "; ".join(_ADVICE[k] for k in s["advice"])
+            + " (each with its fix in events.jsonl)"
+        )
     if s.get("loss_first") is not None:
         lines.append(
             f"  loss         {s['loss_first']:.4g} (first {_FIRST_LAST} steps) -> "

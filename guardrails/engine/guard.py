@@ -992,11 +992,14 @@ class Guard(StepState):
         return True
 
     def _pick_loss(self, output: Any) -> None:
-        # Two C calls (~0.2 us): fp16 autocast is the one that overflows at 65504.
-        if torch.is_autocast_enabled(self._device_type) and (
-            torch.get_autocast_dtype(self._device_type) == torch.float16
-        ):
-            self.fp16_autocast = True
+        # Two C calls (~0.2 us): fp16 autocast is the one that overflows at 65504;
+        # bf16's is the compute dtype the efficiency advisor judges.
+        if torch.is_autocast_enabled(self._device_type):
+            dtype = torch.get_autocast_dtype(self._device_type)
+            if dtype == torch.float16:
+                self.fp16_autocast = True
+            elif dtype == torch.bfloat16:
+                self.bf16_autocast = True
         # A bare loss tensor (the common output) without find_loss's frame.
         if type(output) is Tensor:
             loss = output if _is_loss(output) else None

@@ -131,6 +131,9 @@ class StepState:
         #: Whether a training forward has run under float16 autocast (NanGuard's
         #: fp16-overflow diagnosis; bfloat16 does not overflow).
         self.fp16_autocast = False
+        #: Whether a training forward has run under bfloat16 autocast (the compute
+        #: dtype the efficiency advisor and the MFU's peak assume).
+        self.bf16_autocast = False
 
 
 @dataclass(slots=True, eq=False)

@@ -1,0 +1,1 @@
+"""Efficiency: FLOPs per step (MFU), host syncs in the loop, the fast-path advisor."""
