@@ -178,10 +178,11 @@ def test_a_slow_loader_on_one_rank_is_named_as_the_data_phase(jobs):
 @slow
 def test_an_all_reduce_bound_step_is_reported_with_bytes_and_bandwidth(jobs):
     events = jobs["comms"]["events"]
-    assert [e["kind"] for e in events] == ["comms_bound"], events
+    seen = [(p["comm_samples"], p["windows"][-3:]) for p in jobs["comms"]["pace"]]
+    assert [e["kind"] for e in events] == ["comms_bound"], (events, seen)
     e = events[0]
     # Two 2048x2048 layers' fp32 gradients and their biases, in DDP's buckets.
-    assert e["bytes_per_step"] >= 32 << 20 and e["share"] >= 0.5
+    assert e["bytes_per_step"] >= 32 << 20 and e["share"] >= 0.3  # the worker's comm_share
     assert e["bus_bandwidth_bytes_per_s"] > 0 and e["backend"] == "gloo"
     assert "communication-bound" in e["message"] and "GLOO_SOCKET_IFNAME" in e["message"]
 
