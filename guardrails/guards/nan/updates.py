@@ -1,0 +1,152 @@
+"""The update size, sampled: how far one optimizer step moved the weights, relative to
+the weights (``||w_k - w_{k-1}|| / ||w_{k-1}||``), every ``every`` steps.
+
+An optimization blow-up shows first in the update, not in the gradient: an Adam-style
+optimizer sets the update's size by the LR whatever the gradient (a loop that clips is
+not protected), and a run whose weights moved 100x more in one step than in any step
+before is diverging before anything is non-finite.
+
+Cost, per ``every`` steps and nothing in between (the per-step check is one integer
+modulo in ``after_step``): one fused ``torch._foreach_copy_`` of a fixed sample of the
+weights after the step before the sampled one, then after the sampled step one
+``_foreach_sub`` and two ``_foreach_norm`` over that sample, and a 2-value stack. The
+sample is every ``stride``-th element of each parameter (a view: no copy is made of the
+weights themselves), ``stride`` chosen so that it holds at most ``SAMPLE_ELEMENTS``
+elements (one element at least of each parameter): 256 KiB of float32, whatever the
+model's size. The two norms reach the host lagged: on a CPU device they are host memory
+already (read at once, no sync); on CUDA a ``non_blocking`` copy into pinned memory with
+an event, read at the next sample (``every`` steps later, long finished: no wait).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.parameter import is_lazy
+
+#: Elements of the weights in the sample (float32: 256 KiB), whatever the model's size.
+#: A norm over 64 Ki elements spread evenly over every parameter estimates the whole
+#: model's ratio within a few percent (it is a sum of many similar squares).
+SAMPLE_ELEMENTS = 1 << 16
+#: Samples kept: with ``every=10``, the last 1,000 steps.
+KEPT_SAMPLES = 100
+
+
+class UpdateSampler:
+    """Samples the update/weight ratio every ``every`` steps over ``params`` (the
+    optimizer's). :attr:`samples` holds ``(step, ratio)`` of the samples read so far."""
+
+    def __init__(self, params: list[Tensor], every: int) -> None:
+        self.every = every
+        self.samples: deque[tuple[int, float]] = deque(maxlen=KEPT_SAMPLES)
+        self._params = params
+        #: Views of every ``stride``-th element of each parameter (they follow its
+        #: updates); built at the first snapshot (_build).
+        self.views: list[Tensor] | None = None
+        # Two snapshots of the sample, taken in turn: the newer one is the weights before
+        # the sampled step; the older one, the weights before the sample before it, so
+        # a diagnosis always has one older than the weights it looks at (drift()).
+        self._snaps: list[list[Tensor]] = [[], []]
+        #: The step whose weights (after its update) each snapshot holds; -1: none yet.
+        self._snap_steps = [-1, -1]
+        self._cur = 0
+        self._pending: list[tuple[int, Tensor, Any]] = []
+        self._cuda = False
+
+    def _build(self) -> list[Tensor]:
+        """The sample's views, at the first snapshot: a lazy module's parameters have
+        their shapes by then (a forward has run)."""
+        local = [_local(p) for p in self._params if not is_lazy(p)]
+        local = [t for t in local if t is not None and t.numel() and t.is_floating_point()]
+        total = sum(t.numel() for t in local)
+        stride = max(1, math.ceil(total / SAMPLE_ELEMENTS))
+        views = self.views = [t.view(-1)[::stride] for t in local]
+        self._snaps = [
+            [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
+            for _ in range(2)
+        ]
+        self._cuda = bool(views) and views[0].device.type == "cuda"
+        return views
+
+    def after_step(self, step: int) -> None:
+        """Called after the optimizer steps (``step``: the one just taken) on the step
+        before a sample and on the sample itself (NanGuard filters the others)."""
+        phase = step % self.every
+        if phase == 0 and self._snap_steps[self._cur] == step - 1:
+            self._measure(step)
+        if phase == self.every - 1:  # (every=1: after the measure, for the next step)
+            views = self._build() if self.views is None else self.views
+            if not views:
+                return
+            self._read_ready()
+            self._cur ^= 1
+            torch._foreach_copy_(self._snaps[self._cur], views)
+            self._snap_steps[self._cur] = step
+
+    def _measure(self, step: int) -> None:
+        with torch.no_grad():
+            snaps = self._snaps[self._cur]
+            diffs = torch._foreach_sub(self.views, snaps)
+            both = torch.stack(
+                (
+                    torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diffs))),
+                    torch.linalg.vector_norm(torch.stack(torch._foreach_norm(snaps))),
+                )
+            ).float()
+        if not self._cuda:
+            self._record(step, both.tolist())  # host memory: no sync
+            return
+        host = torch.empty(2, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((step, host, event))
+
+    def _read_ready(self, *, wait: bool = False) -> None:
+        while self._pending and (wait or self._pending[0][2].query()):
+            step, host, event = self._pending.pop(0)
+            event.synchronize()
+            self._record(step, host.tolist())
+
+    def _record(self, step: int, norms: list[float]) -> None:
+        diff, weights = norms
+        if weights > 0 and math.isfinite(diff):
+            self.samples.append((step, diff / weights))
+
+    def drift(self, weights_step: int) -> tuple[int, int, float] | None:
+        """``(from_step, to_step, ratio)``: how far the weights (as of ``weights_step``)
+        moved since the newest snapshot older than them, relative to their size then (a
+        diagnosis: it may sync); ``None`` when there is none."""
+        self._read_ready(wait=True)
+        older = [i for i in (0, 1) if 0 <= self._snap_steps[i] < weights_step]
+        if not self.views or not older:
+            return None
+        i = max(older, key=self._snap_steps.__getitem__)
+        snaps = self._snaps[i]
+        with torch.no_grad():
+            diff = torch.stack(torch._foreach_norm(torch._foreach_sub(self.views, snaps)))
+            size = torch.stack(torch._foreach_norm(snaps))
+            d, w = (float(torch.linalg.vector_norm(t.float())) for t in (diff, size))
+        if not w > 0:
+            return None
+        return self._snap_steps[i], weights_step, d / w if math.isfinite(d) else math.inf
+
+    def state_dict(self) -> list[list[float]]:
+        return [[s, r] for s, r in self.samples]
+
+    def load_state_dict(self, samples: list[list[float]]) -> None:
+        self.samples.extend((int(s), float(r)) for s, r in samples)
+
+
+def _local(p: Tensor) -> Tensor | None:
+    """The part of a parameter this rank holds (a DTensor's local shard), flat-viewable,
+    or ``None``."""
+    t = p.detach()
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        t = to_local()
+    return t if t.is_contiguous() else None
