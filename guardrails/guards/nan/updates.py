@@ -114,7 +114,8 @@ class UpdateSampler:
 
     def _record(self, step: int, norms: list[float]) -> None:
         diff, weights = norms
-        if weights > 0 and math.isfinite(diff):
+        # 0: a skipped step (or frozen weights), no update to compare with.
+        if weights > 0 and diff > 0 and math.isfinite(diff):
             self.samples.append((step, diff / weights))
 
     def drift(self, weights_step: int) -> tuple[int, int, float] | None:
