@@ -468,6 +468,65 @@ def test_planted_spike_is_one_event_at_its_step(tmp_path):
     assert [{**r, "time": 0} for r in resumed] == [{**e, "time": 0}]
 
 
+def _divergence_run(run_dir, steps: int = 200, lr_at: int | None = None):
+    """A seeded Regressor on 32-sample batches under AdamW, 10% warmup then cosine
+    decay, an evaluation pass every 50 steps and a data-mix change at step 100 (its
+    targets 1.25x from there: the loss ~1.5x up for good); with ``lr_at``, the
+    schedule's base LR set to 10 after that step: the loss diverges and stays finite.
+    Returns the divergence events, the NanGuard and the losses."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = warmup_cosine(opt, steps, steps // 10)
+    data = batches(steps, batch=32)
+    data = data[:100] + [(x, 1.25 * y) for x, y in data[100:]]
+    losses = []
+    with guardrails.guard(model, opt, data, run_dir=run_dir, scheduler=sched) as g:
+        for x, y in g:
+            if g.step == lr_at:
+                sched.base_lrs = [10.0]  # the fault
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            if g.step % 50 == 0:  # an evaluation: forwards only, no step
+                with torch.no_grad():
+                    model(*batches(4, batch=32, seed=1)[0])
+    nan = next(c for c in g.components if isinstance(c, NanGuard))
+    return [e for e in read_events(run_dir) if e["kind"] == "divergence"], nan, losses
+
+
+@pytest.mark.slow(reason="a 200-step training run (~4 s on 2 busy cores)")
+def test_healthy_run_with_a_data_mix_change_has_no_divergence(tmp_path):
+    events, nan, losses = _divergence_run(tmp_path)
+    assert events == [] and nan.divergences == []
+    # Not vacuous: the mix change did raise the loss for good, under divergence_factor.
+    before, after = sorted(losses[80:100])[10], sorted(losses[100:200])[50]
+    assert 1.2 * before < after < 2 * before
+
+
+@pytest.mark.slow(reason="a 200-step training run (~4 s on 2 busy cores)")
+def test_planted_divergence_is_one_warning_with_its_start_step(tmp_path):
+    # The LR 10 (the schedule's base) from step 122 on: the loss jumps 50x and stays up,
+    # every value finite; one warning, at the step it started, naming the LR.
+    events, nan, losses = _divergence_run(tmp_path, lr_at=120)
+    assert nan.nonfinite_steps == [] and all(math.isfinite(v) for v in losses)
+    (e,) = events
+    assert e["level"] == "warning" and 122 <= e["step"] <= 125, e
+    assert e["value"] > 10 * e["median"] and e["threshold"] >= 2 * e["median"]
+    assert nan.divergences == [{k: e[k] for k in nan.divergences[0]}]
+    for words in (
+        f"the loss diverged from step {e['step']}",
+        "divergence_factor=2",
+        "Every value is finite",
+        f"the LR went from {e['lr_before']:.3g} to {e['lr']:.3g}",
+        "lower it or check the LR schedule",
+    ):
+        assert words in e["message"], e["message"]
+
+
 def test_steady_rise_of_the_grad_norm_is_not_a_spike(tmp_path):
     # A grad norm that climbs ~30x over 100 steps, 3.5% a step (a loss weight ramped
     # up: KL annealing, an auxiliary loss phased in; nanochat's norm climbs through its
@@ -582,6 +641,14 @@ def test_knobs_are_checked():
         )
     with pytest.raises(TypeError, match="Did you mean `nan`"):
         guardrails.guard(Regressor(), torch.optim.SGD(Regressor().parameters(), lr=1), nam="raise")
+    with pytest.raises(ValueError, match=r"divergence_factor must be > 1 .* got 0\.9"):
+        NanGuard(divergence_factor=0.9)
+    with pytest.raises(ValueError, match="divergence_steps=60 with window_steps=100"):
+        NanGuard(divergence_steps=60)
+    with pytest.raises(ValueError, match="update_every_n_steps must be a positive int"):
+        NanGuard(update_every_n_steps=0)
+    off = NanGuard(divergence_factor=None, update_every_n_steps=None)
+    assert off.divergence_factor is None and off.update_every_n_steps is None
 
 
 def test_a_given_nanguard_replaces_the_default(tmp_path):

@@ -748,7 +748,7 @@ class NanGuard(Component):
         self.history.extend(rows)
         self._health.observe(self._guard, rows)
         if self._divergence is not None:
-            found = self._divergence.check(self.history)
+            found = self._divergence.check(self._losses.values, self.history)
             if found is not None:
                 self._divergence_event(found)
 
