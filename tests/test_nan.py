@@ -786,18 +786,20 @@ def warmup_cosine(opt, steps: int, warmup: int):
 
 
 def _blowup_worker(rank: int, world: int, port: int, out: str) -> None:
-    """Two DDP runs under warmup + cosine decay: the schedule's base LR set to 1e4 at
-    step 30 (the LR bug), then a numerics bug (sqrt at 0, rank 1's batch of step 25)."""
+    """DDP runs under warmup + cosine decay: the schedule's base LR set to 1e4 at step
+    30 (the LR bug; on NanGuard's CPU path, then on the lagged one), then a numerics bug
+    (sqrt at 0, rank 1's batch of step 25)."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {}
-        for case in ("lr_jump", "numerics"):
+        for case in ("lr_jump", "lr_jump_lagged", "numerics"):
+            NanGuard._lagged_on_cpu = case == "lr_jump_lagged"
             torch.manual_seed(0)
             model = nn.parallel.DistributedDataParallel(
-                Normed() if case == "lr_jump" else SqrtNet()
+                SqrtNet() if case == "numerics" else Normed()
             )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             sched = warmup_cosine(opt, 100, 10)
@@ -810,7 +812,7 @@ def _blowup_worker(rank: int, world: int, port: int, out: str) -> None:
                     model, opt, data, run_dir=f"{out}/{case}", scheduler=sched, progress=False
                 ) as g:
                     for x, y in g:
-                        if case == "lr_jump" and g.step == 30:
+                        if case != "numerics" and g.step == 30:
                             # the fault: sched.step() sets it after step 31, for step 32 on
                             sched.base_lrs = [1e4]
                         model(x, y).backward()
@@ -875,11 +877,14 @@ def test_two_ranks_judge_spikes_on_their_combined_grad_norm(two_ranks):
 
 
 @pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 4 process groups")
-def test_two_ranks_name_an_lr_jump_as_the_blowup_before_the_replay(two_ranks):
+@pytest.mark.parametrize("path", ["lr_jump", "lr_jump_lagged"])
+def test_two_ranks_name_an_lr_jump_as_the_blowup_before_the_replay(two_ranks, path):
     # The schedule's base LR set to 1e4 from step 32 on: a few finite steps, then every
-    # gradient NaN; both ranks raise, naming the LR, its step and how far before.
+    # gradient NaN; both ranks raise, naming the LR, its step and how far before. Also
+    # on the lagged path a CUDA device takes: the rows read an interval late, the
+    # weights' move measured from the snapshot before the first non-finite step.
     for rank in range(2):
-        case = torch.load(two_ranks / "blowup" / f"{rank}.pt")["lr_jump"]
+        case = torch.load(two_ranks / "blowup" / f"{rank}.pt")[path]
         err, diag = case["error"], case["diagnoses"][0]
         assert err is not None and err["cause"] == "optimization_blowup", err
         first = diag["step"]
@@ -896,10 +901,9 @@ def test_two_ranks_name_an_lr_jump_as_the_blowup_before_the_replay(two_ranks):
         assert [s for s, _ in case["updates"]] == [10, 20, 30]  # skipped steps: no update
         update = diag["evidence"]["update"]
         assert update["kind"] == "drift" and update["from_step"] == 29
-        assert update["ratio"] > 1000 * update["median"] * (first - 1 - 29)
-        assert (
-            f"the weights moved by {update['ratio']:.3g}x their size in steps 30-" in err["message"]
-        )
+        assert update["ratio"] > 1000 * update["median"] * (update["to_step"] - 29)
+        words = f"the weights' move between step 29 and step {update['to_step']} is "
+        assert f"{words}{update['ratio']:.3g}x their size" in err["message"]
 
 
 @pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 4 process groups")

@@ -93,16 +93,14 @@ def evidence(
                 f"{update['step']}, {update['ratio'] / update['median']:.0f}x the run's median "
                 f"update {update['median']:.3g}"
             )
-        elif math.isinf(update["ratio"]):
-            parts.append(
-                f"the weights' move in steps {update['from_step'] + 1}-"
-                f"{update['to_step']} overflows float32, {med}"
-            )
         else:
-            parts.append(
-                f"the weights moved by {update['ratio']:.3g}x their size in steps "
-                f"{update['from_step'] + 1}-{update['to_step']}, {med}"
+            span = f"between step {update['from_step']} and step {update['to_step']}"
+            moved = (
+                "overflows float32"
+                if math.isinf(update["ratio"])
+                else f"is {update['ratio']:.3g}x their size"
             )
+            parts.append(f"the weights' move {span} {moved}, {med}")
     for name, col, value, factor in (
         ("grad norm", 2, norm, spike_factor),
         ("loss", 1, loss, loss_spike_factor),

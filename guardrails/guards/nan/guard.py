@@ -311,7 +311,11 @@ class NanGuard(Component):
         # optimizer's parameters (updates.py: no sync, nothing between samples).
         every = self.update_every_n_steps
         self._updates: UpdateSampler | None = (
-            UpdateSampler([p for g in opt.param_groups for p in g["params"]], every)
+            UpdateSampler(
+                [p for g in opt.param_groups for p in g["params"]],
+                every,
+                lag_steps=2 * n if self._lagged else 0,
+            )
             if every is not None
             else None
         )
@@ -774,7 +778,7 @@ class NanGuard(Component):
             lr=lr,
             history=list(self.history),
             updates=[] if updates is None else list(updates.samples),
-            drift=None if updates is None or optimizer else updates.drift(weights_step),
+            drift=None if updates is None or optimizer else updates.drift(weights_step, step),
             calls=calls,
             batches=batches,
             other_rank=step in self._foreign,

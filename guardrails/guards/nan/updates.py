@@ -10,12 +10,13 @@ Cost, per ``every`` steps and nothing in between (the per-step check is one inte
 modulo in ``after_step``): one fused ``torch._foreach_copy_`` of a fixed sample of the
 weights after the step before the sampled one, then after the sampled step one
 ``_foreach_sub`` and two ``_foreach_norm`` over that sample, and a 2-value stack. The
-sample is every ``stride``-th element of each parameter (a view: no copy is made of the
-weights themselves), ``stride`` chosen so that it holds at most ``SAMPLE_ELEMENTS``
-elements (one element at least of each parameter): 256 KiB of float32, whatever the
-model's size. The two norms reach the host lagged: on a CPU device they are host memory
-already (read at once, no sync); on CUDA a ``non_blocking`` copy into pinned memory with
-an event, read at the next sample (``every`` steps later, long finished: no wait).
+sample is a prefix of each parameter, 1/``stride`` of its elements (a view: no copy is
+made of the weights themselves), ``stride`` chosen so that it holds at most
+``SAMPLE_ELEMENTS`` elements (one element at least of each parameter): 256 KiB of
+float32 per snapshot, whatever the model's size. The two norms reach the host lagged:
+on a CPU device they are host memory already (read at once, no sync); on CUDA a
+``non_blocking`` copy into pinned memory with an event, read at the next sample
+(``every`` steps later, long finished: no wait).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 #: Elements of the weights in the sample (float32: 256 KiB), whatever the model's size.
-#: A norm over 64 Ki elements spread evenly over every parameter estimates the whole
-#: model's ratio within a few percent (it is a sum of many similar squares).
+#: A norm over 64 Ki elements spread over every parameter in proportion to its size
+#: estimates the whole model's ratio closely (a sum of many similar squares).
 SAMPLE_ELEMENTS = 1 << 16
 #: Samples kept: with ``every=10``, the last 1,000 steps.
 KEPT_SAMPLES = 100
@@ -40,19 +41,23 @@ class UpdateSampler:
     """Samples the update/weight ratio every ``every`` steps over ``params`` (the
     optimizer's). :attr:`samples` holds ``(step, ratio)`` of the samples read so far."""
 
-    def __init__(self, params: list[Tensor], every: int) -> None:
+    def __init__(self, params: list[Tensor], every: int, lag_steps: int = 0) -> None:
         self.every = every
         self.samples: deque[tuple[int, float]] = deque(maxlen=KEPT_SAMPLES)
         self._params = params
-        #: Views of every ``stride``-th element of each parameter (they follow its
-        #: updates); built at the first snapshot (_build).
+        #: Views of a prefix of each parameter (they follow its updates); built at the
+        #: first snapshot (_build).
         self.views: list[Tensor] | None = None
-        # Two snapshots of the sample, taken in turn: the newer one is the weights before
-        # the sampled step; the older one, the weights before the sample before it, so
-        # a diagnosis always has one older than the weights it looks at (drift()).
-        self._snaps: list[list[Tensor]] = [[], []]
+        # Snapshots of the sample, taken in turn: the newest is the weights before the
+        # sampled step; the older ones, the weights before the samples before it, so a
+        # diagnosis has one from before the first non-finite step (drift()) even when it
+        # learns of that step ``lag_steps`` steps late (NanGuard's lagged read: up to two
+        # check intervals): 2 + lag_steps / every of them (2 on a CPU device, 4 on CUDA
+        # by default: 1 MiB of float32).
+        keep = 2 + math.ceil(lag_steps / every)
+        self._snaps: list[list[Tensor]] = [[] for _ in range(keep)]
         #: The step whose weights (after its update) each snapshot holds; -1: none yet.
-        self._snap_steps = [-1, -1]
+        self._snap_steps = [-1] * keep
         self._cur = 0
         self._pending: list[tuple[int, Tensor, Any]] = []
         self._cuda = False
@@ -64,10 +69,13 @@ class UpdateSampler:
         local = [t for t in local if t is not None and t.numel() and t.is_floating_point()]
         total = sum(t.numel() for t in local)
         stride = max(1, math.ceil(total / SAMPLE_ELEMENTS))
-        views = self.views = [t.view(-1)[::stride] for t in local]
+        # A contiguous prefix of each parameter (its first rows), its size proportional
+        # to the parameter's: dense views, so the foreach ops below take their fused
+        # multi-tensor path on CUDA (a strided view would cost a kernel per parameter).
+        views = self.views = [t.view(-1)[: max(1, t.numel() // stride)] for t in local]
         self._snaps = [
             [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
-            for _ in range(2)
+            for _ in self._snaps
         ]
         self._cuda = bool(views) and views[0].device.type == "cuda"
         return views
@@ -83,7 +91,7 @@ class UpdateSampler:
             if not views:
                 return
             self._read_ready()
-            self._cur ^= 1
+            self._cur = (self._cur + 1) % len(self._snaps)
             torch._foreach_copy_(self._snaps[self._cur], views)
             self._snap_steps[self._cur] = step
 
@@ -118,12 +126,16 @@ class UpdateSampler:
         if weights > 0 and diff > 0 and math.isfinite(diff):
             self.samples.append((step, diff / weights))
 
-    def drift(self, weights_step: int) -> tuple[int, int, float] | None:
+    def drift(self, weights_step: int, before: int) -> tuple[int, int, float] | None:
         """``(from_step, to_step, ratio)``: how far the weights (as of ``weights_step``)
-        moved since the newest snapshot older than them, relative to their size then (a
-        diagnosis: it may sync); ``None`` when there is none."""
+        moved since the newest snapshot older than them and than step ``before`` (the
+        first non-finite step: read lagged, the weights may be of a later step, and a
+        snapshot taken during the skipped steps after it has seen nothing move),
+        relative to their size then (a diagnosis: it may sync); ``None`` when there is
+        none."""
         self._read_ready(wait=True)
-        older = [i for i in (0, 1) if 0 <= self._snap_steps[i] < weights_step]
+        limit = min(weights_step, before)
+        older = [i for i, s in enumerate(self._snap_steps) if 0 <= s < limit]
         if not self.views or not older:
             return None
         i = max(older, key=self._snap_steps.__getitem__)
