@@ -155,7 +155,7 @@ def _diagnose(
     lr: float,
     history: list[tuple[int, float, float, float]],
     updates: list[tuple[int, float]],
-    drift: tuple[int, int, float] | None,
+    drift: Callable[[], tuple[int, int, float] | None] | None,
     calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] | None,
     batches: list[Any] | None,
     other_rank: bool,
@@ -193,7 +193,7 @@ def _diagnose(
         norm=norm,
         lr=lr,
         updates=updates,
-        drift=drift,
+        drift=None if drift is None else drift(),
         spike_factor=spike_factor,
         loss_spike_factor=loss_spike_factor,
     )

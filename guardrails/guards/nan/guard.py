@@ -778,7 +778,11 @@ class NanGuard(Component):
             lr=lr,
             history=list(self.history),
             updates=[] if updates is None else list(updates.samples),
-            drift=None if updates is None or optimizer else updates.drift(weights_step, step),
+            # Called inside the diagnosis (it reads the device: the diagnosis lifts
+            # torch.cuda.set_sync_debug_mode for its duration).
+            drift=None
+            if updates is None or optimizer
+            else lambda: updates.drift(weights_step, step),
             calls=calls,
             batches=batches,
             other_rank=step in self._foreign,
