@@ -296,6 +296,37 @@ def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path, lagged):
     assert "check the LR schedule" in err.hint and "lower the LR" in err.hint
 
 
+def test_update_size_is_sampled_exactly_every_n_steps(tmp_path):
+    # A model under the sample's size: the sample is every weight, so the ratio is the
+    # update's exact ||dw|| / ||w||, at steps 5, 10, 15 (update_every_n_steps=5).
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    exact = {}
+    with guardrails.guard(
+        model, opt, batches(17), run_dir=tmp_path, nan={"update_every_n_steps": 5}
+    ) as g:
+        for x, y in g:
+            before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            after = torch.cat([p.detach().flatten() for p in model.parameters()])
+            exact[g.step] = float((after - before).norm() / before.norm())
+    nan = next(c for c in g.components if isinstance(c, NanGuard))
+    assert [s for s, _ in nan._updates.samples] == [5, 10, 15]
+    for step, ratio in nan._updates.samples:
+        assert ratio == pytest.approx(exact[step], rel=1e-5)
+    # The weights' move since a snapshot (a diagnosis's drift): from step 14's weights.
+    first, last, moved = nan._updates.drift(17, before=18)
+    assert (first, last) == (14, 17) and moved > 0
+    with guardrails.guard(
+        model, opt, batches(12), run_dir=tmp_path / "off", nan={"update_every_n_steps": None}
+    ) as off:
+        train_loop(off, model, opt)
+    assert next(c for c in off.components if isinstance(c, NanGuard))._updates is None
+
+
 def test_blowup_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
     # nanoGPT's loop: AdamW, clip_grad_norm_(model.parameters(), 1.0) every step, and
     # the LR blown up to 1e4. "clip the global grad norm" is no fix for a loop that

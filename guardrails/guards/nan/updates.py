@@ -67,6 +67,8 @@ class UpdateSampler:
         their shapes by then (a forward has run)."""
         local = [_local(p) for p in self._params if not is_lazy(p)]
         local = [t for t in local if t is not None and t.numel() and t.is_floating_point()]
+        # One device (a model split over devices: the first one's parameters).
+        local = [t for t in local if t.device == local[0].device]
         total = sum(t.numel() for t in local)
         stride = max(1, math.ceil(total / SAMPLE_ELEMENTS))
         # A contiguous prefix of each parameter (its first rows), its size proportional
@@ -99,12 +101,7 @@ class UpdateSampler:
         with torch.no_grad():
             snaps = self._snaps[self._cur]
             diffs = torch._foreach_sub(self.views, snaps)
-            both = torch.stack(
-                (
-                    torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diffs))),
-                    torch.linalg.vector_norm(torch.stack(torch._foreach_norm(snaps))),
-                )
-            ).float()
+            both = torch.stack((_norm(diffs), _norm(snaps)))
         if not self._cuda:
             self._record(step, both.tolist())  # host memory: no sync
             return
@@ -141,9 +138,8 @@ class UpdateSampler:
         i = max(older, key=self._snap_steps.__getitem__)
         snaps = self._snaps[i]
         with torch.no_grad():
-            diff = torch.stack(torch._foreach_norm(torch._foreach_sub(self.views, snaps)))
-            size = torch.stack(torch._foreach_norm(snaps))
-            d, w = (float(torch.linalg.vector_norm(t.float())) for t in (diff, size))
+            d = float(_norm(torch._foreach_sub(self.views, snaps)))
+            w = float(_norm(snaps))
         if not w > 0:
             return None
         return self._snap_steps[i], weights_step, d / w if math.isfinite(d) else math.inf
@@ -153,6 +149,12 @@ class UpdateSampler:
 
     def load_state_dict(self, samples: list[list[float]]) -> None:
         self.samples.extend((int(s), float(r)) for s, r in samples)
+
+
+def _norm(tensors: list[Tensor]) -> Tensor:
+    """The 2-norm of all of ``tensors`` together, in float32 (a float16 sample's norm
+    would overflow at 65504): one fused ``_foreach_norm`` and a norm of its results."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, torch.float32)))
 
 
 def _local(p: Tensor) -> Tensor | None:
