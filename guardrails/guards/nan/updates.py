@@ -61,6 +61,7 @@ class UpdateSampler:
         self._cur = 0
         self._pending: list[tuple[int, Tensor, Any]] = []
         self._cuda = False
+        self._dtype = torch.float32
 
     def _build(self) -> list[Tensor]:
         """The sample's views, at the first snapshot: a lazy module's parameters have
@@ -80,6 +81,8 @@ class UpdateSampler:
             for _ in self._snaps
         ]
         self._cuda = bool(views) and views[0].device.type == "cuda"
+        wide = any(v.dtype == torch.float64 for v in views)
+        self._dtype = torch.float64 if wide else torch.float32
         return views
 
     def after_step(self, step: int) -> None:
@@ -101,7 +104,7 @@ class UpdateSampler:
         with torch.no_grad():
             snaps = self._snaps[self._cur]
             diffs = torch._foreach_sub(self.views, snaps)
-            both = torch.stack((_norm(diffs), _norm(snaps)))
+            both = torch.stack((_norm(diffs, self._dtype), _norm(snaps, self._dtype)))
         if not self._cuda:
             self._record(step, both.tolist())  # host memory: no sync
             return
@@ -138,8 +141,8 @@ class UpdateSampler:
         i = max(older, key=self._snap_steps.__getitem__)
         snaps = self._snaps[i]
         with torch.no_grad():
-            d = float(_norm(torch._foreach_sub(self.views, snaps)))
-            w = float(_norm(snaps))
+            d = float(_norm(torch._foreach_sub(self.views, snaps), self._dtype))
+            w = float(_norm(snaps, self._dtype))
         if not w > 0:
             return None
         return self._snap_steps[i], weights_step, d / w if math.isfinite(d) else math.inf
@@ -151,10 +154,11 @@ class UpdateSampler:
         self.samples.extend((int(s), float(r)) for s, r in samples)
 
 
-def _norm(tensors: list[Tensor]) -> Tensor:
-    """The 2-norm of all of ``tensors`` together, in float32 (a float16 sample's norm
-    would overflow at 65504): one fused ``_foreach_norm`` and a norm of its results."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, torch.float32)))
+def _norm(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The 2-norm of all of ``tensors`` together, in ``dtype`` (float32, or float64 for
+    float64 weights: a float16 sample's own norm would overflow at 65504): one fused
+    ``_foreach_norm`` and a norm of its results."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, dtype)))
 
 
 def _local(p: Tensor) -> Tensor | None:
