@@ -171,12 +171,11 @@ class NanGuard(Component):
                 steps, no host sync. ``None``: off. Default 10.
             divergence_factor: a ``divergence`` warning when the median of the last
                 ``divergence_steps`` losses stays over this many times the median of the
-                window's steps before them (and over 5x the loss's usual spread), while
-                every value is finite: a loss that jumped and stays up. ``None``: off.
-                Default 2.
+                4 x ``divergence_steps`` steps before them (and over 5x the loss's usual
+                spread), while every value is finite: a loss that jumped and stays up.
+                ``None``: off. Default 2.
             divergence_steps: how many recent steps must, by their median, be up (so a
-                one-step spike is not a divergence). At most half of ``window_steps``.
-                Default 20.
+                one-step spike is not a divergence). Default 20.
         """
 
         policy: str = "skip"
@@ -207,12 +206,6 @@ class NanGuard(Component):
             if self.update_every_n_steps is not None:
                 positive_int("update_every_n_steps", self.update_every_n_steps)
             positive_int("divergence_steps", self.divergence_steps)
-            if 2 * self.divergence_steps > self.window_steps:
-                raise ValueError(
-                    f"divergence_steps must be at most half of window_steps (the rest of the "
-                    f"window is the level it is judged against); got divergence_steps="
-                    f"{self.divergence_steps} with window_steps={self.window_steps}"
-                )
             if self.divergence_factor is not None:
                 non_negative("divergence_factor", self.divergence_factor)
                 if self.divergence_factor <= 1:
@@ -593,7 +586,7 @@ class NanGuard(Component):
             "nonfinite_steps": self.nonfinite_steps[-1000:],
             "streak": list(self._streak),
             "updates": [] if self._updates is None else self._updates.state_dict(),
-            "divergence": None if self._divergence is None else self._divergence.current,
+            "divergence": None if self._divergence is None else self._divergence.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -606,7 +599,7 @@ class NanGuard(Component):
         if self._updates is not None:
             self._updates.load_state_dict(state.get("updates", []))
         if self._divergence is not None:
-            self._divergence.current = state.get("divergence")
+            self._divergence.load_state_dict(state.get("divergence"))
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
@@ -752,7 +745,8 @@ class NanGuard(Component):
         self.history.extend(rows)
         self._health.observe(self._guard, rows)
         if self._divergence is not None:
-            found = self._divergence.check(self._losses.values, self.history)
+            self._divergence.add(rows)
+            found = self._divergence.check()
             if found is not None:
                 self._divergence_event(found)
 

@@ -7,9 +7,10 @@ not protected), and a run whose weights moved 100x more in one step than in any 
 before is diverging before anything is non-finite.
 
 Cost, per ``every`` steps and nothing in between (the per-step check is one integer
-modulo in ``after_step``): one fused ``torch._foreach_copy_`` of a fixed sample of the
-weights after the step before the sampled one, then after the sampled step one
-``_foreach_sub`` and two ``_foreach_norm`` over that sample, and a 2-value stack. The
+modulo in ``after_step``): one ``torch.cat`` of a fixed sample of the weights into a
+flat buffer after the step before the sampled one, then after the sampled step another
+into a scratch buffer, a subtraction and two norms over that sample, and a 2-value
+stack. The
 sample is a prefix of each parameter, 1/``stride`` of its elements (a view: no copy is
 made of the weights themselves), ``stride`` chosen so that it holds at most
 ``SAMPLE_ELEMENTS`` elements (one element at least of each parameter): 256 KiB of
@@ -55,7 +56,9 @@ class UpdateSampler:
         # check intervals): 2 + lag_steps / every of them (2 on a CPU device, 4 on CUDA
         # by default: 1 MiB of float32).
         keep = 2 + math.ceil(lag_steps / every)
-        self._snaps: list[list[Tensor]] = [[] for _ in range(keep)]
+        self._snaps: list[Tensor] = []
+        self._keep = keep
+        self._scratch: Tensor | None = None
         #: The step whose weights (after its update) each snapshot holds; -1: none yet.
         self._snap_steps = [-1] * keep
         self._cur = 0
@@ -73,16 +76,22 @@ class UpdateSampler:
         total = sum(t.numel() for t in local)
         stride = max(1, math.ceil(total / SAMPLE_ELEMENTS))
         # A contiguous prefix of each parameter (its first rows), its size proportional
-        # to the parameter's: dense views, so the foreach ops below take their fused
-        # multi-tensor path on CUDA (a strided view would cost a kernel per parameter).
+        # to the parameter's.
         views = self.views = [t.view(-1)[: max(1, t.numel() // stride)] for t in local]
-        self._snaps = [
-            [torch.empty_like(v, memory_format=torch.contiguous_format) for v in views]
-            for _ in self._snaps
-        ]
-        self._cuda = bool(views) and views[0].device.type == "cuda"
+        if not views:
+            return views
+        # The sample is gathered into one flat buffer by one torch.cat (a batched copy
+        # kernel on CUDA; on a CPU, 148 parameters of GPT-2 small cost one cat, where
+        # foreach ops loop over the tensors: 5-7x slower on a 2-core VM), cast to float32 (a
+        # float16 sample's norm would overflow at 65504; float64 weights stay float64).
         wide = any(v.dtype == torch.float64 for v in views)
         self._dtype = torch.float64 if wide else torch.float32
+        size, device = sum(v.numel() for v in views), views[0].device
+        self._snaps = [
+            torch.empty(size, dtype=self._dtype, device=device) for _ in range(self._keep)
+        ]
+        self._scratch = torch.empty(size, dtype=self._dtype, device=device)
+        self._cuda = device.type == "cuda"
         return views
 
     def after_step(self, step: int) -> None:
@@ -97,14 +106,12 @@ class UpdateSampler:
                 return
             self._read_ready()
             self._cur = (self._cur + 1) % len(self._snaps)
-            torch._foreach_copy_(self._snaps[self._cur], views)
+            with torch.no_grad():
+                torch.cat(views, out=self._snaps[self._cur])
             self._snap_steps[self._cur] = step
 
     def _measure(self, step: int) -> None:
-        with torch.no_grad():
-            snaps = self._snaps[self._cur]
-            diffs = torch._foreach_sub(self.views, snaps)
-            both = torch.stack((_norm(diffs, self._dtype), _norm(snaps, self._dtype)))
+        both = self._move(self._snaps[self._cur])
         if not self._cuda:
             self._record(step, both.tolist())  # host memory: no sync
             return
@@ -113,6 +120,14 @@ class UpdateSampler:
         event = torch.cuda.Event()
         event.record()
         self._pending.append((step, host, event))
+
+    def _move(self, snap: Tensor) -> Tensor:
+        """``(||w - snap||, ||snap||)`` over the sample, on its device."""
+        with torch.no_grad():
+            now = torch.cat(self.views, out=self._scratch)  # type: ignore[arg-type]
+            return torch.stack(
+                (torch.linalg.vector_norm(now.sub_(snap)), torch.linalg.vector_norm(snap))
+            )
 
     def _read_ready(self, *, wait: bool = False) -> None:
         while self._pending and (wait or self._pending[0][2].query()):
@@ -139,10 +154,7 @@ class UpdateSampler:
         if not self.views or not older:
             return None
         i = max(older, key=self._snap_steps.__getitem__)
-        snaps = self._snaps[i]
-        with torch.no_grad():
-            d = float(_norm(torch._foreach_sub(self.views, snaps), self._dtype))
-            w = float(_norm(snaps, self._dtype))
+        d, w = self._move(self._snaps[i]).tolist()
         if not w > 0:
             return None
         return self._snap_steps[i], weights_step, d / w if math.isfinite(d) else math.inf
@@ -152,13 +164,6 @@ class UpdateSampler:
 
     def load_state_dict(self, samples: list[list[float]]) -> None:
         self.samples.extend((int(s), float(r)) for s, r in samples)
-
-
-def _norm(tensors: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """The 2-norm of all of ``tensors`` together, in ``dtype`` (float32, or float64 for
-    float64 weights: a float16 sample's own norm would overflow at 65504): one fused
-    ``_foreach_norm`` and a norm of its results."""
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, dtype)))
 
 
 def _local(p: Tensor) -> Tensor | None:
