@@ -834,7 +834,7 @@ def _blowup_worker(rank: int, world: int, port: int, out: str) -> None:
             )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             sched = warmup_cosine(opt, 100, 10)
-            data = batches(60, seed=rank)
+            data = batches(30 if case == "numerics" else 60, seed=rank)
             if case == "numerics" and rank == 1:
                 data[24][0][2] = 0.0  # step 25, sample row 2: finite data, h == 0
             error = None
@@ -949,7 +949,7 @@ def test_two_ranks_keep_a_numerics_bug_a_numerics_diagnosis(two_ranks):
     assert "backward produces NaN/Inf in the gradients of [a.weight]" in diag["message"]
     assert "evidence" not in diag and "learning rate" not in diag["message"]
     assert r0["diagnoses"][0]["cause"] == "other_rank"
-    assert len(r1["updates"]) >= 5
+    assert [s for s, _ in r1["updates"]] == [10, 20, 30]
 
 
 # ---------------------------------------------------------------------- buffers
