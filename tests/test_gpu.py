@@ -367,6 +367,37 @@ def test_raise_policy_raises_within_two_check_intervals(tmp_path):
     assert 13 <= g.step <= 13 + 2 * 10
 
 
+def test_an_lr_jump_on_cuda_names_the_lr_and_the_sampled_update(tmp_path):
+    """The LR set to 1e4 after step 30 (the example's nan_lr): the diagnosis, read
+    lagged, names the jump at step 31 and the weights' move measured from the update
+    sample's snapshot before the first non-finite step (the fast path of the sampler is
+    sync-free: test_guarded_loop_never_syncs runs three samples under the sync check)."""
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batches = data(device, 4)
+    with pytest.raises(guardrails.NonFiniteError) as info:
+        with guardrails.guard(model, opt, batches * 20, run_dir=tmp_path, progress=False) as g:
+            for x, y in g:
+                if g.step == 30:
+                    opt.param_groups[0]["lr"] = 1e4  # the fault
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    err = info.value
+    assert err.cause == "optimization_blowup", str(err)
+    assert "the learning rate jumped from 0.001 to 1e+04 at step 31" in str(err)
+    assert "check the LR schedule" in err.hint
+    nan = next(c for c in g.components if isinstance(c, guardrails.NanGuard))
+    evidence = nan.diagnoses[0]["evidence"]
+    assert evidence["lr_jump"]["step"] == 31
+    assert [s for s, _ in nan._updates.samples][:3] == [10, 20, 30]
+    update = evidence["update"]
+    assert update["from_step"] < err.step and update["ratio"] > 100 * update["median"]
+
+
 def test_a_non_fused_optimizer_pays_one_sync_per_step(tmp_path):
     device = torch.device("cuda")
     model = gpt(device)

@@ -17,6 +17,7 @@ from torch import nn
 
 import guardrails
 from guardrails import NanGuard, NonFiniteError
+from guardrails.guards.nan import blowup
 
 OPTIMIZERS = {
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
@@ -271,7 +272,7 @@ def test_replay_does_not_perturb_a_deterministic_run(tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path):
+def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path, lagged):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -287,9 +288,43 @@ def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path):
                 opt.zero_grad()
     err = info.value
     assert err.cause == "optimization_blowup", str(err)
-    assert err.step > 30
-    assert "lower the peak LR" in err.hint and "clip" in err.hint
-    assert "x its median" in str(err)
+    assert err.step > 31
+    # The LR first, with the step it jumped at: guard step 31 is the one after g.step 30.
+    assert f"the learning rate jumped from 0.05 to 1e+08 at step 31, {err.step - 31} step" in str(
+        err
+    )
+    assert "check the LR schedule" in err.hint and "lower the LR" in err.hint
+
+
+def test_update_size_is_sampled_exactly_every_n_steps(tmp_path):
+    # A model under the sample's size: the sample is every weight, so the ratio is the
+    # update's exact ||dw|| / ||w||, at steps 5, 10, 15 (update_every_n_steps=5).
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    exact = {}
+    with guardrails.guard(
+        model, opt, batches(17), run_dir=tmp_path, nan={"update_every_n_steps": 5}
+    ) as g:
+        for x, y in g:
+            before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            after = torch.cat([p.detach().flatten() for p in model.parameters()])
+            exact[g.step] = float((after - before).norm() / before.norm())
+    nan = next(c for c in g.components if isinstance(c, NanGuard))
+    assert [s for s, _ in nan._updates.samples] == [5, 10, 15]
+    for step, ratio in nan._updates.samples:
+        assert ratio == pytest.approx(exact[step], rel=1e-5)
+    # The weights' move since a snapshot (a diagnosis's drift): from step 14's weights.
+    first, last, moved = nan._updates.drift(17, before=18)
+    assert (first, last) == (14, 17) and moved > 0
+    with guardrails.guard(
+        model, opt, batches(12), run_dir=tmp_path / "off", nan={"update_every_n_steps": None}
+    ) as off:
+        train_loop(off, model, opt)
+    assert next(c for c in off.components if isinstance(c, NanGuard))._updates is None
 
 
 def test_blowup_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
@@ -312,7 +347,7 @@ def test_blowup_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
                 opt.zero_grad()
     err = info.value
     assert err.cause == "optimization_blowup", str(err)
-    assert "lower the peak LR" in err.hint and "clips the grad norm already" in err.hint
+    assert "lower the LR" in err.hint and "clips the grad norm already" in err.hint
     assert "clip_grad_norm_(1.0)" not in err.hint
     spikes = [e for e in read_events(tmp_path) if e["kind"] == "spike"]
     assert spikes and all("clips the grad norm already" in e["message"] for e in spikes)
@@ -428,6 +463,23 @@ def test_healthy_run_with_warmup_and_decay_has_no_spike(tmp_path):
     spikes, nan = _scheduled_run(tmp_path, steps=300, batch=4)
     assert spikes == [] and list(nan.spikes) == []
     assert nan.nonfinite_steps == [] and len(nan.history) == 100  # all judged, 100 kept
+    assert nan.divergences == [] and "divergence" not in {e["kind"] for e in read_events(tmp_path)}
+    # Had any step of it gone non-finite, its history names no blow-up: warmup's climb,
+    # the cosine's decay, the noise of the loss and of the sampled update are its own.
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(tmp_path / "metrics.parquet").to_pydict()
+    history = list(zip(rows["step"], rows["loss"], rows["grad_norm"], rows["lr"], strict=True))
+    updates = list(nan._updates.samples)
+    assert len(history) == 300 and len(updates) == 30
+    for end in range(2, len(history) + 1):
+        s, loss, norm, lr = history[end - 1]
+        found = blowup.evidence(
+            history[max(0, end - 101) : end - 1], step=s, loss=loss, norm=norm, lr=lr,
+            updates=[u for u in updates if u[0] < s], drift=None,
+            spike_factor=5.0, loss_spike_factor=4.0,
+        )  # fmt: skip
+        assert found is None, (s, found)
 
 
 def test_planted_spike_is_one_event_at_its_step(tmp_path):
@@ -445,6 +497,65 @@ def test_planted_spike_is_one_event_at_its_step(tmp_path):
     _scheduled_run(tmp_path / "b", 300, 4, lambda step: 50.0 if step == 150 else 1.0, 140)
     resumed, _ = _scheduled_run(tmp_path / "b", 300, 4, lambda step: 50.0 if step == 150 else 1.0)
     assert [{**r, "time": 0} for r in resumed] == [{**e, "time": 0}]
+
+
+def _divergence_run(run_dir, steps: int = 200, lr_at: int | None = None):
+    """A seeded Regressor on 32-sample batches under AdamW, 10% warmup then cosine
+    decay, an evaluation pass every 50 steps and a data-mix change at step 100 (its
+    targets 1.25x from there: the loss ~1.5x up for good); with ``lr_at``, the
+    schedule's base LR set to 10 after that step: the loss diverges and stays finite.
+    Returns the divergence events, the NanGuard and the losses."""
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = warmup_cosine(opt, steps, steps // 10)
+    data = batches(steps, batch=32)
+    data = data[:100] + [(x, 1.25 * y) for x, y in data[100:]]
+    losses = []
+    with guardrails.guard(model, opt, data, run_dir=run_dir, scheduler=sched) as g:
+        for x, y in g:
+            if g.step == lr_at:
+                sched.base_lrs = [10.0]  # the fault
+            loss = model(x, y)
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            if g.step % 50 == 0:  # an evaluation: forwards only, no step
+                with torch.no_grad():
+                    model(*batches(4, batch=32, seed=1)[0])
+    nan = next(c for c in g.components if isinstance(c, NanGuard))
+    return [e for e in read_events(run_dir) if e["kind"] == "divergence"], nan, losses
+
+
+@pytest.mark.slow(reason="a 200-step training run (~4 s on 2 busy cores)")
+def test_healthy_run_with_a_data_mix_change_has_no_divergence(tmp_path):
+    events, nan, losses = _divergence_run(tmp_path)
+    assert events == [] and nan.divergences == []
+    # Not vacuous: the mix change did raise the loss for good, under divergence_factor.
+    before, after = sorted(losses[80:100])[10], sorted(losses[100:200])[50]
+    assert 1.2 * before < after < 2 * before
+
+
+@pytest.mark.slow(reason="a 200-step training run (~4 s on 2 busy cores)")
+def test_planted_divergence_is_one_warning_with_its_start_step(tmp_path):
+    # The LR 10 (the schedule's base) from step 122 on: the loss jumps 50x and stays up,
+    # every value finite; one warning, at the step it started, naming the LR.
+    events, nan, losses = _divergence_run(tmp_path, lr_at=120)
+    assert nan.nonfinite_steps == [] and all(math.isfinite(v) for v in losses)
+    (e,) = events
+    assert e["level"] == "warning" and 122 <= e["step"] <= 125, e
+    assert e["value"] > 10 * e["median"] and e["threshold"] >= 2 * e["median"]
+    assert nan.divergences == [{k: e[k] for k in nan.divergences[0]}]
+    for words in (
+        f"the loss diverged from step {e['step']}",
+        "divergence_factor=2",
+        "Every value is finite",
+        f"the LR went from {e['lr_before']:.3g} to {e['lr']:.3g}",
+        "lower it or check the LR schedule",
+    ):
+        assert words in e["message"], e["message"]
 
 
 def test_steady_rise_of_the_grad_norm_is_not_a_spike(tmp_path):
@@ -561,6 +672,14 @@ def test_knobs_are_checked():
         )
     with pytest.raises(TypeError, match="Did you mean `nan`"):
         guardrails.guard(Regressor(), torch.optim.SGD(Regressor().parameters(), lr=1), nam="raise")
+    with pytest.raises(ValueError, match=r"divergence_factor must be > 1 .* got 0\.9"):
+        NanGuard(divergence_factor=0.9)
+    with pytest.raises(ValueError, match="divergence_steps must be a positive int"):
+        NanGuard(divergence_steps=0)
+    with pytest.raises(ValueError, match="update_every_n_steps must be a positive int"):
+        NanGuard(update_every_n_steps=0)
+    off = NanGuard(divergence_factor=None, update_every_n_steps=None)
+    assert off.divergence_factor is None and off.update_every_n_steps is None
 
 
 def test_a_given_nanguard_replaces_the_default(tmp_path):
@@ -608,7 +727,7 @@ def _ddp_worker(rank: int, world: int, port: int, run_dir: str, out: str, ddp: b
         dist.destroy_process_group()
 
 
-@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 3 process groups")
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 4 process groups")
 @pytest.mark.parametrize("ddp", [True, False], ids=["ddp", "no_ddp"])
 def test_two_ranks_skip_the_same_step(two_ranks, ddp):
     tmp_path = two_ranks / ("ddp" if ddp else "no_ddp")
@@ -656,6 +775,95 @@ def _spike_worker(rank: int, world: int, port: int, run_dir: str, out: str) -> N
         dist.destroy_process_group()
 
 
+class Normed(nn.Module):
+    """A pre-norm residual MLP (a transformer block's shape): its forward stays finite
+    for a few steps of a huge LR, as the issue's normalized transformer did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 32)
+        self.norm = nn.LayerNorm(32)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        h = h + self.mlp(self.norm(h))
+        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+
+
+class SqrtAbs(nn.Module):
+    """sqrt(|h|): finite forward; at h == 0 its backward is 0/0 (a backward-only fault)."""
+
+    def forward(self, h):
+        return h.abs().sqrt()
+
+
+class SqrtNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 16, bias=False)  # an all-zero input row gives h == 0
+        self.act = SqrtAbs()
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.b(self.act(self.a(x))).squeeze(-1), y)
+
+
+def warmup_cosine(opt, steps: int, warmup: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
+
+
+def _blowup_worker(rank: int, world: int, port: int, out: str) -> None:
+    """DDP runs under warmup + cosine decay: the schedule's base LR set to 1e4 at step
+    30 (the LR bug; on NanGuard's CPU path, then on the lagged one), then a numerics bug
+    (sqrt at 0, rank 1's batch of step 25)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for case in ("lr_jump", "lr_jump_lagged", "numerics"):
+            NanGuard._lagged_on_cpu = case == "lr_jump_lagged"
+            torch.manual_seed(0)
+            model = nn.parallel.DistributedDataParallel(
+                SqrtNet() if case == "numerics" else Normed()
+            )
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            sched = warmup_cosine(opt, 100, 10)
+            data = batches(30 if case == "numerics" else 60, seed=rank)
+            if case == "numerics" and rank == 1:
+                data[24][0][2] = 0.0  # step 25, sample row 2: finite data, h == 0
+            error = None
+            try:
+                with guardrails.guard(
+                    model, opt, data, run_dir=f"{out}/{case}", scheduler=sched, progress=False
+                ) as g:
+                    for x, y in g:
+                        if case != "numerics" and g.step == 30:
+                            # the fault: sched.step() sets it after step 31, for step 32 on
+                            sched.base_lrs = [1e4]
+                        model(x, y).backward()
+                        opt.step()
+                        opt.zero_grad()
+                        sched.step()
+            except NonFiniteError as e:
+                error = {"cause": e.cause, "message": str(e), "hint": e.hint, "step": e.step}
+            nan = next(c for c in g.components if isinstance(c, NanGuard))
+            results[case] = {
+                "error": error,
+                "diagnoses": nan.diagnoses,
+                "skipped": nan.nonfinite_steps,
+                "updates": list(nan._updates.samples),
+            }
+        torch.save(results, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def _two_rank_cases(rank: int, world: int, ports: list[int], out: str) -> None:
     """Every two-rank case of this file in one pair of processes (each process costs
     seconds to start), one process group after the other, each case in its folder."""
@@ -665,19 +873,21 @@ def _two_rank_cases(rank: int, world: int, ports: list[int], out: str) -> None:
         _ddp_worker(rank, world, port, str(case / "run"), str(case), ddp)
     Path(out, "spike").mkdir(exist_ok=True)
     _spike_worker(rank, world, ports[2], str(Path(out, "spike", "run")), str(Path(out, "spike")))
+    Path(out, "blowup").mkdir(exist_ok=True)
+    _blowup_worker(rank, world, ports[3], str(Path(out, "blowup")))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     ports: set[int] = set()
-    while len(ports) < 3:  # one store per case
+    while len(ports) < 4:  # one store per case
         ports.add(free_port())
     spawn(_two_rank_cases, (2, sorted(ports), str(out)))
     return out
 
 
-@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 3 process groups")
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 4 process groups")
 def test_two_ranks_judge_spikes_on_their_combined_grad_norm(two_ranks):
     tmp_path = two_ranks / "spike"
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
@@ -695,6 +905,51 @@ def test_two_ranks_judge_spikes_on_their_combined_grad_norm(two_ranks):
         assert sorted(e["rank"] for e in events) == [0, 1]
         assert all("root mean square of the 2 ranks'" in e["message"] for e in events)
     assert ranks[0][False] == ranks[0][True]  # the same run, judged the same on both paths
+
+
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 4 process groups")
+@pytest.mark.parametrize("path", ["lr_jump", "lr_jump_lagged"])
+def test_two_ranks_name_an_lr_jump_as_the_blowup_before_the_replay(two_ranks, path):
+    # The schedule's base LR set to 1e4 from step 32 on: a few finite steps, then every
+    # gradient NaN; both ranks raise, naming the LR, its step and how far before. Also
+    # on the lagged path a CUDA device takes: the rows read an interval late, the
+    # weights' move measured from the snapshot before the first non-finite step.
+    for rank in range(2):
+        case = torch.load(two_ranks / "blowup" / f"{rank}.pt")[path]
+        err, diag = case["error"], case["diagnoses"][0]
+        assert err is not None and err["cause"] == "optimization_blowup", err
+        first = diag["step"]
+        assert first > 32 and err["step"] == first and len(case["skipped"]) == 10
+        jump = diag["evidence"]["lr_jump"]
+        assert jump["step"] == 32 and jump["from"] < 1e-3 and jump["to"] > 1e3
+        gap = first - 32
+        words = f"the learning rate jumped from {jump['from']:.3g} to {jump['to']:.3g} at step 32"
+        assert f"{words}, {gap} step" in err["message"], err["message"]
+        assert f"before the first non-finite step, {first}" in err["message"]
+        assert "check the LR schedule" in err["hint"] and "lower the LR" in err["hint"]
+        # The update, sampled every 10 steps (no sync), and the weights' move since the
+        # last sample: orders of magnitude over the run's own.
+        assert [s for s, _ in case["updates"]] == [10, 20, 30]  # skipped steps: no update
+        update = diag["evidence"]["update"]
+        assert update["kind"] == "drift" and update["from_step"] == 29
+        assert update["ratio"] > 1000 * update["median"] * (update["to_step"] - 29)
+        words = f"the weights' move between step 29 and step {update['to_step']} is "
+        assert f"{words}{update['ratio']:.3g}x their size" in err["message"]
+
+
+@pytest.mark.slow(reason="the shared two-rank fixture: 2 processes, 4 process groups")
+def test_two_ranks_keep_a_numerics_bug_a_numerics_diagnosis(two_ranks):
+    # sqrt at 0 in rank 1's step 25, under the same warmup + cosine schedule: the LR
+    # and the updates are the run's usual, so the replay's verdict stands.
+    r0, r1 = (torch.load(two_ranks / "blowup" / f"{r}.pt")["numerics"] for r in range(2))
+    assert r0["error"] is None and r1["error"] is None  # one step skipped, then on
+    assert r0["skipped"] == r1["skipped"] == [25]
+    diag = r1["diagnoses"][0]
+    assert diag["cause"] == "numerics" and diag["module"] == "a", diag["message"]
+    assert "backward produces NaN/Inf in the gradients of [a.weight]" in diag["message"]
+    assert "evidence" not in diag and "learning rate" not in diag["message"]
+    assert r0["diagnoses"][0]["cause"] == "other_rank"
+    assert [s for s, _ in r1["updates"]] == [10, 20, 30]
 
 
 # ---------------------------------------------------------------------- buffers

@@ -288,6 +288,7 @@ def brief(e: dict) -> dict:
         "cause",
         "samples",
         "module",
+        "evidence",
         "source",
         "steps",
         "message",
@@ -576,7 +577,8 @@ def ddp_nan_sample(b: Bench) -> dict:
 
 def lr_blowup(b: Bench) -> dict:
     """LR 1e4 from iter fault_iter on: skipped steps, then NonFiniteError (exit 81)
-    with cause optimization_blowup. The unguarded run is there for contrast."""
+    with cause optimization_blowup, naming the LR jump at guard step fault_iter + 1
+    first. The unguarded run is there for contrast."""
     tag, base_tag = "lr_blowup-guarded", "lr_blowup-unguarded"
     b.fresh(tag)
     b.fresh(base_tag)
@@ -588,8 +590,17 @@ def lr_blowup(b: Bench) -> dict:
     raised = {r for r, cls in run["failed_with"].items() if cls == "NonFiniteError"}
     codes_ok, reason = exits(run, EXIT_NONFINITE, raised, "raised NonFiniteError")
     ok = codes_ok and "optimization_blowup" in text and causes == {"optimization_blowup"}
+    # The diagnosis names the LR jump, at the step it came (iter S is guard step S + 1).
+    jumps = {
+        (e.get("evidence") or {}).get("lr_jump", {}).get("step")
+        for e in run["nonfinite"]
+        if e["kind"] == "nonfinite"
+    }
+    named = "the learning rate jumped from" in text and f"to 1e+04 at step {b.fault + 1}" in text
+    ok = ok and jumps == {b.fault + 1} and named
     skipped = re.search(r"steps (\d+-\d+), all skipped", text)
     reason += f"; nonfinite causes {sorted(map(str, causes))}"
+    reason += f"; LR jump named at step(s) {sorted(map(str, jumps))}"
     reason += f"; skipped steps {skipped[1]}" if skipped else ""
     error = next((k for k in run["key_lines"] if re.match(r"\[rank \d+, step \d+\] ", k)), "")
     fix = next((k for k in run["key_lines"] if k.startswith("fix: ")), "")

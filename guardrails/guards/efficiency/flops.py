@@ -93,9 +93,12 @@ def tf32_enabled() -> bool:
 
 
 def params_dtype(guard: Guard) -> torch.dtype:
-    """The dtype most of the trained parameters' elements are in."""
+    """The dtype most of the trained parameters' elements are in (a lazy module's
+    parameters, not yet materialized, have no size: left out)."""
     sizes: dict[torch.dtype, int] = {}
     for p in guard.params:
+        if torch.nn.parameter.is_lazy(p):
+            continue
         sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
     return max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
 

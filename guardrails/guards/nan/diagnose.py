@@ -12,9 +12,12 @@ step), and the batches it fetched.
    dataset indices when the batch carries an ``index``/``indices``/``idx`` entry).
 2. ``fp16_overflow``: float16 parameters or float16 autocast with no GradScaler seen:
    anything over 65504 becomes Inf.
-3. ``optimization_blowup``: "a spike one step before the NaN": the grad norm or the
-   loss jumped (``spike_factor`` times the running median) in the last few finite
-   steps, or the LR jumped. Reported with the numbers.
+3. ``optimization_blowup``: the run's own history before the step is far outside its
+   range (``blowup.py``): the LR jumped, the weights moved far more in a step than
+   they used to (the sampled update size), the grad norm or the loss rose over the
+   spike rule's bar. Each named with its numbers and the step it started, the LR
+   first; this comes before the replay's verdict on a module, which an exploding
+   update turns non-finite wherever it happens to overflow first.
 4. ``numerics``: the inputs are finite, yet re-running the step's forward calls (the
    same arguments) with forward hooks finds a module whose output is non-finite: the
    first such module in call order is named, with its type and whether its input was
@@ -42,7 +45,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,6 +55,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from guardrails.engine import model as _model
+from guardrails.guards.nan import blowup as _blowup
 from guardrails.metrics.events import json_safe
 from guardrails.util import files, storage
 from guardrails.util.text import shorten
@@ -61,8 +64,6 @@ if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
 
 NONFINITE_DIR = "nonfinite"
-#: Finite steps before the fault that are searched for a spike.
-LOOKBACK_STEPS = 5
 INDEX_KEYS = ("index", "indices", "idx")
 
 HINTS = {
@@ -116,6 +117,19 @@ HINT_BLOWUP_CLIPPED = (
 )
 
 
+#: ``optimization_blowup``'s hint when the LR jumped just before the fault.
+HINT_LR_JUMP = (
+    "the LR jumped just before the NaN: check the LR schedule (a scheduler stepped per "
+    "batch where it counts epochs, a restart, an LR set by hand or left by a resumed "
+    "scheduler) and lower the LR; this is an optimization blow-up, not a data or "
+    "numerics bug."
+)
+HINT_LR_JUMP_CLIPPED = (
+    " The loop clips the grad norm already (clip_grad_norm_): that bounds the gradient, "
+    "not the update, whose size an Adam-style optimizer sets by the LR."
+)
+
+
 def diagnose(guard: Guard, **kw: Any) -> dict[str, Any]:
     """Classify the non-finite ``step``; save its batch. Returns a JSON-able dict with
     ``cause``, ``message``, ``hint`` and the evidence."""
@@ -140,6 +154,8 @@ def _diagnose(
     norm: float,
     lr: float,
     history: list[tuple[int, float, float, float]],
+    updates: list[tuple[int, float]],
+    drift: Callable[[], tuple[int, int, float] | None] | None,
     calls: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any]]] | None,
     batches: list[Any] | None,
     other_rank: bool,
@@ -170,7 +186,17 @@ def _diagnose(
     bad = [("forward call", *b) for b in _nonfinite_samples(inputs)] if inputs else []
     if not bad and batches:
         bad = [("batch", *b) for b in _nonfinite_samples(batches)]
-    blowup = _blowup_evidence(history, lr, spike_factor, loss_spike_factor)
+    blowup = _blowup.evidence(
+        history,
+        step=step,
+        loss=loss,
+        norm=norm,
+        lr=lr,
+        updates=updates,
+        drift=None if drift is None else drift(),
+        spike_factor=spike_factor,
+        loss_spike_factor=loss_spike_factor,
+    )
     found: dict[str, Any] = {}
     if replay and not bad and not other_rank and (calls or batches):
         found = _replay(guard, calls, batches, replay_fn)
@@ -272,6 +298,8 @@ def _diagnose(
     diag["message"] = msg
     clipped = diag["cause"] == "optimization_blowup" and guard.clip_norm_steps > 0
     diag["hint"] = HINT_BLOWUP_CLIPPED if clipped else HINTS[diag["cause"]]
+    if diag["cause"] == "optimization_blowup" and blowup and blowup["lr_jump"]:
+        diag["hint"] = HINT_LR_JUMP + (HINT_LR_JUMP_CLIPPED if clipped else "")
     if save:
         try:
             diag["path"] = _save(guard, step, inputs, batches, diag)
@@ -291,50 +319,6 @@ def _diagnose(
 
 
 # ---------------------------------------------------------------------- evidence
-
-
-def _blowup_evidence(
-    history: list[tuple[int, float, float, float]],
-    lr: float,
-    spike_factor: float,
-    loss_spike_factor: float,
-) -> dict[str, Any] | None:
-    """A grad-norm / loss spike or an LR jump in the last finite steps before the fault,
-    relative to the steps before them."""
-    if len(history) < LOOKBACK_STEPS + 5:
-        return None
-    recent, earlier = history[-LOOKBACK_STEPS:], history[:-LOOKBACK_STEPS]
-    norm_med = statistics.median(h[2] for h in earlier)
-    losses = [h[1] for h in earlier if h[1] == h[1]]
-    loss_med = statistics.median(losses) if losses else float("nan")
-    lr_med = statistics.median(h[3] for h in earlier)
-    peak_norm = max(h[2] for h in recent)
-    peak_loss = max((h[1] for h in recent if h[1] == h[1]), default=float("nan"))
-    reasons = []
-    if norm_med > 0 and peak_norm > spike_factor * norm_med:
-        reasons.append(
-            f"grad norm up to {peak_norm:.3g}, "
-            f"{peak_norm / norm_med:.0f}x its median {norm_med:.3g}"
-        )
-    if loss_med > 0 and peak_loss > loss_spike_factor * loss_med:
-        reasons.append(f"loss up to {peak_loss:.4g} from a median of {loss_med:.4g}")
-    if lr_med > 0 and lr > 10 * lr_med:
-        reasons.append(f"LR {lr:.3g}, {lr / lr_med:.0f}x its median {lr_med:.3g}")
-    if not reasons:
-        return None
-    trend = ", ".join(f"{h[2]:.3g}" for h in recent)
-    return {
-        "text": "; ".join(reasons) + f" (grad norms of the last {len(recent)} steps: {trend}; "
-        f"LR {lr:.3g})",
-        "evidence": {
-            "grad_norm_median": norm_med,
-            "recent_grad_norms": [h[2] for h in recent],
-            "loss_median": loss_med,
-            "recent_losses": [h[1] for h in recent],
-            "lr": lr,
-            "lr_median": lr_med,
-        },
-    }
 
 
 def _nonfinite_samples(

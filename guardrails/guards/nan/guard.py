@@ -89,8 +89,10 @@ from guardrails.engine.config import configure
 from guardrails.engine.guard import current_lr
 from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
 from guardrails.guards.nan import diagnose
+from guardrails.guards.nan.divergence import Divergence
 from guardrails.guards.nan.health import _Health, _StaleGrads
 from guardrails.guards.nan.spikes import TREND_STEPS, _Series, _spikes
+from guardrails.guards.nan.updates import UpdateSampler
 from guardrails.util.checks import non_negative, positive_int
 from guardrails.util.text import shorten
 
@@ -161,6 +163,19 @@ class NanGuard(Component):
                 forward calls with the arguments they were given.
             max_diagnoses: diagnose (replay and save) at most this many streaks per
                 run. Default 3.
+            update_every_n_steps: measure the update size (how far one optimizer step
+                moved the weights, relative to them, over a fixed sample of at most
+                65,536 of their elements) every this many steps, read lagged: the
+                diagnosis of a non-finite step names an update far above the run's own.
+                Costs one fused copy and two fused norms of the sample per this many
+                steps, no host sync. ``None``: off. Default 10.
+            divergence_factor: a ``divergence`` warning when the median of the last
+                ``divergence_steps`` losses stays over this many times the median of the
+                4 x ``divergence_steps`` steps before them (and over 5x the loss's usual
+                spread), while every value is finite: a loss that jumped and stays up.
+                ``None``: off. Default 2.
+            divergence_steps: how many recent steps must, by their median, be up (so a
+                one-step spike is not a divergence). Default 20.
         """
 
         policy: str = "skip"
@@ -174,6 +189,9 @@ class NanGuard(Component):
         replay: bool = True
         replay_fn: Callable[[Any, Any], Any] | None = None
         max_diagnoses: int = 3
+        update_every_n_steps: int | None = 10
+        divergence_factor: float | None = 2.0
+        divergence_steps: int = 20
 
         def __post_init__(self) -> None:
             if self.policy not in POLICIES:
@@ -185,6 +203,17 @@ class NanGuard(Component):
             positive_int("window_steps", self.window_steps)
             positive_int("max_diagnoses", self.max_diagnoses)
             positive_int("max_spike_events", self.max_spike_events)
+            if self.update_every_n_steps is not None:
+                positive_int("update_every_n_steps", self.update_every_n_steps)
+            positive_int("divergence_steps", self.divergence_steps)
+            if self.divergence_factor is not None:
+                non_negative("divergence_factor", self.divergence_factor)
+                if self.divergence_factor <= 1:
+                    raise ValueError(
+                        "divergence_factor must be > 1 (a multiple of the loss's median) or "
+                        f"None (off), got {self.divergence_factor!r}"
+                    )
+                self.divergence_factor = float(self.divergence_factor)
             for knob in ("spike_factor", "loss_spike_factor"):
                 value = getattr(self, knob)
                 non_negative(knob, value)
@@ -271,6 +300,26 @@ class NanGuard(Component):
         # yet: at most two intervals.
         self._recent: deque[tuple[int, Any, Any]] = deque(maxlen=2 * n + 2)
         self._health = _Health(self.window_steps)
+        # The update size, sampled every update_every_n_steps over the first
+        # optimizer's parameters (updates.py: no sync, nothing between samples).
+        every = self.update_every_n_steps
+        self._updates: UpdateSampler | None = (
+            UpdateSampler(
+                [p for g in opt.param_groups for p in g["params"]],
+                every,
+                lag_steps=2 * n if self._lagged else 0,
+            )
+            if every is not None
+            else None
+        )
+        self._update_every = every or 0
+        self._divergence: Divergence | None = (
+            Divergence(self.divergence_factor, self.divergence_steps)
+            if self.divergence_factor is not None
+            else None
+        )
+        #: Divergences reported this run (the ``divergence`` events' fields).
+        self.divergences: list[dict[str, Any]] = []
         # A forgotten zero_grad(), watched on one parameter for the first steps. Not
         # with several optimizers (a GAN's generator loss backpropagates through the
         # discriminator after its step, legitimately) nor sharded parameters.
@@ -479,6 +528,9 @@ class NanGuard(Component):
             self._stale = None  # the first steps only
         if guard.step <= _Health.CHECK_GRADS_STEPS:
             self._health.after_step(guard, self._param_ids)
+        every = self._update_every
+        if every and (guard.step + 1) % every <= 1:  # the sample's step and the one before
+            self._updates.after_step(guard.step)  # type: ignore[union-attr]
         if self._lagged:
             # The inputs of the steps whose rows the host reads later (the CPU path
             # judges a step inside it, from guard.step_calls).
@@ -533,6 +585,8 @@ class NanGuard(Component):
             "unjudged": [list(r) for r in self._unjudged],
             "nonfinite_steps": self.nonfinite_steps[-1000:],
             "streak": list(self._streak),
+            "updates": [] if self._updates is None else self._updates.state_dict(),
+            "divergence": None if self._divergence is None else self._divergence.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -542,6 +596,10 @@ class NanGuard(Component):
         self._unjudged[:0] = [tuple(r) for r in state.get("unjudged", [])]
         self.nonfinite_steps[:0] = state.get("nonfinite_steps", [])
         self._streak = list(state.get("streak", []))
+        if self._updates is not None:
+            self._updates.load_state_dict(state.get("updates", []))
+        if self._divergence is not None:
+            self._divergence.load_state_dict(state.get("divergence"))
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._set_found:
@@ -686,6 +744,11 @@ class NanGuard(Component):
             series.extend(list(filter(math.isfinite, values)))
         self.history.extend(rows)
         self._health.observe(self._guard, rows)
+        if self._divergence is not None:
+            self._divergence.add(rows)
+            found = self._divergence.check()
+            if found is not None:
+                self._divergence_event(found)
 
     def _diagnose(
         self,
@@ -699,6 +762,8 @@ class NanGuard(Component):
     ) -> dict:
         guard = self._guard
         calls, batches = self._inputs_of(step, now=now)
+        weights_step = step - 1 if now else guard.step
+        updates = self._updates
         diag = diagnose.diagnose(
             guard,
             step=step,
@@ -706,6 +771,12 @@ class NanGuard(Component):
             norm=norm,
             lr=lr,
             history=list(self.history),
+            updates=[] if updates is None else list(updates.samples),
+            # Called inside the diagnosis (it reads the device: the diagnosis lifts
+            # torch.cuda.set_sync_debug_mode for its duration).
+            drift=None
+            if updates is None or optimizer
+            else lambda: updates.drift(weights_step, step),
             calls=calls,
             batches=batches,
             other_rank=step in self._foreign,
@@ -716,7 +787,7 @@ class NanGuard(Component):
             loss_spike_factor=self.loss_spike_factor,
             replay=self.replay and len(self.diagnoses) < self.max_diagnoses,
             replay_fn=self.replay_fn or guard.replay_fn,
-            weights_step=step - 1 if now else guard.step,
+            weights_step=weights_step,
             save=len(self.diagnoses) < self.max_diagnoses,
         )
         self.diagnoses.append(diag)
@@ -793,6 +864,37 @@ class NanGuard(Component):
         if optimizer is None:
             self._streak = []
             self._streak_diag = None
+
+    def _divergence_event(self, found: dict[str, Any]) -> None:
+        """A loss that jumped and stays up, every value finite (``divergence.py``)."""
+        self.divergences.append(found)
+        step, lr, lr_before = found["step"], found["lr"], found["lr_before"]
+        if lr == lr and lr_before == lr_before and lr > 2 * lr_before:
+            why = (
+                f"the LR went from {lr_before:.3g} to {lr:.3g} by step {step}: lower it or "
+                "check the LR schedule"
+            )
+        else:
+            why = (
+                "the usual causes: an LR too high for this point of the run (lower the peak "
+                "LR, lengthen the warmup"
+                + ("" if self._guard.clip_norm_steps else ", clip the grad norm")
+                + "), or a run of bad batches from that step (look at the data there)"
+            )
+        self._guard.event(
+            "divergence",
+            level="warning",
+            message=(
+                f"the loss diverged from step {step}: the median of the last {found['steps']} "
+                f"losses is {found['value']:.4g}, {found['value'] / found['median']:.1f}x the "
+                f"median {found['median']:.4g} of the {found['reference_steps']} steps before "
+                f"(over {found['threshold'] / found['median']:.1f}x: divergence_factor="
+                f"{self.divergence_factor:g}, higher where the loss is noisier). Every value "
+                f"is finite, so no step was skipped; {why}. If the data mix or the task "
+                "changed at that step, a higher loss is expected: raise divergence_factor."
+            ),
+            **found,
+        )
 
     def _spike_event(
         self, step: int, kind: str, value: float, median: float, threshold: float
