@@ -1003,7 +1003,7 @@ def side_kernels():  # rank 1's GPU also runs someone else's matmuls, on its own
 if rank == 1:
     threading.Thread(target=side_kernels, daemon=True).start()
 with guardrails.guard(model, opt, data, run_dir=os.environ["RUN_DIR"], progress=False,
-                      pace={"window_steps": 20, "compare_every_s": 0.0}) as gd:
+                      pace={"window_steps": 30, "compare_every_s": 0.0}) as gd:
     for x, y in gd:
         if gd.step == 60 and rank == 1:
             hog.set()
