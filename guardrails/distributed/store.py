@@ -255,6 +255,23 @@ def read_run_id(generation: int, published: str | None) -> str:
     return bytes(store.get("id")).decode()
 
 
+def publish_refusal(generation: int, message: str) -> None:
+    """Rank 0's reason not to start (its run_dir is another job's), for the other
+    ranks to raise too: like :func:`publish_run_id`, set *before* the side group's
+    creation and read by :func:`read_refusal` after it, so no rank waits for it."""
+    run = side_store(generation, "run")
+    if run is not None:
+        run.set("refused", message)
+
+
+def read_refusal(generation: int) -> str | None:
+    """Rank 0's published refusal, or ``None`` (one store call, once per guard)."""
+    run = side_store(generation, "run")
+    if run is None or not run.check(["refused"]):
+        return None
+    return bytes(run.get("refused")).decode()
+
+
 def open_side_group(timeout_s: float = 600.0) -> dist.ProcessGroup | None:
     """A gloo group over every rank, or ``None`` when not distributed. Collective: every
     rank must call it, in the same order relative to other group creations."""

@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
-from guardrails.engine import process
+from guardrails.engine import process, rundir
 from guardrails.engine.component import HOOKS, Component, check_components, overrides
 from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
@@ -77,7 +77,6 @@ from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.state import Shared, StepState
 from guardrails.metrics.events import EventLog, logger_of
-from guardrails.util import files
 from guardrails.util.checks import named, positive_int
 
 logger = logging.getLogger("guardrails.guard")
@@ -204,7 +203,11 @@ class Guard(StepState):
             # at that optimizer's own step.
             first = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
             self._params = [p for p in self._params if id(p) in first]
+        if run_dir is not None:
+            rundir.check_arg(run_dir)
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        # Held by rank 0 from start to close: one run per run_dir (rundir.py).
+        self._run_lock: rundir.RunLock | None = None
         self.device = self._params[0].device
         self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
         #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
@@ -360,11 +363,11 @@ class Guard(StepState):
             )
         self.rank = dist.rank()
         self.world_size = dist.world_size()
-        # A full or read-only disk does not stop the guard: the events log says so and
-        # keeps its events in memory (metrics/events.py); only a checkpoint needs the
-        # disk.
-        with contextlib.suppress(OSError):
-            files.make_dirs(self.run_dir)  # never group/other-writable, whatever the umask
+        # A run_dir that is a file, below a file or not writable by this user is a
+        # setup mistake: refused here, before step one. A full or read-only disk does
+        # not stop the guard: the events log says so and keeps its events in memory
+        # (metrics/events.py); only a checkpoint needs the disk.
+        rundir.check(self.run_dir, self.rank)  # mkdir -p: never group/other-writable
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
         _running = self
@@ -374,12 +377,26 @@ class Guard(StepState):
         try:
             self.generation = store.next_generation()
             published = store.publish_run_id(self.generation)  # before the collective
+            refusal = None
+            if self.rank == 0:  # one holder per job: the other ranks share its run_dir
+                self._run_lock = rundir.RunLock(self.run_dir)
+                refusal = self._run_lock.acquire(published or "")
+                if refusal is not None:
+                    self._run_lock = None
+                    store.publish_refusal(self.generation, refusal)  # before the collective
             news_store = store.side_store(self.generation, "news")
             self.news = (
                 None if news_store is None else store.News(news_store, world=self.world_size)
             )
             self.side_group = store.open_side_group()
             run_id = self.run_id = store.read_run_id(self.generation, published)
+            if self.rank != 0:
+                refusal = store.read_refusal(self.generation)
+            if refusal is not None:
+                # Not a word into the other run's events.jsonl: this run never began.
+                events, self.events = self.events, None
+                events.close()
+                raise rundir.refused(refusal, self.rank)
             self._handles = [
                 _wrap_step(opt, name, self, counted=i == 0)
                 for i, (name, opt) in enumerate(self.optimizers.items())
@@ -461,6 +478,9 @@ class Guard(StepState):
         try:
             self._close(exc)
         finally:
+            if self._run_lock is not None:  # after the last save: the run_dir is free
+                self._run_lock.release()
+                self._run_lock = None
             if failing and not process.recording:  # else @record releases, after its report
                 # A SIGTERM that came meanwhile is dropped, not raised again: the error
                 # is on its way out to the loop's code (its handler, then the process's
