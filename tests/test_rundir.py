@@ -64,7 +64,7 @@ def test_an_empty_run_dir_is_refused_where_it_is_passed(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"guard\(run_dir=''\) is empty.*runs/exp1"):
         guardrails.guard(model, opt, batches(2), run_dir="")
-    with pytest.raises(TypeError, match=r"run_dir=.*must be a path.*got int 5"):
+    with pytest.raises(TypeError, match=r"run_dir=.*takes a path.*got int 5"):
         guardrails.guard(model, opt, batches(2), run_dir=5)
 
 

@@ -57,7 +57,7 @@ from guardrails.checkpoint.stage import (
     per_rank,
 )
 from guardrails.distributed import dist
-from guardrails.util.checks import named
+from guardrails.util.checks import check_scaler, flag, named, path_like
 from guardrails.util.text import shorten
 
 # ----------------------------------------------------------------------------- save
@@ -108,6 +108,22 @@ def resume(
         CheckpointError: the exact ``step_*`` directory given is truncated / corrupt
             (the message names the file and the previous valid checkpoint).
     """
+    # The arguments first, where they were passed: a path of another type failed in
+    # pathlib with no parameter named.
+    path_like("resume(path=...)", path)
+    flag("resume(strict=...)", strict)
+    flag("resume(allow_world_size_change=...)", allow_world_size_change)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"resume() needs the model to load into (an nn.Module) as `model`, got "
+            f"{type(model).__name__}"
+        )
+    if optimizer is not None:
+        named("optimizer", optimizer, torch.optim.Optimizer, where="resume()")
+    if scheduler is not None:
+        named("scheduler", scheduler, object, where="resume()")
+    if scaler is not None:
+        check_scaler("resume(scaler=...)", scaler)
     out = load(
         Path(path),
         model,
@@ -379,8 +395,8 @@ def apply(plan: Plan) -> dict[str, Any]:
     for (opt, sd), added in zip(plan.opt_sds, plan.added_groups, strict=True):
         names = {id(p): n for n, p in plan.model.named_parameters()} if added else {}
         for group, trains in added:  # added during the saved run: the same command resumes
-            for p, flag in zip(group["params"], trains, strict=True):
-                p.requires_grad_(flag)
+            for p, wants in zip(group["params"], trains, strict=True):
+                p.requires_grad_(wants)
             per_rank(opt).add_param_group(dict(group))
             recreated.append(
                 f"group {len(per_rank(opt).param_groups) - 1} "

@@ -69,7 +69,13 @@ from torch import Tensor, nn
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
 from guardrails.engine import process, rundir
-from guardrails.engine.component import HOOKS, Component, check_components, overrides
+from guardrails.engine.component import (
+    HOOKS,
+    Component,
+    check_component_list,
+    check_components,
+    overrides,
+)
 from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
 from guardrails.engine.model import averaged as _averaged
@@ -77,7 +83,8 @@ from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.state import Shared, StepState
 from guardrails.metrics.events import EventLog, logger_of
-from guardrails.util.checks import named, positive_int
+from guardrails.util.checks import check_scaler, flag, named, positive_int
+from guardrails.util.text import shorten
 
 logger = logging.getLogger("guardrails.guard")
 
@@ -172,6 +179,8 @@ class Guard(StepState):
         self.scheduler = next(iter(self.schedulers.values()), None)
         # accelerate's fp16 GradScaler lives in its prepared optimizer: checkpointed
         # like one passed here (a resume without it restarts the loss scale).
+        if scaler is not None:
+            check_scaler("guard(scaler=...)", scaler)
         self.scaler = scaler if scaler is not None else dist.own_scaler(self.optimizer)
         #: The loop's own ``torch.Generator``s by name (batches or noise drawn without a
         #: loader): their states are saved per rank and set back on these objects at
@@ -182,7 +191,7 @@ class Guard(StepState):
         #: Their states as the last step left them (what checkpoints save); ``None``
         #: before the first step and after a resume (then: as they are).
         self.generator_states: dict[str, Tensor] | None = None
-        self.components: list[Component] = list(components or ())
+        self.components: list[Component] = list(check_component_list(components))
         self.tokens_per_batch = tokens_per_batch
         if replay_fn is not None and not callable(replay_fn):
             raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
@@ -213,6 +222,7 @@ class Guard(StepState):
         #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
         #: graph expects them (one launch instead of one output per gradient; opt-in,
         #: see gradnorm.py).
+        flag("guard(graph_grad_norm=...)", graph_grad_norm)
         self.graph_grad_norm = graph_grad_norm
         self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
         self._norm.scaled = self.scaler is not None and self.scaler.is_enabled()
@@ -290,6 +300,7 @@ class Guard(StepState):
         # The per-step hooks this step runs: the same table as _dispatch, except on the
         # steps benchmark mode samples with some components bypassed (benchmark_mode.py).
         self._live = self._dispatch
+        flag("guard(benchmark=...)", benchmark)
         self.benchmark = benchmark
         self._bench: Any = None
 
@@ -1464,6 +1475,15 @@ def _validate(
             f"the model ({type(model).__name__}) has no parameters, so there is nothing to "
             "train or guard. Pass the module that holds the weights."
         )
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"guard() got a `model` with {len(meta)} parameter(s) on the meta device "
+            f"({shorten(meta, 3)}): they hold no values, so nothing can be trained. It was "
+            "built under torch.device('meta') or accelerate's init_empty_weights: "
+            "materialize it first (model.to_empty(device=...), then initialize or load "
+            "its weights), then build the optimizer and the guard."
+        )
     ids = {id(p) for p in params}
     if len({id(o) for o in optimizers.values()}) < len(optimizers):
         raise ValueError("the same optimizer was passed twice; pass each one once.")
@@ -1487,16 +1507,13 @@ def _validate(
                 "must be updated by one optimizer. Split the parameters between them."
             )
         seen.update(dict.fromkeys(owned, name))
-    if loader is not None and not isinstance(loader, Iterable):
+    if loader is not None and (
+        not isinstance(loader, Iterable) or isinstance(loader, (str, bytes))
+    ):
         raise TypeError(
             f"`loader` must be an iterable of batches (DataLoader, generator, list), "
             f"got {type(loader).__name__}."
         )
-    for c in components:
-        if not isinstance(c, Component):
-            raise TypeError(
-                f"components must be guardrails.Component instances, got {type(c).__name__}."
-            )
     check_components(components)
     positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
     return params

@@ -35,6 +35,7 @@ from typing import Any
 
 from guardrails._errors import LaunchError
 from guardrails.util import files
+from guardrails.util.checks import path_like
 
 logger = logging.getLogger("guardrails.guard")
 
@@ -51,11 +52,7 @@ _NO_FLOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL,
 
 def check_arg(run_dir: Any) -> None:
     """``guard(run_dir=...)``'s type and value, where it is passed."""
-    if not isinstance(run_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"guard(run_dir=...) must be a path (str or pathlib.Path), got "
-            f"{type(run_dir).__name__} {run_dir!r}"
-        )
+    path_like("guard(run_dir=...)", run_dir)
     if not os.fspath(run_dir):
         raise ValueError(
             "guard(run_dir='') is empty: metrics, events and checkpoints would go into the "

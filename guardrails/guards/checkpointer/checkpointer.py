@@ -78,7 +78,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -96,7 +96,7 @@ from guardrails.engine.config import configure
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.writer import CheckpointWriter, stack_generator_states
-from guardrails.util.checks import config_dict, positive_int
+from guardrails.util.checks import config_dict, path_like, positive_int
 
 log = logging.getLogger("guardrails.checkpoint")
 
@@ -174,8 +174,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 the agreements' store calls stay within a fixed share of the store.
             strict_cadence: a periodic save that comes due while the previous one is
                 still being written (on any rank) waits for it, stalling training.
-                Default False: it is skipped (``checkpoint_every_n_steps``) or delayed
-                until the writer is done (``checkpoint_every_s``), with an event that
+                Default False: it is skipped (``every_n_steps``) or delayed
+                until the writer is done (``every_s``), with an event that
                 says so, and training goes on.
         """
 
@@ -197,16 +197,21 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
 
         def __post_init__(self) -> None:
             if self.every_n_steps is not None:
-                positive_int("checkpoint_every_n_steps", self.every_n_steps)
+                positive_int("every_n_steps", self.every_n_steps)
             if self.keep_last is not None:
-                positive_int("keep_last_checkpoints", self.keep_last)
-            for value, what in ((self.every_s, "checkpoint_every_s"), (self.grace_s, "grace_s")):
+                positive_int("keep_last", self.keep_last)
+            for value, what in ((self.every_s, "every_s"), (self.grace_s, "grace_s")):
                 if value is not None and not (isinstance(value, (int, float)) and value > 0):
                     raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
             agree = self.agree_every_s
             if not (isinstance(agree, (int, float)) and agree > 0):
                 raise ValueError(f"agree_every_s must be > 0, got {agree!r}")
             self.agree_every_s = float(agree)
+            if isinstance(self.signals, str) or not all(isinstance(s, str) for s in self.signals):
+                raise TypeError(
+                    "signals takes a list of signal names (['SIGTERM', 'SIGUSR1']), got "
+                    f"{type(self.signals).__name__} {self.signals!r}"
+                )
             unknown = [
                 s for s in self.signals if not isinstance(getattr(signal, s, None), signal.Signals)
             ]
@@ -215,8 +220,13 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
             self.signals = tuple(s for s in self.signals if s not in unknown)
             if not self.save_on_signal:
                 self.signals = ()
-            if isinstance(self.resume, bool):
-                raise TypeError("resume takes 'auto', a path, or None (not a bool)")
+            if self.resume is not None and (
+                isinstance(self.resume, bool) or not isinstance(self.resume, (str, PathLike))
+            ):
+                raise TypeError(
+                    "resume takes 'auto', a path (str or pathlib.Path) or None, got "
+                    f"{type(self.resume).__name__} {self.resume!r}"
+                )
             if not isinstance(self.allow_world_size_change, bool):
                 raise TypeError(
                     "allow_world_size_change takes True or False, got "
@@ -224,7 +234,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 )
             allow = self.allow_config_change
             if not isinstance(allow, bool):
-                if isinstance(allow, str) or not all(isinstance(k, str) for k in allow):
+                if (
+                    not isinstance(allow, Iterable)
+                    or isinstance(allow, str)
+                    or not all(isinstance(k, str) for k in allow)
+                ):
                     raise TypeError(
                         "allow_config_change takes True, False or a list of config keys "
                         f"(['num_workers']), got {allow!r}"
@@ -232,6 +246,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 self.allow_config_change = tuple(allow)
             self.run_config = config_dict(self.run_config)
             if self.directory is not None:
+                path_like("directory", self.directory)
                 self.directory = Path(self.directory)
 
         @property
