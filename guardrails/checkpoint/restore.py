@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,11 @@ from guardrails.checkpoint.manifest import (
 from guardrails.checkpoint.read import (
     _added_groups,
     _check_classes,
+    _check_group_keys,
     _check_materialized,
     _check_model,
     _check_optimizer,
+    _check_optimizer_state,
     _check_optimizer_values,
     _check_rng,
     _component_state,
@@ -295,12 +296,18 @@ def prepare(
             groups = [g for g, _ in added]
             _check_optimizer(ckpt, step, who, opt, sd, model, groups)
             _check_optimizer_values(reader, f"{stem}.json", opt, sd, groups)
+            _check_group_keys(reader, f"{stem}.json", opt, sd, len(per_rank(opt).param_groups))
+            _check_optimizer_state(reader, f"{stem}.json", opt, sd)
         opt_sds.append((opt, sd))
         added_groups.append(added)
     sched_sds = []
+    # Another torch version may add or drop a key of its classes' states.
+    same_torch = manifest.get("torch") == torch.__version__
     for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict):
         sd = _component_state(reader, saved, strict)
-        if isinstance(sd, Mapping) and _torch_own(sched, "torch.optim.lr_scheduler"):
+        if sd is not None and _torch_own(sched, "torch.optim.lr_scheduler"):
+            what = type(sched).__name__
+            reader.same_keys(f"{saved}.json", sd, sched, what, same_torch=same_torch)
             reader.like(f"{saved}.json", sd, sched.state_dict())
         sched_sds.append((sched, sd))
     scaler_sd = None if scaler is None else _component_state(reader, "scaler", strict)
@@ -315,6 +322,8 @@ def prepare(
             "modified.",
         )
     if scaler_sd and _torch_own(scaler, "torch."):
+        what = type(scaler).__name__
+        reader.same_keys("scaler.json", scaler_sd, scaler, what, same_torch=same_torch)
         reader.like("scaler.json", scaler_sd, scaler.state_dict())
     extras: Any = {}
     if "extras.json" in files:
@@ -356,6 +365,17 @@ def prepare(
         if "rng.safetensors" in files:
             rank_tensors = reader.tensors("rng.safetensors")
         _check_rng(reader, "rng.json", "rng.safetensors", rng, rank_tensors)
+    elif rank in manifest.get("ranks", ()):
+        # The manifest says this rank saved its state, and lists no file of it: a
+        # manifest edited or re-sealed without it. Resuming would restore no RNG
+        # stream and no data position of this rank, silently.
+        raise reader.bad(
+            MANIFEST,
+            f'files["{name}.json"]',
+            f"is missing: the manifest's ranks list rank {rank}, whose RNG streams and "
+            f"data position are in {name}.json, but its files do not list it (expected "
+            f"{name}.json, and {name}.safetensors for the tensors)",
+        )
     else:
         log.warning(
             "guardrails: %s holds no state of rank %d (it was saved by rank 0 alone, with "
