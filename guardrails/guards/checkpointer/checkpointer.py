@@ -127,7 +127,9 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 deleted. Default 3.
             save_on_signal: on SIGTERM, SIGINT (Ctrl+C) or SIGUSR1 (see ``signals``),
                 every rank stops at the same step, saves a complete checkpoint and
-                exits (see ``exit_on_signal``). A second Ctrl+C exits at once. Default
+                exits (see ``exit_on_signal``). A second Ctrl+C exits at once. The first
+                signal decides the exit code and message (a Ctrl+C during a SIGTERM's
+                save is noted, the save goes on; a second one ends it, as 143). Default
                 True.
             signals: the signal names that trigger save-and-stop with
                 ``save_on_signal``. Default SIGTERM, SIGINT, SIGUSR1.
@@ -277,6 +279,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         #: Seconds each save blocked training (staging; all of it for a sync save).
         self.blocking_times_s: list[float] = []
         self._signal: int | None = None  # set by the handler: the only thing it does
+        # SIGINTs after a first signal of another kind (signals.py: the first decides).
+        self._late_sigints = 0
         # When the first stop signal came (time.monotonic()), by the handler or the watcher.
         self._signal_at: float | None = None
         self._previous: dict[int, Any] = {}
@@ -609,6 +613,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 f"{name} received by {where}; all {guard.world_size} rank(s) stopped at step "
                 f"{guard.step} and saved {path}. To resume, run the same command: "
                 "guard(..., resume='auto') continues from it."
+            )
+        if self._late_sigints:
+            message += (
+                f" A SIGINT (Ctrl+C) came after the {name} and did not change the exit "
+                f"code ({128 + self._stop_signal}); a second one ends the process at once."
             )
         guard.event(
             "stopped",
