@@ -39,8 +39,10 @@ from guardrails.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     SELF_HASH,
+    SEQ,
     _dumps,
     _self_hash,
+    highest_seq,
     list_checkpoints,
     resume_order,
     run_of,
@@ -78,8 +80,12 @@ def commit(
     contents: Mapping[str, Any] | None = None,
     run: Mapping[str, Any] | None = None,
     adopt_unlabelled: bool = False,
+    seq: int | None = None,
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
+
+    ``seq``: the save's sequence number (``manifest.SEQ``), from a writer that counts
+    its saves; ``None``: one more than the highest under ``root`` (read now).
 
     Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
     ``contents``: which optimizers and schedulers the checkpoint holds, and where (see
@@ -107,6 +113,7 @@ def commit(
         "torch": torch.__version__,
         "world_size": world_size,
         "ranks": ranks,
+        SEQ: highest_seq(root) + 1 if seq is None else seq,
         "contents": dict(contents or {}),
         **({"run": dict(run)} if run else {}),
         "files": files,

@@ -281,6 +281,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._signal: int | None = None  # set by the handler: the only thing it does
         # SIGINTs after a first signal of another kind (signals.py: the first decides).
         self._late_sigints = 0
+        # The last save's sequence number in the checkpoint directory (writer.py).
+        self._seq: int | None = None
         # When the first stop signal came (time.monotonic()), by the handler or the watcher.
         self._signal_at: float | None = None
         self._previous: dict[int, Any] = {}
