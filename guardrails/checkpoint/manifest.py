@@ -960,8 +960,9 @@ def resume_order(found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
     Runs apart: a fresh run (``resume=None``) started beside another run's checkpoints
     saves low steps next to its high ones, and "the highest step" is the other run's.
     Each checkpoint's manifest names its run (``run.id``, carried over by every
-    resume); runs are ordered by the time of their newest save, and within a run by
-    step (the step order of one run is exact; clocks are only compared between runs).
+    resume); runs are ordered by the sequence number of their newest save (``seq``,
+    counted per checkpoint directory: no clock is compared), by its time only between
+    checkpoints written before sequence numbers, and within a run by step.
     Checkpoints without a run id (written before it, or by ``save_checkpoint``) and
     those whose manifest cannot be read form one group; a directory holding only those
     is tried by step alone. Reads only the manifests (no hashing)."""

@@ -177,8 +177,8 @@ def load(
             raise e.rehint(skip_hint(ckpt)) from None
     else:
         found, plan, skipped = pick(path, prep)
-        for name, why in skipped:
-            log.warning("guardrails: skipped checkpoint %s: %s; using %s", name, why, found)
+        for _, said in said_skipped(skipped, path):
+            log.warning("guardrails: %s; using %s", said, found)
     assert plan is not None
     return apply(plan)
 
@@ -511,9 +511,31 @@ def _pick(path: Path) -> Path:
     """The checkpoint directory to load: ``path`` itself when it is one, else the newest
     valid ``step_*`` under it (the skipped ones logged)."""
     found, _, skipped = pick(path)
-    for name, why in skipped:
-        log.warning("guardrails: skipped checkpoint %s: %s; using %s", name, why, found)
+    for _, said in said_skipped(skipped, path):
+        log.warning("guardrails: %s; using %s", said, found)
     return found
+
+
+#: Skipped checkpoints said one by one up to this many; more are one line with the count
+#: and examples (2,000 invalid newer directories were 2,000 warnings at each start).
+SAID_ONE_BY_ONE = 3
+
+
+def said_skipped(skipped: list[tuple[str, str]], root: Path) -> list[tuple[str | None, str]]:
+    """What to say of the checkpoints :func:`pick` skipped: ``(name, text)`` for each,
+    or, past :data:`SAID_ONE_BY_ONE`, one ``(None, text)`` with the count, the first
+    ones as examples and the command that lists them all."""
+    if len(skipped) <= SAID_ONE_BY_ONE:
+        return [(name, f"skipped checkpoint {name}: {why}") for name, why in skipped]
+    examples = "; ".join(f"{name}: {why}" for name, why in skipped[:2])
+    return [
+        (
+            None,
+            f"skipped {len(skipped)} invalid checkpoints newer than the one used, e.g. "
+            f"{examples}; ... ({len(skipped) - 2} more: guardrails inspect {root} lists "
+            "each with why)",
+        )
+    ]
 
 
 def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, str]]]:
@@ -550,7 +572,9 @@ def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, st
             return ckpt, None if prepare is None else prepare(ckpt), skipped
         except CheckpointError as e:
             skipped.append((ckpt.name, e.message))
-    reasons = "; ".join(f"{n}: {w}" for n, w in skipped)
+    reasons = "; ".join(f"{n}: {w}" for n, w in skipped[:SAID_ONE_BY_ONE])
+    if len(skipped) > SAID_ONE_BY_ONE:
+        reasons += f"; ... {len(skipped) - SAID_ONE_BY_ONE} more (guardrails inspect {path})"
     raise ResumeError(
         f"every checkpoint under {path} is invalid ({len(skipped)}): {reasons}",
         path=str(path),
