@@ -175,3 +175,14 @@ def test_a_float_saved_at_another_width_still_loads(pristine, tmp_path):
     assert got["step"] == F.NEWEST
     assert next(model.parameters()).dtype == torch.bfloat16
     assert json.loads((root / F.NEWEST_DIR / "manifest.json").read_text())["step"] == 4
+
+
+def test_a_group_key_another_object_put_there_is_not_required(pristine, tmp_path):
+    # A scheduler writes `initial_lr` into the optimizer's groups when it is built: a
+    # checkpoint saved before there was one lacks it rightly (the step never reads it).
+    root = _copy(pristine, tmp_path)
+    newest = root / F.NEWEST_DIR
+    F._edit_json("optimizer.json", F._drop(("param_groups", 0, "initial_lr")))(newest, tmp_path)
+    model, opt, sched, scaler = F.make_run(7)
+    assert "initial_lr" in opt.param_groups[0]
+    assert guardrails.resume(newest, model, opt, scheduler=sched, scaler=scaler)["step"] == 4

@@ -240,11 +240,12 @@ def _check_optimizer_values(
 def _check_group_keys(
     reader: _Reader, name: str, optimizer: Any, saved: Mapping[str, Any], count: int
 ) -> None:
-    """Every setting this run's param groups hold (``lr``, ``betas``...) is in the saved
-    groups, or is one the optimizer fills in itself when it loads an older state
-    (``foreach``, ``differentiable``...: its ``__setstate__``, replayed on a scratch
-    copy). A group without ``betas`` loaded, and the first ``opt.step()`` died with a
-    ``KeyError``. ``count``: how many of the saved groups belong to the live ones."""
+    """Every setting of the optimizer's own (its ``defaults``: ``lr``, ``betas``...)
+    that this run's param groups hold is in the saved groups, or is one it fills in
+    itself when it loads an older state (``foreach``, ``differentiable``...: its
+    ``__setstate__``, replayed on a scratch copy). A group without ``betas`` loaded,
+    and the first ``opt.step()`` died with a ``KeyError``. ``count``: how many of the
+    saved groups belong to the live ones."""
     opt = per_rank(optimizer)
     groups = saved["param_groups"]
     filled = _filled_groups(opt, groups)
@@ -252,7 +253,10 @@ def _check_group_keys(
         if not isinstance(s, Mapping):
             continue  # said by _check_optimizer_values
         have = filled[i] if filled is not None else s
-        missing = [k for k in g if k not in ("params", "param_names") and k not in have]
+        # The optimizer's own settings (its defaults) only: a key another object put in
+        # the group (a scheduler's `initial_lr`) is not the step's, and a checkpoint
+        # saved before that object existed lacks it rightly.
+        missing = [k for k in g if k in opt.defaults and k not in have]
         if missing:
             k = missing[0]
             raise reader.bad(
