@@ -265,11 +265,29 @@ def publish_refusal(generation: int, message: str) -> None:
 
 
 def read_refusal(generation: int) -> str | None:
-    """Rank 0's published refusal, or ``None`` (one store call, once per guard)."""
+    """Rank 0's published refusal, or ``None`` (one store call, once per guard). A rank
+    that read one says so (:func:`wait_refusal_read`)."""
     run = side_store(generation, "run")
     if run is None or not run.check(["refused"]):
         return None
-    return bytes(run.get("refused")).decode()
+    message = bytes(run.get("refused")).decode()
+    run.add("refused_read", 1)
+    return message
+
+
+def wait_refusal_read(generation: int, world: int, timeout_s: float = 30.0) -> None:
+    """On rank 0, before it raises its refusal: wait (at most ``timeout_s``) until every
+    other rank has read it. Rank 0 hosts the store; a rank 0 that left at once took the
+    store with it while another rank was still reading the refusal, which then died
+    of a lost connection instead of the refusal. The refusal path only."""
+    run = side_store(generation, "run")
+    if run is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 0.01
+    while run.add("refused_read", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
 
 
 def open_side_group(timeout_s: float = 600.0) -> dist.ProcessGroup | None:

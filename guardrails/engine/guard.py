@@ -407,6 +407,8 @@ class Guard(StepState):
                 # Not a word into the other run's events.jsonl: this run never began.
                 events, self.events = self.events, None
                 events.close()
+                if self.rank == 0:
+                    store.wait_refusal_read(self.generation, self.world_size)
                 raise rundir.refused(refusal, self.rank)
             self._handles = [
                 _wrap_step(opt, name, self, counted=i == 0)
