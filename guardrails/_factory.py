@@ -19,8 +19,8 @@ from typing import Any
 from torch import nn
 
 from guardrails.distributed.store import distributed
-from guardrails.engine.component import Component
-from guardrails.engine.config import ALIASES, apply_aliases, check_knobs, section
+from guardrails.engine.component import Component, check_component_list
+from guardrails.engine.config import ALIASES, apply_aliases, built, check_knobs, section
 from guardrails.engine.guard import Guard, Optimizers
 from guardrails.guards.audit.auditor import CollectiveAuditor
 from guardrails.guards.checkpointer.checkpointer import SignalCheckpointer
@@ -147,8 +147,8 @@ def guard(
     }
     _fold_old_knobs(configs, old_knobs)
     _set_top_level(configs, "checkpoint", "resume", resume, "auto")
-    _set_top_level(configs, "preflight", "run_config", config, None)
-    _set_top_level(configs, "checkpoint", "run_config", config, None)
+    _set_top_level(configs, "preflight", "run_config", config, None, knob="config")
+    _set_top_level(configs, "checkpoint", "run_config", config, None, knob="config")
     _set_top_level(configs, "metrics", "progress", progress, None)
     if log_to is not None:
         if configs["metrics"] is None:
@@ -165,7 +165,7 @@ def guard(
         if not getattr(cfg, "does_anything", True):
             continue
         chosen.append(SECTIONS[name](cfg))
-    extra = list(components or ())
+    extra = list(check_component_list(components))
     for i, default in enumerate(chosen):  # a given component takes its default's place
         mine = [c for c in extra if type(c) is type(default)]
         if mine:
@@ -205,7 +205,11 @@ def _fold_old_knobs(configs: dict[str, Any], old: Mapping[str, Any]) -> None:
                 f"guard({where}=False) turns that component off, but "
                 f"{', '.join(sorted(fields))} configure it: drop one or the other."
             )
-        configs[where] = dataclasses.replace(configs[where], **fields)
+        given = ", ".join(f"{k}=..." for k in old if ALIASES["guard"][k][0] == where)
+        configs[where] = built(
+            f"guard({given})",
+            lambda cfg=configs[where], fields=fields: dataclasses.replace(cfg, **fields),
+        )
 
 
 def _set_top_level(
@@ -229,7 +233,9 @@ def _set_top_level(
             f"guard() was given {knob or field} twice, differently: at the top level and "
             f"in guard({where}=...){also}. Set it in one place."
         )
-    configs[where] = dataclasses.replace(cfg, **{field: value})
+    configs[where] = built(
+        f"guard({knob or field}=...)", lambda: dataclasses.replace(cfg, **{field: value})
+    )
 
 
 #: guard()'s own keywords (the sections are SECTIONS'), for the closest-name hint.

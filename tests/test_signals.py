@@ -262,6 +262,68 @@ def test_second_ctrl_c_exits_at_once_without_a_checkpoint(tmp_path):
     assert not list((tmp_path / "checkpoints").glob("step_*"))
 
 
+_SLOW_SAVE = """
+import sys, time, torch, guardrails
+m = torch.nn.Linear(2, 1); o = torch.optim.SGD(m.parameters(), lr=0.1)
+def data():
+    while True:
+        time.sleep(0.01); yield torch.ones(1, 2)
+with guardrails.guard(m, o, data(), run_dir=sys.argv[1], progress=False) as g:
+    g.state["ballast"] = torch.randn(64 << 20)  # 256 MB: a save of seconds
+    for i, x in enumerate(g):
+        m(x).sum().backward(); o.step(); o.zero_grad()
+        if i == 1:
+            print("ready", flush=True)
+"""
+
+
+@pytest.mark.slow(reason="a process per case, stopped by real signals during a save of seconds")
+@pytest.mark.parametrize("sigints", [1, 2])
+def test_a_sigint_during_a_sigterm_stops_save_keeps_the_sigterms_exit_code(tmp_path, sigints):
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE, str(run_dir)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+        p.send_signal(signal.SIGTERM)
+        ckpts = run_dir / "checkpoints"
+        deadline = time.monotonic() + patience(30)
+        while not (ckpts.is_dir() and any(c.name.startswith(".tmp-") for c in ckpts.iterdir())):
+            assert p.poll() is None and time.monotonic() < deadline, "the stop's save never began"
+            time.sleep(0.005)
+        for _ in range(sigints):  # during the save (a temp dir holds it until the commit)
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        _, err = p.communicate(timeout=patience(60))
+    finally:
+        p.kill()
+    text = err.decode()
+    assert p.returncode == 143, text  # SIGTERM's, not SIGINT's 130
+    assert "KeyboardInterrupt" not in text
+    stopped = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
+    if sigints == 1:
+        # The save went on and was committed; the message is SIGTERM's, naming the SIGINT.
+        [e] = stopped
+        assert e["signal"] == "SIGTERM" and e["saved"], e
+        assert (
+            "A SIGINT (Ctrl+C) came after the SIGTERM and did not change the exit code"
+            in (e["message"])
+        )
+        assert [c.name for c in ckpts.glob("step_*")] == [Path(e["path"]).name]
+    else:
+        # Out at once, still as SIGTERM's stop; the interrupted save left nothing half-done.
+        [end] = [e for e in read_events(run_dir) if e["kind"] == "end"]
+        assert end["error"].startswith(
+            "SIGTERM received; a second SIGINT (Ctrl+C) during the stop's save ended the "
+            "process before the save finished"
+        ), end
+        assert not list(ckpts.glob("step_*"))
+
+
 def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     torch.manual_seed(0)

@@ -548,6 +548,40 @@ def test_a_fresh_run_beside_another_runs_checkpoints_is_kept_apart(tmp_path):
     assert runs["step_000000008"] == runs["step_000000012"]
 
 
+def _shift_clock(ckpt: Path, by_s: float) -> None:
+    """As if ``ckpt`` was saved on a host whose clock was off by ``by_s``: its recorded
+    time moved, the manifest re-sealed (its own checksum recomputed)."""
+    m = json.loads((ckpt / MANIFEST).read_text())
+    m["time"] += by_s
+    if m.get("run", {}).get("finished_at") is not None:
+        m["run"]["finished_at"] += by_s
+    m["manifest_sha256"] = _self_hash(m)
+    (ckpt / MANIFEST).write_bytes(_dumps(m))
+
+
+def test_resume_auto_continues_the_run_that_saved_last_whatever_the_clocks_say(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    assert _train(tmp_path, 12, resume="auto", every=4) == (0, 12)  # run A: 8, 12
+    assert _train(tmp_path, 6, resume=None, every=3) == (0, 6)  # run B, fresh: 3, 6
+    # B ran on a host whose clock was an hour behind: its saves look older than A's.
+    for step in (3, 6):
+        _shift_clock(ckpts / f"step_{step:09d}", -3600)
+    seqs = {
+        p.name: json.loads((p / MANIFEST).read_text())["seq"] for _, p in list_checkpoints(ckpts)
+    }
+    # A saved 4 (retired since), 8, 12: 1-3; B then 3, 6: 4, 5.
+    assert seqs == dict(zip(steps(3, 6, 8, 12), (4, 5, 2, 3), strict=True)), seqs
+    # The save order, not the clock: B is the run that saved last (before: A's 12).
+    assert inspect_dir(tmp_path)["resume_would_use"] == str(ckpts / "step_000000006")
+    assert guardrails.resume(ckpts, Regressor())["step"] == 6
+    assert _train(tmp_path, 9, resume="auto", every=3) == (6, 9)
+    assert json.loads((ckpts / "step_000000009" / MANIFEST).read_text())["seq"] == 6
+    # And the other way round: A's clock ahead by a day changes nothing either.
+    for step in (8, 12):
+        _shift_clock(ckpts / f"step_{step:09d}", 86400)
+    assert guardrails.resume(ckpts, Regressor())["step"] == 9
+
+
 def test_a_run_resumed_from_checkpoints_without_a_run_id_counts_them_as_its_own(tmp_path):
     # Checkpoints written before run ids (here by save_checkpoint, which writes none)
     # are the run a resume continues: retention still counts them.

@@ -93,7 +93,8 @@ So at every instant ``step_<N>`` either does not exist or is complete:
 Runs kept apart: a guard's checkpoints carry its run's id (``run.id`` in the manifest:
 new for a fresh start, carried over by a resume). Retention counts only this run's
 checkpoints, and a resume tries the run that saved last first
-(:func:`~guardrails.checkpoint.manifest.resume_order`): a fresh run started beside another run's
+(:func:`~guardrails.checkpoint.manifest.resume_order`, by each manifest's save sequence
+number ``seq``, not by its clock time): a fresh run started beside another run's
 checkpoints does not have its low steps deleted for the other run's high ones, nor does
 a later ``resume="auto"`` pick the other run's.
 

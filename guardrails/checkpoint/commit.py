@@ -39,8 +39,10 @@ from guardrails.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     SELF_HASH,
+    SEQ,
     _dumps,
     _self_hash,
+    highest_seq,
     list_checkpoints,
     resume_order,
     run_of,
@@ -54,7 +56,7 @@ from guardrails.checkpoint.stage import (
 from guardrails.distributed import dist
 from guardrails.util import files as _perms
 from guardrails.util import storage
-from guardrails.util.checks import named
+from guardrails.util.checks import check_scaler, named, path_like, positive_int, step_number
 
 
 def begin(root: Path, step: int, token: str) -> Path:
@@ -78,8 +80,12 @@ def commit(
     contents: Mapping[str, Any] | None = None,
     run: Mapping[str, Any] | None = None,
     adopt_unlabelled: bool = False,
+    seq: int | None = None,
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
+
+    ``seq``: the save's sequence number (``manifest.SEQ``), from a writer that counts
+    its saves; ``None``: one more than the highest under ``root`` (read now).
 
     Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
     ``contents``: which optimizers and schedulers the checkpoint holds, and where (see
@@ -107,6 +113,7 @@ def commit(
         "torch": torch.__version__,
         "world_size": world_size,
         "ranks": ranks,
+        SEQ: highest_seq(root) + 1 if seq is None else seq,
         "contents": dict(contents or {}),
         **({"run": dict(run)} if run else {}),
         "files": files,
@@ -464,10 +471,18 @@ def save_checkpoint(
         TypeError: ``model`` is not a module (``None``): resume() could not load a
             checkpoint without one.
     """
-    if keep_last is not None and keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    # Every argument checked here, before anything is written: a str step failed deep
+    # in the listing, a float one in the directory name, and step=True wrote step 1.
+    path_like("save_checkpoint(root=...)", root)
+    step = step_number("save_checkpoint(step=...)", step)
+    positive_int("save_checkpoint(keep_last=...)", keep_last, allow_none=True)
+    if scaler is not None:
+        check_scaler("save_checkpoint(scaler=...)", scaler)
+    if extras is not None and not isinstance(extras, Mapping):
+        raise TypeError(
+            "save_checkpoint(extras=...) takes a dict of your own state ({'best_val': 1.9}), "
+            f"got {type(extras).__name__}"
+        )
     if not isinstance(model, nn.Module):
         # resume() always loads a model: a checkpoint without one could never be
         # resumed, and that would only be found at the restart that needs it.
@@ -478,8 +493,16 @@ def save_checkpoint(
         )
     root = Path(root)
     final = root / f"step_{step:09d}"
-    optimizers = {} if optimizer is None else named("optimizer", optimizer, torch.optim.Optimizer)
-    schedulers = {} if scheduler is None else named("scheduler", scheduler, object)
+    optimizers = (
+        {}
+        if optimizer is None
+        else named("optimizer", optimizer, torch.optim.Optimizer, where="save_checkpoint()")
+    )
+    schedulers = (
+        {}
+        if scheduler is None
+        else named("scheduler", scheduler, object, where="save_checkpoint()")
+    )
     if dist.world_size() > 1 and any(per_rank(o) is not o for o in optimizers.values()):
         raise ValueError(
             "save_checkpoint() writes rank 0's copy of the state, but a "

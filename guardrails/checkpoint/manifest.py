@@ -30,6 +30,7 @@ turns them into the public errors. Every message names the file and the field.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -57,6 +58,11 @@ FORMAT = "guardrails-checkpoint"
 #: would call them corrupt, so it must refuse the format instead (formats 1-3 still read).
 FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
+#: The manifest's save sequence number: 1 + the highest under the checkpoint directory
+#: when its writer first saved there, then one more per save. Orders the runs that
+#: saved in one directory without comparing clocks (one run writes there at a time:
+#: the run_dir's lock). Absent from checkpoints written before it (seq 0).
+SEQ = "seq"
 #: The manifest's checksum of itself (sha256 of its JSON without this key): the file
 #: sizes and hashes protect the other files, this protects the step, the file list and
 #: those hashes (a 1-bit flip turned "step": 6 into 7 and the run went on at step 7).
@@ -364,6 +370,8 @@ def check_manifest(m: Any) -> None:
             _int(r, f"ranks[{i}]", high=world - 1)
     if m.get("time") is not None:
         _number(m["time"], "time")
+    if SEQ in m:
+        _int(m[SEQ], SEQ, low=1)
     for key in ("guardrails", "torch"):
         if m.get(key) is not None:
             _str(m[key], key)
@@ -952,21 +960,25 @@ def resume_order(found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
     Runs apart: a fresh run (``resume=None``) started beside another run's checkpoints
     saves low steps next to its high ones, and "the highest step" is the other run's.
     Each checkpoint's manifest names its run (``run.id``, carried over by every
-    resume); runs are ordered by the time of their newest save, and within a run by
-    step (the step order of one run is exact; clocks are only compared between runs).
+    resume); runs are ordered by the sequence number of their newest save (``seq``,
+    counted per checkpoint directory: no clock is compared), by its time only between
+    checkpoints written before sequence numbers, and within a run by step.
     Checkpoints without a run id (written before it, or by ``save_checkpoint``) and
     those whose manifest cannot be read form one group; a directory holding only those
     is tried by step alone. Reads only the manifests (no hashing)."""
     groups: dict[str | None, list[tuple[int, Path]]] = {}
-    newest: dict[str | None, float] = {}
+    newest: dict[str | None, tuple[int, float]] = {}
     unreadable: list[tuple[int, Path]] = []
     for step, ckpt in found:
-        run_id, when, readable = _run_and_time(ckpt)
+        run_id, when, readable, seq = _manifest_fields(ckpt)
         if not readable:
             unreadable.append((step, ckpt))
             continue
         groups.setdefault(run_id, []).append((step, ckpt))
-        newest[run_id] = max(newest.get(run_id, -1.0), when)
+        # The save sequence first (hosts' clocks need not agree: a run on a host whose
+        # clock was an hour behind saved "before" the one it came after), the time
+        # only between checkpoints written before sequence numbers (seq 0).
+        newest[run_id] = max(newest.get(run_id, (0, -1.0)), (seq, when))
     runs = [groups[r] for r in sorted(groups, key=lambda r: newest[r], reverse=True)]
     # A checkpoint whose manifest cannot be read belongs to no known run: it is tried
     # by step with the run tried first, so a damaged newest checkpoint is judged (and
@@ -978,31 +990,44 @@ def resume_order(found: list[tuple[int, Path]]) -> list[tuple[int, Path]]:
     return out
 
 
+def highest_seq(root: Path) -> int:
+    """The highest save sequence number (a manifest's ``seq``) under ``root``, 0 when
+    none has one: read from every manifest (no hashing), once per writer."""
+    high = 0
+    with contextlib.suppress(OSError):
+        for _, ckpt in list_checkpoints(root):
+            high = max(high, _manifest_fields(ckpt)[3])
+    return high
+
+
 def run_of(ckpt: Path) -> str | None:
     """The id of the run that saved ``ckpt`` (its manifest's ``run.id``), or ``None``."""
-    return _run_and_time(ckpt)[0]
+    return _manifest_fields(ckpt)[0]
 
 
-def _run_and_time(ckpt: Path) -> tuple[str | None, float, bool]:
-    """``(run id, save time, readable)`` from ``ckpt``'s manifest, unverified;
-    ``(None, -1, False)`` when it cannot be read. Only a regular file of sane size is
-    opened: a FIFO named manifest.json would block the read forever."""
+def _manifest_fields(ckpt: Path) -> tuple[str | None, float, bool, int]:
+    """``(run id, save time, readable, save sequence number)`` from ``ckpt``'s
+    manifest, unverified; ``(None, -1, False, 0)`` when it cannot be read (seq 0: none
+    recorded). Only a regular file of sane size is opened: a FIFO named manifest.json
+    would block the read forever."""
     f = ckpt / MANIFEST
     try:
         st = os.lstat(f)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MANIFEST_MAX_BYTES:
-            return None, -1.0, False
+            return None, -1.0, False, 0
         manifest = json.loads(f.read_bytes())
         run = manifest.get("run") or {}
         run_id = run.get("id") if isinstance(run, dict) else None
         when = manifest.get("time")
+        seq = manifest.get(SEQ)
         return (
             run_id if isinstance(run_id, str) else None,
             float(when) if isinstance(when, (int, float)) else -1.0,
             True,
+            seq if isinstance(seq, int) and not isinstance(seq, bool) and seq > 0 else 0,
         )
     except (OSError, ValueError, AttributeError):
-        return None, -1.0, False
+        return None, -1.0, False, 0
 
 
 #: A manifest is a few KB per file it lists; one over this is not one.

@@ -90,6 +90,43 @@ class _Reader:
             field=field or None,
         )
 
+    def same_keys(
+        self, name: str, saved: Any, obj: Any, what: str, *, same_torch: bool = True
+    ) -> None:
+        """``saved`` (a state_dict of one of torch's own classes, read from ``name``) has
+        the keys of ``live`` (this run's object's state_dict): none missing, none
+        extra. ``load_state_dict`` copies every key it is given into the object (an
+        extra ``optimizer`` replaced the scheduler's optimizer; the first
+        ``sched.step()`` crashed) and keeps its own value for a missing one (a
+        scheduler state ``{}`` "resumed" and kept counting from zero). Keys starting
+        with ``_`` are torch's bookkeeping, added and removed between versions, and so
+        is any key when the checkpoint was saved by another torch version
+        (``same_torch=False``): then only an empty state, or a key that would replace
+        something the object holds outside its state, is refused."""
+        live = obj.state_dict()
+        if not isinstance(saved, Mapping):
+            raise self.bad(name, "", f"is {_show(saved)}, where {what}'s state is an object")
+        public = [k for k in live if not str(k).startswith("_")]
+        missing = [k for k in public if k not in saved]
+        if missing and (same_torch or len(missing) == len(public)):
+            k = missing[0]
+            raise self.bad(
+                name,
+                str(k),
+                f"is missing ({len(missing)} key(s) missing: {_short(missing)}): {what}'s "
+                f"state holds {k!r} ({_show(live[k])} in this run)",
+            )
+        extra = [k for k in saved if k not in live]
+        for k in extra:
+            shadows = isinstance(k, str) and hasattr(obj, k)  # `optimizer`, `lr_lambdas`
+            if shadows or (same_torch and not str(k).startswith("_")):
+                raise self.bad(
+                    name,
+                    str(k),
+                    f"is {_show(saved[k])}, a key {what}'s state does not have (its keys: "
+                    f"{_short(list(live))})",
+                )
+
     def like(self, name: str, saved: Any, live: Any) -> None:
         """``saved`` (a state_dict read from ``name``) has the types of ``live`` (the
         live object's own state_dict, of the same class): a number where it holds a
@@ -159,6 +196,16 @@ def _unlike(saved: Any, live: Any, field: str) -> tuple[str, str] | None:
     return None
 
 
+def _kind(dtype: torch.dtype) -> str:
+    """A dtype's kind: a float of another width loads as the model's dtype (a run moved
+    to bf16); a float saved as an int does not fit."""
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "int"
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:30] + "..."
@@ -188,6 +235,86 @@ def _check_optimizer_values(
         problem = _unlike({k: v for k, v in s.items() if k in live}, live, f"param_groups[{i}]")
         if problem is not None:
             raise reader.bad(name, *problem)
+
+
+def _check_group_keys(
+    reader: _Reader, name: str, optimizer: Any, saved: Mapping[str, Any], count: int
+) -> None:
+    """Every setting of the optimizer's own (its ``defaults``: ``lr``, ``betas``...)
+    that this run's param groups hold is in the saved groups, or is one it fills in
+    itself when it loads an older state (``foreach``, ``differentiable``...: its
+    ``__setstate__``, replayed on a scratch copy). A group without ``betas`` loaded,
+    and the first ``opt.step()`` died with a ``KeyError``. ``count``: how many of the
+    saved groups belong to the live ones."""
+    opt = per_rank(optimizer)
+    groups = saved["param_groups"]
+    filled = _filled_groups(opt, groups)
+    for i, (g, s) in enumerate(zip(opt.param_groups, groups[:count], strict=False)):
+        if not isinstance(s, Mapping):
+            continue  # said by _check_optimizer_values
+        have = filled[i] if filled is not None else s
+        # The optimizer's own settings (its defaults) only: a key another object put in
+        # the group (a scheduler's `initial_lr`) is not the step's, and a checkpoint
+        # saved before that object existed lacks it rightly.
+        missing = [k for k in g if k in opt.defaults and k not in have]
+        if missing:
+            k = missing[0]
+            raise reader.bad(
+                name,
+                f"param_groups[{i}].{k}",
+                f"is missing ({_short(missing)}): {type(opt).__name__}'s param groups hold "
+                f"{k!r} ({_show(g[k])} in this run), and its step() reads it",
+            )
+
+
+def _filled_groups(opt: Any, groups: list[Any]) -> list[Mapping[str, Any]] | None:
+    """The saved groups as the optimizer's own ``__setstate__`` completes them (the
+    defaults it adds for settings older versions did not have), on a scratch object
+    with no parameters; ``None`` when that cannot be replayed (a custom optimizer's
+    ``__setstate__`` that needs more)."""
+    try:
+        scratch = object.__new__(type(opt))
+        scratch.__setstate__(
+            {
+                "defaults": dict(opt.defaults),
+                "state": {},
+                "param_groups": [
+                    {**g, "params": []} if isinstance(g, Mapping) else g for g in groups
+                ],
+            }
+        )
+        return list(scratch.param_groups)
+    except Exception:
+        return None
+
+
+def _check_optimizer_state(
+    reader: _Reader, name: str, optimizer: Any, saved: Mapping[str, Any]
+) -> None:
+    """Each saved per-parameter state entry holds a tensor where one belongs: where
+    this run's optimizer holds a tensor under that key, or where the other entries of
+    the saved state do. A number where ``exp_avg`` belongs loaded, and the first
+    ``opt.step()`` died in ``lerp_``."""
+    live: dict[str, Any] = {}
+    for st in per_rank(optimizer).state.values():
+        for k, v in st.items():
+            live.setdefault(k, v)
+    tensor_keys = {k for k, v in live.items() if isinstance(v, Tensor)}
+    for st in saved["state"].values():
+        if isinstance(st, Mapping):
+            tensor_keys |= {k for k, v in st.items() if isinstance(v, Tensor) and k != "step"}
+    for idx, st in saved["state"].items():
+        if not isinstance(st, Mapping):
+            raise reader.bad(name, f"state.{idx}", f"is {_show(st)}, not an object")
+        for k, v in st.items():
+            # `step` is a number in older torch and in capturable=False loads: fine.
+            if k in tensor_keys and k != "step" and not isinstance(v, Tensor) and v is not None:
+                raise reader.bad(
+                    name,
+                    f"state.{idx}.{k}",
+                    f"is {_show(v)}, where a tensor belongs ({type(per_rank(optimizer)).__name__}"
+                    f" keeps {k!r} as a tensor per parameter)",
+                )
 
 
 def _check_rng(
@@ -246,6 +373,13 @@ def _check_model(
     ckpt: Path, step: int, model: nn.Module, saved: Mapping[str, Tensor], strict: bool
 ) -> None:
     live = model.state_dict()
+    # A tensor of another kind (an int where a float was: a hand-edited F32 -> I32)
+    # would load converted, and training would go on from the converted values.
+    kinds = [
+        f"{k}: checkpoint {saved[k].dtype} vs model {v.dtype}"
+        for k, v in live.items()
+        if k in saved and isinstance(v, Tensor) and _kind(saved[k].dtype) != _kind(v.dtype)
+    ]
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
     shapes = [
@@ -256,6 +390,8 @@ def _check_model(
     problems = []
     if shapes:
         problems.append(f"shape mismatch ({len(shapes)}): {_short(shapes)}")
+    if kinds:
+        problems.append(f"dtype mismatch ({len(kinds)}): {_short(kinds)}")
     if strict and missing:
         problems.append(f"in the model but not the checkpoint ({len(missing)}): {_short(missing)}")
     if strict and unexpected:
@@ -268,7 +404,9 @@ def _check_model(
             "(width, depth, vocab size, wrappers such as DDP or torch.compile add a "
             "'module.' / '_orig_mod.' prefix)"
         )
-        if not shapes:  # only keys differ: loading the matching part can work
+        if kinds:
+            hint += "; a tensor saved as another kind of number is not converted"
+        if not shapes and not kinds:  # only keys differ: loading the matching part can work
             hint += (
                 "; to load only the matching part, e.g. a backbone under a new head, pass "
                 "strict=False"
@@ -278,7 +416,7 @@ def _check_model(
             step=step,
             path=str(ckpt),
             hint=hint + ". The model was not modified.",
-            remedy=None if shapes else "strict",
+            remedy=None if shapes or kinds else "strict",
         )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,11 @@ from guardrails.checkpoint.manifest import (
 from guardrails.checkpoint.read import (
     _added_groups,
     _check_classes,
+    _check_group_keys,
     _check_materialized,
     _check_model,
     _check_optimizer,
+    _check_optimizer_state,
     _check_optimizer_values,
     _check_rng,
     _component_state,
@@ -57,7 +58,7 @@ from guardrails.checkpoint.stage import (
     per_rank,
 )
 from guardrails.distributed import dist
-from guardrails.util.checks import named
+from guardrails.util.checks import check_scaler, flag, named, path_like
 from guardrails.util.text import shorten
 
 # ----------------------------------------------------------------------------- save
@@ -108,6 +109,22 @@ def resume(
         CheckpointError: the exact ``step_*`` directory given is truncated / corrupt
             (the message names the file and the previous valid checkpoint).
     """
+    # The arguments first, where they were passed: a path of another type failed in
+    # pathlib with no parameter named.
+    path_like("resume(path=...)", path)
+    flag("resume(strict=...)", strict)
+    flag("resume(allow_world_size_change=...)", allow_world_size_change)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"resume() needs the model to load into (an nn.Module) as `model`, got "
+            f"{type(model).__name__}"
+        )
+    if optimizer is not None:
+        named("optimizer", optimizer, torch.optim.Optimizer, where="resume()")
+    if scheduler is not None:
+        named("scheduler", scheduler, object, where="resume()")
+    if scaler is not None:
+        check_scaler("resume(scaler=...)", scaler)
     out = load(
         Path(path),
         model,
@@ -160,8 +177,8 @@ def load(
             raise e.rehint(skip_hint(ckpt)) from None
     else:
         found, plan, skipped = pick(path, prep)
-        for name, why in skipped:
-            log.warning("guardrails: skipped checkpoint %s: %s; using %s", name, why, found)
+        for _, said in said_skipped(skipped, path):
+            log.warning("guardrails: %s; using %s", said, found)
     assert plan is not None
     return apply(plan)
 
@@ -279,12 +296,18 @@ def prepare(
             groups = [g for g, _ in added]
             _check_optimizer(ckpt, step, who, opt, sd, model, groups)
             _check_optimizer_values(reader, f"{stem}.json", opt, sd, groups)
+            _check_group_keys(reader, f"{stem}.json", opt, sd, len(per_rank(opt).param_groups))
+            _check_optimizer_state(reader, f"{stem}.json", opt, sd)
         opt_sds.append((opt, sd))
         added_groups.append(added)
     sched_sds = []
+    # Another torch version may add or drop a key of its classes' states.
+    same_torch = manifest.get("torch") == torch.__version__
     for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict):
         sd = _component_state(reader, saved, strict)
-        if isinstance(sd, Mapping) and _torch_own(sched, "torch.optim.lr_scheduler"):
+        if sd is not None and _torch_own(sched, "torch.optim.lr_scheduler"):
+            what = type(sched).__name__
+            reader.same_keys(f"{saved}.json", sd, sched, what, same_torch=same_torch)
             reader.like(f"{saved}.json", sd, sched.state_dict())
         sched_sds.append((sched, sd))
     scaler_sd = None if scaler is None else _component_state(reader, "scaler", strict)
@@ -299,6 +322,8 @@ def prepare(
             "modified.",
         )
     if scaler_sd and _torch_own(scaler, "torch."):
+        what = type(scaler).__name__
+        reader.same_keys("scaler.json", scaler_sd, scaler, what, same_torch=same_torch)
         reader.like("scaler.json", scaler_sd, scaler.state_dict())
     extras: Any = {}
     if "extras.json" in files:
@@ -340,6 +365,17 @@ def prepare(
         if "rng.safetensors" in files:
             rank_tensors = reader.tensors("rng.safetensors")
         _check_rng(reader, "rng.json", "rng.safetensors", rng, rank_tensors)
+    elif rank in manifest.get("ranks", ()):
+        # The manifest says this rank saved its state, and lists no file of it: a
+        # manifest edited or re-sealed without it. Resuming would restore no RNG
+        # stream and no data position of this rank, silently.
+        raise reader.bad(
+            MANIFEST,
+            f'files["{name}.json"]',
+            f"is missing: the manifest's ranks list rank {rank}, whose RNG streams and "
+            f"data position are in {name}.json, but its files do not list it (expected "
+            f"{name}.json, and {name}.safetensors for the tensors)",
+        )
     else:
         log.warning(
             "guardrails: %s holds no state of rank %d (it was saved by rank 0 alone, with "
@@ -379,8 +415,8 @@ def apply(plan: Plan) -> dict[str, Any]:
     for (opt, sd), added in zip(plan.opt_sds, plan.added_groups, strict=True):
         names = {id(p): n for n, p in plan.model.named_parameters()} if added else {}
         for group, trains in added:  # added during the saved run: the same command resumes
-            for p, flag in zip(group["params"], trains, strict=True):
-                p.requires_grad_(flag)
+            for p, wants in zip(group["params"], trains, strict=True):
+                p.requires_grad_(wants)
             per_rank(opt).add_param_group(dict(group))
             recreated.append(
                 f"group {len(per_rank(opt).param_groups) - 1} "
@@ -475,9 +511,31 @@ def _pick(path: Path) -> Path:
     """The checkpoint directory to load: ``path`` itself when it is one, else the newest
     valid ``step_*`` under it (the skipped ones logged)."""
     found, _, skipped = pick(path)
-    for name, why in skipped:
-        log.warning("guardrails: skipped checkpoint %s: %s; using %s", name, why, found)
+    for _, said in said_skipped(skipped, path):
+        log.warning("guardrails: %s; using %s", said, found)
     return found
+
+
+#: Skipped checkpoints said one by one up to this many; more are one line with the count
+#: and examples (2,000 invalid newer directories were 2,000 warnings at each start).
+SAID_ONE_BY_ONE = 3
+
+
+def said_skipped(skipped: list[tuple[str, str]], root: Path) -> list[tuple[str | None, str]]:
+    """What to say of the checkpoints :func:`pick` skipped: ``(name, text)`` for each,
+    or, past :data:`SAID_ONE_BY_ONE`, one ``(None, text)`` with the count, the first
+    ones as examples and the command that lists them all."""
+    if len(skipped) <= SAID_ONE_BY_ONE:
+        return [(name, f"skipped checkpoint {name}: {why}") for name, why in skipped]
+    examples = "; ".join(f"{name}: {why}" for name, why in skipped[:2])
+    return [
+        (
+            None,
+            f"skipped {len(skipped)} invalid checkpoints newer than the one used, e.g. "
+            f"{examples}; ... ({len(skipped) - 2} more: guardrails inspect {root} lists "
+            "each with why)",
+        )
+    ]
 
 
 def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, str]]]:
@@ -514,7 +572,9 @@ def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, st
             return ckpt, None if prepare is None else prepare(ckpt), skipped
         except CheckpointError as e:
             skipped.append((ckpt.name, e.message))
-    reasons = "; ".join(f"{n}: {w}" for n, w in skipped)
+    reasons = "; ".join(f"{n}: {w}" for n, w in skipped[:SAID_ONE_BY_ONE])
+    if len(skipped) > SAID_ONE_BY_ONE:
+        reasons += f"; ... {len(skipped) - SAID_ONE_BY_ONE} more (guardrails inspect {path})"
     raise ResumeError(
         f"every checkpoint under {path} is invalid ({len(skipped)}): {reasons}",
         path=str(path),

@@ -2,12 +2,14 @@
 ones a resume would accept, and what state each carries.
 
 Accepts a run directory (its ``checkpoints/`` is used), a checkpoint root or one
-``step_*`` directory. Every file is verified against the manifest (sizes and sha256,
-reading each byte once), so the answer to "which one would ``resume`` pick?" is the
-same one :func:`guardrails.resume` would give: the checks are the ones resume runs
-(:mod:`guardrails.checkpoint.manifest`), which need no torch, so the command starts without it.
-Exit code 0 when at least one checkpoint is valid, 1 when none is, 2 when there is
-nothing there.
+``step_*`` directory. Every checkpoint is listed from its manifest; the ones a resume
+would try are verified against it (sizes and sha256, reading each byte once), in
+resume's order, up to the first valid one, so the answer to "which one would ``resume``
+pick?" is the one :func:`guardrails.resume` would give, at the cost of what resume
+reads: the checks are the ones resume runs (:mod:`guardrails.checkpoint.manifest`),
+which need no torch, so the command starts without it. ``--verify`` verifies every
+checkpoint (hashing 3,000 took minutes; listing them takes a second). Exit code 0 when
+resume would find a valid checkpoint, 1 when not, 2 when there is nothing there.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ from typing import Any
 from guardrails.checkpoint import manifest as _manifest
 
 
-def inspect_dir(path: Path) -> dict[str, Any]:
-    """Facts about every checkpoint under ``path`` (JSON-able)."""
+def inspect_dir(path: Path, *, verify: bool = False) -> dict[str, Any]:
+    """Facts about every checkpoint under ``path`` (JSON-able). Each row is verified
+    (``"verified": True``, ``valid`` and ``problem`` said) when a resume would read it
+    (in resume's order up to the first valid one), or with ``verify`` every row; the
+    others are listed from their manifests (``"valid": None``)."""
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     named = _manifest.STEP_RE.match(path.name)
@@ -31,16 +36,22 @@ def inspect_dir(path: Path) -> dict[str, Any]:
         found = [(int(named.group(1)), path)]
     else:
         found = _manifest.list_checkpoints(path)
-    rows = [_one(step, ckpt, entry=not named) for step, ckpt in found]
+    entry = not named
     # As resume picks: the newest valid one, in resume's order (the run that saved last
     # first, newest step first); a newer format on the way stops it (an error, not a
-    # fall back to an older checkpoint).
-    order = {str(ckpt): i for i, (_, ckpt) in enumerate(_manifest.resume_order(found))}
+    # fall back to an older checkpoint). Verified in that order, up to that one.
+    ordered = _manifest.resume_order(found)
+    checked: dict[str, dict[str, Any]] = {}
     use = None
-    for r in sorted(rows, key=lambda r: order[r["path"]]):
+    for step, ckpt in ordered:
+        r = checked[str(ckpt)] = _one(step, ckpt, entry=entry)
         if r["valid"] or r.get("too_new"):
             use = None if r.get("too_new") else r["path"]
             break
+    rows = [
+        checked.get(str(ckpt)) or _one(step, ckpt, entry=entry, verify=verify)
+        for step, ckpt in found
+    ]
     return {
         "root": str(path),
         "checkpoints": rows,
@@ -61,10 +72,22 @@ def _metadata_problem(directory: Path) -> str | None:
     return sharded.metadata_problem(directory)
 
 
-def _one(step: int, ckpt: Path, *, entry: bool) -> dict[str, Any]:
+def _one(step: int, ckpt: Path, *, entry: bool, verify: bool = True) -> dict[str, Any]:
     """One checkpoint's row. Nothing here raises on a damaged checkpoint: the damage is
-    its ``problem``, and only files the manifest lists, checked, are read."""
-    row: dict[str, Any] = {"step": step, "path": str(ckpt)}
+    its ``problem``, and only files the manifest lists, checked, are read. Without
+    ``verify``: what its manifest says, read and not verified (``valid`` ``None``)."""
+    row: dict[str, Any] = {"step": step, "path": str(ckpt), "verified": verify}
+    if not verify:
+        row["valid"] = row["problem"] = None
+        try:
+            manifest = _manifest.read_manifest(ckpt)
+        except _manifest.ManifestError as e:  # unreadable: that much is known without hashing
+            row.update(verified=True, valid=False, problem=e.message)
+            if e.too_new:
+                row.update(valid=None, too_new=True, problem=f"{e.message}: {e.hint}")
+            return row
+        _facts(row, manifest)
+        return row
     try:
         problem = _manifest.problem(ckpt, entry=entry, metadata_check=_metadata_problem)
         why = None if problem is None else problem[1]
@@ -80,25 +103,8 @@ def _one(step: int, ckpt: Path, *, entry: bool) -> dict[str, Any]:
     except _manifest.ManifestError:
         return row
     files = manifest["files"]
-    row["bytes"] = sum(f["bytes"] for f in files.values())
-    row["time"] = manifest.get("time")
-    row["world_size"] = manifest.get("world_size")
-    row["guardrails"] = manifest.get("guardrails")
-    row["torch"] = manifest.get("torch")
-    held = []
-    if "model.safetensors" in files:
-        held.append("model")
-    elif "dcp/.metadata" in files:
-        held.append("model (sharded)")
-    if "optimizer.json" in files:
-        held.append("optimizer")
-    if "scheduler.json" in files or "scheduler.pt" in files:
-        held.append("scheduler")
-    if "scaler.json" in files:
-        held.append("scaler")
+    held = _facts(row, manifest)
     ranks = sorted(n for n in files if n.startswith("rank") and n.endswith(".json"))
-    if ranks or "rng.json" in files:
-        held.append(f"rng ({len(ranks) or 1} rank{'s' if len(ranks) > 1 else ''})")
     if not row["valid"]:  # the files' contents are not read: they are not checked
         row["holds"] = held
         return row
@@ -123,6 +129,33 @@ def _one(step: int, ckpt: Path, *, entry: bool) -> dict[str, Any]:
     return row
 
 
+def _facts(row: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+    """What the manifest says (no file read): size, time, versions; returns what the
+    checkpoint holds, by the files it lists (also set as the row's ``holds``)."""
+    files = manifest["files"]
+    row["bytes"] = sum(f["bytes"] for f in files.values())
+    row["time"] = manifest.get("time")
+    row["world_size"] = manifest.get("world_size")
+    row["guardrails"] = manifest.get("guardrails")
+    row["torch"] = manifest.get("torch")
+    held: list[str] = []
+    if "model.safetensors" in files:
+        held.append("model")
+    elif "dcp/.metadata" in files:
+        held.append("model (sharded)")
+    if "optimizer.json" in files:
+        held.append("optimizer")
+    if "scheduler.json" in files or "scheduler.pt" in files:
+        held.append("scheduler")
+    if "scaler.json" in files:
+        held.append("scaler")
+    ranks = [n for n in files if n.startswith("rank") and n.endswith(".json")]
+    if ranks or "rng.json" in files:
+        held.append(f"rng ({len(ranks) or 1} rank{'s' if len(ranks) > 1 else ''})")
+    row["holds"] = held
+    return held
+
+
 def render(facts: dict[str, Any]) -> str:
     rows = facts["checkpoints"]
     if not rows:
@@ -135,15 +168,24 @@ def render(facts: dict[str, Any]) -> str:
             else "?"
         )
         size = f"{r['bytes'] / 1e6:.1f} MB" if "bytes" in r else "?"
-        status = "valid" if r["valid"] else "INVALID"
+        status = {True: "valid", False: "INVALID", None: "listed"}[r["valid"]]
+        if r.get("too_new"):
+            status = "too new"
         lines.append(
             f"  step {r['step']:>9}  {status:<7}  {size:>10}  {when}  "
             f"world {r.get('world_size', '?')}"
         )
-        if r["valid"]:
-            lines.append("      holds: " + ", ".join(r.get("holds", [])))
-        else:
+        if r["problem"]:
             lines.append(f"      why: {r['problem']}")
+        else:
+            lines.append("      holds: " + ", ".join(r.get("holds", [])))
+    unverified = sum(1 for r in rows if not r["verified"])
+    if unverified:
+        lines.append(
+            f"{unverified} older checkpoint(s) listed from their manifests, not verified "
+            "(resume reads none of them while a newer one is valid): "
+            "guardrails inspect --verify checks every file of every checkpoint"
+        )
     use = facts["resume_would_use"]
     newer = next((r for r in reversed(rows) if r["valid"] or r.get("too_new")), None)
     if use:
@@ -168,11 +210,17 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("path", type=Path, help="a run_dir, a checkpoint root or one step_* dir")
     p.add_argument("--json", action="store_true", help="print the facts as JSON")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="verify every checkpoint (sizes and sha256 of every file; by default only "
+        "the ones a resume would read are, up to the first valid one)",
+    )
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
-    facts = inspect_dir(args.path)
+    facts = inspect_dir(args.path, verify=getattr(args, "verify", False))
     print(json.dumps(facts, indent=2) if args.json else render(facts))
     if not facts["checkpoints"]:
         return 2

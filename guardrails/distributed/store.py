@@ -255,6 +255,41 @@ def read_run_id(generation: int, published: str | None) -> str:
     return bytes(store.get("id")).decode()
 
 
+def publish_refusal(generation: int, message: str) -> None:
+    """Rank 0's reason not to start (its run_dir is another job's), for the other
+    ranks to raise too: like :func:`publish_run_id`, set *before* the side group's
+    creation and read by :func:`read_refusal` after it, so no rank waits for it."""
+    run = side_store(generation, "run")
+    if run is not None:
+        run.set("refused", message)
+
+
+def read_refusal(generation: int) -> str | None:
+    """Rank 0's published refusal, or ``None`` (one store call, once per guard). A rank
+    that read one says so (:func:`wait_refusal_read`)."""
+    run = side_store(generation, "run")
+    if run is None or not run.check(["refused"]):
+        return None
+    message = bytes(run.get("refused")).decode()
+    run.add("refused_read", 1)
+    return message
+
+
+def wait_refusal_read(generation: int, world: int, timeout_s: float = 30.0) -> None:
+    """On rank 0, before it raises its refusal: wait (at most ``timeout_s``) until every
+    other rank has read it. Rank 0 hosts the store; a rank 0 that left at once took the
+    store with it while another rank was still reading the refusal, which then died
+    of a lost connection instead of the refusal. The refusal path only."""
+    run = side_store(generation, "run")
+    if run is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    pause = 0.01
+    while run.add("refused_read", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
 def open_side_group(timeout_s: float = 600.0) -> dist.ProcessGroup | None:
     """A gloo group over every rank, or ``None`` when not distributed. Collective: every
     rank must call it, in the same order relative to other group creations."""

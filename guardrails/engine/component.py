@@ -153,6 +153,25 @@ def overrides(component: Component, hook: str) -> bool:
     return getattr(type(component), hook) is not getattr(Component, hook)
 
 
+def check_component_list(components: Any) -> Sequence[Component]:
+    """``guard(components=...)``: a list (or tuple) of :class:`Component` instances, or
+    ``None``; a ``TypeError`` naming the argument otherwise."""
+    if components is None:
+        return ()
+    if not isinstance(components, (list, tuple)):
+        raise TypeError(
+            "guard(components=...) takes a list of guardrails.Component instances, got "
+            f"{type(components).__name__} {components!r}"[:200]
+        )
+    for c in components:
+        if not isinstance(c, Component):
+            raise TypeError(
+                "guard(components=...) takes guardrails.Component instances, got "
+                f"{type(c).__name__} {c!r}"[:200]
+            )
+    return components
+
+
 def check_components(components: Sequence[Component]) -> None:
     """The protocol's checks, when a guard is built: unique names, and every ``after``
     / ``before`` constraint between the components present."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 #: Knob names of release 0.1, by where they were given, and their new place:
@@ -87,6 +87,30 @@ def check_fields(cls: type[Any], given: Mapping[str, Any], where: str) -> None:
     check_knobs(given, (f.name for f in dataclasses.fields(cls)), where)
 
 
+def built(where: str, build: Callable[[], Any]) -> Any:
+    """``build()`` (a ``Config``'s constructor or ``dataclasses.replace``), its
+    validation error (``ValueError`` / ``TypeError`` from ``__post_init__``, which
+    names the knob by its field) prefixed with the call the user made: ``guard(
+    checkpoint=...): keep_last must be a positive int, got 2.5``."""
+    try:
+        config = build()
+        check_flags(config)
+    except (ValueError, TypeError) as err:
+        if type(err) not in (ValueError, TypeError) or str(err).startswith(where):
+            raise
+        raise type(err)(f"{where}: {err}") from None
+    return config
+
+
+def check_flags(config: Any) -> None:
+    """Every knob declared ``bool`` holds True or False: ``background="no"`` is truthy,
+    and was taken silently as True."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.type in ("bool", bool) and not isinstance(value, bool):
+            raise TypeError(f"{f.name} takes True or False, got {type(value).__name__} {value!r}")
+
+
 def configure(component: Any, config: Any, knobs: dict[str, Any]) -> Any:
     """A component's ``__init__(config=None, /, **knobs)``: its ``Config`` (the one
     given, or one built from ``knobs``, with renamed knobs accepted for one release),
@@ -105,7 +129,7 @@ def configure(component: Any, config: Any, knobs: dict[str, Any]) -> Any:
             raise TypeError(f"{name}() takes a {name}.Config, got {type(config).__name__}")
     else:
         check_fields(cls, knobs, f"{name}()")
-        config = cls(**knobs)
+        config = built(f"{name}()", lambda: cls(**knobs))
     component.config = config
     for field in dataclasses.fields(config):
         setattr(component, field.name, getattr(config, field.name))
@@ -121,10 +145,10 @@ def section(name: str, value: Any, cls: type[Any]) -> Any:
     if value is False or value is None:
         return None
     if isinstance(value, cls):
-        return value
+        return built(f"guard({name}=...)", lambda: value)
     if isinstance(value, Mapping):
         check_fields(cls, value, f"guard({name}=...)")
-        return cls(**value)
+        return built(f"guard({name}=...)", lambda: cls(**value))
     owner = cls.__qualname__
     raise TypeError(
         f"guard({name}=...) takes True (the defaults), False (off), a {owner} or a dict "

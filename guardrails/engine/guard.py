@@ -68,9 +68,15 @@ from torch import Tensor, nn
 
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
-from guardrails.engine import process
+from guardrails.engine import process, rundir
 from guardrails.engine.anatomy import DeviceClock
-from guardrails.engine.component import HOOKS, Component, check_components, overrides
+from guardrails.engine.component import (
+    HOOKS,
+    Component,
+    check_component_list,
+    check_components,
+    overrides,
+)
 from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
 from guardrails.engine.model import averaged as _averaged
@@ -78,8 +84,8 @@ from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.state import Shared, StepState
 from guardrails.metrics.events import EventLog, logger_of
-from guardrails.util import files
-from guardrails.util.checks import named, positive_int
+from guardrails.util.checks import check_scaler, flag, named, positive_int
+from guardrails.util.text import shorten
 
 logger = logging.getLogger("guardrails.guard")
 
@@ -174,6 +180,8 @@ class Guard(StepState):
         self.scheduler = next(iter(self.schedulers.values()), None)
         # accelerate's fp16 GradScaler lives in its prepared optimizer: checkpointed
         # like one passed here (a resume without it restarts the loss scale).
+        if scaler is not None:
+            check_scaler("guard(scaler=...)", scaler)
         self.scaler = scaler if scaler is not None else dist.own_scaler(self.optimizer)
         #: The loop's own ``torch.Generator``s by name (batches or noise drawn without a
         #: loader): their states are saved per rank and set back on these objects at
@@ -184,7 +192,7 @@ class Guard(StepState):
         #: Their states as the last step left them (what checkpoints save); ``None``
         #: before the first step and after a resume (then: as they are).
         self.generator_states: dict[str, Tensor] | None = None
-        self.components: list[Component] = list(components or ())
+        self.components: list[Component] = list(check_component_list(components))
         self.tokens_per_batch = tokens_per_batch
         if replay_fn is not None and not callable(replay_fn):
             raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
@@ -205,12 +213,17 @@ class Guard(StepState):
             # at that optimizer's own step.
             first = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
             self._params = [p for p in self._params if id(p) in first]
+        if run_dir is not None:
+            rundir.check_arg(run_dir)
         self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
+        # Held by rank 0 from start to close: one run per run_dir (rundir.py).
+        self._run_lock: rundir.RunLock | None = None
         self.device = self._params[0].device
         self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
         #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
         #: graph expects them (one launch instead of one output per gradient; opt-in,
         #: see gradnorm.py).
+        flag("guard(graph_grad_norm=...)", graph_grad_norm)
         self.graph_grad_norm = graph_grad_norm
         self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
         self._norm.scaled = self.scaler is not None and self.scaler.is_enabled()
@@ -288,6 +301,7 @@ class Guard(StepState):
         # The per-step hooks this step runs: the same table as _dispatch, except on the
         # steps benchmark mode samples with some components bypassed (benchmark_mode.py).
         self._live = self._dispatch
+        flag("guard(benchmark=...)", benchmark)
         self.benchmark = benchmark
         self._bench: Any = None
 
@@ -374,11 +388,11 @@ class Guard(StepState):
             )
         self.rank = dist.rank()
         self.world_size = dist.world_size()
-        # A full or read-only disk does not stop the guard: the events log says so and
-        # keeps its events in memory (metrics/events.py); only a checkpoint needs the
-        # disk.
-        with contextlib.suppress(OSError):
-            files.make_dirs(self.run_dir)  # never group/other-writable, whatever the umask
+        # A run_dir that is a file, below a file or not writable by this user is a
+        # setup mistake: refused here, before step one. A full or read-only disk does
+        # not stop the guard: the events log says so and keeps its events in memory
+        # (metrics/events.py); only a checkpoint needs the disk.
+        rundir.check(self.run_dir, self.rank)  # mkdir -p: never group/other-writable
         self.events = EventLog(self.run_dir, rank=self.rank)
         self._state = "started"
         _running = self
@@ -388,12 +402,28 @@ class Guard(StepState):
         try:
             self.generation = store.next_generation()
             published = store.publish_run_id(self.generation)  # before the collective
+            refusal = None
+            if self.rank == 0:  # one holder per job: the other ranks share its run_dir
+                self._run_lock = rundir.RunLock(self.run_dir)
+                refusal = self._run_lock.acquire(published or "")
+                if refusal is not None:
+                    self._run_lock = None
+                    store.publish_refusal(self.generation, refusal)  # before the collective
             news_store = store.side_store(self.generation, "news")
             self.news = (
                 None if news_store is None else store.News(news_store, world=self.world_size)
             )
             self.side_group = store.open_side_group()
             run_id = self.run_id = store.read_run_id(self.generation, published)
+            if self.rank != 0:
+                refusal = store.read_refusal(self.generation)
+            if refusal is not None:
+                # Not a word into the other run's events.jsonl: this run never began.
+                events, self.events = self.events, None
+                events.close()
+                if self.rank == 0:
+                    store.wait_refusal_read(self.generation, self.world_size)
+                raise rundir.refused(refusal, self.rank)
             self._handles = [
                 _wrap_step(opt, name, self, counted=i == 0)
                 for i, (name, opt) in enumerate(self.optimizers.items())
@@ -478,6 +508,9 @@ class Guard(StepState):
         try:
             self._close(exc)
         finally:
+            if self._run_lock is not None:  # after the last save: the run_dir is free
+                self._run_lock.release()
+                self._run_lock = None
             if failing and not process.recording:  # else @record releases, after its report
                 # A SIGTERM that came meanwhile is dropped, not raised again: the error
                 # is on its way out to the loop's code (its handler, then the process's
@@ -1500,6 +1533,15 @@ def _validate(
             f"the model ({type(model).__name__}) has no parameters, so there is nothing to "
             "train or guard. Pass the module that holds the weights."
         )
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"guard() got a `model` with {len(meta)} parameter(s) on the meta device "
+            f"({shorten(meta, 3)}): they hold no values, so nothing can be trained. It was "
+            "built under torch.device('meta') or accelerate's init_empty_weights: "
+            "materialize it first (model.to_empty(device=...), then initialize or load "
+            "its weights), then build the optimizer and the guard."
+        )
     ids = {id(p) for p in params}
     if len({id(o) for o in optimizers.values()}) < len(optimizers):
         raise ValueError("the same optimizer was passed twice; pass each one once.")
@@ -1523,16 +1565,13 @@ def _validate(
                 "must be updated by one optimizer. Split the parameters between them."
             )
         seen.update(dict.fromkeys(owned, name))
-    if loader is not None and not isinstance(loader, Iterable):
+    if loader is not None and (
+        not isinstance(loader, Iterable) or isinstance(loader, (str, bytes))
+    ):
         raise TypeError(
             f"`loader` must be an iterable of batches (DataLoader, generator, list), "
             f"got {type(loader).__name__}."
         )
-    for c in components:
-        if not isinstance(c, Component):
-            raise TypeError(
-                f"components must be guardrails.Component instances, got {type(c).__name__}."
-            )
     check_components(components)
     positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
     return params

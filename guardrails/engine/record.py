@@ -64,6 +64,11 @@ def record(fn: F) -> F:
     the exception propagates), with the process group destroyed. A normal return also
     destroys the process group if ``main`` left it up.
     """
+    if not callable(fn):
+        raise TypeError(
+            "record decorates your main function (@guardrails.record above def main()), "
+            f"got {type(fn).__name__} {fn!r}"[:200]
+        )
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:

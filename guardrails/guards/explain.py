@@ -254,6 +254,11 @@ def explain(exc: BaseException, guard: Guard | None = None) -> str:
     """The explanation of a failure: what it means, its likely causes and the fix, in
     the user's terms, plus what ``guard`` knows (rank, step, phase, last collective).
     ``""`` when ``exc`` is not a failure guardrails knows."""
+    if not isinstance(exc, BaseException):
+        raise TypeError(
+            f"explain() takes the exception to explain (explain(err) in an except block), "
+            f"got {type(exc).__name__} {exc!r}"[:200]
+        )
     sig = match(exc)
     if sig is None:
         return ""

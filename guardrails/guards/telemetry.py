@@ -69,7 +69,7 @@ from guardrails.metrics.sinks import (
     check_sinks,
     end_event,
 )
-from guardrails.util.checks import non_negative, positive, positive_int
+from guardrails.util.checks import flag, non_negative, positive, positive_int
 from guardrails.util.files import make_dirs, restrict
 from guardrails.util.storage import Trouble
 
@@ -168,6 +168,8 @@ class Telemetry(Component):
 
         def __post_init__(self) -> None:
             positive_int("every_n_steps", self.every_n_steps)
+            if self.progress is not None:
+                flag("progress", self.progress)
             non_negative("write_every_s", self.write_every_s)
             self.write_every_s = float(self.write_every_s)
             self.sinks = check_sinks(self.sinks, "sinks")

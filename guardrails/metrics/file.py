@@ -29,6 +29,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from guardrails.util.checks import path_like
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover (Windows: no compaction races to guard)
@@ -82,11 +84,13 @@ def read_metrics(run_dir: str | Path) -> pa.Table:
 
 def metrics_dir(run_dir: str | Path) -> Path:
     """``run_dir/metrics.parquet``; ``FileNotFoundError`` saying why when missing."""
+    path_like("run_dir", run_dir)
     path = Path(run_dir) / METRICS_DIR
     if not path.is_dir():
         raise FileNotFoundError(
             f"no metrics at {path}: was a guard run with run_dir={str(run_dir)!r} and "
-            "metrics=True? Metrics are written at close and every metrics_write_every_s."
+            "metrics on? Metrics are written at close and every write_every_s "
+            "(guard(metrics={'write_every_s': ...}))."
         )
     return path
 

@@ -3,6 +3,8 @@ same message wherever it is made."""
 
 from __future__ import annotations
 
+import operator
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,10 +60,28 @@ def config_dict(value: Any) -> dict[str, Any] | None:
     )
 
 
-def named(what: str, value: Any, kind: type) -> dict[str, Any]:
+#: What each collection argument needs, in the user's words (``named``'s messages).
+_NEEDS = {
+    "model": "the nn.Module being trained (a DDP or torch.compile wrapper is fine), or a "
+    "list / dict of them",
+    "optimizer": "a torch.optim.Optimizer (the one whose step() updates the model), or a "
+    "list / dict of them",
+    "scheduler": "an LR scheduler (an object with state_dict() and load_state_dict(), "
+    "e.g. torch.optim.lr_scheduler.LambdaLR), or a list / dict of them",
+    "generator": "a torch.Generator, or a list / dict of them by name",
+}
+#: The methods a value must have where any class will do (a scheduler of your own).
+_METHODS = {"scheduler": ("state_dict", "load_state_dict")}
+#: The argument's name where it is not ``what`` (``guard(generators=...)``).
+_ARG = {"generator": "generators"}
+
+
+def named(what: str, value: Any, kind: type, *, where: str = "guard()") -> dict[str, Any]:
     """One object, or several as a list / tuple / dict, as an ordered dict by name: a
-    single one is named ``what``, a list's by position (``"0"``, ``"1"``...)."""
-    if isinstance(value, kind) and not isinstance(value, (list, tuple, Mapping)):
+    single one is named ``what``, a list's by position (``"0"``, ``"1"``...). ``where``:
+    the call the value was passed to, for the message."""
+    arg = _ARG.get(what, what)
+    if isinstance(value, kind) and not isinstance(value, (list, tuple, Mapping, str)):
         named = {what: value}
     elif isinstance(value, Mapping):
         named = {str(k): v for k, v in value.items()}
@@ -70,15 +90,69 @@ def named(what: str, value: Any, kind: type) -> dict[str, Any]:
     else:
         named = {what: value}
     if not named:
-        raise ValueError(f"guard() got an empty collection as `{what}`; pass at least one.")
+        raise ValueError(f"{where} got an empty collection as `{arg}`; pass at least one.")
+    methods = _METHODS.get(what, ())
     for name, v in named.items():
-        if not isinstance(v, kind):
-            shown = what if len(named) == 1 and name == what else f"{what} {name!r}"
-            needs = {
-                "model": "the nn.Module being trained (a DDP or torch.compile wrapper is "
-                "fine), or a list / dict of them",
-                "optimizer": "a torch.optim.Optimizer (the one whose step() updates the "
-                "model), or a list / dict of them",
-            }.get(what, kind.__name__)
-            raise TypeError(f"guard() needs {needs} as `{what}`; {shown} is a {type(v).__name__}.")
+        missing = [m for m in methods if not callable(getattr(v, m, None))]
+        if not isinstance(v, kind) or missing:
+            shown = arg if len(named) == 1 and name == what else f"{arg} {name!r}"
+            needs = _NEEDS.get(what, kind.__name__)
+            lacks = f" without {' or '.join(f'{m}()' for m in missing)}" if missing else ""
+            raise TypeError(
+                f"{where} needs {needs} as `{arg}`; {shown} is a {type(v).__name__}"
+                f"{lacks} ({_short(v)})."
+            )
     return named
+
+
+def step_number(arg: str, value: Any) -> int:
+    """An optimizer step given by the user: an int >= 0 (a numpy / 0-d tensor int is
+    fine); a bool, float or str is a ``TypeError`` naming ``arg``, a negative one a
+    ``ValueError``. Returns it as an int."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(
+            f"{arg} takes an int >= 0 (the optimizer step the state is after), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    step = operator.index(value)
+    if step < 0:
+        raise ValueError(f"{arg} takes an int >= 0 (the optimizer step), got {step}")
+    return step
+
+
+def path_like(arg: str, value: Any, *, allow_none: bool = False) -> None:
+    """A ``TypeError`` naming ``arg`` unless ``value`` is a path (str or ``os.PathLike``)."""
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)):
+        either = " or None" if allow_none else ""
+        raise TypeError(
+            f"{arg} takes a path (str or pathlib.Path){either}, got {type(value).__name__} "
+            f"{_short(value)}"
+        )
+
+
+def flag(arg: str, value: Any) -> None:
+    """A ``TypeError`` naming ``arg`` unless ``value`` is True or False."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} takes True or False, got {type(value).__name__} {_short(value)}")
+
+
+def check_scaler(arg: str, value: Any) -> None:
+    """A ``TypeError`` naming ``arg`` unless ``value`` acts as a ``torch.amp.GradScaler``
+    (``is_enabled()``, ``state_dict()``, ``load_state_dict()``)."""
+    missing = [
+        m
+        for m in ("is_enabled", "state_dict", "load_state_dict")
+        if not callable(getattr(value, m, None))
+    ]
+    if missing:
+        raise TypeError(
+            f"{arg} takes a torch.amp.GradScaler (or None), got {type(value).__name__} "
+            f"{_short(value)} without {', '.join(f'{m}()' for m in missing)}"
+        )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -121,7 +121,7 @@ from guardrails.guards.audit.calls import (
 from guardrails.guards.audit.flight import _SLOT, _SLOT_HEAD, _Ring, _ring_path, _sweep_stale_rings
 from guardrails.guards.audit.report import _error
 from guardrails.guards.audit.seq import _display, _fields, _History, _merge
-from guardrails.util.checks import non_negative
+from guardrails.util.checks import flag, non_negative
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -176,7 +176,7 @@ class CollectiveAuditor(Component):
             self.interval_s = float(self.interval_s)
             self.close_wait_s = float(self.close_wait_s)
             self.abort_after_s = float(self.abort_after_s)
-            self.flight_recorder = bool(self.flight_recorder)
+            flag("flight_recorder", self.flight_recorder)  # "no" is truthy: never taken as True
 
     name = "audit"
     distributed_only = True

@@ -78,7 +78,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -96,7 +96,7 @@ from guardrails.engine.config import configure
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.writer import CheckpointWriter, stack_generator_states
-from guardrails.util.checks import config_dict, positive_int
+from guardrails.util.checks import config_dict, path_like, positive_int
 
 log = logging.getLogger("guardrails.checkpoint")
 
@@ -127,7 +127,9 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 deleted. Default 3.
             save_on_signal: on SIGTERM, SIGINT (Ctrl+C) or SIGUSR1 (see ``signals``),
                 every rank stops at the same step, saves a complete checkpoint and
-                exits (see ``exit_on_signal``). A second Ctrl+C exits at once. Default
+                exits (see ``exit_on_signal``). A second Ctrl+C exits at once. The first
+                signal decides the exit code and message (a Ctrl+C during a SIGTERM's
+                save is noted, the save goes on; a second one ends it, as 143). Default
                 True.
             signals: the signal names that trigger save-and-stop with
                 ``save_on_signal``. Default SIGTERM, SIGINT, SIGUSR1.
@@ -174,8 +176,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 the agreements' store calls stay within a fixed share of the store.
             strict_cadence: a periodic save that comes due while the previous one is
                 still being written (on any rank) waits for it, stalling training.
-                Default False: it is skipped (``checkpoint_every_n_steps``) or delayed
-                until the writer is done (``checkpoint_every_s``), with an event that
+                Default False: it is skipped (``every_n_steps``) or delayed
+                until the writer is done (``every_s``), with an event that
                 says so, and training goes on.
         """
 
@@ -197,16 +199,21 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
 
         def __post_init__(self) -> None:
             if self.every_n_steps is not None:
-                positive_int("checkpoint_every_n_steps", self.every_n_steps)
+                positive_int("every_n_steps", self.every_n_steps)
             if self.keep_last is not None:
-                positive_int("keep_last_checkpoints", self.keep_last)
-            for value, what in ((self.every_s, "checkpoint_every_s"), (self.grace_s, "grace_s")):
+                positive_int("keep_last", self.keep_last)
+            for value, what in ((self.every_s, "every_s"), (self.grace_s, "grace_s")):
                 if value is not None and not (isinstance(value, (int, float)) and value > 0):
                     raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
             agree = self.agree_every_s
             if not (isinstance(agree, (int, float)) and agree > 0):
                 raise ValueError(f"agree_every_s must be > 0, got {agree!r}")
             self.agree_every_s = float(agree)
+            if isinstance(self.signals, str) or not all(isinstance(s, str) for s in self.signals):
+                raise TypeError(
+                    "signals takes a list of signal names (['SIGTERM', 'SIGUSR1']), got "
+                    f"{type(self.signals).__name__} {self.signals!r}"
+                )
             unknown = [
                 s for s in self.signals if not isinstance(getattr(signal, s, None), signal.Signals)
             ]
@@ -215,8 +222,13 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
             self.signals = tuple(s for s in self.signals if s not in unknown)
             if not self.save_on_signal:
                 self.signals = ()
-            if isinstance(self.resume, bool):
-                raise TypeError("resume takes 'auto', a path, or None (not a bool)")
+            if self.resume is not None and (
+                isinstance(self.resume, bool) or not isinstance(self.resume, (str, PathLike))
+            ):
+                raise TypeError(
+                    "resume takes 'auto', a path (str or pathlib.Path) or None, got "
+                    f"{type(self.resume).__name__} {self.resume!r}"
+                )
             if not isinstance(self.allow_world_size_change, bool):
                 raise TypeError(
                     "allow_world_size_change takes True or False, got "
@@ -224,7 +236,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 )
             allow = self.allow_config_change
             if not isinstance(allow, bool):
-                if isinstance(allow, str) or not all(isinstance(k, str) for k in allow):
+                if (
+                    not isinstance(allow, Iterable)
+                    or isinstance(allow, str)
+                    or not all(isinstance(k, str) for k in allow)
+                ):
                     raise TypeError(
                         "allow_config_change takes True, False or a list of config keys "
                         f"(['num_workers']), got {allow!r}"
@@ -232,6 +248,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 self.allow_config_change = tuple(allow)
             self.run_config = config_dict(self.run_config)
             if self.directory is not None:
+                path_like("directory", self.directory)
                 self.directory = Path(self.directory)
 
         @property
@@ -262,6 +279,10 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         #: Seconds each save blocked training (staging; all of it for a sync save).
         self.blocking_times_s: list[float] = []
         self._signal: int | None = None  # set by the handler: the only thing it does
+        # SIGINTs after a first signal of another kind (signals.py: the first decides).
+        self._late_sigints = 0
+        # The last save's sequence number in the checkpoint directory (writer.py).
+        self._seq: int | None = None
         # When the first stop signal came (time.monotonic()), by the handler or the watcher.
         self._signal_at: float | None = None
         self._previous: dict[int, Any] = {}
@@ -594,6 +615,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 f"{name} received by {where}; all {guard.world_size} rank(s) stopped at step "
                 f"{guard.step} and saved {path}. To resume, run the same command: "
                 "guard(..., resume='auto') continues from it."
+            )
+        if self._late_sigints:
+            message += (
+                f" A SIGINT (Ctrl+C) came after the {name} and did not change the exit "
+                f"code ({128 + self._stop_signal}); a second one ends the process at once."
             )
         guard.event(
             "stopped",

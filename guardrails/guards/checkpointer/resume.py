@@ -168,16 +168,19 @@ class ResumeAtStart:
                     # in an event, and the previous one is tried.
                     found, plan, skipped = restore.pick(where, lambda c: self._prepare(guard, c))
                     chosen = str(found)
-                    for name, why in skipped:
+                    reasons = dict(skipped)
+                    for name, said in restore.said_skipped(skipped, where):
+                        away = name or "them"
                         guard.event(
                             "checkpoint_invalid",
                             level="warning",
-                            message=f"skipped checkpoint {name}: {why}; resuming from "
-                            f"{found.name} instead (delete or move {name} away to keep "
-                            "this from being said at every start)",
+                            message=f"{said}; resuming from {found.name} instead (delete "
+                            f"or move {away} away to keep this from being said at every "
+                            "start)",
                             checkpoint=name,
-                            reason=why,
+                            reason=reasons.get(name) if name else said,
                             using=chosen,
+                            count=1 if name else len(skipped),
                         )
             except GuardrailsError as e:
                 if store is not None:

@@ -149,6 +149,24 @@ class SignalCapture:
             if self._signal_at is None:  # a float set: no I/O, no lock
                 self._signal_at = time.monotonic()
             return
-        if signum == signal.SIGINT:  # the second Ctrl+C: out, now
+        if signum != signal.SIGINT:
+            return  # a second SIGTERM / SIGUSR1: the stop is under way already
+        first = self._signal
+        if first == signal.SIGINT:  # the second Ctrl+C: out, now
             self._restore_handlers()
             raise KeyboardInterrupt
+        # A Ctrl+C after another signal (a launcher's SIGTERM, then a person at the
+        # terminal, or a launcher forwarding both): the first signal decides the exit
+        # code and the message. The first Ctrl+C is noted and the stop's save goes on
+        # (a pre-emption's save is what the job needs next); a second one ends the
+        # process now, still as the first signal's stop.
+        self._late_sigints += 1
+        if self._late_sigints < 2:
+            return
+        self._restore_handlers()
+        name = signal.Signals(first).name
+        raise process.stop_exit(
+            128 + first,
+            f"{name} received; a second SIGINT (Ctrl+C) during the stop's save ended the "
+            f"process before the save finished: {self._last_checkpoint()}",
+        )

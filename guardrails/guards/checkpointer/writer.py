@@ -24,6 +24,7 @@ from torch import Tensor
 from guardrails._errors import CheckpointError, GuardrailsError
 from guardrails.checkpoint import commit, digest, sharded, stage
 from guardrails.checkpoint.codec import encode
+from guardrails.checkpoint.manifest import highest_seq
 from guardrails.distributed import store as _store
 from guardrails.engine import data as _data
 from guardrails.engine import model
@@ -180,6 +181,15 @@ def _find_schedulers(optimizers: Mapping[int, Any]) -> list[Any]:
 
 class CheckpointWriter:
     """Part of :class:`SignalCheckpointer`: see its docstring."""
+
+    def _next_seq(self, root: Path) -> int:
+        """This save's sequence number (``manifest.SEQ``): the directory's highest, read
+        at this guard's first save, then one more per save. Rank 0 commits alone, and
+        one run holds a run_dir at a time (its lock), so no other writer interleaves."""
+        if self._seq is None:
+            self._seq = highest_seq(root)
+        self._seq += 1
+        return self._seq
 
     def _plan_staging(self, guard: Guard) -> None:
         """Allocate the pinned staging memory of the first periodic save now, in a
@@ -486,6 +496,7 @@ class CheckpointWriter:
                     contents=self._contents,
                     run=self._run,
                     adopt_unlabelled=self._adopt_unlabelled,
+                    seq=self._next_seq(root),
                 )
             else:
                 store.set(f"{key}/files/{rank}", json.dumps(files))
@@ -604,6 +615,7 @@ class CheckpointWriter:
                 contents=self._contents,
                 run=self._run,
                 adopt_unlabelled=self._adopt_unlabelled,
+                seq=self._next_seq(root),
             )
         except BaseException as e:
             error = _write_error(root / f"step_{step:09d}", step, e)

@@ -35,7 +35,7 @@ from guardrails.guards.memory import oom
 from guardrails.guards.memory.leaks import LeakDetector
 from guardrails.guards.memory.oom import is_oom
 from guardrails.guards.memory.starvation import StarvationMeter
-from guardrails.util.checks import fraction, non_negative, positive_int
+from guardrails.util.checks import flag, fraction, non_negative, positive_int
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -87,7 +87,7 @@ class MemoryGuard(Component):
             fraction("data_starvation_fraction", self.data_starvation_fraction)
             non_negative("data_starvation_min_wait_s", self.data_starvation_min_wait_s)
             self.data_starvation_fraction = float(self.data_starvation_fraction)
-            self.explain_oom = bool(self.explain_oom)
+            flag("explain_oom", self.explain_oom)  # "no" is truthy: never taken as True
 
         @property
         def does_anything(self) -> bool:

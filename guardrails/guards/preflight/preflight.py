@@ -88,7 +88,7 @@ from guardrails.guards.preflight.facts import (
     batch_fingerprint,
     param_table,
 )
-from guardrails.util.checks import config_dict
+from guardrails.util.checks import config_dict, flag
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -134,8 +134,8 @@ class Preflight(Component):
 
         def __post_init__(self) -> None:
             self.run_config = config_dict(self.run_config)
-            self.even_batches = bool(self.even_batches)
-            self.check = bool(self.check)
+            flag("even_batches", self.even_batches)  # "no" is truthy: never taken as True
+            flag("check", self.check)  # "no" is truthy: never taken as True
 
         @property
         def does_anything(self) -> bool:
