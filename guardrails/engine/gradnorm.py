@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -129,6 +130,18 @@ def total_norm(grads: list[Tensor], device: torch.device, multi_device: bool) ->
         # clip_grad_norm_ does for DTensors (one small collective per step).
         total = total.full_tensor()
     return total
+
+
+_GRAD = operator.attrgetter("grad")
+_IS_SET = functools.partial(operator.is_not, None)
+
+
+def grads_of(params: list[Tensor]) -> list[Tensor]:
+    """The gradients of ``params`` that have one, in order, gathered by C code (``map``
+    of an ``attrgetter``, ``filter`` of an ``operator.is_not``): no Python bytecode per
+    tensor, so the step's Python work is the same for 150 tensors and 1,500
+    (tests/test_structure.py counts it). One ``.grad`` read a parameter, as before."""
+    return list(filter(_IS_SET, map(_GRAD, params)))
 
 
 def flat_norm(grads: list[Tensor]) -> Tensor:
@@ -230,7 +243,8 @@ class GradNorm:
             # One ``.grad`` read per parameter, not two: ``p.grad`` on a Parameter (a
             # Tensor subclass) looks up ``__torch_function__`` each time. The gather
             # for GPT-2 small's 148 tensors: 13.0 us against 23.1 (a 2-core CPU VM).
-            grads = [g for p in params if (g := p.grad) is not None]
+            # grads_of() inline: by C calls, no bytecode a tensor, and no frame.
+            grads = list(filter(_IS_SET, map(_GRAD, params)))
             if not self.sparse:
                 try:  # free until it raises
                     if self.flat:
@@ -259,7 +273,7 @@ class GradNorm:
             return out.clone()
         self.eager += 1
         self._misses += 1
-        grads = [g for p in params if (g := p.grad) is not None]
+        grads = grads_of(params)
         out = total_norm(grads, self.device, False)
         if grads and not torch.cuda.is_current_stream_capturing():
             if self._misses > MAX_MISSES:
