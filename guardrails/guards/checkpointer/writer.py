@@ -203,7 +203,7 @@ class CheckpointWriter:
         try:
             part = stage.Part(measure=True, host=not self._staging.pinned)
             self._stage(guard, part, measure=True)
-            if sum(part.device_bytes) > self._staging.nbytes:
+            if part.device_bytes:  # allocates only the blocks its layout still lacks
                 self._staging.prepare(part.device_bytes, guard.device)
         except Exception as e:  # only an optimisation: the save itself will say what fails
             log.debug("guardrails: staging memory not allocated ahead: %r", e)
