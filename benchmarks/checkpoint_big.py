@@ -257,7 +257,8 @@ def show(path: str) -> None:
                 f"skipped {r['skipped']}, {r['bytes_per_save'] / 1e9:.2f} GB per save"
             )
             for e in r["signal_saves"]:
-                keys = ("bytes", "seconds", "stage_s", "write_s", "fsync_s", "commit_s", "sharded")
+                keys = ("bytes", "seconds", "stage_s", "stage_fresh_bytes", "write_s", "fsync_s")
+                keys += ("commit_s", "sharded")
                 keys += ("dcp_staging",)
                 print(f"    rank {e['rank']} step {e['step']}: { ({k: e.get(k) for k in keys}) }")
             for s, after in (r.get("after_ms") or {}).items():
