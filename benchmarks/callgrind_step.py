@@ -4,6 +4,9 @@ misses and an estimated cycle count per step, exact and the same on a loaded mac
 (wall-clock A/Bs on the shared 2-core VM swing by tens of microseconds).
 
     python benchmarks/callgrind_step.py [--base DIR] [--split] [--steps 200]
+    python benchmarks/callgrind_step.py --tensors 150 --steps 10 --warmup 30 --base DIR
+        # the guard's host cost against the number of parameter tensors (overhead.py's
+        # stack model: tensors/2 Linear(16, 16) layers)
 
 Runs, each in its own process under ``valgrind --tool=callgrind --cache-sim=yes``:
 the plain loop, and the guarded loop (``guardrails.guard()`` defaults) of this
@@ -79,14 +82,14 @@ def _through(c_iter: str, fn):
     return call
 
 
-def child(mode: str, steps: int, split: bool) -> None:
+def child(mode: str, steps: int, split: bool, tensors: int = 0, warmup: int = WARMUP) -> None:
     import importlib
 
     import numpy.ma  # noqa: F401  (imported lazily by np.median: not in the window)
     import torch
 
     sys.path.insert(0, str(HERE))
-    from overhead import Tiny
+    from overhead import Stack, Tiny
 
     import guardrails
 
@@ -97,10 +100,10 @@ def child(mode: str, steps: int, split: bool) -> None:
             owner = getattr(importlib.import_module(module), cls)
             setattr(owner, name, _through(c_iter, getattr(owner, name)))
     torch.manual_seed(0)
-    model = Tiny()
+    model = Stack(tensors) if tensors else Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = [(torch.randn(8, 16), torch.randn(8)) for _ in range(8)]
-    batches = [data[i % 8] for i in range(WARMUP + steps)]
+    batches = [data[i % 8] for i in range(warmup + steps)]
 
     def run(it) -> None:
         def step() -> None:
@@ -109,7 +112,7 @@ def child(mode: str, steps: int, split: bool) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             step()
         # Collected by callgrind: the steps run inside starmap's C iterator.
         collections.deque(itertools.starmap(step, itertools.repeat((), steps)), 0)
@@ -151,8 +154,17 @@ def callgrind(argv: list[str], out: Path, pythonpath: str | None = None) -> dict
     return totals
 
 
-def measure(pythonpath: str | None, mode: str, steps: int, split: bool, out: Path):
+def measure(
+    pythonpath: str | None,
+    mode: str,
+    steps: int,
+    split: bool,
+    out: Path,
+    tensors: int = 0,
+    warmup: int = WARMUP,
+):
     argv = [__file__, "--child", mode, "--steps", str(steps)] + (["--split"] if split else [])
+    argv += ["--tensors", str(tensors), "--warmup", str(warmup)]
     totals = callgrind(argv, out, pythonpath)
     pieces = {}
     if split:
@@ -192,9 +204,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--split", action="store_true")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--tensors", type=int, default=0, help="overhead.py's stack model (0: tiny)")
+    p.add_argument("--warmup", type=int, default=WARMUP, help="untimed steps first")
     args = p.parse_args()
     if args.child:
-        child(args.child, args.steps, args.split)
+        child(args.child, args.steps, args.split, args.tensors, args.warmup)
         return
     runs = [("plain", None, "plain"), ("this", str(HERE.parent), "guarded")]
     if args.base:
@@ -203,13 +217,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         res = {}
         for label, path, mode in runs:
-            totals, _ = measure(path, mode, n, False, Path(d) / f"{label}.out")
+            out = Path(d) / f"{label}.out"
+            totals, _ = measure(path, mode, n, False, out, args.tensors, args.warmup)
             pieces = {}
             if args.split and mode == "guarded":  # its own run: the wrappers cost a little
-                _, pieces = measure(path, mode, n, True, Path(d) / f"{label}-split.out")
+                out = Path(d) / f"{label}-split.out"
+                _, pieces = measure(path, mode, n, True, out, args.tensors, args.warmup)
             res[label] = (totals, pieces)
     plain = res["plain"][0]
-    print(f"per step, {n} steps after {WARMUP} warm-up (callgrind, cache simulation)")
+    model = f"stack model, {args.tensors} tensors" if args.tensors else "tiny model"
+    print(f"per step, {n} steps after {args.warmup} warm-up, {model} (callgrind, cache sim)")
     for label, (t, pieces) in res.items():
         misses = (t["I1mr"] + t["D1mr"] + t["D1mw"]) / n
         line = f"  {label:6s} Ir {t['Ir'] / n:10.0f}  L1 misses {misses:7.0f}"

@@ -6,6 +6,9 @@ disk's own floor measured in the same run.
     python benchmarks/checkpoint_big.py --dir /local/disk --old-guardrails OLD_DIR   # A/B
     python benchmarks/checkpoint_big.py --dir /local/disk --nproc 2 --ddp            # per rank
     python benchmarks/checkpoint_big.py --dir /local/disk --nproc 2 --fsdp
+    python benchmarks/checkpoint_big.py --dir /local/disk --every 0 --sigterm-at 10 --repeat 3
+        # a pre-emption early in a run without periodic saves: the signal's save is the
+        # run's first, staged into memory allocated at start (each run reported)
 
 What it does:
 
@@ -20,6 +23,8 @@ What it does:
   write + hash, fsync, commit), and for each periodic save the step that took it against
   the median step. With ``--old-guardrails DIR`` the same child runs once more with the
   guardrails package found in DIR (e.g. the previous release), in the same invocation.
+  ``--every 0``: no periodic saves (only the signal's); ``--repeat N``: each variant N
+  times, every run reported (``--show`` gives each SIGTERM -> exit over the disk floor).
 """
 
 from __future__ import annotations
@@ -131,17 +136,11 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     median = statistics.median(steps.values()) if steps else float("nan")
     # The boundary after step s (where a save of step s is staged, or skipped) is timed
     # in step s+1: every due save, committed, skipped or later abandoned.
-    stalls = {
-        s: steps[s + 1] - median
-        for s in range(args.every, args.sigterm_at, args.every)
-        if s + 1 in steps
-    }
+    due = range(args.every, args.sigterm_at, args.every) if args.every else range(0)
+    stalls = {s: steps[s + 1] - median for s in due if s + 1 in steps}
     # The steps after each due save (or --noise), over the median: a stall can be one
     # long step or many slower ones while the write goes on.
-    after = {
-        s: [round(steps[k] - median) for k in range(s + 1, s + 26) if k in steps]
-        for s in range(args.every, args.sigterm_at, args.every)
-    }
+    after = {s: [round(steps[k] - median) for k in range(s + 1, s + 26) if k in steps] for s in due}
     last = [e for e in saves if e["step"] >= args.sigterm_at]
     # Where the time from SIGTERM to the launcher's exit goes, per rank (seconds after
     # the signal): the signal save committed (its event), the guard closed (its end
@@ -204,12 +203,18 @@ def parent(args: argparse.Namespace) -> None:
         "torch": torch.__version__,
         "dir": str(base),
         "mode": "fsdp2" if args.fsdp else ("ddp" if args.ddp else "single"),
+        "every": args.every or None,
+        "sigterm_at": args.sigterm_at,
     }
     try:
         variants = [("new", str(ROOT))]
         if args.old_guardrails:
             variants.insert(0, ("old", str(Path(args.old_guardrails).resolve())))
-        runs = [run_variant(args, name, path, work) for name, path in variants]
+        runs = [
+            run_variant(args, name if args.repeat == 1 else f"{name}#{i + 1}", path, work)
+            for i in range(args.repeat)
+            for name, path in variants
+        ]
         nbytes = max(r["bytes_per_save"] for r in runs) or 10 << 30
         if args.floor:  # --no-floor: a control run (--patch, --spy) that times no save
             results["floor_1x"] = disk_floor(work, nbytes, 1)  # the same code as
@@ -237,16 +242,23 @@ def show(path: str) -> None:
         else:
             floor = "disk floor not measured (--no-floor)"
         print(f"{d['mode']} on {d['gpus']} x {d['device']}, torch {d['torch']}: {floor}")
+        if "every" in d:
+            print(f"  periodic saves every {d['every']} steps, SIGTERM at step {d['sigterm_at']}")
         for r in d["runs"]:
             stalls = {k: round(v) for k, v in r["periodic_stall_ms"].items()}
+            to_exit = r["sigterm_to_exit_s"] or -1
+            ratio = (
+                f" ({to_exit / d['floor_1x']['total_s']:.2f}x the floor)" if "floor_1x" in d else ""
+            )
             print(
                 f"  {r['variant']}: exit {r['exit_code']}, SIGTERM -> exit "
-                f"{r['sigterm_to_exit_s'] or -1:.2f} s, median step {r['median_step_ms']:.1f} ms, "
+                f"{to_exit:.2f} s{ratio}, median step {r['median_step_ms']:.1f} ms, "
                 f"stall of each periodic save (ms over the median) {stalls}, "
                 f"skipped {r['skipped']}, {r['bytes_per_save'] / 1e9:.2f} GB per save"
             )
             for e in r["signal_saves"]:
-                keys = ("bytes", "seconds", "stage_s", "write_s", "fsync_s", "commit_s", "sharded")
+                keys = ("bytes", "seconds", "stage_s", "stage_fresh_bytes", "write_s", "fsync_s")
+                keys += ("commit_s", "sharded")
                 keys += ("dcp_staging",)
                 print(f"    rank {e['rank']} step {e['step']}: { ({k: e.get(k) for k in keys}) }")
             for s, after in (r.get("after_ms") or {}).items():
@@ -387,7 +399,10 @@ def child(args: argparse.Namespace) -> None:
         data * 10_000,
         run_dir=args.run_dir,
         progress=False,
-        checkpoint={"every_n_steps": 10**9 if args.noise else args.every, "keep_last": 1},
+        checkpoint={
+            "every_n_steps": 10**9 if args.noise else (args.every or None),
+            "keep_last": 1,
+        },
     ) as g:
         sampler = Sampler() if args.sample else None
         cpu0 = sampler.cpu() if sampler else {}
@@ -590,7 +605,10 @@ def main() -> None:
     p.add_argument("--dir", help="the disk to save on (default: the temp dir)")
     p.add_argument("--out", help="append the results to OUT/checkpoint_big.jsonl")
     p.add_argument("--old-guardrails", help="a directory holding another guardrails package")
-    p.add_argument("--every", type=int, default=20, help="checkpoint_every_n_steps")
+    p.add_argument(
+        "--every", type=int, default=20, help="checkpoint_every_n_steps (0: no periodic saves)"
+    )
+    p.add_argument("--repeat", type=int, default=1, help="run each variant this many times")
     p.add_argument("--sigterm-at", type=int, default=75)
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--width", type=int, default=1536)

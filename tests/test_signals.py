@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -658,3 +659,52 @@ def test_two_ranks_abandon_an_older_write_together_and_commit_the_stop(tmp_path)
     assert [p.name for p in ckpts][-1] == f"step_{stop:09d}"
     assert not [p for p in ckpts if p.name.startswith(".tmp")]
     assert verify_checkpoint(ckpts[-1]) is None
+
+
+def test_a_signal_save_without_periodic_saves_stages_into_memory_allocated_ahead(tmp_path):
+    """With only saves on signals on, the staging memory is allocated at start (the
+    model's) and grown after the first step (the optimizer's state): a SIGTERM at step 2
+    copies into it and allocates nothing, and the run resumes bitwise."""
+
+    def run(stop_at=None):
+        torch.manual_seed(0)
+        model = Regressor()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        seen = {}
+        with guardrails.guard(
+            model,
+            opt,
+            batches(6),
+            run_dir=tmp_path,
+            progress=False,
+            checkpoint={"exit_on_signal": False},
+        ) as g:
+            staging = g.component("checkpoint")._staging
+            staging.wait()
+            seen["at start"] = staging.nbytes
+            for x, y in g:
+                model(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+                if g.step == stop_at:
+                    staging.wait()
+                    seen["before"] = [(id(b), b.data_ptr(), b.numel()) for b in staging.blocks]
+                    os.kill(os.getpid(), signal.SIGTERM)
+            seen["after"] = [(id(b), b.data_ptr(), b.numel()) for b in staging.blocks]
+            seen["allocated in save"] = staging.allocated_in_save
+        return model, opt, seen
+
+    straight, _, _ = run()
+    shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
+    stopped, opt, seen = run(stop_at=2)
+    model_bytes = sum(t.numel() * t.element_size() for t in stopped.state_dict().values())
+    state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    assert seen["at start"] >= model_bytes  # before any step, without a periodic save
+    assert sum(n for _, _, n in seen["before"]) >= model_bytes + state_bytes
+    assert seen["after"] == seen["before"] and seen["allocated in save"] == 0
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000000002"]
+    [saved] = [e for e in read_events(tmp_path) if e["kind"] == "checkpoint"]
+    assert saved["step"] == 2 and saved["stage_fresh_bytes"] == 0
+    resumed, _, _ = run()
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

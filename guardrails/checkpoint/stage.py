@@ -46,82 +46,118 @@ _ELEMENTWISE_STATE = frozenset(
 
 
 class Staging:
-    """Pinned host memory for device tensors, allocated once and reused by every save.
+    """Host memory for a save's tensors, allocated once and reused by every save: pinned
+    for device tensors on a CUDA machine, plain memory for a CPU run's own tensors.
 
     A fresh pinned allocation per save cost the first periodic save of a 10 GB state
-    5.9 s on an H200 (pinning the pages is the slow part, not the copy). Here the
-    memory is a few pinned blocks, laid out the same way at every save (the state's
-    tensors keep their sizes), so from the second save on staging is only the
-    device-to-host copy (~0.5 s for 10 GB at PCIe speed). :meth:`prepare` allocates
-    the blocks ahead of the first save, in a thread. Blocks are powers of two (torch's
-    pinned allocator rounds every request up to one, so a 10 GB block would pin 16).
+    5.9 s on an H200 (pinning the pages is the slow part, not the copy), and a SIGTERM
+    save with no periodic save before it 4.1-4.6 s of its 12.4-12.9 s (H100, 0.835B
+    model). Here the memory is a few blocks, laid out the same way at every save (the
+    state's tensors keep their sizes), so staging is only the copy (~0.5 s for 10 GB at
+    PCIe speed). :meth:`prepare` allocates the blocks ahead of the first save, in a
+    thread. Pinned blocks are powers of two (torch's pinned allocator rounds every
+    request up to one, so a 10 GB block would pin 16); a CPU run's staging is one block
+    of the size asked, its pages touched in that thread (the first write of fresh pages
+    is what a save would otherwise pay, ~0.25 s/GB).
 
     One save uses it at a time: a save waits for the previous save's writer, which
     reads from these blocks, before it stages.
     """
 
-    #: At least this many bytes per block: few blocks (a handful of cudaHostAlloc calls)
-    #: and at most one block's tail unused.
+    #: At least this many bytes per pinned block: few blocks (a handful of
+    #: cudaHostAlloc calls) and at most one block's tail unused.
     BLOCK_BYTES = 1 << 30
     _ALIGN = 64  # each tensor's offset: any dtype's alignment, and a cache line
 
-    def __init__(self) -> None:
+    def __init__(self, *, pinned: bool | None = None) -> None:
+        #: Pinned (a CUDA machine: the blocks take device tensors) or plain host memory
+        #: (a CPU run: the blocks take the host tensors a save copies).
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._blocks: list[Tensor] = []
         self._lock = threading.Lock()  # prepare()'s thread vs a save's place()
         self._thread: threading.Thread | None = None
+        #: Bytes :meth:`place` had to allocate itself, during a save (0 when
+        #: :meth:`prepare` had allocated everything ahead).
+        self.allocated_in_save = 0
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self._blocks)
 
+    @property
+    def blocks(self) -> list[Tensor]:
+        """The blocks allocated so far (a copy of the list)."""
+        with self._lock:
+            return list(self._blocks)
+
     def prepare(self, sizes: list[int], device: torch.device | None = None) -> None:
         """Allocate, in a background thread, the blocks a save of tensors of ``sizes``
         bytes needs (the layout :meth:`place` will use), pinned from ``device``'s CUDA
-        context: a new thread's current device is GPU 0, whatever the rank's."""
-        if self._thread is not None:
-            return
+        context: a new thread's current device is GPU 0, whatever the rank's. A second
+        call with more sizes (the optimizer's state, once it exists) grows the same
+        layout: its first sizes are the first call's."""
+        previous = self._thread
 
         def grow() -> None:
+            if previous is not None:
+                previous.join()
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)
-            self._grow(sizes)
+            for block in self._grow(sizes):
+                if not self.pinned:
+                    block.zero_()  # fault its pages in now, not in the save
 
         self._thread = threading.Thread(target=grow, name="guardrails-checkpoint-pin", daemon=True)
         self._thread.start()
 
-    def place(self, tensors: list[Tensor]) -> list[Tensor]:
-        """A pinned host tensor for each device tensor (same dtype and shape), in this
-        staging's blocks, allocating what is missing now."""
-        if self._thread is not None:  # the ahead-of-time allocation: wait for it
+    def wait(self) -> None:
+        """Wait for the ahead-of-time allocation, if one is running."""
+        if self._thread is not None:
             self._thread.join()
+
+    def place(self, tensors: list[Tensor]) -> list[Tensor]:
+        """A host tensor for each of ``tensors`` (same dtype and shape), in this
+        staging's blocks, allocating what is missing now."""
+        self.wait()  # the ahead-of-time allocation
         sizes = [t.numel() * t.element_size() for t in tensors]
-        self._grow(sizes)
+        self.allocated_in_save += sum(b.numel() for b in self._grow(sizes))
         out = []
         for t, (block, offset, n) in zip(tensors, self._layout(sizes), strict=True):
             out.append(self._blocks[block][offset : offset + n].view(t.dtype).view(t.shape))
         return out
 
-    def _grow(self, sizes: list[int]) -> None:
+    def _grow(self, sizes: list[int]) -> list[Tensor]:
+        """Allocate the blocks ``sizes`` needs that are missing; the new blocks."""
         with self._lock:
+            before = len(self._blocks)
             self._layout(sizes, allocate=True)
+            return self._blocks[before:]
+
+    def _aligned(self, n: int) -> int:
+        return -(-n // self._ALIGN) * self._ALIGN
 
     def _layout(self, sizes: list[int], *, allocate: bool = False) -> list[tuple[int, int, int]]:
         """``(block, offset, bytes)`` per tensor, first fit in order; with ``allocate``,
         missing blocks are allocated (else they must exist)."""
         where = []
         block, offset = 0, 0
-        for n in sizes:
+        for i, n in enumerate(sizes):
             while True:
                 if block == len(self._blocks):
                     if not allocate:
                         raise RuntimeError("staging blocks were not allocated")
-                    size = max(self.BLOCK_BYTES, 1 << max(0, (n - 1).bit_length()))
-                    self._blocks.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+                    if self.pinned:
+                        size = max(self.BLOCK_BYTES, 1 << max(0, (n - 1).bit_length()))
+                    else:  # one block for the rest, exactly
+                        size = max(1, sum(self._aligned(m) for m in sizes[i:]))
+                    self._blocks.append(
+                        torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+                    )
                 if offset + n <= self._blocks[block].numel():
                     break
                 block, offset = block + 1, 0
             where.append((block, offset, n))
-            offset += -(-n // self._ALIGN) * self._ALIGN
+            offset += self._aligned(n)
         return where
 
 
@@ -132,11 +168,14 @@ class Part:
     Staging is the only part of a save that must block training: device tensors are
     copied to pinned host memory (``staging``'s reused blocks, or fresh pinned memory
     without one) with ``non_blocking`` copies and one wait at the end (:meth:`ready`),
-    host tensors are cloned, and everything that is not a tensor is serialised to bytes
-    at once.
+    host tensors are cloned (on a CPU run, whose ``staging`` is plain memory, the model's
+    and optimizers' go into its blocks instead), and everything that is not a tensor is
+    serialised to bytes at once.
     """
 
-    def __init__(self, staging: Staging | None = None, *, measure: bool = False) -> None:
+    def __init__(
+        self, staging: Staging | None = None, *, measure: bool = False, host: bool | None = None
+    ) -> None:
         #: file name -> (tensors stored once each, alias key -> stored key)
         self.tensors: dict[str, tuple[dict[str, Tensor], dict[str, str]]] = {}
         #: file name -> the file's bytes (JSON, or torch.save for odd schedulers)
@@ -149,6 +188,9 @@ class Part:
         #: Seconds the save blocked training (set by the caller), spent writing and
         #: hashing, and in the final fsyncs (set by :meth:`write`).
         self.stage_s = 0.0
+        #: Bytes of host memory staging had to allocate during the save (0 when the
+        #: staging memory allocated ahead held everything).
+        self.fresh_bytes = 0
         self.write_s = 0.0
         self.fsync_s = 0.0
         #: Set to abandon the write (the pieces not yet written are not): a stop's save
@@ -158,8 +200,11 @@ class Part:
         #: With ``measure``, nothing is copied: only the device tensors' byte sizes are
         #: collected (what :meth:`Staging.prepare` needs), in staging order.
         self._measure = measure
+        #: Host tensors to copy go into the staging too (plain memory: a CPU run's);
+        #: ``host`` says so for a measuring part, which has no staging.
+        self._host = (staging is not None and not staging.pinned) if host is None else host
         self.device_bytes: list[int] = []
-        # Device tensors waiting for ready(): (file name, key, tensor)
+        # Tensors waiting for ready()'s copy into staging: (file name, key, tensor)
         self._on_device: list[tuple[str, str, Tensor]] = []
 
     @property
@@ -169,13 +214,17 @@ class Part:
             n += sum(t.numel() * t.element_size() for t in unique.values())
         return n
 
-    def add_tensors(self, name: str, tensors: Mapping[str, Any], *, copy: bool) -> None:
+    def add_tensors(
+        self, name: str, tensors: Mapping[str, Any], *, copy: bool, sized: bool = True
+    ) -> None:
         """Stage ``tensors`` for ``name`` (a .safetensors file), each storage once.
 
         safetensors refuses tensors that share memory (tied embeddings: ``lm_head.weight``
         *is* ``embed.weight``). The same view under two keys is stored once and the other
         key recorded as an alias; different views of one storage are copied apart.
-        ``copy``: clone host tensors too (the caller goes on mutating them).
+        ``copy``: clone host tensors too (the caller goes on mutating them). ``sized``:
+        the staging was sized for these (the model's and optimizers' tensors); host
+        tensors of other files (the RNG, ``g.state``) are cloned, not staged.
         """
         unique: dict[str, Tensor] = {}
         aliases: dict[str, str] = {}
@@ -198,8 +247,10 @@ class Part:
             if ptr:
                 by_view[view] = key
                 storages.add((t.device, ptr))
-            if t.device.type != "cpu":
-                # Copied into pinned memory by ready(), all at once, with one wait.
+            if t.device.type != "cpu" or (
+                self._host and sized and (shared or copy or not t.is_contiguous())
+            ):
+                # Copied into the staging memory by ready(), all at once, with one wait.
                 self._on_device.append((name, key, t))
                 self.device_bytes.append(t.numel() * t.element_size())
             elif self._measure:
@@ -221,15 +272,19 @@ class Part:
             return
         sources = [t for _, _, t in self._on_device]
         if self._staging is not None:
+            allocated = self._staging.allocated_in_save
             targets = self._staging.place(sources)
+            self.fresh_bytes = self._staging.allocated_in_save - allocated
             for dst, src in zip(targets, sources, strict=True):
                 dst.copy_(src, non_blocking=True)
         else:  # into fresh pinned memory
             targets = [t.to("cpu", non_blocking=True) for t in sources]
+            self.fresh_bytes = sum(t.numel() * t.element_size() for t in sources)
         for (name, key, _), dst in zip(self._on_device, targets, strict=True):
             self.tensors[name][0][key] = dst
         self._on_device = []
-        torch.cuda.synchronize()
+        if any(t.device.type != "cpu" for t in sources):
+            torch.cuda.synchronize()
 
     def write(self, directory: Path, files: dict[str, Any]) -> None:
         """Write every file into ``directory``, hashed as written and fsynced, recording
@@ -411,7 +466,7 @@ def stage_replicated(
     if scaler is not None:
         part.add_json("scaler.json", encode(scaler.state_dict(), "scaler"))
     if extras_tensors:
-        part.add_tensors(EXTRAS_TENSORS, extras_tensors, copy=copy)
+        part.add_tensors(EXTRAS_TENSORS, extras_tensors, copy=copy, sized=False)
     return part
 
 
@@ -450,5 +505,6 @@ def stage_rank(
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"torch.cuda.{i}"] = s
     part.add_json(f"{_rank_name(rank)}.json", doc)
-    part.add_tensors(f"{_rank_name(rank)}.safetensors", {**rng, **(tensors or {})}, copy=True)
+    rank_tensors = {**rng, **(tensors or {})}
+    part.add_tensors(f"{_rank_name(rank)}.safetensors", rank_tensors, copy=True, sized=False)
     return part

@@ -1024,7 +1024,13 @@ class Guard(StepState):
         self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
         return True
 
-    def _pick_loss(self, output: Any) -> None:
+    def _forward_done(self, output: Any, t0: float) -> None:
+        """After a training forward that began at ``t0`` (``perf_counter``): its time,
+        a sampled step's device mark, its loss (one frame: it runs every forward)."""
+        self._forward_s += time.perf_counter() - t0
+        if self._fwd_mark is not None:  # a sampled step's first forward ended
+            self._fwd_mark.record()
+            self._fwd_mark = None
         # Two C calls (~0.2 us): fp16 autocast is the one that overflows at 65504;
         # bf16's is the compute dtype the efficiency advisor judges.
         if torch.is_autocast_enabled(self._device_type):
@@ -1610,25 +1616,58 @@ def _set_on_instance(obj: Any, name: str, value: Any) -> _Restore:
 def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
     """Set ``model.forward`` (on the instance) to tell ``guard`` about the call, call the
     current forward, then hand its output to ``guard``; ``guard.phase`` says whether the
-    loop is inside the forward."""
+    loop is inside the forward.
+
+    Outside the user's compiled graph, whatever the wrapping order. A compiled module
+    (``opt = torch.compile(model)``) runs ``model.__call__`` under dynamo's frame
+    callback, which compiles the first frame outside torch's own files: without care,
+    this wrapper's, so dynamo traced the guard's bookkeeping, guarded on
+    ``guard.batch_in_epoch`` and recompiled (2 graphs for 1, 16 captured calls for 7 on
+    a small CPU model over 8 steps, torch 2.13; 3 graphs over 300 steps). Now this
+    wrapper's frame is skipped (``torch._dynamo.eval_frame.skip_code``, what
+    ``torch._dynamo.decorators.skip`` does: "skip frames associated with the function
+    code, but still process recursively invoked frames", torch 2.8-2.13), so dynamo
+    compiles ``inner``, the user's forward, as it would without the guard; the
+    bookkeeping before and after runs under ``torch._dynamo.disable`` (recursive:
+    nothing it calls, a checkpoint at the step boundary included, is ever compiled;
+    ~0.25 us a call on a CPU). Where dynamo inlines this module's call into a bigger
+    traced frame (a compiled training step) the skipped wrapper is a graph break in
+    that frame, as any ``torch._dynamo.disable``-d code is (``compile(DDP(model))``
+    breaks there already: the same counts). tests/test_compile.py counts each wrapping order."""
     inner = model.forward
+    on_forward, forward_done = _outside_compile(guard._on_forward, guard._forward_done)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        training = guard._on_forward(model, args, kwargs)
+        training = on_forward(model, args, kwargs)
         guard.phase = "forward"
         t0 = time.perf_counter()
         output = inner(*args, **kwargs)
         guard.phase = "backward"  # until optimizer.step(): loss, backward, clipping
         if training:
-            guard._forward_s += time.perf_counter() - t0
-            if guard._fwd_mark is not None:  # a sampled step's first forward ended
-                guard._fwd_mark.record()
-                guard._fwd_mark = None
-            guard._pick_loss(output)
+            forward_done(output, t0)
         return output
 
-    return _set_on_instance(model, "forward", forward)
+    return _set_on_instance(model, "forward", _skipped_frame(forward))
+
+
+def _outside_compile(*fns: Callable[..., Any]) -> list[Callable[..., Any]]:
+    """``fns`` run with dynamo off, themselves and everything they call."""
+    import torch._dynamo  # imported already: building a torch optimizer imports it
+
+    return [torch._dynamo.disable(fn) for fn in fns]
+
+
+def _skipped_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose own frame dynamo never compiles, while the frames it calls are
+    compiled as usual (a compiled module's forward inside it). By its code object, not
+    ``torch._dynamo.decorators.skip(fn)``: that follows ``_torchdynamo_orig_callable``,
+    which ``functools.wraps`` copies from a compiled module's forward, and would skip
+    torch's ``Module.__call__`` instead of ``fn``."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+    return fn
 
 
 def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: bool) -> _Restore:
@@ -1654,11 +1693,13 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
     # (measured: NonFiniteError after 10 steps).
     scaler = dist.own_scaler(opt)
 
-    @functools.wraps(inner)
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any, Any, Any]:
+        """Before the update: whether to run it (``_BYPASS``: inner alone, ``_RUN``:
+        inner then ``after``, ``_SKIPPED``: no update, then ``after``), with the
+        arguments and what a skipped step returns."""
         # A sharded resume's set_state_dict steps the optimizer to create its state.
         if guard._quiet or (idle is not None and idle()):
-            return inner(*args, **kwargs)
+            return _BYPASS, args, kwargs, None
         guard._skip = False
         closure = kwargs.get("closure", args[0] if args else None)
         first: Any = None
@@ -1688,16 +1729,34 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
         elif guard._skip_where is not None:
             guard._restore_buffers_where(guard._skip_where)
         guard._skip_where = None
-        if guard._skip and scaler is None:
-            guard._skip = False
-            out = first  # skipped: weights and optimizer state untouched
-        else:
-            guard._skip = False
-            out = inner(*args, **kwargs)
-        after()
+        skipped = guard._skip and scaler is None
+        guard._skip = False
+        return (_SKIPPED if skipped else _RUN), args, kwargs, first
+
+    # Outside the user's compiled graph, like the forward's (_wrap_forward): a
+    # compiled step (`torch.compile(lambda: opt.step())`) compiles the optimizer's own
+    # step, while the guard's before / after run with dynamo off (measured without:
+    # 8 graphs for 2 and 14 graph breaks for 2 over 8 steps on a small CPU model).
+    prepare, after = _outside_compile(prepare, after)
+
+    @functools.wraps(inner)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        how, args, kwargs, out = prepare(args, kwargs)
+        if how == _SKIPPED:
+            after()  # skipped: weights and optimizer state untouched
+            return out
+        out = inner(*args, **kwargs)
+        if how == _RUN:
+            after()
         return out
 
-    return _set_on_instance(opt, "step", types.MethodType(step, opt))
+    return _set_on_instance(opt, "step", types.MethodType(_skipped_frame(step), opt))
+
+
+#: What a wrapped ``optimizer.step()`` does (_wrap_step): the update alone (a resume's
+#: or an accumulating micro-batch's call), the update inside the guard's step, or no
+#: update (a skipped step).
+_BYPASS, _RUN, _SKIPPED = 0, 1, 2
 
 
 class _FirstResult:

@@ -335,10 +335,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         # Optimizers whose state differs per rank: every rank saves its own part.
         self._per_rank: set[str] = set()
         self._contents: dict[str, Any] = {}
-        # Pinned host blocks every save stages device tensors into (allocated ahead of
-        # the first periodic save, see _plan_staging; nothing is allocated on a CPU run).
+        # The host blocks every save stages into (pinned on a CUDA machine; allocated
+        # ahead of the first save, at start and after step 1: see _plan_staging).
         self._staging = stage.Staging()
         self._staging_planned = False
+        self._saves = False  # a signal's or periodic saves can come: staging is planned
         #: Periodic saves skipped or delayed because the previous one was still writing.
         self.skipped_saves = 0
         self._delayed = False  # an every_s save is waiting for the writer (told once)
@@ -382,7 +383,13 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._signal_posted = False
         if model.is_sharded(model.unwrap(guard.model)):
             self._shard_writer = sharded.ShardWriter()  # no memory until it stages
-        if threading.current_thread() is not threading.main_thread():
+        main = threading.current_thread() is threading.main_thread()
+        # Saves can come (a signal's, periodic ones): their staging memory is allocated
+        # now, in a thread, before the first signal can (then grown after step 1).
+        self._saves = bool((self.signals and main) or self.every_n_steps or self.every_s)
+        if self._saves:
+            self._plan_staging(guard)
+        if not main:
             if self.signals:
                 guard.event(
                     "signals_not_installed",
@@ -538,7 +545,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                     self._save(guard, background=self.background)
                 except CheckpointError as e:  # the disk: training goes on (see the docstring)
                     self._save_failed(guard, e)
-        elif not self._staging_planned and (self.every_n_steps or self.every_s):
+        elif not self._staging_planned and self._saves:
             self._plan_staging(guard)
 
     def _still_writing(self, guard: Guard) -> bool:

@@ -86,6 +86,7 @@ from guardrails.distributed import store as _store
 from guardrails.engine import model
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
+from guardrails.engine.gradnorm import grads_of
 from guardrails.engine.guard import current_lr
 from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
 from guardrails.guards.nan import diagnose
@@ -545,8 +546,7 @@ class NanGuard(Component):
         if guard.skip_cause is not None:  # its GradScaler skipped it: see _scaler_skip
             self._scaler_skip(guard.step + 1, _skip_scale(guard))
             return
-        grads = [g for p in self._extra[name] if (g := p.grad) is not None]
-        norm = guard.total_norm(grads)
+        norm = guard.total_norm(grads_of(self._extra[name]))
         norm_v = float(norm)  # the one host read of this optimizer's step
         bad = not math.isfinite(norm_v)
         if self._reduce:
