@@ -41,7 +41,7 @@ from guardrails.cli.report_stats import (
 from guardrails.metrics.events import EVENTS_FILE, json_safe
 from guardrails.metrics.file import METRICS_DIR
 from guardrails.util.files import make_dirs, restrict
-from guardrails.util.text import shorten
+from guardrails.util.text import shorten, si
 
 logger = logging.getLogger("guardrails.report")
 
@@ -433,24 +433,17 @@ def _mfu(events: list[dict[str, Any]], s: dict[str, Any]) -> dict[str, Any] | No
     return out
 
 
-def _si(value: float, unit: str) -> str:
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
 def _mfu_line(m: dict[str, Any], step_s: float | None) -> str:
     flops, peak = m["flops_per_step"], m["peak_flops"]
     if not flops:  # not counted: the event says why
         return f"  MFU          unknown: {m.get('message') or 'no FLOPs per step'}"
-    per_step = f"{_si(float(flops), 'FLOP')} a step"
+    per_step = f"{si(float(flops), 'FLOP')} a step"
     if not peak:
         return (
             f"  MFU          unknown: {per_step}, but no peak FLOP/s is known for "
             f"{m['device_name']} (pass efficiency={{'peak_flops': ...}})"
         )
-    against = f"{_si(float(peak), 'FLOP/s')} {m['dtype']} peak"
+    against = f"{si(float(peak), 'FLOP/s')} {m['dtype']} peak"
     if m["mfu"] is None or step_s is None:
         return f"  MFU          unknown: no step times; {per_step} against {against}"
     return (

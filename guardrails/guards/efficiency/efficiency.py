@@ -32,6 +32,7 @@ from guardrails.engine.config import configure
 from guardrails.guards.efficiency import advisor, flops
 from guardrails.guards.efficiency.syncs import SyncSampler
 from guardrails.util.checks import positive, positive_int
+from guardrails.util.text import si
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -317,7 +318,7 @@ class Efficiency(Component):
             if known is not None and peak is not None:
                 peak_source = f"table ({known} {dtype})"
         against = (
-            f"against a peak of {flops.si(peak, 'FLOP/s')} ({dtype}, {peak_source})"
+            f"against a peak of {si(peak, 'FLOP/s')} ({dtype}, {peak_source})"
             if peak is not None
             else (
                 f"no peak FLOP/s is known for {name} in {dtype}: pass "
@@ -326,7 +327,7 @@ class Efficiency(Component):
         )
         guard.event(
             "flops",
-            message=f"{flops.si(flop_count, 'FLOP')} per optimizer step ({source}); {against}",
+            message=f"{si(flop_count, 'FLOP')} per optimizer step ({source}); {against}",
             flops_per_step=flop_count,
             source=source,
             peak_flops=peak,

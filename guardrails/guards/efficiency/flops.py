@@ -217,11 +217,3 @@ def dispatch_mode_active() -> bool:
         return torch._C._len_torch_dispatch_stack() > 0
     except AttributeError:  # an older torch: assume the worst
         return True
-
-
-def si(value: float, unit: str) -> str:
-    """``1.23 TFLOP``: a count with its SI prefix."""
-    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
