@@ -160,15 +160,17 @@ def test_a_function_gets_the_rows_and_a_list_takes_several_sinks(tmp_path):
 
 def test_sinks_are_called_once_per_part_not_per_step(tmp_path):
     """The per-step path is telemetry's own: a sink is handed each parquet part once
-    (gc=False: the GC scheduler's events at step 1 would cut the first part in two)."""
+    (gc=False, efficiency=False: the GC scheduler's events at step 1 and the FLOP count's
+    at step 2 would cut a part in two)."""
     sink = Recorder()
-    train(tmp_path, 23, log_to=sink, gc=False, metrics={"every_n_steps": 4, "write_every_s": 0})
+    metrics = {"every_n_steps": 4, "write_every_s": 0}
+    train(tmp_path, 23, log_to=sink, gc=False, efficiency=False, metrics=metrics)
     parts = list((tmp_path / "metrics.parquet").glob("*.parquet"))
     writes = [t for k, t in sink.stream if k == "rows"]
     assert len(parts) == len(writes) == 6  # ceil(23 / 4) parts, 23 steps
     # The default cadence (a part every 60 s and at close): one write for the run.
     sink = Recorder()
-    train(tmp_path / "b", 23, log_to=sink, gc=False, metrics={"every_n_steps": 4})
+    train(tmp_path / "b", 23, log_to=sink, gc=False, efficiency=False, metrics={"every_n_steps": 4})
     assert [t.num_rows for k, t in sink.stream if k == "rows"] == [23]
 
 

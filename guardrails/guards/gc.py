@@ -61,11 +61,15 @@ logger = logging.getLogger("guardrails.gc")
 
 def _compiling() -> bool:
     """Whether this collection runs inside torch.compile's compiler (Dynamo or
-    Inductor on the stack). Walked only for a long pause, which is rare."""
+    Inductor on the stack). Walked only for a long pause, which is rare. Dynamo's
+    ``eval_frame.py`` does not count: its ``disable`` wrapper runs the guard's own step
+    bookkeeping (outside any graph) every step, compiling nothing."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if "torch/_dynamo" in name or "torch/_inductor" in name:
+        if "torch/_inductor" in name or (
+            "torch/_dynamo" in name and not name.endswith("eval_frame.py")
+        ):
             return True
         frame = frame.f_back
     return False
