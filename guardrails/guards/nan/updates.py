@@ -82,7 +82,7 @@ class UpdateSampler:
             return views
         # The sample is gathered into one flat buffer by one torch.cat (a batched copy
         # kernel on CUDA; on a CPU, 148 parameters of GPT-2 small cost one cat, where
-        # foreach ops loop over the tensors: 5-7x slower on a 2-core VM), cast to float32 (a
+        # foreach ops loop over the tensors: 5-7x slower on 2 CPU cores), cast to float32 (a
         # float16 sample's norm would overflow at 65504; float64 weights stay float64).
         wide = any(v.dtype == torch.float64 for v in views)
         self._dtype = torch.float64 if wide else torch.float32
