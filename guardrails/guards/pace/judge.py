@@ -222,8 +222,8 @@ _SLOWDOWN_ADVICE = {
 
 @dataclass(frozen=True)
 class CommStats:
-    """DDP's own timing of its gradient all-reduce, averaged over its sampled
-    iterations (the first ten and every 100th)."""
+    """DDP's own timing of one sampled iteration's gradient all-reduce (it samples the
+    first ten and every 100th)."""
 
     iteration: int
     comm_s: float  # first bucket's all-reduce start -> last one's end
@@ -235,9 +235,9 @@ class CommStats:
 def comm_bound(stats: CommStats, window: Window, *, share: float) -> float | None:
     """The share of the step spent in communication that nothing overlaps, when it is
     at least ``share`` (and :data:`MIN_EXPOSED_COMM_S`, of :data:`MIN_COMM_BYTES` or
-    more); else ``None``. ``stats`` comes from a few sampled iterations: it must agree
-    with the window's medians (the exposed time fits inside the median backward, where
-    DDP waits for it), or they were outliers (a peer descheduled, a checkpoint save)."""
+    more); else ``None``. ``stats`` is one sampled iteration: it must agree with the
+    window's medians (the exposed time fits inside the median backward, where DDP
+    waits for it), or it was an outlier (a peer descheduled, a checkpoint save)."""
     exposed = stats.comm_s - stats.overlap_s
     step_s = window.step_s
     backward = window.phases.get("backward", math.nan)
