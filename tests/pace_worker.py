@@ -10,7 +10,7 @@ straggler, not a sleeping one), ``data`` (rank 1's loader sleeps before each bat
 ``healthy`` (no fault: LR warm-up and cosine decay, an evaluation pass every 40 steps,
 a checkpoint every 50, batches of varying size; with several ranks, the loss
 all-reduced every step for logging and the step paced by a sleep), ``comms`` (a model
-with 18 MiB of gradients and almost no compute: the all-reduce is the step), ``slower``
+with 32 MiB of gradients and almost no compute: the all-reduce is the step), ``slower``
 (every rank's loop sleeps 100 ms between steps: all slow, no straggler). The run's
 events go to ``DIR/events.jsonl``; each rank writes its Pace component's ``reported``
 and its windows to ``DIR/pace<rank>.json``.
@@ -49,7 +49,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(0)
-    width = 1536 if kind == "comms" else 64
+    width = 2048 if kind == "comms" else 64
     depth = 2 if kind == "comms" else 1
     layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.Tanh())]
     net = nn.Sequential(*layers, nn.Linear(width, 1))

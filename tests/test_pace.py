@@ -120,9 +120,10 @@ def test_window_medians_shrug_off_an_evaluation_pause():
 
 #: scenario -> (ranks, steps)
 #: The slowness starts at step 61 and windows are 20 steps: the second slow window, the
-#: report, ends at step 100. DDP times its all-reduce at iteration 100 first (after ten
-#: warm-up samples): the comms job needs a window after it.
-JOBS = {"busy": (3, 100), "data": (2, 100), "comms": (2, 120), "healthy": (2, 200)}
+#: report, ends at step 100. DDP times its all-reduce at iterations 100 and 200 after its
+#: ten warm-up samples: the comms job has a window after each, two chances for one noisy
+#: iteration's timing on a busy machine.
+JOBS = {"busy": (3, 100), "data": (2, 100), "comms": (2, 220), "healthy": (2, 200)}
 SINGLE = {"slower": (1, 120), "healthy": (1, 160)}
 
 
@@ -184,8 +185,8 @@ def test_an_all_reduce_bound_step_is_reported_with_bytes_and_bandwidth(jobs):
     seen = [(p["comm_samples"], p["windows"][-3:]) for p in jobs["comms"]["pace"]]
     assert [e["kind"] for e in events] == ["comms_bound"], (events, seen)
     e = events[0]
-    # Two 1536x1536 layers' fp32 gradients and their biases, in DDP's buckets.
-    assert e["bytes_per_step"] >= 18 << 20 and e["share"] >= 0.3  # the worker's comm_share
+    # Two 2048x2048 layers' fp32 gradients and their biases, in DDP's buckets.
+    assert e["bytes_per_step"] >= 32 << 20 and e["share"] >= 0.3  # the worker's comm_share
     assert e["bus_bandwidth_bytes_per_s"] > 0 and e["backend"] == "gloo"
     assert "communication-bound" in e["message"] and "GLOO_SOCKET_IFNAME" in e["message"]
 
