@@ -9,6 +9,7 @@ import json
 import pickle
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -523,3 +524,35 @@ def test_bad_knobs(kw, match):
     model, opt = make()
     with pytest.raises(ValueError, match=match):  # the same check through guard()
         guardrails.guard(model, opt, memory=kw)
+
+
+def _deleting_loop(run_dir, *, keep_locals: bool) -> tuple[bool, dict | None]:
+    """A loop that drops a big tensor once training started: whether the tensor is
+    freed while the loop's frame still runs, and ``locals()`` when the loop keeps it."""
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    big = torch.zeros(1 << 20)
+    ref = weakref.ref(big)
+    scope = locals() if keep_locals else None  # a loop that keeps its own locals()
+    with guardrails.guard(model, opt, batches(3), run_dir=run_dir, progress=False) as g:
+        for x, y in g:  # iter(g) reads this frame's variables (the epoch counter)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            big = None
+    gc.collect()
+    return ref() is None, scope
+
+
+def test_a_tensor_the_loop_drops_is_freed_though_the_guard_read_the_loops_variables(tmp_path):
+    """On CPython 3.11/3.12 reading a frame's variables leaves a snapshot on the frame
+    that holds them until its next read: a tensor the loop dropped stayed allocated (an
+    OOM's activations, 71 GB on an H200, through a caught error the snapshot held)."""
+    freed, _ = _deleting_loop(tmp_path, keep_locals=False)
+    assert freed
+
+
+def test_a_loop_that_keeps_its_locals_dict_keeps_it_whole(tmp_path):
+    # There the snapshot is the loop's own dict (``locals()``): left as it is.
+    _, scope = _deleting_loop(tmp_path, keep_locals=True)
+    assert {"model", "opt", "ref"} <= set(scope)

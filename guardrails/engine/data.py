@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from guardrails.distributed import dist
+from guardrails.engine import where
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -144,7 +145,7 @@ def note_pass(guard: Guard, frame: Any) -> None:
     else:
         epoch = guard.epoch + (1 if guard.batch_in_epoch else 0)  # as _batches counts it
     try:
-        ints = {k: v for k, v in frame.f_locals.items() if type(v) is int}
+        ints = {k: v for k, v in where.frame_locals(frame).items() if type(v) is int}
     except Exception:  # an exotic frame: nothing to learn from it
         ints = {}
     if guard._epoch_check is not None:

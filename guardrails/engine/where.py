@@ -95,3 +95,27 @@ def is_user_file(path: str) -> bool:
     return not (
         path.startswith(TORCH_DIR) or path.startswith(PACKAGE_DIR) or path.startswith(STDLIB_DIRS)
     )
+
+
+# CPython 3.11/3.12: reading a function frame's ``f_locals`` stores a snapshot dict on the
+# frame that holds every local as it was, until the frame's next read or its end. A
+# tensor the loop deletes afterwards stays allocated: an OOM's activations (71 GB on an
+# H200, through a caught error the snapshot held) or a dataset freed after the guard
+# started. 3.13 made ``f_locals`` a live view with no snapshot (PEP 667).
+_SNAPSHOTS = sys.version_info < (3, 13)
+_CO_OPTIMIZED = 0x1  # a function's frame: its locals are not a namespace dict of its own
+# What holds a snapshot right after the read: the frame, our name, getrefcount's argument.
+_UNSHARED = 3
+
+
+def frame_locals(frame: Any) -> dict[str, Any]:
+    """A copy of a live frame's local variables, leaving nothing alive on the frame.
+
+    The snapshot is emptied after the copy unless someone else holds it (a loop that
+    kept ``locals()``: emptying would empty its dict) or it is a real namespace (a
+    module's or a class body's frame, whose ``f_locals`` is its ``__dict__``)."""
+    snap = frame.f_locals
+    copy = dict(snap)
+    if _SNAPSHOTS and frame.f_code.co_flags & _CO_OPTIMIZED and sys.getrefcount(snap) == _UNSHARED:
+        snap.clear()
+    return copy

@@ -27,7 +27,7 @@ from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.manifest import highest_seq
 from guardrails.distributed import store as _store
 from guardrails.engine import data as _data
-from guardrails.engine import model
+from guardrails.engine import model, where
 from guardrails.util import files as _perms
 from guardrails.util import storage
 
@@ -80,8 +80,6 @@ def stack_generators(guard: Guard) -> dict[int, tuple[torch.Generator, str, str]
     (each frame's locals and its module's globals) that no checkpoint saves: not passed
     as ``guard(generators=...)``, not the loader's or sampler's, not torch's default
     ones. By ``id``: ``(generator, variable, "file, function()")``."""
-    from guardrails.engine import where
-
     saved = {id(g) for g in guard.generators.values()}
     saved |= {id(g) for g in _data.loader_generators(guard.loader).values()}
     saved.add(id(torch.default_generator))
@@ -93,7 +91,7 @@ def stack_generators(guard: Guard) -> dict[int, tuple[torch.Generator, str, str]
         code = frame.f_code
         if where.is_user_file(code.co_filename):
             site = f"{Path(code.co_filename).name}, {code.co_name}()"
-            for space in (frame.f_locals, frame.f_globals):
+            for space in (where.frame_locals(frame), frame.f_globals):
                 for name, value in list(space.items()):
                     if isinstance(value, torch.Generator) and id(value) not in saved:
                         found.setdefault(id(value), (value, name, site))
@@ -159,7 +157,7 @@ def _find_schedulers(optimizers: Mapping[int, Any]) -> list[Any]:
     frame = sys._getframe(1)
     while frame is not None:
         spaces.setdefault(id(frame.f_globals), frame.f_globals)
-        spaces[id(frame)] = dict(frame.f_locals)
+        spaces[id(frame)] = where.frame_locals(frame)
         frame = frame.f_back
     # isinstance reads __class__, which some objects turn into a deprecation warning
     # (torch.distributed's reduce_op): not the user's to see. Set once: per object, it

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from guardrails.engine.where import PACKAGE_DIR, TORCH_DIR
+from guardrails.engine.where import PACKAGE_DIR, TORCH_DIR, frame_locals
 from guardrails.guards.memory.stats import fmt_bytes, memory_bytes, storages
 
 if TYPE_CHECKING:
@@ -301,9 +301,8 @@ def holder(new: list[Tensor], exclude: tuple[list[Any], ...]) -> tuple[str | Non
     too, held by plain variables or for one step; a leak holds one per step. Frame
     locals first: the loop's variables are GC roots (no referrer lists them), and a
     container made before the GCScheduler's freeze is frozen, which
-    ``gc.get_referrers`` does not search. On Python 3.11/3.12 reading ``f_locals``
-    leaves a snapshot of the frame's locals on the frame until its next read; this
-    runs once per run, at the leak report.
+    ``gc.get_referrers`` does not search (read through ``where.frame_locals``, which
+    leaves no snapshot of them on the frame).
     """
     ids = {id(t) for t in new}
     best: tuple[int, str | None, Any] = (0, None, None)
@@ -314,7 +313,7 @@ def holder(new: list[Tensor], exclude: tuple[list[Any], ...]) -> tuple[str | Non
         code = frame.f_code
         if not code.co_filename.startswith(_PROJECT_DIRS):
             where = f"{code.co_name} ({Path(code.co_filename).name}:{frame.f_lineno})"
-            for name, value in list(frame.f_locals.items()):
+            for name, value in frame_locals(frame).items():
                 best = _more(best, value, ids, f"`{name}`", where)
                 if isinstance(value, (type, ModuleType)) or callable(value):
                     continue
