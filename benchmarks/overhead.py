@@ -142,7 +142,7 @@ KERNELS: dict[str, dict[str, tuple[float, int]]] = {}
 KERNEL_STEPS: dict[str, int] = {}
 
 
-VARIANTS = ("plain", "guarded", "graph_norm", "eager_norm", "item")
+VARIANTS = ("plain", "guarded", "graph_norm", "eager_norm", "item", "without")
 # --ddp-split's extra variants (see main): plain DDP under the guard, GuardedDDP alone,
 # plain DDP with torch's Python hook and with DDP's C++ hook, plain DDP built last.
 SPLIT = ("ddp_guard", "gddp_alone", "torch_hook", "ddp_cpp", "plain_late")
@@ -209,9 +209,11 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
             return kernel_seconds(prof, by_name=KERNELS.setdefault(variant, {})) / args.steps
         return (clock() - t0) / args.steps
 
-    if variant not in ("guarded", "graph_norm", "eager_norm", "ddp_guard"):
+    if variant not in ("guarded", "graph_norm", "eager_norm", "ddp_guard", "without"):
         return loop(cycle(data, total))
     gradnorm.USE_KERNEL = variant != "eager_norm"
+    # --without: the default guard less these sections, so each one's share shows.
+    off = dict.fromkeys(args.without.split(","), False) if variant == "without" else {}
     with tempfile.TemporaryDirectory() as d:
         with guardrails.guard(
             step_model,
@@ -220,6 +222,7 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
             run_dir=d,
             progress=False,
             graph_grad_norm=variant == "graph_norm",
+            **off,
         ) as g:
             per_step = loop(g, g)
             KERNEL_NORM_STEPS[variant] = KERNEL_NORM_STEPS.get(variant, 0) + g._norm.kernel_steps
@@ -286,6 +289,11 @@ def main() -> None:
     p.add_argument(
         "--shuffle", action="store_true", help="a new (seeded) order of the variants each repeat"
     )
+    p.add_argument(
+        "--without",
+        help="also time the guard with these sections off (a,b,...: e.g. nan), each "
+        "section's share of the overhead",
+    )
     p.add_argument("--out", help="append a JSON line with the result here")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -333,6 +341,7 @@ def main() -> None:
         + (["graph_norm"] if args.graph_norm else [])
         + (["eager_norm"] if args.eager_norm else [])
         + (["item"] if args.item else [])
+        + (["without"] if args.without else [])
         + ([*SPLIT] if args.ddp_split else [])
     )
     if args.variants:  # a subset (plain and guarded stay: the result compares them)
@@ -403,7 +412,9 @@ def main() -> None:
         result["graph_eager"] = sum(r["eager"] for r in GRAPH_RUNS)
         result["graph_captures"] = sum(r["captures"] for r in GRAPH_RUNS)
     result["kernel_norm_steps"] = dict(KERNEL_NORM_STEPS)
-    for extra in ("graph_norm", "eager_norm"):
+    if args.without:
+        result["without"] = args.without
+    for extra in ("graph_norm", "eager_norm", "without"):
         if extra not in times:
             continue
         other = times[extra]
@@ -433,7 +444,11 @@ def main() -> None:
             f"  grad norm graph: {result['graph_replays']} steps replayed, "
             f"{result['graph_eager']} eager, {result['graph_captures']} captures"
         )
-    for extra, label in (("graph_norm", "graph_grad_norm"), ("eager_norm", "eager norm")):
+    for extra, label in (
+        ("graph_norm", "graph_grad_norm"),
+        ("eager_norm", "eager norm"),
+        ("without", f"without {args.without}"),
+    ):
         if extra in times:
             print(
                 f"  guarded, {label} {result[f'{extra}_step_us']:10.1f} us/step "
