@@ -68,7 +68,7 @@ from torch import Tensor, nn
 
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
-from guardrails.engine import process, rundir
+from guardrails.engine import process, rundir, where
 from guardrails.engine.anatomy import DeviceClock
 from guardrails.engine.component import (
     HOOKS,
@@ -992,6 +992,8 @@ class Guard(StepState):
             self._boundary()
         if not self._forward_seen:  # the step's first forward
             self._forward_seen = True
+            if self.forward_compiled is None:  # the run's first: once
+                self.forward_compiled = where.under_compiled_code()
             self._compute_t0 = time.perf_counter()
             self._data_at_compute = self._data_wait_s
             if self._marks is not None:  # a sampled step: its forward on the device

@@ -61,6 +61,12 @@ class StepState:
         #: that ran out of data from one that is stuck. One tuple, stored before the
         #: epoch counters move on, so a reader in another thread never sees it half-set.
         self.exhausted_at: tuple[int, int] | None = None
+        #: Whether the training forward runs inside ``torch.compile``'d code (a compiled
+        #: wrapper of the guarded module, or a compiled step function), learned at the
+        #: run's first training forward (one walk of the caller's frames); ``None``
+        #: before it. Under a dispatch mode that code would run eagerly, so the FLOP
+        #: count leaves such a step alone.
+        self.forward_compiled: bool | None = None
         #: Where the loop is, for errors that must say so (an OOM, a hang):
         #: ``"setup"``, ``"data"`` (in the loader's ``next()``), ``"forward"`` (in the
         #: model's forward), ``"backward"`` (after a forward, before

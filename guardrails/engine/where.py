@@ -119,3 +119,26 @@ def frame_locals(frame: Any) -> dict[str, Any]:
     if _SNAPSHOTS and frame.f_code.co_flags & _CO_OPTIMIZED and sys.getrefcount(snap) == _UNSHARED:
         snap.clear()
     return copy
+
+
+# Dynamo's entry into compiled code: the frame of a compiled module's or function's
+# wrapper (``_fn``, ``compile_wrapper``), and of ``torch._dynamo.disable``'s.
+_EVAL_FRAME = os.path.join("torch", "_dynamo", "eval_frame.py")
+
+
+def under_compiled_code() -> bool:
+    """Whether the calling guardrails code was reached from inside ``torch.compile``'d
+    code: above the innermost frames of guardrails and of its own ``disable`` wrappers,
+    a frame of dynamo's entry is on the stack (``opt = torch.compile(model)`` calling the
+    guarded ``model``, or a compiled training step calling it)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(PACKAGE_DIR)
+        or frame.f_code.co_filename.endswith(_EVAL_FRAME)
+    ):
+        frame = frame.f_back
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_EVAL_FRAME):
+            return True
+        frame = frame.f_back
+    return False

@@ -219,21 +219,27 @@ class Efficiency(Component):
         if self.flops_per_step is not None:
             self._found(guard, float(self.flops_per_step), "given")
         elif self.count_flops and flops.compiled(guard.models.values()):
-            guard.event(
-                "flops",
-                message=(
-                    "the model is compiled, so its FLOPs are not counted (under torch's "
-                    "FlopCounterMode it would run eagerly): pass efficiency="
-                    "{'flops_per_step': ...} for MFU in the report"
-                ),
-                flops_per_step=None,
-            )
+            self._not_counted_compiled(guard)
         elif self.count_flops:
             self._count_at = self._base + self.flops_at_step
             self._after_due = self._count_at
         if self.host_syncs and self._can_sample(guard):
             self._sync_first = self._base + self.host_syncs_at_step
         self._next_boundary(guard.step)  # this step's boundary is still to come
+
+    def _not_counted_compiled(self, guard: Guard) -> None:
+        # Under FlopCounterMode dynamo would run the compiled step eagerly: a slow step,
+        # and other rounding than the compiled kernels' (a guarded run would no longer
+        # train bitwise as the unguarded one does).
+        guard.event(
+            "flops",
+            message=(
+                "the model is compiled, so its FLOPs are not counted (under torch's "
+                "FlopCounterMode it would run eagerly): pass efficiency="
+                "{'flops_per_step': ...} for MFU in the report"
+            ),
+            flops_per_step=None,
+        )
 
     def _next_boundary(self, first: int) -> None:
         """The next boundary, from the one after ``first`` steps on, that anything
@@ -254,7 +260,10 @@ class Efficiency(Component):
             else:  # the loop's own dispatch mode is on top of it: the next boundary
                 logger.debug("guardrails: the FLOP counter is under another mode")
         if step == self._count_at - 1 and self._counter is None:
-            if flops.dispatch_mode_active():
+            if guard.forward_compiled:  # a compiled wrapper calls the guarded model
+                self._not_counted_compiled(guard)
+                self._after_due = _NEVER
+            elif flops.dispatch_mode_active():
                 logger.debug("guardrails: a dispatch mode is active; FLOPs not counted")
                 self._after_due = _NEVER
             else:
