@@ -1,0 +1,367 @@
+"""Rewind: on a divergence or a streak of non-finite steps, go back to a state taken
+before the trouble began, skip past its batches, and train on.
+
+What large-model teams do by hand after a loss spike (restart from a checkpoint ~100
+steps back, skip a few hundred batches, lower the LR for a while), done by the guard,
+opt-in (``guard(rewind=True)``); off, it is not installed at all.
+
+* **Snapshots**: every ``snapshot_every_steps`` steps, at a step boundary, the model,
+  optimizers, schedulers and scaler are copied to host memory (``snapshot.py``: the
+  checkpointer's staging blocks, pinned on a GPU machine; no host-device sync), into
+  the older of two slots, so the newest two are kept: the trouble is found late (a
+  divergence ~20 steps after it began, a GPU's flags one interval late), and the
+  newest snapshot may be after it began. The first one is taken at the first step.
+* **The trouble**: NanGuard asks for a rewind (``request``) at a streak of
+  ``max_consecutive_skips`` skipped non-finite steps, instead of raising
+  :class:`~guardrails.NonFiniteError`, and at a ``divergence``, beside its warning.
+  Granted while fewer than ``max_rewinds`` rewinds were made and a snapshot older
+  than the trouble's first step is held; otherwise today's behaviour (the error, the
+  warning).
+* **The rewind**, at the next step boundary: the newest snapshot taken before the
+  trouble began is put back, ``g.step`` goes back to its step (the update count of the
+  weights now held, so the scheduler and the weights agree), every component forgets
+  the steps after it (``Component.on_rewind``), and the loader is *not* rewound: the
+  run goes on from the loader's current position, so every batch since the snapshot
+  is skipped, and ``skip_batches`` more are fetched and dropped (counted in the data
+  position, so a checkpoint saved after a rewind resumes exactly). The process's RNG
+  streams and ``g.state`` go on too (a loop that draws its batches from torch's RNG,
+  like nanoGPT's, would otherwise draw the skipped batches again). With
+  ``lr_scale``, every param group's LR is scaled for ``lr_warmup_steps`` steps,
+  rising linearly back to 1: set in each step just before the optimizer's update and
+  put back right after it, so it works whether a scheduler or the loop sets the LR.
+  A ``rewind`` event says what happened, what was skipped and the LR.
+* **Ranks agree**: a streak of non-finite steps is seen by every rank at the same step
+  (NanGuard's flags agree), so every rank rewinds at that step's boundary, with no
+  exchange. A divergence is judged on each rank's own loss, so one rank may see it
+  alone: its request rides in the checkpointer's stop agreement (a field of the
+  decision the first rank at a check writes, ~every second; one store call per rank
+  to post it, none per step), and every rank rewinds at the step where the decision
+  is read. That step depends on when the agreement comes, so such a rewind is the
+  same on every rank but may fall a few steps apart in a re-run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from guardrails.engine import model
+from guardrails.engine.component import Component
+from guardrails.engine.config import configure
+from guardrails.guards.rewind.snapshot import Snapshot
+from guardrails.util.checks import positive_int
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+logger = logging.getLogger("guardrails.rewind")
+
+#: Snapshots kept: the newest may be after the trouble began (found late), so one more.
+KEEP = 2
+
+
+class Rewind(Component):
+    """Rolls every rank back to an in-memory snapshot taken before a divergence or a
+    streak of non-finite steps, skips past the batches of the trouble and trains on.
+    Off by default: ``guardrails.guard(..., rewind=True)`` or a dict of the knobs of
+    :class:`Rewind.Config`."""
+
+    @dataclass(kw_only=True)
+    class Config:
+        """Rewind's knobs (the section is off unless given: ``guard(rewind=True)``).
+
+        Attributes:
+            snapshot_every_steps: copy the model, optimizers, schedulers and scaler to
+                host memory every this many steps (and at the first step); the newest
+                two are kept, so a rewind goes back at most twice this many steps. Keep
+                it above how late the trouble is found (a divergence: NanGuard's
+                ``divergence_steps`` + ``check_every_n_steps``, ~30 steps; a streak of
+                non-finite steps: ``max_consecutive_skips``, plus
+                ``2 * check_every_n_steps`` on a GPU), or no snapshot is old enough.
+                Each snapshot costs the state's size in host memory (two of them
+                held), and a copy of it (see docs/performance.md). Default 50.
+            max_rewinds: rewind at most this many times per run (counted across a
+                resume); the trouble after that gets today's behaviour (the
+                :class:`~guardrails.NonFiniteError`, the divergence warning). Default 3.
+            skip_batches: after a rewind, fetch and drop this many more batches (past
+                the trouble's batches, which the rewind skips already: the loader is
+                not rewound). Default 0.
+            lr_scale: after a rewind, scale every param group's learning rate by this
+                factor at the first step, rising linearly back to 1 over
+                ``lr_warmup_steps`` steps. 1.0: unchanged. Default 1.0.
+            lr_warmup_steps: the steps over which the LR comes back from ``lr_scale``.
+                Default 0 (no scaling).
+        """
+
+        snapshot_every_steps: int = 50
+        max_rewinds: int = 3
+        skip_batches: int = 0
+        lr_scale: float = 1.0
+        lr_warmup_steps: int = 0
+
+        def __post_init__(self) -> None:
+            positive_int("snapshot_every_steps", self.snapshot_every_steps)
+            positive_int("max_rewinds", self.max_rewinds)
+            for knob in ("skip_batches", "lr_warmup_steps"):
+                value = getattr(self, knob)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"{knob} must be an int >= 0, got {value!r}")
+            scale = self.lr_scale
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale <= 1:
+                raise ValueError(
+                    f"lr_scale must be a factor in (0, 1] (the LR after a rewind, as a "
+                    f"share of the run's), got {scale!r}"
+                )
+            self.lr_scale = float(scale)
+            if self.lr_scale < 1 and self.lr_warmup_steps == 0:
+                raise ValueError(
+                    f"lr_scale={self.lr_scale:g} scales the LR for lr_warmup_steps steps "
+                    "after a rewind, and lr_warmup_steps is 0: set it too (e.g. "
+                    "lr_warmup_steps=100)"
+                )
+
+    name = "rewind"
+    #: Its boundary must come at the same step on every rank (benchmark mode never
+    #: bypasses it), and a skipped streak's request arrives before its after_step.
+    essential = True
+    after = ("nan",)
+    # Before the checkpointer: a save at the boundary of a rewind is of the state it
+    # put back (and it resumes after this one's state is loaded).
+    before = ("checkpoint",)
+    #: The section is off unless given (``guard(rewind=True)``).
+    section_default = False
+
+    def __init__(self, config: Rewind.Config | None = None, /, **knobs: Any) -> None:
+        configure(self, config, knobs)
+        #: Rewinds made this run (counted across a resume): the ``rewind`` events' fields.
+        self.rewinds: list[dict[str, Any]] = []
+        #: Rewinds made, counted across a resume (what ``max_rewinds`` caps).
+        self.used = 0
+        self._slots: list[Snapshot] = []
+        self._taken = False  # the first snapshot (at the first step) is taken
+        # The rewind to make at the next boundary: (cause, start, numbers, rank).
+        self._due: tuple[str, int, dict[str, Any], int] | None = None
+        # This rank's request waiting for the agreement (multi-rank divergence):
+        # (cause, start, numbers), and whether the checkpointer has posted it.
+        self._wanted: tuple[str, int, dict[str, Any]] | None = None
+        self._posted = False
+        self._warmup_left = 0  # steps of LR scaling still to come
+        self._warmup_done = 0
+        self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_start(self, guard: Guard) -> None:
+        self._guard = guard
+        if model.is_sharded(model.unwrap(guard.model)):
+            raise ValueError(
+                "guard(rewind=...) snapshots the model's full state on every rank; a "
+                "sharded model (FSDP2) is not supported yet: leave rewind off, or "
+                "rely on checkpoints (guard(checkpoint={'every_n_steps': ...}))."
+            )
+        if guard.world_size > 1 and guard.component("checkpoint") is None:
+            raise ValueError(
+                "guard(rewind=...) on several ranks agrees on a rewind through the "
+                "checkpointer's stop agreement, and guard(checkpoint=False) leaves it "
+                "out: drop checkpoint=False (its defaults only save on a signal)."
+            )
+        pinned = guard.device.type == "cuda"
+        self._slots = [Snapshot(pinned) for _ in range(KEEP)]
+        guard.shared.rewind = self
+
+    def on_end(self, guard: Guard, exc: BaseException | None) -> None:
+        guard.shared.rewind = None
+        self._slots = []  # the host memory goes with them
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rewinds made (the cap counts across a resume) and the LR warm-up still
+        to come; snapshots are not saved (a resumed run takes its own)."""
+        return {
+            "used": self.used,
+            "warmup_left": self._warmup_left,
+            "warmup_done": self._warmup_done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.used = int(state.get("used", 0))
+        self._warmup_left = int(state.get("warmup_left", 0))
+        self._warmup_done = int(state.get("warmup_done", 0))
+
+    # ------------------------------------------------------------------ services
+
+    def request(self, cause: str, start: int, numbers: dict[str, Any], *, everywhere: bool) -> bool:
+        """NanGuard: trouble began at step ``start`` (``cause``: ``"nonfinite"``, a
+        streak of skipped steps; ``"divergence"``); ``numbers``: its evidence, for the
+        event. ``everywhere``: every rank sees the same trouble at this same step (then
+        every rank rewinds at the next boundary, no exchange); else this rank alone may
+        (its request goes through the checkpointer's agreement). Returns whether a
+        rewind is coming (``False``: the cap is reached, or no snapshot is older than
+        ``start``: the caller keeps today's behaviour)."""
+        if self.used >= self.max_rewinds or self._target(start) is None:
+            return False
+        if self._due is not None or self._wanted is not None:
+            return True  # one is coming already
+        if everywhere or self._guard.world_size == 1:
+            self._due = (cause, start, numbers, self._guard.rank)
+        else:
+            self._wanted = (cause, start, numbers)
+            self._posted = False
+        return True
+
+    def take_wanted(self) -> int | None:
+        """The checkpointer, after each step: the trouble's first step of this rank's
+        request not posted yet in its agreement, once (``None``: none)."""
+        if self._wanted is None or self._posted:
+            return None
+        self._posted = True
+        return self._wanted[1]
+
+    def agreed(self, start: int, rank: int) -> None:
+        """The checkpointer, on every rank at the same step: the ranks decided to rewind
+        before step ``start`` (asked by ``rank``); done at the next boundary."""
+        mine = self._wanted
+        self._wanted = None
+        if mine is not None and mine[1] == start and rank == self._guard.rank:
+            self._due = (mine[0], start, mine[2], rank)
+        else:
+            self._due = ("divergence", start, {}, rank)
+
+    # ------------------------------------------------------------------ per step
+
+    def before_step(self, guard: Guard) -> None:
+        if not self._taken:  # the first step's weights, before its update
+            self._taken = True
+            fetched = guard.batch_in_epoch - len(guard.step_batches)
+            self._take(guard, (guard.epoch, max(0, fetched)))
+        if self._warmup_left:
+            self._scale_lrs(guard)
+
+    def after_step(self, guard: Guard) -> None:
+        if self._saved_lrs:
+            for group, lr in self._saved_lrs:
+                group["lr"] = lr
+            self._saved_lrs = []
+            self._warmup_left -= 1
+            self._warmup_done += 1
+
+    def on_boundary(self, guard: Guard) -> None:
+        if self._due is not None:
+            self._rewind(guard)
+        step = guard.step
+        if step % self.snapshot_every_steps == 0 and not any(s.step == step for s in self._slots):
+            self._take(guard, (guard.epoch, guard.batch_in_epoch))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _take(self, guard: Guard, position: tuple[int, int]) -> None:
+        """A snapshot of now into the slot holding the oldest (or none)."""
+        slot = min(self._slots, key=lambda s: s.step)
+        slot.take(guard, position)
+
+    def _target(self, start: int) -> Snapshot | None:
+        """The newest snapshot taken before step ``start`` began (its step < start)."""
+        older = [s for s in self._slots if 0 <= s.step < start]
+        return max(older, key=lambda s: s.step) if older else None
+
+    def _scale_lrs(self, guard: Guard) -> None:
+        """This step's LR scale (from ``lr_scale`` at the first step after a rewind,
+        linearly back to 1), applied to every param group of every optimizer until its
+        update is done (``after_step`` puts each LR back)."""
+        share = self._warmup_done / self.lr_warmup_steps
+        factor = self.lr_scale + (1.0 - self.lr_scale) * share
+        saved = self._saved_lrs
+        for opt in guard.optimizers.values():
+            for group in opt.param_groups:
+                lr = group.get("lr")
+                if lr is None:
+                    continue
+                saved.append((group, lr))
+                group["lr"] = lr * factor
+
+    def _rewind(self, guard: Guard) -> None:
+        cause, start, numbers, rank = self._due  # type: ignore[misc]
+        self._due = None
+        self._wanted = None
+        snap = self._target(start)
+        if snap is None:  # can only be a late agreement's: a newer snapshot replaced it
+            guard.event(
+                "rewind_failed",
+                level="warning",
+                message=(
+                    f"a rewind before step {start} was agreed, but no snapshot from before "
+                    f"it is held any more (the oldest is of step "
+                    f"{min(s.step for s in self._slots)}): training goes on. Take "
+                    "snapshots less often (snapshot_every_steps) so that one reaches back "
+                    "further."
+                ),
+                start=start,
+                cause=cause,
+            )
+            return
+        from_step = guard.step
+        at = (guard.epoch, guard.batch_in_epoch)
+        snap.restore(guard)
+        guard.drop_batches(self.skip_batches)
+        guard.rewind_to(snap.step)
+        for s in self._slots:  # of the trajectory just left behind
+            if s.step > snap.step:
+                s.step = -1
+        self.used += 1
+        scaled = self.lr_warmup_steps if self.lr_scale < 1 else 0
+        self._warmup_left, self._warmup_done = scaled, 0
+        self._saved_lrs = []
+        skipped = {
+            "steps": from_step - snap.step,
+            "from": list(snap.position),
+            "to": list(at),
+            "dropped": self.skip_batches,
+        }
+        who = "" if rank == guard.rank or cause == "nonfinite" else f" (seen by rank {rank})"
+        what = {
+            "nonfinite": f"{numbers.get('skipped', '?')} non-finite steps in a row from step "
+            f"{start}",
+            "divergence": f"a divergence from step {start}{who}",
+        }.get(cause, f"{cause} from step {start}")
+        detail = numbers.get("detail")
+        lr = (
+            f"the LR is scaled by {self.lr_scale:g} for the next step, back to 1 over "
+            f"{scaled} steps"
+            if scaled
+            else "the LR is unchanged"
+        )
+        drop = f", and the next {self.skip_batches} dropped" if self.skip_batches else ""
+        message = (
+            f"rewound from step {from_step} to step {snap.step} after {what}"
+            + (f" ({detail})" if detail else "")
+            + f": the model, optimizer, scheduler and scaler are back at step {snap.step} "
+            f"(an in-memory snapshot), the {from_step - snap.step} steps' batches since "
+            f"(epoch {snap.position[0]} batch {snap.position[1] + 1} to epoch {at[0]} batch "
+            f"{at[1]}) are skipped{drop}; {lr}. Rewind {self.used} of "
+            f"max_rewinds={self.max_rewinds}."
+        )
+        fields = {
+            "cause": cause,
+            "start": start,
+            "from_step": from_step,
+            "to_step": snap.step,
+            "source": "memory",
+            "batches_skipped": skipped,
+            "lr_scale": self.lr_scale if scaled else 1.0,
+            "lr_warmup_steps": scaled,
+            "rewinds": self.used,
+            "max_rewinds": self.max_rewinds,
+            "requested_by": rank,
+            "trouble": {k: v for k, v in numbers.items() if _plain(v)},
+        }
+        self.rewinds.append({"step": snap.step, **fields})
+        guard.event("rewind", level="warning", message=message, step=snap.step, **fields)
+
+
+def _plain(value: Any) -> bool:
+    """A value an event can hold as it is (JSON numbers, strings, lists of them)."""
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return False
