@@ -162,8 +162,7 @@ class Shared:
     #: straggler on the phases where no rank waits.
     collective_phases: set[str] = field(default_factory=set)
     #: The running rewind guard (``guards/rewind``), or ``None`` (off: the default).
-    #: Writer: the rewind guard, at start. NanGuard asks it for a rewind
+    #: Writer: the rewind guard, at start and close. NanGuard asks it for a rewind
     #: (``request``) instead of raising on a streak of non-finite steps, and on a
-    #: divergence; the checkpointer carries a rank's request in its stop agreement
-    #: (``take_wanted``) and hands every rank the decision (``agreed``).
+    #: divergence.
     rewind: Any = None

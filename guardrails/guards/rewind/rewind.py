@@ -142,10 +142,11 @@ class Rewind(Component):
         self._taken = False  # the first snapshot (at the first step) is taken
         # The rewind to make at the next boundary: (cause, start, numbers, rank).
         self._due: tuple[str, int, dict[str, Any], int] | None = None
-        # This rank's request waiting for the agreement (multi-rank divergence):
-        # (cause, start, numbers), and whether the checkpointer has posted it.
-        self._wanted: tuple[str, int, dict[str, Any]] | None = None
-        self._posted = False
+        # This rank's request posted for the other ranks (a divergence under several
+        # ranks): (cause, start, numbers, the snapshot step it is read at).
+        self._wanted: tuple[str, int, dict[str, Any], int] | None = None
+        # The job's store for the posts (side_store("rewind")), None in one process.
+        self._store: Any = None
         self._warmup_left = 0  # steps of LR scaling still to come
         self._warmup_done = 0
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
@@ -160,12 +161,7 @@ class Rewind(Component):
                 "sharded model (FSDP2) is not supported yet: leave rewind off, or "
                 "rely on checkpoints (guard(checkpoint={'every_n_steps': ...}))."
             )
-        if guard.world_size > 1 and guard.component("checkpoint") is None:
-            raise ValueError(
-                "guard(rewind=...) on several ranks agrees on a rewind through the "
-                "checkpointer's stop agreement, and guard(checkpoint=False) leaves it "
-                "out: drop checkpoint=False (its defaults only save on a signal)."
-            )
+        self._store = guard.side_store("rewind")
         pinned = guard.device.type == "cuda"
         self._slots = [Snapshot(pinned) for _ in range(KEEP)]
         guard.shared.rewind = self
@@ -195,37 +191,57 @@ class Rewind(Component):
         streak of skipped steps; ``"divergence"``); ``numbers``: its evidence, for the
         event. ``everywhere``: every rank sees the same trouble at this same step (then
         every rank rewinds at the next boundary, no exchange); else this rank alone may
-        (its request goes through the checkpointer's agreement). Returns whether a
-        rewind is coming (``False``: the cap is reached, or no snapshot is older than
-        ``start``: the caller keeps today's behaviour)."""
+        (its request is posted for the next snapshot step, see :meth:`_post`). Returns
+        whether a rewind is coming (``False``: the cap is reached, or no snapshot is
+        older than ``start``: the caller keeps today's behaviour)."""
         if self.used >= self.max_rewinds or self._target(start) is None:
             return False
         if self._due is not None or self._wanted is not None:
             return True  # one is coming already
-        if everywhere or self._guard.world_size == 1:
+        if everywhere or self._store is None:
             self._due = (cause, start, numbers, self._guard.rank)
         else:
-            self._wanted = (cause, start, numbers)
-            self._posted = False
+            self._post(cause, start, numbers)
         return True
 
-    def take_wanted(self) -> int | None:
-        """The checkpointer, after each step: the trouble's first step of this rank's
-        request not posted yet in its agreement, once (``None``: none)."""
-        if self._wanted is None or self._posted:
-            return None
-        self._posted = True
-        return self._wanted[1]
+    def _post(self, cause: str, start: int, numbers: dict[str, Any]) -> None:
+        """This rank alone saw the trouble: post it under the key of the first snapshot
+        step at least two steps ahead, which every rank reads at that step's boundary
+        (:meth:`_decision`). Two ahead: a rank reads there once past that step's
+        collectives, which this rank joins only after this post (DDP's all-reduce
+        keeps the ranks within a step of each other). Several ranks posting for one
+        step keep the earliest start (compare-and-set), so the outcome does not depend
+        on which rank wrote first. A few store calls, once."""
+        every = self.snapshot_every_steps
+        at = -(-(self._guard.step + 2) // every) * every
+        key, mine = self._key(at), str(start)
+        value = bytes(self._store.compare_set(key, "", mine)).decode()
+        while value not in (mine, "-") and int(value) > start:
+            value = bytes(self._store.compare_set(key, value, mine)).decode()
+        self._wanted = (cause, start, numbers, at)
 
-    def agreed(self, start: int, rank: int) -> None:
-        """The checkpointer, on every rank at the same step: the ranks decided to rewind
-        before step ``start`` (asked by ``rank``); done at the next boundary."""
+    def _key(self, at: int) -> str:
+        # The rewinds so far prefix it: after one, step numbers repeat.
+        return f"{self.used}/{at}"
+
+    def _decision(self, guard: Guard) -> None:
+        """At a snapshot step's boundary, on every rank: the earliest start any rank
+        posted for this step, if one did (then a rewind, now). One store call."""
+        step = guard.step
+        with guard.in_phase("agree"):
+            value = bytes(self._store.compare_set(self._key(step), "", "-")).decode()
         mine = self._wanted
-        self._wanted = None
-        if mine is not None and mine[1] == start and rank == self._guard.rank:
-            self._due = (mine[0], start, mine[2], rank)
+        if mine is not None and mine[3] == step:
+            self._wanted = None
         else:
-            self._due = ("divergence", start, {}, rank)
+            mine = None
+        if value == "-":
+            return
+        start = int(value)
+        if mine is not None and mine[1] == start:
+            self._due = (mine[0], start, mine[2], guard.rank)
+        else:  # another rank's (this rank may have posted a later start)
+            self._due = ("divergence", start, {}, -1)
 
     # ------------------------------------------------------------------ per step
 
@@ -246,6 +262,14 @@ class Rewind(Component):
             self._warmup_done += 1
 
     def on_boundary(self, guard: Guard) -> None:
+        if guard.step % self.snapshot_every_steps:
+            if self._due is not None:  # seen by every rank at this step: no exchange
+                self._rewind(guard)
+            return
+        # A snapshot step: first the rewind a rank posted for it, or one due here, then
+        # the snapshot (so the one a rewind goes back to is never replaced before it).
+        if self._store is not None and self._due is None:
+            self._decision(guard)
         if self._due is not None:
             self._rewind(guard)
         step = guard.step
@@ -317,7 +341,7 @@ class Rewind(Component):
             "to": list(at),
             "dropped": self.skip_batches,
         }
-        who = "" if rank == guard.rank or cause == "nonfinite" else f" (seen by rank {rank})"
+        who = "" if rank == guard.rank or cause == "nonfinite" else " (seen by another rank)"
         what = {
             "nonfinite": f"{numbers.get('skipped', '?')} non-finite steps in a row from step "
             f"{start}",
