@@ -182,7 +182,7 @@ MISUSES = [
     ),
     (
         "rewind lr_scale without lr_warmup_steps",
-        lambda t: _guard(rewind={"lr_scale": 0.1}),
+        lambda t: _guard(rewind={"lr_scale": 0.1, "lr_warmup_steps": 0}),
         ValueError,
         ["lr_scale=0.1", "lr_warmup_steps", "is 0"],
     ),

@@ -90,15 +90,15 @@ class Rewind(Component):
             lr_scale: after a rewind, scale every param group's learning rate by this
                 factor at the first step, rising linearly back to 1 over
                 ``lr_warmup_steps`` steps. 1.0: unchanged. Default 1.0.
-            lr_warmup_steps: the steps over which the LR comes back from ``lr_scale``.
-                Default 0 (no scaling).
+            lr_warmup_steps: the steps over which the LR comes back from ``lr_scale``
+                (> 0 when ``lr_scale`` < 1). Default 100.
         """
 
         snapshot_every_steps: int = 50
         max_rewinds: int = 3
         skip_batches: int = 0
         lr_scale: float = 1.0
-        lr_warmup_steps: int = 0
+        lr_warmup_steps: int = 100
 
         def __post_init__(self) -> None:
             positive_int("snapshot_every_steps", self.snapshot_every_steps)
@@ -117,8 +117,9 @@ class Rewind(Component):
             if self.lr_scale < 1 and self.lr_warmup_steps == 0:
                 raise ValueError(
                     f"lr_scale={self.lr_scale:g} scales the LR for lr_warmup_steps steps "
-                    "after a rewind, and lr_warmup_steps is 0: set it too (e.g. "
-                    "lr_warmup_steps=100)"
+                    "after a rewind, and lr_warmup_steps is 0: give it the steps over "
+                    "which the LR comes back (e.g. lr_warmup_steps=100), or leave lr_scale "
+                    "at 1.0"
                 )
 
     name = "rewind"
@@ -140,6 +141,7 @@ class Rewind(Component):
         self.used = 0
         self._slots: list[Snapshot] = []
         self._taken = False  # the first snapshot (at the first step) is taken
+        self._prepared = False  # the slots' memory is being allocated ahead
         # The rewind to make at the next boundary: (cause, start, numbers, rank).
         self._due: tuple[str, int, dict[str, Any], int] | None = None
         # This rank's request posted for the other ranks (a divergence under several
@@ -262,6 +264,10 @@ class Rewind(Component):
             self._warmup_done += 1
 
     def on_boundary(self, guard: Guard) -> None:
+        if not self._prepared:  # the first boundary: the optimizer's state exists now
+            self._prepared = True
+            for slot in self._slots:
+                slot.prepare(guard)
         if guard.step % self.snapshot_every_steps:
             if self._due is not None:  # seen by every rank at this step: no exchange
                 self._rewind(guard)
