@@ -175,16 +175,31 @@ class Rewind(Component):
     def state_dict(self) -> dict[str, Any]:
         """The rewinds made (the cap counts across a resume) and the LR warm-up still
         to come; snapshots are not saved (a resumed run takes its own)."""
+        wanted = self._wanted
         return {
             "used": self.used,
             "warmup_left": self._warmup_left,
             "warmup_done": self._warmup_done,
+            # A post not read yet (a save between a rank's post and the snapshot step
+            # that reads it): posted again at resume, under the same key.
+            "wanted": None
+            if wanted is None
+            else [
+                wanted[0],
+                wanted[1],
+                {k: v for k, v in wanted[2].items() if _plain(v)},
+                wanted[3],
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.used = int(state.get("used", 0))
         self._warmup_left = int(state.get("warmup_left", 0))
         self._warmup_done = int(state.get("warmup_done", 0))
+        wanted = state.get("wanted")
+        if wanted and self._store is not None:
+            cause, start, numbers, at = wanted
+            self._post(cause, int(start), numbers, at=int(at))
 
     # ------------------------------------------------------------------ services
 
@@ -206,7 +221,9 @@ class Rewind(Component):
             self._post(cause, start, numbers)
         return True
 
-    def _post(self, cause: str, start: int, numbers: dict[str, Any]) -> None:
+    def _post(
+        self, cause: str, start: int, numbers: dict[str, Any], *, at: int | None = None
+    ) -> None:
         """This rank alone saw the trouble: post it under the key of the first snapshot
         step at least two steps ahead, which every rank reads at that step's boundary
         (:meth:`_decision`). Two ahead: a rank reads there once past that step's
@@ -214,8 +231,9 @@ class Rewind(Component):
         keeps the ranks within a step of each other). Several ranks posting for one
         step keep the earliest start (compare-and-set), so the outcome does not depend
         on which rank wrote first. A few store calls, once."""
-        every = self.snapshot_every_steps
-        at = -(-(self._guard.step + 2) // every) * every
+        if at is None:
+            every = self.snapshot_every_steps
+            at = -(-(self._guard.step + 2) // every) * every
         key, mine = self._key(at), str(start)
         value = bytes(self._store.compare_set(key, "", mine)).decode()
         while value not in (mine, "-") and int(value) > start:
