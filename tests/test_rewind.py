@@ -27,7 +27,9 @@ WORKER = Path(__file__).resolve().parent / "rewind_worker.py"
 KNOBS = {"snapshot_every_steps": 20, "skip_batches": 10}
 
 
-def _local_run(run_dir, fault="none", rewind=KNOBS, *, steps=200, at=100, length=15, hook=None):
+def _local_run(
+    run_dir, fault="none", rewind=KNOBS, *, steps=200, at=100, length=15, hook=None, **guard_knobs
+):
     """rewind_worker's loop in this process (one rank): ``(guard, net, losses)``. Faults
     ``div`` / ``nan`` / ``cut`` as there; several runs of bad batches with ``at`` a list;
     ``hook(g, opt, "before" | "after")`` around each ``opt.step()``."""
@@ -56,7 +58,7 @@ def _local_run(run_dir, fault="none", rewind=KNOBS, *, steps=200, at=100, length
     knobs = {} if rewind is None else {"rewind": rewind}
     losses = []
     with guardrails.guard(
-        net, opt, data, scheduler=sched, run_dir=run_dir, progress=False, **knobs
+        net, opt, data, scheduler=sched, run_dir=run_dir, progress=False, **knobs, **guard_knobs
     ) as g:
         for x, y in g:
             loss = net(x, y)
@@ -283,6 +285,27 @@ def test_the_lr_is_scaled_after_a_rewind_and_put_back_after_each_update(tmp_path
         assert after_lr == loop_lr  # put back right after the update
     # Before the rewind, never scaled (a skipped step never reaches the optimizer).
     assert all(r[2] == r[1] for r in rows[:i] if len(r) == 4)
+
+
+@pytest.mark.slow(reason="a 120-step run with periodic saves in this process (~3 s)")
+def test_without_a_snapshot_old_enough_a_checkpoint_from_before_the_trouble_is_used(tmp_path):
+    # Snapshots every 4 steps: when the streak of steps 61-70 is found, the two held
+    # (steps 64 and 68) are after it began; the periodic checkpoint of step 60 is not.
+    ckpt = {"every_n_steps": 10, "background": False}
+    _, net, _ = _local_run(
+        tmp_path, "nan", {"snapshot_every_steps": 4}, steps=120, at=60, length=12, checkpoint=ckpt
+    )
+    (e,) = _kinds(tmp_path, "rewind")
+    assert (e["start"], e["from_step"], e["to_step"]) == (61, 70, 60)
+    assert e["source"].endswith("step_000000060") and e["batches_skipped"]["from"] == [0, 60]
+    assert "(checkpoint " in e["message"] and "step_000000060" in e["message"]
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    # No checkpoint from before it either: today's NonFiniteError.
+    with pytest.raises(guardrails.NonFiniteError):
+        _local_run(
+            tmp_path / "none", "nan", {"snapshot_every_steps": 4}, steps=120, at=60, length=12
+        )
+    assert _kinds(tmp_path / "none", "rewind") == []
 
 
 def test_the_report_reads_a_run_whose_step_numbers_repeat(tmp_path):

@@ -406,6 +406,12 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         if self.signals:
             self._watch_signals(guard)
 
+    @property
+    def run_id(self) -> str:
+        """This run's id, in every checkpoint it saves (a resumed run keeps the id of
+        the run it continues): which checkpoints under :attr:`root` are this run's."""
+        return str(self._run.get("id", ""))
+
     def _last_checkpoint(self) -> str:
         if self.last_path is not None:
             return f"the last checkpoint is {self.last_path}"

@@ -18,7 +18,9 @@ opt-in (``guard(rewind=True)``); off, it is not installed at all.
   than the trouble's first step is held; otherwise today's behaviour (the error, the
   warning).
 * **The rewind**, at the next step boundary: the newest snapshot taken before the
-  trouble began is put back, ``g.step`` goes back to its step (the update count of the
+  trouble began is put back (none old enough: the newest of this run's checkpoints
+  from before it, checked whole by ``restore.prepare`` before anything is touched,
+  rank 0 choosing it for every rank), ``g.step`` goes back to its step (the update count of the
   weights now held, so the scheduler and the weights agree), every component forgets
   the steps after it (``Component.on_rewind``), and the loader is *not* rewound: the
   run goes on from the loader's current position, so every batch since the snapshot
@@ -33,19 +35,28 @@ opt-in (``guard(rewind=True)``); off, it is not installed at all.
 * **Ranks agree**: a streak of non-finite steps is seen by every rank at the same step
   (NanGuard's flags agree), so every rank rewinds at that step's boundary, with no
   exchange. A divergence is judged on each rank's own loss, so one rank may see it
-  alone: its request rides in the checkpointer's stop agreement (a field of the
-  decision the first rank at a check writes, ~every second; one store call per rank
-  to post it, none per step), and every rank rewinds at the step where the decision
-  is read. That step depends on when the agreement comes, so such a rewind is the
-  same on every rank but may fall a few steps apart in a re-run.
+  alone: it posts the trouble's first step in the job's store under the key of the
+  first snapshot step at least two steps ahead, and every rank reads that key at that
+  step's boundary (one store call per rank per snapshot, none per step; several
+  posts for one step keep the earliest start). Not the checkpointer's time-paced
+  stop agreement: its next check can be hundreds of steps away on a fast loop (725
+  measured on the tests' loop: the snapshot needed was replaced by then), and the step
+  it falls on depends on timing. At a snapshot step, the rewind comes from the same
+  posts and the same snapshots on every rank, so a re-run with the same faults rewinds
+  at the same step, bitwise.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guardrails._errors import GuardrailsError
+from guardrails.checkpoint import manifest, restore
+from guardrails.distributed import store as _store
 from guardrails.engine import model
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
@@ -149,6 +160,8 @@ class Rewind(Component):
         self._wanted: tuple[str, int, dict[str, Any], int] | None = None
         # The job's store for the posts (side_store("rewind")), None in one process.
         self._store: Any = None
+        # Checkpoints a rewind could not use (damaged, another model): not tried again.
+        self._refused: set[str] = set()
         self._warmup_left = 0  # steps of LR scaling still to come
         self._warmup_done = 0
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
@@ -211,7 +224,9 @@ class Rewind(Component):
         (its request is posted for the next snapshot step, see :meth:`_post`). Returns
         whether a rewind is coming (``False``: the cap is reached, or no snapshot is
         older than ``start``: the caller keeps today's behaviour)."""
-        if self.used >= self.max_rewinds or self._target(start) is None:
+        if self.used >= self.max_rewinds:
+            return False
+        if self._target(start) is None and self._on_disk(start) is None:
             return False
         if self._due is not None or self._wanted is not None:
             return True  # one is coming already
@@ -312,6 +327,59 @@ class Rewind(Component):
         older = [s for s in self._slots if 0 <= s.step < start]
         return max(older, key=lambda s: s.step) if older else None
 
+    def _on_disk(self, start: int) -> Path | None:
+        """The fallback when no snapshot is older than step ``start``: the newest of
+        this run's checkpoints (the checkpointer's periodic saves) from before it,
+        committed and readable, not refused already; ``None`` if none."""
+        ck = self._guard.component("checkpoint")
+        run = getattr(ck, "run_id", None)
+        if ck is None or not run:
+            return None
+        root = ck.config.directory or self._guard.run_dir / "checkpoints"  # type: ignore[attr-defined]
+        for step, path in reversed(manifest.list_checkpoints(root)):
+            if step >= start or str(path) in self._refused or not path.name.startswith("step_"):
+                continue
+            try:
+                if restore.saved_run(path).get("id") == run:
+                    return path
+            except Exception:  # an unreadable manifest: not this one
+                continue
+        return None
+
+    def _agreed_checkpoint(self, guard: Guard, start: int) -> Path | None:
+        """Every rank goes back to the same checkpoint: rank 0 picks it and posts it,
+        the others wait for its word (one store call or two each, at a rewind only)."""
+        if self._store is None:
+            return self._on_disk(start)
+        key = f"disk/{self._key(guard.step)}"
+        if guard.rank == 0:
+            path = self._on_disk(start)
+            self._store.set(key, "" if path is None else str(path))
+            return path
+        with guard.in_phase("agree"):
+            _store.wait_keys(self._store, [key], timedelta(seconds=600), world=guard.world_size)
+            got = bytes(self._store.get(key)).decode()
+        return Path(got) if got else None
+
+    def _restore_checkpoint(self, guard: Guard, path: Path) -> tuple[int, tuple[int, int] | None]:
+        """Put the model, optimizers, schedulers and scaler back from ``path``, checked
+        whole first (``restore.prepare``: nothing is touched unless all of it fits),
+        without its RNG streams, data position or components' state (they go on, as
+        after a snapshot). Returns its step and the loader's position it was saved at."""
+        plan = restore.prepare(
+            path,
+            model.unwrap(guard.model),
+            guard.optimizers,
+            scheduler=guard.schedulers or None,
+            scaler=guard.scaler,
+        )
+        data = plan.rank_state.get("data") or {}
+        plan.rng, plan.rank_tensors = None, {}
+        with guard.quiet():
+            restore.apply(plan)
+        at = (int(data["epoch"]), int(data["batch_in_epoch"])) if "epoch" in data else None
+        return plan.step, at
+
     def _scale_lrs(self, guard: Guard) -> None:
         """This step's LR scale (from ``lr_scale`` at the first step after a rewind,
         linearly back to 1), applied to every param group of every optimizer until its
@@ -332,36 +400,51 @@ class Rewind(Component):
         self._due = None
         self._wanted = None
         snap = self._target(start)
-        if snap is None:  # can only be a late agreement's: a newer snapshot replaced it
-            guard.event(
-                "rewind_failed",
-                level="warning",
-                message=(
-                    f"a rewind before step {start} was agreed, but no snapshot from before "
-                    f"it is held any more (the oldest is of step "
-                    f"{min(s.step for s in self._slots)}): training goes on. Take "
-                    "snapshots less often (snapshot_every_steps) so that one reaches back "
-                    "further."
-                ),
-                start=start,
-                cause=cause,
-            )
-            return
         from_step = guard.step
         at = (guard.epoch, guard.batch_in_epoch)
-        snap.restore(guard)
+        source, position = "memory", None
+        if snap is not None:
+            snap.restore(guard)
+            to_step, position = snap.step, snap.position
+        else:  # no snapshot from before it: a checkpoint from before it, if one
+            path = self._agreed_checkpoint(guard, start)
+            why = "no checkpoint of this run from before it either"
+            to_step = -1
+            if path is not None:
+                try:
+                    to_step, position = self._restore_checkpoint(guard, path)
+                    source = str(path)
+                except GuardrailsError as e:  # checked before anything was touched
+                    self._refused.add(str(path))
+                    why = f"the checkpoint from before it, {path}, could not be used: {e}"
+            if to_step < 0:
+                oldest = min(s.step for s in self._slots)
+                guard.event(
+                    "rewind_failed",
+                    level="warning",
+                    message=(
+                        f"a rewind before step {start} ({cause}) was due, but no snapshot "
+                        f"from before it is held (the oldest is of step {oldest}) and {why}: "
+                        "training goes on. Take snapshots less often (snapshot_every_steps) "
+                        "so that one reaches back further, or save checkpoints "
+                        "(checkpoint={'every_n_steps': ...})."
+                    ),
+                    start=start,
+                    cause=cause,
+                )
+                return
         guard.drop_batches(self.skip_batches)
-        guard.rewind_to(snap.step)
+        guard.rewind_to(to_step)
         for s in self._slots:  # of the trajectory just left behind
-            if s.step > snap.step:
+            if s.step > to_step:
                 s.step = -1
         self.used += 1
         scaled = self.lr_warmup_steps if self.lr_scale < 1 else 0
         self._warmup_left, self._warmup_done = scaled, 0
         self._saved_lrs = []
         skipped = {
-            "steps": from_step - snap.step,
-            "from": list(snap.position),
+            "steps": from_step - to_step,
+            "from": None if position is None else list(position),
             "to": list(at),
             "dropped": self.skip_batches,
         }
@@ -380,20 +463,25 @@ class Rewind(Component):
         )
         drop = f", and the next {self.skip_batches} dropped" if self.skip_batches else ""
         message = (
-            f"rewound from step {from_step} to step {snap.step} after {what}"
+            f"rewound from step {from_step} to step {to_step} after {what}"
             + (f" ({detail})" if detail else "")
-            + f": the model, optimizer, scheduler and scaler are back at step {snap.step} "
-            f"(an in-memory snapshot), the {from_step - snap.step} steps' batches since "
-            f"(epoch {snap.position[0]} batch {snap.position[1] + 1} to epoch {at[0]} batch "
-            f"{at[1]}) are skipped{drop}; {lr}. Rewind {self.used} of "
-            f"max_rewinds={self.max_rewinds}."
+            + f": the model, optimizer, scheduler and scaler are back at step {to_step} "
+            + ("(an in-memory snapshot)" if source == "memory" else f"(checkpoint {source})")
+            + f", the {from_step - to_step} steps' batches since ("
+            + (
+                f"epoch {position[0]} batch {position[1] + 1}"
+                if position is not None
+                else f"step {to_step}"
+            )
+            + f" to epoch {at[0]} batch {at[1]}) are skipped{drop}; {lr}. Rewind "
+            f"{self.used} of max_rewinds={self.max_rewinds}."
         )
         fields = {
             "cause": cause,
             "start": start,
             "from_step": from_step,
-            "to_step": snap.step,
-            "source": "memory",
+            "to_step": to_step,
+            "source": source,
             "batches_skipped": skipped,
             "lr_scale": self.lr_scale if scaled else 1.0,
             "lr_warmup_steps": scaled,
@@ -402,8 +490,8 @@ class Rewind(Component):
             "requested_by": rank,
             "trouble": {k: v for k, v in numbers.items() if _plain(v)},
         }
-        self.rewinds.append({"step": snap.step, **fields})
-        guard.event("rewind", level="warning", message=message, step=snap.step, **fields)
+        self.rewinds.append({"step": to_step, **fields})
+        guard.event("rewind", level="warning", message=message, step=to_step, **fields)
 
 
 def _plain(value: Any) -> bool:
