@@ -87,16 +87,15 @@ def _tail(losses, n=20):
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    """Six 2-rank DDP jobs, the first five at once: a divergence on rank 1 alone and one
-    on both ranks (rewind on), a clean run (the bad batches cut; rewind on, periodic
-    saves: a healthy run), non-finite batches on both ranks with rewind on (periodic
-    saves) and off, and the same faulted run stopped by SIGTERM after its rewind,
-    then resumed by the same command."""
+    """Five 2-rank DDP jobs, the first four at once: a divergence on rank 1 alone (rewind
+    on), a clean run (the bad batches cut; rewind on, periodic saves: a healthy run),
+    non-finite batches on both ranks with rewind on (periodic saves) and off, and the
+    same faulted run stopped by SIGTERM after its rewind, then resumed by the same
+    command."""
     root = tmp_path_factory.mktemp("rewind")
     rw = json.dumps(KNOBS)
     jobs = {
         "div1": ["--fault", "div", "--fault-rank", "1", "--rewind", rw],
-        "div": ["--fault", "div", "--rewind", rw],
         "cut": ["--fault", "cut", "--rewind", rw, "--ckpt-every", "30"],
         "nan": ["--fault", "nan", "--rewind", rw, "--ckpt-every", "30"],
         "nan_off": ["--fault", "nan"],
@@ -127,13 +126,13 @@ def _final(root, name, rank=0):
     return torch.load(root / name / f"rank{rank}.pt")
 
 
-@pytest.mark.slow(reason="six 2-rank DDP jobs of 200 steps, one resumed (~40 s on 2 busy cores)")
+@pytest.mark.slow(reason="five 2-rank DDP jobs of 200 steps (~30 s on 2 busy cores)")
 def test_a_divergence_on_one_rank_rewinds_every_rank_at_the_same_step(ddp):
     root, results = ddp
-    for name in ("div1", "div", "cut"):
+    for name in ("div1", "cut"):
         assert [r.code for r in results[name]] == [0, 0], (name, results[name][0].out[-3000:])
     clean = _tail(_final(root, "cut")["losses"])
-    for name in ("div1", "div"):
+    for name in ("div1",):
         events = _kinds(root / name / "run", "rewind")
         assert sorted(e["rank"] for e in events) == [0, 1], events
         a, b = events
