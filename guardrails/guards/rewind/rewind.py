@@ -286,15 +286,20 @@ class Rewind(Component):
             fetched = guard.batch_in_epoch - len(guard.step_batches)
             self._take(guard, (guard.epoch, max(0, fetched)))
         if self._warmup_left:
-            self._scale_lrs(guard)
+            self._scale_lrs(guard.optimizer)
 
     def after_step(self, guard: Guard) -> None:
-        if self._saved_lrs:
-            for group, lr in self._saved_lrs:
-                group["lr"] = lr
-            self._saved_lrs = []
+        if self._warmup_left:
+            self._put_lrs_back()
             self._warmup_left -= 1
             self._warmup_done += 1
+
+    def before_extra_step(self, guard: Guard, name: str) -> None:
+        if self._warmup_left:  # another optimizer's step (a GAN's): scaled the same
+            self._scale_lrs(guard.optimizers[name])
+
+    def after_extra_step(self, guard: Guard, name: str) -> None:
+        self._put_lrs_back()
 
     def on_boundary(self, guard: Guard) -> None:
         if not self._prepared:  # the first boundary: the optimizer's state exists now
@@ -380,20 +385,24 @@ class Rewind(Component):
         at = (int(data["epoch"]), int(data["batch_in_epoch"])) if "epoch" in data else None
         return plan.step, at
 
-    def _scale_lrs(self, guard: Guard) -> None:
+    def _scale_lrs(self, opt: Any) -> None:
         """This step's LR scale (from ``lr_scale`` at the first step after a rewind,
-        linearly back to 1), applied to every param group of every optimizer until its
-        update is done (``after_step`` puts each LR back)."""
+        linearly back to 1), applied to every param group of ``opt`` until its update
+        is done (:meth:`_put_lrs_back`, right after it)."""
         share = self._warmup_done / self.lr_warmup_steps
         factor = self.lr_scale + (1.0 - self.lr_scale) * share
         saved = self._saved_lrs
-        for opt in guard.optimizers.values():
-            for group in opt.param_groups:
-                lr = group.get("lr")
-                if lr is None:
-                    continue
-                saved.append((group, lr))
-                group["lr"] = lr * factor
+        for group in opt.param_groups:
+            lr = group.get("lr")
+            if lr is None:
+                continue
+            saved.append((group, lr))
+            group["lr"] = lr * factor
+
+    def _put_lrs_back(self) -> None:
+        for group, lr in self._saved_lrs:
+            group["lr"] = lr
+        self._saved_lrs = []
 
     def _rewind(self, guard: Guard) -> None:
         cause, start, numbers, rank = self._due  # type: ignore[misc]
