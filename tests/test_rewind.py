@@ -307,6 +307,36 @@ def test_without_a_snapshot_old_enough_a_checkpoint_from_before_the_trouble_is_u
     assert _kinds(tmp_path / "none", "rewind") == []
 
 
+@pytest.mark.slow(reason="three 200-step runs in this process (~5 s)")
+def test_a_stop_at_the_rewinds_step_saves_the_drop_still_to_come_and_resumes_bitwise(tmp_path):
+    # SIGTERM during step 110, the streak's tenth: at that boundary the rewind goes
+    # back to step 100, then the stop saves, with the 10 batches still to drop.
+    import os
+    import signal
+
+    knobs = {**KNOBS, "lr_scale": 0.5, "lr_warmup_steps": 5}
+
+    def sigterm(g, opt, when):
+        if when == "before" and g.step == 109:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(SystemExit) as info:
+        _local_run(tmp_path / "a", "nan", knobs, at=100, length=12, hook=sigterm)
+    assert info.value.code == 143
+    (e,) = _kinds(tmp_path / "a", "rewind")
+    assert (e["from_step"], e["to_step"]) == (110, 100)
+    (ckpt,) = (tmp_path / "a" / "checkpoints").glob("step_*")
+    assert ckpt.name == "step_000000100"
+    saved = json.loads((ckpt / "rank00000.json").read_text())
+    assert saved["data"]["drop"] == 10 and saved["data"]["batch_in_epoch"] == 110
+    assert saved["components"]["rewind"]["used"] == 1
+    assert saved["components"]["rewind"]["warmup_left"] == 5
+    _, resumed, _ = _local_run(tmp_path / "a", "nan", knobs, at=100, length=12)
+    _, straight, _ = _local_run(tmp_path / "b", "nan", knobs, at=100, length=12)
+    for k, v in straight.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+
+
 def test_the_report_reads_a_run_whose_step_numbers_repeat(tmp_path):
     _local_run(tmp_path, "nan", KNOBS, steps=120, at=60, length=12)
     assert len(_kinds(tmp_path, "rewind")) == 1
