@@ -474,7 +474,7 @@ class Rewind(Component):
         message = (
             f"rewound from step {from_step} to step {to_step} after {what}"
             + (f" ({detail})" if detail else "")
-            + f": the model, optimizer, scheduler and scaler are back at step {to_step} "
+            + f": {_held(guard)} back at step {to_step} "
             + ("(an in-memory snapshot)" if source == "memory" else f"(checkpoint {source})")
             + f", the {from_step - to_step} steps' batches since ("
             + (
@@ -501,6 +501,16 @@ class Rewind(Component):
         }
         self.rewinds.append({"step": to_step, **fields})
         guard.event("rewind", level="warning", message=message, step=to_step, **fields)
+
+
+def _held(guard: Guard) -> str:
+    """What a rewind put back, in words: ``the model and optimizer are``..."""
+    parts = ["model", "optimizers" if len(guard.optimizers) > 1 else "optimizer"]
+    if guard.schedulers:
+        parts.append("schedulers" if len(guard.schedulers) > 1 else "scheduler")
+    if guard.scaler is not None:
+        parts.append("scaler")
+    return "the " + ", ".join(parts[:-1]) + " and " + parts[-1] + " are"
 
 
 def _plain(value: Any) -> bool:
