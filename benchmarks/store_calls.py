@@ -244,6 +244,11 @@ def rank_main(args: argparse.Namespace) -> None:
             progress=False,
             resume=None,
             watchdog={"hang_timeout_s": args.hang_timeout_s},
+            # --rewind-every: guard(rewind=...) on, its snapshot cadence (its store
+            # calls: one per rank per snapshot step)
+            **(
+                {"rewind": {"snapshot_every_steps": args.rewind_every}} if args.rewind_every else {}
+            ),
         ) as g:
             for x, y in g:
                 t = time.monotonic()
@@ -329,6 +334,8 @@ def run(world: int, scenario: str, args: argparse.Namespace, out: Path) -> dict:
         str(args.step_ms),
         "--hang-timeout-s",
         str(args.hang_timeout_s),
+        "--rewind-every",
+        str(args.rewind_every),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     t = time.monotonic()
@@ -448,6 +455,7 @@ def main() -> None:
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--log-every", type=int, default=1, help="the loop's all_reduce (0: none)")
     p.add_argument("--nodes", type=int, default=1, help="simulated nodes (torchrun agents)")
+    p.add_argument("--rewind-every", type=int, default=0, help="guard(rewind=...): snapshot steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.child:

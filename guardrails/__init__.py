@@ -37,6 +37,7 @@ the level:
     ``guardrails.memory``       MemoryGuard: leaks, data starvation, out of memory
     ``guardrails.pace``         Pace: stragglers, slowdowns, communication-bound steps
     ``guardrails.preflight``    Preflight: checks before the first step
+    ``guardrails.rewind``       Rewind: back to a snapshot before a divergence
     ``guardrails.efficiency``   Efficiency: FLOPs per step, host syncs, the fast path
     ``guardrails.launch``       launch checks (``check_launch``, ``@record``)
     ``guardrails.record``       ``@record``: error files, the process's exit
@@ -80,6 +81,7 @@ _EXPORTS = {
     "Preflight": "guards.preflight.preflight",
     "RankFailedError": "_errors",
     "ResumeError": "_errors",
+    "Rewind": "guards.rewind.rewind",
     "SignalCheckpointer": "guards.checkpointer.checkpointer",
     "Sink": "metrics.sinks",
     "Telemetry": "guards.telemetry",
@@ -120,6 +122,7 @@ __all__ = [
     "Preflight",
     "RankFailedError",
     "ResumeError",
+    "Rewind",
     "SignalCheckpointer",
     "Sink",
     "Telemetry",
@@ -189,6 +192,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; tests/test_api.py keeps it
     from guardrails.guards.nan.guard import NanGuard
     from guardrails.guards.pace.pace import Pace
     from guardrails.guards.preflight.preflight import Preflight
+    from guardrails.guards.rewind.rewind import Rewind
     from guardrails.guards.telemetry import Telemetry
     from guardrails.guards.watchdog.watchdog import Watchdog
     from guardrails.metrics.file import iter_metrics, read_metrics

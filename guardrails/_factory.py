@@ -31,6 +31,7 @@ from guardrails.guards.memory.guard import MemoryGuard
 from guardrails.guards.nan.guard import NanGuard
 from guardrails.guards.pace.pace import Pace
 from guardrails.guards.preflight.preflight import Preflight
+from guardrails.guards.rewind.rewind import Rewind
 from guardrails.guards.telemetry import Telemetry
 from guardrails.guards.watchdog.watchdog import Watchdog
 from guardrails.metrics.sinks import Sink, check_sinks
@@ -47,6 +48,7 @@ SECTIONS: dict[str, type[Component]] = {
     "metrics": Telemetry,
     "pace": Pace,
     "preflight": Preflight,
+    "rewind": Rewind,
     "checkpoint": SignalCheckpointer,
     "efficiency": Efficiency,
 }
@@ -143,7 +145,10 @@ def guard(
     if unknown:
         check_knobs(unknown, [*_TOP_LEVEL, *SECTIONS], "guard()")
     configs = {
-        name: section(name, sections.get(name, True), cls.Config) for name, cls in SECTIONS.items()
+        # A section is on unless given False; one whose class says so (rewind) is off
+        # unless given.
+        name: section(name, sections.get(name, getattr(cls, "section_default", True)), cls.Config)
+        for name, cls in SECTIONS.items()
     }
     _fold_old_knobs(configs, old_knobs)
     _set_top_level(configs, "checkpoint", "resume", resume, "auto")

@@ -42,6 +42,7 @@ EXPECTED_ALL = [
     "Preflight",
     "RankFailedError",
     "ResumeError",
+    "Rewind",
     "SignalCheckpointer",
     "Sink",
     "Telemetry",

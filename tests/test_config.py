@@ -51,7 +51,7 @@ def _other_value(field):
         return not default
     if isinstance(default, int) or field.name.endswith("_steps"):
         return 7
-    if field.name in ("data_starvation_fraction", "straggler_min_share", "comm_share"):
+    if field.name in ("data_starvation_fraction", "straggler_min_share", "comm_share", "lr_scale"):
         return 0.25
     return 3.0  # seconds
 

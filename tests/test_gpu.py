@@ -367,6 +367,76 @@ def test_raise_policy_raises_within_two_check_intervals(tmp_path):
     assert 13 <= g.step <= 13 + 2 * 10
 
 
+def _rewind_run(run_dir, bad: range, n_steps: int, *, sync_debug: bool):
+    """A GPT under fused AdamW with rewind on (a snapshot every 25 steps); the batches
+    whose fetch index is in ``bad`` get a NaN gradient (a device op). With
+    ``sync_debug``, the whole loop runs under ``set_sync_debug_mode("error")``."""
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batches = data(device, 4)
+    loop(model, opt, batches)  # lazy optimizer state, allocator
+    knobs = {"snapshot_every_steps": 25, "skip_batches": 2}
+    torch.cuda.set_sync_debug_mode("error" if sync_debug else 0)
+    try:
+        with guardrails.guard(
+            model, opt, batches * 40, run_dir=run_dir, progress=False, rewind=knobs
+        ) as g:
+            for i, (x, y) in enumerate(g):
+                if i == n_steps:
+                    break
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
+                if i in bad:
+                    next(model.parameters()).grad.mul_(float("nan"))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return g, model
+
+
+def test_rewind_snapshots_keep_the_loop_sync_free(tmp_path):
+    """Snapshots every 25 steps (device to pinned memory, non-blocking) on the fused,
+    lagged path: 60 steps under sync debug mode "error" raise nothing."""
+    from guardrails.guards.rewind.snapshot import _drop
+
+    g, model = _rewind_run(tmp_path, range(0), 50, sync_debug=True)
+    rw = next(c for c in g.components if isinstance(c, guardrails.Rewind))
+    assert sorted(s.step for s in rw._slots) == [25, 50]
+    assert all(s.staging.pinned and s.staging.nbytes for s in rw._slots)
+    assert _kinds(tmp_path, "rewind") == []
+    # Taken at the boundary after step 50, the last step: it holds these weights.
+    torch.cuda.synchronize()
+    snap = max(rw._slots, key=lambda s: s.step)
+    held = _drop(snap._layout["model"], snap._copies, fresh=False)
+    for k, v in model.state_dict().items():
+        assert torch.equal(held[k], v.cpu()), k
+
+
+def test_rewind_on_the_lagged_cuda_path_goes_back_before_the_streak(tmp_path):
+    # 12 NaN gradients from fetch 30 (step 31): the flags reach the host up to 20 steps
+    # late; the streak of 10 asks for a rewind, to the snapshot of step 25.
+    g, model = _rewind_run(tmp_path / "a", range(30, 42), 120, sync_debug=False)
+    (e,) = _kinds(tmp_path / "a", "rewind")
+    assert (e["cause"], e["start"], e["to_step"]) == ("nonfinite", 31, 25), e
+    assert 40 <= e["from_step"] <= 40 + 2 * 10
+    assert e["batches_skipped"]["dropped"] == 2
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # The same faults again: the same rewind and, bitwise, the same weights.
+    g2, model2 = _rewind_run(tmp_path / "b", range(30, 42), 120, sync_debug=False)
+    (e2,) = _kinds(tmp_path / "b", "rewind")
+    assert (e2["from_step"], e2["to_step"]) == (e["from_step"], e["to_step"])
+    assert g2.step == g.step
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _kinds(run_dir, kind):
+    return [e for e in read_events(run_dir) if e["kind"] == kind]
+
+
 def test_an_lr_jump_on_cuda_names_the_lr_and_the_sampled_update(tmp_path):
     """The LR set to 1e4 after step 30 (the example's nan_lr): the diagnosis, read
     lagged, names the jump at step 31 and the weights' move measured from the update

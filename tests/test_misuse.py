@@ -167,6 +167,43 @@ MISUSES = [
         TypeError,
         ["root", "int 5", "path"],
     ),
+    # guard(rewind=...): off unless given
+    (
+        "rewind snapshot_every_steps=0",
+        lambda t: _guard(rewind={"snapshot_every_steps": 0}),
+        ValueError,
+        ["snapshot_every_steps", "positive int", "got 0"],
+    ),
+    (
+        "rewind lr_scale=2",
+        lambda t: _guard(rewind={"lr_scale": 2, "lr_warmup_steps": 10}),
+        ValueError,
+        ["lr_scale", "(0, 1]", "got 2"],
+    ),
+    (
+        "rewind lr_scale without lr_warmup_steps",
+        lambda t: _guard(rewind={"lr_scale": 0.1, "lr_warmup_steps": 0}),
+        ValueError,
+        ["lr_scale=0.1", "lr_warmup_steps", "is 0"],
+    ),
+    (
+        "rewind skip_batches=-1",
+        lambda t: _guard(rewind={"skip_batches": -1}),
+        ValueError,
+        ["skip_batches", "int >= 0", "got -1"],
+    ),
+    (
+        "rewind max_rewinds=0",
+        lambda t: _guard(rewind={"max_rewinds": 0}),
+        ValueError,
+        ["max_rewinds", "positive int", "got 0"],
+    ),
+    (
+        "rewind='yes'",
+        lambda t: _guard(rewind="yes"),
+        TypeError,
+        ["guard(rewind=...)", "True", "got str"],
+    ),
     # resume(), read_metrics(), explain(), record()
     ("resume path=5", lambda t: guardrails.resume(5, Regressor()), TypeError, ["path", "int 5"]),
     ("resume model=5", lambda t: guardrails.resume(t, 5), TypeError, ["`model`", "got int"]),

@@ -54,6 +54,7 @@ SCENARIOS = (
     "sigterm_eval",
     "nan_sample",
     "lr_blowup",
+    "nan_run_rewind",
     "ddp_clean",
     "ddp_sigterm",
     "ddp_nan_sample",
@@ -174,9 +175,11 @@ class Bench:
         inject: str | None = None,
         eval_interval: int = 100_000,
         log: str = "",
+        rewind: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One run of train.py (``world`` 1: python; 2: torchrun), its outputs saved to
-        OUT/<log or tag>.*"""
+        OUT/<log or tag>.*; ``rewind``: ``guard(rewind=...)``'s knobs (hooks.patch's
+        ``GR_REWIND``)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("GR_")}
         env.update(
             OMP_NUM_THREADS="1",  # the same kernels in every run; 2 ranks share 2 cores
@@ -188,6 +191,8 @@ class Bench:
         )
         if inject:
             env["GR_INJECT"] = inject
+        if rewind is not None:
+            env["GR_REWIND"] = json.dumps(rewind)
         script = ["-m", "guardrails.run", "train.py"] if guarded else ["train.py"]
         if world == 1:
             launcher = [sys.executable]
@@ -225,7 +230,7 @@ class Bench:
             "name": name,
             "world": world,
             "command": " ".join(
-                [f"{k}={env[k]}" for k in ("GR_INJECT",) if k in env]
+                [f"{k}={env[k]!r}" for k in ("GR_INJECT", "GR_REWIND") if k in env]
                 + [Path(cmd[0]).name, *cmd[1:]]
             ),
             "cwd": str(tree),
@@ -242,6 +247,7 @@ class Bench:
             },
             "nonfinite": [brief(e) for e in events if e["kind"].startswith("nonfinite")],
             "stopped": [brief(e) for e in events if e["kind"] == "stopped"],
+            "rewinds": [e for e in events if e["kind"].startswith("rewind")],
             "resumed": [brief(e) for e in events if e["kind"] == "resumed"],
             "shared_norm": [brief(e) for e in events if e["kind"] == "grad_norm_shared"],
             "kernel_norm": [brief(e) for e in events if e["kind"] == "grad_norm_kernel"],
@@ -606,6 +612,43 @@ def lr_blowup(b: Bench) -> dict:
     fix = next((k for k in run["key_lines"] if k.startswith("fix: ")), "")
     reason += f"; {error[:400]} {fix}" if error else ""
     return {"passed": ok, "reason": reason + contrast(b, base), "runs": [run, base]}
+
+
+def nan_run_rewind(b: Bench) -> dict:
+    """A run of 12 bad batches from iter fault_iter (sample row 3 of each step's first
+    micro-batch NaN) with ``guard(rewind=...)`` on: the streak of 10 skipped steps
+    rewinds every rank to the snapshot before it instead of NonFiniteError, the batches
+    are skipped, and the run finishes (exit 0) with finite weights. Without rewind the
+    same fault ends in NonFiniteError (exit 81), for contrast."""
+    tag, base_tag = "nan_run-rewind", "nan_run-norewind"
+    b.fresh(tag)
+    b.fresh(base_tag)
+    inject = f"nan_run@{b.fault}"
+    knobs = {"snapshot_every_steps": 10, "skip_batches": 8}
+    run = b.run(tag, guarded=True, inject=inject, rewind=knobs)
+    base = b.run(base_tag, guarded=True, inject=inject)
+    rewinds = [e for e in run["rewinds"] if e["kind"] == "rewind"]
+    start = b.fault + 1  # the guard's number of nanoGPT's iter fault_iter
+    reasons = [f"rc {run['rc']}; without rewind rc {base['rc']}"]
+    ok = run["rc"] == 0 and base["rc"] == EXIT_NONFINITE and len(rewinds) == 1
+    if rewinds:
+        e = rewinds[0]
+        ok = ok and e["cause"] == "nonfinite" and e["start"] == start and e["to_step"] < start
+        reasons.append(
+            f"rewind: cause {e['cause']}, start {e['start']}, from step {e['from_step']} to "
+            f"{e['to_step']}, batches {e['batches_skipped']}: {e['message'][:400]}"
+        )
+    else:
+        reasons.append("no rewind event")
+    import torch
+
+    d = b.dump(tag)
+    finite = d is not None and all(bool(torch.isfinite(t).all()) for t in d["model"].values())
+    ok = ok and finite
+    reasons.append("final weights finite" if finite else "final weights missing or NaN")
+    quiet, why = unwarned(run, {"nonfinite", "rewind"})
+    reasons.append(why)
+    return {"passed": ok and quiet, "reason": "; ".join(reasons), "runs": [run, base]}
 
 
 # ---------------------------------------------------------------------- report

@@ -22,6 +22,12 @@ engine calls, in this order::
                                  the same around a step of another optimizer (a GAN's
                                  second one, by its name in guard.optimizers); these
                                  steps belong to the guard's current step
+    on_rewind(guard, from_step)  at a step boundary, right after the model, optimizers,
+                                 schedulers and scaler were set back to an earlier
+                                 state (the rewind guard: a divergence or a streak of
+                                 non-finite steps); guard.step is now that state's
+                                 step, from_step the step the run had reached: forget
+                                 what was observed of the steps after guard.step
     on_end(guard, exc)           once, when the guard closes; exc is the exception
                                  that ended the loop, or None
     on_abort(guard, error)       instead of on_end, when the process is ended from a
@@ -80,6 +86,7 @@ HOOKS = (
     "after_step",
     "before_extra_step",
     "after_extra_step",
+    "on_rewind",
     "on_end",
     "on_abort",
 )
@@ -127,6 +134,10 @@ class Component:
 
     def after_extra_step(self, guard: Guard, name: str) -> None:
         """Another optimizer's step finished."""
+
+    def on_rewind(self, guard: Guard, from_step: int) -> None:
+        """The run was set back from step ``from_step`` to ``guard.step`` (model,
+        optimizers, schedulers, scaler): drop what was observed of the steps after it."""
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         """The guard is closing: flush, close files, restore what was changed."""

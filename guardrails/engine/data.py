@@ -198,6 +198,8 @@ def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
     }
     if guard._epoch_proven and guard._epoch_names:
         position["epoch_names"] = sorted(guard._epoch_names)
+    if guard._drop:  # batches a rewind still drops before the next one trained on
+        position["drop"] = guard._drop
     tensors = {f"epoch_start.{k}": v for k, v in (start or {}).items()}
     for name, g in _generators(loader).items():
         tensors[f"current.{name}"] = g.get_state()
@@ -319,6 +321,7 @@ def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Ten
         if f"current.{name}" in tensors:
             g.set_state(tensors[f"current.{name}"])
     guard.epoch = int(position["epoch"])
+    guard._drop = int(position.get("drop") or 0)
     guard._resume_position = position
     names = position.get("epoch_names") or []
     if names:  # the loop's pass counters in the run this one continues (note_pass)

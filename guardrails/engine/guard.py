@@ -366,6 +366,9 @@ class Guard(StepState):
         # Functions iterator -> iterator applied in order to each pass's iter(loader),
         # added by components at start through wrap_batches(): once per pass.
         self._batch_wrappers: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
+        # Batches still to be fetched and dropped (drop_batches(): a rewind skips past
+        # the batches of a divergence): counted in the data position, never trained on.
+        self._drop = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -781,6 +784,28 @@ class Guard(StepState):
 
             data.load_position(self, position, tensors or {})
 
+    def rewind_to(self, step: int) -> None:
+        """The rewind guard, at a step boundary, once it has set the model, optimizers,
+        schedulers and scaler back to their state after step ``step``: the step count
+        goes back to it (the update count of the weights now held, so a scheduler set
+        back with them agrees), and every component's ``on_rewind`` forgets what it
+        observed of the steps after it. The data is not rewound: the loader goes on
+        from where it is (see :meth:`drop_batches`)."""
+        if not 0 <= step <= self.step:
+            raise ValueError(f"rewind_to({step}) at step {self.step}: a rewind goes back")
+        from_step, self.step = self.step, step
+        self.generator_states = None  # as they are now (the loop's generators go on)
+        if self._clock is not None:  # the next step's device sample, by its new number
+            self._marks = self._clock.arm(step + 1)
+        for fn in self._dispatch["on_rewind"]:
+            fn(self, from_step)
+
+    def drop_batches(self, n: int) -> None:
+        """Components: fetch the loader's next ``n`` batches and drop them (not handed
+        to the loop, not trained on); they count in the data position, so a resumed run
+        drops them too. A drop still pending is saved in checkpoints."""
+        self._drop += int(n)
+
     def fail_from_thread(self, error: BaseException, *, abort_after_s: float = 5.0) -> bool:
         """From a background thread (watchdog, auditor): make the main thread raise
         ``error`` at its next step boundary (next batch or next ``optimizer.step()``).
@@ -875,6 +900,9 @@ class Guard(StepState):
             self._data_wait_s += clock() - t0
             self.batch_in_epoch += 1
             self._n_fetched += 1
+            if self._drop:  # a rewind skips past these (drop_batches)
+                self._drop -= 1
+                continue
             self._fetched.append(batch)
             versions = self._arg_versions
             if versions and not self._copy_inputs:

@@ -39,6 +39,7 @@ SHARED_WRITERS: dict[str, str] = {
     "auditor": "guards.audit.auditor",
     "gc_total_s": "guards.gc",
     "collective_phases": "guards.audit.auditor",
+    "rewind": "guards.rewind.rewind",
 }
 
 
@@ -47,7 +48,9 @@ class StepState:
     ``guard.<field>``. Only the engine writes these (see :data:`ENGINE_MODULES`)."""
 
     def __init__(self) -> None:
-        #: Optimizer steps completed (counted from the checkpoint on a resumed run).
+        #: Optimizer steps completed (counted from the checkpoint on a resumed run): the
+        #: update count of the weights held. A rewind (the rewind guard) sets it back to
+        #: the step of the state it restored, so a step number can repeat in a run.
         self.step = 0
         #: The pass over the loader in progress or next: it counts passes that ran to
         #: the end (or were left mid-way by a ``break``). A resumed run's first pass
@@ -164,3 +167,8 @@ class Shared:
     #: CollectiveAuditor, one set add per call; read by the pace guard, which judges a
     #: straggler on the phases where no rank waits.
     collective_phases: set[str] = field(default_factory=set)
+    #: The running rewind guard (``guards/rewind``), or ``None`` (off: the default).
+    #: Writer: the rewind guard, at start and close. NanGuard asks it for a rewind
+    #: (``request``) instead of raising on a streak of non-finite steps, and on a
+    #: divergence.
+    rewind: Any = None

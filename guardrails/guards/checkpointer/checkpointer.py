@@ -317,6 +317,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._agree_store: Any = None  # guard.side_store("agree") when multi-rank
         self._signal_posted = False  # this rank's signal is in the decisions
         self._token = ""
+        self._rewinds = 0  # rewinds this run (the rewind guard): the agreement's keys
         self._resumed = False
         # What the manifest's "run" records (the config and the optimizer settings as
         # the code built them), taken at start before a resume overwrites them.
@@ -405,6 +406,12 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         if self.signals:
             self._watch_signals(guard)
 
+    @property
+    def run_id(self) -> str:
+        """This run's id, in every checkpoint it saves (a resumed run keeps the id of
+        the run it continues): which checkpoints under :attr:`root` are this run's."""
+        return str(self._run.get("id", ""))
+
     def _last_checkpoint(self) -> str:
         if self.last_path is not None:
             return f"the last checkpoint is {self.last_path}"
@@ -484,6 +491,23 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
             if guard.step >= self._next_check:
                 self._agree(guard, at=str(self._next_check))
 
+    def _key(self, at: int | str) -> str:
+        """The store key of the decision at check ``at``: after a rewind (the rewind
+        guard, at the same step on every rank) step numbers repeat, so the checks of
+        each stretch between rewinds have keys of their own."""
+        return f"at/{at}" if not self._rewinds or at == "end" else f"at/r{self._rewinds}/{at}"
+
+    def on_rewind(self, guard: Guard, from_step: int) -> None:
+        """The run is back at an earlier step on every rank: the next check is the next
+        step (not the one scheduled for a step number it would take ``from_step -
+        guard.step`` steps more to reach again: a signal must not wait for it), under
+        keys of their own (step numbers repeat), and a signal already posted under the
+        old keys is posted again."""
+        self._rewinds += 1
+        self._next_check = guard.step + 1
+        self._check_t, self._check_step = time.monotonic(), guard.step
+        self._signal_posted = False
+
     def _claim_stop(self, guard: Guard) -> None:
         """This rank got a signal: write "stop" as the decision of the first check no
         rank has decided yet (the next one, unless a faster rank is already past it),
@@ -493,7 +517,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         with guard.in_phase("agree"):
             at = self._next_check
             while True:
-                decided = bytes(store.compare_set(f"at/{at}", "", mine)).decode().split()
+                decided = bytes(store.compare_set(self._key(at), "", mine)).decode().split()
                 if int(decided[0]):  # a stop is decided there (ours, or a peer's)
                     break
                 at += int(decided[2])
@@ -514,7 +538,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         due = self.every_s is not None and now - self._last_save_t >= self.every_s
         mine = f"{self._signal or 0} {int(due)} {steps}"
         with guard.in_phase("agree"):
-            decided = self._agree_store.compare_set(f"at/{at}", "", mine)
+            decided = self._agree_store.compare_set(self._key(at), "", mine)
         signum, due_any, steps = map(int, bytes(decided).decode().split())
         if signum and self._stop_at is None:
             self._stop_at, self._stop_signal = guard.step, signum

@@ -111,6 +111,16 @@ class Divergence:
         }
         return self.current
 
+    def forget_after(self, step: int) -> None:
+        """A rewind set the run back to ``step``: the losses of later steps are of a
+        trajectory left behind, and the divergence they showed is over (armed again)."""
+        rows = [r for r in self.rows if r[0] <= step]
+        self.rows.clear()
+        self.losses.clear()
+        self.rows.extend(rows)
+        self.losses.extend(r[1] for r in rows)
+        self.current = None
+
     def state_dict(self) -> dict[str, Any]:
         return {"rows": [list(r) for r in self.rows], "current": self.current}
 

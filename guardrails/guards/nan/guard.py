@@ -679,7 +679,8 @@ class NanGuard(Component):
         lrs, self._lrs = self._lrs, []
         self._collect(self._reader.start([c for _, _, c in lrs], lrs))  # type: ignore[union-attr]
 
-    def _collect(self, copy: Copy | None) -> None:
+    def _collect(self, copy: Copy | None, *, upto: int | None = None) -> None:
+        """Judge the rows of ``copy`` (``upto``: only those of steps up to it)."""
         if copy is None:
             return
         # Issued one interval ago: long finished, so read() does not wait in practice.
@@ -687,6 +688,8 @@ class NanGuard(Component):
         rank_norms = self._rank_norms
         skips, foreign = self._skips, self._foreign
         for (step, lr, _), (loss_v, norm_v, flag) in zip(lrs, rows.tolist(), strict=True):
+            if upto is not None and step > upto:
+                continue
             if flag > 1.5:  # SCALER_SKIP
                 self._scaler_skip(step, self._scales.pop(step, math.nan))
                 continue
@@ -723,6 +726,20 @@ class NanGuard(Component):
         if self.policy == "raise" or (
             self.policy == "skip" and len(self._streak) >= self.max_consecutive_skips
         ):
+            if self.policy == "skip" and self._ask_rewind(
+                "nonfinite",
+                self._streak[0],
+                {
+                    "skipped": len(self._streak),
+                    "steps": [self._streak[0], self._streak[-1]],
+                    "diagnosis": diag.get("cause"),
+                    "detail": f"diagnosed as {diag.get('cause')}" if diag.get("cause") else "",
+                },
+                # Every rank's flag is the same at the same step (see the module
+                # docstring): every rank asks here, at this step.
+                everywhere=True,
+            ):
+                return  # the rewind guard sets the run back at the next boundary
             raise self._error(diag)
 
     def _judge(self) -> None:
@@ -865,6 +882,40 @@ class NanGuard(Component):
             self._streak = []
             self._streak_diag = None
 
+    def _ask_rewind(
+        self, cause: str, start: int, numbers: dict[str, Any], *, everywhere: bool
+    ) -> bool:
+        """Ask the rewind guard (``guard(rewind=...)``, off by default) to set the run
+        back to before step ``start``: whether it will (else: today's behaviour)."""
+        rewind = self._guard.shared.rewind
+        return rewind is not None and rewind.request(cause, start, numbers, everywhere=everywhere)
+
+    def on_rewind(self, guard: Guard, from_step: int) -> None:
+        """The run is back at ``guard.step``: what was seen of the steps after it (the
+        streak, the rows not judged or not read yet, the divergence's window, the update
+        samples) is of a trajectory left behind. The rows of kept steps still in flight
+        (lagged path) are read now (one wait, at the rewind only)."""
+        step = guard.step
+        self._streak = []
+        self._streak_diag = None
+        for streak in self._extra_streaks.values():
+            streak.clear()
+        self._unjudged = [r for r in self._unjudged if r[0] <= step]
+        kept = [r for r in self.history if r[0] <= step]
+        self.history.clear()
+        self.history.extend(kept)
+        self._recent.clear()
+        self._rank_norms.clear()
+        self._scales.clear()
+        self._foreign = {s for s in self._foreign if s <= step}
+        if self._divergence is not None:
+            self._divergence.forget_after(step)
+        if self._updates is not None:
+            self._updates.forget_after(step)
+        if self._lagged and self._reader is not None:
+            self._lrs = [r for r in self._lrs if r[0] <= step]
+            self._collect(self._reader.take(), upto=step)
+
     def _divergence_event(self, found: dict[str, Any]) -> None:
         """A loss that jumped and stays up, every value finite (``divergence.py``)."""
         self.divergences.append(found)
@@ -894,6 +945,18 @@ class NanGuard(Component):
                 "changed at that step, a higher loss is expected: raise divergence_factor."
             ),
             **found,
+        )
+        self._ask_rewind(
+            "divergence",
+            found["step"],
+            {
+                **found,
+                "detail": f"the median of the last {found['steps']} losses "
+                f"{found['value']:.4g}, {found['value'] / found['median']:.1f}x the median "
+                f"{found['median']:.4g} before",
+            },
+            # Each rank judges its own loss: one may see it alone (agreed first).
+            everywhere=self._guard.world_size == 1,
         )
 
     def _spike_event(

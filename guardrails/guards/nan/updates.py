@@ -159,6 +159,15 @@ class UpdateSampler:
             return None
         return self._snap_steps[i], weights_step, d / w if math.isfinite(d) else math.inf
 
+    def forget_after(self, step: int) -> None:
+        """A rewind set the weights back to those of ``step``: the samples and weight
+        snapshots of later steps are of a trajectory left behind."""
+        self._read_ready(wait=True)
+        kept = [x for x in self.samples if x[0] <= step]
+        self.samples.clear()
+        self.samples.extend(kept)
+        self._snap_steps = [s if s <= step else -1 for s in self._snap_steps]
+
     def state_dict(self) -> list[list[float]]:
         return [[s, r] for s, r in self.samples]
 
