@@ -17,8 +17,10 @@ hold the arguments ``{rank}``, ``{world}`` and ``{port}``, or be a function of t
 deadline every process group still running is SIGKILLed (a DataLoader worker or a
 torchrun child with it) and the test fails, naming the ranks and their last output.
 
-``spawn`` is the in-process form (``torch.multiprocessing`` with the spawn method) for a
-module-level function; ``torchrun`` runs one command under ``torch.distributed.run``.
+``spawn`` is the in-process form (``torch.multiprocessing``) for a module-level
+function: its ranks are forked from a fork server that imported torch once, each with
+the caller's environment, as a spawned process; ``torchrun`` runs one command under
+``torch.distributed.run``.
 Nothing is mocked: real processes, real gloo, real signals.
 
 Every deadline here, and every wait of the tests on a process (``subprocess.run``'s
@@ -356,19 +358,62 @@ def wait_all(jobs: dict[str, Job], timeout_s: float, *, fail: bool = True) -> No
         _fail(f"still running after {waited} (killed): {late}\n{tails}")
 
 
+#: Imported once into the fork server that ``spawn``'s ranks are forked from: what every
+#: rank would import first anyway (torch, and torch._dynamo, which torch imports at a
+#: process's first optimizer). Together about 2.4 s of CPU per process on CI's cores,
+#: most of a small rank's cost: paid once per pytest worker instead of once per rank.
+SPAWN_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel")
+
+
+def _spawned_rank(rank: int, fn, env: dict, cwd: str, path: list, logs: str, *args) -> None:
+    """A rank forked from the fork server, made what a spawned one would be: this
+    test's environment, working directory and ``sys.path`` (the server kept those of its
+    start), its output in ``logs`` (the server's stdout is no test's), then
+    ``fn(rank, *args)``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+    fd = os.open(os.path.join(logs, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for std in (1, 2):
+        os.dup2(fd, std)
+    os.close(fd)
+    fn(rank, *args)
+
+
 def spawn(fn, args: tuple, nprocs: int = 2, deadline_s: float = 120.0) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` fresh processes (torch.multiprocessing, spawn),
-    with a deadline (``patience(deadline_s)``, read again each second, only growing): a
-    hang fails the test instead of blocking the suite, and an exception in a rank fails
-    it with that rank's traceback."""
+    """``fn(rank, *args)`` in ``nprocs`` fresh processes (torch.multiprocessing), with a
+    deadline (``patience(deadline_s)``, read again each second, only growing): a hang
+    fails the test instead of blocking the suite, and an exception in a rank fails it
+    with that rank's traceback. Each rank is forked from a fork server that has imported
+    torch once (``SPAWN_PRELOAD``), with this process's environment, working directory
+    and ``sys.path`` at the call, as a spawned process gets them; what the ranks print
+    is printed here afterwards (on stderr, so pytest shows it with a failure)."""
+    import tempfile
+
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    start, limit = time.monotonic(), patience(deadline_s)
-    while not ctx.join(timeout=1.0):
-        limit = max(limit, patience(deadline_s))
-        if time.monotonic() - start > limit:
-            for p in ctx.processes:
-                p.kill()
-            waited = f"{limit:.0f} s ({deadline_s:.0f} s, stretched by patience())"
-            _fail(f"ranks still running after {waited}: a hang")
+    mp.get_context("forkserver").set_forkserver_preload(list(SPAWN_PRELOAD))
+    with tempfile.TemporaryDirectory(prefix="spawn-") as logs:
+        env, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+        ctx = mp.start_processes(
+            _spawned_rank,
+            args=(fn, env, cwd, path, logs, *args),
+            nprocs=nprocs,
+            join=False,
+            start_method="forkserver",
+        )
+        try:
+            start, limit = time.monotonic(), patience(deadline_s)
+            while not ctx.join(timeout=1.0):
+                limit = max(limit, patience(deadline_s))
+                if time.monotonic() - start > limit:
+                    for p in ctx.processes:
+                        p.kill()
+                    waited = f"{limit:.0f} s ({deadline_s:.0f} s, stretched by patience())"
+                    _fail(f"ranks still running after {waited}: a hang")
+        finally:
+            for r in range(nprocs):
+                text = _read(Path(logs, f"rank{r}.out"))
+                if text:
+                    sys.stderr.write(f"--- spawned rank {r} ---\n{text}")
