@@ -116,6 +116,26 @@ def test_window_medians_shrug_off_an_evaluation_pause():
     assert w.step_s == pytest.approx(0.010) and w.phases["other"] == pytest.approx(0.001)
 
 
+def test_a_starved_gpus_spans_are_not_read_as_a_slow_device():
+    """Two ranks of a launch-bound step (2x H200, a 4-layer GPT, measured): rank 1's
+    host is 13% slower, so its GPU waits for the host and its CUDA-event spans are host
+    time (forward 3.36 ms), while rank 0's host runs ahead and its spans are kernels
+    alone (0.72 ms). Each phase is the larger of host and device time: no 4.7x."""
+    host = {0: (0.0090, 0.0, 0.0030, 0.0045, 0.0010), 1: (0.0095, 0.0, 0.0034, 0.0045, 0.0010)}
+    device = {0: (0.00072, 0.0088, 0.00016), 1: (0.00336, 0.0050, 0.00102)}
+    w = {r: summarize(r, 60, [host[r]] * 30, [device[r]] * 3) for r in (0, 1)}
+    assert all(x.device for x in w.values())
+    assert w[0].phases["forward"] == pytest.approx(0.0030)  # the host's, the larger
+    assert w[1].phases["forward"] == pytest.approx(0.0034)
+    assert w[0].phases["backward"] == pytest.approx(0.0088)  # the device's, the larger
+    knobs = {"factor": 1.5, "min_share": 0.15}  # Pace's defaults
+    assert judge.straggling(w[1], [w[0]], frozenset({"backward"}), **knobs) is None
+    # A GPU slowed by someone else's kernels still shows (forward 16 ms on the device).
+    slow = summarize(1, 90, [host[1]] * 30, [(0.016, 0.040, 0.0017)] * 3)
+    found = judge.straggling(slow, [w[0]], frozenset({"backward"}), **knobs)
+    assert found is not None and found.phase == "forward"
+
+
 # ---------------------------------------------------------------------- real jobs
 
 #: scenario -> (ranks, steps)

@@ -24,9 +24,10 @@ once per job (the first rank to claim it in the store), at most
 :data:`MAX_STRAGGLER_REPORTS` straggler reports per job.
 
 On a GPU the host's phases are launch times (the host waits for the device only where
-something syncs): there the forward, backward and optimizer of a window are the
-device's own, from the CUDA events the engine records on one step in ten
-(``engine/anatomy.py``; ``guard.device_phases``), and the data wait stays the host's.
+something syncs): there the forward, backward and optimizer of a window are also timed
+on the device, from the CUDA events the engine records on one step in ten
+(``engine/anatomy.py``; ``guard.device_phases``), each phase the larger of the two
+(a starved GPU's spans are the host's time), and the data wait stays the host's.
 """
 
 from __future__ import annotations
@@ -357,8 +358,9 @@ def summarize(
 ) -> judge.Window:
     """The window of ``rows`` (step, data, forward, backward, optimizer seconds per
     step) ending at ``step``: each phase's median, ``other`` the rest of the step. With
-    enough ``device`` samples (forward, backward, optimizer seconds on the GPU), those
-    three phases are the device's, and ``other`` what the step has beyond them."""
+    enough ``device`` samples (forward, backward, optimizer seconds on the GPU), each
+    of those three phases is the larger of its device and host time, and ``other``
+    what the step has beyond them."""
     a = np.asarray(rows, dtype=np.float64)
     step_s, data, fwd, bwd, opt = a.T
     # A step with no observed forward has no backward either: its time is the rest.
@@ -379,7 +381,15 @@ def summarize(
     if on_device:
         d = np.asarray(device, dtype=np.float64)
         for name, col in zip(("forward", "backward", "optimizer"), d.T, strict=True):
-            phases[name] = med(col)
+            # A span between two CUDA events also holds the time the GPU waited for
+            # the host to enqueue the phase. On a launch-bound step the rank with the
+            # slower host has a starved GPU, and its spans are host time, while a rank
+            # whose host runs ahead measures kernels alone: 2x H200, a 4-layer GPT,
+            # forward 3.4 ms against 0.7 ms where the hosts took 3.4 and 3.0 ms. The
+            # larger of the two is what the step spends in the phase on either rank.
+            host = phases[name]
+            device_s = med(col)
+            phases[name] = device_s if math.isnan(host) else max(device_s, host)
         rest = med(step_s) - phases["data"] - phases["forward"] - phases["backward"]
         phases["other"] = max(0.0, rest - phases["optimizer"])
     return judge.Window(rank, step - len(rows) + 1, step, med(step_s), phases, on_device)
