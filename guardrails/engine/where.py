@@ -1,6 +1,8 @@
 """Where a thread is: the main thread's stack, its innermost frame in the user's code, the
 position it advertises. Read by the watchdog (a hang's stacks) and the checkpointer (a
-signal stuck behind a collective is reported the way a hang is).
+signal stuck behind a collective is reported the way a hang is). Also how guardrails
+reads a frame's variables without keeping them alive (``frame_locals``) and whether
+its caller is ``torch.compile``'d code (``under_compiled_code``).
 """
 
 from __future__ import annotations
