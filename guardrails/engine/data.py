@@ -144,6 +144,8 @@ def note_pass(guard: Guard, frame: Any) -> None:
         epoch = guard.epoch  # the resumed pass (load_position set it)
     else:
         epoch = guard.epoch + (1 if guard.batch_in_epoch else 0)  # as _batches counts it
+    if guard._loop_site is None:
+        guard._loop_site = (frame.f_code.co_filename, frame.f_lineno)
     try:
         ints = {k: v for k, v in where.frame_locals(frame).items() if type(v) is int}
     except Exception:  # an exotic frame: nothing to learn from it
@@ -152,6 +154,7 @@ def note_pass(guard: Guard, frame: Any) -> None:
         carried, guard._epoch_check = guard._epoch_check, None
         restarted = sorted(n for n in carried if n in ints and ints[n] != epoch)
         if restarted:
+            guard._epoch_told = True
             name = restarted[0]
             off = epoch - ints[name]
             more = f"{off} pass(es) more" if off > 0 else f"{-off} pass(es) fewer"
