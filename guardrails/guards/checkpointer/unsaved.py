@@ -1,6 +1,7 @@
 """What the loop keeps that no checkpoint saves, told at the run's first step: an LR
 scheduler, a ``torch.Generator``, an EMA of the model not passed to ``guard()``, and an
-epoch loop that counts from 0. Part of :class:`SignalCheckpointer`.
+epoch loop that counts from 0 (``data.warn_epoch_loop_from_zero``). Part of
+:class:`SignalCheckpointer`.
 
 At the first step, not the first save: without periodic saves the first save is the
 SIGTERM's, the one the warning was there to make right. One scan of the calling stack's
@@ -9,9 +10,7 @@ variables, once a run (rank 0).
 
 from __future__ import annotations
 
-import ast
 import gc
-import linecache
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -166,67 +165,6 @@ def _is_ema(module: nn.Module) -> bool:
     return isinstance(module, torch.optim.swa_utils.AveragedModel)
 
 
-# ------------------------------------------------------------------ the epoch loop
-
-
-def _epoch_loop(filename: str, lineno: int) -> tuple[str, int] | None:
-    """``(its for clause, line)`` of the epoch loop around the ``for batch in g`` at ``lineno``
-    of ``filename`` when it counts from 0 (``for epoch in range(n)``, ``range(0, n)``):
-    a resumed run makes its passes again. ``None`` when the source cannot be read, the
-    nearest enclosing loop is a ``while`` (or none, or the guard is built inside it),
-    the range starts elsewhere (``range(g.epoch, n)``) or reads an ``.epoch``
-    (``range(n - g.epoch)``), or the loop tests an ``.epoch`` itself
-    (``if g.epoch >= n: break``)."""
-    source = "".join(linecache.getlines(filename))
-    if not source:
-        return None
-    try:
-        tree = ast.parse(source, filename)
-    except (SyntaxError, ValueError):
-        return None
-    parents: dict[int, ast.AST] = {}
-    target = None
-    for node in ast.walk(tree):
-        for child in ast.iter_child_nodes(node):
-            parents[id(child)] = node
-        if isinstance(node, ast.For) and node.lineno <= lineno <= (node.iter.end_lineno or 0):
-            target = node
-    node = target
-    while node is not None:
-        node = parents.get(id(node))
-        if node is None or isinstance(
-            node,
-            ast.While | ast.With | ast.AsyncWith | ast.FunctionDef | ast.AsyncFunctionDef,
-        ):
-            return None
-        if isinstance(node, ast.For) and _counts_from_zero(node):
-            return f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}", node.lineno
-        if isinstance(node, ast.For) and _is_range(node.iter):
-            return None  # a range that starts elsewhere: counts from the guard's epoch
-    return None
-
-
-def _is_range(it: ast.expr) -> bool:
-    return isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
-
-
-def _reads_epoch(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Attribute) and n.attr == "epoch" for n in ast.walk(node))
-
-
-def _counts_from_zero(loop: ast.For) -> bool:
-    it = loop.iter
-    if not isinstance(it, ast.Call) or not _is_range(it) or _reads_epoch(it):
-        return False
-    if len(it.args) >= 2 and not (isinstance(it.args[0], ast.Constant) and it.args[0].value == 0):
-        return False
-    # A loop that stops or skips on the guard's epoch itself counts right.
-    return not any(
-        isinstance(n, ast.If | ast.While | ast.IfExp) and _reads_epoch(n.test)
-        for n in ast.walk(loop)
-    )
-
-
 # ------------------------------------------------------------------ the checks
 
 
@@ -264,7 +202,7 @@ class Unsaved:
         self._schedulers(guard, frame)
         self._unsaved_generators(guard, frame)
         self._emas(guard, frame)
-        self._epoch_loop(guard)
+        _data.warn_epoch_loop_from_zero(guard)
 
     def _schedulers(self, guard: Guard, frame: Any) -> None:
         """An LR scheduler of a guarded optimizer that was not passed to
@@ -357,31 +295,4 @@ class Unsaved:
             "run would restart the average from the model's weights and end with other "
             f"EMA weights. Pass it beside the model: guard([model, {extra}], ...).",
             modules=[name for name, _, _ in named],
-        )
-
-    def _epoch_loop(self, guard: Guard) -> None:
-        """The loop's epoch loop around ``for batch in g`` counts from 0
-        (``for epoch in range(n_epochs)``): a resumed run would make the passes it had
-        made again. Read from the loop's source once (where ``iter(g)`` was called:
-        ``data.note_pass``); not when this run already said it at its resumed pass
-        (``epoch_loop_restarted``)."""
-        site = guard._loop_site
-        if site is None or guard._epoch_told:
-            return
-        filename, lineno = site
-        found = _epoch_loop(filename, lineno)
-        if found is None:
-            return
-        clause, line = found
-        name = clause.split(" in ", 1)[0].removeprefix("for ")
-        guard.event(
-            "epoch_loop_from_zero",
-            level="warning",
-            message=f"your epoch loop `{clause}:` ({Path(filename).name}:{line}) counts "
-            "from 0: a run resumed in epoch k would make all its passes again after the "
-            "resumed one, more than the run asks for (other final weights). Count from "
-            f"the guard's epoch: `for {name} in range(g.epoch, n_epochs):` (or `while "
-            "g.epoch < n_epochs: for batch in g:`).",
-            variable=name,
-            line=line,
         )
