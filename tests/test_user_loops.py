@@ -102,6 +102,21 @@ def test_ema_passed_with_the_model_resumes_bitwise_without_a_warning(tmp_path):
         assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
 
 
+@pytest.mark.slow(reason="a guarded run in a subprocess, stopped by SIGTERM")
+def test_ema_kept_but_not_passed_is_named_at_step_1_before_the_sigterms_save(tmp_path):
+    # No periodic saves: the SIGTERM's save is the first, and it leaves the EMA out.
+    stopped = _run(tmp_path / "r", tmp_path / "r.pt", "--ema", "kept", "--sigterm-at", 3)
+    assert stopped.returncode == SIGTERM_EXIT, stopped.stderr
+    events = read_events(tmp_path / "r")
+    (warned,) = [e for e in events if e["kind"] == "ema_not_saved"]
+    assert warned["step"] == 1 and warned["modules"] == ["ema"]
+    assert "`ema` (AveragedModel, user_loop_worker.py, main())" in warned["message"]
+    assert "guard([model, ema], ...)" in warned["message"]
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("ema_not_saved") < kinds.index("checkpoint")
+    assert "ema_not_saved" in stopped.stderr
+
+
 def test_ema_parameters_are_not_the_steps_gradients(tmp_path):
     # The step's grad norm is over the trained parameters only: a loop that clips
     # model.parameters() shares its norm with the guard, EMA or not.

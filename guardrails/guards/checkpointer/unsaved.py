@@ -11,6 +11,7 @@ variables, once a run (rank 0).
 from __future__ import annotations
 
 import gc
+import logging
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,8 @@ from guardrails.engine import model, where
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
+
+log = logging.getLogger("guardrails.checkpoint")
 
 
 def _user_spaces(frame: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
@@ -113,9 +116,11 @@ def _sample(module: nn.Module) -> Tensor | None:
     params = list(module.parameters())
     if not params:
         return None
+    # A sharded copy's (DTensor) own shard: a global view would be a collective, and
+    # this runs on rank 0 alone.
+    local = [getattr(p, "_local_tensor", p) for p in (params[0], params[-1])]
     with torch.no_grad():
-        picked = [p.detach().reshape(-1)[:8].float() for p in (params[0], params[-1])]
-        return torch.cat(picked).cpu().clone()
+        return torch.cat([p.detach().reshape(-1)[:8].float().cpu() for p in local])
 
 
 def _module_values(frame: Any) -> Iterator[tuple[str, str, nn.Module]]:
@@ -185,10 +190,12 @@ class Unsaved:
         if guard.rank != 0:
             return
         frame = sys._getframe(1)
-        self._generators = {
-            i: (gen, gen.get_state()) for i, (gen, _, _) in stack_generators(guard, frame).items()
-        }
-        self._copies = {i: _sample(m) for i, (m, _, _) in _copies(guard, frame).items()}
+        try:
+            found = stack_generators(guard, frame)
+            self._generators = {i: (gen, gen.get_state()) for i, (gen, _, _) in found.items()}
+            self._copies = {i: _sample(m) for i, (m, _, _) in _copies(guard, frame).items()}
+        except Exception as e:  # a diagnosis: an exotic object must not stop the start
+            log.debug("guardrails: the loop's state not read at start: %r", e)
 
     def at_step(self, guard: Guard) -> None:
         """At the run's first step boundary (or its first save, if that comes first):
@@ -199,10 +206,15 @@ class Unsaved:
         if guard.rank != 0:
             return
         frame = sys._getframe(1)
-        self._schedulers(guard, frame)
-        self._unsaved_generators(guard, frame)
-        self._emas(guard, frame)
-        _data.warn_epoch_loop_from_zero(guard)
+        for check in (self._schedulers, self._unsaved_generators, self._emas):
+            try:
+                check(guard, frame)
+            except Exception as e:  # a diagnosis: an exotic object must not stop training
+                log.debug("guardrails: %s failed: %r", check.__name__, e)
+        try:
+            _data.warn_epoch_loop_from_zero(guard)
+        except Exception as e:
+            log.debug("guardrails: the epoch loop's check failed: %r", e)
 
     def _schedulers(self, guard: Guard, frame: Any) -> None:
         """An LR scheduler of a guarded optimizer that was not passed to
