@@ -5,8 +5,9 @@
 
 The text (examples/data/shakespeare.txt, ~370 KB: Macbeth, The Tempest and Hamlet from
 Project Gutenberg, public domain) is split into fixed 64-character windows; the model
-is ~0.8M parameters (4 layers, 128 wide). The default 500 steps take under a minute on
-2 CPU cores and take the loss from ~4.2 (uniform over 65 characters) to ~1.9.
+is ~0.8M parameters (4 layers, 128 wide). The default 500 steps take 90 s on 2 AMD EPYC
+cores (131 CPU-s; longer on a loaded machine) and take the loss from ~4.2 (uniform over
+65 characters) to ~1.9.
 
 The only guardrails lines are the `with guardrails.guard(...)`, iterating `g` instead
 of the loader and clipping through `g.clip_grad_norm_` (so clipping and NaN detection

@@ -84,8 +84,10 @@ def test_scaler_skipped_steps_are_skipped_rows_and_info_events(tmp_path):
     assert [e["step"] for e in skips] == list(OVERFLOW_AT)
     assert all(e["level"] == "info" and e["cause"] == "fp16_overflow" for e in skips)
     assert "GradScaler skipped" in skips[0]["message"] and "lowers its scale" in skips[0]["message"]
-    # The scaler's normal calibration is not a fault: no warning of any kind.
-    assert [e for e in events if e["level"] != "info"] == []
+    # The scaler's normal calibration is not a fault: no warning of any kind, but the
+    # host's own: bf16_on_cpu, on a CPU without native bf16 (an AMD EPYC without
+    # avx512_bf16), is about the autocast, right there, and silent elsewhere.
+    assert [e for e in events if e["level"] != "info" and e["kind"] != "bf16_on_cpu"] == []
 
 
 def test_a_scaler_that_skips_every_step_is_an_error(tmp_path):

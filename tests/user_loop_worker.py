@@ -5,7 +5,7 @@ dumps its final state so a stopped-and-resumed run can be compared bitwise with 
 was never interrupted.
 
     python tests/user_loop_worker.py RUN_DIR OUT [--loop range|g_epoch|generator]
-        [--ema none|passed] [--generators none|passed] [--epochs N] [--steps N]
+        [--ema none|passed|kept] [--generators none|passed] [--epochs N] [--steps N]
         [--sigterm-at STEP] [--every N]
 
 --loop range      ``for epoch in range(N): for x, y in g:`` (counts from 0 on resume)
@@ -14,6 +14,7 @@ was never interrupted.
                   loop's own ``torch.Generator``
 --ema passed      an ``AveragedModel`` of the model, updated each step, passed as
                   ``guard([model, ema], ...)``
+--ema kept        the same, kept by the loop but not passed
 --generators passed  the loop's generator passed as ``guard(..., generators=...)``
 """
 
@@ -39,7 +40,7 @@ def main() -> None:
     p.add_argument("run_dir")
     p.add_argument("out")
     p.add_argument("--loop", default="g_epoch", choices=["range", "g_epoch", "generator"])
-    p.add_argument("--ema", default="none", choices=["none", "passed"])
+    p.add_argument("--ema", default="none", choices=["none", "passed", "kept"])
     p.add_argument("--generators", default="none", choices=["none", "passed"])
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
@@ -57,7 +58,8 @@ def main() -> None:
         ema = torch.optim.swa_utils.AveragedModel(
             model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
         )
-        models = [model, ema]
+        if args.ema == "passed":
+            models = [model, ema]
     gen = torch.Generator().manual_seed(3)  # the loop's own batches (--loop generator)
     loader = None
     if args.loop != "generator":

@@ -31,8 +31,10 @@ on resume, from the state after that draw, would give another batch.
 
 from __future__ import annotations
 
+import ast
 import copy
 import itertools
+import linecache
 import logging
 import time
 from pathlib import Path
@@ -144,6 +146,8 @@ def note_pass(guard: Guard, frame: Any) -> None:
         epoch = guard.epoch  # the resumed pass (load_position set it)
     else:
         epoch = guard.epoch + (1 if guard.batch_in_epoch else 0)  # as _batches counts it
+    if guard._loop_site is None:
+        guard._loop_site = (frame.f_code.co_filename, frame.f_lineno)
     try:
         ints = {k: v for k, v in where.frame_locals(frame).items() if type(v) is int}
     except Exception:  # an exotic frame: nothing to learn from it
@@ -152,6 +156,7 @@ def note_pass(guard: Guard, frame: Any) -> None:
         carried, guard._epoch_check = guard._epoch_check, None
         restarted = sorted(n for n in carried if n in ints and ints[n] != epoch)
         if restarted:
+            guard._epoch_told = True
             name = restarted[0]
             off = epoch - ints[name]
             more = f"{off} pass(es) more" if off > 0 else f"{-off} pass(es) fewer"
@@ -173,6 +178,111 @@ def note_pass(guard: Guard, frame: Any) -> None:
     guard._epoch_names = same if guard._epoch_names is None else guard._epoch_names & same
     # Pass 0 alone proves nothing (every int that is 0 equals it).
     guard._epoch_proven = guard._epoch_proven or epoch >= 1
+
+
+def warn_epoch_loop_from_zero(guard: Guard) -> None:
+    """At the run's first step (the checkpointer's ``unsaved``): the loop's epoch loop
+    around ``for batch in g`` counts from 0 (``for epoch in range(n_epochs)``), so a
+    resumed run would make the passes it had made again. Read once from the loop's
+    source, where ``iter(g)`` was called (``note_pass``); not when this run already said
+    it at its resumed pass (``epoch_loop_restarted``, which says how many passes more)."""
+    site = guard._loop_site
+    if site is None or guard._epoch_told:
+        return
+    filename, lineno = site
+    found = _epoch_loop(filename, lineno)
+    if found is None:
+        return
+    clause, line = found
+    name = clause.split(" in ", 1)[0].removeprefix("for ")
+    guard.event(
+        "epoch_loop_from_zero",
+        level="warning",
+        message=f"your epoch loop `{clause}:` ({Path(filename).name}:{line}) counts from "
+        "0: a run resumed in epoch k would make all its passes again after the resumed "
+        "one, more than the run asks for (other final weights). Count from the guard's "
+        f"epoch: `for {name} in range(g.epoch, n_epochs):` (or `while g.epoch < "
+        "n_epochs: for batch in g:`).",
+        variable=name,
+        line=line,
+    )
+
+
+def _epoch_loop(filename: str, lineno: int) -> tuple[str, int] | None:
+    """``(its for clause, line)`` of the epoch loop around the ``for batch in g`` at
+    ``lineno`` of ``filename`` when it counts from 0 (``for epoch in range(n)``,
+    ``range(0, n)``): a resumed run makes its passes again. ``None`` when the source
+    cannot be read, the nearest enclosing loop is a ``while`` (or none, or the guard is
+    built inside it), or the range counts from the guard's epoch (:func:`_counts_from_zero`).
+    One parse of the file, once a run."""
+    source = "".join(linecache.getlines(filename))
+    if not source:
+        return None
+    try:
+        tree = ast.parse(source, filename)
+    except (SyntaxError, ValueError):
+        return None
+    parents: dict[int, ast.AST] = {}
+    target = None
+    for node in ast.walk(tree):  # outer nodes first: the last match is the innermost
+        for child in ast.iter_child_nodes(node):
+            parents[id(child)] = node
+        if isinstance(node, ast.For) and node.lineno <= lineno <= (node.iter.end_lineno or 0):
+            target = node
+    scopes = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
+    node = parents.get(id(target)) if target is not None else None
+    while node is not None and not isinstance(node, scopes | ast.While | ast.With | ast.AsyncWith):
+        if isinstance(node, ast.For) and _is_range(node.iter):
+            scope = node
+            while scope is not None and not isinstance(scope, scopes | ast.Module):
+                scope = parents.get(id(scope))
+            if not _counts_from_zero(node, scope or tree):
+                return None  # a range that counts from the guard's epoch
+            return f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}", node.lineno
+        node = parents.get(id(node))
+    return None
+
+
+def _is_range(it: ast.expr) -> bool:
+    return isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
+
+
+def _reads_epoch(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "epoch" for n in ast.walk(node))
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _counts_from_zero(loop: ast.For, scope: ast.AST) -> bool:
+    """Whether ``loop`` (``for ... in range(...)``) counts its passes from 0 on every
+    run. Not when: the range starts elsewhere (``range(g.epoch, n)``, ``range(start,
+    n)``), reads an ``.epoch`` (``range(n - g.epoch)``) or a variable its function
+    assigns from one (``left = n - g.epoch``), or the loop tests an ``.epoch`` or skips
+    on its own counter (``if g.epoch >= n: break``, ``if epoch < start: continue``)."""
+    it = loop.iter
+    if not isinstance(it, ast.Call) or _reads_epoch(it):
+        return False
+    if len(it.args) >= 2 and not (isinstance(it.args[0], ast.Constant) and it.args[0].value == 0):
+        return False
+    read = _names(it)
+    for n in ast.walk(scope):
+        if isinstance(n, ast.Assign | ast.AugAssign | ast.AnnAssign) and n.value is not None:
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if read & set().union(*map(_names, targets)) and _reads_epoch(n.value):
+                return False
+    counter = _names(loop.target)
+    for n in ast.walk(loop):
+        if isinstance(n, ast.If | ast.While | ast.IfExp) and _reads_epoch(n.test):
+            return False
+        if (
+            isinstance(n, ast.If)
+            and counter & _names(n.test)
+            and any(isinstance(b, ast.Continue | ast.Break) for b in n.body)
+        ):
+            return False
+    return True
 
 
 def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:

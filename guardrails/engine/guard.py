@@ -257,6 +257,10 @@ class Guard(StepState):
         self._epoch_names: set[str] | None = None
         self._epoch_proven = False
         self._epoch_check: set[str] | None = None
+        # Where the loop iterates the guard (file, line) and whether its epoch loop was
+        # told at a resumed pass: the first step reads the loop's source (unsaved.py).
+        self._loop_site: tuple[str, int] | None = None
+        self._epoch_told = False
         self._at_boundary = False
         # Batches fetched since the last training forward (the next step's, in a loop
         # that prefetches).

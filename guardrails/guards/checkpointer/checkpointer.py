@@ -95,7 +95,8 @@ from guardrails.engine.component import Component
 from guardrails.engine.config import configure
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
-from guardrails.guards.checkpointer.writer import CheckpointWriter, stack_generator_states
+from guardrails.guards.checkpointer.unsaved import Unsaved
+from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util.checks import config_dict, path_like, positive_int
 
 log = logging.getLogger("guardrails.checkpoint")
@@ -304,10 +305,9 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._adopt_unlabelled = False
         self._last_save_t = 0.0
         self._warned_grace = False
-        self._schedulers_checked = False  # LR schedulers left out of guard(): once a run
-        # Generators on the stack at start, with their states: the first save names
-        # those the loop drew from that no checkpoint saves (writer.stack_generators).
-        self._generators_at_start: dict[int, tuple[Any, Any]] = {}
+        # What the loop keeps that no checkpoint saves (a scheduler, a generator, an
+        # EMA, an epoch loop from 0): told at the first step.
+        self._unsaved = Unsaved()
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self._writing: tuple[int, stage.Part] | None = None  # (step, its part)
@@ -360,7 +360,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 if stage.per_rank(opt) is not opt or not agree
             }
         self._contents = commit.contents_of(guard.optimizers, guard.schedulers, self._per_rank)
-        self._generators_at_start = stack_generator_states(guard)
+        self._unsaved.on_start(guard)
         self._run = commit.run_record(self.run_config, guard.optimizers)
         self._token = self._agree_token(guard)
         # This run's id, in every checkpoint it saves (rank 0's is the one written); a
@@ -547,6 +547,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._next_check = guard.step + steps
 
     def on_boundary(self, guard: Guard) -> None:
+        if not self._unsaved.checked:
+            self._unsaved.at_step(guard)
         if self._agree_store is None and self._signal is not None and self._stop_at is None:
             self._stop_at, self._stop_signal = guard.step, self._signal  # alone: stop now
         if self._writer_error is not None:

@@ -5,21 +5,14 @@ background writer thread, the multi-rank commit, and what a failed save costs.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import shutil
-import sys
 import threading
 import time
-import warnings
-from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
-from torch import Tensor
 
 from guardrails._errors import CheckpointError, GuardrailsError
 from guardrails.checkpoint import commit, digest, sharded, stage
@@ -27,7 +20,7 @@ from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.manifest import highest_seq
 from guardrails.distributed import store as _store
 from guardrails.engine import data as _data
-from guardrails.engine import model, where
+from guardrails.engine import model
 from guardrails.util import files as _perms
 from guardrails.util import storage
 
@@ -75,108 +68,6 @@ def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
     return e
 
 
-def stack_generators(guard: Guard) -> dict[int, tuple[torch.Generator, str, str]]:
-    """The ``torch.Generator``s in variables of the user's code on the calling stack
-    (each frame's locals and its module's globals) that no checkpoint saves: not passed
-    as ``guard(generators=...)``, not the loader's or sampler's, not torch's default
-    ones. By ``id``: ``(generator, variable, "file, function()")``."""
-    saved = {id(g) for g in guard.generators.values()}
-    saved |= {id(g) for g in _data.loader_generators(guard.loader).values()}
-    saved.add(id(torch.default_generator))
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        saved |= {id(g) for g in torch.cuda.default_generators}
-    found: dict[int, tuple[torch.Generator, str, str]] = {}
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if where.is_user_file(code.co_filename):
-            site = f"{Path(code.co_filename).name}, {code.co_name}()"
-            for space in (where.frame_locals(frame), frame.f_globals):
-                for name, value in list(space.items()):
-                    if isinstance(value, torch.Generator) and id(value) not in saved:
-                        found.setdefault(id(value), (value, name, site))
-        frame = frame.f_back
-    return found
-
-
-def stack_generator_states(guard: Guard) -> dict[int, tuple[torch.Generator, Tensor]]:
-    """At start (rank 0): the unsaved generators on the stack and their states, so the
-    first save can tell which ones the loop draws from (see ``_warn_unsaved_generators``)."""
-    if guard.rank != 0:
-        return {}
-    return {i: (gen, gen.get_state()) for i, (gen, _, _) in stack_generators(guard).items()}
-
-
-def _warn_unsaved_generators(
-    guard: Guard, at_start: Mapping[int, tuple[torch.Generator, Tensor]]
-) -> None:
-    """At the run's first save: a ``torch.Generator`` of the loop's own that no
-    checkpoint saves and that was drawn from since the guard started is named in a
-    warning with the fix: a resumed run would draw other batches or noise from it.
-    Only those that were in a variable of the user's code on the stack when the guard
-    started (``at_start``) and still are: one used only to build the data before the
-    guard (its state unchanged) is not named, nor one made later (whether the loop
-    draws from it cannot be told). Once a run; a scan of the stack's variables."""
-    if guard.rank != 0 or not at_start:
-        return
-    unsaved = [
-        (name, site)
-        for i, (gen, name, site) in stack_generators(guard).items()
-        if i in at_start and not torch.equal(at_start[i][1], gen.get_state())
-    ]
-    if not unsaved:
-        return
-    names = ", ".join(f"`{name}` ({site})" for name, site in unsaved)
-    fix = ", ".join(f'"{name}": {name}' for name, _ in unsaved)
-    guard.event(
-        "generator_not_saved",
-        level="warning",
-        message=f"the loop draws from torch.Generator {names}, which checkpoints leave "
-        "out: a resumed run would draw other batches (or noise) from it than the run it "
-        f"continues. Pass it to be saved and set back at resume: guard(..., "
-        f"generators={{{fix}}}).",
-        generators=[name for name, _ in unsaved],
-    )
-
-
-def _find_schedulers(optimizers: Mapping[int, Any]) -> list[Any]:
-    """The live LR schedulers whose optimizer's ``id`` is in ``optimizers``: first among
-    the variables of the calling frames and their globals, and the attributes of those
-    (``self.scheduler`` of a trainer: 0.35 ms here); else among every object the
-    garbage collector tracks (one ``gc.get_objects()`` pass: 63 ms for 0.3M objects;
-    it does not see those the GC scheduler froze, hence the frames first)."""
-    from torch.optim.lr_scheduler import LRScheduler
-
-    found: dict[int, Any] = {}
-
-    def consider(obj: Any) -> None:
-        if isinstance(obj, LRScheduler) and id(getattr(obj, "optimizer", None)) in optimizers:
-            found.setdefault(id(obj), obj)
-
-    spaces: dict[int, Mapping[str, Any]] = {}
-    frame = sys._getframe(1)
-    while frame is not None:
-        spaces.setdefault(id(frame.f_globals), frame.f_globals)
-        spaces[id(frame)] = where.frame_locals(frame)
-        frame = frame.f_back
-    # isinstance reads __class__, which some objects turn into a deprecation warning
-    # (torch.distributed's reduce_op): not the user's to see. Set once: per object, it
-    # made the pass over 0.3M objects 7x slower (66 -> 482 ms).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for space in spaces.values():
-            for value in list(space.values()):
-                consider(value)
-                attrs = getattr(value, "__dict__", None)
-                if isinstance(attrs, dict) and not isinstance(value, type):
-                    for attr in list(attrs.values()):
-                        consider(attr)
-        if not found:
-            for obj in gc.get_objects():
-                consider(obj)
-    return list(found.values())
-
-
 class CheckpointWriter:
     """Part of :class:`SignalCheckpointer`: see its docstring."""
 
@@ -218,10 +109,7 @@ class CheckpointWriter:
 
     def _save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
         step = guard.step
-        if not self._schedulers_checked:
-            self._schedulers_checked = True
-            self._warn_unsaved_schedulers(guard)
-            _warn_unsaved_generators(guard, self._generators_at_start)
+        self._unsaved.at_step(guard)  # said at the first step; a save before it: here
         if final_save:
             try:
                 # What can make the stop's save fail before it writes a byte, checked
@@ -336,43 +224,6 @@ class CheckpointWriter:
         names = stage.param_names(bare) if per_rank and not is_sharded else None
         stage.stage_rank(
             guard.rank, state=state, tensors=tensors, optimizers=per_rank, part=part, names=names
-        )
-
-    def _warn_unsaved_schedulers(self, guard: Guard) -> None:
-        """At the run's first save: an LR scheduler of a guarded optimizer that was not
-        passed to ``guard(scheduler=...)`` is not in the checkpoint, so a resume would
-        restart its schedule (another LR from the resumed step on): a warning naming it
-        and the fix. torch's schedulers mark the ``optimizer.step`` they wrap
-        (``_wrapped_by_lr_sched``, kept by the guard's own wrapper), so a run without
-        one costs an attribute read per optimizer; only for a marked optimizer that no
-        passed scheduler drives is the scheduler looked for (:func:`_find_schedulers`),
-        and one that is found nowhere (built, then dropped) is not warned about."""
-        if guard.rank != 0:
-            return
-        passed = {id(getattr(s, "optimizer", None)) for s in guard.schedulers.values()}
-        marked = {
-            id(opt): name
-            for name, opt in guard.optimizers.items()
-            if getattr(opt.step, "_wrapped_by_lr_sched", False) and id(opt) not in passed
-        }
-        if not marked:
-            return
-        found = [(marked[id(s.optimizer)], type(s).__name__) for s in _find_schedulers(marked)]
-        if not found:  # the scheduler is gone (a warmup built and dropped): nothing to keep
-            log.debug("guardrails: an LR scheduler wrapped %s, and is gone", list(marked.values()))
-            return
-        lone = len(guard.optimizers) == 1
-        what = ", ".join(
-            f"a {cls}" + ("" if lone else f" on optimizer {name!r}") for name, cls in found
-        )
-        guard.event(
-            "scheduler_not_saved",
-            level="warning",
-            message=f"{what} drives the learning rate but was not passed to guard(), so "
-            "checkpoints leave it out: a resumed run would restart its schedule and train "
-            "with another learning rate from the resumed step on. Pass it: "
-            "guard(..., scheduler=sched) (several: a list or a dict by name).",
-            schedulers=[cls for _, cls in found],
         )
 
     def _tell_ranks(self, guard: Guard, step: int, error: BaseException) -> None:
