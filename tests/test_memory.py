@@ -17,6 +17,7 @@ from conftest import Regressor, batches, read_events, train_loop
 
 import guardrails
 from guardrails import GCScheduler, Guard, MemoryGuard
+from guardrails.guards.memory import starvation
 
 FAKE_CUDA_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
@@ -415,8 +416,9 @@ def test_a_slow_loader_is_reported_once_with_numbers_and_remedies(tmp_path):
     assert e["level"] == "warning" and e["step"] == 11 and e["window_steps"] == [2, 11]
     assert e["share"] > 0.5 and e["mean_wait_s"] >= 0.004
     assert e["mean_step_s"] >= e["mean_wait_s"]
-    assert "num_workers" in e["message"] and "pin_memory" in e["message"]
-    assert "training waits" in e["message"]  # on a CPU: no accelerator to idle
+    assert "num_workers" in e["message"] and "training waits" in e["message"]
+    # On a CPU: no accelerator to idle, no copy to one that pinned memory would speed up.
+    assert "pin_memory" not in e["message"] and not e["shared_cores"]
     assert memory.starvation is not None and memory.starvation["share"] == e["share"]
 
 
@@ -444,6 +446,40 @@ def test_a_dataloader_without_workers_is_told_so(tmp_path):
     [e] = events(tmp_path, "data_starvation")
     assert e["loader"]["num_workers"] == 0
     assert e["remedies"][0].startswith("num_workers=0 loads every batch in the training process")
+
+
+def test_workers_sharing_every_core_with_a_cpu_step_are_advice_not_a_warning(tmp_path):
+    """A CPU run whose loader workers and compute threads take every core: more workers
+    cannot help (they take the training's own CPU), so the wait is an info event naming
+    the cores, with the advice that fits (num_workers=0), not a warning."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(starvation.usable_cores())  # every core computing: any host
+    try:
+        loader = torch.utils.data.DataLoader(SlowDataset(23), batch_size=None, num_workers=1)
+        memory = starvation_run(tmp_path, loader)
+    finally:
+        torch.set_num_threads(threads)
+    [e] = events(tmp_path, "data_starvation")
+    assert e["level"] == "info" and e["shared_cores"] and memory.starvation is not None
+    assert f"share this machine's {starvation.usable_cores()} cores" in e["message"]
+    assert e["remedies"][0].startswith("num_workers=0 when the per-sample work is light")
+    assert not any("more workers" in r or "pin_memory" in r for r in e["remedies"])
+
+
+def test_starvation_remedies_fit_the_device_and_the_cores():
+    two = {"num_workers": 2, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}
+    # Spare cores: a starved loader's fault, with the loader's fixes (pinning on a GPU).
+    assert not starvation.shares_cores(two, "cpu", cores=16, threads=4)
+    gpu = starvation.starvation_remedies(two, "cuda", cores=16, threads=4)
+    assert gpu[0].startswith("more workers than num_workers=2 (this machine has 16 cores)")
+    assert any(r.startswith("pin_memory=True") for r in gpu)
+    cpu = starvation.starvation_remedies(two, "cpu", cores=16, threads=4)
+    assert cpu[0].startswith("more workers") and not any("pin_memory" in r for r in cpu)
+    # Every core taken by the workers and the step's threads: on a CPU, not on a GPU.
+    assert starvation.shares_cores(two, "cpu", cores=2, threads=1)
+    assert not starvation.shares_cores(two, "cuda", cores=2, threads=1)
+    assert not starvation.shares_cores({**two, "num_workers": 0}, "cpu", cores=2, threads=1)
+    assert not starvation.shares_cores(None, "cpu", cores=1, threads=1)
 
 
 def test_a_fast_loader_is_not_reported(tmp_path):
