@@ -67,6 +67,9 @@ def test_planted_leak_of_losses_with_graphs_is_named(tmp_path, scheduler):
     assert "test_planted_leak_of_losses_with_graphs_is_named" in leak["held_by"]
     assert "losses.append(loss)" in leak["message"]
     assert "loss.detach()" in leak["fix"] and "loss.item()" in leak["fix"]
+    # How a run whose growth is meant tells it apart, and the knob that turns it off.
+    assert "mem_peak_bytes in metrics.parquet level off" in leak["message"]
+    assert "memory={'leak_check_every_n_steps': None}" in leak["message"]
     # Checks at 5, 10, 15, 20 (growing at each), a census at 20 and one at 25: reported
     # once, at 25, and never again.
     assert leak["step"] == 25 and leak["window_steps"] == [5, 25]
@@ -417,6 +420,7 @@ def test_a_slow_loader_is_reported_once_with_numbers_and_remedies(tmp_path):
     assert e["share"] > 0.5 and e["mean_wait_s"] >= 0.004
     assert e["mean_step_s"] >= e["mean_wait_s"]
     assert "num_workers" in e["message"] and "training waits" in e["message"]
+    assert "the bar is guard(..., memory={'data_starvation_fraction': 0.3})" in e["message"]
     # On a CPU: no accelerator to idle, no copy to one that pinned memory would speed up.
     assert "pin_memory" not in e["message"] and not e["shared_cores"]
     assert memory.starvation is not None and memory.starvation["share"] == e["share"]

@@ -97,6 +97,8 @@ class StarvationMeter:
                 + ("GPU idles" if device == "cuda" else "training waits")
                 + " that long each step. Remedies: "
                 + "; ".join(remedies)
+                + ". A wait that passes (a cache warming up) needs nothing; the bar is "
+                f"guard(..., memory={{'data_starvation_fraction': {self.fraction:g}}})."
             )
         guard.event(
             "data_starvation", level="info" if shared else "warning", message=message, **fields
