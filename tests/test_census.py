@@ -33,6 +33,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -53,8 +54,10 @@ STEPS = 600
 class Census:
     """A loop's run_dir, and what it logged and warned while it ran."""
 
-    def __init__(self, run_dir: Path, records: list[logging.LogRecord], caught: list) -> None:
-        self.run_dir, self._records, self._caught = run_dir, records, caught
+    def __init__(
+        self, run_dir: Path, records: list[logging.LogRecord], caught: list, capfd: Any
+    ) -> None:
+        self.run_dir, self._records, self._caught, self._capfd = run_dir, records, caught, capfd
 
     def assert_silent(self) -> None:
         """The run trained its :data:`STEPS` steps (on every rank) with no warning
@@ -71,16 +74,18 @@ class Census:
         mine = f"{os.sep}guardrails{os.sep}"
         py = [str(w.message) for w in self._caught if mine in w.filename]
         assert not py, py
+        err = self._capfd.readouterr().err  # what reached stderr itself (a tqdm.write)
+        assert "[rank " not in err and "guardrails" not in err, err
         ends = [e for e in events if e["kind"] == "end"]
         assert ends and {e["step"] for e in ends} == {STEPS}, ends
 
 
 @pytest.fixture
-def census(tmp_path, caplog):
+def census(tmp_path, caplog, capfd):
     caplog.set_level(logging.INFO, logger="guardrails")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        yield Census(tmp_path / "run", caplog.records, caught)
+        yield Census(tmp_path / "run", caplog.records, caught, capfd)
 
 
 # ------------------------------------------------------------------ 1. vision, BatchNorm
@@ -210,6 +215,7 @@ def lm_loop(run_dir: Path) -> None:
             opt.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow(reason="1,200 micro-batches of a transformer")
 def test_lm_with_warmup_accumulation_and_clipping(census):
     lm_loop(census.run_dir)
     census.assert_silent()
@@ -693,4 +699,49 @@ def compiled_loop(run_dir: Path) -> None:
 @pytest.mark.slow(reason="torch.compile's first compilation")
 def test_torch_compile_aot_eager(census):
     compiled_loop(census.run_dir)
+    census.assert_silent()
+
+
+# ------------------------------- 15. a sequence-length warm-up under an AMP-style scaler
+
+
+def seq_warmup_scaler_loop(run_dir: Path) -> None:
+    """The LM again, its context grown from 4 to 16 tokens over the first 200 steps
+    (shorter sequences, lower loss per token early: the loss moves with the length),
+    written for mixed precision: a GradScaler passed to the guard, unscale_ before
+    clipping, scaler.step."""
+    torch.manual_seed(0)
+    vocab, ctx, batch, grow = 16, 16, 8, 200
+    gen = torch.Generator().manual_seed(1)
+
+    def get_batch(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = torch.randint(0, vocab, (batch, 1), generator=gen)
+        stride = torch.randint(1, 4, (batch, 1), generator=gen)
+        seq = (start + stride * torch.arange(length + 1)) % vocab
+        return seq[:, :-1], seq[:, 1:]
+
+    model = TinyGPT(vocab, ctx=ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    length = {"now": 4}
+    batches = iter(lambda: get_batch(length["now"]), None)
+    with guardrails.guard(
+        model, opt, batches, scaler=scaler, generators={"gen": gen}, run_dir=run_dir
+    ) as g:
+        it = iter(g)
+        for step in range(g.step, STEPS):
+            length["now"] = min(ctx, 4 + (ctx - 4) * step // grow)
+            x, y = next(it)
+            _, loss = model(x, y)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow(reason="600 steps through a GradScaler's unscale and step")
+def test_sequence_length_warmup_with_a_grad_scaler(census):
+    seq_warmup_scaler_loop(census.run_dir)
     census.assert_silent()
