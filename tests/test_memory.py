@@ -18,6 +18,7 @@ from conftest import Regressor, batches, read_events, train_loop
 import guardrails
 from guardrails import GCScheduler, Guard, MemoryGuard
 from guardrails.guards.memory import starvation
+from guardrails.util.probes import usable_cpus
 
 FAKE_CUDA_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
@@ -457,7 +458,7 @@ def test_workers_sharing_every_core_with_a_cpu_step_are_advice_not_a_warning(tmp
     cannot help (they take the training's own CPU), so the wait is an info event naming
     the cores, with the advice that fits (num_workers=0), not a warning."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(starvation.usable_cores())  # every core computing: any host
+    torch.set_num_threads(usable_cpus())  # every core computing: any host
     try:
         loader = torch.utils.data.DataLoader(SlowDataset(23), batch_size=None, num_workers=1)
         memory = starvation_run(tmp_path, loader)
@@ -465,7 +466,7 @@ def test_workers_sharing_every_core_with_a_cpu_step_are_advice_not_a_warning(tmp
         torch.set_num_threads(threads)
     [e] = events(tmp_path, "data_starvation")
     assert e["level"] == "info" and e["shared_cores"] and memory.starvation is not None
-    assert f"share this machine's {starvation.usable_cores()} cores" in e["message"]
+    assert f"share this machine's {usable_cpus()} cores" in e["message"]
     assert e["remedies"][0].startswith("num_workers=0 when the per-sample work is light")
     assert not any("more workers" in r or "pin_memory" in r for r in e["remedies"])
 

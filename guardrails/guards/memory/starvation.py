@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from guardrails.util.probes import usable_cpus
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -67,7 +68,7 @@ class StarvationMeter:
             "loader": settings,
         }
         device = guard.device.type
-        cores, threads = usable_cores(), torch.get_num_threads()
+        cores, threads = usable_cpus(), torch.get_num_threads()
         # A CPU run whose workers and compute threads already cover every core: the
         # workers' time is the training's own CPU, so more of them cannot help, and a
         # light batch's transfer between processes (each tensor handed over by its
@@ -104,14 +105,6 @@ class StarvationMeter:
             "data_starvation", level="info" if shared else "warning", message=message, **fields
         )
         return fields
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a container's or taskset's
-    share), else the machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def shares_cores(
