@@ -423,7 +423,7 @@ def test_a_slow_loader_is_reported_once_with_numbers_and_remedies(tmp_path):
     assert "num_workers" in e["message"] and "training waits" in e["message"]
     assert "the bar is guard(..., memory={'data_starvation_fraction': 0.3})" in e["message"]
     # On a CPU: no accelerator to idle, no copy to one that pinned memory would speed up.
-    assert "pin_memory" not in e["message"] and not e["shared_cores"]
+    assert "pin_memory" not in e["message"]
     assert memory.starvation is not None and memory.starvation["share"] == e["share"]
 
 
@@ -455,8 +455,9 @@ def test_a_dataloader_without_workers_is_told_so(tmp_path):
 
 def test_workers_sharing_every_core_with_a_cpu_step_are_advice_not_a_warning(tmp_path):
     """A CPU run whose loader workers and compute threads take every core: more workers
-    cannot help (they take the training's own CPU), so the wait is an info event naming
-    the cores, with the advice that fits (num_workers=0), not a warning."""
+    cannot help (they take the training's own CPU), so the wait is a
+    ``loader_shared_cores`` info event naming the cores, with the advice that fits
+    (num_workers=0), not a data_starvation warning."""
     threads = torch.get_num_threads()
     torch.set_num_threads(usable_cpus())  # every core computing: any host
     try:
@@ -464,8 +465,9 @@ def test_workers_sharing_every_core_with_a_cpu_step_are_advice_not_a_warning(tmp
         memory = starvation_run(tmp_path, loader)
     finally:
         torch.set_num_threads(threads)
-    [e] = events(tmp_path, "data_starvation")
-    assert e["level"] == "info" and e["shared_cores"] and memory.starvation is not None
+    assert events(tmp_path, "data_starvation") == [] and memory.starvation is None
+    [e] = events(tmp_path, "loader_shared_cores")
+    assert e["level"] == "info" and e["share"] > 0.3 and e["cores"] == usable_cpus()
     assert f"share this machine's {usable_cpus()} cores" in e["message"]
     assert e["remedies"][0].startswith("num_workers=0 when the per-sample work is light")
     assert not any("more workers" in r or "pin_memory" in r for r in e["remedies"])

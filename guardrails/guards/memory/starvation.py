@@ -42,7 +42,7 @@ class StarvationMeter:
     def end_window(self, guard: Guard, step: int) -> dict[str, Any] | None:
         """Judge the window that ends at ``step``. Returns the ``data_starvation``
         event's fields when it is reported (the event is written here; once per run),
-        else None."""
+        else None (also after a ``loader_shared_cores`` info event, once per run)."""
         window = self.window_steps
         assert window is not None
         first, n = self._window_start + 1, step - self._window_start
@@ -74,9 +74,8 @@ class StarvationMeter:
         # light batch's transfer between processes (each tensor handed over by its
         # worker, which must be scheduled) is most of the wait. Measured, a 2-core
         # machine, 2 workers, a 4.6 ms CPU step: 1.9 ms in next() where loading in the
-        # training process took 0.4 ms. Advice, not a fault: an info event.
+        # training process took 0.4 ms. Advice, not a fault: an info event of its own.
         shared = shares_cores(settings, device, cores, threads)
-        fields["shared_cores"] = shared
         remedies = starvation_remedies(settings, device, cores, threads)
         fields["remedies"] = remedies
         waited = (
@@ -86,23 +85,26 @@ class StarvationMeter:
         )
         if shared:
             assert settings is not None
-            message = (
-                f"loader on shared cores: {waited}. Its {settings['num_workers']} worker "
-                f"process(es) and the training's {threads} thread(s) share this machine's "
-                f"{cores} cores, so more workers would not make the step faster. To try: "
-                + "; ".join(remedies)
+            guard.event(
+                "loader_shared_cores",
+                message=f"{waited}: its {settings['num_workers']} worker process(es) and "
+                f"the training's {threads} thread(s) share this machine's {cores} cores, so "
+                "more workers would not make the step faster. To try: " + "; ".join(remedies),
+                cores=cores,
+                threads=threads,
+                **fields,
             )
-        else:
-            message = (
-                f"data starvation: {waited}, so the "
-                + ("GPU idles" if device == "cuda" else "training waits")
-                + " that long each step. Remedies: "
-                + "; ".join(remedies)
-                + ". A wait that passes (a cache warming up) needs nothing; the bar is "
-                f"guard(..., memory={{'data_starvation_fraction': {self.fraction:g}}})."
-            )
+            return None
         guard.event(
-            "data_starvation", level="info" if shared else "warning", message=message, **fields
+            "data_starvation",
+            level="warning",
+            message=f"data starvation: {waited}, so the "
+            + ("GPU idles" if device == "cuda" else "training waits")
+            + " that long each step. Remedies: "
+            + "; ".join(remedies)
+            + ". A wait that passes (a cache warming up) needs nothing; the bar is "
+            f"guard(..., memory={{'data_starvation_fraction': {self.fraction:g}}}).",
+            **fields,
         )
         return fields
 
