@@ -821,6 +821,26 @@ def test_warnings_count_every_warning_the_run_logged(tmp_path, capsys):
     assert "  NaN/Inf      step 7 rank 0: cause bad_data" in out
 
 
+def test_a_cpu_loader_on_shared_cores_is_advice_not_a_warning(tmp_path, capsys):
+    """The loader's wait on a CPU run whose workers already take every core is told with
+    the fast-path advice (an info event), and the run's warnings stay none."""
+    events = [
+        START,
+        {
+            "step": 101,
+            "kind": "loader_shared_cores",
+            "level": "info",
+            "message": "over steps 2-101 this rank waited for the loader 40% of the step",
+        },
+        {"step": 200, "kind": "end", "error": None},
+    ]
+    write_run(tmp_path / "run", events, range(1, 201))
+    out = report_of(tmp_path / "run", capsys)
+    assert "  warnings     none\n" in out, out
+    assert "  fast path    DataLoader workers on every core of a CPU run" in out, out
+    assert "other events" not in out
+
+
 def test_durations_are_written_as_people_write_them(tmp_path, capsys):
     from guardrails.cli.report import _dur
 

@@ -128,6 +128,9 @@ def test_pauses_land_in_metrics_and_long_ones_in_events(tmp_path):
         ("scheduled", "warning"),
         ("scheduled", "warning"),
     ]
+    # The remedy in the user's terms: the knob as guard() takes it, with a value.
+    assert "guard(..., gc={'every_n_steps': 1}) (now 3)" in long[1]["message"]
+    assert "gc={'long_pause_s': ...}" in long[1]["message"]
 
 
 def test_an_unscheduled_collection_is_named_as_such(tmp_path):

@@ -17,6 +17,8 @@ from conftest import Regressor, batches, read_events, train_loop
 
 import guardrails
 from guardrails import GCScheduler, Guard, MemoryGuard
+from guardrails.guards.memory import starvation
+from guardrails.util.probes import usable_cpus
 
 FAKE_CUDA_OOM = (
     "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
@@ -66,6 +68,9 @@ def test_planted_leak_of_losses_with_graphs_is_named(tmp_path, scheduler):
     assert "test_planted_leak_of_losses_with_graphs_is_named" in leak["held_by"]
     assert "losses.append(loss)" in leak["message"]
     assert "loss.detach()" in leak["fix"] and "loss.item()" in leak["fix"]
+    # How a run whose growth is meant tells it apart, and the knob that turns it off.
+    assert "mem_peak_bytes in metrics.parquet level off" in leak["message"]
+    assert "memory={'leak_check_every_n_steps': None}" in leak["message"]
     # Checks at 5, 10, 15, 20 (growing at each), a census at 20 and one at 25: reported
     # once, at 25, and never again.
     assert leak["step"] == 25 and leak["window_steps"] == [5, 25]
@@ -415,8 +420,10 @@ def test_a_slow_loader_is_reported_once_with_numbers_and_remedies(tmp_path):
     assert e["level"] == "warning" and e["step"] == 11 and e["window_steps"] == [2, 11]
     assert e["share"] > 0.5 and e["mean_wait_s"] >= 0.004
     assert e["mean_step_s"] >= e["mean_wait_s"]
-    assert "num_workers" in e["message"] and "pin_memory" in e["message"]
-    assert "training waits" in e["message"]  # on a CPU: no accelerator to idle
+    assert "num_workers" in e["message"] and "training waits" in e["message"]
+    assert "the bar is guard(..., memory={'data_starvation_fraction': 0.3})" in e["message"]
+    # On a CPU: no accelerator to idle, no copy to one that pinned memory would speed up.
+    assert "pin_memory" not in e["message"]
     assert memory.starvation is not None and memory.starvation["share"] == e["share"]
 
 
@@ -444,6 +451,42 @@ def test_a_dataloader_without_workers_is_told_so(tmp_path):
     [e] = events(tmp_path, "data_starvation")
     assert e["loader"]["num_workers"] == 0
     assert e["remedies"][0].startswith("num_workers=0 loads every batch in the training process")
+
+
+def test_workers_sharing_every_core_with_a_cpu_step_are_advice_not_a_warning(tmp_path):
+    """A CPU run whose loader workers and compute threads take every core: more workers
+    cannot help (they take the training's own CPU), so the wait is a
+    ``loader_shared_cores`` info event naming the cores, with the advice that fits
+    (num_workers=0), not a data_starvation warning."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cpus())  # every core computing: any host
+    try:
+        loader = torch.utils.data.DataLoader(SlowDataset(23), batch_size=None, num_workers=1)
+        memory = starvation_run(tmp_path, loader)
+    finally:
+        torch.set_num_threads(threads)
+    assert events(tmp_path, "data_starvation") == [] and memory.starvation is None
+    [e] = events(tmp_path, "loader_shared_cores")
+    assert e["level"] == "info" and e["share"] > 0.3 and e["cores"] == usable_cpus()
+    assert f"share this machine's {usable_cpus()} cores" in e["message"]
+    assert e["remedies"][0].startswith("num_workers=0 when the per-sample work is light")
+    assert not any("more workers" in r or "pin_memory" in r for r in e["remedies"])
+
+
+def test_starvation_remedies_fit_the_device_and_the_cores():
+    two = {"num_workers": 2, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": True}
+    # Spare cores: a starved loader's fault, with the loader's fixes (pinning on a GPU).
+    assert not starvation.shares_cores(two, "cpu", cores=16, threads=4)
+    gpu = starvation.starvation_remedies(two, "cuda", cores=16, threads=4)
+    assert gpu[0].startswith("more workers than num_workers=2 (this machine has 16 cores)")
+    assert any(r.startswith("pin_memory=True") for r in gpu)
+    cpu = starvation.starvation_remedies(two, "cpu", cores=16, threads=4)
+    assert cpu[0].startswith("more workers") and not any("pin_memory" in r for r in cpu)
+    # Every core taken by the workers and the step's threads: on a CPU, not on a GPU.
+    assert starvation.shares_cores(two, "cpu", cores=2, threads=1)
+    assert not starvation.shares_cores(two, "cuda", cores=2, threads=1)
+    assert not starvation.shares_cores({**two, "num_workers": 0}, "cpu", cores=2, threads=1)
+    assert not starvation.shares_cores(None, "cpu", cores=1, threads=1)
 
 
 def test_a_fast_loader_is_not_reported(tmp_path):

@@ -24,11 +24,12 @@ for debugging GPU jobs (set ``NCCL_DEBUG``) is given only where torch sees a GPU
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+
+from guardrails.util.probes import usable_cpus
 
 
 def flag(level: str, name: str, message: str) -> dict[str, str]:
@@ -114,9 +115,7 @@ class EnvView:
 
     @cached_property
     def cpus(self) -> int | None:
-        if hasattr(os, "sched_getaffinity"):
-            return len(os.sched_getaffinity(0))
-        return os.cpu_count()
+        return usable_cpus()
 
     @property
     def omp_fit(self) -> int:

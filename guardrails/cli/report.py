@@ -75,6 +75,7 @@ _ADVICE = {
     "optimizer_not_fused": "optimizer not fused",
     "loader_no_workers": "DataLoader without workers",
     "loader_not_pinned": "DataLoader without pinned memory",
+    "loader_shared_cores": "DataLoader workers on every core of a CPU run",
 }
 #: Warning-level kinds told in lines of their own (NaN/Inf, spikes, the end), not
 #: under "warnings".

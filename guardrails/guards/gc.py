@@ -215,14 +215,20 @@ class GCScheduler(Component):
                     "a scheduled full collection this long means many objects created "
                     "after the first step are alive (each full collection scans them) or "
                     "much cyclic garbage outlives the young collections; build long-lived "
-                    "objects before the first step (they are frozen then), or raise "
-                    "full_every_n_steps"
+                    "objects before the first step (they are frozen then), or collect "
+                    "fully less often: guard(..., gc={'full_every_n_steps': "
+                    f"{2 * (self.full_every_n_steps or 1000)}}}). One such pause every "
+                    f"{self.full_every_n_steps} steps is a small share of a run whose "
+                    "steps are long: then raise gc={'long_pause_s': ...} to quiet this"
                 )
             elif why == "scheduled":
                 level = "warning"
                 advice = (
                     "a scheduled young collection this long means much short-lived cyclic "
-                    "garbage per step; collect more often (smaller every_n_steps)"
+                    "garbage per step; collect more often: guard(..., gc={'every_n_steps': "
+                    f"{max(1, self.every_n_steps // 4)}}}) (now {self.every_n_steps}), or "
+                    "raise gc={'long_pause_s': ...} where a pause this long is a small "
+                    "share of the steps between collections"
                 )
             else:
                 level = "warning"

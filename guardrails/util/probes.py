@@ -260,13 +260,21 @@ def cmdline(pid: int) -> str | None:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip() or None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or taskset's
+    share), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def cpu_info() -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {
         "model": platform.processor() or platform.machine(),
         "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "usable_cpus": usable_cpus(),
         "torch_threads": torch.get_num_threads(),
         "capability": None,
         "avx512_bf16": None,

@@ -166,7 +166,16 @@ class LeakDetector:
             del fresh, sample
         self._samples = []
         message, hint = leak_message(fields)
-        guard.event("leak", level="warning", message=f"{message} Fix: {hint}", fix=hint, **fields)
+        # How a run whose growth is meant (a cache filling to its bound) tells it apart,
+        # and the knob, so a healthy run's user is not left to turn the whole guard off.
+        meant = (
+            " Growth that stops by itself (a cache filling up to its bound) is not a "
+            "leak: watch mem_peak_bytes in metrics.parquet level off, or turn the "
+            "check off with guard(..., memory={'leak_check_every_n_steps': None})."
+        )
+        guard.event(
+            "leak", level="warning", message=f"{message} Fix: {hint}{meant}", fix=hint, **fields
+        )
         return fields
 
 
