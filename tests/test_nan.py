@@ -499,6 +499,59 @@ def test_planted_spike_is_one_event_at_its_step(tmp_path):
     assert [{**r, "time": 0} for r in resumed] == [{**e, "time": 0}]
 
 
+def _designed_loss_run(run_dir, losses: list[float]):
+    """A guarded loop whose loss at step k is exactly ``losses[k - 1]`` (its gradient too:
+    the weights' sum, times it, so the grad norm follows the loss). Returns the spike
+    events and the NanGuard."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+    with guardrails.guard(model, opt, [None] * len(losses), run_dir=run_dir) as g:
+        for _ in g:
+            w = model.weight.sum()
+            (losses[g.step] * (1 + w - w.detach())).backward()
+            opt.step()
+            opt.zero_grad()
+    nan = next(c for c in g.components if isinstance(c, NanGuard))
+    return [e for e in read_events(run_dir) if e["kind"] == "spike"], nan
+
+
+def _noisy(level: float, n: int, sigma: float, seed: int) -> list[float]:
+    rng = torch.Generator().manual_seed(seed)
+    return [level * math.exp(sigma * float(torch.randn((), generator=rng))) for _ in range(n)]
+
+
+def test_a_bump_on_a_loss_near_zero_is_no_spike_and_a_real_jump_is(tmp_path):
+    # A loss that fell from 1 to 1e-7 (x0.88 a step) with 1e-5 bumps at steps 150, 170
+    # and 185: 100x its median, and nothing against the 1 it started from. Jumps back
+    # to the loss's usual level (10x at step 30, 1e7x at step 195) are spikes, at once.
+    losses = [1.0 * math.exp(-0.13 * max(0, k - 25)) for k in range(200)]
+    losses = [max(v, 1e-7) * n for v, n in zip(losses, _noisy(1.0, 200, 0.05, 0), strict=True)]
+    for k in (150, 170, 185):
+        losses[k - 1] += 1e-5
+    losses[29] *= 10
+    losses[194] = 1.0
+    spikes, nan = _designed_loss_run(tmp_path, losses)
+    assert {(e["step"], e["metric"]) for e in spikes} == {
+        (30, "grad_norm"), (30, "loss"), (195, "grad_norm"), (195, "loss"),
+    }, spikes  # fmt: skip
+    assert {s[0] for s in nan.spikes} == {30, 195}
+    e = next(e for e in spikes if e["step"] == 195 and e["metric"] == "loss")
+    assert e["threshold"] >= 0.9 and "raise loss_spike_factor" in e["message"]
+
+
+def test_a_one_step_excursion_of_a_small_batch_loss_is_no_spike(tmp_path):
+    # A small-batch loss falling from 1 to 0.078 (its noise 10% a step) that goes to
+    # 4.4x its median for one step (0.34) and comes straight back: far under where the
+    # run started, the noise of a small batch.
+    losses = [max(0.078, math.exp(-0.064 * k)) for k in range(150)]
+    losses = [v * n for v, n in zip(losses, _noisy(1.0, 150, 0.1, 1), strict=True)]
+    losses[119] = 4.4 * sorted(losses[99:119])[10]
+    spikes, nan = _designed_loss_run(tmp_path, losses)
+    assert spikes == [] and list(nan.spikes) == []
+    assert nan._losses.scale > losses[119]  # not vacuous: the rule saw the excursion
+    assert losses[119] > 4.1 * sorted(losses[99:119])[10]
+
+
 def _divergence_run(run_dir, steps: int = 200, lr_at: int | None = None):
     """A seeded Regressor on 32-sample batches under AdamW, 10% warmup then cosine
     decay, an evaluation pass every 50 steps and a data-mix change at step 100 (its

@@ -92,7 +92,7 @@ from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
 from guardrails.guards.nan import diagnose
 from guardrails.guards.nan.divergence import Divergence
 from guardrails.guards.nan.health import _Health, _StaleGrads
-from guardrails.guards.nan.spikes import TREND_STEPS, _Series, _spikes
+from guardrails.guards.nan.spikes import SCALE_SHARE, TREND_STEPS, _Series, _spikes
 from guardrails.guards.nan.updates import UpdateSampler
 from guardrails.util.checks import non_negative, positive_int
 from guardrails.util.text import shorten
@@ -293,8 +293,8 @@ class NanGuard(Component):
         self.history: deque[tuple[int, float, float, float]] = deque(maxlen=self.window_steps)
         self._unjudged: list[tuple[int, float, float, float]] = []  # finite, not judged yet
         # The same steps' grad norms and (observed) losses, for the running medians.
-        self._norms = _Series(self.window_steps)
-        self._losses = _Series(self.window_steps)
+        self._norms = _Series(self.window_steps, SCALE_SHARE["grad_norm"])
+        self._losses = _Series(self.window_steps, SCALE_SHARE["loss"])
         self._streak: list[int] = []
         self._streak_diag: dict[str, Any] | None = None
         # (forward calls, fetched batches) of steps whose flags the host has not read
@@ -579,6 +579,7 @@ class NanGuard(Component):
         return {
             "norms": list(self._norms.values),
             "losses": list(self._losses.values),
+            "scales": [self._norms.scale, self._losses.scale],
             "history": [list(r) for r in self.history],
             # Read but not yet judged (blocks of check_every_n_steps). On CUDA the rows
             # still in the device ring (at most 2 intervals) are not saved.
@@ -592,6 +593,9 @@ class NanGuard(Component):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._norms.extend(state.get("norms", []))
         self._losses.extend(state.get("losses", []))
+        scales = state.get("scales")
+        if scales:  # else: a checkpoint from before it, the first saved values'
+            self._norms.scale, self._losses.scale = scales
         self.history.extend(tuple(r) for r in state.get("history", []))
         self._unjudged[:0] = [tuple(r) for r in state.get("unjudged", [])]
         self.nonfinite_steps[:0] = state.get("nonfinite_steps", [])
@@ -753,7 +757,8 @@ class NanGuard(Component):
             (1, "loss", self.loss_spike_factor, self._losses),
         ):
             values = list(map(itemgetter(col), rows))
-            for i, median, threshold in _spikes(series.values, values, factor, series.swing):
+            found = _spikes(series.values, values, factor, series.swing, series.floor())
+            for i, median, threshold in found:
                 step, value = rows[i][0], values[i]
                 self.spikes.append((step, kind, value, median))
                 self._spike_event(step, kind, value, median, threshold)
@@ -978,13 +983,15 @@ class NanGuard(Component):
                 f"{what} {value:.4g} at step {step} is {value / median:.1f}x its running "
                 f"median {median:.4g} (last {TREND_STEPS} steps; a spike here is over "
                 f"{threshold / median:.1f}x: {knob}={factor:g}, higher where it swings more "
-                "from step to step): "
+                "from step to step or has fallen far below its early level): "
                 "often the early warning before a NaN. If they repeat: lower the LR, add "
                 + (
                     "warmup (the loop clips the grad norm already)."
                     if self._guard.clip_norm_steps
                     else "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
                 )
+                + f" One that comes straight back, with no NaN after it, is harmless: raise "
+                f"{knob} to hear less of them."
                 + (
                     f" (This is the last {kind} spike logged; later ones are counted in "
                     "NanGuard.spikes.)"
