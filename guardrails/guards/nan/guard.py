@@ -765,7 +765,7 @@ class NanGuard(Component):
             # NaN: no loss seen; an Inf loss with finite grads is not a level to judge by
             series.extend(list(filter(math.isfinite, values)))
         self.history.extend(rows)
-        self._health.observe(self._guard, rows)
+        self._health.observe(self._guard, rows, self._updates)
         if self._divergence is not None:
             self._divergence.add(rows)
             found = self._divergence.check()
