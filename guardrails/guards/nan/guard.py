@@ -56,14 +56,17 @@ What the host does with the rows (``diagnose.py`` has the details):
   20 finite steps) by both ``spike_factor`` / ``loss_spike_factor`` times and
   ``SPIKE_SWINGS`` times its usual step-to-step swing (over the last
   ``window_steps``), so a steady rise (a grad norm climbing through an LR warmdown) is
-  never a spike and a noisy metric needs a bigger jump. These statistics live on the
+  never a spike and a noisy metric needs a bigger jump; it must also reach
+  ``SCALE_SHARE`` of the run's early level (a loss fallen to 1e-7 bumping to 1e-5 is
+  not a spike). These statistics live on the
   host, not the device: the values are there anyway, lagged, so they cost no kernel.
 * the first non-finite step of a streak is diagnosed (bad data / fp16 overflow /
   optimisation blow-up / numerics in a module / not reproducible / another rank), its
   batch saved under ``run_dir/nonfinite/``; the policy then logs, raises, or raises
   after ``max_consecutive_skips`` skipped steps in a row.
 * training-health warnings, once each: optimizer params that got no gradient in the
-  first steps, all-zero gradients, a loss that did not fall over the first window.
+  first steps, all-zero gradients, a loss that did not fall over the first window
+  while the weights did not move.
 """
 
 from __future__ import annotations
@@ -139,11 +142,13 @@ class NanGuard(Component):
             spike_factor: a grad norm over this many times its running median (the
                 median of the last 20 finite steps) is a spike, if the jump is also more
                 than ``SPIKE_SWINGS`` (5) times the norm's usual step-to-step swing: a
-                noisy norm needs a bigger jump, a steady rise is never a spike. Default
+                noisy norm needs a bigger jump, a steady rise is never a spike (and
+                if it reaches a twentieth of the norm's early level). Default
                 5. Where the ranks' gradients differ at ``step()`` the norm judged is
                 the root mean square of the ranks' grad norms, the same on every rank.
             loss_spike_factor: the same for the loss (judged while the last
-                ``window_steps`` losses are all positive). Default 4 (a language model's
+                ``window_steps`` losses are all positive; a loss spike must also reach
+                the loss's early level). Default 4 (a language model's
                 loss at 4x its median has diverged; small-batch regression losses swing
                 2-3x by chance, and the swing rule raises their bar further).
             max_spike_events: log at most this many spike events per metric per run;
