@@ -15,7 +15,9 @@ This component turns them into findings, at a fixed cost:
   rank waits for another, for ``persist_windows`` windows in a row, reports itself as a
   ``straggler`` (rank, phase, by how much, since which step); a rank whose step time
   grew ``slowdown_factor`` times over its own best, in a phase of its own, reports a
-  ``slowdown``; under DDP, a step whose non-overlapped gradient all-reduce (DDP's own
+  ``slowdown`` (an info event naming the machine, not the loop, when the loop thread
+  spent the extra time waiting for a CPU that other processes held: :class:`Usage`);
+  under DDP, a step whose non-overlapped gradient all-reduce (DDP's own
   timing of a sampled iteration) is ``comm_share`` of the step or more, while no rank
   straggles, is ``comms_bound`` with the bytes and the achieved bus bandwidth.
 
