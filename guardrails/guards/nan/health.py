@@ -121,7 +121,8 @@ class _Health:
                 "starts at 0, or too low to change a float32 weight), that the optimizer "
                 "holds the model's parameters (not a copy's), and that the loss is not "
                 "detached from the model (overfit one batch: a model that cannot is "
-                "wired wrong)."
+                "wired wrong). A model meant to stay as it is (an evaluation under the "
+                "guard) has no fault here."
             )
         guard.event(
             "loss_not_decreasing",

@@ -250,7 +250,8 @@ def busy_message(rank: int, mine: Window, best: Window, share: float, since: int
         f"{best.wait_step_s * 1e3:.1f} ms then). See what else runs on this host (top: another "
         "job, another run's loader workers); give the job cores of its own (taskset, "
         "the cluster scheduler's exclusive allocation) or fewer threads to share them "
-        "(torch.set_num_threads). Nothing to change in the loop."
+        "(torch.set_num_threads). Nothing to change in the loop; it is reported once "
+        '(pace={"slowdown_factor": ...} raises the bar).'
     )
 
 
