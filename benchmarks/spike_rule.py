@@ -4,7 +4,7 @@
     python benchmarks/spike_rule.py --time                        # cost of _judge
 
 Replay: each rank's (loss, grad norm) rows of a run's ``metrics.parquet`` go through
-the rule NanGuard runs now (``_nan._spikes``, in blocks of ``check_every_n_steps``
+the rule NanGuard runs now (``_spikes`` with the run's scale, in blocks of ``check_every_n_steps``
 as ``_judge`` does) and through the rule it ran before (5x / 4x the median of the last
 100 finite values); the spike counts of both are printed per rank and metric. Telemetry
 records each rank's own grad norm, so where the ranks' gradients differ at ``step()``
@@ -25,7 +25,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from guardrails.guards.nan.spikes import _spikes
+from guardrails.guards.nan.spikes import SCALE_SHARE, _Series, _spikes
 
 FACTORS = {"grad_norm": 5.0, "loss": 4.0}
 
@@ -45,13 +45,16 @@ def old_rule(values: list[float], factor: float, block: int, window: int) -> lis
     return out
 
 
-def new_rule(values: list[float], factor: float, block: int, window: int) -> list[int]:
-    seen: deque[float] = deque(maxlen=window)
+def new_rule(
+    values: list[float], factor: float, block: int, window: int, share: float = 0.0
+) -> list[int]:
+    """NanGuard's rule: ``share`` of the run's scale is the least spike (SCALE_SHARE)."""
+    seen = _Series(window, share)
     out = []
     for b in range(0, len(values), block):
         rows = values[b : b + block]
-        out += [b + i for i, _, _ in _spikes(seen, rows, factor)]
-        seen.extend(v for v in rows if -math.inf < v < math.inf)
+        out += [b + i for i, _, _ in _spikes(seen.values, rows, factor, seen.swing, seen.floor())]
+        seen.extend([v for v in rows if -math.inf < v < math.inf])
     return out
 
 
@@ -67,7 +70,7 @@ def replay(paths: list[str], block: int, window: int) -> None:
             for metric, factor in FACTORS.items():
                 values = [float(cols[metric][i]) for i in mine]
                 old = old_rule(values, factor, block, window)
-                new = new_rule(values, factor, block, window)
+                new = new_rule(values, factor, block, window, SCALE_SHARE[metric])
                 print(
                     f"{path} rank {rank} {metric}: {len(values)} steps, old rule "
                     f"{len(old)} spikes {[steps[i] for i in old][:8]}, new rule {len(new)} "
@@ -100,10 +103,10 @@ def time_judge(n: int, repeats: int) -> None:
         nan._unjudged = list(block)
         nan._judge()
 
-    norms = nan._norms
+    norms = nan._norms.values
 
     def old_medians() -> None:  # the old rule's per-block work: one median per metric
-        for window in (norms, nan._losses):
+        for window in (norms, nan._losses.values):
             median = sorted(window)[len(window) // 2]
             for row in block:
                 _ = row[2] > 5 * median

@@ -12,19 +12,24 @@ machine.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _ranks import launch, wait_all
 from conftest import read_events
+from torch import nn
 
+import guardrails
 from guardrails.guards.pace import judge
-from guardrails.guards.pace.pace import summarize
+from guardrails.guards.pace.pace import Pace, Usage, summarize
 
 WORKER = Path(__file__).parent / "pace_worker.py"
 FINDINGS = ("straggler", "slowdown", "comms_bound")
@@ -92,6 +97,127 @@ def test_a_slowdown_names_the_phase_that_grew_and_not_a_uniformly_slower_machine
     waits = window(0, 0.040, 81, 100, forward=0.004, backward=0.034, optimizer=0.002)
     assert judge.slowdown(waits, best, SYNCED, factor=3.0) is None
     assert judge.slowdown(window(0, 0.025), best, frozenset(), factor=3.0) is None  # 2.5x
+
+
+def test_a_slowdown_while_other_processes_hold_the_cpu_is_the_machines():
+    # 6.9 ms a step (6.8 ms of it on a CPU), then 40 ms: the loop thread ran 7.6 ms a
+    # step and waited 31.8 ms for a CPU that other processes held.
+    def w(wall: float, cpu: float, wait: float) -> judge.Window:
+        return dataclasses.replace(
+            window(0, wall), wall_step_s=wall, cpu_step_s=cpu, wait_step_s=wait
+        )
+
+    best = w(0.0069, 0.0068, 0.0001)
+    share = judge.machine_busy(w(0.040, 0.0076, 0.0318), best)
+    assert share == pytest.approx(0.0076 / 0.0394)
+    message = judge.busy_message(0, w(0.040, 0.0076, 0.0318), best, share, 41)
+    for words in ("not at fault", "machine is busy", "19% of the CPU time", "taskset"):
+        assert words in message, message
+    # The loop's own: 3x the work a step (on a busy machine too); a sleep (or a wait for
+    # a loader or a GPU) that gives the CPU up: no wait for a CPU.
+    assert judge.machine_busy(w(0.021, 0.0207, 0.0001), best) is None
+    assert judge.machine_busy(w(0.060, 0.0205, 0.0390), best) is None
+    assert judge.machine_busy(w(0.107, 0.0068, 0.0001), best) is None
+    # A platform with no schedstat: no verdict, the slowdown is reported as before.
+    assert judge.machine_busy(window(0, 0.040), window(0, 0.007)) is None
+
+
+class _Work(nn.Module):
+    """A step whose work is its forward: ``times`` x 24 layers of a teacher's forward
+    (no gradient), then a one-layer loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(128, 128)
+        self.times = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            h = x
+            for _ in range(24 * self.times):
+                h = torch.tanh(self.lin(h))
+        return (self.lin(x) - h).pow(2).mean()
+
+
+def _slowed_run(run_dir: Path, change) -> tuple[list[dict], Pace]:
+    """54 steps of :class:`_Work` on one core (this process pinned to it), windows of
+    10 steps; ``change(model, core)`` at step 30 (the processes it starts are killed
+    after step 50, the second window of it: the run ends at its pace)."""
+    torch.manual_seed(0)
+    model = _Work()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 128)
+    cores = os.sched_getaffinity(0)
+    core = min(cores)
+    started: list[subprocess.Popen] = []
+
+    def stop() -> None:
+        for p in started:
+            p.kill()
+            p.wait()
+        started.clear()
+
+    knobs = {"window_steps": 10, "compare_every_s": 0.0, "slowdown_factor": 2.0}
+    try:
+        with guardrails.guard(model, opt, [x] * 54, run_dir=run_dir, pace=knobs) as g:
+            for batch in g:
+                if g.step == 0:
+                    os.sched_setaffinity(0, {core})
+                elif g.step == 30:
+                    started = change(model, core)
+                elif g.step == 50:
+                    stop()
+                model(batch).backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        stop()
+        os.sched_setaffinity(0, cores)
+    pace = next(c for c in g.components if isinstance(c, Pace))
+    return [e for e in read_events(run_dir) if e["kind"] == "slowdown"], pace
+
+
+def _burners(model: nn.Module, core: int) -> list[subprocess.Popen]:
+    """Four processes burning the CPU, pinned to the training process's core."""
+    out = []
+    for _ in range(4):
+        p = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        os.sched_setaffinity(p.pid, {core})
+        out.append(p)
+    return out
+
+
+def _more_work(model: nn.Module, core: int) -> list[subprocess.Popen]:
+    model.times = 3
+    return []
+
+
+@pytest.mark.skipif(not os.path.exists(Usage.PATH), reason="needs the kernel's schedstat")
+@pytest.mark.slow(reason="54 steps on one core, 20 of them shared with 4 busy processes (~3 s)")
+def test_a_machine_made_busy_is_not_blamed_on_the_loop(tmp_path):
+    # From step 30, four processes burn the training process's core. Its step time
+    # rises ~5x; the loop's work did not change. Either nothing is said, or the
+    # machine is named: never the loop.
+    events, pace = _slowed_run(tmp_path, _burners)
+    for e in events:
+        assert e["cause"] == "machine_busy" and e["level"] == "info", e
+        assert "The machine is busy" in e["message"] and "time went to" not in e["message"]
+        assert e["cpu_share"] < 0.5 and e["cpu_step_s"] < 1.6 * e["best_cpu_step_s"]
+    # Not vacuous: once they ran, the loop thread waited for its core more than it ran.
+    busy = pace.windows[-1]
+    assert (busy.first, busy.last) == (41, 50), pace.windows
+    assert busy.wait_step_s > busy.cpu_step_s, pace.windows
+
+
+@pytest.mark.skipif(not os.path.exists(Usage.PATH), reason="needs the kernel's schedstat")
+@pytest.mark.slow(reason="54 steps, 20 of them 3x longer (~2 s)")
+def test_a_loop_that_does_3x_the_work_a_step_is_named(tmp_path):
+    events, _ = _slowed_run(tmp_path, _more_work)
+    (e,) = events
+    assert e["cause"] == "loop" and e["level"] == "warning" and e["phase"] == "forward", e
+    assert e["since_step"] == 31 and e["cpu_step_s"] > 2 * e["best_cpu_step_s"]
+    for words in ("got slower", "the time went to its forward", "slowdown_factor"):
+        assert words in e["message"], e["message"]
 
 
 def test_comms_bound_needs_real_bytes_and_agreement_with_the_window():

@@ -56,14 +56,17 @@ What the host does with the rows (``diagnose.py`` has the details):
   20 finite steps) by both ``spike_factor`` / ``loss_spike_factor`` times and
   ``SPIKE_SWINGS`` times its usual step-to-step swing (over the last
   ``window_steps``), so a steady rise (a grad norm climbing through an LR warmdown) is
-  never a spike and a noisy metric needs a bigger jump. These statistics live on the
+  never a spike and a noisy metric needs a bigger jump; it must also reach
+  ``SCALE_SHARE`` of the run's early level (a loss fallen to 1e-7 bumping to 1e-5 is
+  not a spike). These statistics live on the
   host, not the device: the values are there anyway, lagged, so they cost no kernel.
 * the first non-finite step of a streak is diagnosed (bad data / fp16 overflow /
   optimisation blow-up / numerics in a module / not reproducible / another rank), its
   batch saved under ``run_dir/nonfinite/``; the policy then logs, raises, or raises
   after ``max_consecutive_skips`` skipped steps in a row.
 * training-health warnings, once each: optimizer params that got no gradient in the
-  first steps, all-zero gradients, a loss that did not fall over the first window.
+  first steps, all-zero gradients, a loss that did not fall over the first window
+  while the weights did not move.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
 from guardrails.guards.nan import diagnose
 from guardrails.guards.nan.divergence import Divergence
 from guardrails.guards.nan.health import _Health, _StaleGrads
-from guardrails.guards.nan.spikes import TREND_STEPS, _Series, _spikes
+from guardrails.guards.nan.spikes import SCALE_SHARE, TREND_STEPS, _Series, _spikes
 from guardrails.guards.nan.updates import UpdateSampler
 from guardrails.util.checks import non_negative, positive_int
 from guardrails.util.text import shorten
@@ -139,11 +142,13 @@ class NanGuard(Component):
             spike_factor: a grad norm over this many times its running median (the
                 median of the last 20 finite steps) is a spike, if the jump is also more
                 than ``SPIKE_SWINGS`` (5) times the norm's usual step-to-step swing: a
-                noisy norm needs a bigger jump, a steady rise is never a spike. Default
+                noisy norm needs a bigger jump, a steady rise is never a spike (and
+                if it reaches a twentieth of the norm's early level). Default
                 5. Where the ranks' gradients differ at ``step()`` the norm judged is
                 the root mean square of the ranks' grad norms, the same on every rank.
             loss_spike_factor: the same for the loss (judged while the last
-                ``window_steps`` losses are all positive). Default 4 (a language model's
+                ``window_steps`` losses are all positive; a loss spike must also reach
+                the loss's early level). Default 4 (a language model's
                 loss at 4x its median has diverged; small-batch regression losses swing
                 2-3x by chance, and the swing rule raises their bar further).
             max_spike_events: log at most this many spike events per metric per run;
@@ -293,8 +298,8 @@ class NanGuard(Component):
         self.history: deque[tuple[int, float, float, float]] = deque(maxlen=self.window_steps)
         self._unjudged: list[tuple[int, float, float, float]] = []  # finite, not judged yet
         # The same steps' grad norms and (observed) losses, for the running medians.
-        self._norms = _Series(self.window_steps)
-        self._losses = _Series(self.window_steps)
+        self._norms = _Series(self.window_steps, SCALE_SHARE["grad_norm"])
+        self._losses = _Series(self.window_steps, SCALE_SHARE["loss"])
         self._streak: list[int] = []
         self._streak_diag: dict[str, Any] | None = None
         # (forward calls, fetched batches) of steps whose flags the host has not read
@@ -579,6 +584,7 @@ class NanGuard(Component):
         return {
             "norms": list(self._norms.values),
             "losses": list(self._losses.values),
+            "scales": [self._norms.scale, self._losses.scale],
             "history": [list(r) for r in self.history],
             # Read but not yet judged (blocks of check_every_n_steps). On CUDA the rows
             # still in the device ring (at most 2 intervals) are not saved.
@@ -592,6 +598,9 @@ class NanGuard(Component):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._norms.extend(state.get("norms", []))
         self._losses.extend(state.get("losses", []))
+        scales = state.get("scales")
+        if scales:  # else: a checkpoint from before it, the first saved values'
+            self._norms.scale, self._losses.scale = scales
         self.history.extend(tuple(r) for r in state.get("history", []))
         self._unjudged[:0] = [tuple(r) for r in state.get("unjudged", [])]
         self.nonfinite_steps[:0] = state.get("nonfinite_steps", [])
@@ -753,14 +762,15 @@ class NanGuard(Component):
             (1, "loss", self.loss_spike_factor, self._losses),
         ):
             values = list(map(itemgetter(col), rows))
-            for i, median, threshold in _spikes(series.values, values, factor, series.swing):
+            found = _spikes(series.values, values, factor, series.swing, series.floor())
+            for i, median, threshold in found:
                 step, value = rows[i][0], values[i]
                 self.spikes.append((step, kind, value, median))
                 self._spike_event(step, kind, value, median, threshold)
             # NaN: no loss seen; an Inf loss with finite grads is not a level to judge by
             series.extend(list(filter(math.isfinite, values)))
         self.history.extend(rows)
-        self._health.observe(self._guard, rows)
+        self._health.observe(self._guard, rows, self._updates)
         if self._divergence is not None:
             self._divergence.add(rows)
             found = self._divergence.check()
@@ -978,13 +988,15 @@ class NanGuard(Component):
                 f"{what} {value:.4g} at step {step} is {value / median:.1f}x its running "
                 f"median {median:.4g} (last {TREND_STEPS} steps; a spike here is over "
                 f"{threshold / median:.1f}x: {knob}={factor:g}, higher where it swings more "
-                "from step to step): "
+                "from step to step or has fallen far below its early level): "
                 "often the early warning before a NaN. If they repeat: lower the LR, add "
                 + (
                     "warmup (the loop clips the grad norm already)."
                     if self._guard.clip_norm_steps
                     else "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
                 )
+                + f" One that comes straight back, with no NaN after it, is harmless: raise "
+                f"{knob} to hear less of them."
                 + (
                     f" (This is the last {kind} spike logged; later ones are counted in "
                     "NanGuard.spikes.)"

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from guardrails.engine.guard import Guard
+    from guardrails.guards.nan.updates import UpdateSampler
 
 
 class _Health:
@@ -21,6 +22,10 @@ class _Health:
 
     #: The first steps, each checked once for optimizer params without a gradient.
     CHECK_GRADS_STEPS = 2
+    #: Update samples needed over the first window to say the weights did not move (a
+    #: window of 100 steps holds 10 at update_every_n_steps=10, ~8 read on CUDA, where
+    #: they reach the host one sample late).
+    MIN_SAMPLES = 3
 
     def __init__(self, window_steps: int) -> None:
         self._window = window_steps
@@ -56,8 +61,14 @@ class _Health:
             params=names,
         )
 
-    def observe(self, guard: Guard, rows: list[tuple[int, float, float, float]]) -> None:
-        """Finite steps as (step, loss, norm, lr), in order."""
+    def observe(
+        self,
+        guard: Guard,
+        rows: list[tuple[int, float, float, float]],
+        updates: UpdateSampler | None = None,
+    ) -> None:
+        """Finite steps as (step, loss, norm, lr), in order; ``updates``: NanGuard's
+        update sampler (``None``: it is off)."""
         zero = next((r[0] for r in rows if r[2] == 0.0), None)
         if zero is not None and not self._zero_warned:
             step = zero
@@ -86,20 +97,57 @@ class _Health:
         second = float(np.median(losses[half:]))
         self._losses = []
         self._flat_checked = True
-        if second >= first:
-            guard.event(
-                "loss_not_decreasing",
-                level="warning",
-                message=(
-                    f"the loss did not decrease over steps {step - self._window + 1}-{step} "
-                    f"(median {first:.4g} -> {second:.4g}). Try to overfit one batch "
-                    "first (a model that cannot is wired wrong); check the LR (too low "
-                    "crawls, too high bounces), label/mask wiring, and that the optimizer "
-                    "holds the trainable parameters."
-                ),
-                first_half_median=first,
-                second_half_median=second,
+        if second < first:
+            return
+        start = step - self._window + 1
+        moved = self._moved(updates, start, step)
+        if moved:
+            # A loss that does not fall while the weights move is not a fault by itself:
+            # a GAN's losses oscillate by design, a fine-tune of a converged model
+            # starts at the data's noise floor, with nothing to fall to.
+            return
+        if moved is None:  # update_every_n_steps=None: no sample to tell them apart
+            why = (
+                "Try to overfit one batch first (a model that cannot is wired wrong); "
+                "check the LR (too low crawls, too high bounces), label/mask wiring, and "
+                "that the optimizer holds the trainable parameters. A loss already at its "
+                "floor (a fine-tune of a converged model) or a game's (a GAN's) does not "
+                "fall by design: ignore this warning there."
             )
+        else:
+            why = (
+                "and the optimizer did not move the weights: every sampled update over "
+                "these steps left them as they were. Check the LR (0, a schedule that "
+                "starts at 0, or too low to change a float32 weight), that the optimizer "
+                "holds the model's parameters (not a copy's), and that the loss is not "
+                "detached from the model (overfit one batch: a model that cannot is "
+                "wired wrong). A model meant to stay as it is (an evaluation under the "
+                "guard) has no fault here."
+            )
+        guard.event(
+            "loss_not_decreasing",
+            level="warning",
+            message=(
+                f"the loss did not decrease over steps {start}-{step} (median "
+                f"{first:.4g} -> {second:.4g})" + (". " if moved is None else " ") + why
+            ),
+            first_half_median=first,
+            second_half_median=second,
+            weights_moved=moved,
+        )
+
+    @staticmethod
+    def _moved(updates: UpdateSampler | None, start: int, end: int) -> bool | None:
+        """Whether an optimizer step moved the weights over steps ``start..end``, by the
+        update sampler's samples; ``None`` without at least :attr:`MIN_SAMPLES` of them
+        there (the sampler is off)."""
+        if updates is None:
+            return None
+        if any(start <= s <= end for s, _ in updates.samples):
+            return True
+        if sum(start <= s <= end for s in updates.still) < _Health.MIN_SAMPLES:
+            return None
+        return False
 
 
 class _StaleGrads:

@@ -33,11 +33,25 @@ TREND_STEPS = 20
 SPIKE_SWINGS = 5.0
 
 
+#: ...and it must reach this share of the run's own scale (the median of the metric's
+#: first ``TREND_STEPS`` finite values): a ratio alone flags noise on a value that has
+#: fallen far (a loss at 1e-7 whose 1e-5 bump is 100x its median and nothing against
+#: the 1.0 it started from; a small-batch loss down at 0.08 whose one-step excursion to
+#: 0.34, 4.4x, stays far under where it started). A loss spike must take the loss back
+#: to its early level (the run lost what it learned: a language model at 3, started at
+#: 10.8, jumping to 12); a jump from the loss's usual level while it is still there is
+#: always one. A grad norm, whose spikes are the early warning of an instability, needs
+#: a twentieth of its early level: a norm of 0.3 (8 at the start) jumping to 3 passes,
+#: a converged regression's norm of 1e-3 bumping to 1e-2 (against 1) does not.
+SCALE_SHARE = {"grad_norm": 0.05, "loss": 1.0}
+
+
 def _spikes(
     window: deque[float],
     values: list[float],
     factor: float,
     swing: Callable[[], float] | None = None,
+    floor: float = 0.0,
 ) -> list[tuple[int, float, float]]:
     """``(index, median, threshold)`` of each spike among ``values`` (a block of steps,
     in order, just after ``window``): a value over ``threshold``, the median of the
@@ -52,7 +66,9 @@ def _spikes(
     README-example runs): the swing is measured only for the others (~18 us), and a
     value's own median only where it clears the bar over that lowest value. ``swing``:
     the window's median step-to-step move, from :class:`_Series`, which keeps it up to
-    date (the same number, half the cost)."""
+    date (the same number, half the cost). ``floor``: the least value a spike has
+    (:data:`SCALE_SHARE` of the run's scale, from :meth:`_Series.floor`); the threshold
+    is the higher of ``bar`` x the median and ``floor``."""
     n = len(window)
     if n < TREND_STEPS:
         return []
@@ -79,8 +95,9 @@ def _spikes(
     for i, value in enumerate(values):
         if value > bar * lowest:
             median = sorted(recent[-TREND_STEPS:])[TREND_STEPS // 2]
-            if value > bar * median:
-                out.append((i, median, bar * median))
+            threshold = max(bar * median, floor)
+            if value > threshold:
+                out.append((i, median, threshold))
         if not -math.inf < value < math.inf:
             continue  # NaN: no loss seen; an Inf loss with finite grads is no level
         if value <= 0:
@@ -101,10 +118,14 @@ class _Series:
     its 10 new ones and the sort (~6 us). The numbers are the same: the same
     ``math.log`` of the same values, the same differences."""
 
-    __slots__ = ("_logs", "_moves", "_new", "values")
+    __slots__ = ("_logs", "_moves", "_new", "scale", "share", "values")
 
-    def __init__(self, window_steps: int) -> None:
+    def __init__(self, window_steps: int, share: float = 0.0) -> None:
         self.values: deque[float] = deque(maxlen=window_steps)
+        #: The run's scale: the median of its first ``TREND_STEPS`` finite values (kept
+        #: in checkpoints: a resumed run judges by its first run's); ``None`` before.
+        self.scale: float | None = None
+        self.share = share
         self._logs: deque[float] = deque(maxlen=window_steps)
         self._moves: deque[float] = deque(maxlen=max(window_steps - 1, 0))
         self._new = 0  # values at the end of the window whose log is not taken yet
@@ -112,6 +133,13 @@ class _Series:
     def extend(self, values: list[float]) -> None:
         self.values.extend(values)
         self._new = min(self._new + len(values), len(self.values))
+        if self.scale is None and len(self.values) >= TREND_STEPS:
+            self.scale = sorted(islice(self.values, TREND_STEPS))[TREND_STEPS // 2]
+
+    def floor(self) -> float:
+        """The least value a spike has: ``share`` of the run's scale."""
+        scale = self.scale
+        return 0.0 if scale is None or not scale > 0 else self.share * scale
 
     def swing(self) -> float:
         """The median (the upper one) of ``abs(log(v[k + 1]) - log(v[k]))`` over the

@@ -45,6 +45,9 @@ class UpdateSampler:
     def __init__(self, params: list[Tensor], every: int, lag_steps: int = 0) -> None:
         self.every = every
         self.samples: deque[tuple[int, float]] = deque(maxlen=KEPT_SAMPLES)
+        #: The sampled steps that left the sample's weights exactly as they were (a step
+        #: skipped, or frozen weights: LR 0, no gradient), which :attr:`samples` omits.
+        self.still: deque[int] = deque(maxlen=KEPT_SAMPLES)
         self._params = params
         #: Views of a prefix of each parameter (they follow its updates); built at the
         #: first snapshot (_build).
@@ -140,6 +143,8 @@ class UpdateSampler:
         # 0: a skipped step (or frozen weights), no update to compare with.
         if weights > 0 and diff > 0 and math.isfinite(diff):
             self.samples.append((step, diff / weights))
+        elif weights > 0 and diff == 0:
+            self.still.append(step)
 
     def drift(self, weights_step: int, before: int) -> tuple[int, int, float] | None:
         """``(from_step, to_step, ratio)``: how far the weights (as of ``weights_step``)

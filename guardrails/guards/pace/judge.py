@@ -89,6 +89,13 @@ class Window:
     phases: dict[str, float]
     #: Forward, backward and optimizer are the device's (CUDA events), not the host's.
     device: bool = False
+    #: Per step, over the window (totals, not medians: a busy machine may stall one
+    #: step in ten for a whole time slice): wall seconds, and the loop thread's seconds
+    #: on a CPU and waiting for one that other processes held (the kernel's schedstat,
+    #: read at the window's two ends). NaN where the platform does not say.
+    wall_step_s: float = math.nan
+    cpu_step_s: float = math.nan
+    wait_step_s: float = math.nan
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -97,13 +104,19 @@ class Window:
             "step_s": self.step_s,
             "phases": self.phases,
             "device": self.device,
+            "wall_step_s": self.wall_step_s,
+            "cpu_step_s": self.cpu_step_s,
+            "wait_step_s": self.wait_step_s,
         }
 
     @classmethod
     def from_json(cls, d: dict) -> Window:
         first, last = d["steps"]
         step_s, phases = float(d["step_s"]), dict(d["phases"])
-        return cls(int(d["rank"]), int(first), int(last), step_s, phases, bool(d.get("device")))
+        usage = (float(d.get(k, math.nan)) for k in ("wall_step_s", "cpu_step_s", "wait_step_s"))
+        return cls(
+            int(d["rank"]), int(first), int(last), step_s, phases, bool(d.get("device")), *usage
+        )
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,32 @@ def slowdown(
     return phase, growth[phase]
 
 
+#: A slowdown is the machine's, not the loop's, when most of the extra time a step is
+#: the loop thread waiting for a CPU that other processes held (ready to run, not
+#: running: a sleep, a blocking read or a wait for the GPU is none of it) ...
+BUSY_WAIT_SHARE = 0.5
+#: ... and its CPU time a step (the loop's work) grew by at most this factor: a loop
+#: doing 3x the work is the loop's even on a busy machine. Sharing a core costs some
+#: work itself (caches refilled after each switch): 1.19 -> 1.57 ms a step, 1.3x, with 8
+#: other processes on its core (a 2-core CPU VM).
+BUSY_MAX_WORK = 1.6
+
+
+def machine_busy(mine: Window, best: Window) -> float | None:
+    """The share of the time the loop thread was ready to run in ``mine`` that it got a
+    CPU, when other processes holding the CPU explain the slowdown (see
+    :data:`BUSY_WAIT_SHARE`); ``None`` when the slowdown is the loop's own (or the
+    platform does not say)."""
+    extra = mine.wall_step_s - best.wall_step_s
+    if not (extra > 0 and best.cpu_step_s > 0):
+        return None  # NaN: no schedstat
+    if not mine.cpu_step_s <= BUSY_MAX_WORK * best.cpu_step_s:
+        return None
+    if not mine.wait_step_s - best.wait_step_s >= BUSY_WAIT_SHARE * extra:
+        return None
+    return mine.cpu_step_s / (mine.cpu_step_s + mine.wait_step_s)
+
+
 def slowdown_message(
     rank: int, mine: Window, best: Window, phase: str, extra_s: float, since: int
 ) -> str:
@@ -193,7 +232,26 @@ def slowdown_message(
         f"rank {rank}'s steps got slower: {mine.step_s * 1e3:.1f} ms a step since step "
         f"{since}, {mine.step_s / best.step_s:.1f}x its best ({best.step_s * 1e3:.1f} ms "
         f"over steps {best.first}-{best.last}); the time went to its {WORDS[phase]} "
-        f"(+{extra_s * 1e3:.1f} ms a step). " + _SLOWDOWN_ADVICE[phase]
+        f"(+{extra_s * 1e3:.1f} ms a step). " + _SLOWDOWN_ADVICE[phase] + " If the slower "
+        "steps are expected (longer sequences by design, a curriculum), raise "
+        'pace={"slowdown_factor": ...} or leave it: it is reported once.'
+    )
+
+
+def busy_message(rank: int, mine: Window, best: Window, share: float, since: int) -> str:
+    return (
+        f"rank {rank}'s steps got slower: {mine.step_s * 1e3:.1f} ms a step since step "
+        f"{since}, {mine.step_s / best.step_s:.1f}x its best ({best.step_s * 1e3:.1f} ms "
+        f"over steps {best.first}-{best.last}), and the loop is not at fault: it does the "
+        f"same work a step ({mine.cpu_step_s * 1e3:.1f} ms of CPU time, against "
+        f"{best.cpu_step_s * 1e3:.1f} ms then). The machine is busy: this process got "
+        f"{share:.0%} of the CPU time it was ready to use, other processes took the rest "
+        f"(it waited {mine.wait_step_s * 1e3:.1f} ms a step for a CPU, against "
+        f"{best.wait_step_s * 1e3:.1f} ms then). See what else runs on this host (top: another "
+        "job, another run's loader workers); give the job cores of its own (taskset, "
+        "the cluster scheduler's exclusive allocation) or fewer threads to share them "
+        "(torch.set_num_threads). Nothing to change in the loop; it is reported once "
+        '(pace={"slowdown_factor": ...} raises the bar).'
     )
 
 

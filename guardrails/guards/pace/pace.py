@@ -15,7 +15,9 @@ This component turns them into findings, at a fixed cost:
   rank waits for another, for ``persist_windows`` windows in a row, reports itself as a
   ``straggler`` (rank, phase, by how much, since which step); a rank whose step time
   grew ``slowdown_factor`` times over its own best, in a phase of its own, reports a
-  ``slowdown``; under DDP, a step whose non-overlapped gradient all-reduce (DDP's own
+  ``slowdown`` (an info event naming the machine, not the loop, when the loop thread
+  spent the extra time waiting for a CPU that other processes held: :class:`Usage`);
+  under DDP, a step whose non-overlapped gradient all-reduce (DDP's own
   timing of a sampled iteration) is ``comm_share`` of the step or more, while no rank
   straggles, is ``comms_bound`` with the bytes and the achieved bus bandwidth.
 
@@ -37,7 +39,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -150,6 +152,7 @@ class Pace(Component):
         self._ddp = _find_ddp(guard)
         self._ddp_iteration = -1
         self._streaks: dict[str, tuple[Any, int, int]] = {}  # kind -> (what, since, count)
+        self._usage = Usage(guard.step)
 
     def after_step(self, guard: Guard) -> None:
         rows = self._rows
@@ -177,6 +180,7 @@ class Pace(Component):
     def _judge(self, guard: Guard) -> None:
         self._last_judged = time.monotonic()
         window = summarize(self._rank, guard.step, list(self._rows), list(self._device_rows))
+        window = self._usage.of(window)
         self._rows.clear()
         self._device_rows.clear()
         self.windows.append(window)
@@ -267,7 +271,9 @@ class Pace(Component):
             return
         best = min(past, key=lambda w: w.step_s)
         found = judge.slowdown(window, best, synced, factor=self.slowdown_factor)
-        since, count = self._streak("slowdown", found[0] if found else None, window)
+        share = None if found is None else judge.machine_busy(window, best)
+        cause = None if found is None else "loop" if share is None else "machine_busy"
+        since, count = self._streak("slowdown", found and (found[0], cause), window)
         if found is None or count < self.persist_windows:
             return
         phase, extra = found
@@ -278,18 +284,26 @@ class Pace(Component):
         fields = {
             "rank": self._rank,
             "phase": phase,
+            "cause": cause,
             "step_s": window.step_s,
             "best_step_s": best.step_s,
             "best_steps": [best.first, best.last],
             "extra_s": extra,
             "since_step": since,
+            "cpu_share": share,
+            "cpu_step_s": window.cpu_step_s,
+            "best_cpu_step_s": best.cpu_step_s,
+            "wait_step_s": window.wait_step_s,
+            "best_wait_step_s": best.wait_step_s,
         }
         self.reported["slowdown"] = fields
+        if share is not None:
+            # True of the machine, not of the loop: information, worded as such.
+            message = judge.busy_message(self._rank, window, best, share, since)
+        else:
+            message = judge.slowdown_message(self._rank, window, best, phase, extra, since)
         guard.event(
-            "slowdown",
-            level="warning",
-            message=judge.slowdown_message(self._rank, window, best, phase, extra, since),
-            **fields,
+            "slowdown", level="warning" if share is None else "info", message=message, **fields
         )
 
     def _judge_comms(
@@ -343,6 +357,43 @@ class Pace(Component):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+class Usage:
+    """The loop thread's time on a CPU and waiting for one (the kernel's
+    ``/proc/thread-self/schedstat``: ready to run while other processes held the CPU)
+    between two windows' ends, read once a window (~10 us), never per step: :meth:`of`
+    adds them to a window. Called from the loop's thread (``after_step``)."""
+
+    PATH = "/proc/thread-self/schedstat"
+
+    def __init__(self, step: int) -> None:
+        self._at = (step, *self._read())
+
+    def of(self, window: judge.Window) -> judge.Window:
+        step, wall, cpu, wait = self._at
+        self._at = now = (window.last, *self._read())
+        steps = now[0] - step
+        if steps <= 0:
+            return window
+        return replace(
+            window,
+            wall_step_s=(now[1] - wall) / steps,
+            cpu_step_s=(now[2] - cpu) / steps,
+            wait_step_s=(now[3] - wait) / steps,
+        )
+
+    @classmethod
+    def _read(cls) -> tuple[float, float, float]:
+        """``(monotonic seconds, seconds on a CPU, seconds waiting for one)``; NaN for
+        both where the kernel does not say (not Linux, no schedstat)."""
+        now = time.monotonic()
+        try:
+            with open(cls.PATH, "rb") as f:
+                on_cpu, waiting = f.read().split()[:2]
+            return now, int(on_cpu) / 1e9, int(waiting) / 1e9
+        except (OSError, ValueError):
+            return now, math.nan, math.nan
 
 
 #: Device samples a window needs before they replace the host's phases: with one
