@@ -493,11 +493,26 @@ def test_planted_spike_is_one_event_at_its_step(tmp_path):
     assert e["value"] / e["median"] > 25 and e["threshold"] < e["value"]
     assert e["threshold"] >= 5 * e["median"]  # spike_factor is the floor of the bar
     assert "running median" in e["message"] and "spike_factor=5" in e["message"]
+    # One metric, one step, nothing like it before: a hard batch, told as information.
+    assert e["level"] == "info" and "harmless" in e["message"]
     assert list(nan.spikes) == [(150, "grad_norm", e["value"], e["median"])]
     # Stopped at step 140 and resumed: the resumed run judges step 150 as this one did.
     _scheduled_run(tmp_path / "b", 300, 4, lambda step: 50.0 if step == 150 else 1.0, 140)
     resumed, _ = _scheduled_run(tmp_path / "b", 300, 4, lambda step: 50.0 if step == 150 else 1.0)
     assert [{**r, "time": 0} for r in resumed] == [{**e, "time": 0}]
+
+
+def test_spikes_that_repeat_are_a_warning_from_the_second(tmp_path):
+    # The healthy run with its gradients times 50 at steps 150 and 170: the first is a
+    # lone spike (info), the second, 20 steps later, makes them a pattern (a warning).
+    spikes, _ = _scheduled_run(
+        tmp_path, steps=200, batch=4, weight=lambda step: 50.0 if step in (150, 170) else 1.0
+    )
+    assert [(e["step"], e["metric"], e["level"]) for e in spikes] == [
+        (150, "grad_norm", "info"),
+        (170, "grad_norm", "warning"),
+    ], spikes
+    assert "Expected ones" in spikes[1]["message"] and "spike_factor" in spikes[1]["message"]
 
 
 def _designed_loss_run(run_dir, losses: list[float]):

@@ -757,18 +757,28 @@ class NanGuard(Component):
         rows, self._unjudged = self._unjudged, []
         if not rows:
             return
+        found_now: list[tuple[int, str, float, float, float]] = []
         for col, kind, factor, series in (
             (2, "grad_norm", self.spike_factor, self._norms),
             (1, "loss", self.loss_spike_factor, self._losses),
         ):
             values = list(map(itemgetter(col), rows))
             found = _spikes(series.values, values, factor, series.swing, series.floor())
-            for i, median, threshold in found:
-                step, value = rows[i][0], values[i]
-                self.spikes.append((step, kind, value, median))
-                self._spike_event(step, kind, value, median, threshold)
+            found_now += [(rows[i][0], kind, values[i], m, t) for i, m, t in found]
             # NaN: no loss seen; an Inf loss with finite grads is not a level to judge by
             series.extend(list(filter(math.isfinite, values)))
+        for step, kind, value, median, threshold in sorted(found_now):
+            # A lone one-step spike that comes straight back is a hard batch, not an
+            # instability (a converged classifier meeting one misclassified sample: its
+            # grad norm 60x its median for one step); it is an info event. It is a
+            # warning when it repeats within window_steps, or when the loss and the grad
+            # norm jump at the same step.
+            both = any(s == step and k != kind for s, k, *_ in found_now)
+            again = any(
+                k == kind and step - self.window_steps <= s < step for s, k, *_ in self.spikes
+            )
+            self.spikes.append((step, kind, value, median))
+            self._spike_event(step, kind, value, median, threshold, lone=not (both or again))
         self.history.extend(rows)
         self._health.observe(self._guard, rows, self._updates)
         if self._divergence is not None:
@@ -970,7 +980,7 @@ class NanGuard(Component):
         )
 
     def _spike_event(
-        self, step: int, kind: str, value: float, median: float, threshold: float
+        self, step: int, kind: str, value: float, median: float, threshold: float, *, lone: bool
     ) -> None:
         n = self._spike_events[kind] = self._spike_events[kind] + 1
         if n > self.max_spike_events:
@@ -983,7 +993,7 @@ class NanGuard(Component):
         factor = self.spike_factor if kind == "grad_norm" else self.loss_spike_factor
         self._guard.event(
             "spike",
-            level="warning",
+            level="info" if lone else "warning",
             message=(
                 f"{what} {value:.4g} at step {step} is {value / median:.1f}x its running "
                 f"median {median:.4g} (last {TREND_STEPS} steps; a spike here is over "
@@ -995,8 +1005,13 @@ class NanGuard(Component):
                     if self._guard.clip_norm_steps
                     else "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
                 )
-                + f" One that comes straight back, with no NaN after it, is harmless: raise "
-                f"{knob} to hear less of them."
+                + (
+                    " A lone one like this, that comes straight back with no NaN after it, "
+                    "is harmless (a hard batch)."
+                    if lone
+                    else f" Expected ones (a data mix that changes): raise {knob} to hear "
+                    "less of them."
+                )
                 + (
                     f" (This is the last {kind} spike logged; later ones are counted in "
                     "NanGuard.spikes.)"
