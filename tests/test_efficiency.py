@@ -163,30 +163,39 @@ class Ops(TorchDispatchMode):
 
 
 def test_the_count_survives_the_loops_own_dispatch_mode_around_its_step(tmp_path):
-    """The counted step's optimizer.step() (where the count is read) runs inside the
-    loop's own mode: the count is still the step's, and the counter is left at the
-    next boundary, from the top of the stack, leaving the loop's mode alone."""
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ops = Ops()
-    with guardrails.guard(model, opt, data(8), run_dir=tmp_path, progress=False) as g:
-        for i, (x, y) in enumerate(g):
-            nn.functional.mse_loss(model(x), y).backward()
-            with ops:
-                opt.step()
-                depth = torch._C._len_torch_dispatch_stack()
-            if i == 1:  # step 2, the counted one: its counter is under the loop's mode
-                assert depth == 2
-            opt.zero_grad()
-            assert torch._C._len_torch_dispatch_stack() == (1 if i == 1 else 0)
-    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    """The counted step's optimizer.step() (where its replay runs) runs inside the
+    loop's own mode: the count is still the step's, the replay's fake ops are not the
+    loop's mode's to see, and no mode is left on the stack."""
+    counts = []
+    for section in ({"count_flops": False}, True):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ops = Ops()
+        with guardrails.guard(
+            model,
+            opt,
+            data(8),
+            run_dir=tmp_path / str(section),
+            progress=False,
+            efficiency=section,
+        ) as g:
+            for x, y in g:
+                nn.functional.mse_loss(model(x), y).backward()
+                with ops:
+                    opt.step()
+                    assert torch._C._len_torch_dispatch_stack() == 1
+                opt.zero_grad()
+                assert torch._C._len_torch_dispatch_stack() == 0
+        counts.append(ops.n)
+    [e] = [e for e in read_events(tmp_path / "True") if e["kind"] == "flops"]
     assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 2
-    assert ops.n > 0 and torch._C._len_torch_dispatch_stack() == 0
+    assert counts[0] == counts[1] > 0 and torch._C._len_torch_dispatch_stack() == 0
 
 
-def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_is_counted_again(tmp_path):
+def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_counts_the_next(tmp_path):
     """Benchmark mode bypasses every per-step hook of step 30 (its after_step among
-    them): the count would span steps 30 and 31, so step 32 is counted instead."""
+    them): step 31, the next step whose after_step runs, is replayed instead, its own
+    forward only."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with guardrails.guard(
@@ -203,7 +212,7 @@ def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_is_counted_again(tmp
             opt.step()
             opt.zero_grad()
     [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
-    assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 32
+    assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 31
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
