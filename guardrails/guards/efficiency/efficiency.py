@@ -137,8 +137,8 @@ class Efficiency(Component):
         #: The host-sync sampler of this run (``None`` until sampling starts).
         self.syncs: SyncSampler | None = None
         # The two steps the hooks compare with (after_step: the first step, then the
-        # counted step's end; on_boundary: the counted step's and the sampled steps'
-        # starts); _NEVER when nothing is due.
+        # counted step's end; on_boundary: the sampled steps' starts); _NEVER when
+        # nothing is due.
         self._after_due = 0
         self._boundary_due = _NEVER
         self._base = 0  # the step this run started from (a resumed run's checkpoint)
@@ -251,8 +251,8 @@ class Efficiency(Component):
         guard.event(
             "flops",
             message=(
-                "the model is compiled, so its FLOPs are not counted (under torch's "
-                "FlopCounterMode it would run eagerly): pass efficiency="
+                "the model is compiled, so its FLOPs are not counted (its eager "
+                "forward's ops are not its compiled kernels'): pass efficiency="
                 "{'flops_per_step': ...} for MFU in the report"
             ),
             flops_per_step=None,

@@ -2,12 +2,12 @@
 
 MFU = the model's FLOPs per optimizer step / (step time x the device's dense peak
 FLOP/s for the dtype the matmuls run in). The FLOPs are counted once, by torch's
-``FlopCounterMode`` over one training step (forward and backward, every micro-batch):
+``FlopCounterMode`` over a replay of one training step's forwards (every micro-batch)
+and a backward, on fake tensors (:class:`Replay`), never over the step itself:
 it counts matmuls, convolutions and attention, the work tensor cores do, and nothing
 elementwise (the optimizer's update, norms, activations), which is how MFU is
-conventionally defined. Counted on this rank: under DDP or FSDP its own batch through
-the whole model (FSDP computes with the gathered layers). Tensor parallelism (DTensor
-compute) is not verified: the count may be the global one there; pass
+conventionally defined. Counted on this rank: under DDP its own batch through the
+whole model. A sharded model (FSDP, tensor parallelism) is not replayed: pass
 ``flops_per_step``. Attention is counted as torch counts
 its GPU kernels (full, not halved for a causal mask; the backward's recomputed scores
 included), on a CPU too. A formula that fails on an op gives the count up; it never
@@ -124,8 +124,8 @@ def compute_dtype(guard: Guard) -> str:
 
 def compiled(models: Iterable[torch.nn.Module]) -> bool:
     """Whether a guarded model is compiled (``torch.compile(model)`` or
-    ``model.compile()``, under a DDP wrapper or over one): under a dispatch mode its
-    compiled code would not run (Dynamo runs the step eagerly), so it is not counted."""
+    ``model.compile()``, under a DDP wrapper or over one): not counted, since a replay
+    of its eager forward would count ops that its compiled kernels fuse or drop."""
     return any(
         hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
         for model in models
