@@ -210,7 +210,7 @@ class Efficiency(Component):
             logger.debug("guardrails: step %d had no training forward to count", step)
             return
         replay = flops.Replay()
-        flop_count = replay.count(calls)
+        flop_count = replay.count(calls, guard.device)
         if flop_count is None:
             why = replay.failed
             if replay.unreplayable:

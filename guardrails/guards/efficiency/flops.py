@@ -165,18 +165,20 @@ class Replay:
         #: tensors), not a formula's.
         self.unreplayable = False
 
-    def count(self, calls: Iterable[Call]) -> int | None:
-        """The FLOPs of ``calls`` (a step's training forwards: module, args, kwargs),
-        or ``None`` when they could not be counted (why: :attr:`failed`)."""
+    def count(self, calls: Iterable[Call], device: torch.device) -> int | None:
+        """The FLOPs of ``calls`` (a step's training forwards: module, args, kwargs,
+        on ``device``), or ``None`` when they could not be counted (why:
+        :attr:`failed`)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.utils._python_dispatch import _disable_current_modes
 
         counter = _counter()
         # Off the loop's own dispatch modes (``after_step`` may run inside one: a
         # profiler's), which would see the replay's ops; the copies' forwards draw
-        # nothing on fake tensors, and the default generators are put back all the same,
-        # should a forward draw on the host.
-        with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+        # nothing on fake tensors, and the default generators (the host's, the step's
+        # GPU's) are put back all the same, should a forward draw on a real tensor.
+        gpus = [device] if device.type == "cuda" else []
+        with _disable_current_modes(), torch.random.fork_rng(devices=gpus):
             try:
                 fake = FakeTensorMode(allow_non_fake_inputs=True)
                 copies: dict[int, torch.nn.Module] = {}
