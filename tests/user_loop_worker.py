@@ -92,9 +92,8 @@ def main() -> None:
     if args.generators == "passed":
         knobs["generators"] = {"batches": gen}
 
-    def train(x: torch.Tensor, y: torch.Tensor) -> None:
-        if args.model == "diffusion":  # y: the noise added to x
-            t = torch.randint(0, 10, (x.shape[0],), generator=gen)
+    def train(x: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None = None) -> None:
+        if t is not None:  # the denoiser: y is the noise added to x, t the timesteps
             loss = nn.functional.mse_loss(model(x + y, t), y)
         else:
             loss = nn.functional.mse_loss(model(x).squeeze(-1), y)
@@ -119,7 +118,8 @@ def main() -> None:
             while g.step < args.steps:
                 x = torch.randn(8, 8, generator=gen)
                 if args.model == "diffusion":
-                    train(x, torch.randn(8, 8, generator=gen))
+                    noise = torch.randn(8, 8, generator=gen)
+                    train(x, noise, torch.randint(0, 10, (8,), generator=gen))
                 else:
                     train(x, x.sum(-1))
     torch.save(
