@@ -155,9 +155,9 @@ def check(base: dict, guarded: dict, *, exact: bool = True) -> None:
     assert [s[0] for s in guarded["seen"]] == pytest.approx(base["losses"])
     assert [s[1:] for s in guarded["seen"]] == [(1, 1, "optimizer")] * STEPS
     assert guarded["phases"] == ["backward"] * STEPS
-    # The compiled step is left alone by the FLOP count: under torch's FlopCounterMode
-    # dynamo would run it eagerly, with other rounding (on inductor the guarded run's
-    # third loss was 1 ulp off the unguarded one's).
+    # A compiled model is not counted (an eager replay would count ops its compiled
+    # kernels fuse; under a dispatch mode dynamo ran the step eagerly, with other
+    # rounding: on inductor the guarded run's third loss was 1 ulp off the unguarded one's).
     # The guard's forward runs under the compiled wrapper, except given DDP over the
     # compiled module (DDP calls it): then the FLOP count learns it from the module.
     assert guarded["forward_compiled"] is (guarded["given"] != "ddp")

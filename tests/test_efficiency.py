@@ -5,6 +5,8 @@ and traced to the user's line (the warnings plumbing on CPU; the sync mode on a 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import functools
 import json
 import shutil
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_events
+from conftest import assert_state_equal, read_events
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -163,30 +165,39 @@ class Ops(TorchDispatchMode):
 
 
 def test_the_count_survives_the_loops_own_dispatch_mode_around_its_step(tmp_path):
-    """The counted step's optimizer.step() (where the count is read) runs inside the
-    loop's own mode: the count is still the step's, and the counter is left at the
-    next boundary, from the top of the stack, leaving the loop's mode alone."""
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ops = Ops()
-    with guardrails.guard(model, opt, data(8), run_dir=tmp_path, progress=False) as g:
-        for i, (x, y) in enumerate(g):
-            nn.functional.mse_loss(model(x), y).backward()
-            with ops:
-                opt.step()
-                depth = torch._C._len_torch_dispatch_stack()
-            if i == 1:  # step 2, the counted one: its counter is under the loop's mode
-                assert depth == 2
-            opt.zero_grad()
-            assert torch._C._len_torch_dispatch_stack() == (1 if i == 1 else 0)
-    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    """The counted step's optimizer.step() (where its replay runs) runs inside the
+    loop's own mode: the count is still the step's, the replay's fake ops are not the
+    loop's mode's to see, and no mode is left on the stack."""
+    counts = []
+    for section in ({"count_flops": False}, True):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        ops = Ops()
+        with guardrails.guard(
+            model,
+            opt,
+            data(8),
+            run_dir=tmp_path / str(section),
+            progress=False,
+            efficiency=section,
+        ) as g:
+            for x, y in g:
+                nn.functional.mse_loss(model(x), y).backward()
+                with ops:
+                    opt.step()
+                    assert torch._C._len_torch_dispatch_stack() == 1
+                opt.zero_grad()
+                assert torch._C._len_torch_dispatch_stack() == 0
+        counts.append(ops.n)
+    [e] = [e for e in read_events(tmp_path / "True") if e["kind"] == "flops"]
     assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 2
-    assert ops.n > 0 and torch._C._len_torch_dispatch_stack() == 0
+    assert counts[0] == counts[1] > 0 and torch._C._len_torch_dispatch_stack() == 0
 
 
-def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_is_counted_again(tmp_path):
+def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_counts_the_next(tmp_path):
     """Benchmark mode bypasses every per-step hook of step 30 (its after_step among
-    them): the count would span steps 30 and 31, so step 32 is counted instead."""
+    them): step 31, the next step whose after_step runs, is replayed instead, its own
+    forward only."""
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with guardrails.guard(
@@ -203,7 +214,7 @@ def test_a_counted_step_whose_hooks_benchmark_mode_bypassed_is_counted_again(tmp
             opt.step()
             opt.zero_grad()
     [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
-    assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 32
+    assert e["flops_per_step"] == HAND_COUNT // MICRO and e["step"] == 31
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
@@ -620,3 +631,171 @@ def test_gpu_flops_event_has_the_peak_of_this_gpu(tmp_path):
     assert e["flops_per_step"] == HAND_COUNT // MICRO and e["dtype"] == "bf16"
     name = torch.cuda.get_device_name()
     assert e["peak_flops"] == flops.peak_flops(name, "bf16")[0], e
+
+
+# ---------------------------------------------------------------- the count never runs the step
+
+
+class Denoiser(nn.Module):
+    """A diffusion model's shape: a timestep embedding concatenated to the noisy input,
+    a SiLU MLP (SiLU's backward is the op torch's FlopCounterMode decomposed)."""
+
+    def __init__(self, d: int = 8, hidden: int = 32, steps: int = 10) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(steps, d)
+        self.mlp = nn.Sequential(nn.Linear(2 * d, hidden), nn.SiLU(), nn.Linear(hidden, d))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([x, self.emb(t)], -1))
+
+
+def denoising(run_dir: Path | None, steps: int = 4, device: str = "cpu") -> tuple[list, dict]:
+    """A diffusion-style loop, plain (``run_dir`` None) or guarded with every default:
+    noise and timesteps from the loop's own generator, Adam, an EMA of the model. The
+    weights, Adam's state and the EMA after each step, and the losses."""
+    torch.manual_seed(0)
+    model = Denoiser().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99)
+    )
+    gen = torch.Generator(device).manual_seed(1)
+    after: list = []
+
+    def step() -> None:
+        x = torch.randn(4, 8, generator=gen, device=device)
+        t = torch.randint(0, 10, (4,), generator=gen, device=device)
+        noise = torch.randn(4, 8, generator=gen, device=device)
+        loss = nn.functional.mse_loss(model(x + noise, t), noise)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ema.update_parameters(model)
+        after.append(
+            {
+                "loss": loss.detach().clone(),
+                "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "ema": {k: v.clone() for k, v in ema.state_dict().items()},
+                "opt": copy.deepcopy(opt.state_dict()),
+            }
+        )
+
+    if run_dir is None:
+        for _ in range(steps):
+            step()
+        return after, {}
+    with guardrails.guard([model, ema], opt, run_dir=run_dir, progress=False) as g:
+        while g.step < steps:
+            step()
+    return after, {"gen": gen.get_state(), "rng": torch.get_rng_state()}
+
+
+def test_a_guarded_diffusion_loop_trains_bitwise_as_the_plain_one_and_is_counted(tmp_path):
+    """Every default (the count at step 2): each step's weights, Adam's state, the EMA
+    and the loss are the plain loop's, bitwise; the FLOPs are the MLP's matmuls by hand
+    (forward, each weight's gradient and each input's: the embedding needs one)."""
+    plain, _ = denoising(None)
+    rng_plain = torch.get_rng_state()
+    guarded, rngs = denoising(tmp_path)
+    assert torch.equal(rngs["rng"], rng_plain)
+    assert_state_equal(guarded, plain)
+    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    assert e["step"] == 2 and e["source"] == "counted"
+    assert e["flops_per_step"] == 3 * 2 * 4 * (16 * 32 + 32 * 8)
+
+
+class Normed(nn.Module):
+    """BatchNorm (running stats, ``num_batches_tracked``), dropout (RNG draws) and a
+    Python attribute its forward sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(IN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.SiLU(), nn.Dropout(0.5)
+        )
+        self.head = nn.Linear(HIDDEN, OUT)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.head(self.net(x))
+
+
+def test_the_count_leaves_batchnorm_stats_dropouts_rng_and_attributes_as_the_plain_run(tmp_path):
+    """After the counted step (2) and after the run: the running stats, the batch
+    count, the forward's attribute and torch's RNG are the plain run's, exactly."""
+    runs = {}
+    for name in ("plain", "guarded"):
+        torch.manual_seed(0)
+        model = Normed()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        states = []
+        batches = data(4)
+        if name == "guarded":
+            guard = guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False)
+        else:
+            guard = contextlib.nullcontext(batches)
+        with guard as g:
+            for x, y in g:
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                states.append(
+                    (copy.deepcopy(model.state_dict()), model.calls, torch.get_rng_state())
+                )
+        runs[name] = states
+    assert_state_equal(runs["guarded"], runs["plain"])
+    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    assert e["step"] == 2 and e["flops_per_step"] > 0
+
+
+class ReadsValues(nn.Module):
+    """A forward that reads a value on the host (``.item()``): it cannot run on fake
+    tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        return out * 2 if out.abs().max().item() > 100 else out
+
+
+def test_a_forward_that_cannot_be_replayed_is_not_counted_quietly(tmp_path):
+    """The count is given up with an info event naming the knob; no warning; the
+    run trains as the plain one does."""
+    states = []
+    for run_dir in (None, tmp_path):
+        torch.manual_seed(0)
+        model = ReadsValues()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = data(3)
+        if run_dir is None:
+            guard = contextlib.nullcontext(batches)
+        else:
+            guard = guardrails.guard(model, opt, batches, run_dir=run_dir, progress=False)
+        with guard as g:
+            for x, y in g:
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        states.append(model.state_dict())
+    assert_state_equal(states[0], states[1])
+    events = read_events(tmp_path)
+    [e] = [e for e in events if e["kind"] == "flops"]
+    assert e["level"] == "info" and e["flops_per_step"] is None and e["step"] == 2
+    assert "fake tensors" in e["message"] and "flops_per_step" in e["message"]
+    assert not [e for e in events if e.get("level") in ("warning", "error")]
+
+
+@cuda
+def test_gpu_a_guarded_diffusion_loop_trains_bitwise_as_the_plain_one(tmp_path):
+    """On CUDA (the fused kernels, the CUDA generators): every step's weights, Adam's
+    state, the EMA, the loss and the loop's generator are the plain loop's, bitwise,
+    and the FLOPs are counted."""
+    plain, _ = denoising(None, steps=6, device="cuda")
+    guarded, _ = denoising(tmp_path, steps=6, device="cuda")
+    assert_state_equal(guarded, plain)
+    [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
+    assert e["flops_per_step"] == 3 * 2 * 4 * (16 * 32 + 32 * 8)

@@ -142,13 +142,18 @@ def test_ema_parameters_are_not_the_steps_gradients(tmp_path):
 
 @pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
 def test_loop_generator_passed_to_the_guard_resumes_bitwise_and_silent(tmp_path):
-    # No loader: each batch is torch.randn(..., generator=gen) of the loop's own.
+    # No loader: a diffusion-style loop (a SiLU MLP, an EMA), its noise and timesteps
+    # drawn from the loop's own generator. The resumed run counts its FLOPs at its own
+    # second step (7): the count must leave that step as it is.
     args = ("--loop", "generator", "--generators", "passed", "--steps", 12)
+    args += ("--model", "diffusion", "--ema", "passed")
     a, b, _ = _straight_and_resumed(tmp_path, *args, stop_at=5)
     assert a["step"] == b["step"] == 12
     assert_state_equal(a, b)
     for run in ("a", "b"):
         assert not _warnings(tmp_path / run), _warnings(tmp_path / run)
+    counted = [e["step"] for e in read_events(tmp_path / "b") if e["kind"] == "flops"]
+    assert counted == [2, 7]
 
 
 @pytest.mark.slow(reason="3 runs: straight, stopped, resumed")

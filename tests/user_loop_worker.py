@@ -6,7 +6,7 @@ was never interrupted.
 
     python tests/user_loop_worker.py RUN_DIR OUT [--loop range|g_epoch|generator]
         [--ema none|passed|kept] [--generators none|passed] [--epochs N] [--steps N]
-        [--sigterm-at STEP] [--every N]
+        [--sigterm-at STEP] [--every N] [--model mlp|diffusion]
 
 --loop range      ``for epoch in range(N): for x, y in g:`` (counts from 0 on resume)
 --loop g_epoch    ``for epoch in range(g.epoch, N): for x, y in g:``
@@ -16,6 +16,9 @@ was never interrupted.
                   ``guard([model, ema], ...)``
 --ema kept        the same, kept by the loop but not passed
 --generators passed  the loop's generator passed as ``guard(..., generators=...)``
+--model diffusion  a denoiser (a timestep embedding concatenated to the noisy input, a
+                  SiLU MLP, Adam) trained on noise and timesteps from the loop's own
+                  generator (with ``--loop generator``)
 """
 
 from __future__ import annotations
@@ -35,6 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import guardrails
 
 
+class Denoiser(nn.Module):
+    """A diffusion model's shape: a timestep embedding, ``torch.cat``, a SiLU MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([x, self.emb(t)], -1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("run_dir")
@@ -46,12 +61,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sigterm-at", type=int, default=-1)
     p.add_argument("--every", type=int, default=None)
+    p.add_argument("--model", default="mlp", choices=["mlp", "diffusion"])
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.model == "diffusion":
+        model: nn.Module = Denoiser()
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ema = None
     models: nn.Module | list[nn.Module] = model
     if args.ema != "none":
@@ -74,8 +94,11 @@ def main() -> None:
     if args.generators == "passed":
         knobs["generators"] = {"batches": gen}
 
-    def train(x: torch.Tensor, y: torch.Tensor) -> None:
-        loss = nn.functional.mse_loss(model(x).squeeze(-1), y)
+    def train(x: torch.Tensor, y: torch.Tensor, t: torch.Tensor | None = None) -> None:
+        if t is not None:  # the denoiser: y is the noise added to x, t the timesteps
+            loss = nn.functional.mse_loss(model(x + y, t), y)
+        else:
+            loss = nn.functional.mse_loss(model(x).squeeze(-1), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -96,7 +119,11 @@ def main() -> None:
         else:
             while g.step < args.steps:
                 x = torch.randn(8, 8, generator=gen)
-                train(x, x.sum(-1))
+                if args.model == "diffusion":
+                    noise = torch.randn(8, 8, generator=gen)
+                    train(x, noise, torch.randint(0, 10, (8,), generator=gen))
+                else:
+                    train(x, x.sum(-1))
     torch.save(
         {
             "model": model.state_dict(),

@@ -7,9 +7,10 @@ Three things, each done once, on sampled steps, never per step:
   an optimizer that updates one parameter at a time, a DataLoader with no workers or no
   pinned memory on a GPU run, bf16 on a CPU that emulates it. Each an event with its
   fix.
-* **FLOPs per step** (``flops.py``): torch's ``FlopCounterMode`` over one step
-  (``flops_at_step``, from its boundary to its ``after_step``: every micro-batch's
-  forward and backward), or the figure you pass; with the device's dense peak for the
+* **FLOPs per step** (``flops.py``): torch's ``FlopCounterMode`` over a replay of one
+  step (``flops_at_step``, after its ``after_step``: every micro-batch's forward and
+  a backward from its output) on fake tensors, never over the step itself; or the
+  figure you pass; with the device's dense peak for the
   step's dtype, a ``flops`` event; ``report`` divides by the median step time: MFU.
 * **Host syncs in your loop** (``syncs.py``, CUDA only): ``host_syncs_steps`` steps
   from ``host_syncs_at_step`` run under ``torch.cuda.set_sync_debug_mode("warn")``;
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
+from guardrails.engine.model import holds_shards
 from guardrails.guards.efficiency import advisor, flops
 from guardrails.guards.efficiency.syncs import SyncSampler
 from guardrails.util.checks import positive, positive_int
@@ -58,11 +60,15 @@ class Efficiency(Component):
                 pinned memory on a GPU run, bf16 on a CPU that emulates it (a
                 warning). Default True.
             count_flops: count the FLOPs of one training step (forward and backward)
-                with torch's ``FlopCounterMode`` (matmuls, convolutions, attention),
-                at step ``flops_at_step`` of the run. That step runs slower (every op
-                passes through Python); its results, RNG draws and gradients are
-                unchanged. A compiled model is not counted (under the counter it would
-                run eagerly): pass ``flops_per_step``. With activation checkpointing
+                with torch's ``FlopCounterMode`` (matmuls, convolutions, attention):
+                after step ``flops_at_step`` of the run, its forwards are replayed
+                with their backward on a copy of the model whose weights are fake
+                tensors (shapes only: no kernel runs, no memory, no RNG draw), so
+                the step itself, the model's buffers and the RNG streams are exactly
+                those of an unguarded run. A forward that cannot run on fake tensors
+                (``.item()``, control flow on values, a custom op without a fake
+                kernel) is not counted (an info event), nor is a compiled or
+                sharded (FSDP) model: pass ``flops_per_step``. With activation checkpointing
                 the recomputed forward is counted too (the hardware's FLOPs, not the
                 model's): pass ``flops_per_step`` for MFU. Default True.
             flops_at_step: which step of this run to count (from its start, so a
@@ -131,14 +137,12 @@ class Efficiency(Component):
         #: The host-sync sampler of this run (``None`` until sampling starts).
         self.syncs: SyncSampler | None = None
         # The two steps the hooks compare with (after_step: the first step, then the
-        # counted step's end; on_boundary: the counted step's and the sampled steps'
-        # starts); _NEVER when nothing is due.
+        # counted step's end; on_boundary: the sampled steps' starts); _NEVER when
+        # nothing is due.
         self._after_due = 0
         self._boundary_due = _NEVER
         self._base = 0  # the step this run started from (a resumed run's checkpoint)
-        self._counter: flops.FlopCount | None = None
         self._count_at = _NEVER  # the step whose FLOPs are counted
-        self._count_done = False  # its after_step came: leave the counter
         self._sync_first = _NEVER  # the first step sampled for host syncs
         self._bf16_at_start = False
 
@@ -174,7 +178,7 @@ class Efficiency(Component):
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         # From another thread, the process ends right after: the sync mode and the
         # warnings hook are process-wide and put back; the FLOP counter is the stuck
-        # main thread's (dispatch modes are per thread) and ends with the process.
+        # main thread's replay (dispatch modes are per thread) and ends with the process.
         if self.syncs is not None:
             self.syncs.stop()
 
@@ -188,30 +192,44 @@ class Efficiency(Component):
                 self._advise(guard)
             self._schedule(guard)
             return
-        self._after_due = _NEVER  # the counted step's end
-        counter = self._counter
-        if counter is None:
+        self._after_due = _NEVER  # the counted step's end (or a later one, when
+        self._count(guard)  # benchmark mode bypassed its hooks: that one is counted)
+
+    def _count(self, guard: Guard) -> None:
+        """The counted step is over: its FLOPs, from a replay of its forwards on fake
+        tensors (the step itself ran as it would unguarded)."""
+        step = guard.step
+        if guard.forward_compiled:  # a compiled wrapper calls the guarded model
+            self._not_counted_compiled(guard)
             return
-        self._count_done = True  # left at the next boundary
-        if step != self._count_at:
-            # Its after_step was skipped (benchmark mode bypasses the hooks of some
-            # steps): the count spans two steps. Count the next one instead (the
-            # boundary leaves this counter and enters a new one).
-            self._count_at = self._after_due = step + 1
-        elif (flop_count := counter.total()) is None:
-            guard.event(
-                "flops",
-                message=(
-                    f"the FLOPs of step {step} could not be counted ({counter.failed}): "
-                    "pass efficiency={'flops_per_step': ...} for MFU in the report"
-                ),
-                flops_per_step=None,
-            )
+        if any(holds_shards(m) for m in guard.models.values()):
+            self._not_counted(guard, step, "the model is sharded (FSDP)")
+            return
+        calls = guard.step_calls
+        if not calls:
+            logger.debug("guardrails: step %d had no training forward to count", step)
+            return
+        replay = flops.Replay()
+        flop_count = replay.count(calls, guard.device)
+        if flop_count is None:
+            why = replay.failed
+            if replay.unreplayable:
+                why = f"its forward could not be replayed on fake tensors: {why}"
+            self._not_counted(guard, step, why)
         elif flop_count > 0:
             self._found(guard, float(flop_count), "counted")
         else:
             logger.debug("guardrails: the counted step did no matmul FLOPs")
-        self._boundary_due = min(self._boundary_due, step)  # leave the counter there
+
+    def _not_counted(self, guard: Guard, step: int, why: str | None) -> None:
+        guard.event(
+            "flops",
+            message=(
+                f"the FLOPs of step {step} could not be counted ({why}): "
+                "pass efficiency={'flops_per_step': ...} for MFU in the report"
+            ),
+            flops_per_step=None,
+        )
 
     def _schedule(self, guard: Guard) -> None:
         """At the run's first step: the steps the hooks wait for."""
@@ -228,14 +246,13 @@ class Efficiency(Component):
         self._next_boundary(guard.step)  # this step's boundary is still to come
 
     def _not_counted_compiled(self, guard: Guard) -> None:
-        # Under FlopCounterMode dynamo would run the compiled step eagerly: a slow step,
-        # and other rounding than the compiled kernels' (a guarded run would no longer
-        # train bitwise as the unguarded one does).
+        # Its replay would count the eager model's ops, not the compiled kernels' (and
+        # under a dispatch mode dynamo would run the step eagerly): not counted.
         guard.event(
             "flops",
             message=(
-                "the model is compiled, so its FLOPs are not counted (under torch's "
-                "FlopCounterMode it would run eagerly): pass efficiency="
+                "the model is compiled, so its FLOPs are not counted (its eager "
+                "forward's ops are not its compiled kernels'): pass efficiency="
                 "{'flops_per_step': ...} for MFU in the report"
             ),
             flops_per_step=None,
@@ -244,30 +261,14 @@ class Efficiency(Component):
     def _next_boundary(self, first: int) -> None:
         """The next boundary, from the one after ``first`` steps on, that anything
         starts or ends at."""
-        due = [self._count_at - 1, self._sync_first - 1]
+        due = [self._sync_first - 1]
         syncs = self.syncs
-        if (syncs is not None and syncs.active) or self._count_done:
-            due.append(first)  # every boundary while sampling, or to leave the counter
+        if syncs is not None and syncs.active:
+            due.append(first)  # every boundary while sampling
         self._boundary_due = min((d for d in due if first <= d < _NEVER - 1), default=_NEVER)
 
     def _at_boundary(self, guard: Guard) -> None:
         step = guard.step  # the steps done: the one starting now is step + 1
-        counter = self._counter
-        if counter is not None and self._count_done:  # its step is over
-            if counter.leave():
-                self._counter = None
-                self._count_done = False
-            else:  # the loop's own dispatch mode is on top of it: the next boundary
-                logger.debug("guardrails: the FLOP counter is under another mode")
-        if step == self._count_at - 1 and self._counter is None:
-            if guard.forward_compiled:  # a compiled wrapper calls the guarded model
-                self._not_counted_compiled(guard)
-                self._after_due = _NEVER
-            elif flops.dispatch_mode_active():
-                logger.debug("guardrails: a dispatch mode is active; FLOPs not counted")
-                self._after_due = _NEVER
-            else:
-                self._counter = flops.FlopCount()
         first = self._sync_first
         syncs = self.syncs
         if step == first - 1:
@@ -294,14 +295,6 @@ class Efficiency(Component):
         return sampler if sampler.start() else None
 
     def _stop_all(self) -> None:
-        if self._counter is not None:
-            if not self._counter.leave():
-                logger.warning(
-                    "guardrails: its FLOP counter could not be left at close: a dispatch "
-                    "mode the loop entered during step %d is still active",
-                    self._count_at,
-                )
-            self._counter = None
         if self.syncs is not None:
             self.syncs.stop()
 

@@ -2,12 +2,12 @@
 
 MFU = the model's FLOPs per optimizer step / (step time x the device's dense peak
 FLOP/s for the dtype the matmuls run in). The FLOPs are counted once, by torch's
-``FlopCounterMode`` over one training step (forward and backward, every micro-batch):
+``FlopCounterMode`` over a replay of one training step's forwards (every micro-batch)
+and a backward, on fake tensors (:class:`Replay`), never over the step itself:
 it counts matmuls, convolutions and attention, the work tensor cores do, and nothing
 elementwise (the optimizer's update, norms, activations), which is how MFU is
-conventionally defined. Counted on this rank: under DDP or FSDP its own batch through
-the whole model (FSDP computes with the gathered layers). Tensor parallelism (DTensor
-compute) is not verified: the count may be the global one there; pass
+conventionally defined. Counted on this rank: under DDP its own batch through the
+whole model. A sharded model (FSDP, tensor parallelism) is not replayed: pass
 ``flops_per_step``. Attention is counted as torch counts
 its GPU kernels (full, not halved for a causal mask; the backward's recomputed scores
 included), on a CPU too. A formula that fails on an op gives the count up; it never
@@ -18,13 +18,14 @@ The peaks are the vendors' dense figures (no 2:4 sparsity), per GPU, in FLOP/s.
 
 from __future__ import annotations
 
+import copy as _copy
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from guardrails.engine.model import wrappers
+from guardrails.engine.model import unwrap, wrappers
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -123,8 +124,8 @@ def compute_dtype(guard: Guard) -> str:
 
 def compiled(models: Iterable[torch.nn.Module]) -> bool:
     """Whether a guarded model is compiled (``torch.compile(model)`` or
-    ``model.compile()``, under a DDP wrapper or over one): under a dispatch mode its
-    compiled code would not run (Dynamo runs the step eagerly), so it is not counted."""
+    ``model.compile()``, under a DDP wrapper or over one): not counted, since a replay
+    of its eager forward would count ops that its compiled kernels fuse or drop."""
     return any(
         hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None
         for model in models
@@ -132,52 +133,143 @@ def compiled(models: Iterable[torch.nn.Module]) -> bool:
     )
 
 
-class FlopCount:
-    """``FlopCounterMode`` entered at one hook (a step's boundary) and left at a later
-    one: a pass-through dispatch mode, so the step's numbers, its RNG draws and its
-    gradients are what they would be without it. The count is read where the step ends
-    (:meth:`total`, in ``after_step``, which runs inside ``optimizer.step()``, maybe
-    inside the loop's own dispatch mode); the mode is left where it is on top of the
-    stack again (:meth:`leave`, at the next boundary), never from under another."""
+#: A training forward: the module called, its positional and keyword arguments.
+Call = tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]
+
+
+class Replay:
+    """The FLOPs of one training step, counted on a replay of its forwards (and their
+    backward) on fake tensors: a copy of each model whose parameters and buffers are
+    ``FakeTensor`` s (shapes, dtypes and devices, no storage: no copy of the weights),
+    called on fake copies of the step's inputs under torch's ``FlopCounterMode``. No
+    kernel runs, no generator is drawn from, and the live modules are not called: their
+    buffers (BatchNorm's running stats), their Python attributes and the RNG streams
+    are the step's own.
+
+    Not the real step under the counter: ``FlopCounterMode`` decomposes every op its
+    formulas do not cover and that has a composite form (``func.decompose()`` in its
+    ``__torch_dispatch__``, torch 2.13), and ``aten.silu_backward`` is such an op: under
+    the counter SiLU's gradient ran as sigmoid/mul/add instead of the fused kernel, one
+    rounding apart (5.96e-08 in an MLP's bias after the counted step, then Adam's state),
+    so a guarded run no longer trained bitwise as the plain one did.
+
+    The backward is seeded with ones at each forward's output: a scalar output (a loss
+    the model returns) alone when there is one, else every float output that needs a
+    gradient. The user's loss function is not replayed (elementwise: no matmul FLOPs)."""
 
     def __init__(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
+        #: Why the count was given up (an op whose formula failed, a forward that
+        #: cannot run on fake tensors), or ``None``.
+        self.failed: str | None = None
+        #: Whether the failure is the replay's (the forward cannot run on fake
+        #: tensors), not a formula's.
+        self.unreplayable = False
 
-        class Counter(FlopCounterMode):
-            # A formula that fails on an op's shapes (torch's own asserts) must not end
-            # the user's step: the op's result goes on, the count is given up.
-            failed: str | None = None
-
-            def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
-                try:
-                    return super()._count_flops(func_packet, out, args, kwargs)
-                except Exception as e:
-                    self.failed = self.failed or f"{func_packet}: {type(e).__name__}: {e}"
-                    return out
-
-        self._mode: Any = Counter(display=False, custom_mapping=_cpu_attention())
-        self._mode.__enter__()
-
-    def total(self) -> int | None:
-        """The FLOPs counted so far, or ``None`` when an op's count failed (why:
+    def count(self, calls: Iterable[Call], device: torch.device) -> int | None:
+        """The FLOPs of ``calls`` (a step's training forwards: module, args, kwargs,
+        on ``device``), or ``None`` when they could not be counted (why:
         :attr:`failed`)."""
-        if self.failed is not None:
-            return None
-        return int(self._mode.get_total_flops())
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import _disable_current_modes
 
-    @property
-    def failed(self) -> str | None:
-        """Why the count was given up (an op whose formula failed), or ``None``."""
-        return getattr(self._mode, "failed", None)
+        counter = _counter()
+        # Off the loop's own dispatch modes (``after_step`` may run inside one: a
+        # profiler's), which would see the replay's ops; the copies' forwards draw
+        # nothing on fake tensors, and the default generators (the host's, the step's
+        # GPU's) are put back all the same, should a forward draw on a real tensor.
+        gpus = [device] if device.type == "cuda" else []
+        with _disable_current_modes(), torch.random.fork_rng(devices=gpus):
+            try:
+                fake = FakeTensorMode(allow_non_fake_inputs=True)
+                copies: dict[int, torch.nn.Module] = {}
+                runs = []
+                for module, args, kwargs in calls:
+                    bare = unwrap(module)
+                    if id(bare) not in copies:
+                        copies[id(bare)] = _fake_copy(bare, module, fake)
+                    runs.append((copies[id(bare)], _fake(args, fake), _fake(kwargs, fake)))
+                with torch.enable_grad(), fake, counter:
+                    for copy, args, kwargs in runs:
+                        _backward(copy(*args, **kwargs))
+            except Exception as e:  # the user's forward, on fake tensors: anything
+                self.failed = f"{type(e).__name__}: {e}"
+                self.unreplayable = True
+                return None
+        self.failed = counter.failed
+        return None if self.failed is not None else int(counter.get_total_flops())
 
-    def leave(self) -> bool:
-        """Leave the mode if it is the innermost one; whether it was left."""
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-        if self._mode.mode is not None and _get_current_dispatch_mode() is not self._mode.mode:
-            return False
-        self._mode.__exit__(None, None, None)
-        return True
+def _counter() -> Any:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Counter(FlopCounterMode):
+        # A formula that fails on an op's shapes (torch's own asserts) gives the count
+        # up, not the replay.
+        failed: str | None = None
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            try:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            except Exception as e:
+                self.failed = self.failed or f"{func_packet}: {type(e).__name__}: {e}"
+                return out
+
+    return Counter(display=False, custom_mapping=_cpu_attention())
+
+
+def _fake_copy(bare: torch.nn.Module, called: torch.nn.Module, fake: Any) -> torch.nn.Module:
+    """A copy of ``bare`` whose parameters, buffers and tensor attributes are fake (the
+    deep copy's memo maps each real tensor to its fake, so none is copied), its forward
+    the model's own, not the guard's wrapper (set on the instance of ``called``)."""
+    memo: dict[int, Any] = {}
+    for m in bare.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(fake.from_tensor(p), p.requires_grad)
+        for t in (*m._buffers.values(), *vars(m).values()):
+            if isinstance(t, torch.Tensor) and id(t) not in memo:
+                memo[id(t)] = fake.from_tensor(t)
+    copy = _copy.deepcopy(bare, memo)
+    own = vars(copy)
+    wrapper = vars(called).get("forward") if called is bare else None
+    if wrapper is not None and own.get("forward") is wrapper:
+        # The guard's wrapper calls the live module's forward: the copy gets the one it
+        # wraps, bound to the copy (or the class's, when it wrapped the class's).
+        del own["forward"]
+        inner = getattr(wrapper, "__wrapped__", None)
+        if getattr(inner, "__self__", None) is bare:
+            func = inner.__func__  # type: ignore[union-attr]
+            if func is not type(bare).forward:
+                own["forward"] = func.__get__(copy)
+        elif inner is not None:
+            raise TypeError(f"its forward is wrapped ({inner!r})")
+    return copy
+
+
+def _fake(tree: Any, fake: Any) -> Any:
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fake.from_tensor, tree)
+
+
+def _backward(output: Any) -> None:
+    """The backward of a replayed forward: from its scalar outputs (a loss it returns)
+    if any, else from every float output that needs a gradient."""
+    leaves = [t for t in _leaves(output) if t.requires_grad and t.is_floating_point()]
+    scalars = [t for t in leaves if t.dim() == 0]
+    roots = scalars or leaves
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+
+def _leaves(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, Mapping):  # a dict, a transformers ModelOutput
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _leaves(item)]
+    return []
 
 
 def _cpu_attention() -> dict[Any, Any]:
@@ -208,12 +300,3 @@ def _raw(formula: Any) -> Any:
 
     count._get_raw = True  # type: ignore[attr-defined]
     return count
-
-
-def dispatch_mode_active() -> bool:
-    """Whether a ``TorchDispatchMode`` is already on this thread's stack (a profiler,
-    a test's counter): one entered on top of it could not be left in order."""
-    try:
-        return torch._C._len_torch_dispatch_stack() > 0
-    except AttributeError:  # an older torch: assume the worst
-        return True
