@@ -71,6 +71,10 @@ class BufferShadows:
         #: True from the first training forward until the first optimizer step of the
         #: run, which keeps the written buffers (:meth:`settle`).
         self.pending = False
+        #: Whether :meth:`snapshot` has anything to do: until the first step, and after
+        #: it while buffers are written (False for most models: the engine skips the
+        #: call).
+        self.active = True
         self._started = False
         self._all = _Group([], [], [])
         self._groups: dict[str, _Group] = {}
@@ -115,6 +119,7 @@ class BufferShadows:
 
         self.pending = False
         kept, self._candidates = [c for c in self._candidates if not torch.equal(c[1], c[2])], []
+        self.active = bool(kept)
         if not kept:
             return
         self._all = _Group([n for n, _, _ in kept], [b for _, b, _ in kept], [c for *_, c in kept])

@@ -1021,7 +1021,8 @@ class Guard(StepState):
             self._arg_versions = []
             # The buffers before the step (one fused copy, no sync; none for a model
             # whose forward writes no buffer): what a skipped step puts back.
-            self._shadow.snapshot()
+            if self._shadow.active:  # inline: no frame per step for most models
+                self._shadow.snapshot()
         # A norm shared by a clip before this forward (a clip per micro-batch) is not
         # the norm of the gradients this step will apply.
         self._grad_norm = None
@@ -1701,7 +1702,8 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
             before()
         finally:
             guard.skip_cause = guard.skip_scaler = None
-        guard._put_back(name)
+        if guard._skip or guard._skip_where is not None:  # inline: no frame per step
+            guard._put_back(name)
         skipped = guard._skip and scaler is None
         guard._skip = False
         return (_SKIPPED if skipped else _RUN), args, kwargs, first
