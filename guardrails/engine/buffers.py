@@ -4,8 +4,8 @@ their shadows: what a skipped step puts back.
 A NaN batch through a BatchNorm layer writes NaN into ``running_mean`` / ``running_var``
 during the training forward, before any gradient exists; skipping the update alone
 leaves them there, and every later evaluation is NaN. So the engine keeps a copy of the
-written buffers as they were before the step's first training forward (one fused copy
-per step, no sync; nothing for a model whose forward writes no buffer) and, when a
+written buffers as they were before the step's first training forward (a fused copy
+per dtype a step, no sync; nothing for a model whose forward writes no buffer) and, when a
 step is skipped, whoever skips it (a component through ``Guard.skip_update``, or a
 GradScaler that found the gradients non-finite), puts back the buffers of the models
 that optimizer trains.
@@ -51,6 +51,22 @@ class _Group:
         # integer arithmetic (x * 1 + y * 0), which a NaN cannot poison.
         self.buf_bits = [_bits(b) for b in bufs]
         self.shadow_bits = [_bits(s) for s in shadows]
+        # (shadows, buffers) of one dtype and device each: a foreach call over mixed
+        # dtypes (BatchNorm's float statistics and int64 num_batches_tracked) takes
+        # torch's slow path, a kernel per tensor: ResNet-50's 159 buffers cost 860 us
+        # a copy on an H200, 63 us split by dtype (torch 2.11).
+        kinds: dict[tuple[torch.dtype, torch.device], tuple[list[Tensor], list[Tensor]]] = {}
+        for b, s in zip(bufs, shadows, strict=True):
+            pair = kinds.setdefault((b.dtype, b.device), ([], []))
+            pair[0].append(s)
+            pair[1].append(b)
+        self.to_shadows = list(kinds.values())
+        self.to_bufs = [(b, s) for s, b in self.to_shadows]
+
+    def copy(self, pairs: list[tuple[list[Tensor], list[Tensor]]]) -> None:
+        """``dst <- src`` for each (dst, src) pair of lists: one fused call per dtype."""
+        for dst, src in pairs:
+            torch._foreach_copy_(dst, src)
 
 
 class BufferShadows:
@@ -94,11 +110,11 @@ class BufferShadows:
 
     def snapshot(self) -> None:
         """The step's first training forward is about to run: the written buffers as
-        they are now (one fused copy, no sync; nothing when no buffer is written). The
+        they are now (one fused copy per dtype, no sync; nothing when no buffer is written). The
         run's first: a copy of every buffer, to find the written ones."""
-        shadows = self._all.shadows
-        if shadows:
-            torch._foreach_copy_(shadows, self._all.bufs)
+        group = self._all
+        if group.shadows:
+            group.copy(group.to_shadows)
         elif not self._started:
             self._started = self.pending = True
             from guardrails.engine.model import unwrap
@@ -148,10 +164,10 @@ class BufferShadows:
 
     def restore(self, optimizer: str) -> None:
         """``optimizer``'s step is skipped: its buffers as they were before the step's
-        first forward, bitwise (one fused copy)."""
+        first forward, bitwise (one fused copy per dtype)."""
         group = self._groups.get(optimizer)
         if group is not None and group.bufs:
-            torch._foreach_copy_(group.bufs, group.shadows)
+            group.copy(group.to_bufs)
 
     def restore_where(self, flag: Tensor, optimizer: str) -> None:
         """The optimizer skips on the device where ``flag`` is set: its buffers follow,

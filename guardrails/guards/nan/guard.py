@@ -439,8 +439,8 @@ class NanGuard(Component):
         fault = self._scaler_fault(guard, loss=True)
         found.fill_(SKIPPED if fault else SCALER_SKIP)
         guard.record_skip(found)
-        if self._reduce:  # in step with the other ranks' agreement (their scalers
-            self._agree(guard, False, 0.0)  # may not have skipped: ranks differ here)
+        if self._reduce:  # in step with the other ranks' agreement (their scalers may
+            self._agree(guard, fault, 0.0)  # not have skipped); a fault skips them too
         if fault:
             guard.skip_update()  # the scaler leaves the update out; the buffers go back
             if self._host:
