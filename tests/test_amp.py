@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from conftest import Regressor, batches
+from conftest import Regressor, assert_state_equal, batches
 
 import guardrails
 
@@ -128,3 +128,101 @@ def test_a_scaler_not_given_to_the_guard_is_found_and_named(tmp_path):
     assert len(warned) == 1 and "guard(..., scaler=scaler)" in warned[0]["message"]
     # GradScaler.step is torch's own again after the guard closed.
     assert torch.amp.GradScaler.step.__module__ == "torch.amp.grad_scaler"
+
+
+# ---------------------------------------------------------------------- fp16 + BatchNorm
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
+
+
+def _bn_data(n, nan_at=None):
+    g = torch.Generator().manual_seed(0)
+    data = [
+        (torch.rand(16, 4, generator=g) + 0.1, torch.randn(16, 1, generator=g)) for _ in range(n)
+    ]
+    if nan_at is not None:
+        data[nan_at - 1][0][2, 1] = float("nan")  # sample row 2 of step nan_at's batch
+    return data
+
+
+def _fp16_bn_loop(loader, model, opt, scaler, *, overflow_at=(), seen=None, g=None, watch=None):
+    """fp16 autocast (on the CPU too), the loss outside the model, a GradScaler;
+    ``overflow_at``: steps whose scaled loss overflows (a finite loss: the scaler's
+    calibration); ``seen``: the buffers before step ``watch``'s forward and after it."""
+    for i, (x, y) in enumerate(loader, 1):
+        if i == watch:
+            seen["before"] = {k: v.clone() for k, v in model.named_buffers()}
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        scaler.scale(loss * 2.0**40 if i in overflow_at else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if i == watch:
+            seen["after"] = {k: v.clone() for k, v in model.named_buffers()}
+
+
+def test_fp16_scaler_overflow_is_silent_calibration_bitwise_plain(tmp_path):
+    """A healthy fp16 + GradScaler + BatchNorm run whose scaler overflows (a finite loss)
+    three times: the guarded run computes what the plain loop does, bitwise (the
+    BatchNorm statistics of an overflowed step are kept, as the plain loop keeps them),
+    and says nothing but the scaler's info events."""
+    states = []
+    for guarded in (False, True):
+        model = _bn_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        # A scale fp16 gradients fit at, but not at 2**40 times the loss.
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        data = _bn_data(12)
+        if guarded:
+            with guardrails.guard(
+                model, opt, data, run_dir=tmp_path, scaler=scaler, progress=False
+            ) as g:
+                _fp16_bn_loop(g, model, opt, scaler, overflow_at=OVERFLOW_AT)
+            assert g.step == 12
+        else:
+            _fp16_bn_loop(data, model, opt, scaler, overflow_at=OVERFLOW_AT)
+        states.append(({k: v.clone() for k, v in model.state_dict().items()}, scaler.get_scale()))
+    assert_state_equal(states[0][0], states[1][0])  # BatchNorm statistics included
+    assert states[0][1] == states[1][1]
+    events = _events(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "scaler_skip"] == list(OVERFLOW_AT)
+    assert [e for e in events if e["level"] != "info"] == []
+
+
+@pytest.mark.parametrize("lagged", [False, True], ids=["cpu_path", "lagged_path"])
+def test_fp16_scaler_nan_batch_is_bad_data_and_batchnorm_is_put_back(tmp_path, monkeypatch, lagged):
+    """A NaN in one batch's input under fp16 + GradScaler: the scaler skips the update
+    (its gradients are NaN), but this is bad data, not an overflow: the nonfinite event
+    names the sample, and the BatchNorm statistics the NaN forward wrote are put back."""
+    monkeypatch.setattr(guardrails.NanGuard, "_lagged_on_cpu", lagged)
+    model = _bn_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    seen: dict = {}
+    with guardrails.guard(
+        model, opt, _bn_data(10, nan_at=4), run_dir=tmp_path, scaler=scaler, progress=False
+    ) as g:
+        _fp16_bn_loop(g, model, opt, scaler, seen=seen, watch=4)
+    assert g.step == 10
+    assert seen["before"].keys() == seen["after"].keys()
+    for name, before in seen["before"].items():  # num_batches_tracked too
+        assert torch.equal(seen["after"][name], before), name
+    for name, b in model.named_buffers():
+        assert torch.isfinite(b).all(), name
+    model.eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.rand(4, 4))).all()
+    events = _events(tmp_path)
+    (ev,) = [e for e in events if e["kind"] == "nonfinite"]
+    assert (ev["step"], ev["cause"], ev["samples"]) == (4, "bad_data", [2]), ev
+    assert "1.running_mean" in ev["message"] and "put back" in ev["message"]
+    assert 4 not in [e["step"] for e in events if e["kind"] == "scaler_skip"]
+    assert [e["step"] for e in events if e["kind"] == "nonfinite_recovered"] == [5]
+    assert not [e for e in events if e["kind"] == "nonfinite_buffers"]

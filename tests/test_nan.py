@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, free_port, read_events, spawn, train_loop
+from conftest import (
+    Regressor,
+    assert_state_equal,
+    batches,
+    free_port,
+    read_events,
+    spawn,
+    train_loop,
+)
 from safetensors.torch import load_file
 from torch import nn
 
@@ -1226,6 +1234,124 @@ def test_no_recovery_is_reported_while_a_buffer_is_nonfinite(tmp_path):
     (ev,) = [e for e in events if e["kind"] == "nonfinite_buffers"]
     assert ev["step"] == 4 and ev["buffers"] == ["0.stat"], ev
     assert "not recovered" in ev["message"]
+
+
+class MinTracker(nn.Module):
+    """A running statistic of the model's own, as BatchNorm's: once a real batch holds a
+    value under -20 (finite), it turns NaN and stays so, while the gradients stay finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stat", torch.zeros(()))
+
+    def forward(self, x):
+        self.stat.mul_(0.9).add_((x.detach().min() + 20).sqrt() * 0.1)
+        return x
+
+
+def _gan(run_dir, *, nan_at=None, negative_at=None, watch=None, guarded=True, steps=8):
+    """A GAN with BatchNorm in G and D (and D's MinTracker), optimizers as a dict, D
+    stepped first; NaN in a sample of real batch ``nan_at``, -50 in ``negative_at``'s.
+    Returns the buffers before iteration ``watch`` and after its D step, and the state."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    disc = nn.Sequential(
+        MinTracker(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)
+    )
+    opt_g, opt_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (gen, disc))
+    g = torch.Generator().manual_seed(1)
+    real = [torch.rand(8, 4, generator=g) for _ in range(steps)]
+    if nan_at is not None:
+        real[nan_at - 1][2, 1] = math.nan
+    if negative_at is not None:
+        real[negative_at - 1][5, 0] = -50.0
+    bce = nn.functional.binary_cross_entropy_with_logits
+    seen: dict = {}
+
+    def buffers():
+        return {
+            f"{m}.{k}": v.clone()
+            for m, mod in (("G", gen), ("D", disc))
+            for k, v in mod.named_buffers()
+        }
+
+    def loop(batches):
+        for i, x in enumerate(batches, 1):
+            if i == watch:
+                seen["before"] = buffers()
+            fake = gen(torch.randn(8, 2, generator=g))
+            d_loss = bce(disc(x).squeeze(1), torch.ones(8))
+            d_loss = d_loss + bce(disc(fake.detach()).squeeze(1), torch.zeros(8))
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            if i == watch:
+                seen["after"] = buffers()
+            opt_g.zero_grad()
+            bce(disc(fake).squeeze(1), torch.ones(8)).backward()
+            opt_g.step()
+
+    if guarded:
+        models, opts = {"G": gen, "D": disc}, {"G": opt_g, "D": opt_d}
+        with guardrails.guard(models, opts, real, run_dir=run_dir, progress=False) as gd:
+            loop(gd)
+        assert gd.step == steps
+    else:
+        loop(real)
+    seen["state"] = {
+        **{f"G.{k}": v for k, v in gen.state_dict().items()},
+        **{f"D.{k}": v for k, v in disc.state_dict().items()},
+        "opt_g": opt_g.state_dict(),
+        "opt_d": opt_d.state_dict(),
+    }
+    return seen
+
+
+def test_gan_skipped_discriminator_step_puts_its_batchnorm_back(tmp_path):
+    # A NaN real sample at iteration 3: D's forward writes NaN into its BatchNorm
+    # statistics; D's step is skipped and its buffers go back, bitwise (G's are finite
+    # and its step goes on: they stay as the iteration left them).
+    seen = _gan(tmp_path, nan_at=3, watch=3)
+    d_buffers = [k for k in seen["before"] if k.startswith("D.")]
+    for k in d_buffers:
+        assert torch.equal(seen["after"][k], seen["before"][k]), k  # num_batches_tracked too
+    for k, v in seen["state"].items():
+        if isinstance(v, torch.Tensor):
+            assert torch.isfinite(v).all(), k
+    events = read_events(tmp_path)
+    (ev,) = [e for e in events if e["kind"] == "nonfinite"]
+    assert (ev["optimizer"], ev["step"], ev["cause"], ev["samples"]) == ("D", 3, "bad_data", [2])
+    assert ev["restored_buffers"] == [
+        "D.0.stat",
+        "D.2.running_mean",
+        "D.2.running_var",
+        "D.2.num_batches_tracked",
+    ], ev
+    assert "put back" in ev["message"]
+    (rec,) = [e for e in events if e["kind"] == "nonfinite_recovered"]
+    assert (rec["optimizer"], rec["step"]) == ("D", 4)
+    assert not [e for e in events if e["kind"] == "nonfinite_buffers"]
+
+
+def test_gan_no_recovery_is_reported_while_a_buffer_is_nonfinite(tmp_path):
+    # Iteration 3 is skipped (NaN), iteration 4's D gradients are finite but its forward
+    # writes NaN into D's own running statistic: D is not recovered.
+    _gan(tmp_path, nan_at=3, negative_at=4)
+    events = read_events(tmp_path)
+    assert [e["step"] for e in events if e["kind"] == "nonfinite"] == [3]
+    assert not [e for e in events if e["kind"] == "nonfinite_recovered"]
+    (ev,) = [e for e in events if e["kind"] == "nonfinite_buffers"]
+    assert (ev["step"], ev["buffers"], ev["optimizer"]) == (4, ["D.0.stat"], "D"), ev
+    assert "not recovered" in ev["message"] and "D.0" in ev["message"]
+    assert "reset_running_stats()" in ev["message"]
+
+
+def test_healthy_gan_with_batchnorm_is_bitwise_plain_and_silent(tmp_path):
+    plain = _gan(tmp_path / "plain", guarded=False)["state"]
+    guarded = _gan(tmp_path / "guarded")["state"]
+    assert_state_equal(plain, guarded)
+    warnings = [e for e in read_events(tmp_path / "guarded") if e.get("level") != "info"]
+    assert warnings == [], warnings
 
 
 # ---------------------------------------------------------------------- zero_grad

@@ -70,6 +70,7 @@ from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
 from guardrails.engine import process, rundir, where
 from guardrails.engine.anatomy import DeviceClock
+from guardrails.engine.buffers import BufferShadows
 from guardrails.engine.component import (
     HOOKS,
     Component,
@@ -278,19 +279,9 @@ class Guard(StepState):
         # device where the flag is set (a fused one's found_inf); buffers follow it.
         self._skip_where: Tensor | None = None
         # The buffers a training forward writes in place (BatchNorm's running
-        # statistics), their names, and a preallocated shadow of each: a copy of the
-        # buffers as they were before the step's first forward, put back when the
-        # update is skipped (a NaN batch writes NaN into running_mean / running_var
-        # before any gradient exists). None until the first step tells which they are.
-        self._buffers: list[Tensor] | None = None
-        self._buffer_names: list[str] = []
-        self._shadows: list[Tensor] = []
-        # Integer views of both, same bytes: the restore by a device flag is exact
-        # integer arithmetic (x * 1 + y * 0), which a NaN cannot poison.
-        self._buffer_bits: list[Tensor] = []
-        self._shadow_bits: list[Tensor] = []
-        # The first step only: a copy of every buffer, to find the written ones.
-        self._first_copies: list[Tensor] = []
+        # statistics) and their copies from before the step's first forward: what a
+        # skipped step puts back (engine/buffers.py).
+        self._shadow = BufferShadows(self.model, self.models, self.optimizers)
         # (tensor, version) of the step's forward arguments, to notice a loader that
         # refills them in place; then copy them instead (see _check_refill).
         self._arg_versions: list[tuple[Tensor, int]] = []
@@ -1034,10 +1025,8 @@ class Guard(StepState):
             self._arg_versions = []
             # The buffers before the step (one fused copy, no sync; none for a model
             # whose forward writes no buffer): what a skipped step puts back.
-            if self._shadows:
-                torch._foreach_copy_(self._shadows, self._buffers)
-            elif self._buffers is None:
-                self._snapshot_all_buffers()
+            if self._shadow.active:  # inline: no frame per step for most models
+                self._shadow.snapshot()
         # A norm shared by a clip before this forward (a clip per micro-batch) is not
         # the norm of the gradients this step will apply.
         self._grad_norm = None
@@ -1259,8 +1248,10 @@ class Guard(StepState):
         does with its gradients. The step still counts and ``after_step`` runs.
 
         The buffers the step's training forwards wrote (BatchNorm's running
-        statistics) are put back as they were before its first forward, bitwise
-        (:attr:`restored_buffers` names them).
+        statistics) are put back as they were before its first forward, bitwise: those
+        of the models this optimizer trains (:meth:`restored_buffers_of`). So are they
+        when a GradScaler leaves the step out and a component calls this from the same
+        hooks (a NaN batch, not an overflow).
 
         ``where``: the optimizer is called and leaves the update out itself, on the
         device, where this 0-d tensor is non-zero (a fused optimizer's ``found_inf``);
@@ -1275,78 +1266,29 @@ class Guard(StepState):
     def restored_buffers(self) -> list[str]:
         """The model's buffers a training forward writes (BatchNorm's running
         statistics, found at the first step), which a skipped step puts back as they
-        were before its first forward. Empty before the first step and for models
-        whose forward writes no buffer."""
-        return self._buffer_names
+        were before its first forward (several optimizers: the buffers of the models
+        that optimizer trains, :meth:`restored_buffers_of`). Empty before the first step
+        and for models whose forward writes no buffer."""
+        return self._shadow.names
+
+    def restored_buffers_of(self, optimizer: str) -> list[str]:
+        """The :attr:`restored_buffers` a skip of ``optimizer`` (its name) puts back."""
+        return self._shadow.names_of(optimizer)
 
     def nonfinite_buffers(self) -> list[str]:
         """The names of the :attr:`restored_buffers` holding a NaN or an Inf now (one
         host read: call it rarely, e.g. before reporting a recovery)."""
-        floats = [
-            (n, b)
-            for n, b in zip(self._buffer_names, self._buffers or (), strict=False)
-            if b.is_floating_point()
-        ]
-        if not floats:
-            return []
-        finite = torch.stack([torch.isfinite(b).all() for _, b in floats]).tolist()
-        return [n for (n, _), ok in zip(floats, finite, strict=True) if not ok]
+        return self._shadow.nonfinite()
 
-    def _snapshot_all_buffers(self) -> None:
-        """The first training forward: copy every buffer of the model (once), so that
-        :meth:`_keep_written_buffers` can tell which ones a forward writes."""
-        from guardrails.engine.model import unwrap
-
-        if len(self.optimizers) > 1:
-            # A GAN's step holds both models' forwards around the first optimizer's
-            # step: a snapshot at "the step's first forward" would be the other
-            # model's, and a skip would undo that model's good statistics.
-            self._buffers = []
-            return
-        seen: set[int] = set()
-        names, bufs = [], []
-        for name, b in unwrap(self.model).named_buffers():
-            # Buffers whose bytes an integer view covers (every real one; not complex128).
-            if id(b) in seen or b.element_size() not in _INT_OF_SIZE or b.is_complex():
-                continue
-            seen.add(id(b))
-            names.append(name)
-            bufs.append(b)
-        self._buffer_names, self._buffers = names, bufs
-        self._first_copies = [b.detach().clone() for b in bufs]
-
-    def _keep_written_buffers(self) -> None:
-        """The first step's update is next: keep, of the model's buffers, those its
-        forwards changed (by value: BatchNorm updates its statistics in a kernel that
-        does not bump their version counters). Once per run; on CUDA one host read per
-        buffer, then never again."""
-        copies, self._first_copies = self._first_copies, []
-        keep = [
-            i
-            for i, (b, c) in enumerate(zip(self._buffers or (), copies, strict=True))
-            if not torch.equal(b, c)
-        ]
-        self._buffers = [self._buffers[i] for i in keep]  # type: ignore[index]
-        self._buffer_names = [self._buffer_names[i] for i in keep]
-        self._shadows = [copies[i] for i in keep]  # this step's snapshot: the clones
-        self._buffer_bits = [_bits(b) for b in self._buffers]
-        self._shadow_bits = [_bits(s) for s in self._shadows]
-
-    def _restore_buffers(self) -> None:
-        """A skipped step: the written buffers as they were before its first forward."""
-        if self._shadows and self._forward_seen:
-            torch._foreach_copy_(self._buffers, self._shadows)
-
-    def _restore_buffers_where(self, flag: Tensor) -> None:
-        """The optimizer skips on the device where ``flag`` is set: the buffers follow,
-        also on the device. Integer views, so ``buf * keep + shadow * skip`` is exact
-        and a NaN in the buffer cannot leak through a multiplication by zero. Four
-        fused calls, no sync."""
-        if not (self._shadows and self._forward_seen):
-            return
-        skip = (flag != 0).to(torch.int64)
-        torch._foreach_mul_(self._buffer_bits, 1 - skip)
-        torch._foreach_add_(self._buffer_bits, torch._foreach_mul(self._shadow_bits, skip))
+    def _put_back(self, optimizer: str) -> None:
+        """After ``optimizer``'s before-step hooks: the buffers its skip puts back
+        (:meth:`skip_update`), whoever skips it (a component, or its GradScaler)."""
+        if self._forward_seen:  # else the shadows are an earlier step's
+            if self._skip:
+                self._shadow.restore(optimizer)
+            elif self._skip_where is not None:
+                self._shadow.restore_where(self._skip_where, optimizer)
+        self._skip_where = None
 
     def _before_step(self) -> None:
         self.phase = "optimizer"
@@ -1360,8 +1302,8 @@ class Guard(StepState):
             # steps per batch, or a model called around the guard's wrapper): the
             # boundary is due now at the latest, before this update.
             self._boundary()
-        if self._buffers is not None and len(self._buffers) != len(self._shadows):
-            self._keep_written_buffers()  # the first step, once
+        if self._shadow.pending:
+            self._shadow.settle()  # the run's first optimizer step, once
         if not self._forward_seen:  # no forward observed: the fetch position it is
             self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
             self.step_batches += self._fetched
@@ -1490,12 +1432,16 @@ class Guard(StepState):
                 )
         self.skip_cause, self.skip_scaler = "fp16_overflow", scaler
         try:
+            # A component may find it a fault, not an overflow (a NaN batch): then the
+            # buffers its forwards wrote go back as on any skipped step.
             if name == next(iter(self.optimizers)):
                 self._before_step()
+                self._put_back(name)
                 self._skip = False
                 self._after_step()
             else:
                 self._before_extra_step(name)
+                self._put_back(name)
                 self._skip = False
                 self._after_extra_step(name)
         finally:
@@ -1503,6 +1449,8 @@ class Guard(StepState):
 
     def _before_extra_step(self, name: str) -> None:
         self.phase = "optimizer"
+        if self._shadow.pending:
+            self._shadow.settle()  # the run's first optimizer step, once
         if self._pending is not None:
             self._raise_pending()
         for fn in self._live["before_extra_step"]:
@@ -1758,11 +1706,8 @@ def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: 
             before()
         finally:
             guard.skip_cause = guard.skip_scaler = None
-        if guard._skip:
-            guard._restore_buffers()
-        elif guard._skip_where is not None:
-            guard._restore_buffers_where(guard._skip_where)
-        guard._skip_where = None
+        if guard._skip or guard._skip_where is not None:  # inline: no frame per step
+            guard._put_back(name)
         skipped = guard._skip and scaler is None
         guard._skip = False
         return (_SKIPPED if skipped else _RUN), args, kwargs, first
@@ -1858,19 +1803,6 @@ def _wrap_scaler_step(guard: Guard) -> _Restore:
         GradScaler.scale = inner_scale  # type: ignore[method-assign]
 
     return _Restore(undo)
-
-
-#: The integer dtype of each element size: a buffer's bytes as integers (_bits).
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: Tensor) -> Tensor:
-    """``t``'s bytes as integers of its element size (a view: no copy)."""
-    return (
-        t
-        if not t.is_floating_point() and t.dtype != torch.bool
-        else t.view(_INT_OF_SIZE[t.element_size()])
-    )
 
 
 def _wrap_backward(guard: Guard) -> _Restore:

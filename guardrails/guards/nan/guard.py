@@ -438,17 +438,42 @@ class NanGuard(Component):
 
     def _scaler_skipped(self, guard: Guard, step: int, found: Tensor) -> None:
         """A GradScaler leaves this step's update out itself (``guard.skip_cause``): the
-        row says so (flag ``SCALER_SKIP``), nothing is judged or diagnosed here."""
-        found.fill_(SCALER_SKIP)
+        row says so (flag ``SCALER_SKIP``), nothing is judged or diagnosed here; unless
+        the step is a fault, not an overflow (:meth:`_scaler_fault`): then it is a
+        non-finite step like any other (flag ``SKIPPED``, diagnosed, buffers put back)."""
+        fault = self._scaler_fault(guard, loss=True)
+        found.fill_(SKIPPED if fault else SCALER_SKIP)
         guard.record_skip(found)
-        if self._reduce:  # in step with the other ranks' agreement (their scalers
-            self._agree(guard, False, 0.0)  # may not have skipped: ranks differ here)
+        if self._reduce:  # in step with the other ranks' agreement (their scalers may
+            self._agree(guard, fault, 0.0)  # not have skipped); a fault skips them too
+        if fault:
+            guard.skip_update()  # the scaler leaves the update out; the buffers go back
+            if self._host:
+                self._observe(step, self._ring.loss, self._ring.norm, True, guard.lr, now=True)
+            else:  # judged when the row (flag SKIPPED) is read back
+                self._lrs.append((step, guard.lr, guard.step_row()))
+            return
         scale = _skip_scale(guard)
         if not self._host:
             self._lrs.append((step, guard.lr, guard.step_row()))
             self._scales[step] = scale
             return
         self._scaler_skip(step, scale)
+
+    def _scaler_fault(self, guard: Guard, *, loss: bool) -> bool:
+        """A step its GradScaler skipped is a fault, not the scaler's calibration: its
+        loss (``loss``: the guard's step, whose loss it is) or a buffer its forwards
+        wrote (BatchNorm's statistics) is NaN/Inf. An fp16 overflow happens in the
+        backward, at a finite loss, and leaves the forward's statistics finite; a NaN
+        batch makes both non-finite. Host reads on scaler-skipped steps only (a few at
+        the start, then about one per ``growth_interval`` steps), after the scaler's own
+        read of its flag. Not with ``policy="warn"``: the scaler's skips as before."""
+        if not self._skips:
+            return False
+        value = guard.step_loss if loss else None
+        if value is not None and not math.isfinite(value.item()):
+            return True
+        return bool(guard.nonfinite_buffers())
 
     def _scaler_skip(self, step: int, scale: float) -> None:
         """A scaler-skipped step reached the host: an info event (its normal dynamic
@@ -548,12 +573,13 @@ class NanGuard(Component):
     def before_extra_step(self, guard: Guard, name: str) -> None:
         """Another optimizer's step: its own parameters' gradients, checked on the host
         (one read), skipped like the first optimizer's."""
-        if guard.skip_cause is not None:  # its GradScaler skipped it: see _scaler_skip
+        scaled = guard.skip_cause is not None  # its GradScaler skipped it
+        if scaled and not self._scaler_fault(guard, loss=False):  # an overflow
             self._scaler_skip(guard.step + 1, _skip_scale(guard))
             return
         norm = guard.total_norm(grads_of(self._extra[name]))
         norm_v = float(norm)  # the one host read of this optimizer's step
-        bad = not math.isfinite(norm_v)
+        bad = scaled or not math.isfinite(norm_v)
         if self._reduce:
             bad, _ = self._agree(guard, bad)
         streak = self._extra_streaks[name]
@@ -830,14 +856,14 @@ class NanGuard(Component):
         self.diagnoses.append(diag)
         what = {"skip": "skipped", "raise": "skipped", "warn": "NOT skipped (policy warn)"}
         restored = ""
-        # Only the first optimizer's skips put the model's buffers back.
-        if self.policy != "warn" and guard.restored_buffers and optimizer is None:
+        put_back = guard.restored_buffers_of(optimizer or next(iter(guard.optimizers)))
+        if self.policy != "warn" and put_back:
             restored = (
                 " and the buffers its forward wrote put back as they were before it ("
-                + shorten(guard.restored_buffers, 4)
+                + shorten(put_back, 4)
                 + ")"
             )
-            diag["restored_buffers"] = list(guard.restored_buffers)
+            diag["restored_buffers"] = list(put_back)
         guard.event(
             "nonfinite",
             level="warning",
@@ -865,7 +891,7 @@ class NanGuard(Component):
         streak = self._streak if streak is None else streak
         first, n = streak[0], len(streak)
         whose = "" if optimizer is None else f"optimizer {optimizer!r}: "
-        broken = self._guard.nonfinite_buffers() if optimizer is None else []
+        broken = self._guard.nonfinite_buffers()
         if broken:
             # Finite gradients again, but a buffer a forward writes holds a NaN or an
             # Inf (an update that went in, policy "warn"): the model is not recovered.
@@ -874,9 +900,11 @@ class NanGuard(Component):
                 "nonfinite_buffers",
                 level="warning",
                 message=(
-                    f"the gradients are finite again at step {step} after {n} non-finite "
-                    f"step(s) from step {first}, but the model's buffers "
-                    f"{shorten(broken, 4)} hold NaN/Inf (written by a training forward of a "
+                    f"{whose}the gradients are finite again at step {step} after {n} "
+                    f"non-finite step(s) from step {first}, but the model's buffers "
+                    f"{shorten(broken, 4)} (module(s) "
+                    f"{shorten(sorted({b.rpartition('.')[0] or b for b in broken}), 4)}) "
+                    "hold NaN/Inf (written by a training forward of a "
                     "non-finite step): the model is not recovered, and evaluations and "
                     "saved weights are non-finite from here on. Resume from a checkpoint "
                     "before that step, or reset those statistics (e.g. "
@@ -885,9 +913,11 @@ class NanGuard(Component):
                 step=step,
                 first_step=first,
                 buffers=broken,
+                **({} if optimizer is None else {"optimizer": optimizer}),
             )
-            self._streak = []
-            self._streak_diag = None
+            if optimizer is None:
+                self._streak = []
+                self._streak_diag = None
             return
         self._guard.event(
             "nonfinite_recovered",
