@@ -1293,7 +1293,10 @@ def _gan(run_dir, *, nan_at=None, negative_at=None, watch=None, guarded=True, st
 
     if guarded:
         models, opts = {"G": gen, "D": disc}, {"G": opt_g, "D": opt_d}
-        with guardrails.guard(models, opts, real, run_dir=run_dir, progress=False) as gd:
+        # The loop draws G's noise from `g`: passed, as a resumable loop must.
+        with guardrails.guard(
+            models, opts, real, run_dir=run_dir, progress=False, generators={"g": g}
+        ) as gd:
             loop(gd)
         assert gd.step == steps
     else:
