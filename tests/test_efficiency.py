@@ -731,6 +731,12 @@ def test_the_count_leaves_batchnorm_stats_dropouts_rng_and_attributes_as_the_pla
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         states = []
         batches = data(4)
+        # A user's hooks (an activation logger, a gradient probe) see the real step
+        # alone: the replay's copy runs none of them.
+        seen: list[torch.Tensor] = []
+        model.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0]))
+        model.register_forward_hook(lambda m, args, out, seen=seen: seen.append(out))
+        model.register_full_backward_hook(lambda m, gi, go, seen=seen: seen.append(go[0]))
         if name == "guarded":
             guard = guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False)
         else:
@@ -743,6 +749,8 @@ def test_the_count_leaves_batchnorm_stats_dropouts_rng_and_attributes_as_the_pla
                 states.append(
                     (copy.deepcopy(model.state_dict()), model.calls, torch.get_rng_state())
                 )
+        assert len(seen) == 3 * 4, len(seen)
+        states.append([t.detach().clone() for t in seen])  # real tensors, the step's own
         runs[name] = states
     assert_state_equal(runs["guarded"], runs["plain"])
     [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]

@@ -230,6 +230,13 @@ def _fake_copy(bare: torch.nn.Module, called: torch.nn.Module, fake: Any) -> tor
             if isinstance(t, torch.Tensor) and id(t) not in memo:
                 memo[id(t)] = fake.from_tensor(t)
     copy = _copy.deepcopy(bare, memo)
+    for m in copy.modules():
+        # The user's hooks (an activation logger, a probe appending to a list) and the
+        # guard's are for the real step: on the copy they would see fake tensors. Its
+        # own dicts (the deep copy made them), so the live modules keep theirs. Shapes,
+        # and so the count, do not depend on them.
+        for hooks in _HOOKS:
+            getattr(m, hooks, {}).clear()
     own = vars(copy)
     wrapper = vars(called).get("forward") if called is bare else None
     if wrapper is not None and own.get("forward") is wrapper:
@@ -244,6 +251,18 @@ def _fake_copy(bare: torch.nn.Module, called: torch.nn.Module, fake: Any) -> tor
         elif inner is not None:
             raise TypeError(f"its forward is wrapped ({inner!r})")
     return copy
+
+
+#: A module's own hook tables (torch 2.13), emptied on the replay's copy.
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
 
 
 def _fake(tree: Any, fake: Any) -> Any:
