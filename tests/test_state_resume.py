@@ -178,6 +178,36 @@ def test_a_param_group_added_mid_run_is_recreated_by_the_same_command(tmp_path):
     assert "head.weight, head.bias" in resumed["message"]
 
 
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_a_layer_unfrozen_or_frozen_inside_its_param_group_resumes_so_bitwise(tmp_path):
+    # The body starts frozen inside the optimizer's one group; after step 3 the loop
+    # unfreezes it and freezes the head (requires_grad_ only, the groups unchanged);
+    # stopped at 5. The same command again builds the model as at step 0: the resume
+    # sets each parameter's requires_grad as saved, so the body trains on and the head
+    # stays frozen, as in the run never interrupted.
+    a, b, _ = _stop_and_resume(tmp_path, "--retrain-at", 3, "--steps", 10, stop_at=5)
+    assert_state_equal(a, b)
+    assert len(b["opt"]["param_groups"]) == 1
+
+
+def test_the_resume_sets_requires_grad_as_saved_and_only_once_every_check_passed(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model[0].requires_grad_(False)  # frozen mid-run, in its group
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt = guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=opt)
+    again = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    guardrails.resume(ckpt, again, torch.optim.AdamW(again.parameters(), lr=1e-2))
+    assert [p.requires_grad for p in again.parameters()] == [False, False, True, True]
+    # A checkpoint this run refuses (another optimizer class): nothing modified.
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    with pytest.raises(guardrails.ResumeError, match="Nothing was modified"):
+        guardrails.resume(ckpt, other, torch.optim.SGD(other.parameters(), lr=1e-2))
+    assert all(p.requires_grad for p in other.parameters())
+
+
 def _unfreezing_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model whose second layer starts frozen, and its optimizer without that layer."""
     torch.manual_seed(0)
