@@ -5,12 +5,16 @@ can be compared bitwise with one that was never interrupted.
 
     python tests/state_worker.py RUN_DIR OUT [--opt lbfgs|adam|adamw|sgdm] [--steps N]
         [--sigterm-at STEP] [--every N] [--best-tensor] [--unfreeze-at STEP]
+        [--retrain-at STEP]
         [--bad-state-at STEP] [--scheduler none|passed|unpassed]
 
 --best-tensor    keeps the best loss (float32) and a step counter (int64) as tensors
                  in ``g.state``, updated without a host sync.
 --unfreeze-at    the head starts frozen and outside the optimizer; after that step the
                  loop unfreezes it and adds it as a param group of its own.
+--retrain-at     the body starts frozen, in the optimizer's group all the same; after
+                 that step the loop unfreezes it (requires_grad_(True)) and freezes the
+                 head (requires_grad_(False)), the groups unchanged.
 --bad-state-at   after that step, puts a value no checkpoint can store in ``g.state``.
 --scheduler      a StepLR, passed as ``scheduler=`` or only created.
 
@@ -66,6 +70,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=None)
     p.add_argument("--best-tensor", action="store_true")
     p.add_argument("--unfreeze-at", type=int, default=-1)
+    p.add_argument("--retrain-at", type=int, default=-1)
     p.add_argument("--bad-state-at", type=int, default=-1)
     p.add_argument("--scheduler", default="none", choices=["none", "passed", "unpassed"])
     args = p.parse_args()
@@ -78,7 +83,14 @@ def main() -> None:
     bare = Net()
     if args.unfreeze_at >= 0:
         bare.head.requires_grad_(False)
-    opt = build_optimizer(args.opt, [q for q in bare.parameters() if q.requires_grad])
+    if args.retrain_at >= 0:
+        bare.body.requires_grad_(False)
+    opt = build_optimizer(
+        args.opt,
+        list(bare.parameters())
+        if args.retrain_at >= 0
+        else [q for q in bare.parameters() if q.requires_grad],
+    )
     model: nn.Module = bare
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -127,6 +139,9 @@ def main() -> None:
                 if g.step == args.unfreeze_at:  # unfreeze the head from the next step on
                     bare.head.requires_grad_(True)
                     opt.add_param_group({"params": list(bare.head.parameters()), "lr": 5e-3})
+                if g.step == args.retrain_at:  # in their groups: only requires_grad changes
+                    bare.body.requires_grad_(True)
+                    bare.head.requires_grad_(False)
                 if g.step == args.bad_state_at:
                     g.state["tags"] = {"warmup", "decay"}  # a set: not storable
                 if g.step == args.sigterm_at and rank == 0:

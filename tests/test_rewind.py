@@ -350,3 +350,70 @@ def test_the_report_reads_a_run_whose_step_numbers_repeat(tmp_path):
     )
     assert report.returncode == 0, report.stderr
     assert "rewound from step 70 to step 60" in report.stdout, report.stdout
+
+
+def _once(at, damage):
+    """A hook for ``_local_run``: ``damage(opt, "before" | "after")`` around the update of
+    step ``at``, the first time only (step numbers repeat after a rewind)."""
+    state = {"left": 1, "on": False}
+
+    def hook(g, opt, when):
+        if when == "before" and g.step + 1 == at and state["left"]:
+            state["left"], state["on"] = 0, True
+        if state["on"]:
+            damage(opt, when)
+            state["on"] = when == "before"
+
+    return hook
+
+
+def _lr_jump(factor):
+    def jump(opt, when):
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] * factor if when == "before" else group["lr"] / factor
+
+    return jump
+
+
+@pytest.mark.slow(reason="four 80-step runs in this process (~5 s on 2 busy cores)")
+def test_damage_in_a_snapshot_steps_own_update_rewinds_to_an_older_snapshot(tmp_path):
+    # Snapshots every 10 steps. The LR is raised 1000x for the update of step 40 alone: the
+    # loss diverges from step 41, and the snapshot of step 40 holds that update already. The
+    # rewind goes back to step 30 (before the LR jump), once, and the run recovers.
+    nan = {"divergence_steps": 5, "check_every_n_steps": 5}
+    rw = {"snapshot_every_steps": 10}
+    _, _, clean = _local_run(tmp_path / "clean", "none", rw, steps=80, nan=nan)
+    _, net, losses = _local_run(
+        tmp_path / "jump40", "none", rw, steps=80, nan=nan, hook=_once(40, _lr_jump(1000))
+    )
+    (e,) = _kinds(tmp_path / "jump40", "rewind")
+    assert (e["cause"], e["start"], e["to_step"]) == ("divergence", 40, 30), e
+    assert e["trouble"]["lr_jump_step"] == 40 and "after an LR jump at step 40" in e["message"]
+    assert e["batches_skipped"]["steps"] < 20
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert abs(_tail(losses, 10) - _tail(clean, 10)) < 0.15 * _tail(clean, 10), (losses, clean)
+    # The same jump at a step that is no snapshot's (37): back to step 30, as before.
+    _, _, losses = _local_run(
+        tmp_path / "jump37", "none", rw, steps=80, nan=nan, hook=_once(37, _lr_jump(1000))
+    )
+    (e,) = _kinds(tmp_path / "jump37", "rewind")
+    assert (e["start"], e["to_step"]) == (37, 30), e
+    assert abs(_tail(losses, 10) - _tail(clean, 10)) < 0.15 * _tail(clean, 10)
+
+    # Damage no signal shows before it (the weights knocked off right after step 40's
+    # update): the first rewind lands on step 40's snapshot, sees the divergence again,
+    # and goes further back (step 30) instead of repeating.
+    def knock(opt, when):
+        if when == "after":
+            with torch.no_grad():
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        p.add_(5.0)
+
+    _, net, losses = _local_run(
+        tmp_path / "knock", "none", rw, steps=80, nan=nan, hook=_once(40, knock)
+    )
+    events = _kinds(tmp_path / "knock", "rewind")
+    assert [(e["start"], e["to_step"]) for e in events] == [(41, 40), (40, 30)], events
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    assert abs(_tail(losses, 10) - _tail(clean, 10)) < 0.15 * _tail(clean, 10), (losses, clean)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks import run_ranks
+from _ranks import free_port, run_ranks, spawn
 from conftest import assert_state_equal, read_events, run_worker
 
 import guardrails
@@ -178,6 +178,36 @@ def test_a_param_group_added_mid_run_is_recreated_by_the_same_command(tmp_path):
     assert "head.weight, head.bias" in resumed["message"]
 
 
+@pytest.mark.slow(reason="3 runs: straight, stopped, resumed")
+def test_a_layer_unfrozen_or_frozen_inside_its_param_group_resumes_so_bitwise(tmp_path):
+    # The body starts frozen inside the optimizer's one group; after step 3 the loop
+    # unfreezes it and freezes the head (requires_grad_ only, the groups unchanged);
+    # stopped at 5. The same command again builds the model as at step 0: the resume
+    # sets each parameter's requires_grad as saved, so the body trains on and the head
+    # stays frozen, as in the run never interrupted.
+    a, b, _ = _stop_and_resume(tmp_path, "--retrain-at", 3, "--steps", 10, stop_at=5)
+    assert_state_equal(a, b)
+    assert len(b["opt"]["param_groups"]) == 1
+
+
+def test_the_resume_sets_requires_grad_as_saved_and_only_once_every_check_passed(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model[0].requires_grad_(False)  # frozen mid-run, in its group
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt = guardrails.save_checkpoint(tmp_path, 1, model=model, optimizer=opt)
+    again = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    guardrails.resume(ckpt, again, torch.optim.AdamW(again.parameters(), lr=1e-2))
+    assert [p.requires_grad for p in again.parameters()] == [False, False, True, True]
+    # A checkpoint this run refuses (another optimizer class): nothing modified.
+    other = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    with pytest.raises(guardrails.ResumeError, match="Nothing was modified"):
+        guardrails.resume(ckpt, other, torch.optim.SGD(other.parameters(), lr=1e-2))
+    assert all(p.requires_grad for p in other.parameters())
+
+
 def _unfreezing_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model whose second layer starts frozen, and its optimizer without that layer."""
     torch.manual_seed(0)
@@ -248,3 +278,39 @@ def test_a_run_whose_schedulers_are_passed_is_not_warned(tmp_path, scheduler):
     if scheduler == "passed":
         ckpt = tmp_path / "r" / "checkpoints" / "step_000000012"
         assert (ckpt / "scheduler.json").is_file()
+
+
+def _save_fsdp2_rank(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 1))
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        try:
+            guardrails.save_checkpoint(out, 1, model=model, optimizer=opt)
+            said = "saved"
+        except Exception as e:  # today: rank 0's RuntimeError from deep in staging
+            said = f"{type(e).__name__}: {e}"
+        Path(out, f"rank{rank}.txt").write_text(said)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow(reason="2 FSDP2 ranks (spawn)")
+def test_save_checkpoint_of_a_sharded_model_says_to_save_with_the_guard_on_every_rank(tmp_path):
+    # It writes rank 0's copy: rank 0 died in staging ("invalid python storage") while
+    # rank 1 went on as if it had saved.
+    spawn(_save_fsdp2_rank, (free_port(), str(tmp_path)))
+    for rank in (0, 1):
+        said = (tmp_path / f"rank{rank}.txt").read_text()
+        assert said.startswith("ValueError") and "sharded" in said, (rank, said)
+        assert "g.save_checkpoint()" in said, (rank, said)
+    assert not list(tmp_path.glob("step_*"))

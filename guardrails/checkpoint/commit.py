@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from guardrails._errors import CheckpointError
 from guardrails._version import __version__
+from guardrails.checkpoint import sharded as _sharded
 from guardrails.checkpoint.common import (
     _ASIDE_PREFIX,
     _TMP_PREFIX,
@@ -509,6 +510,16 @@ def save_checkpoint(
             "ZeroRedundancyOptimizer holds a different shard on every rank. Save with "
             "the guard instead (g.save_checkpoint(), periodic or signal saves): every "
             "rank writes its own part."
+        )
+    if _sharded.is_sharded(model):
+        # Every rank raises (rank 0 alone used to, deep in staging: "invalid python
+        # storage", while the other ranks went on as if it had saved).
+        raise ValueError(
+            "save_checkpoint() writes rank 0's copy of the state, but this model's "
+            "parameters are sharded (FSDP2 fully_shard / DTensor): each rank holds a "
+            "different shard. Save with the guard instead (g.save_checkpoint(), periodic "
+            "or signal saves): every rank writes its shards through "
+            "torch.distributed.checkpoint."
         )
     rank = dist.rank()
     if rank != 0:

@@ -572,6 +572,27 @@ def _added_groups(
     return added
 
 
+def _saved_trains(optimizer: Any, saved: Mapping[str, Any]) -> list[tuple[Tensor, bool]]:
+    """Each parameter of this run's param groups with its ``requires_grad`` as saved
+    (recorded by group, in the groups' order), where that differs from now: a layer
+    unfrozen (``requires_grad_(True)``) or frozen inside a group during the saved run,
+    which the same command would otherwise resume frozen (or training). Read after
+    :func:`_check_optimizer` (the same groups, the same number of parameters in each);
+    ``[]`` for a checkpoint that does not record it. Nothing is modified."""
+    recorded = saved.get("group_params")
+    if not isinstance(recorded, list):
+        return []
+    out: list[tuple[Tensor, bool]] = []
+    for group, entries in zip(per_rank(optimizer).param_groups, recorded, strict=False):
+        if not isinstance(entries, list):
+            continue
+        for p, entry in zip(group["params"], entries, strict=False):
+            wants = entry.get("requires_grad") if isinstance(entry, Mapping) else None
+            if isinstance(wants, bool) and wants != p.requires_grad:
+                out.append((p, wants))
+    return out
+
+
 def _check_classes(
     ckpt: Path,
     step: int,

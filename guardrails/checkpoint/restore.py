@@ -51,6 +51,7 @@ from guardrails.checkpoint.read import (
     _problem,
     _Reader,
     _restore_rng,
+    _saved_trains,
     _torch_own,
     skip_hint,
 )
@@ -199,6 +200,9 @@ class Plan:
     #: Per optimizer of ``opt_sds``: the param groups to add to it before its state
     #: loads (``read._added_groups``), each with its parameters' ``requires_grad``.
     added_groups: list[list[tuple[dict[str, Any], list[bool]]]]
+    #: The parameters of the optimizers' groups whose ``requires_grad`` was otherwise
+    #: when saved (``read._saved_trains``: a layer unfrozen or frozen in its group).
+    trains: list[tuple[Tensor, bool]]
     sched_sds: list[tuple[Any, Any]]
     scaler: Any
     scaler_sd: Any
@@ -272,6 +276,7 @@ def prepare(
     _check_classes(ckpt, step, contents, optimizers, schedulers)
     opt_sds: list[tuple[Any, dict[str, Any]]] = []
     added_groups: list[list[tuple[dict[str, Any], list[bool]]]] = []
+    trains: list[tuple[Tensor, bool]] = []
     pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
     for name, opt, saved in pairs:
         stem = saved["file"]
@@ -298,6 +303,7 @@ def prepare(
             _check_optimizer_values(reader, f"{stem}.json", opt, sd, groups)
             _check_group_keys(reader, f"{stem}.json", opt, sd, len(per_rank(opt).param_groups))
             _check_optimizer_state(reader, f"{stem}.json", opt, sd)
+            trains += _saved_trains(opt, sd)
         opt_sds.append((opt, sd))
         added_groups.append(added)
     sched_sds = []
@@ -393,6 +399,7 @@ def prepare(
         optimizers=optimizers,
         opt_sds=opt_sds,
         added_groups=added_groups,
+        trains=trains,
         sched_sds=sched_sds,
         scaler=scaler,
         scaler_sd=scaler_sd,
@@ -411,6 +418,8 @@ def apply(plan: Plan) -> dict[str, Any]:
         _sharded.load(plan.ckpt, plan.model, next(iter(plan.optimizers.values()), None))
     elif plan.model_sd is not None:
         plan.model.load_state_dict(plan.model_sd, strict=plan.strict)
+    for p, wants in plan.trains:  # unfrozen (or frozen) in its group during the saved run
+        p.requires_grad_(wants)
     recreated = []
     for (opt, sd), added in zip(plan.opt_sds, plan.added_groups, strict=True):
         names = {id(p): n for n, p in plan.model.named_parameters()} if added else {}

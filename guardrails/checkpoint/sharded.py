@@ -49,6 +49,7 @@ from torch import nn
 from guardrails._errors import CheckpointError, ResumeError
 from guardrails.checkpoint import digest as _digest
 from guardrails.checkpoint.manifest import read_bytes
+from guardrails.distributed.dist import imported_class
 from guardrails.distributed.store import wait_keys
 
 DCP_DIR = "dcp"
@@ -79,6 +80,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         if found is None:
             raise _Refused(f"{module}.{name}")
         return found
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel): the
+    parameters have global shapes and global norms, and their state goes through
+    ``torch.distributed.checkpoint`` (``checkpoint/sharded.py``), each rank writing its
+    shards."""
+    dtensor = imported_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def _allowed(module: str, name: str) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from guardrails.distributed.dist import imported_class
+from guardrails.checkpoint.sharded import is_sharded
 
 #: Wrapper layers followed at most (a real chain is 1-2 deep; the bound only stops a
 #: module that wraps itself).
@@ -75,15 +75,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 # ---------------------------------------------------------------------- sharding
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter is a DTensor (FSDP2 ``fully_shard``, tensor parallel): the
-    parameters have global shapes and global norms, and their state goes through
-    ``torch.distributed.checkpoint`` (``checkpoint/sharded.py``), each rank writing its
-    shards."""
-    dtensor = imported_class("torch.distributed.tensor", "DTensor")
-    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def holds_shards(model: nn.Module) -> bool:

@@ -128,18 +128,35 @@ def evidence(
     }
 
 
-def _lr_jump(steps: list[int], lrs: list[float], since: int) -> tuple[int, float, float] | None:
+def _lr_jump(
+    steps: list[int], lrs: list[float], since: int, *, lasting: bool = True
+) -> tuple[int, float, float] | None:
     """``(step, previous LR, LR)`` of the first step from ``since`` on whose LR is over
     ``LR_JUMP`` times the highest finite LR of the steps before it, if the LR is still
-    that high at the last step."""
+    that high at the last step (``lasting``; else a one-step jump counts too)."""
     top = 0.0
     for i, (s, lr) in enumerate(zip(steps, lrs, strict=True)):
         if not math.isfinite(lr):
             continue
-        if s >= since and top > 0 and lr > LR_JUMP * top and lrs[-1] > LR_JUMP * top:
+        if (
+            s >= since
+            and top > 0
+            and lr > LR_JUMP * top
+            and (not lasting or lrs[-1] > LR_JUMP * top)
+        ):
             return s, lrs[i - 1] if i else top, lr
         top = max(top, lr)
     return None
+
+
+def first_lr_jump(rows: list[tuple[int, float, float, float]], start: int) -> int | None:
+    """The step of the first LR jump (the rule above, a one-step jump included) within
+    ``RECENT_STEPS`` steps before trouble that showed at step ``start``, from the rows
+    ``(step, loss, grad norm, lr)`` of the steps before it, oldest first: the update of
+    that step may be the damage (a rewind goes back to before it); ``None`` if none."""
+    rows = [r for r in rows if r[0] <= start]
+    jump = _lr_jump([r[0] for r in rows], [r[3] for r in rows], start - RECENT_STEPS, lasting=False)
+    return None if jump is None else jump[0]
 
 
 def _update_jump(

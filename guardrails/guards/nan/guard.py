@@ -92,7 +92,7 @@ from guardrails.engine.config import configure
 from guardrails.engine.gradnorm import grads_of
 from guardrails.engine.guard import current_lr
 from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
-from guardrails.guards.nan import diagnose
+from guardrails.guards.nan import blowup, diagnose
 from guardrails.guards.nan.divergence import Divergence
 from guardrails.guards.nan.health import _Health, _StaleGrads
 from guardrails.guards.nan.spikes import SCALE_SHARE, TREND_STEPS, _Series, _spikes
@@ -938,7 +938,22 @@ class NanGuard(Component):
         """Ask the rewind guard (``guard(rewind=...)``, off by default) to set the run
         back to before step ``start``: whether it will (else: today's behaviour)."""
         rewind = self._guard.shared.rewind
-        return rewind is not None and rewind.request(cause, start, numbers, everywhere=everywhere)
+        if rewind is None:
+            return False
+        # A snapshot of step k holds step k's update: an LR jump at a step shortly before
+        # the trouble showed is where it may have begun (its update the damage), so the
+        # rewind goes back to before that step. The LR is the same on every rank (the
+        # ranks still agree without an exchange on a streak).
+        jump = blowup.first_lr_jump([*self.history, *self._unjudged], start)
+        if jump is not None and jump < start:
+            detail = numbers.get("detail") or ""
+            numbers = {
+                **numbers,
+                "lr_jump_step": jump,
+                "detail": (detail + "; " if detail else "") + f"after an LR jump at step {jump}",
+            }
+            start = jump
+        return rewind.request(cause, start, numbers, everywhere=everywhere)
 
     def on_rewind(self, guard: Guard, from_step: int) -> None:
         """The run is back at ``guard.step``: what was seen of the steps after it (the

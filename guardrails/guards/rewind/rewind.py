@@ -17,6 +17,11 @@ opt-in (``guard(rewind=True)``); off, it is not installed at all.
   Granted while fewer than ``max_rewinds`` rewinds were made and a snapshot older
   than the trouble's first step is held; otherwise today's behaviour (the error, the
   warning).
+* **Never back onto the damage**: a snapshot of step k holds step k's update, so the
+  trouble's first step is the first sign of it: NanGuard lowers it to an LR jump
+  shortly before (whose update may be the damage), and a rewind that landed on a
+  snapshot and sees trouble again before a newer one is taken goes back further
+  (:meth:`Rewind._limit`) rather than onto the same damage again.
 * **The rewind**, at the next step boundary: the newest snapshot taken before the
   trouble began is put back (none old enough: the newest of this run's checkpoints
   from before it, checked whole by ``restore.prepare`` before anything is touched,
@@ -162,6 +167,9 @@ class Rewind(Component):
         self._store: Any = None
         # Checkpoints a rewind could not use (damaged, another model): not tried again.
         self._refused: set[str] = set()
+        # The snapshot step the last rewind went back to (-1: none): trouble seen again
+        # before a newer snapshot is taken means that one holds it (see _limit).
+        self._landed = -1
         self._warmup_left = 0  # steps of LR scaling still to come
         self._warmup_done = 0
         self._saved_lrs: list[tuple[dict[str, Any], Any]] = []
@@ -193,6 +201,8 @@ class Rewind(Component):
             "used": self.used,
             "warmup_left": self._warmup_left,
             "warmup_done": self._warmup_done,
+            # A resume at the rewind's step takes its first snapshot of that same step.
+            "landed": self._landed,
             # A post not read yet (a save between a rank's post and the snapshot step
             # that reads it): posted again at resume, under the same key.
             "wanted": None
@@ -209,6 +219,7 @@ class Rewind(Component):
         self.used = int(state.get("used", 0))
         self._warmup_left = int(state.get("warmup_left", 0))
         self._warmup_done = int(state.get("warmup_done", 0))
+        self._landed = int(state.get("landed", -1))
         wanted = state.get("wanted")
         if wanted and self._store is not None:
             cause, start, numbers, at = wanted
@@ -226,6 +237,7 @@ class Rewind(Component):
         older than ``start``: the caller keeps today's behaviour)."""
         if self.used >= self.max_rewinds:
             return False
+        start = self._limit(start)
         if self._target(start) is None and self._on_disk(start) is None:
             return False
         if self._due is not None or self._wanted is not None:
@@ -327,6 +339,18 @@ class Rewind(Component):
         slot = min(self._slots, key=lambda s: s.step)
         slot.take(guard, position)
 
+    def _limit(self, start: int) -> int:
+        """The step a rewind must go back to before, for trouble that showed at step
+        ``start``: ``start`` itself, unless the last rewind went back to a snapshot and
+        the trouble showed again before a newer one was taken: then that snapshot holds
+        it already (its own step's update did the damage: an LR jump, a bad update), and
+        going back to it again would repeat the same trouble; the rewind goes further
+        back. The same on every rank (the rewinds and the snapshots are)."""
+        landed = self._landed
+        if landed >= 0 and start > landed and not any(s.step > landed for s in self._slots):
+            return landed
+        return start
+
     def _target(self, start: int) -> Snapshot | None:
         """The newest snapshot taken before step ``start`` began (its step < start)."""
         older = [s for s in self._slots if 0 <= s.step < start]
@@ -408,6 +432,7 @@ class Rewind(Component):
         cause, start, numbers, rank = self._due  # type: ignore[misc]
         self._due = None
         self._wanted = None
+        start = self._limit(start)
         snap = self._target(start)
         from_step = guard.step
         at = (guard.epoch, guard.batch_in_epoch)
@@ -442,6 +467,7 @@ class Rewind(Component):
                     cause=cause,
                 )
                 return
+        self._landed = to_step if source == "memory" else -1
         guard.drop_batches(self.skip_batches)
         guard.rewind_to(to_step)
         for s in self._slots:  # of the trajectory just left behind
