@@ -8,9 +8,9 @@ died of the very SIGTERM the rank was about to save on, and the rank failed on
 on a step to stop at: no checkpoint, and the same command trained again from step 0.
 
 * :class:`WorkerShield`: while the guard runs, the loaders it iterates start their
-  workers with a ``worker_init_fn`` that ignores the stop signals, then calls the
-  loader's own one; the loader's ``worker_init_fn`` is the user's object again at the
-  guard's end. A worker still ends when the loader shuts it down or its parent ends
+  workers with a ``worker_init_fn`` that makes them ignore the stop signals, then calls
+  the loader's own one; the loader's ``worker_init_fn`` is the user's object again at
+  the guard's end. A worker still ends when the loader shuts it down or its parent ends
   (torch's workers watch their parent), and nothing about the data changes.
 * :class:`LoaderStop`: what the shield cannot cover (a worker killed before its
   ``worker_init_fn`` ran, a ``persistent_workers`` iterator made before the guard, a
@@ -22,11 +22,13 @@ on a step to stop at: no checkpoint, and the same command trained again from ste
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch.multiprocessing
 from torch.utils.data import DataLoader
 
 from guardrails.distributed import dist
@@ -44,20 +46,42 @@ _JOIN_MAX_S = 10.0
 
 
 class IgnoreStopSignals:
-    """A DataLoader ``worker_init_fn``: the stop signals ignored in the worker, then the
-    loader's own ``worker_init_fn`` (``inner``). A class at module level, holding only
-    ints and the user's function, so it pickles for a spawn / forkserver
-    ``multiprocessing_context`` (where the user's function must pickle anyway)."""
+    """A DataLoader ``worker_init_fn``: the stop signals ignored in the worker while the
+    guard is open, then the loader's own ``worker_init_fn`` (``inner``). A class at
+    module level holding ints, a shared flag and the user's function, so it pickles for a
+    spawn / forkserver ``multiprocessing_context`` (the flag travels as the worker is
+    started, the way such a loader sends its ``worker_init_fn``).
 
-    def __init__(self, signums: tuple[int, ...], inner: Callable[[int], Any] | None) -> None:
+    Not ``SIG_IGN``: a worker that outlives the guard (``persistent_workers``) must still
+    end at its loader's SIGTERM (``Process.terminate()`` in the loader's shutdown and at
+    the interpreter's exit, whose join waits for it: an ignored one hung the exit)."""
+
+    def __init__(
+        self, signums: tuple[int, ...], inner: Callable[[int], Any] | None, open_: Any
+    ) -> None:
         self.signums = signums
         self.inner = inner
+        self.open = open_  # a shared byte: 1 while the guard runs
 
     def __call__(self, worker_id: int) -> None:
         for num in self.signums:
-            signal.signal(num, signal.SIG_IGN)
+            signal.signal(num, self._on_signal)
+            signal.siginterrupt(num, False)  # a blocking call in the worker is not cut
         if self.inner is not None:
             self.inner(worker_id)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.open.value:
+            return  # the guard stops and saves; the worker lives on to hand it batches
+        # The guard has closed: what the signal did to a DataLoader worker before. torch's
+        # workers exit quietly at SIGTERM (their loader's shutdown); SIGINT is Python's
+        # KeyboardInterrupt, which the worker's loop takes as its end; others kill.
+        if signum == signal.SIGTERM:
+            os._exit(0)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _dataloaders(loader: Any) -> list[DataLoader]:
@@ -81,16 +105,19 @@ class WorkerShield:
         """Wrap the ``worker_init_fn`` of ``loader`` (and of the DataLoader under it).
 
         Workers already running keep what they started with: a ``persistent_workers``
-        iterator made before the guard (``LoaderStop`` covers those). A persistent
-        iterator made while the guard runs keeps its shielded workers after it, until
-        the loader or its parent process ends them."""
+        iterator made before the guard (``LoaderStop`` covers those). The workers of a
+        persistent iterator made while the guard runs outlive it: from its close on they
+        end at the stop signals again (the shared flag)."""
         if not signums:
             return
         for dl in _dataloaders(loader):
             if not dl.num_workers:
                 continue
             own = dl.worker_init_fn
-            wrapper = IgnoreStopSignals(signums, own)
+            # The loader's own context (torch.multiprocessing's default one when unset):
+            # its shared memory is what its workers can map.
+            context = dl.multiprocessing_context or torch.multiprocessing
+            wrapper = IgnoreStopSignals(signums, own, context.RawValue("b", 1))
             dl.worker_init_fn = wrapper
             self._covered.append((dl, own, wrapper))
 
@@ -98,6 +125,7 @@ class WorkerShield:
         """Each loader's ``worker_init_fn`` back to the object it had (unless the loop set
         another one meanwhile: that one is kept)."""
         for dl, own, wrapper in reversed(self._covered):
+            wrapper.open.value = 0  # workers still running die of the signals again
             if dl.worker_init_fn is wrapper:
                 dl.worker_init_fn = own
         self._covered = []
