@@ -170,6 +170,8 @@ def main() -> None:
                     while not a.slow_data and not (ckpt._signal or ckpt._watched_signal):
                         assert time.monotonic() < deadline, "no signal came"
                         time.sleep(0.01)
+                    if a.early_iter and not a.slow_data:
+                        time.sleep(1.0)  # unshielded workers' deaths reach it mid-step
                 if g.step == a.crash_at:  # a crash: no signal save, writers cut off
                     if a.rank == 0 and a.world > 1:
                         # Rank 0 hosts the store here (torchrun's agent would): it goes

@@ -854,6 +854,26 @@ def test_workers_started_before_the_guard_dying_of_the_signal_is_still_the_stop(
     assert _load(out, 0)["step"] == 12
 
 
+@pytest.mark.slow(reason="a process with 2 loader workers")
+def test_a_signals_stop_that_saved_nothing_says_so_on_the_console(tmp_path):
+    """Workers the guard could not shield (started before it) die of the group's SIGTERM
+    while the rank is inside a step (torch's SIGCHLD handler raises there): no step
+    boundary to save at. The rank still exits 143, and stderr says that nothing was
+    saved, why, and that a re-run starts from scratch."""
+    run_dir, out = tmp_path / "run", tmp_path / "b"
+    args = ("--steps", 12, "--workers", 2, "--early-iter", "--mark-at", 3)
+    code, text = _group_signal(run_dir, out, signal.SIGTERM, *args)
+    assert code == 128 + signal.SIGTERM, text
+    assert "stopped: SIGTERM received at step 3, but this rank failed before" in text, text
+    assert "NOTHING was saved" in text and "a DataLoader worker died of the signal" in text
+    assert "a re-run starts from scratch" in text
+    [stopped] = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
+    assert stopped["level"] == "warning" and not stopped["saved"], stopped
+    assert not (run_dir / "checkpoints").exists() or not list(
+        (run_dir / "checkpoints").glob("step_*")
+    )
+
+
 _INIT_RAN: list[int] = []
 
 
