@@ -834,24 +834,32 @@ def test_ctrl_c_to_the_process_group_with_loader_workers_saves_exits_130_and_res
     assert [e["step"] for e in read_events(run_dir) if e["kind"] == "resumed"] == [stopped["step"]]
 
 
-@pytest.mark.slow(reason="a process with 2 loader workers and a slow dataset, twice")
+@pytest.mark.slow(reason="torchrun and 2 ranks with 2 loader workers each, twice")
 def test_workers_started_before_the_guard_dying_of_the_signal_is_still_the_stop(tmp_path):
     """Workers the guard could not shield (a persistent_workers iterator made before the
-    guard) die of the group's SIGTERM while the rank waits for its next batch: the loader
-    fails at a step boundary, after the signal, and that is the stop: saved, 143."""
+    guard) die of torchrun's SIGTERM while each rank waits for its next batch: each
+    loader fails at the same step boundary, after the signal, and that is the stop: the
+    ranks count each other in there, save it together and exit 143; the same command
+    resumes it."""
     run_dir, out = tmp_path / "run", tmp_path / "b"
     args = ("--steps", 12, "--workers", 2, "--slow-data", "--early-iter", "--mark-at", 3)
-    code, text = _group_signal(run_dir, out, signal.SIGTERM, *args)
-    assert code == 128 + signal.SIGTERM, text
-    [stopped] = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
-    assert (
-        stopped["saved"] and "A DataLoader worker had died of the signal" in (stopped["message"])
-    ), stopped
-    step = stopped["step"]
-    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{step:09d}"]
-    [(code, text)] = _run(run_dir, out, *args)
-    assert code == 0, text
-    assert _load(out, 0)["step"] == 12
+    cmd = [WORKER, run_dir, out, *args]
+    with launch_torchrun(cmd, 2, out=tmp_path / "tr1") as job:
+        _wait_for(Path(f"{out}.mark"), job, "step 3")
+        os.kill(job.procs[0].pid, signal.SIGTERM)
+        [first] = job.wait(120)
+    stopped = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
+    assert len(stopped) == 2 and all(e["saved"] for e in stopped), (stopped, first.text)
+    assert all("A DataLoader worker had died of the signal" in e["message"] for e in stopped)
+    [step] = {e["step"] for e in stopped}
+    [ckpt] = (run_dir / "checkpoints").iterdir()
+    assert ckpt.name == f"step_{step:09d}"
+    assert json.loads((ckpt / "manifest.json").read_text())["ranks"] == [0, 1]
+    with launch_torchrun(cmd, 2, out=tmp_path / "tr2") as job:
+        [second] = job.wait(240)
+    assert second.code == 0, second.text[-3000:]
+    assert [e["step"] for e in read_events(run_dir) if e["kind"] == "resumed"] == [step, step]
+    assert _load(out, 0)["step"] == _load(out, 1)["step"] == 12
 
 
 @pytest.mark.slow(reason="a process with 2 loader workers")

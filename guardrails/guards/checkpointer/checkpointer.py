@@ -295,6 +295,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
         # the stop says when a worker died of the signal before the ranks stopped.
         self._shield = WorkerShield()
         self._dead_loader: str | None = None
+        # (step, epoch, batch_in_epoch, training forwards) at the last step boundary.
+        self._boundary_mark: tuple[int, int, int, int] | None = None
         self._stop_at: int | None = None
         self._stop_signal = 0
         self._save_due = False
@@ -412,7 +414,6 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
             self._watch_signals(guard)
             if guard.loader is not None:
                 self._shield.cover(guard.loader, tuple(self._previous))
-                guard.wrap_batches(self._watch_pass(guard))
 
     @property
     def run_id(self) -> str:
@@ -432,7 +433,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
             # diagnosed, then torchrun's SIGTERM once a rank exited) is what happened:
             # the signal only ended it.
             preempted = signum and self._stop_at is None and isinstance(exc, Exception)
-            if preempted and not self._verdict_first(guard):
+            if (
+                preempted
+                and not self._verdict_first(guard)
+                and not self._stop_at_dead_loader(guard, signum, exc)
+            ):
                 # Pre-empted before a stop could be agreed, then failed: under a
                 # launcher's SIGTERM to every rank, a peer that could not save left,
                 # and this rank's collective failed for it. The signal is what
@@ -588,6 +593,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
         self._next_check = guard.step + steps
 
     def on_boundary(self, guard: Guard) -> None:
+        # Where a loader that fails on the next fetch leaves the run (_stop_at_dead_loader).
+        self._boundary_mark = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
         if self._agree_store is None and self._signal is not None and self._stop_at is None:
             self._stop_at, self._stop_signal = guard.step, self._signal  # alone: stop now
         elif self._stop_at is None and (self._signal or self._watched_signal):

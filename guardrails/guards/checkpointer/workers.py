@@ -15,9 +15,11 @@ on a step to stop at: no checkpoint, and the same command trained again from ste
 * :class:`LoaderStop`: what the shield cannot cover (a worker killed before its
   ``worker_init_fn`` ran, a ``persistent_workers`` iterator made before the guard, a
   loader the guard does not iterate, a kill from elsewhere): a loader that fails
-  because a worker died, after a stop signal, fails while fetching the next step's
-  batch: at a step boundary, where the state is complete. That is the stop: the ranks
-  whose loaders failed at the same boundary save there and exit ``128 + signum``.
+  because a worker died, after a stop signal, while fetching the first batch after a
+  step boundary, failed where the state is complete. That is the stop: the ranks whose
+  loaders failed at the same boundary save there and exit ``128 + signum``. A worker's
+  death raised inside a step (torch's SIGCHLD handler raises wherever the main thread
+  is) leaves no such state: the rank exits without a checkpoint, and says so.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing
 from torch.utils.data import DataLoader
 
 from guardrails.distributed import dist
+from guardrails.engine import process
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -141,52 +144,47 @@ class LoaderStop:
     """Part of :class:`SignalCheckpointer`: a loader whose worker died after a stop
     signal ends the run as that signal's stop (see the module's docstring)."""
 
-    def _watch_pass(self, guard: Guard) -> Callable[[Iterator[Any]], Iterator[Any]]:
-        """The batch wrapper (``guard.wrap_batches``) that turns a worker's death, after a
-        stop signal, into the stop at the step boundary the fetch was made from."""
-
-        def wrap(it: Iterator[Any]) -> Iterator[Any]:
-            try:
-                yield from it
-            except Exception as e:
-                signum = self._signal or self._watched_signal  # type: ignore[attr-defined]
-                if (
-                    not signum
-                    or not worker_died(e)
-                    or self._stop_at is not None  # type: ignore[attr-defined]
-                    or guard.stopping is not None
-                ):
-                    raise
-                self._stop_at_dead_loader(guard, signum, e)
-                raise
-
-        return wrap
-
-    def _stop_at_dead_loader(self, guard: Guard, signum: int, error: BaseException) -> None:
-        """This rank's loader died at the boundary of ``guard.step``, after ``signum``:
-        stop there, with every rank whose loader died at the same boundary (all of them,
-        or nobody saves: a save is one commit of every rank). Raises the stop's exit;
-        returns (the caller raises ``error``) when the ranks could not all join."""
+    def _stop_at_dead_loader(self, guard: Guard, signum: int, error: BaseException) -> bool:
+        """From ``on_end``, the loop failed after ``signum``: whether that was its loader
+        failing for a worker gone while fetching the first batch after a step boundary
+        (no batch fetched, no training forward since: the state is that boundary's, the
+        data position too). Then the rank stops there, with every rank whose loader
+        failed at the same boundary (all of them, or nobody saves: a save is one commit
+        of every rank), and the loop's error becomes the stop's exit. Checked here, once,
+        not around every fetch: nothing is added to a step."""
+        at = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
+        if guard.phase != "data" or not worker_died(error) or at != self._boundary_mark:
+            return False
         store = self._agree_store  # type: ignore[attr-defined]
         if store is not None and not self._join_dead_loaders(guard, store):
-            return
+            return False
         self._dead_loader = f"{type(error).__name__}: {str(error).splitlines()[0]}"
         self._stop_at, self._stop_signal = guard.step, signum
-        self._stop(guard)  # type: ignore[attr-defined]
+        self._stop(guard, exit_now=False)  # type: ignore[attr-defined]
+        if self.exit_on_signal:  # type: ignore[attr-defined]
+            guard.replace_error(process.stop_exit(128 + signum, guard.stopping or ""))
+        return True
 
     def _join_dead_loaders(self, guard: Guard, store: Any) -> bool:
         """Count this rank in at its step's boundary and wait (bounded) until every rank
-        has: whether they all did. A few store calls, once, on this path only."""
+        has: whether they all save there. The first rank to know (all counted, or its
+        wait over) writes the verdict every rank follows: a rank counted in just as
+        another gave up must not wait for a commit that rank never makes. A few store
+        calls, once, on this path only."""
         key = self._key(f"dead/{guard.step}")  # type: ignore[attr-defined]
         wait_s = min(float(self.grace_s) / 3, _JOIN_MAX_S)  # type: ignore[attr-defined]
-        with guard.in_phase("agree"):
+        # A bounded wait of its own: neither the watchdog nor the signal watcher's "no
+        # progress after the signal" (5 s) may call it stuck meanwhile.
+        with guard.in_phase("agree"), guard.pause_watchdog("stop"):
             joined = store.add(key, 1)
             deadline, pause = time.monotonic() + wait_s, 0.005
             while joined < guard.world_size and time.monotonic() < deadline:
                 time.sleep(pause)
                 pause = min(0.2, pause * 2)
                 joined = store.add(key, 0)
-        return joined >= guard.world_size
+            mine = "save" if joined >= guard.world_size else "none"
+            verdict = bytes(store.compare_set(f"{key}/verdict", "", mine)).decode()
+        return verdict == "save"
 
     def _dead_loader_at_boundary(self, guard: Guard) -> bool:
         """At a step boundary after a stop signal (one store call per step, only then):
