@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks import launch, patience, run_ranks
+from _ranks import base_env, launch, launch_torchrun, patience, run_ranks
 from conftest import Regressor, batches, read_events, train_loop
-from torch import nn
+from torch import Tensor, nn
 
 import guardrails
 from guardrails.checkpoint.manifest import _self_hash
@@ -729,3 +729,214 @@ def test_a_signal_save_without_periodic_saves_stages_into_memory_allocated_ahead
     resumed, _, _ = run()
     for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+# --- the loader's worker processes and the stop signals --------------------------------
+# torchrun, SLURM and a terminal's Ctrl+C signal a rank's whole process group: its
+# DataLoader workers get the SIGTERM / SIGINT too.
+
+
+def _wait_for(path: Path, job_or_proc, what: str) -> None:
+    """Until ``path`` exists (the worker's mark at a known step), the run still going."""
+    deadline = time.monotonic() + patience(120)
+    while not path.exists():
+        ended = job_or_proc.poll()
+        assert not ended, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"never reached {what}"
+        time.sleep(0.05)
+
+
+def _group_signal(run_dir: Path, out: Path, sig: int, *args) -> tuple[int, str]:
+    """A single-process run of the worker in its own process group, sent ``sig`` to the
+    whole group (as a terminal's Ctrl+C) once it marked its step: (exit code, output)."""
+    cmd = [sys.executable, WORKER, run_dir, out, *map(str, args)]
+    with open(f"{out}.log", "w") as log:
+        p = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=base_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            _wait_for(Path(f"{out}.mark"), p, "its mark")
+            os.killpg(p.pid, sig)
+            p.wait(timeout=patience(120))
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return p.returncode, Path(f"{out}.log").read_text()
+
+
+@pytest.mark.slow(reason="torchrun and 2 ranks with 2 loader workers each, twice; a straight run")
+def test_sigterm_to_torchrun_with_loader_workers_saves_and_resumes_exactly(tmp_path):
+    """The user's shape: torchrun, 2 gloo ranks, DistributedSampler + set_epoch,
+    DataLoader(num_workers=2), OneCycleLR passed as scheduler=; SIGTERM to torchrun's pid
+    in epoch 2 (8 steps per epoch). torchrun signals each rank's process group, workers
+    included: they must not die of it before the ranks stop and save."""
+    args = ("--steps", 20, "--workers", 2, "--onecycle")
+    straight = run_ranks(
+        _cmd(tmp_path / "straight", tmp_path / "a", *args, world=2),
+        2,
+        out=tmp_path / "a.logs",
+        timeout_s=240,
+    )
+    assert [r.code for r in straight] == [0, 0], [r.text[-2000:] for r in straight]
+    run_dir, out = tmp_path / "stopped", tmp_path / "b"
+    cmd = [WORKER, run_dir, out, *args, "--mark-at", 10]
+    with launch_torchrun(cmd, 2, out=tmp_path / "tr1") as job:
+        _wait_for(Path(f"{out}.mark"), job, "step 10")
+        os.kill(job.procs[0].pid, signal.SIGTERM)
+        [first] = job.wait(120)
+    stopped = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
+    ends = [e for e in read_events(run_dir) if e["kind"] == "end"]
+    assert len(stopped) == 2 and all(e["saved"] for e in stopped), (stopped, ends, first.text)
+    assert all(e["signal"] == "SIGTERM" for e in stopped)
+    [step] = {e["step"] for e in stopped}
+    assert 10 <= step <= 16, step  # epoch 2: steps 9-16
+    assert [e["error"].startswith("pre-empted by SIGTERM") for e in ends] == [True, True], ends
+    assert "killed by signal" not in first.text, first.text
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{step:09d}"]
+    # torchrun re-raises the SIGTERM it got as its own failure (torch's launcher exits 1
+    # with "SignalException"), whatever its ranks did: the ranks' outcome is above.
+    assert first.code != 0
+
+    # The same command again: resumed from that step, bitwise the run never interrupted.
+    with launch_torchrun(cmd, 2, out=tmp_path / "tr2") as job:
+        [second] = job.wait(240)
+    assert second.code == 0, second.text[-3000:]
+    assert [e["step"] for e in read_events(run_dir) if e["kind"] == "resumed"] == [step, step]
+    for rank in (0, 1):
+        a, b = _load(tmp_path / "a", rank), _load(out, rank)
+        assert b["resumes"] == 1 and b["init_fn_restored"] and b["init_fn_shielded"], b
+        _assert_same(a, b)
+
+
+@pytest.mark.slow(reason="a process with 2 loader workers, interrupted, then resumed")
+def test_ctrl_c_to_the_process_group_with_loader_workers_saves_exits_130_and_resumes(tmp_path):
+    """Ctrl+C in a terminal: SIGINT to the whole foreground process group, the loader's
+    workers included, while the process waits for its next batch (a slow dataset): the
+    workers must live on to hand it over, and the stop comes at the next step boundary."""
+    run_dir, out = tmp_path / "run", tmp_path / "b"
+    args = ("--steps", 12, "--workers", 2, "--slow-data", "--mark-at", 3)
+    code, text = _group_signal(run_dir, out, signal.SIGINT, *args)
+    assert code == 128 + signal.SIGINT, text
+    [stopped] = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
+    assert stopped["signal"] == "SIGINT" and stopped["saved"], stopped
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{stopped['step']:09d}"]
+    [(code, text)] = _run(run_dir, out, *args)
+    assert code == 0, text
+    b = _load(out, 0)
+    assert b["step"] == 12 and b["resumes"] == 1 and b["init_fn_restored"], b
+    assert b["init_fn_shielded"], b
+    assert [e["step"] for e in read_events(run_dir) if e["kind"] == "resumed"] == [stopped["step"]]
+
+
+@pytest.mark.slow(reason="torchrun and 2 ranks with 2 loader workers each, twice")
+def test_workers_started_before_the_guard_dying_of_the_signal_is_still_the_stop(tmp_path):
+    """Workers the guard could not shield (a persistent_workers iterator made before the
+    guard) die of torchrun's SIGTERM while each rank waits for its next batch: each
+    loader fails at the same step boundary, after the signal, and that is the stop: the
+    ranks count each other in there, save it together and exit 143; the same command
+    resumes it."""
+    run_dir, out = tmp_path / "run", tmp_path / "b"
+    args = ("--steps", 12, "--workers", 2, "--slow-data", "--early-iter", "--mark-at", 3)
+    cmd = [WORKER, run_dir, out, *args]
+    with launch_torchrun(cmd, 2, out=tmp_path / "tr1") as job:
+        _wait_for(Path(f"{out}.mark"), job, "step 3")
+        os.kill(job.procs[0].pid, signal.SIGTERM)
+        [first] = job.wait(120)
+    stopped = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
+    assert len(stopped) == 2 and all(e["saved"] for e in stopped), (stopped, first.text)
+    assert all("A DataLoader worker had died of the signal" in e["message"] for e in stopped)
+    [step] = {e["step"] for e in stopped}
+    [ckpt] = (run_dir / "checkpoints").iterdir()
+    assert ckpt.name == f"step_{step:09d}"
+    assert json.loads((ckpt / "manifest.json").read_text())["ranks"] == [0, 1]
+    with launch_torchrun(cmd, 2, out=tmp_path / "tr2") as job:
+        [second] = job.wait(240)
+    assert second.code == 0, second.text[-3000:]
+    assert [e["step"] for e in read_events(run_dir) if e["kind"] == "resumed"] == [step, step]
+    assert _load(out, 0)["step"] == _load(out, 1)["step"] == 12
+
+
+@pytest.mark.slow(reason="a process with 2 loader workers")
+def test_a_signals_stop_that_saved_nothing_says_so_on_the_console(tmp_path):
+    """Workers the guard could not shield (started before it) die of the group's SIGTERM
+    while the rank is inside a step (torch's SIGCHLD handler raises there): no step
+    boundary to save at. The rank still exits 143, and stderr says that nothing was
+    saved, why, and that a re-run starts from scratch."""
+    run_dir, out = tmp_path / "run", tmp_path / "b"
+    args = ("--steps", 12, "--workers", 2, "--early-iter", "--mark-at", 3)
+    code, text = _group_signal(run_dir, out, signal.SIGTERM, *args)
+    assert code == 128 + signal.SIGTERM, text
+    assert "stopped: SIGTERM received at step 3, but this rank failed before" in text, text
+    assert "NOTHING was saved" in text and "a DataLoader worker died of the signal" in text
+    assert "a re-run starts from scratch" in text
+    [stopped] = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
+    assert stopped["level"] == "warning" and not stopped["saved"], stopped
+    assert not (run_dir / "checkpoints").exists() or not list(
+        (run_dir / "checkpoints").glob("step_*")
+    )
+
+
+_INIT_RAN: list[int] = []
+
+
+def _own_init(worker_id: int) -> None:
+    _INIT_RAN.append(worker_id)  # in the worker process: its dataset reads it
+
+
+class _WhoServes(torch.utils.data.Dataset):
+    """Each item: the worker's pid, and whether the loader's own worker_init_fn ran."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Tensor:
+        return torch.tensor([os.getpid(), len(_INIT_RAN)])
+
+
+@pytest.mark.slow(reason="a forkserver DataLoader worker: it imports this module")
+def test_loader_workers_ignore_the_stop_signals_and_the_init_fn_is_given_back(tmp_path):
+    """The workers of the guard's loader live through SIGTERM, SIGINT and SIGUSR1 while
+    the guard runs; its worker_init_fn is the loop's object again once it closes, and a
+    persistent worker then ends at SIGTERM as a DataLoader worker does (its loader's
+    shutdown, the interpreter's exit)."""
+    from torch.utils.data import DataLoader
+
+    # forkserver: the worker_init_fn travels pickled, as under spawn.
+    loader = DataLoader(
+        _WhoServes(),
+        batch_size=2,
+        num_workers=1,
+        worker_init_fn=_own_init,
+        persistent_workers=True,
+        multiprocessing_context="forkserver",
+    )
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = []
+    with guardrails.guard(model, opt, loader, run_dir=tmp_path, progress=False) as g:
+        wrapper = loader.worker_init_fn
+        assert wrapper is not _own_init and wrapper.inner is _own_init
+        for x in g:
+            if not rows:  # the first batch: the worker gets what torchrun's killpg sends
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+                    os.kill(int(x[0, 0]), sig)
+                    time.sleep(0.05)
+            model(x.float()).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            rows.append(x)
+    served = torch.cat(rows)
+    assert len(served) == 8 and len(set(served[:, 0].tolist())) == 1  # one worker, alive
+    assert served[:, 1].eq(1).all() and _INIT_RAN == []  # the own init ran, in the worker
+    assert loader.worker_init_fn is _own_init  # the very object, once the guard closed
+    [worker] = loader._iterator._workers  # persistent: still running
+    assert worker.is_alive()
+    os.kill(worker.pid, signal.SIGTERM)
+    worker.join(timeout=patience(10))
+    assert worker.exitcode == 0

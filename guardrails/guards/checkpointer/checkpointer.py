@@ -96,6 +96,7 @@ from guardrails.engine.config import configure
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
+from guardrails.guards.checkpointer.workers import LoaderStop, WorkerShield, worker_died
 from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util.checks import config_dict, path_like, positive_int
 
@@ -108,7 +109,7 @@ if TYPE_CHECKING:
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 
-class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Component):
+class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderStop, Component):
     """Checkpoints on SIGTERM / SIGINT / SIGUSR1 and every N steps or seconds, agreed on
     by every rank, and the resume that continues exactly. Knobs:
     :class:`SignalCheckpointer.Config` (``guardrails.guard(checkpoint=...)``)."""
@@ -291,6 +292,12 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
         self._previous_wakeup = -1
         self._watcher: threading.Thread | None = None
         self._watched_signal: int | None = None  # what the watcher thread saw
+        # The stop signals ignored by the loader's workers while the guard runs, and what
+        # the stop says when a worker died of the signal before the ranks stopped.
+        self._shield = WorkerShield()
+        self._dead_loader: str | None = None
+        # (step, epoch, batch_in_epoch, training forwards) at the last step boundary.
+        self._boundary_mark: tuple[int, int, int, int] | None = None
         self._stop_at: int | None = None
         self._stop_signal = 0
         self._save_due = False
@@ -405,6 +412,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
             self._previous[num] = signal.signal(num, self._on_signal)
         if self.signals:
             self._watch_signals(guard)
+            if guard.loader is not None:
+                self._shield.cover(guard.loader, tuple(self._previous))
 
     @property
     def run_id(self) -> str:
@@ -424,7 +433,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
             # diagnosed, then torchrun's SIGTERM once a rank exited) is what happened:
             # the signal only ended it.
             preempted = signum and self._stop_at is None and isinstance(exc, Exception)
-            if preempted and not self._verdict_first(guard):
+            if (
+                preempted
+                and not self._verdict_first(guard)
+                and not self._stop_at_dead_loader(guard, signum, exc)
+            ):
                 # Pre-empted before a stop could be agreed, then failed: under a
                 # launcher's SIGTERM to every rank, a peer that could not save left,
                 # and this rank's collective failed for it. The signal is what
@@ -440,6 +453,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                         f"checkpoint; {self._last_checkpoint()}.",
                     )
                 )
+                self._say_nothing_saved(guard, name, exc)
             if exc is None and guard.stopping is None:
                 if self._agree_store is not None:
                     # A signal that came after the last agreement must still stop every
@@ -466,6 +480,7 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                     self._finish(guard)
         finally:
             self._restore_handlers()
+            self._shield.restore()
             try:
                 self._wait_writer(raise_error=exc is None)
             finally:
@@ -476,6 +491,37 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 if self._emptying is not None and self._stop_at is None:
                     self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
                     self._emptying = None
+
+    def _say_nothing_saved(self, guard: Guard, name: str, exc: BaseException) -> None:
+        """A signal's stop that ended without a checkpoint, said on the console (a
+        warning event: stderr), with why and what to do: a re-run must not start over
+        from step 0 (or an old checkpoint) without a word."""
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if worker_died(exc):
+            why = (
+                "a DataLoader worker died of the signal before the rank reached a step "
+                "boundary. guardrails keeps the workers of the loader it iterates alive "
+                "through the stop signals only when they start inside the guard: create the "
+                "loader's iterator inside the guard (a persistent_workers iterator made "
+                "before it keeps workers that die), or have your other loaders' "
+                "worker_init_fn ignore SIGTERM/SIGINT"
+            )
+        else:
+            why = (
+                "a peer that could not save left, or this rank failed on its own before a "
+                "step boundary; the other ranks' reports say which"
+            )
+        guard.event(
+            "stopped",
+            level="warning",
+            message=f"{name} received at step {guard.step}, but this rank failed before the "
+            f"ranks could stop at a step boundary ({type(exc).__name__}: {first}): NOTHING "
+            f"was saved; {self._latest_text()}. Why: {why}. To lose less next time, save "
+            "periodically too: guard(checkpoint=dict(every_s=1800)).",
+            signal=name,
+            path=None,
+            saved=False,
+        )
 
     # ------------------------------------------------------------------ per step
 
@@ -549,8 +595,12 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
     def on_boundary(self, guard: Guard) -> None:
         if not self._unsaved.checked:
             self._unsaved.at_step(guard)
+        # Where a loader that fails on the next fetch leaves the run (_stop_at_dead_loader).
+        self._boundary_mark = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
         if self._agree_store is None and self._signal is not None and self._stop_at is None:
             self._stop_at, self._stop_signal = guard.step, self._signal  # alone: stop now
+        elif self._stop_at is None and (self._signal or self._watched_signal):
+            self._dead_loader_at_boundary(guard)  # a peer's loader died here: stop with it
         if self._writer_error is not None:
             self._settle_writer(guard, stopping=self._stop_at is not None)
         if self._stop_at is not None:
@@ -648,6 +698,11 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, Compone
                 f"{name} received by {where}; all {guard.world_size} rank(s) stopped at step "
                 f"{guard.step} and saved {path}. To resume, run the same command: "
                 "guard(..., resume='auto') continues from it."
+            )
+        if self._dead_loader is not None:
+            message += (
+                f" A DataLoader worker had died of the signal ({self._dead_loader}): the "
+                "checkpoint is the step boundary the loader failed at."
             )
         if self._late_sigints:
             message += (
