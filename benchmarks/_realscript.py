@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -32,6 +33,22 @@ def guardrails_version() -> dict[str, Any]:
         "uncommitted_files": len(dirty.stdout.splitlines()),
         "sources_sha256": digest.hexdigest()[:16],
     }
+
+
+def patched_trees(
+    source: Path, work: Path, patch_dir: Path, variants: dict[str, list[str]]
+) -> dict[str, Path]:
+    """A fresh copy of ``source`` under ``work`` for each variant (its name), with its
+    patches (files of ``patch_dir``) applied in order by ``git apply``."""
+    trees = {}
+    for name, patches in variants.items():
+        tree = work / name
+        shutil.rmtree(tree, ignore_errors=True)
+        shutil.copytree(source, tree)
+        for patch in patches:
+            subprocess.run(["git", "apply", str(patch_dir / patch)], cwd=tree, check=True)
+        trees[name] = tree
+    return trees
 
 
 def rank_exit_codes(stderr: str, rc: int | None, world: int) -> dict[int, int | None]:

@@ -57,9 +57,11 @@ def test_a_healthy_rank_makes_the_same_store_calls_at_2_and_6_ranks(tmp_path):
     for world, res in jobs.items():
         assert res["rc"] == 0 and len(res["ranks"]) == world, res["rc"]
         # The watchdog in a healthy run: the job's news counter (shared with the other
-        # components), once a period (1 s here), and nothing of its own.
+        # components), once a period (1 s here), and nothing of its own. A window of
+        # ~3 s holds 3 or 4 polls by where it starts in the period (4 in 3.03 s: 1.32 a
+        # second, seen on a loaded 2-core machine): one poll over the period's count.
         for r, (calls, _) in _per_rank(res, "steady", "news").items():
-            assert calls <= 1.3, (world, r, calls)
+            assert calls <= 1.0 + 1.0 / 3 + 0.1, (world, r, calls)
         for r, (calls, _) in _per_rank(res, "steady", "watchdog").items():
             assert calls < 0.2, (world, r, calls)
         # The stop/save agreement: one compare_set a check (about one a second).

@@ -34,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _realscript import compare, guardrails_version, key_lines, rank_exit_codes, read_events
+from _realscript import (
+    compare,
+    guardrails_version,
+    key_lines,
+    patched_trees,
+    rank_exit_codes,
+    read_events,
+)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -58,18 +65,11 @@ def prepare_trees(work: Path, examples: Path | None) -> tuple[dict[str, Path], s
     else:
         commit = "unknown"
         folder = examples / FOLDER
-    trees = {}
-    for name, patches in (
-        ("unguarded", ["cpu_workers.patch"]),
-        ("guarded", ["cpu_workers.patch", "adopt.patch", "hooks.patch"]),
-    ):
-        tree = work / name
-        shutil.rmtree(tree, ignore_errors=True)
-        shutil.copytree(folder, tree)
-        for patch in patches:
-            subprocess.run(["git", "apply", str(HERE / patch)], cwd=tree, check=True)
-        trees[name] = tree
-    return trees, commit
+    variants = {
+        "unguarded": ["cpu_workers.patch"],
+        "guarded": ["cpu_workers.patch", "adopt.patch", "hooks.patch"],
+    }
+    return patched_trees(folder, work, HERE, variants), commit
 
 
 class Bench:

@@ -49,6 +49,7 @@ from _realscript import (  # noqa: E402  (benchmarks/, found through the line ab
     compare,
     guardrails_version,
     key_lines,
+    patched_trees,
     rank_exit_codes,
     read_events,
 )
@@ -96,19 +97,11 @@ def prepare_trees(work: Path, nanochat: Path | None) -> tuple[dict[str, Path], s
         known = done.returncode == 0 and (nanochat / ".git").exists()  # not a parent repo's
         commit = done.stdout.strip() if known else "unknown"
         shutil.copytree(nanochat, source, ignore=shutil.ignore_patterns(".git", ".venv"))
-    trees = {}
-    for name, patches in (
-        ("unguarded", ["cpu_gloo.patch", "hooks.patch"]),
-        ("guarded", ["cpu_gloo.patch", "hooks.patch", "adopt.patch"]),
-    ):
-        tree = work / name
-        if tree.exists():
-            shutil.rmtree(tree)
-        shutil.copytree(source, tree)
-        for patch in patches:
-            subprocess.run(["git", "apply", str(HERE / patch)], cwd=tree, check=True)
-        trees[name] = tree
-    return trees, commit
+    variants = {
+        "unguarded": ["cpu_gloo.patch", "hooks.patch"],
+        "guarded": ["cpu_gloo.patch", "hooks.patch", "adopt.patch"],
+    }
+    return patched_trees(source, work, HERE, variants), commit
 
 
 # ---------------------------------------------------------------------- one run

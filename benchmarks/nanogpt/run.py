@@ -40,6 +40,7 @@ from _realscript import exits as _exits
 from _realscript import (
     guardrails_version,
     key_lines,
+    patched_trees,
     rank_exit_codes,
     read_events,
 )
@@ -125,19 +126,11 @@ def prepare_trees(work: Path, nanogpt: Path | None) -> tuple[dict[str, Path], st
     subprocess.run(
         [sys.executable, "prepare.py"], cwd=data, check=True, capture_output=True, text=True
     )
-    trees = {}
-    for name, patches in (
-        ("unguarded", ["cpu_gloo.patch", "hooks.patch"]),
-        ("guarded", ["cpu_gloo.patch", "hooks.patch", "adopt.patch"]),
-    ):
-        tree = work / name
-        if tree.exists():
-            shutil.rmtree(tree)
-        shutil.copytree(source, tree)
-        for patch in patches:
-            subprocess.run(["git", "apply", str(HERE / patch)], cwd=tree, check=True)
-        trees[name] = tree
-    return trees, commit
+    variants = {
+        "unguarded": ["cpu_gloo.patch", "hooks.patch"],
+        "guarded": ["cpu_gloo.patch", "hooks.patch", "adopt.patch"],
+    }
+    return patched_trees(source, work, HERE, variants), commit
 
 
 # ---------------------------------------------------------------------- one run
