@@ -841,6 +841,24 @@ def test_a_cpu_loader_on_shared_cores_is_advice_not_a_warning(tmp_path, capsys):
     assert "other events" not in out
 
 
+def test_a_slowdown_of_a_busy_machine_is_not_listed_as_a_warning(tmp_path, capsys):
+    """A slowdown logged as information (other processes held the CPU) is the machine's:
+    the warnings line stays none; the loop's own slowdown, a warning, is listed."""
+    busy = {
+        "step": 120,
+        "kind": "slowdown",
+        "level": "info",
+        "cause": "machine_busy",
+        "message": "the loop is not at fault: the machine is busy",
+    }
+    write_run(tmp_path / "busy", [START, busy, {"step": 200, "kind": "end"}], range(1, 201))
+    assert "  warnings     none\n" in report_of(tmp_path / "busy", capsys)
+    loop = {**busy, "level": "warning", "cause": "loop", "message": "a step got 3x slower"}
+    write_run(tmp_path / "loop", [START, loop, {"step": 200, "kind": "end"}], range(1, 201))
+    out = report_of(tmp_path / "loop", capsys)
+    assert "  warnings     none\n" not in out and "slowdown" in out, out
+
+
 def test_durations_are_written_as_people_write_them(tmp_path, capsys):
     from guardrails.cli.report import _dur
 

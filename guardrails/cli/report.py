@@ -454,10 +454,10 @@ def _mfu_line(m: dict[str, Any], step_s: float | None) -> str:
 
 
 def _is_warning(e: dict[str, Any]) -> bool:
-    """A warning the warnings line lists: a known warning kind, or any other event
-    logged at WARNING that no line of its own tells."""
-    kind = e.get("kind")
-    return kind in _WARNINGS or (e.get("level") == "warning" and kind not in _OWN_LINE)
+    """A warning the warnings line lists: an event logged at WARNING that no line of
+    its own tells. A known warning kind logged as information is not one (a slowdown
+    while other processes held the CPU: the machine's, not the loop's)."""
+    return e.get("level", "warning") == "warning" and e.get("kind") not in _OWN_LINE
 
 
 def _failure_counts(s: dict[str, Any]) -> dict[str, int]:
