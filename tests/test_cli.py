@@ -839,6 +839,12 @@ def test_a_cpu_loader_on_shared_cores_is_advice_not_a_warning(tmp_path, capsys):
     assert "  warnings     none\n" in out, out
     assert "  fast path    DataLoader workers on every core of a CPU run" in out, out
     assert "other events" not in out
+    # The NaN guard's host read a step under a non-fused optimizer: the same kind of line.
+    events.insert(1, {"step": 0, "kind": "nan_guard_syncs", "level": "info", "message": "x"})
+    write_run(tmp_path / "syncs", events, range(1, 201))
+    out = report_of(tmp_path / "syncs", capsys)
+    assert "  warnings     none\n" in out, out
+    assert "a host sync a step for the NaN skip (optimizer not fused)" in out, out
 
 
 def test_a_slowdown_of_a_busy_machine_is_not_listed_as_a_warning(tmp_path, capsys):

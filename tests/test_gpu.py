@@ -486,6 +486,9 @@ def test_a_non_fused_optimizer_pays_one_sync_per_step(tmp_path):
         torch.cuda.set_sync_debug_mode(0)
     events = (tmp_path / "events.jsonl").read_text()
     assert "nan_guard_syncs" in events and "fused=True" in events
+    # The guard's own cost, with its fix: advice, never a warning of a healthy run.
+    (told,) = [e for e in read_events(tmp_path) if e["kind"] == "nan_guard_syncs"]
+    assert told["level"] == "info"
 
 
 def test_real_cuda_oom_is_explained(tmp_path):

@@ -56,7 +56,6 @@ _WARNINGS = {
     "zero_grads": "zero gradients",
     "params_without_grad": "params without grad",
     "params_not_in_optimizer": "params not in optimizer",
-    "nan_guard_syncs": "host syncs",
     "straggler": "straggler",
     "slowdown": "slowdown",
     "comms_bound": "communication-bound",
@@ -76,6 +75,7 @@ _ADVICE = {
     "loader_no_workers": "DataLoader without workers",
     "loader_not_pinned": "DataLoader without pinned memory",
     "loader_shared_cores": "DataLoader workers on every core of a CPU run",
+    "nan_guard_syncs": "a host sync a step for the NaN skip (optimizer not fused)",
 }
 #: Warning-level kinds told in lines of their own (NaN/Inf, spikes, the end), not
 #: under "warnings".

@@ -348,7 +348,10 @@ class NanGuard(Component):
         if self._skips and self._cuda and self._reduce:
             guard.event(
                 "nan_guard_syncs",
-                level="warning",
+                # The guard's own cost, with its fix: advice, as the efficiency
+                # advisor's are; torch's default AdamW on CUDA is not fused, so a
+                # warning here would come with every healthy default run.
+                level="info",
                 message=(
                     "the ranks' gradients differ at optimizer.step() (no DDP: the "
                     "optimizer reduces them itself), so NanGuard agrees on the non-finite "
@@ -361,7 +364,7 @@ class NanGuard(Component):
         elif self._skips and not self._fused and self._cuda:
             guard.event(
                 "nan_guard_syncs",
-                level="warning",
+                level="info",
                 message=(
                     f"{type(opt).__name__} is not fused, so it cannot skip a non-finite "
                     "update on the device: NanGuard reads the flag on the host before each "
