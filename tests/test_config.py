@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import typing
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +191,22 @@ def test_guard_signature_names_every_section_with_its_typed_knobs():
         assert not knobs.__required_keys__, name  # every knob has its default
         typing.get_type_hints(knobs)  # every type resolves
     assert list(params)[-1] == "more_sections"  # SECTIONS' entry without a keyword yet
+
+
+def test_the_sections_page_has_each_section_once_with_its_default():
+    """docs/sections.md (which sections are on, their cost, what they caught) has a row
+    per section of SECTIONS, in order, whose "on by default" is the code's."""
+    page = Path(__file__).resolve().parents[1] / "docs" / "sections.md"
+    rows = [
+        line.split("|")[1:3] for line in page.read_text().splitlines() if line.startswith("| `")
+    ]
+    assert [name.strip().strip("`") for name, _ in rows] == list(SECTIONS)
+    for (name, on), cls in zip(rows, SECTIONS.values(), strict=True):
+        if not getattr(cls, "section_default", True):
+            want = "no"
+        else:
+            want = "distributed runs" if cls.distributed_only else "yes"
+        assert on.strip() == want, name
 
 
 class _Counter(guardrails.Component):
