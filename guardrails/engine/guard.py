@@ -112,6 +112,11 @@ class Guard(StepState):
     or through an exception) removes every hook and lets each component restore what
     it changed.
 
+    A loop uses the names ``dir(g)`` shows (``engine/surface.USER_SURFACE``: ``g.step``,
+    ``g.state``, ``g.save_checkpoint()``...). The other public attributes are for
+    components: the published step state and the services they call
+    (``engine/surface.SERVICES``: ``request_stop``, ``skip_update``...).
+
     Args:
         model: the ``nn.Module`` being trained (a DDP / compiled wrapper is fine), or a
             list / dict of modules trained together (a GAN's generator and
