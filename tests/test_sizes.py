@@ -39,8 +39,6 @@ EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
     ("guards/watchdog/verdicts.py", "Verdicts._diagnose", "the watchdog's rework (issue 49)"),
     # Cut on the branch "sizes" (issue 49), removed here one by one as they shrink:
     ("checkpoint/commit.py", "save_checkpoint", "being cut into named steps"),
-    ("checkpoint/manifest.py", "<module>", "being split by concern"),
-    ("checkpoint/manifest.py", "content_problem", "being cut into named steps"),
     ("checkpoint/restore.py", "prepare", "being cut into named steps"),
     ("cli/doctor.py", "render", "being cut into named steps"),
     ("engine/record.py", "record", "being cut into named steps"),
