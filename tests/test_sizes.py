@@ -38,8 +38,6 @@ EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
     ("guards/rewind/rewind.py", "Rewind._rewind", "the rewind's rework (issue 49)"),
     ("guards/watchdog/verdicts.py", "Verdicts._diagnose", "the watchdog's rework (issue 49)"),
     # Cut on the branch "sizes" (issue 49), removed here one by one as they shrink:
-    ("checkpoint/commit.py", "save_checkpoint", "being cut into named steps"),
-    ("checkpoint/restore.py", "prepare", "being cut into named steps"),
     ("cli/doctor.py", "render", "being cut into named steps"),
     ("engine/record.py", "record", "being cut into named steps"),
     ("guards/efficiency/advisor.py", "advice", "being cut into named steps"),
