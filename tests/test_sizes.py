@@ -37,14 +37,6 @@ EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
     ("guards/nan/guard.py", "NanGuard.on_start", "NanGuard is being split (issue 49)"),
     ("guards/rewind/rewind.py", "Rewind._rewind", "the rewind's rework (issue 49)"),
     ("guards/watchdog/verdicts.py", "Verdicts._diagnose", "the watchdog's rework (issue 49)"),
-    # Cut on the branch "sizes" (issue 49), removed here one by one as they shrink:
-    ("cli/doctor.py", "render", "being cut into named steps"),
-    ("engine/record.py", "record", "being cut into named steps"),
-    ("guards/efficiency/advisor.py", "advice", "being cut into named steps"),
-    ("guards/memory/oom.py", "_oom_remedies", "being cut into named steps"),
-    ("guards/nan/blowup.py", "evidence", "being cut into named steps"),
-    ("guards/nan/diagnose.py", "_diagnose", "being cut into named steps"),
-    ("guards/nan/diagnose.py", "_replay", "being cut into named steps"),
 )
 
 
