@@ -14,6 +14,11 @@ A run_dir can hold several runs (restarts, resumes): runs are told apart by thei
 unless ``--all``. A run killed mid-way has no ``end`` event and maybe no metrics part
 yet (parts are written every ``metrics_write_every_s`` and at close): the story says so
 and tells what it can from what is there.
+
+The command in parts, each its own module: :mod:`~guardrails.cli.report_runs` (the runs
+in a run_dir, the one streaming pass), :mod:`~guardrails.cli.report_summary` (the facts,
+what ``--json`` prints), :mod:`~guardrails.cli.report_story` (the text) and
+:mod:`~guardrails.cli.report_plot` (the PNG).
 """
 
 from __future__ import annotations
