@@ -108,7 +108,7 @@ from guardrails.guards.checkpointer.agree import Agreement
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
-from guardrails.guards.checkpointer.workers import WorkerShield, worker_died
+from guardrails.guards.checkpointer.workers import NOT_A_BOUNDARY, WorkerShield, worker_died
 from guardrails.guards.checkpointer.writer import CheckpointWriter, agree_token
 from guardrails.util.checks import config_dict, path_like, positive_int
 
@@ -517,20 +517,14 @@ class SignalCheckpointer(Component):
         from step 0 (or an old checkpoint) without a word."""
         assert self.writer is not None
         first = str(exc).splitlines()[0] if str(exc) else ""
-        if worker_died(exc):
-            why = (
-                "a DataLoader worker died of the signal before the rank reached a step "
-                "boundary. guardrails keeps the workers of the loader it iterates alive "
-                "through the stop signals only when they start inside the guard: create the "
-                "loader's iterator inside the guard (a persistent_workers iterator made "
-                "before it keeps workers that die), or have your other loaders' "
-                "worker_init_fn ignore SIGTERM/SIGINT"
-            )
-        else:
-            why = (
+        why = (
+            NOT_A_BOUNDARY
+            if worker_died(exc)
+            else (
                 "a peer that could not save left, or this rank failed on its own before a "
                 "step boundary; the other ranks' reports say which"
             )
+        )
         guard.event(
             "stopped",
             level="warning",
@@ -562,10 +556,6 @@ class SignalCheckpointer(Component):
             if guard.step >= agreement.next_check:
                 self._agree(guard, at=str(agreement.next_check))
 
-    def _timed_save_due(self) -> bool:
-        """An ``every_s`` save is due on this rank (``every_s`` set)."""
-        return time.monotonic() - self.writer.last_save_t >= self.every_s  # type: ignore[union-attr,operator]
-
     def on_rewind(self, guard: Guard, from_step: int) -> None:
         """The run is back at an earlier step on every rank: the agreement's next check
         is the next step, under keys of its own (step numbers repeat)."""
@@ -576,7 +566,9 @@ class SignalCheckpointer(Component):
         """The ranks' decision at ``at`` (a check step, or ``"end"``): a stop there, a
         timed save due on any rank."""
         assert self._agreement is not None
-        due = self.every_s is not None and self._timed_save_due()
+        due = (
+            self.every_s is not None and time.monotonic() - self.writer.last_save_t >= self.every_s  # type: ignore[union-attr]
+        )
         decision = self._agreement.decide(
             guard,
             at=at,

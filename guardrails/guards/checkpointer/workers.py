@@ -122,6 +122,18 @@ class WorkerShield:
         self._covered = []
 
 
+#: Why a stop saved nothing when a loader's worker died of the signal before the rank
+#: reached a step boundary, and what to do.
+NOT_A_BOUNDARY = (
+    "a DataLoader worker died of the signal before the rank reached a step "
+    "boundary. guardrails keeps the workers of the loader it iterates alive "
+    "through the stop signals only when they start inside the guard: create the "
+    "loader's iterator inside the guard (a persistent_workers iterator made "
+    "before it keeps workers that die), or have your other loaders' "
+    "worker_init_fn ignore SIGTERM/SIGINT"
+)
+
+
 def worker_died(error: BaseException) -> bool:
     """Whether ``error`` is a DataLoader's for one of its workers gone ("DataLoader
     worker (pid N) is killed by signal: ...", "... exited unexpectedly")."""
