@@ -289,6 +289,7 @@ CRASH = textwrap.dedent(
         train_loop(g, model, opt)
     with guardrails.guard(model, opt, batches(40), run_dir=run_dir, progress=False,
                           metrics={{"every_n_steps": 4, "write_every_s": write_every}}) as g:
+        # Not train_loop: a SIGKILL at step 14, from inside the loop.
         for x, y in g:
             model(x, y).backward()
             opt.step()
@@ -632,6 +633,7 @@ POINTER = textwrap.dedent(
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with guardrails.guard(model, opt, batches(4), run_dir=run_dir, progress=False) as g:
+        # Not train_loop: the loop's own error at step 2.
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -289,6 +289,7 @@ def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path, lagged):
         with guardrails.guard(
             model, opt, batches(80), run_dir=tmp_path, nan={"policy": "raise"}
         ) as g:
+            # Not train_loop: the LR set huge at step 30.
             for x, y in g:
                 if g.step == 30:
                     opt.param_groups[0]["lr"] = 1e8  # the fault: LR set huge mid-run
@@ -315,6 +316,7 @@ def test_update_size_is_sampled_exactly_every_n_steps(tmp_path):
     with guardrails.guard(
         model, opt, batches(17), run_dir=tmp_path, nan={"update_every_n_steps": 5}
     ) as g:
+        # Not train_loop: each step's exact update size measured around it.
         for x, y in g:
             before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
             model(x, y).backward()
@@ -1007,6 +1009,7 @@ def _blowup_worker(rank: int, world: int, port: int, out: str) -> None:
                 with guardrails.guard(
                     model, opt, data, run_dir=f"{out}/{case}", scheduler=sched, progress=False
                 ) as g:
+                    # Not train_loop: a scheduler steps, the fault planted at step 30.
                     for x, y in g:
                         if case != "numerics" and g.step == 30:
                             # the fault: sched.step() sets it after step 31, for step 32 on

@@ -164,6 +164,7 @@ def main():
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guardrails.guard(model, opt, batches(20), run_dir=sys.argv[1]) as g:
+        # Not train_loop: a SIGTERM at step 5, from inside the loop.
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -209,6 +209,7 @@ def test_a_run_stopped_by_a_signal_is_not_finished(tmp_path):
     with guardrails.guard(
         model, opt, batches(10), run_dir=tmp_path, progress=False, checkpoint=ck
     ) as g:
+        # Not train_loop: a SIGTERM at step 3, from inside the loop.
         for x, y in g:
             model(x, y).backward()
             opt.step()
@@ -376,6 +377,7 @@ def adam_run(run_dir, *, lr=1e-2, weight_decay=0.1, sched="step", steps=4, signa
         # loaded 2 cores; the warnings asserted on here are the resume's.
         memory=False,
     ) as g:
+        # Not train_loop: a scheduler steps, a SIGTERM at `signal_at`.
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -361,6 +361,7 @@ def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
         checkpoint={"exit_on_signal": False},
     ) as g:
         assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
+        # Not train_loop: steps counted, SIGUSR1 sent at step 3.
         for x, y in g:
             model(x, y).backward()
             opt.step()
@@ -389,6 +390,7 @@ def test_list_loader_resumes_by_fast_forward_with_state_and_warning(tmp_path):
             checkpoint={"exit_on_signal": False},
         ) as g:
             g.state["best"] = g.state.get("best", 9.0) - 1.0
+            # Not train_loop: a SIGTERM at `stop_at`, from inside the loop.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -638,6 +640,7 @@ def test_a_stop_abandons_an_older_save_still_being_written_and_saves_its_own_ste
             progress=False,
             checkpoint={"every_n_steps": 2, "keep_last": 1},
         ) as g:
+            # Not train_loop: a SIGTERM at step 3, from inside the loop.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -703,6 +706,7 @@ def test_a_signal_save_without_periodic_saves_stages_into_memory_allocated_ahead
             staging = g.component("checkpoint")._staging
             staging.wait()
             seen["at start"] = staging.nbytes
+            # Not train_loop: the staging blocks read, then a SIGTERM, at `stop_at`.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()

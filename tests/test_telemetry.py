@@ -177,6 +177,7 @@ def test_sigkill_keeps_every_part_written_before_it(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with guardrails.guard(model, opt, batches(50), run_dir={str(tmp_path)!r},
                               metrics={{"every_n_steps": 5, "write_every_s": 0}}) as g:
+            # Not train_loop: a SIGKILL at step 23, from inside the loop.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -325,6 +326,7 @@ def test_progress_bar_of_a_resumed_run_counts_from_its_checkpoint(tmp_path, caps
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=False) as g:
+        # Not train_loop: it saves and breaks at step 4.
         for x, y in g:
             model(x, y).backward()
             opt.step()
