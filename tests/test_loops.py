@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _loops import train_loop_signalled
 from _ranks import patience, run_ranks
 from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
@@ -747,13 +748,7 @@ def test_a_signal_stop_reports_the_skips_the_lagged_read_had_not_reached(tmp_pat
     data = batches(20)
     data[1][0][2, 1] = float("nan")  # step 2
     with pytest.raises(SystemExit), guardrails.guard(model, opt, data, run_dir=tmp_path) as g:
-        # Not train_loop: a SIGTERM at step 4, from inside the loop.
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            if g.step == 4:
-                signal.raise_signal(signal.SIGTERM)
+        train_loop_signalled(g, model, opt, after_step=4)
     (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
     assert (ev["step"], ev["cause"], ev["samples"]) == (2, "bad_data", [2])
 

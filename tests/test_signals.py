@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _loops import train_loop_signalled
 from _ranks import base_env, launch, launch_torchrun, patience, run_ranks
 from conftest import Regressor, batches, read_events, train_loop
 from torch import Tensor, nn
@@ -390,13 +391,7 @@ def test_list_loader_resumes_by_fast_forward_with_state_and_warning(tmp_path):
             checkpoint={"exit_on_signal": False},
         ) as g:
             g.state["best"] = g.state.get("best", 9.0) - 1.0
-            # Not train_loop: a SIGTERM at `stop_at`, from inside the loop.
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                if g.step == stop_at:
-                    os.kill(os.getpid(), signal.SIGTERM)
+            train_loop_signalled(g, model, opt, after_step=stop_at)
         return model, g
 
     straight, g1 = run()  # saves nothing: no periodic saves, no signal
@@ -640,13 +635,7 @@ def test_a_stop_abandons_an_older_save_still_being_written_and_saves_its_own_ste
             progress=False,
             checkpoint={"every_n_steps": 2, "keep_last": 1},
         ) as g:
-            # Not train_loop: a SIGTERM at step 3, from inside the loop.
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                if g.step == 3:
-                    os.kill(os.getpid(), signal.SIGTERM)
+            train_loop_signalled(g, model, opt, after_step=3)
     assert exit_info.value.code == 143 and g.step == 3
     events = read_events(tmp_path)
     [abandoned] = [e for e in events if e["kind"] == "checkpoint_abandoned"]
