@@ -352,7 +352,6 @@ def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen = 0
     with guardrails.guard(
         model,
         opt,
@@ -362,17 +361,11 @@ def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
         checkpoint={"exit_on_signal": False},
     ) as g:
         assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
-        # Not train_loop: steps counted, SIGUSR1 sent at step 3.
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            seen += 1
-            if g.step == 3:
-                os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning signal
+        # SLURM's warning signal after step 3: no batch after it (each one is a step).
+        train_loop_signalled(g, model, opt, after_step=3, signum=signal.SIGUSR1)
         for _ in g:  # a later pass ends at once too
             raise AssertionError("a stopped guard yielded a batch")
-    assert seen == 3 and "SIGUSR1" in (g.stopping or "")
+    assert g.step == 3 and "SIGUSR1" in (g.stopping or "")
     assert (tmp_path / "checkpoints" / "step_000000003" / "manifest.json").is_file()
     assert {s: signal.getsignal(s) for s in before} == before
 
