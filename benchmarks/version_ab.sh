@@ -2,13 +2,13 @@
 # The same benchmark under two versions of guardrails, in alternating processes:
 #
 #   git worktree add /tmp/base <rev>     # the other version's checkout
-#   bash benchmarks/version_ab.sh /tmp/base 4 python3 benchmarks/engine_cost.py --repeats 5
+#   bash benchmarks/version_ab.sh /tmp/base 4 python3 benchmarks/overhead.py --device cpu --model tiny
 #
 # Each of ROUNDS rounds runs the command once with BASE's package first on PYTHONPATH
 # ("base") and once with this checkout's ("this"), the order alternating between rounds
 # so drift (clocks, caches, other load) hits both alike. Every output line is prefixed
 # with the round and the version; compare the figures the benchmark prints (for
-# engine_cost.py: each version's "defaults - plain" paired median).
+# overhead.py: each version's guarded - plain paired median).
 set -euo pipefail
 BASE=${1:?usage: version_ab.sh BASE_DIR ROUNDS COMMAND...}
 ROUNDS=${2:?usage: version_ab.sh BASE_DIR ROUNDS COMMAND...}

@@ -186,6 +186,7 @@ def main() -> None:
             if a.resave:
                 g.save_checkpoint()
             else:
+                # Not train_loop: the disk fails, slows and heals at given steps, inside the loop.
                 for x, y in g:
                     model(x, y).backward()
                     opt.step()

@@ -515,6 +515,7 @@ def test_single_process_run_installs_nothing(tmp_path):
     assert not any(isinstance(c, CollectiveAuditor) for c in g.components)
     aud = CollectiveAuditor()
     with Guard(model, opt, batches(2), run_dir=tmp_path, components=[aud]) as g2:
+        # Not train_loop: each step first checks that all_reduce is still torch's own.
         for x, y in g2:
             assert dist.all_reduce is original
             model(x, y).backward()

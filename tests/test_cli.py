@@ -278,6 +278,7 @@ CRASH = textwrap.dedent(
     import os, signal, sys, torch
     import guardrails
     sys.path.insert(0, {tests!r})
+    from _loops import train_loop_signalled
     from conftest import Regressor, batches, train_loop
 
     run_dir, write_every = sys.argv[1], float(sys.argv[2])
@@ -289,12 +290,8 @@ CRASH = textwrap.dedent(
         train_loop(g, model, opt)
     with guardrails.guard(model, opt, batches(40), run_dir=run_dir, progress=False,
                           metrics={{"every_n_steps": 4, "write_every_s": write_every}}) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            if g.step == 14:
-                os.kill(os.getpid(), signal.SIGKILL)  # no close, no end event
+        # SIGKILL after step 14: no close, no end event.
+        train_loop_signalled(g, model, opt, after_step=14, signum=signal.SIGKILL)
     """
 )
 
@@ -632,6 +629,7 @@ POINTER = textwrap.dedent(
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with guardrails.guard(model, opt, batches(4), run_dir=run_dir, progress=False) as g:
+        # Not train_loop: the loop's own error at step 2.
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -163,6 +163,7 @@ def test_a_guarded_run_merges_its_parts_off_the_training_thread(tmp_path, caplog
         checkpoint=False,
         metrics={"every_n_steps": 2, "write_every_s": 0, "compact_every_s": 1},
     ) as g:
+        # Not train_loop: 50 ms steps, the threads alive after each recorded.
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch._dynamo
-from conftest import Regressor, batches, free_port, read_events, spawn
+from conftest import Regressor, batches, free_port, read_events, spawn, train_loop
 
 import guardrails
 from guardrails.engine.component import Component
@@ -291,10 +291,7 @@ def test_an_uncompiled_model_is_known_as_such_and_its_flops_are_counted(tmp_path
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with guardrails.guard(model, opt, batches(3), run_dir=tmp_path, progress=False) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     assert g.forward_compiled is False
     flops = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
     assert [e["flops_per_step"] > 0 for e in flops] == [True]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_state_equal, read_events
+from conftest import assert_state_equal, read_events, train_loop
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -239,10 +239,7 @@ def test_attention_counts_on_a_cpu_as_torch_counts_it_on_a_gpu(tmp_path):
         for _ in range(3)
     ]
     with guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_loop(g, model, opt)
     [e] = [e for e in read_events(tmp_path) if e["kind"] == "flops"]
     matmuls = 6 * b * t * (12 * layers * d * d + d * vocab)  # the head is tied to tok
     attention = 14 * layers * b * t * t * d

@@ -177,6 +177,7 @@ def test_under_guard_the_error_is_replaced_chained_with_rank_and_step(tmp_path, 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(guardrails.LaunchError) as info:
         with guardrails.guard(model, opt, batches(5), run_dir=tmp_path, metrics=False) as g:
+            # Not train_loop: the port is taken at step 2, from inside the loop.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()

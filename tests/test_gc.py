@@ -27,6 +27,7 @@ def train_with_garbage(tmp_path, sched, n_steps=10, garbage_per_step=3000, **gua
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     enabled_inside = []
     with Guard(model, opt, batches(n_steps), run_dir=tmp_path, components=[sched], **guard_kw) as g:
+        # Not train_loop: garbage made every step, gc's state read after each.
         for x, y in g:
             for _ in range(garbage_per_step):  # well over gen-0's threshold (700) per step
                 Node()
@@ -111,6 +112,7 @@ def test_pauses_land_in_metrics_and_long_ones_in_events(tmp_path):
     # The scheduler before telemetry (guard()'s order): each pause is in its own step's
     # row. In the other order a pause is counted in the next step's row, never lost.
     with Guard(model, opt, batches(7), run_dir=tmp_path, components=[sched, Telemetry()]) as g:
+        # Not train_loop: 2,000 cyclic objects made every step.
         for x, y in g:
             for _ in range(2000):
                 Node()
@@ -180,6 +182,7 @@ def test_an_application_that_manages_the_gc_during_the_run_keeps_its_settings(tm
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
         with Guard(model, opt, batches(4), run_dir=tmp_path, components=[GCScheduler()]) as g:
+            # Not train_loop: the loop itself freezes and disables gc at step 1.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -202,6 +205,7 @@ def test_a_resumed_run_freezes_after_its_own_first_step(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guardrails.guard(model, opt, batches(6), run_dir=tmp_path) as g:
         assert g.step == 3
+        # Not train_loop: the freeze is checked inside step 4.
         for x, y in g:
             model(x, y).backward()
             opt.step()
@@ -268,6 +272,7 @@ def _train_with_long_lived_cycles(run_dir, gc_section, n_steps: int, keep: int =
     with guardrails.guard(
         model, opt, data[:n_steps], run_dir=run_dir, progress=False, gc=gc_section
     ) as g:
+        # Not train_loop: a cycle made every step, the count read at step 2000.
         for x, y in g:
             if g.step == 2000:  # read before this step makes anything: step 2000 is done
                 at_2000 = len(freed)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_events
+from conftest import read_events, train_loop
 
 import guardrails
 from guardrails.engine.gradnorm import MAX_MISSES, total_norm
@@ -507,11 +507,7 @@ def test_real_cuda_oom_is_explained(tmp_path):
     batches = [*data(device, 2), (big, big)]
     with pytest.raises(guardrails.OutOfMemoryError) as info:
         with guardrails.guard(model, opt, batches, run_dir=tmp_path, progress=False) as g:
-            for x, y in g:
-                loss = model(x, y)  # fp32 activations
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            train_loop(g, model, opt)  # fp32 activations
     err = info.value
     print(str(err))  # the message, for benchmarks/RESULTS.md
     assert isinstance(err, torch.OutOfMemoryError)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from _loops import train_loop_signalled
 from _ranks import patience, run_ranks
 from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
@@ -346,6 +347,7 @@ def test_loop_iterating_its_loader_still_stops_at_the_next_step(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = guardrails.guard(model, opt, loader, run_dir=tmp_path)
     with pytest.raises(SystemExit) as stop, g:
+        # Not train_loop: it iterates the loader, not the guard, and SIGTERMs at step 10.
         for x, y in loader:
             model(x, y).backward()
             opt.step()
@@ -746,12 +748,7 @@ def test_a_signal_stop_reports_the_skips_the_lagged_read_had_not_reached(tmp_pat
     data = batches(20)
     data[1][0][2, 1] = float("nan")  # step 2
     with pytest.raises(SystemExit), guardrails.guard(model, opt, data, run_dir=tmp_path) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            if g.step == 4:
-                signal.raise_signal(signal.SIGTERM)
+        train_loop_signalled(g, model, opt, after_step=4)
     (ev,) = [e for e in read_events(tmp_path) if e["kind"] == "nonfinite"]
     assert (ev["step"], ev["cause"], ev["samples"]) == (2, "bad_data", [2])
 
@@ -886,6 +883,7 @@ def _train_forever(run_dir, steps: int, delay_s: float = 0.0) -> None:
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with guardrails.guard(model, opt, _forever(delay_s), run_dir=run_dir, progress=False) as g:
+        # Not train_loop: it saves and breaks at step `steps` of an endless loader.
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -144,6 +144,7 @@ def garbage_loop(tmp_path, n_steps, per_step, components):
     model, opt = make()
     live = []
     with Guard(model, opt, batches(n_steps), run_dir=tmp_path, components=components) as g:
+        # Not train_loop: objects made every step, the live count read after each.
         for x, y in g:
             for _ in range(per_step):
                 Node()
@@ -278,6 +279,7 @@ def test_oom_in_eval_forward_ranks_no_grad_first(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(guardrails.OutOfMemoryError) as info:
         with Guard(model, opt, batches(4), run_dir=tmp_path, components=[MemoryGuard()]) as g:
+            # Not train_loop: an eval forward without no_grad after each step.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()
@@ -405,6 +407,7 @@ def starvation_run(tmp_path, loader, n_steps=23, **knobs):
     model, opt = make()
     memory = MemoryGuard(leak_check_every_n_steps=None, data_starvation_window_steps=10, **knobs)
     with Guard(model, opt, loader, run_dir=tmp_path, components=[memory]) as g:
+        # Not train_loop: a DataLoader's extra batch dimension dropped first.
         for x, y in g:
             if x.ndim == 3:  # a DataLoader with batch_size=None keeps our batches as is
                 x, y = x[0], y[0]

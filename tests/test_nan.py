@@ -8,6 +8,8 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -281,21 +283,30 @@ def test_replay_does_not_perturb_a_deterministic_run(tmp_path):
         assert torch.equal(a, b), k
 
 
-def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path, lagged):
+def _blown_up(tmp_path, make_opt: Callable, *, lr: float, clip: bool) -> NonFiniteError:
+    """The error of a Regressor's run whose LR is set to ``lr`` after step 30 (the
+    fault), under ``nan={"policy": "raise"}``; ``clip``: the loop clips the grad norm to
+    1.0 every step, as nanoGPT's does. Not train_loop: the fault and the clip are inside."""
     torch.manual_seed(0)
     model = Regressor()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = make_opt(model.parameters())
     with pytest.raises(NonFiniteError) as info:
         with guardrails.guard(
             model, opt, batches(80), run_dir=tmp_path, nan={"policy": "raise"}
         ) as g:
             for x, y in g:
                 if g.step == 30:
-                    opt.param_groups[0]["lr"] = 1e8  # the fault: LR set huge mid-run
+                    opt.param_groups[0]["lr"] = lr
                 model(x, y).backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad()
-    err = info.value
+    return info.value
+
+
+def test_huge_learning_rate_mid_run_is_an_optimization_blowup(tmp_path, lagged):
+    err = _blown_up(tmp_path, partial(torch.optim.SGD, lr=0.05), lr=1e8, clip=False)
     assert err.cause == "optimization_blowup", str(err)
     assert err.step > 31
     # The LR first, with the step it jumped at: guard step 31 is the one after g.step 30.
@@ -315,6 +326,7 @@ def test_update_size_is_sampled_exactly_every_n_steps(tmp_path):
     with guardrails.guard(
         model, opt, batches(17), run_dir=tmp_path, nan={"update_every_n_steps": 5}
     ) as g:
+        # Not train_loop: each step's exact update size measured around it.
         for x, y in g:
             before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
             model(x, y).backward()
@@ -340,21 +352,8 @@ def test_blowup_in_a_loop_that_clips_is_not_told_to_clip(tmp_path):
     # nanoGPT's loop: AdamW, clip_grad_norm_(model.parameters(), 1.0) every step, and
     # the LR blown up to 1e4. "clip the global grad norm" is no fix for a loop that
     # does; the spikes before the NaN said the same.
-    torch.manual_seed(0)
-    model = Regressor()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    with pytest.raises(NonFiniteError) as info:
-        with guardrails.guard(
-            model, opt, batches(80), run_dir=tmp_path, nan={"policy": "raise"}
-        ) as g:
-            for x, y in g:
-                if g.step == 30:
-                    opt.param_groups[0]["lr"] = 1e4
-                model(x, y).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad()
-    err = info.value
+    adamw = partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    err = _blown_up(tmp_path, adamw, lr=1e4, clip=True)
     assert err.cause == "optimization_blowup", str(err)
     assert "lower the LR" in err.hint and "clips the grad norm already" in err.hint
     assert "clip_grad_norm_(1.0)" not in err.hint
@@ -1007,6 +1006,7 @@ def _blowup_worker(rank: int, world: int, port: int, out: str) -> None:
                 with guardrails.guard(
                     model, opt, data, run_dir=f"{out}/{case}", scheduler=sched, progress=False
                 ) as g:
+                    # Not train_loop: a scheduler steps, the fault planted at step 30.
                     for x, y in g:
                         if case != "numerics" and g.step == 30:
                             # the fault: sched.step() sets it after step 31, for step 32 on

@@ -155,6 +155,7 @@ def test_die_from_a_thread_ends_a_stuck_process(tmp_path):
 PREEMPTED = """
 import os, signal, sys, torch
 sys.path.insert(0, {tests!r})
+from _loops import train_loop_signalled
 from conftest import Regressor, batches
 import guardrails
 
@@ -164,12 +165,7 @@ def main():
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with guardrails.guard(model, opt, batches(20), run_dir=sys.argv[1]) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            if g.step == 5:
-                os.kill(os.getpid(), signal.SIGTERM)
+        train_loop_signalled(g, model, opt, after_step=5)
 
 main()
 """

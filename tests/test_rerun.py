@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _loops import train_loop_signalled
 from conftest import Regressor, batches, patience, read_events, train_loop
 from torch import nn
 
@@ -209,12 +210,7 @@ def test_a_run_stopped_by_a_signal_is_not_finished(tmp_path):
     with guardrails.guard(
         model, opt, batches(10), run_dir=tmp_path, progress=False, checkpoint=ck
     ) as g:
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            if g.step == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
+        train_loop_signalled(g, model, opt, after_step=3)
     assert g.stopping is not None and g.step == 3
     found = list_checkpoints(tmp_path / "checkpoints")
     assert found[-1][1].name == "step_000000003"
@@ -376,6 +372,7 @@ def adam_run(run_dir, *, lr=1e-2, weight_decay=0.1, sched="step", steps=4, signa
         # loaded 2 cores; the warnings asserted on here are the resume's.
         memory=False,
     ) as g:
+        # Not train_loop: a scheduler steps, a SIGTERM at `signal_at`.
         for x, y in g:
             model(x, y).backward()
             opt.step()

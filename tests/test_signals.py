@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _loops import train_loop_signalled
 from _ranks import base_env, launch, launch_torchrun, patience, run_ranks
 from conftest import Regressor, batches, read_events, train_loop
 from torch import Tensor, nn
@@ -351,7 +352,6 @@ def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
     torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    seen = 0
     with guardrails.guard(
         model,
         opt,
@@ -361,16 +361,11 @@ def test_handlers_restored_and_exit_on_signal_false_ends_the_loop(tmp_path):
         checkpoint={"exit_on_signal": False},
     ) as g:
         assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
-        for x, y in g:
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-            seen += 1
-            if g.step == 3:
-                os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's warning signal
+        # SLURM's warning signal after step 3: no batch after it (each one is a step).
+        train_loop_signalled(g, model, opt, after_step=3, signum=signal.SIGUSR1)
         for _ in g:  # a later pass ends at once too
             raise AssertionError("a stopped guard yielded a batch")
-    assert seen == 3 and "SIGUSR1" in (g.stopping or "")
+    assert g.step == 3 and "SIGUSR1" in (g.stopping or "")
     assert (tmp_path / "checkpoints" / "step_000000003" / "manifest.json").is_file()
     assert {s: signal.getsignal(s) for s in before} == before
 
@@ -389,12 +384,7 @@ def test_list_loader_resumes_by_fast_forward_with_state_and_warning(tmp_path):
             checkpoint={"exit_on_signal": False},
         ) as g:
             g.state["best"] = g.state.get("best", 9.0) - 1.0
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                if g.step == stop_at:
-                    os.kill(os.getpid(), signal.SIGTERM)
+            train_loop_signalled(g, model, opt, after_step=stop_at)
         return model, g
 
     straight, g1 = run()  # saves nothing: no periodic saves, no signal
@@ -638,12 +628,7 @@ def test_a_stop_abandons_an_older_save_still_being_written_and_saves_its_own_ste
             progress=False,
             checkpoint={"every_n_steps": 2, "keep_last": 1},
         ) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                if g.step == 3:
-                    os.kill(os.getpid(), signal.SIGTERM)
+            train_loop_signalled(g, model, opt, after_step=3)
     assert exit_info.value.code == 143 and g.step == 3
     events = read_events(tmp_path)
     [abandoned] = [e for e in events if e["kind"] == "checkpoint_abandoned"]
@@ -703,6 +688,7 @@ def test_a_signal_save_without_periodic_saves_stages_into_memory_allocated_ahead
             staging = g.component("checkpoint").writer.staging
             staging.wait()
             seen["at start"] = staging.nbytes
+            # Not train_loop: the staging blocks read, then a SIGTERM, at `stop_at`.
             for x, y in g:
                 model(x, y).backward()
                 opt.step()

@@ -74,6 +74,7 @@ def train(run_dir, n_steps, *, inside=None, fail_at=None, stop_at=None, seed=0, 
     with guardrails.guard(
         model, opt, batches(n_steps), scheduler=sched, run_dir=run_dir, **knobs
     ) as g:
+        # Not train_loop: a scheduler steps, `inside(g)` runs, a failure at `fail_at`.
         for x, y in g:
             model(x, y).backward()
             opt.step()

@@ -170,6 +170,7 @@ def test_sigkill_keeps_every_part_written_before_it(tmp_path):
         f"""
         import os, signal, sys, torch
         sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from _loops import train_loop_signalled
         from conftest import Regressor, batches
         import guardrails
         torch.manual_seed(0)
@@ -177,12 +178,7 @@ def test_sigkill_keeps_every_part_written_before_it(tmp_path):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with guardrails.guard(model, opt, batches(50), run_dir={str(tmp_path)!r},
                               metrics={{"every_n_steps": 5, "write_every_s": 0}}) as g:
-            for x, y in g:
-                model(x, y).backward()
-                opt.step()
-                opt.zero_grad()
-                if g.step == 23:
-                    os.kill(os.getpid(), signal.SIGKILL)
+            train_loop_signalled(g, model, opt, after_step=23, signum=signal.SIGKILL)
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -325,6 +321,7 @@ def test_progress_bar_of_a_resumed_run_counts_from_its_checkpoint(tmp_path, caps
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with guardrails.guard(model, opt, data, run_dir=tmp_path, progress=False) as g:
+        # Not train_loop: it saves and breaks at step 4.
         for x, y in g:
             model(x, y).backward()
             opt.step()
