@@ -538,8 +538,9 @@ class NanGuard(Component):
         Never the training's group, so no collective of the user's can pair with it;
         the auditor still sees it in the training's sequence (``record_own``)."""
         both = torch.tensor([float(bad), norm * norm], dtype=torch.float64)
-        if guard.shared.auditor is not None:  # in the training's sequence: see record_own
-            guard.shared.auditor.record_own("NaN-flag agreement", both, dist.ReduceOp.SUM)
+        auditor = guard.shared.auditor
+        if auditor is not None:  # in the training's sequence: see record_own
+            auditor.record_own("NaN-flag agreement", both, dist.ReduceOp.SUM)
         if self._nccl is not None:
             # The group's own method, not torch.distributed.all_reduce: the auditor
             # would take it for a collective of the user's on a group of its own.
