@@ -290,7 +290,8 @@ def test_guard_to_guard_calls_go_through_the_declared_services():
     engine/services.py (or is refused) instead of going through an untyped slot."""
     slots, members = shared_slots(), service_members()
     assert {"auditor", "rewind"} <= {s for s, p in slots.items() if p}, slots
-    wrong, seen = [], set()
+    wrong: set[str] = set()
+    seen: set[tuple[str, str]] = set()
     for path in MODULES.values():
         tree = ast.parse(path.read_text())
         parents = {child: n for n in ast.walk(tree) for child in ast.iter_child_nodes(n)}
@@ -299,7 +300,7 @@ def test_guard_to_guard_calls_go_through_the_declared_services():
             for read in _slot_reads(scope):
                 where = f"{path.relative_to(ROOT)}:{read.lineno}"
                 if read.attr not in slots:
-                    wrong.append(f"{where}: guard.shared.{read.attr} is not a Shared field")
+                    wrong.add(f"{where}: guard.shared.{read.attr} is not a Shared field")
                     continue
                 protocol = slots[read.attr]
                 if protocol is None or isinstance(read.ctx, ast.Store):
@@ -307,10 +308,10 @@ def test_guard_to_guard_calls_go_through_the_declared_services():
                 for use in _uses(read, parents, scope):
                     seen.add((read.attr, use))
                     if use == "passed on":
-                        wrong.append(f"{where}: {read.attr} passed on, not called as {protocol}")
+                        wrong.add(f"{where}: {read.attr} passed on, not called as {protocol}")
                     elif use != "ok" and use[1:] not in members[protocol]:
-                        wrong.append(f"{where}: {read.attr}{use} is not in {protocol}")
-    assert not wrong, "calls between guards outside engine/services.py:\n" + "\n".join(wrong)
+                        wrong.add(f"{where}: {read.attr}{use} is not in {protocol}")
+    assert not wrong, "calls outside engine/services.py:\n" + "\n".join(sorted(wrong))
     # Not vacuous: the calls of today are seen.
     assert {("rewind", ".request"), ("auditor", ".record"), ("auditor", ".record_own")} <= seen
 
