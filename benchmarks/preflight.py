@@ -94,7 +94,7 @@ def preflight_seconds(model: torch.nn.Module, run_dir: Path, repeats: int) -> li
     loader = [(torch.zeros(8, 1024, dtype=torch.long),)] * 4
     for i in range(repeats):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        pre = Preflight(config={"lr": 3e-4, "run": "bench"})
+        pre = Preflight(run_config={"lr": 3e-4, "run": "bench"})
         g = Guard(model, opt, loader, run_dir=run_dir / f"g{i}", components=[pre])
         g.start()
         g.close()

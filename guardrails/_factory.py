@@ -7,20 +7,27 @@ component's own ``Config`` (documented there, once): ``nan=NanGuard.Config(...)`
 dict of its knobs, ``True`` for its defaults, ``False`` to leave it out. The order of
 the components is theirs to declare (``Component.after`` / ``before``, checked by the
 engine), not this module's.
+
+Each section is also a typed keyword of ``guard()`` (its knobs as a ``TypedDict`` at the
+end of this module), so an editor completes ``nan=`` and the knobs inside it. A section
+added to ``SECTIONS`` alone already works (as ``**more_sections``); its typed keyword
+and ``TypedDict`` follow, and ``tests/test_config.py`` fails until they agree with
+``SECTIONS`` and the ``Config``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from os import PathLike
-from typing import Any
+from typing import Any, TypedDict
 
 from torch import nn
 
 from guardrails.distributed.store import distributed
 from guardrails.engine.component import Component, check_component_list
-from guardrails.engine.config import ALIASES, apply_aliases, built, check_knobs, section
+from guardrails.engine.config import built, check_knobs, check_removed, section
 from guardrails.engine.guard import Guard, Optimizers
 from guardrails.guards.audit.auditor import CollectiveAuditor
 from guardrails.guards.checkpointer.checkpointer import SignalCheckpointer
@@ -53,8 +60,6 @@ SECTIONS: dict[str, type[Component]] = {
     "efficiency": Efficiency,
 }
 
-Section = bool | Mapping[str, Any] | None
-
 
 def guard(
     model: nn.Module | Sequence[nn.Module] | Mapping[str, nn.Module],
@@ -74,7 +79,20 @@ def guard(
     benchmark: bool = False,
     graph_grad_norm: bool = False,
     components: Sequence[Component] | None = None,
-    **sections: Section | Any,
+    # The sections, as SECTIONS orders them; the default: the class's section_default.
+    explain: bool | ErrorExplainer.Config | ExplainKnobs | None = True,
+    gc: bool | GCScheduler.Config | GCKnobs | None = True,
+    memory: bool | MemoryGuard.Config | MemoryKnobs | None = True,
+    nan: bool | NanGuard.Config | NanKnobs | None = True,
+    watchdog: bool | Watchdog.Config | WatchdogKnobs | None = True,
+    audit: bool | CollectiveAuditor.Config | AuditKnobs | None = True,
+    metrics: bool | Telemetry.Config | MetricsKnobs | None = True,
+    pace: bool | Pace.Config | PaceKnobs | None = True,
+    preflight: bool | Preflight.Config | PreflightKnobs | None = True,
+    rewind: bool | Rewind.Config | RewindKnobs | None = False,
+    checkpoint: bool | SignalCheckpointer.Config | CheckpointKnobs | None = True,
+    efficiency: bool | Efficiency.Config | EfficiencyKnobs | None = True,
+    **more_sections: Any,
 ) -> Guard:
     """Guard a training loop with the default components::
 
@@ -85,72 +103,64 @@ def guard(
                 opt.step()
                 opt.zero_grad()
 
-    Several optimizers (a GAN, actor-critic) are one guard: pass every model and every
-    optimizer, as lists or dicts by name::
-
-        with guardrails.guard([gen, disc], [opt_g, opt_d], loader) as g:
-
-    Every optimizer's steps are guarded (a NaN in the discriminator's step never
-    reaches its weights), ``g.step`` counts the first optimizer's steps, and one
-    checkpoint holds every model, optimizer and scheduler.
-
-    Each protection is a section, configured by its component's ``Config`` (its knobs
-    are documented there) or a dict of those knobs; ``True`` is its defaults, ``False``
-    leaves it out::
-
-        guardrails.guard(
-            model, opt, loader,
-            checkpoint={"every_n_steps": 1000, "keep_last": 5},
-            nan=guardrails.NanGuard.Config(policy="raise"),
-            watchdog={"hang_timeout_s": 120},
-            gc=False,
-        )
+    Each protection is a section keyword: ``True`` (its defaults), ``False`` (left out),
+    its component's ``Config``, or a dict of its knobs, e.g. ``checkpoint={"keep_last":
+    5}, nan=guardrails.NanGuard.Config(policy="raise"), gc=False``. docs/sections.md
+    says which are on and why, and docs/configuration.md documents every knob.
 
     Args:
-        model, optimizer, loader, scheduler, run_dir, tokens_per_batch, replay_fn,
-            benchmark, graph_grad_norm: see :class:`~guardrails.Guard`.
-        scaler: the ``torch.amp.GradScaler``, if any: saved in checkpoints.
-        generators: the loop's own ``torch.Generator`` (batches or noise drawn without a
-            loader), or a list / dict of them by name: saved in checkpoints and set back
-            at resume.
-        resume: ``"auto"`` (default): continue from the newest valid checkpoint under
-            ``run_dir/checkpoints`` if there is one; a path: that checkpoint; ``None``:
-            start fresh (see :class:`SignalCheckpointer.Config`, whose ``resume`` this
-            sets).
-        config: your run's settings (``vars(args)``, a dict from a YAML file, a
-            dataclass), compared across ranks by the preflight, key by key, and saved
-            in every checkpoint: resuming one saved with another config raises
-            :class:`~guardrails.ResumeError` naming the changed keys (the ``run_config``
-            of :class:`Preflight.Config` and :class:`SignalCheckpointer.Config`).
-        progress: tqdm bar on rank 0; ``None`` = only on a terminal outside CI
-            (telemetry's ``progress``).
-        log_to: also send the metrics and events to ``"tensorboard"``, ``"wandb"``,
-            ``"mlflow"``, a :class:`~guardrails.Sink` or a function of the rows, or a
-            list of those (telemetry's ``sinks``): rank 0 only, at each metrics part.
-        components: extra components, run after the defaults. One of the same type as
-            a default (e.g. ``NanGuard(spike_factor=10)``) replaces that default.
-        **sections: one keyword per default component, configured by its ``Config``
-            (each knob documented there, and in docs/configuration.md): {sections}.
-
-    The flat knobs of release 0.1 (``nan_policy``, ``checkpoint_every_n_steps``,
-    ``hang_timeout_s``...) still work in this release, with a ``DeprecationWarning``
-    naming the section that replaces each (``engine/config.ALIASES``).
-
-    Returns:
-        A :class:`~guardrails.Guard`, not yet started: use it in ``with`` (or call
-        ``start()`` / ``close()``).
+        model, optimizer, loader: a module and its optimizer, or lists / dicts of them
+            trained together (a GAN); ``g.step`` counts the first optimizer's steps.
+        resume: ``"auto"``: continue from the newest valid checkpoint in ``run_dir``; a
+            path: that checkpoint; ``None``: start fresh (the checkpoint's ``resume``).
+        config: your run's settings (``vars(args)``), compared across ranks and saved:
+            a resume under other settings names the changed keys.
+        progress: a tqdm bar on rank 0; ``None``: only on a terminal outside CI.
+        log_to: also send metrics and events to ``"tensorboard"``, ``"wandb"``,
+            ``"mlflow"``, a :class:`~guardrails.Sink`, a function of the rows, or a list.
+        components: extra components, run after the defaults; one of a default's type
+            (``NanGuard(spike_factor=10)``) takes that default's place.
+        The others: see :class:`~guardrails.Guard`, which this returns, not yet started.
     """
-    old_knobs = {k: sections.pop(k) for k in list(sections) if k not in SECTIONS}
-    unknown = {k: v for k, v in old_knobs.items() if k not in ALIASES["guard"]}
-    if unknown:
-        check_knobs(unknown, [*_TOP_LEVEL, *SECTIONS], "guard()")
-    configs = {
+    keywords = locals()  # the section keywords (those of this signature) by name
+    given = {name: keywords[name] for name in SECTIONS if name in keywords}
+    configs = _section_configs({**given, **more_sections})
+    _set_conveniences(configs, resume=resume, config=config, progress=progress, log_to=log_to)
+    return Guard(
+        model,
+        optimizer,
+        loader,
+        components=_chosen(configs, components),
+        scheduler=scheduler,
+        scaler=scaler,
+        generators=generators,
+        run_dir=run_dir,
+        tokens_per_batch=tokens_per_batch,
+        benchmark=benchmark,
+        graph_grad_norm=graph_grad_norm,
+        replay_fn=replay_fn,
+    )
+
+
+def _section_configs(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Each section's ``Config`` (``None``: left out) from ``guard()``'s keywords; an
+    unknown keyword is a ``TypeError`` naming the closest one, or the new spelling of a
+    knob of release 0.1."""
+    unknown = [name for name in given if name not in SECTIONS]
+    check_removed("guard", unknown)
+    check_knobs(dict.fromkeys(unknown), {*_KEYWORDS, *SECTIONS}, "guard()")
+    return {
         # A section is on unless given False; one whose class says so (rewind) is off
         # unless given.
-        name: section(name, sections.get(name, getattr(cls, "section_default", True)), cls.Config)
+        name: section(name, given.get(name, getattr(cls, "section_default", True)), cls.Config)
         for name, cls in SECTIONS.items()
     }
-    _fold_old_knobs(configs, old_knobs)
+
+
+def _set_conveniences(
+    configs: dict[str, Any], *, resume: Any, config: Any, progress: Any, log_to: Any
+) -> None:
+    """The top-level knobs that set a section's field, into that section."""
     _set_top_level(configs, "checkpoint", "resume", resume, "auto")
     _set_top_level(configs, "preflight", "run_config", config, None, knob="config")
     _set_top_level(configs, "checkpoint", "run_config", config, None, knob="config")
@@ -163,6 +173,11 @@ def guard(
             )
         sinks = check_sinks(log_to, "log_to")
         _set_top_level(configs, "metrics", "sinks", sinks, (), knob="log_to")
+
+
+def _chosen(configs: Mapping[str, Any], components: Sequence[Component] | None) -> list[Component]:
+    """The components to run: each section's that is on and has something to do here,
+    then the user's, one of the same type as a default taking that default's place."""
     chosen: list[Component] = []
     for name, cfg in configs.items():
         if cfg is None or (SECTIONS[name].distributed_only and not distributed()):
@@ -176,45 +191,7 @@ def guard(
         if mine:
             chosen[i] = mine[0]
             extra.remove(mine[0])
-    chosen += extra
-    return Guard(
-        model,
-        optimizer,
-        loader,
-        scheduler=scheduler,
-        scaler=scaler,
-        generators=generators,
-        run_dir=run_dir,
-        components=chosen,
-        tokens_per_batch=tokens_per_batch,
-        benchmark=benchmark,
-        graph_grad_norm=graph_grad_norm,
-        replay_fn=replay_fn,
-    )
-
-
-def _fold_old_knobs(configs: dict[str, Any], old: Mapping[str, Any]) -> None:
-    """Release 0.1's flat knobs, each into its section (with a DeprecationWarning)."""
-    old = {k: v for k, v in old.items() if k in ALIASES["guard"]}
-    if not old:
-        return
-    if old.get("even_batches") and configs["preflight"] is None:
-        # guard(preflight=False, even_batches=True): the cut without the comparison.
-        configs["preflight"] = Preflight.Config(check=False)
-    for where, fields in apply_aliases(old, configs).items():
-        if fields is None:
-            configs[where] = None
-            continue
-        if configs[where] is None:
-            raise TypeError(
-                f"guard({where}=False) turns that component off, but "
-                f"{', '.join(sorted(fields))} configure it: drop one or the other."
-            )
-        given = ", ".join(f"{k}=..." for k in old if ALIASES["guard"][k][0] == where)
-        configs[where] = built(
-            f"guard({given})",
-            lambda cfg=configs[where], fields=fields: dataclasses.replace(cfg, **fields),
-        )
+    return chosen + extra
 
 
 def _set_top_level(
@@ -243,18 +220,149 @@ def _set_top_level(
     )
 
 
-#: guard()'s own keywords (the sections are SECTIONS'), for the closest-name hint.
-_TOP_LEVEL = [
-    name
-    for name in guard.__code__.co_varnames[
-        : guard.__code__.co_argcount + guard.__code__.co_kwonlyargcount
-    ]
-    if name not in ("model", "optimizer", "loader")
+#: guard()'s own keywords, for the closest-name hint.
+_KEYWORDS = [
+    p.name
+    for p in inspect.signature(guard).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
 ]
-# The sections in guard()'s help, from SECTIONS: adding a section is one line there.
-guard.__doc__ = (guard.__doc__ or "").replace(
-    "{sections}",
-    ", ".join(
-        f"``{name}`` (:class:`~guardrails.{cls.__name__}`)" for name, cls in SECTIONS.items()
-    ),
-)
+
+
+# ---------------------------------------------------- the sections' knobs, as types
+# One TypedDict per section, its keys and types those of the component's Config
+# (tests/test_config.py checks them): what an editor completes inside nan={...}.
+
+
+class ExplainKnobs(TypedDict, total=False):
+    """``guard(explain=...)`` has no knobs: ``True`` or ``False``."""
+
+
+class GCKnobs(TypedDict, total=False):
+    """``guard(gc=...)``'s knobs, each documented in ``GCScheduler.Config``."""
+
+    every_n_steps: int
+    generation: int
+    full_every_n_steps: int | None
+    long_pause_s: float
+
+
+class MemoryKnobs(TypedDict, total=False):
+    """``guard(memory=...)``'s knobs, each documented in ``MemoryGuard.Config``."""
+
+    leak_check_every_n_steps: int | None
+    leak_window_checks: int
+    data_starvation_window_steps: int | None
+    data_starvation_fraction: float
+    data_starvation_min_wait_s: float
+    explain_oom: bool
+
+
+class NanKnobs(TypedDict, total=False):
+    """``guard(nan=...)``'s knobs, each documented in ``NanGuard.Config``."""
+
+    policy: str
+    max_consecutive_skips: int
+    check_every_n_steps: int
+    spike_factor: float
+    loss_spike_factor: float
+    max_spike_events: int
+    window_steps: int
+    capture: bool
+    replay: bool
+    replay_fn: Callable[[Any, Any], Any] | None
+    max_diagnoses: int
+    update_every_n_steps: int | None
+    divergence_factor: float | None
+    divergence_steps: int
+
+
+class WatchdogKnobs(TypedDict, total=False):
+    """``guard(watchdog=...)``'s knobs, each documented in ``Watchdog.Config``."""
+
+    hang_timeout_s: float | None
+    first_step_timeout_s: float
+    heartbeat_every_s: float | None
+    abort_after_s: float
+
+
+class AuditKnobs(TypedDict, total=False):
+    """``guard(audit=...)``'s knobs, each documented in ``CollectiveAuditor.Config``."""
+
+    interval_s: float
+    close_wait_s: float
+    abort_after_s: float
+    flight_recorder: bool
+
+
+class MetricsKnobs(TypedDict, total=False):
+    """``guard(metrics=...)``'s knobs, each documented in ``Telemetry.Config``."""
+
+    every_n_steps: int
+    write_every_s: float
+    progress: bool | None
+    sinks: tuple[Any, ...]
+    sink_close_timeout_s: float
+    compact_every_s: float | None
+
+
+class PaceKnobs(TypedDict, total=False):
+    """``guard(pace=...)``'s knobs, each documented in ``Pace.Config``."""
+
+    window_steps: int
+    compare_every_s: float
+    straggler_factor: float
+    straggler_min_share: float
+    slowdown_factor: float
+    comm_share: float
+    persist_windows: int
+
+
+class PreflightKnobs(TypedDict, total=False):
+    """``guard(preflight=...)``'s knobs, each documented in ``Preflight.Config``."""
+
+    check: bool
+    run_config: Mapping[str, Any] | None
+    even_batches: bool
+
+
+class RewindKnobs(TypedDict, total=False):
+    """``guard(rewind=...)``'s knobs, each documented in ``Rewind.Config``."""
+
+    snapshot_every_steps: int
+    max_rewinds: int
+    skip_batches: int
+    lr_scale: float
+    lr_warmup_steps: int
+
+
+class CheckpointKnobs(TypedDict, total=False):
+    """``guard(checkpoint=...)``'s knobs, each documented in ``SignalCheckpointer.Config``."""
+
+    every_n_steps: int | None
+    every_s: float | None
+    keep_last: int | None
+    save_on_signal: bool
+    signals: tuple[str, ...]
+    exit_on_signal: bool
+    grace_s: float
+    background: bool
+    resume: str | PathLike[str] | None
+    allow_world_size_change: bool
+    run_config: Mapping[str, Any] | None
+    allow_config_change: bool | Sequence[str]
+    directory: str | PathLike[str] | None
+    agree_every_s: float
+    strict_cadence: bool
+
+
+class EfficiencyKnobs(TypedDict, total=False):
+    """``guard(efficiency=...)``'s knobs, each documented in ``Efficiency.Config``."""
+
+    advise: bool
+    count_flops: bool
+    flops_at_step: int
+    flops_per_step: float | None
+    peak_flops: float | None
+    host_syncs: bool
+    host_syncs_at_step: int
+    host_syncs_steps: int

@@ -167,7 +167,7 @@ def main() -> None:
                         with open(f"{a.out}.mark", "w") as f:
                             f.write(str(g.step))
                     deadline = time.monotonic() + 120
-                    while not a.slow_data and not (ckpt._signal or ckpt._watched_signal):
+                    while not a.slow_data and not ckpt.capture.received:
                         assert time.monotonic() < deadline, "no signal came"
                         time.sleep(0.01)
                     if a.early_iter and not a.slow_data:

@@ -111,6 +111,55 @@ def test_names_load_on_first_use_and_type_checkers_see_the_same_ones():
         guardrails.nope  # noqa: B018
 
 
+EXPECTED_USER_SURFACE = [
+    "clip_grad_norm_",
+    "close",
+    "component",
+    "components",
+    "epoch",
+    "observe",
+    "pause_watchdog",
+    "phase",
+    "run_dir",
+    "save_checkpoint",
+    "start",
+    "state",
+    "step",
+    "stopping",
+]
+
+
+def test_the_user_surface_of_g_is_pinned_apart_from_the_services(tmp_path):
+    """What a loop calls on ``g`` is one declared, documented set, like ``__all__``:
+    every public name of a started guard is in exactly one of the user's surface and
+    the components' services, ``dir(g)`` offers the user's, and docs/usage.md lists
+    exactly them. A new public name on Guard fails here until it joins one set."""
+    import torch
+    from conftest import Regressor, batches
+
+    from guardrails.engine.surface import SERVICES, USER_SURFACE
+
+    # Adding a name to the user's surface is a decision: update this list on purpose.
+    assert list(USER_SURFACE) == EXPECTED_USER_SURFACE
+    assert list(SERVICES) == sorted(SERVICES)
+    assert not set(USER_SURFACE) & set(SERVICES)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path, progress=False) as g:
+        public = {name for name in object.__dir__(g) if not name.startswith("_")}
+        unplaced = public - set(USER_SURFACE) - set(SERVICES)
+        assert not unplaced, f"put each in engine/surface.py's USER_SURFACE or SERVICES: {unplaced}"
+        assert set(USER_SURFACE) | set(SERVICES) <= public  # no stale entry
+        assert [n for n in dir(g) if not n.startswith("_")] == EXPECTED_USER_SURFACE
+        for name in SERVICES:
+            getattr(g, name)  # still reachable: components call them
+    text = (ROOT / "docs" / "usage.md").read_text()
+    table = text.split("## What `g` offers your loop", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `g.")]
+    documented = sorted(n for row in rows for n in re.findall(r"`g\.(\w+)", row))
+    assert documented == EXPECTED_USER_SURFACE
+
+
 @pytest.mark.parametrize("name", ERRORS)
 def test_every_error_is_a_guardrails_error_with_fields(name):
     cls = getattr(guardrails, name)

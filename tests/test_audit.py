@@ -180,7 +180,7 @@ def worker(scenario: str, out: str) -> None:
                 opt,
                 batches(STEPS, seed=rank),
                 run_dir=f"{out}/run",
-                components=[*nan, CollectiveAuditor(grace_s=2.0)],
+                components=[*nan, CollectiveAuditor(abort_after_s=2.0)],
             )
         if type(model) is DDP:
             model.register_comm_hook(None, recording_hook(g))

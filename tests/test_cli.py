@@ -866,7 +866,7 @@ def test_a_slowdown_of_a_busy_machine_is_not_listed_as_a_warning(tmp_path, capsy
 
 
 def test_durations_are_written_as_people_write_them(tmp_path, capsys):
-    from guardrails.cli.report import _dur
+    from guardrails.cli.report_story import _dur
 
     assert [_dur(x) for x in (0.000379, 0.309, 0.9996, 8.39, 42.1, 72.0, 200.0, 72 * 60)] == [
         "0.379 ms",
@@ -898,7 +898,7 @@ def test_a_resumed_run_says_which_steps_it_ran(tmp_path, capsys):
 def test_axis_scale_follows_the_span_of_the_values():
     import numpy as np
 
-    from guardrails.cli.report import axis_scale
+    from guardrails.cli.report_plot import axis_scale
 
     healthy = np.linspace(3.0, 1.5, 100)
     assert axis_scale(healthy) == ("linear", {})

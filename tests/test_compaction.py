@@ -375,7 +375,7 @@ def test_the_report_reads_a_batch_at_a_time_whatever_the_length_of_the_run(tmp_p
     2.5 days at 10 steps/s, merged hourly) is that for 36k rows (an hour). The old
     report loaded every row: peak RSS 231 -> 1,418 MiB for these two (now 147 -> 145);
     ~15 GB for a month. It drew a line per skipped step too (+300 MB for 8,666)."""
-    from guardrails.cli import report
+    from guardrails.cli import report_runs
 
     sizes = {}
     for name, hours in (("short", 1), ("long", 60)):
@@ -387,8 +387,8 @@ def test_the_report_reads_a_batch_at_a_time_whatever_the_length_of_the_run(tmp_p
         assert (run_dir / "r.png").read_bytes()[:4] == b"\x89PNG"
         # Structural: the streaming pass holds one batch, never the run.
         events: list = []
-        runs = report.split_runs(events, report._metrics_keys(run_dir)[0])
-        peak = report.gather(run_dir, runs, runs, plots=True)
+        runs = report_runs.split_runs(events, report_runs._metrics_keys(run_dir)[0])
+        peak = report_runs.gather(run_dir, runs, runs, plots=True)
         assert 0 < peak <= BATCH_ROWS
         assert len(runs[0].curves.line(0, "loss")[0]) <= 4000
     (short, rss_short), (long, rss_long) = sizes["short"], sizes["long"]

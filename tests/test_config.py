@@ -1,10 +1,13 @@
-"""guard()'s sections, the components' Config dataclasses, the alias table of 0.1's
-knobs, and the protocol checks a guard makes when it is built."""
+"""guard()'s sections and their typed keywords, the components' Config dataclasses,
+0.1's removed knobs, and the protocol checks a guard makes when it is built."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from conftest import Regressor, batches, guarded_run
 
 import guardrails
 from guardrails._factory import SECTIONS
-from guardrails.engine.config import ALIASES
+from guardrails.engine.config import REMOVED
 
 
 def _guard(tmp_path, **knobs):
@@ -129,39 +132,29 @@ def test_top_level_conveniences_set_their_sections_field_once(tmp_path):
         _guard(tmp_path, resume="a", checkpoint={"resume": "b"})
 
 
-@pytest.mark.parametrize("old", sorted(ALIASES["guard"]))
-def test_every_0_1_knob_still_works_with_a_deprecation_warning(tmp_path, old):
-    where, field, how = ALIASES["guard"][old]
-    if how == "switch":
-        value, new = False, {where: False}
+@pytest.mark.parametrize("old", sorted(REMOVED["guard"]))
+def test_a_0_1_knob_is_refused_with_its_new_spelling(tmp_path, old):
+    """Release 0.1's flat knobs are gone (nothing real used them): each is a TypeError
+    that says how to write it now, and the spelling it gives works."""
+    where, field = REMOVED["guard"][old]
+    with pytest.raises(
+        TypeError, match=rf"guard\({old}=\.\.\.\) is release 0\.1's spelling"
+    ) as err:
+        _guard(tmp_path, **{old: 1})
+    if field is None:
+        assert f"guard({where}=True) or guard({where}=False)" in str(err.value)
+        new = {where: False}
     else:
+        assert f'guard({where}={{"{field}": ...}})' in str(err.value), str(err.value)
         knob = next(f for f in dataclasses.fields(SECTIONS[where].Config) if f.name == field)
-        value = _other_value(knob)
-        new = {where: {field: value}}
-    with pytest.warns(DeprecationWarning, match=rf"guard\({old}=\.\.\.\) is deprecated") as rec:
-        g_old = _guard(tmp_path, **{old: value})
-    assert rec[0].filename == __file__  # points at the caller's line
+        new = {where: {field: _other_value(knob)}}
+    assert "Migrating from 0.1" in str(err.value)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        g_new = _guard(tmp_path, **new)
-    assert _names(g_old) == _names(g_new)
-    for a, b in zip(g_old.components, g_new.components, strict=True):
-        if a.config is not None and dataclasses.is_dataclass(a.config):
-            assert a.config == b.config, (old, a.name)
+        _guard(tmp_path, **new)
 
 
-def test_none_in_an_old_switch_knob_turns_the_section_off(tmp_path):
-    with pytest.warns(DeprecationWarning):
-        g = _guard(tmp_path, nan_policy=None, gc_every_n_steps=None)
-    assert "nan" not in _names(g) and "gc" not in _names(g)
-    with (
-        pytest.warns(DeprecationWarning),
-        pytest.raises(TypeError, match="turns that component off"),
-    ):
-        _guard(tmp_path, checkpoint=False, checkpoint_every_n_steps=5)
-
-
-def test_component_takes_its_config_or_knobs_and_renamed_knobs_warn():
+def test_component_takes_its_config_or_knobs_and_renamed_knobs_say_the_new_name():
     a = guardrails.NanGuard(policy="raise", spike_factor=9)
     b = guardrails.NanGuard(guardrails.NanGuard.Config(policy="raise", spike_factor=9))
     assert a.config == b.config and a.spike_factor == 9.0
@@ -169,15 +162,51 @@ def test_component_takes_its_config_or_knobs_and_renamed_knobs_warn():
         guardrails.NanGuard(guardrails.NanGuard.Config(), policy="raise")
     with pytest.raises(TypeError, match="takes a NanGuard.Config"):
         guardrails.NanGuard(guardrails.Telemetry.Config())
-    with pytest.warns(DeprecationWarning, match="abort_after_s"):
-        w = guardrails.Watchdog(fail_grace_s=3)
-    assert w.abort_after_s == 3.0
-    with pytest.warns(DeprecationWarning, match="abort_after_s"):
-        a = guardrails.CollectiveAuditor(grace_s=2)
-    assert a.abort_after_s == 2.0
-    with pytest.warns(DeprecationWarning, match="run_config"):
-        p = guardrails.Preflight(config={"x": 1})
-    assert p.run_config == {"x": 1} and isinstance(p.config, guardrails.Preflight.Config)
+    with pytest.raises(TypeError, match=r"write Watchdog\(abort_after_s=\.\.\.\)"):
+        guardrails.Watchdog(fail_grace_s=3)
+    with pytest.raises(TypeError, match=r"write CollectiveAuditor\(abort_after_s=\.\.\.\)"):
+        guardrails.CollectiveAuditor(grace_s=2)
+    with pytest.raises(TypeError, match=r"write Preflight\(run_config=\.\.\.\)"):
+        guardrails.Preflight(config={"x": 1})
+    assert guardrails.Watchdog(abort_after_s=3).abort_after_s == 3.0
+
+
+def test_guard_signature_names_every_section_with_its_typed_knobs():
+    """Each section is a keyword of guard() typed with its knobs (what an editor
+    completes: nan=, then the keys inside nan={...}), in SECTIONS' order, defaulting to
+    its section_default; each TypedDict has exactly its Config's fields and types. A
+    section added to SECTIONS alone fails here until its keyword and TypedDict exist."""
+    params = inspect.signature(guardrails.guard, eval_str=True).parameters
+    typed = [name for name, p in params.items() if name in SECTIONS]
+    assert typed == list(SECTIONS), "guard()'s section keywords and SECTIONS disagree"
+    for name, cls in SECTIONS.items():
+        p = params[name]
+        assert p.kind is inspect.Parameter.KEYWORD_ONLY
+        assert p.default is getattr(cls, "section_default", True), name
+        (knobs,) = [t for t in typing.get_args(p.annotation) if typing.is_typeddict(t)]
+        assert set(typing.get_args(p.annotation)) == {bool, cls.Config, knobs, type(None)}
+        fields = {f.name: f.type for f in dataclasses.fields(cls.Config)}
+        declared = {k: v.__forward_arg__ for k, v in knobs.__annotations__.items()}
+        assert declared == fields, f"{knobs.__name__} differs from {cls.__name__}.Config"
+        assert not knobs.__required_keys__, name  # every knob has its default
+        typing.get_type_hints(knobs)  # every type resolves
+    assert list(params)[-1] == "more_sections"  # SECTIONS' entry without a keyword yet
+
+
+def test_the_sections_page_has_each_section_once_with_its_default():
+    """docs/sections.md (which sections are on, their cost, what they caught) has a row
+    per section of SECTIONS, in order, whose "on by default" is the code's."""
+    page = Path(__file__).resolve().parents[1] / "docs" / "sections.md"
+    rows = [
+        line.split("|")[1:3] for line in page.read_text().splitlines() if line.startswith("| `")
+    ]
+    assert [name.strip().strip("`") for name, _ in rows] == list(SECTIONS)
+    for (name, on), cls in zip(rows, SECTIONS.values(), strict=True):
+        if not getattr(cls, "section_default", True):
+            want = "no"
+        else:
+            want = "distributed runs" if cls.distributed_only else "yes"
+        assert on.strip() == want, name
 
 
 class _Counter(guardrails.Component):

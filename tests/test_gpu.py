@@ -610,12 +610,12 @@ def test_periodic_saves_stage_into_pinned_memory_allocated_once_ahead_of_the_fir
             opt.step()
             opt.zero_grad(set_to_none=True)
             if g.step == 2:  # planned at the boundary after step 1, before any save
-                assert ck._staging._thread is not None
+                assert ck.writer.staging._thread is not None
             if g.step % 3 == 1 and g.step > 1:  # just after a save's staging
-                seen.append([b.data_ptr() for b in ck._staging._blocks])
+                seen.append([b.data_ptr() for b in ck.writer.staging._blocks])
     assert len(seen) >= 3 and all(ptrs == seen[0] for ptrs in seen) and seen[0]
     expected = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    assert ck._staging.nbytes >= expected
+    assert ck.writer.staging.nbytes >= expected
     fresh = gpt(device)
     assert guardrails.resume(tmp_path / "checkpoints", fresh)["step"] == 20
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
@@ -646,7 +646,7 @@ def test_a_signal_save_without_periodic_saves_stages_into_pinned_memory_pinned_a
         checkpoint={"exit_on_signal": False},
     ) as g:
         ck = g.component("checkpoint")
-        assert ck._staging.pinned and ck._staging._thread is not None  # before any step
+        assert ck.writer.staging.pinned and ck.writer.staging._thread is not None  # before any step
         for x, y in g:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(x, y)

@@ -6,7 +6,11 @@
 * no ``_name`` is imported (or read off a module) across folders: a name another folder
   needs is public inside the package, so ``_`` keeps meaning "this folder's own";
 * no module-level import cycle;
-* ARCHITECTURE.md lists every module, and no module that is gone.
+* ARCHITECTURE.md lists every module, and no module that is gone;
+* its other lists are the code's: the published fields (``engine/state.py``), the
+  services (each named one a Guard attribute, each of Guard's services section named),
+  the sections in run order (``_factory.SECTIONS``) and ``guard()``'s flat keywords, and
+  its picture draws every folder.
 """
 
 from __future__ import annotations
@@ -388,3 +392,135 @@ def test_a_new_section_is_one_entry_in_sections(tmp_path, monkeypatch):
         guardrails.guard(model, opt, data, run_dir=tmp_path, plateu=False)
     g = guardrails.guard(model, opt, data, run_dir=tmp_path, plateau=False)
     assert not any(isinstance(c, Plateau) for c in g.components)
+
+
+# ------------------------------------------------ ARCHITECTURE.md's lists, against the code
+
+
+def _page() -> str:
+    return (ROOT / "ARCHITECTURE.md").read_text()
+
+
+def _between(text: str, start: str, end: str) -> str:
+    """The text after ``start`` (a line break where it has a space) up to ``end``."""
+    found = re.search(r"\s+".join(map(re.escape, start.split(" "))), text)
+    assert found, f"ARCHITECTURE.md no longer says {start!r}"
+    rest = text[found.end() :]
+    assert end in rest, f"ARCHITECTURE.md no longer says {end!r} after {start!r}"
+    return rest.split(end, 1)[0]
+
+
+def _names(text: str) -> list[str]:
+    """The lower-case identifiers opening a backtick span (`step`, `request_stop(...)`),
+    in order: not `Guard`, `None`, `engine/guard.py` or `guard.step`."""
+    return re.findall(r"`([a-z_][a-z0-9_]*)(?=[`(])", text)
+
+
+def _class_node(path: Path, name: str) -> ast.ClassDef:
+    tree = ast.parse(path.read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    return node
+
+
+def test_architecture_lists_every_published_field():
+    """The page's StepState and Shared fields are engine/state.py's, no more, no less."""
+    init = next(
+        n
+        for n in _class_node(PKG / "engine" / "state.py", "StepState").body
+        if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )
+    step_state = {
+        t.attr
+        for n in ast.walk(init)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    shared = {
+        n.target.id
+        for n in _class_node(PKG / "engine" / "state.py", "Shared").body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    page = _page()
+    listed_step = set(_names(_between(page, "- `StepState`", "- `Shared`")))
+    listed_shared = set(_names(_between(page, "- `Shared`", "\n\n")))
+    assert listed_step == step_state, (
+        f"StepState fields missing from the page: {sorted(step_state - listed_step)}; "
+        f"listed but gone: {sorted(listed_step - step_state)}"
+    )
+    assert listed_shared == shared, (
+        f"Shared fields missing from the page: {sorted(shared - listed_shared)}; "
+        f"listed but gone: {sorted(listed_shared - shared)}"
+    )
+
+
+def _guard_services() -> set[str]:
+    """The public methods and properties of ``Guard``'s services section (between its
+    ``# --- services`` comment and the next section's)."""
+    path = PKG / "engine" / "guard.py"
+    lines = path.read_text().splitlines()
+    marks = [i for i, ln in enumerate(lines, 1) if re.match(r"^    # -{20,} \w", ln)]
+    starts = [i for i in marks if lines[i - 1].rstrip().endswith(" services")]
+    assert len(starts) == 1, "engine/guard.py: Guard's `# --- services` section not found"
+    end = min((i for i in marks if i > starts[0]), default=len(lines) + 1)
+    body = _class_node(path, "Guard").body
+    return {
+        n.name
+        for n in body
+        if isinstance(n, ast.FunctionDef)
+        and starts[0] < n.lineno < end
+        and not n.name.startswith("_")
+    }
+
+
+def test_architecture_names_every_service_and_only_real_ones():
+    """Each service the page names is a public attribute of Guard, and each public
+    method of Guard's services section is named on the page."""
+    from guardrails.engine.guard import Guard
+
+    page = _page()
+    named = set(_names(_between(page, "asks through a **service** of `Guard`:", "\n\n")))
+    gone = sorted(n for n in named if not hasattr(Guard, n))
+    assert not gone, f"ARCHITECTURE.md names services Guard does not have: {gone}"
+    everywhere = set(_names(page))
+    missing = sorted(_guard_services() - everywhere)
+    assert not missing, f"services of Guard that ARCHITECTURE.md does not name: {missing}"
+
+
+def _guard_keywords() -> list[str]:
+    """guard()'s flat keyword-only parameters, in order (not the typed sections)."""
+    tree = ast.parse((PKG / "_factory.py").read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "guard"]
+    return [a.arg for a in fn.args.kwonlyargs if a.arg not in _sections()]
+
+
+def _sections() -> list[str]:
+    """_factory.SECTIONS' keys, in order, read from the source."""
+    tree = ast.parse((PKG / "_factory.py").read_text())
+    for n in tree.body:
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "SECTIONS":
+            assert isinstance(n.value, ast.Dict)
+            return [k.value for k in n.value.keys if isinstance(k, ast.Constant)]
+    raise AssertionError("_factory.py has no SECTIONS")
+
+
+def test_architecture_lists_guards_sections_and_keywords():
+    """The page's sections (in run order) are SECTIONS', and its flat knobs are
+    guard()'s keyword-only parameters."""
+    page = _page()
+    listed = _names(_between(page, "to its component, in run order:", "A section is"))
+    assert listed == _sections(), "ARCHITECTURE.md's sections differ from _factory.SECTIONS"
+    flat = _names(_between(page, "A few top-level knobs users set most (", ")"))
+    assert sorted(flat) == sorted(_guard_keywords()), (
+        f"guard() keywords missing from the page: {sorted(set(_guard_keywords()) - set(flat))}"
+        f"; listed but gone: {sorted(set(flat) - set(_guard_keywords()))}"
+    )
+
+
+def test_architecture_picture_shows_every_folder():
+    """The folder picture names every folder of the package and every guard folder."""
+    picture = _page().split("## The folders, bottom to top", 1)[1].split("```", 2)[1]
+    drawn = set(re.findall(r"\b(\w+)/", picture))
+    folders = {p.parent.name for p in PKG.glob("*/__init__.py")}
+    folders |= {p.parent.name for p in (PKG / "guards").glob("*/__init__.py")}
+    assert folders - drawn == set(), "folders missing from ARCHITECTURE.md's picture"

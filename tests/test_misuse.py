@@ -78,10 +78,10 @@ MISUSES = [
         ["guard(metrics=...)", "every_n_steps", "got 0"],
     ),
     (
-        "old metrics_every_n_steps=0",
+        "0.1's metrics_every_n_steps=0",
         lambda t: _guard(metrics_every_n_steps=0),
-        ValueError,
-        ["guard(metrics_every_n_steps=...)", "every_n_steps", "got 0"],
+        TypeError,
+        ["guard(metrics_every_n_steps=...)", "release 0.1's", 'guard(metrics={"every_n_steps"'],
     ),
     (
         "checkpoint every_n_steps=-1",
@@ -219,7 +219,6 @@ MISUSES = [
 ]
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the old flat knob's, said
 @pytest.mark.parametrize(
     ("call", "kind", "words"), [m[1:] for m in MISUSES], ids=[m[0] for m in MISUSES]
 )

@@ -700,7 +700,7 @@ def test_a_signal_save_without_periodic_saves_stages_into_memory_allocated_ahead
             progress=False,
             checkpoint={"exit_on_signal": False},
         ) as g:
-            staging = g.component("checkpoint")._staging
+            staging = g.component("checkpoint").writer.staging
             staging.wait()
             seen["at start"] = staging.nbytes
             for x, y in g:

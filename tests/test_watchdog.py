@@ -22,8 +22,9 @@ from _ranks import Job, RankResult, launch, launch_torchrun, patience, wait_all
 
 import guardrails
 from guardrails.engine.process import EXIT_CODES
-from guardrails.guards.watchdog import records, watchdog
-from guardrails.guards.watchdog.watchdog import Watchdog, auto_timeout_s
+from guardrails.guards.watchdog import clock, records
+from guardrails.guards.watchdog.clock import auto_timeout_s
+from guardrails.guards.watchdog.watchdog import Watchdog
 
 WORKER = Path(__file__).parent / "hang_worker.py"
 TIMEOUT_S = 3.0
@@ -428,8 +429,8 @@ def test_a_verdict_waits_for_a_stuck_peer_that_has_not_published_its_stack_yet()
 
 
 def test_auto_timeout_numbers():
-    assert auto_timeout_s(None) == watchdog.AUTO_CAP_S == 300
-    assert auto_timeout_s(0.3) == watchdog.AUTO_FLOOR_S == 60  # fast steps: the floor
+    assert auto_timeout_s(None) == clock.AUTO_CAP_S == 300
+    assert auto_timeout_s(0.3) == clock.AUTO_FLOOR_S == 60  # fast steps: the floor
     assert auto_timeout_s(20.0) == 100.0  # 5x the slowest gap
     assert auto_timeout_s(500.0) == 300  # never past the cap (half NCCL's 10 min)
 
@@ -462,29 +463,34 @@ def test_where_reads_the_auditors_entry():
 def test_auto_timeout_follows_the_step_gaps(tmp_path):
     """hang_timeout_s=None: the first step since start gets 600 s; then 5x the longest
     gap between steps, in [60, 300]; a marked pause is not a gap. Driven through the
-    watchdog's own sampling with a real (not started) Guard and explicit clock values."""
+    watchdog's own clock with a real (not started) Guard and explicit clock values."""
     model = torch.nn.Linear(4, 1)
     g = guardrails.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
-    wd = Watchdog()
-    wd._reset_clock(g, now=0.0)
+    knobs = Watchdog()
+    wd = clock.ProgressClock(
+        hang_timeout_s=knobs.hang_timeout_s,
+        first_step_timeout_s=knobs.first_step_timeout_s,
+        step=g.step,
+        now=0.0,
+    )
 
     def step(at: float) -> None:
         g.step += 1
         g.step_time_s = 1.0  # set by the engine after every optimizer step
-        wd._sample(g, at)
+        wd.sample(g, at)
 
-    wd._sample(g, 1.0)
-    assert wd._timeout(g) == 600  # no optimizer step yet: compilation etc.
+    wd.sample(g, 1.0)
+    assert wd.timeout(g) == 600  # no optimizer step yet: compilation etc.
     step(200.0)  # the first step: 200 s of compilation, not a gap
-    assert wd._timeout(g) == 300  # no gap seen yet: the cap
+    assert wd.timeout(g) == 300  # no gap seen yet: the cap
     step(202.0)
-    assert wd._timeout(g) == 60  # 5 x 2 s, raised to the floor
+    assert wd.timeout(g) == 60  # 5 x 2 s, raised to the floor
     step(232.0)
-    assert wd._timeout(g) == 150  # 5 x 30 s
+    assert wd.timeout(g) == 150  # 5 x 30 s
     g.paused = "eval"
-    wd._sample(g, 500.0)  # 268 s paused: not a step gap
+    wd.sample(g, 500.0)  # 268 s paused: not a step gap
     g.paused = None
     step(501.0)
-    assert wd._timeout(g) == 150
+    assert wd.timeout(g) == 150
     step(700.0)
-    assert wd._timeout(g) == 300  # 5 x 199 s, capped
+    assert wd.timeout(g) == 300  # 5 x 199 s, capped

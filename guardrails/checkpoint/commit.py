@@ -472,8 +472,43 @@ def save_checkpoint(
         TypeError: ``model`` is not a module (``None``): resume() could not load a
             checkpoint without one.
     """
-    # Every argument checked here, before anything is written: a str step failed deep
-    # in the listing, a float one in the directory name, and step=True wrote step 1.
+    step = _checked_arguments(root, step, model, scaler, extras, keep_last)
+    root = Path(root)
+    final = root / f"step_{step:09d}"
+    optimizers, schedulers = _rank0_state(model, optimizer, scheduler)
+    rank = dist.rank()
+    if rank != 0:
+        return final
+    t0 = time.perf_counter()
+    part = stage_replicated(
+        model=model,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        scaler=scaler,
+        extras=extras,
+        copy=False,
+    )
+    stage_rank(0, part=part)
+    part.ready()
+    contents = contents_of(optimizers, schedulers, set())
+    final = _write_and_commit(root, step, final, part, contents=contents, keep_last=keep_last)
+    log.info(
+        "guardrails: checkpoint step %d committed to %s (%.1f MB in %.2f s)",
+        step,
+        final,
+        part.nbytes / 1e6,
+        time.perf_counter() - t0,
+    )
+    return final
+
+
+def _checked_arguments(
+    root: Any, step: Any, model: Any, scaler: Any, extras: Any, keep_last: Any
+) -> int:
+    """Every argument of :func:`save_checkpoint` checked before anything is written;
+    the step as an int."""
+    # A str step failed deep in the listing, a float one in the directory name, and
+    # step=True wrote step 1.
     path_like("save_checkpoint(root=...)", root)
     step = step_number("save_checkpoint(step=...)", step)
     positive_int("save_checkpoint(keep_last=...)", keep_last, allow_none=True)
@@ -492,8 +527,14 @@ def save_checkpoint(
             "resume() loads a checkpoint into a model, so a checkpoint without one could "
             "not be resumed. Pass model=your_model."
         )
-    root = Path(root)
-    final = root / f"step_{step:09d}"
+    return step
+
+
+def _rank0_state(
+    model: nn.Module, optimizer: Any, scheduler: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The optimizers and schedulers by name; refused where rank 0's copy is not the
+    whole state (a ZeRO optimizer's shards, a sharded model)."""
     optimizers = (
         {}
         if optimizer is None
@@ -521,20 +562,20 @@ def save_checkpoint(
             "or signal saves): every rank writes its shards through "
             "torch.distributed.checkpoint."
         )
-    rank = dist.rank()
-    if rank != 0:
-        return final
-    t0 = time.perf_counter()
-    part = stage_replicated(
-        model=model,
-        optimizers=optimizers,
-        schedulers=schedulers,
-        scaler=scaler,
-        extras=extras,
-        copy=False,
-    )
-    stage_rank(0, part=part)
-    part.ready()
+    return optimizers, schedulers
+
+
+def _write_and_commit(
+    root: Path,
+    step: int,
+    final: Path,
+    part: Any,
+    *,
+    contents: dict[str, Any],
+    keep_last: int | None,
+) -> Path:
+    """The staged part written to a temp dir and committed as ``final``; a storage
+    error removes the temp dir and is told in the user's terms."""
     tmp: Path | None = None
     files: dict[str, dict[str, Any]] = {}
     try:
@@ -542,7 +583,7 @@ def save_checkpoint(
         remove_leftovers(root)
         tmp = begin(root, step, uuid.uuid4().hex[:8])
         part.write(tmp, files)
-        final = commit(
+        return commit(
             root,
             step,
             tmp,
@@ -550,7 +591,7 @@ def save_checkpoint(
             world_size=dist.world_size(),
             ranks=[0],
             keep_last=keep_last,
-            contents=contents_of(optimizers, schedulers, set()),
+            contents=contents,
         )
     except BaseException as e:
         if tmp is not None:
@@ -558,11 +599,3 @@ def save_checkpoint(
         if not storage.is_storage_error(e):
             raise
         raise write_error(final, step, e, run_dir=False) from e
-    log.info(
-        "guardrails: checkpoint step %d committed to %s (%.1f MB in %.2f s)",
-        step,
-        final,
-        part.nbytes / 1e6,
-        time.perf_counter() - t0,
-    )
-    return final

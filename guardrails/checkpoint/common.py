@@ -18,10 +18,10 @@ from guardrails._errors import CheckpointError, ResumeError
 from guardrails.checkpoint import digest
 
 # The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
+from guardrails.checkpoint.files import not_regular
 from guardrails.checkpoint.manifest import (
     ManifestError,
     _dumps,
-    not_regular,
 )
 from guardrails.checkpoint.manifest import read_manifest as _manifest_read
 from guardrails.util import files as _perms

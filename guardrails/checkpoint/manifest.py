@@ -1,5 +1,7 @@
-"""A checkpoint's files as bytes on disk: the manifest, its schema, the file checks, the
-``step_*`` names.
+"""A checkpoint's manifest and the whole check of a checkpoint: the manifest's schema,
+each listed file's size, hash and content, the ``step_*`` names and the order a resume
+tries them. The listed files' own schemas are :mod:`guardrails.checkpoint.schema`;
+their safe reads (no link, no FIFO, bounded) :mod:`guardrails.checkpoint.files`.
 
 Everything about a checkpoint that needs no tensor: which directories are checkpoints,
 whether one is intact and what its manifest says. A checkpoint is valid when
@@ -34,18 +36,40 @@ import contextlib
 import functools
 import hashlib
 import json
-import math
 import os
-import random
 import re
 import stat
-import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from guardrails._version import __version__
 from guardrails.checkpoint import digest
+from guardrails.checkpoint.files import (
+    _target,
+    not_regular,
+    parse_json,
+    read_bytes,
+    read_json,
+    safetensors_header,
+)
+from guardrails.checkpoint.schema import (
+    Bad,
+    _check_extras,
+    _int,
+    _json_type,
+    _key,
+    _list,
+    _mapping,
+    _number,
+    _rank_check,
+    _show,
+    _str,
+    check_optimizer_state,
+    check_rng,
+    check_scaler_state,
+    check_scheduler_state,
+)
 from guardrails.util.text import shorten
 
 FORMAT = "guardrails-checkpoint"
@@ -75,49 +99,9 @@ STEP_RE = re.compile(r"^step_(\d+)$")
 #: A checkpoint a same-step re-save renamed aside, before renaming the new one in (see
 #: ``commit._replace``): while ``step_<N>`` itself is missing, it is that checkpoint.
 ASIDE_RE = re.compile(r"^\.aside-(step_(\d+))$")
-#: Header metadata key of a .safetensors file that maps alias key -> stored key.
-ALIASES_KEY = "guardrails.aliases"
 #: The largest manifest read (a 1,024-rank sharded checkpoint's is ~1 MB): a bigger
 #: ``manifest.json`` is not one guardrails wrote, and is not read into memory.
 MAX_MANIFEST_BYTES = 256 << 20
-#: The largest .safetensors header read (safetensors' own limit is 100 MB).
-MAX_HEADER_BYTES = 100_000_000
-#: The largest integer a count, size or position may be (int64, what torch and the OS
-#: hold): 10**30 in a manifest is damage, and would overflow further down.
-MAX_INT = 2**63 - 1
-#: Data positions as :mod:`guardrails.engine.data` writes them.
-DATA_KINDS = ("state_dict", "replay", "fast_forward")
-#: torch.optim classes whose per-parameter state values are tensors, numbers or None,
-#: and whose elementwise states (below) have their parameter's shape. (Adafactor's
-#: factored and LBFGS's list-valued states are not, nor a user's Muon, which may stack
-#: a group's momenta.)
-PLAIN_OPTIMIZERS = frozenset(
-    {"Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop"}
-    | {"Rprop", "ASGD"}
-)
-ELEMENTWISE_STATE = frozenset(
-    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "sum"}
-    | {"acc_delta", "grad_avg", "prev", "ax"}  # not NAdam's mu_product: a scalar
-)
-#: Bytes per element of each safetensors dtype (its format spec).
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U64": 8,
-    "U32": 4,
-    "U16": 2,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "C64": 8,
-}
 
 
 class ManifestError(Exception):
@@ -143,190 +127,7 @@ class ManifestError(Exception):
         self.hint = hint
 
 
-class Bad(Exception):
-    """A listed file whose content does not fit its schema: ``field`` names where
-    (``data.batch_in_epoch``, ``files["model.safetensors"].bytes``)."""
-
-    def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"field {field} {why}" if field else f"the file {why}")
-        self.field = field
-        self.why = why
-
-
-# --------------------------------------------------------------------- reading files
-
-
-def not_regular(f: Path, *, inside: Path | None = None) -> str | None:
-    """Why ``f`` cannot be read as one of a checkpoint's own files, or ``None``: it
-    must exist and be a regular file, not a link (followed, it could read anything on
-    the machine) or a FIFO (opening one blocks until someone writes: ``inspect`` hung
-    on a FIFO named manifest.json), a device or a directory. ``inside``: the checkpoint
-    directory, whose subdirectories on the way (``dcp/``) must not be links either.
-    Judged with ``lstat``, before anything is opened."""
-    if inside is not None:
-        for parent in reversed(f.relative_to(inside).parents[:-1]):
-            p = inside / parent
-            try:
-                st = os.lstat(p)
-            except OSError:
-                return f"{p} is missing"
-            if stat.S_ISLNK(st.st_mode):
-                return f"{p} is a link (to {_target(p)}): a checkpoint holds only its own files"
-            if not stat.S_ISDIR(st.st_mode):
-                return f"{p} is not a directory"
-    try:
-        st = os.lstat(f)
-    except FileNotFoundError:
-        return f"{f} is missing"
-    except OSError as e:
-        return f"{f} cannot be read: {e.strerror or e}"
-    if stat.S_ISLNK(st.st_mode):
-        return f"{f} is a link (to {_target(f)}): a checkpoint holds only its own files"
-    if not stat.S_ISREG(st.st_mode):
-        return f"{f} is not a regular file (it is {_kind(st.st_mode)}): it is never opened"
-    return None
-
-
-def _target(link: Path) -> str:
-    try:
-        return os.readlink(link)
-    except OSError:
-        return "?"
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a file"
-
-
-def open_regular(f: Path) -> int:
-    """An fd for reading ``f``, a regular file (checked with :func:`not_regular` first,
-    and again on the open fd: no link is followed and a FIFO swapped in meanwhile does
-    not block, ``O_NONBLOCK``). Raises ``OSError`` naming why not."""
-    why = not_regular(f)
-    if why is not None:
-        raise OSError(why)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(f, flags | getattr(os, "O_CLOEXEC", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{f} is not a regular file")
-    return fd
-
-
-def read_bytes(f: Path, *, limit: int | None = None) -> bytes:
-    """``f``'s bytes, ``f`` a regular file (:func:`open_regular`), at most ``limit``."""
-    fd = open_regular(f)
-    try:
-        size = os.fstat(fd).st_size
-        if limit is not None and size > limit:
-            raise OSError(f"{f} is {size} bytes, more than the {limit} a checkpoint's holds")
-        chunks = []
-        while block := os.read(fd, 1 << 24):
-            chunks.append(block)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def parse_json(raw: bytes) -> Any:
-    """Strict JSON as guardrails writes it: UTF-8, no duplicate keys (a reader would
-    silently take the last), nesting a parser can follow; ``NaN`` / ``Infinity`` are
-    allowed (a scheduler's ``best=inf`` is saved so). Raises :class:`Bad`."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise Bad(
-            "", f"is not UTF-8 text (byte {e.start}: {raw[e.start : e.start + 1]!r})"
-        ) from None
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
-    except RecursionError:
-        raise Bad(
-            "", "is not JSON guardrails wrote: it nests deeper than a parser follows"
-        ) from None
-    except ValueError as e:  # JSONDecodeError, a number of more than 4,300 digits
-        raise Bad("", f"is not valid JSON: {e}") from None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"the key {dup!r} appears twice (field {dup})")
-    return out
-
-
-def read_json(f: Path) -> Any:
-    """A listed JSON file, strictly (:func:`parse_json`); :class:`Bad` or ``OSError``."""
-    return parse_json(read_bytes(f))
-
-
-# ------------------------------------------------------------------------- the schema
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
-
-
-def _int(value: Any, field: str, *, low: int = 0, high: int = MAX_INT) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise Bad(field, f"is {_show(value)}, not an integer")
-    if value < low:
-        raise Bad(
-            field, f"is {_show(value)}, which is " + ("negative" if low == 0 else f"below {low}")
-        )
-    if value > high:
-        raise Bad(field, f"is {_show(value)}, more than {high}")
-    return value
-
-
-def _number(value: Any, field: str, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Bad(field, f"is {_show(value)}, not a number")
-    if positive and not (math.isfinite(value) and value > 0):
-        raise Bad(field, f"is {_show(value)}, not a positive finite number")
-    return value
-
-
-def _mapping(value: Any, field: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise Bad(field, f"is a {_json_type(value)} ({_show(value)}), not an object")
-    return value
-
-
-def _json_type(value: Any) -> str:
-    return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number" if isinstance(value, (int, float)) else type(value).__name__
-    )
-
-
-def _list(value: Any, field: str, *, length: int | None = None) -> list[Any]:
-    if not isinstance(value, list):
-        raise Bad(field, f"is a {_json_type(value)} ({_show(value)}), not a list")
-    if length is not None and len(value) != length:
-        raise Bad(field, f"has {len(value)} items, not {length}")
-    return value
-
-
-def _str(value: Any, field: str) -> str:
-    if not isinstance(value, str):
-        raise Bad(field, f"is {_show(value)}, not a string")
-    return value
-
-
-def _key(field: str, key: str) -> str:
-    return f'{field}["{key}"]'
+# ---------------------------------------------------------------- the manifest's schema
 
 
 _STEM_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -546,76 +347,15 @@ def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] 
     checkpoint took 1.13-1.15 s with these checks and 1.19-1.23 s without (medians of
     5, a loaded 2-core CPU VM: the sha256 of every byte is the cost)."""
     files = manifest["files"]
-    contents = _contents(manifest)
-    classes = contents.get("classes") or {}
     headers: dict[str, dict[str, Any]] = {}
-    for name in files:
-        if name.endswith(".safetensors"):
-            f = ckpt / name
-            try:
-                headers[name] = safetensors_header(f, files[name]["bytes"])
-            except Bad as e:
-                return str(f), f"{f} is not a safetensors file guardrails wrote: {e}"
-            except OSError as e:
-                return str(f), f"{f} cannot be read: {e}"
-    for name, header in headers.items():
-        if re.match(r"^(rank\d{5}|rng)\.safetensors$", name):
-            for key, entry in header.items():
-                rng = key == "torch.cpu" or key.startswith("torch.cuda.")
-                if rng and (entry["dtype"] != "U8" or len(entry["shape"]) != 1):
-                    f = ckpt / name
-                    return str(f), (
-                        f"{f} is corrupt: field {key} (an RNG state) is a {entry['dtype']} "
-                        f"tensor of shape {entry['shape']}, not a 1-D U8 (byte) tensor"
-                    )
-    checks: list[tuple[str, Callable[[Any], None]]] = []
-    if "extras.json" in files:
-        extras_header = headers.get("extras.safetensors")
-        checks.append(("extras.json", lambda d: _check_extras(d, extras_header)))
-    for name in files:
-        m = re.match(r"^rank(\d{5})\.json$", name)
-        if m:
-            header = headers.get(f"{name[:-5]}.safetensors")
-            checks.append(
-                (name, functools.partial(_rank_check, rank=int(m.group(1)), header=header))
-            )
-    if "rng.json" in files:
-        checks.append(("rng.json", lambda d: check_rng(d, "")))
-    stems: list[tuple[str, str, bool]] = []  # (stem, optimizer name, per rank)
-    for opt_name, opt in contents["optimizers"].items():
-        if opt.get("per_rank"):
-            stems += [
-                (f"{_rank_name(r)}.{opt['file']}", opt_name, True)
-                for r in range(int(manifest.get("world_size", 1)))
-            ]
-        else:
-            stems.append((opt["file"], opt_name, False))
-    for stem, opt_name, per_rank in stems:
-        if f"{stem}.json" not in files:
-            if per_rank or "dcp/.metadata" in files:
-                continue  # said above, by problem(); a sharded optimizer's is in dcp/
-            return str(ckpt / f"{stem}.json"), (
-                f"{ckpt / MANIFEST} names optimizer {opt_name!r}'s state (field contents."
-                f"optimizers), but {stem}.json is not among the files it lists"
-            )
-        header = headers.get(f"{stem}.safetensors")
-        cls = classes.get(f"optimizer:{opt_name}")
-        checks.append((f"{stem}.json", lambda d, h=header, c=cls: check_optimizer_state(d, h, c)))
-    groups = None  # the lone optimizer's number of param groups, where it is one
-    if len(stems) == 1 and not stems[0][2] and f"{stems[0][0]}.json" in files:
-        try:
-            groups = len(read_json(ckpt / f"{stems[0][0]}.json")["param_groups"])
-        except (OSError, Bad, RecursionError, KeyError, TypeError):
-            groups = None  # said below, by its own check
-    for sched_name, stem in contents["schedulers"].items():
-        if f"{stem}.json" in files:
-            lone = groups if len(contents["schedulers"]) == 1 else None
-            checks.append((f"{stem}.json", lambda d, n=lone: check_scheduler_state(d, n)))
-        elif f"{stem}.pt" not in files:
-            return str(ckpt / f"{stem}.json"), (
-                f"{ckpt / MANIFEST} names scheduler {sched_name!r}'s state (field contents."
-                f"schedulers), but neither {stem}.json nor {stem}.pt is among its files"
-            )
+    found = _read_headers(ckpt, files, headers) or _rng_tensor_problem(ckpt, headers)
+    if found is not None:
+        return found
+    checks = _state_checks(files, headers)
+    found = _add_optimizer_checks(ckpt, manifest, headers, checks)
+    found = found or _add_scheduler_checks(ckpt, manifest, checks)
+    if found is not None:
+        return found
     if "scaler.json" in files:
         checks.append(("scaler.json", check_scaler_state))
     for name, check in checks:
@@ -629,306 +369,121 @@ def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] 
     return None
 
 
-# ------------------------------------------------------------------ the files' schemas
+#: A listed JSON file and the check of its parsed content (raises :class:`Bad`).
+_Check = tuple[str, Callable[[Any], None]]
 
 
-def safetensors_header(f: Path, size: int) -> dict[str, Any]:
-    """``f``'s safetensors header, checked against the format (its spec,
-    https://github.com/huggingface/safetensors#format): 8 bytes of little-endian
-    length, a UTF-8 JSON object of tensors (dtype, shape, data offsets) and string
-    metadata, then the tensors' bytes, which the offsets must tile exactly; a
-    ``guardrails.aliases`` entry must map keys to stored tensors. Raises :class:`Bad`."""
-    fd = open_regular(f)
-    try:
-        head = os.pread(fd, 8, 0)
-        if len(head) < 8:
-            raise Bad("", f"is {len(head)} bytes, shorter than a header length")
-        (n,) = struct.unpack("<Q", head)
-        if not 2 <= n <= min(size - 8, MAX_HEADER_BYTES):
-            raise Bad("header length", f"is {n}, which does not fit a file of {size} bytes")
-        raw = os.pread(fd, n, 8)
-    finally:
-        os.close(fd)
-    try:
-        header = parse_json(raw)
-    except Bad as e:
-        raise Bad("header", e.why) from None
-    header = _mapping(header, "header")
-    data = size - 8 - n
-    spans = []
-    for key, entry in header.items():
-        if key == "__metadata__":
-            for k, v in _mapping(entry, "__metadata__").items():
-                _str(v, _key("__metadata__", k))
-            continue
-        field = _key("header", key)
-        entry = _mapping(entry, field)
-        dtype = _str(entry.get("dtype"), f"{field}.dtype")
-        shape = [
-            _int(d, f"{field}.shape[{i}]")
-            for i, d in enumerate(_list(entry.get("shape"), f"{field}.shape"))
-        ]
-        begin, end = _list(entry.get("data_offsets"), f"{field}.data_offsets", length=2)
-        begin = _int(begin, f"{field}.data_offsets[0]", high=data)
-        end = _int(end, f"{field}.data_offsets[1]", low=begin, high=data)
-        if dtype in _DTYPE_BYTES and end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
-            raise Bad(
-                f"{field}.data_offsets",
-                f"span {end - begin} bytes, but a {dtype} tensor of shape {shape} is "
-                f"{math.prod(shape) * _DTYPE_BYTES[dtype]}",
+def _read_headers(
+    ckpt: Path, files: Mapping[str, Any], headers: dict[str, dict[str, Any]]
+) -> tuple[str, str] | None:
+    """Every listed ``.safetensors`` header, checked, into ``headers``; the first
+    problem, or ``None``."""
+    for name in files:
+        if name.endswith(".safetensors"):
+            f = ckpt / name
+            try:
+                headers[name] = safetensors_header(f, files[name]["bytes"])
+            except Bad as e:
+                return str(f), f"{f} is not a safetensors file guardrails wrote: {e}"
+            except OSError as e:
+                return str(f), f"{f} cannot be read: {e}"
+    return None
+
+
+def _rng_tensor_problem(ckpt: Path, headers: Mapping[str, Any]) -> tuple[str, str] | None:
+    """An RNG state saved as anything but a 1-D byte tensor, or ``None``."""
+    for name, header in headers.items():
+        if re.match(r"^(rank\d{5}|rng)\.safetensors$", name):
+            for key, entry in header.items():
+                rng = key == "torch.cpu" or key.startswith("torch.cuda.")
+                if rng and (entry["dtype"] != "U8" or len(entry["shape"]) != 1):
+                    f = ckpt / name
+                    return str(f), (
+                        f"{f} is corrupt: field {key} (an RNG state) is a {entry['dtype']} "
+                        f"tensor of shape {entry['shape']}, not a 1-D U8 (byte) tensor"
+                    )
+    return None
+
+
+def _state_checks(files: Mapping[str, Any], headers: Mapping[str, Any]) -> list[_Check]:
+    """The checks of the extras, each rank's file and the format-1 ``rng.json``."""
+    checks: list[_Check] = []
+    if "extras.json" in files:
+        extras_header = headers.get("extras.safetensors")
+        checks.append(("extras.json", lambda d: _check_extras(d, extras_header)))
+    for name in files:
+        m = re.match(r"^rank(\d{5})\.json$", name)
+        if m:
+            header = headers.get(f"{name[:-5]}.safetensors")
+            checks.append(
+                (name, functools.partial(_rank_check, rank=int(m.group(1)), header=header))
             )
-        spans.append((begin, end, key))
-    at = 0
-    for begin, end, key in sorted(spans):
-        if begin != at:
-            raise Bad(_key("header", key) + ".data_offsets", f"start at {begin}, not {at}")
-        at = end
-    if at != data:
-        raise Bad("header", f"its tensors cover {at} of the {data} data bytes")
-    meta = header.get("__metadata__") or {}
-    if ALIASES_KEY in meta:
-        try:
-            aliases = parse_json(meta[ALIASES_KEY].encode())
-        except Bad as e:
-            raise Bad(_key("__metadata__", ALIASES_KEY), e.why) from None
-        for alias, target in _mapping(aliases, _key("__metadata__", ALIASES_KEY)).items():
-            if target not in header or target == "__metadata__":
-                raise Bad(
-                    _key("__metadata__", ALIASES_KEY),
-                    f"maps {alias!r} to {_show(target)}, which the file does not hold",
-                )
-    return header
+    if "rng.json" in files:
+        checks.append(("rng.json", lambda d: check_rng(d, "")))
+    return checks
 
 
-def tensor_keys(header: Mapping[str, Any] | None) -> set[str] | None:
-    """The keys a .safetensors header holds, aliases included (``None``: no header)."""
-    if header is None:
-        return None
-    keys = {k for k in header if k != "__metadata__"}
-    meta = header.get("__metadata__") or {}
-    if ALIASES_KEY in meta:
-        keys |= set(json.loads(meta[ALIASES_KEY]))
-    return keys
+def _optimizer_stems(manifest: Mapping[str, Any]) -> list[tuple[str, str, bool]]:
+    """``(file stem, optimizer name, per rank)`` of every optimizer state file the
+    manifest's contents name: one per rank for an optimizer whose ranks hold parts."""
+    stems: list[tuple[str, str, bool]] = []
+    for opt_name, opt in _contents(manifest)["optimizers"].items():
+        if opt.get("per_rank"):
+            stems += [
+                (f"{_rank_name(r)}.{opt['file']}", opt_name, True)
+                for r in range(int(manifest.get("world_size", 1)))
+            ]
+        else:
+            stems.append((opt["file"], opt_name, False))
+    return stems
 
 
-def _check_extras(doc: Any, header: Mapping[str, Any] | None) -> None:
-    """extras.json: an object, each tensor it references held by extras.safetensors."""
-    _mapping(doc, "")
-    _refs_held(doc, header, "extras.safetensors")
-
-
-def _refs_held(doc: Any, header: Mapping[str, Any] | None, holder: str) -> None:
-    """Every tensor ``doc`` references is in ``header`` (the ``holder`` file's)."""
-    keys = tensor_keys(header)
-    for where, ref in _tensor_refs(doc, ""):
-        if keys is None or ref not in keys:
-            raise Bad(where.lstrip("."), f"references tensor {ref!r}, which {holder} does not hold")
-
-
-def _tensor_refs(value: Any, field: str) -> list[tuple[str, str]]:
-    """``(field, key)`` of every ``{"__tensor__": key}`` (with its ``device``, in the
-    extras) under ``value``."""
-    found = []
-    stack = [(value, field)]
-    while stack:
-        v, where = stack.pop()
-        if isinstance(v, dict):
-            if "__tensor__" in v and set(v) <= {"__tensor__", "device"}:
-                found.append((where, _str(v["__tensor__"], f"{where}.__tensor__")))
-                continue
-            stack += [(x, f"{where}.{k}") for k, x in v.items()]
-        elif isinstance(v, list):
-            stack += [(x, f"{where}[{i}]") for i, x in enumerate(v)]
-    return found
-
-
-def check_optimizer_state(
-    doc: Any, header: Mapping[str, Any] | None, cls: str | None = None
-) -> None:
-    """An optimizer's ``<stem>.json`` (``state``, ``param_groups``, ``param_shapes``),
-    against its ``.safetensors`` header: every tensor it references is there, every
-    state belongs to a parameter of a group, each parameter once; for the plain
-    torch.optim classes, states are tensors or numbers and elementwise ones have their
-    parameter's saved shape."""
-    doc = _mapping(doc, "")
-    for key in ("state", "param_groups"):
-        if key not in doc:
-            raise Bad(key, "is missing")
-    ids: list[int] = []
-    for g, group in enumerate(_list(doc["param_groups"], "param_groups")):
-        group = _mapping(group, f"param_groups[{g}]")
-        params = _list(group.get("params"), f"param_groups[{g}].params")
-        ids += [_int(p, f"param_groups[{g}].params[{i}]") for i, p in enumerate(params)]
-        if cls in PLAIN_OPTIMIZERS:
-            for key in _PLAIN_NUMBERS & group.keys():
-                _number_or_tensor(group[key], f"param_groups[{g}].{key}")
-            if "betas" in group:
-                betas = group["betas"]
-                if isinstance(betas, dict) and set(betas) == {"__tuple__"}:
-                    betas = betas["__tuple__"]
-                for i, b in enumerate(_list(betas, f"param_groups[{g}].betas", length=2)):
-                    _number_or_tensor(b, f"param_groups[{g}].betas[{i}]")
-    if len(set(ids)) != len(ids):
-        raise Bad("param_groups", "lists a parameter twice")
-    shapes = None
-    if "param_shapes" in doc:
-        shapes = _list(doc["param_shapes"], "param_shapes", length=len(ids))
-        for i, s in enumerate(shapes):
-            for j, d in enumerate(_list(s, f"param_shapes[{i}]")):
-                _int(d, f"param_shapes[{i}][{j}]")
-    state = _mapping(doc["state"], "state")
-    position = {p: i for i, p in enumerate(ids)}
-    for key, entry in state.items():
-        field = _key("state", key)
-        if not key.isdigit() or str(int(key)) != key or int(key) not in position:
-            raise Bad(
-                field,
-                f"is the state of parameter {key!r}, which no param group lists "
-                "(param_groups[*].params)",
+def _add_optimizer_checks(
+    ckpt: Path, manifest: Mapping[str, Any], headers: Mapping[str, Any], checks: list[_Check]
+) -> tuple[str, str] | None:
+    """Each optimizer's state check, against its tensors' header and its class, into
+    ``checks``; an optimizer the contents name whose file is not listed, or ``None``."""
+    files = manifest["files"]
+    classes = _contents(manifest).get("classes") or {}
+    for stem, opt_name, per_rank in _optimizer_stems(manifest):
+        if f"{stem}.json" not in files:
+            if per_rank or "dcp/.metadata" in files:
+                continue  # said above, by problem(); a sharded optimizer's is in dcp/
+            return str(ckpt / f"{stem}.json"), (
+                f"{ckpt / MANIFEST} names optimizer {opt_name!r}'s state (field contents."
+                f"optimizers), but {stem}.json is not among the files it lists"
             )
-        entry = _mapping(entry, field)
-        if cls in PLAIN_OPTIMIZERS:
-            for name, v in entry.items():
-                ok = v is None or (not isinstance(v, bool) and isinstance(v, (int, float)))
-                if not (ok or (isinstance(v, dict) and set(v) == {"__tensor__"})):
-                    raise Bad(f"{field}.{name}", f"is {_show(v)}, not a tensor or a number")
-                if (
-                    name in ELEMENTWISE_STATE
-                    and isinstance(v, dict)
-                    and shapes is not None
-                    and header is not None
-                    and v["__tensor__"] in header
-                ):
-                    saved = list(header[v["__tensor__"]]["shape"])
-                    want = list(shapes[position[int(key)]])
-                    if saved != want:
-                        raise Bad(
-                            f"{field}.{name}",
-                            f"has shape {saved}, but its parameter was saved with {want}",
-                        )
-    _refs_held(doc, header, "the .safetensors file")
+        header = headers.get(f"{stem}.safetensors")
+        cls = classes.get(f"optimizer:{opt_name}")
+        checks.append((f"{stem}.json", lambda d, h=header, c=cls: check_optimizer_state(d, h, c)))
+    return None
 
 
-#: The number-valued settings of the plain torch.optim classes' param groups.
-_PLAIN_NUMBERS = frozenset(
-    {"lr", "initial_lr", "eps", "weight_decay", "momentum", "dampening", "alpha", "rho"}
-    | {"lr_decay", "initial_accumulator_value", "lambd", "t0", "momentum_decay"}
-)
-
-
-def _number_or_tensor(value: Any, field: str) -> None:
-    if not (isinstance(value, dict) and set(value) == {"__tensor__"}):
-        _number(value, field)
-
-
-def check_scheduler_state(doc: Any, groups: int | None = None) -> None:
-    """A scheduler's JSON: an object; the fields every torch LR scheduler has, where
-    present, of their types, one lr per param group of the optimizer it schedules
-    (``groups``, where known); the rest is checked against the live scheduler at
-    resume."""
-    doc = _mapping(doc, "")
-    if "last_epoch" in doc:
-        _int(doc["last_epoch"], "last_epoch", low=-1)
-    if "_step_count" in doc:
-        _int(doc["_step_count"], "_step_count")
-    for key in ("base_lrs", "_last_lr"):
-        if key in doc:
-            lrs = _list(doc[key], key, length=groups)
-            for i, v in enumerate(lrs):
-                _number(v, f"{key}[{i}]")
-
-
-def check_scaler_state(doc: Any) -> None:
-    """A GradScaler's JSON: ``{}`` (a disabled scaler) or its numbers, of their types."""
-    doc = _mapping(doc, "")
-    if "scale" in doc:
-        _number(doc["scale"], "scale", positive=True)
-    for key in ("growth_factor", "backoff_factor"):
-        if key in doc:
-            _number(doc[key], key, positive=True)
-    if "growth_interval" in doc:
-        _int(doc["growth_interval"], "growth_interval", low=1)
-    if "_growth_tracker" in doc:
-        _int(doc["_growth_tracker"], "_growth_tracker")
-
-
-def _rank_check(doc: Any, *, rank: int, header: Mapping[str, Any] | None) -> None:
-    check_rank_state(doc, rank, header)
-
-
-def check_rank_state(doc: Any, rank: int, header: Mapping[str, Any] | None) -> None:
-    """A ``rank<R>.json``: ``rank``, the RNG streams, the guard's ``step``, the data
-    position (``data``: kind, epoch, batch_in_epoch, sampler_epoch; the tensors it
-    references in ``rank<R>.safetensors``, ``header``) and the components' state (an
-    object each)."""
-    doc = _mapping(doc, "")
-    if "rank" in doc:
-        got = _int(doc["rank"], "rank", high=2**31)
-        if got != rank:
-            raise Bad("rank", f"is {got}, but the file is rank {rank}'s")
-    if "rng" not in doc:
-        raise Bad("rng", "is missing")
-    check_rng(doc["rng"], "rng")
-    if "step" in doc:
-        _int(doc["step"], "step")
-    if doc.get("data") is not None:
-        data = _mapping(doc["data"], "data")
-        for key in ("kind", "epoch", "batch_in_epoch"):
-            if key not in data:
-                raise Bad(f"data.{key}", "is missing")
-        if data["kind"] not in DATA_KINDS:
-            raise Bad("data.kind", f"is {_show(data['kind'])}, not one of {list(DATA_KINDS)}")
-        _int(data["epoch"], "data.epoch")
-        _int(data["batch_in_epoch"], "data.batch_in_epoch")
-        if data.get("sampler_epoch") is not None:
-            _int(data["sampler_epoch"], "data.sampler_epoch")
-        if "held" in data and data["held"] is not None:
-            _list(data["held"], "data.held")
-        if data.get("epoch_names") is not None:
-            for i, name in enumerate(_list(data["epoch_names"], "data.epoch_names")):
-                _str(name, f"data.epoch_names[{i}]")
-        if data.get("held_devices") is not None:
-            for key, device in _mapping(data["held_devices"], "data.held_devices").items():
-                _str(device, _key("data.held_devices", key))
-        keys = tensor_keys(header)
-        for where, ref in _tensor_refs(data, "data"):
-            if keys is None or ref not in keys:
-                raise Bad(
-                    where,
-                    f"references tensor {ref!r}, which rank{rank:05d}.safetensors does not hold",
-                )
-    if "components" in doc:
-        for name, state in _mapping(doc["components"], "components").items():
-            if state is not None:
-                _mapping(state, _key("components", name))
-
-
-def check_rng(rng: Any, field: str) -> None:
-    """Python's and numpy's RNG states as ``stage_rank`` writes them; Python's is
-    checked by loading it into a scratch generator (its own check, exact)."""
-    rng = _mapping(rng, field)
-    where = f"{field}.python" if field else "python"
-    if "python" in rng:
-        py = _list(rng["python"], where, length=3)
-        version = _int(py[0], f"{where}[0]")
-        internal = _list(py[1], f"{where}[1]", length=625)
-        gauss = py[2]
-        if gauss is not None:
-            _number(gauss, f"{where}[2]")
+def _add_scheduler_checks(
+    ckpt: Path, manifest: Mapping[str, Any], checks: list[_Check]
+) -> tuple[str, str] | None:
+    """Each scheduler's state check into ``checks`` (a lone scheduler of a lone
+    optimizer: one lr per param group); a scheduler the contents name with neither
+    file listed, or ``None``."""
+    files = manifest["files"]
+    stems = _optimizer_stems(manifest)
+    groups = None  # the lone optimizer's number of param groups, where it is one
+    if len(stems) == 1 and not stems[0][2] and f"{stems[0][0]}.json" in files:
         try:
-            random.Random().setstate((version, tuple(internal), gauss))
-        except (TypeError, ValueError, OverflowError) as e:
-            raise Bad(where, f"is not a Python random state ({e})") from None
-    where = f"{field}.numpy" if field else "numpy"
-    if "numpy" in rng:
-        np_state = _list(rng["numpy"], where, length=5)
-        _str(np_state[0], f"{where}[0]")
-        keys = _list(np_state[1], f"{where}[1]", length=624)
-        for i, k in enumerate(keys):
-            _int(k, f"{where}[1][{i}]", high=2**32 - 1)
-        _int(np_state[2], f"{where}[2]", high=624)
-        _int(np_state[3], f"{where}[3]", high=1)
-        _number(np_state[4], f"{where}[4]")
+            groups = len(read_json(ckpt / f"{stems[0][0]}.json")["param_groups"])
+        except (OSError, Bad, RecursionError, KeyError, TypeError):
+            groups = None  # said below, by its own check
+    schedulers = _contents(manifest)["schedulers"]
+    for sched_name, stem in schedulers.items():
+        if f"{stem}.json" in files:
+            lone = groups if len(schedulers) == 1 else None
+            checks.append((f"{stem}.json", lambda d, n=lone: check_scheduler_state(d, n)))
+        elif f"{stem}.pt" not in files:
+            return str(ckpt / f"{stem}.json"), (
+                f"{ckpt / MANIFEST} names scheduler {sched_name!r}'s state (field contents."
+                f"schedulers), but neither {stem}.json nor {stem}.pt is among its files"
+            )
+    return None
 
 
 # ------------------------------------------------------------------------ the listing

@@ -29,18 +29,17 @@ from guardrails.checkpoint.common import (
 )
 
 # The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
+from guardrails.checkpoint.files import not_regular, read_json
 from guardrails.checkpoint.manifest import (
     ASIDE_RE,
     MANIFEST,
     STEP_RE,
-    Bad,
     ManifestError,
     list_checkpoints,
-    not_regular,
-    read_json,
 )
-from guardrails.checkpoint.manifest import check_rng as _manifest_check_rng
 from guardrails.checkpoint.manifest import problem as _manifest_problem
+from guardrails.checkpoint.schema import Bad
+from guardrails.checkpoint.schema import check_rng as _manifest_check_rng
 from guardrails.checkpoint.stage import (
     _ELEMENTWISE_STATE,
     per_rank,

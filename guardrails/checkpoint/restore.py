@@ -237,26 +237,7 @@ def prepare(
     manifest = _read_manifest(ckpt)
     step = int(manifest["step"])
     files = manifest["files"]
-    rank, world = dist.rank(), dist.world_size()
-    saved_world = int(manifest.get("world_size", 1))
-    if saved_world != world and not allow_world_size_change:
-        raise ResumeError(
-            f"checkpoint {ckpt} was written by {saved_world} rank(s); this run has {world}. "
-            "Restorable: the model, optimizer, scheduler, scaler and extras (every rank "
-            "holds the same copy). Not restorable: each rank's RNG streams and data "
-            "position, because each rank's share of the data changes with the world size",
-            step=step,
-            rank=rank,
-            path=str(ckpt),
-            hint=f"relaunch with {saved_world} rank(s) for an exact resume; or pass "
-            "allow_world_size_change=True (resume(...), or guard(..., "
-            'checkpoint={"allow_world_size_change": True})) to restore the replicated '
-            "state and start the interrupted pass over; or, for a different run, use "
-            "another run_dir (or resume=None), which keeps these checkpoints. Nothing "
-            "was modified.",
-            remedy="world_size",
-            saved_world=saved_world,
-        )
+    _check_world_size(ckpt, manifest, allow_world_size_change)
 
     # 1. Read everything and check it against the live objects; nothing is modified yet.
     _check_materialized(ckpt, step, model)
@@ -274,10 +255,81 @@ def prepare(
     elif strict:  # only listed files are read: a model file the manifest omits is not
         raise _missing(ckpt, step, "model")
     _check_classes(ckpt, step, contents, optimizers, schedulers)
+    pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
+    opt_sds, added_groups, trains = _read_optimizers(reader, manifest, model, optimizers, pairs)
+    # Another torch version may add or drop a key of its classes' states.
+    same_torch = manifest.get("torch") == torch.__version__
+    sched_pairs = _pair(ckpt, step, "scheduler", schedulers, contents, strict)
+    sched_sds = _read_schedulers(reader, sched_pairs, strict=strict, same_torch=same_torch)
+    scaler_sd = _read_scaler(reader, scaler, strict=strict, same_torch=same_torch)
+    extras = _read_extras(reader, files, extras_device)
+    rank_state, rank_tensors, rng = _read_rank_state(reader, manifest, check)
+    return Plan(
+        ckpt=ckpt,
+        step=step,
+        model=model,
+        strict=strict,
+        sharded=sharded,
+        model_sd=model_sd,
+        optimizers=optimizers,
+        opt_sds=opt_sds,
+        added_groups=added_groups,
+        trains=trains,
+        sched_sds=sched_sds,
+        scaler=scaler,
+        scaler_sd=scaler_sd,
+        extras=extras,
+        rank_state=rank_state,
+        rank_tensors=rank_tensors,
+        rng=rng,
+    )
+
+
+def _check_world_size(ckpt: Path, manifest: dict[str, Any], allow_change: bool) -> None:
+    """A checkpoint of another world size resumes only when allowed, and then only
+    its replicated state."""
+    world = dist.world_size()
+    saved_world = int(manifest.get("world_size", 1))
+    if saved_world == world or allow_change:
+        return
+    raise ResumeError(
+        f"checkpoint {ckpt} was written by {saved_world} rank(s); this run has {world}. "
+        "Restorable: the model, optimizer, scheduler, scaler and extras (every rank "
+        "holds the same copy). Not restorable: each rank's RNG streams and data "
+        "position, because each rank's share of the data changes with the world size",
+        step=int(manifest["step"]),
+        rank=dist.rank(),
+        path=str(ckpt),
+        hint=f"relaunch with {saved_world} rank(s) for an exact resume; or pass "
+        "allow_world_size_change=True (resume(...), or guard(..., "
+        'checkpoint={"allow_world_size_change": True})) to restore the replicated '
+        "state and start the interrupted pass over; or, for a different run, use "
+        "another run_dir (or resume=None), which keeps these checkpoints. Nothing "
+        "was modified.",
+        remedy="world_size",
+        saved_world=saved_world,
+    )
+
+
+def _read_optimizers(
+    reader: _Reader,
+    manifest: dict[str, Any],
+    model: nn.Module,
+    optimizers: dict[str, Any],
+    pairs: list[tuple[str, Any, Any]],
+) -> tuple[
+    list[tuple[Any, dict[str, Any]]],
+    list[list[tuple[dict[str, Any], list[bool]]]],
+    list[tuple[Tensor, bool]],
+]:
+    """Each optimizer's saved state, checked against the live optimizer: its state
+    dicts, the param groups added since the save, which saved params it trains."""
+    ckpt, step = reader.ckpt, reader.step
+    rank, world = dist.rank(), dist.world_size()
+    saved_world = int(manifest.get("world_size", 1))
     opt_sds: list[tuple[Any, dict[str, Any]]] = []
     added_groups: list[list[tuple[dict[str, Any], list[bool]]]] = []
     trains: list[tuple[Tensor, bool]] = []
-    pairs = [] if sharded else _pair(ckpt, step, "optimizer", optimizers, contents, strict)
     for name, opt, saved in pairs:
         stem = saved["file"]
         if saved.get("per_rank"):
@@ -306,23 +358,33 @@ def prepare(
             trains += _saved_trains(opt, sd)
         opt_sds.append((opt, sd))
         added_groups.append(added)
+    return opt_sds, added_groups, trains
+
+
+def _read_schedulers(
+    reader: _Reader, pairs: list[tuple[str, Any, Any]], *, strict: bool, same_torch: bool
+) -> list[tuple[Any, Any]]:
+    """Each scheduler's saved state; torch's own classes checked key by key."""
     sched_sds = []
-    # Another torch version may add or drop a key of its classes' states.
-    same_torch = manifest.get("torch") == torch.__version__
-    for _, sched, saved in _pair(ckpt, step, "scheduler", schedulers, contents, strict):
+    for _, sched, saved in pairs:
         sd = _component_state(reader, saved, strict)
         if sd is not None and _torch_own(sched, "torch.optim.lr_scheduler"):
             what = type(sched).__name__
             reader.same_keys(f"{saved}.json", sd, sched, what, same_torch=same_torch)
             reader.like(f"{saved}.json", sd, sched.state_dict())
         sched_sds.append((sched, sd))
+    return sched_sds
+
+
+def _read_scaler(reader: _Reader, scaler: Any, *, strict: bool, same_torch: bool) -> Any:
+    """The GradScaler's saved state: a disabled one's does not resume an enabled one."""
     scaler_sd = None if scaler is None else _component_state(reader, "scaler", strict)
     if scaler_sd is not None and not scaler_sd and scaler.is_enabled():
         raise ResumeError(
-            f"checkpoint {ckpt} holds the state of a disabled GradScaler; this run's is "
-            "enabled, so there is no scale to continue from",
-            step=step,
-            path=str(ckpt),
+            f"checkpoint {reader.ckpt} holds the state of a disabled GradScaler; this run's "
+            "is enabled, so there is no scale to continue from",
+            step=reader.step,
+            path=str(reader.ckpt),
             hint="resume with the scaler as it was saved (enabled=False), or without it: "
             "leave scaler= out and the scaler starts from its initial scale. Nothing was "
             "modified.",
@@ -331,6 +393,13 @@ def prepare(
         what = type(scaler).__name__
         reader.same_keys("scaler.json", scaler_sd, scaler, what, same_torch=same_torch)
         reader.like("scaler.json", scaler_sd, scaler.state_dict())
+    return scaler_sd
+
+
+def _read_extras(
+    reader: _Reader, files: dict[str, Any], extras_device: torch.device | None
+) -> dict[str, Any]:
+    """The user's extras, their tensors placed on ``extras_device``."""
     extras: Any = {}
     if "extras.json" in files:
         raw = reader.json("extras.json")
@@ -346,6 +415,17 @@ def prepare(
             extras = decode(raw, held, place=place)
     if not isinstance(extras, dict):
         raise reader.bad("extras.json", "", f"holds {type(extras).__name__}, not an object")
+    return extras
+
+
+def _read_rank_state(
+    reader: _Reader, manifest: dict[str, Any], check: Any
+) -> tuple[dict[str, Any], dict[str, Tensor], Any]:
+    """This rank's saved state, its tensors and its RNG streams (format 1: the shared
+    ``rng.json``); none at another world size or where rank 0 saved alone."""
+    ckpt, files = reader.ckpt, manifest["files"]
+    rank, world = dist.rank(), dist.world_size()
+    saved_world = int(manifest.get("world_size", 1))
     rank_state: dict[str, Any] = {}
     rank_tensors: dict[str, Tensor] = {}
     rng: Any = None
@@ -389,25 +469,7 @@ def prepare(
             ckpt,
             rank,
         )
-    return Plan(
-        ckpt=ckpt,
-        step=step,
-        model=model,
-        strict=strict,
-        sharded=sharded,
-        model_sd=model_sd,
-        optimizers=optimizers,
-        opt_sds=opt_sds,
-        added_groups=added_groups,
-        trains=trains,
-        sched_sds=sched_sds,
-        scaler=scaler,
-        scaler_sd=scaler_sd,
-        extras=extras,
-        rank_state=rank_state,
-        rank_tensors=rank_tensors,
-        rng=rng,
-    )
+    return rank_state, rank_tensors, rng
 
 
 def apply(plan: Plan) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from torch import nn
 
 from guardrails._errors import CheckpointError, ResumeError
 from guardrails.checkpoint import digest as _digest
-from guardrails.checkpoint.manifest import read_bytes
+from guardrails.checkpoint.files import read_bytes
 from guardrails.distributed.dist import imported_class
 from guardrails.distributed.store import wait_keys
 
@@ -111,7 +111,7 @@ def read_metadata(directory: Path) -> Any:
     """DCP's metadata under ``directory``, built by :class:`_MetadataUnpickler`: a
     ``CheckpointError`` naming the object when it holds anything else, or the damage
     when it is not a pickle DCP wrote. The file must be a regular file (not a link, not
-    a FIFO: :func:`guardrails.checkpoint.manifest.not_regular`)."""
+    a FIFO: :func:`guardrails.checkpoint.files.not_regular`)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = directory / ".metadata"

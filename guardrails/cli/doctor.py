@@ -320,13 +320,37 @@ def _ranks(rs: list[int]) -> str:
 # ---------------------------------------------------------------------------- render
 
 
+#: How each level of flag is marked in the text.
+_MARK = {"bad": "BAD ", "warn": "WARN", "info": "note"}
+
+
 def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) -> str:
-    """The one-screen text for a human."""
-    v = report.get("versions", {})
-    cuda_build = bool(v.get("cuda") or v.get("hip"))
+    """The one-screen text for a human: versions, GPUs, topology, CPU, the rendezvous
+    port, the environment, the flags and, under torchrun, how the ranks differ."""
     lines = [
         f"guardrails doctor: {report['host']}, {report['time']}"
         + (f", rank {report['rank']}" if report.get("rank") is not None else ""),
+        *_versions_lines(report),
+        *_gpu_lines(report),
+        *_cpu_lines(report),
+        *_port_lines(report),
+    ]
+    env = report.get("env", {})
+    lines += ["", "environment (NCCL_*, GLOO_*, TORCH_*, MASTER_*, CUDA_VISIBLE_DEVICES, ...)"]
+    lines += [f"  {k}={val}" for k, val in env.items()] or ["  none set"]
+
+    flags = report.get("flags", [])
+    lines += ["", f"flags: {len(flags)}" if flags else "flags: none"]
+    for f in flags:
+        lines.append(f"  {_MARK.get(f['level'], f['level'])} {f['name']}: {f['message']}")
+    if reports is not None:
+        lines += _ranks_lines(report, reports)
+    return "\n".join(lines)
+
+
+def _versions_lines(report: dict[str, Any]) -> list[str]:
+    v = report.get("versions", {})
+    return [
         "",
         "versions",
         f"  guardrails {v.get('guardrails', __version__)}",
@@ -339,9 +363,15 @@ def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) 
         f"nccl {'yes' if v.get('nccl_backend') else 'no'}; "
         f"torch.cuda.is_available() {v.get('cuda_available')}, "
         f"{v.get('cuda_devices')} device(s)",
-        "",
-        "GPUs",
     ]
+
+
+def _gpu_lines(report: dict[str, Any]) -> list[str]:
+    """The GPUs torch sees (or why none), each device's state, the processes holding
+    GPU memory, the topology."""
+    v = report.get("versions", {})
+    cuda_build = bool(v.get("cuda") or v.get("hip"))
+    lines = ["", "GPUs"]
     gpus = report.get("gpus", {})
     devices = gpus.get("devices", [])
     if "torch" in v and not cuda_build:
@@ -388,10 +418,13 @@ def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) 
         lines += [f"  {t}" for t in topo["matrix"].splitlines()]
     else:
         lines.append(f"  unavailable: {topo.get('why') or topo.get('error')}")
+    return lines
 
+
+def _cpu_lines(report: dict[str, Any]) -> list[str]:
     cpu = report.get("cpu", {})
     bf16 = [n for n in ("avx512_bf16", "amx_bf16") if cpu.get(n)]
-    lines += [
+    return [
         "",
         "CPU",
         f"  {cpu.get('model')}: {cpu.get('usable_cpus')} usable of {cpu.get('logical_cpus')} "
@@ -399,9 +432,12 @@ def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) 
         f"kernels {cpu.get('capability')}",
         "  bf16: "
         + (f"native ({', '.join(bf16)})" if bf16 else "not native (emulated; use float32)"),
-        "",
-        "rendezvous port",
     ]
+
+
+def _port_lines(report: dict[str, Any]) -> list[str]:
+    """Each rendezvous port: free, or who holds it and what to do."""
+    lines = ["", "rendezvous port"]
     for p in report.get("ports") or []:
         if not isinstance(p, dict):
             continue
@@ -423,34 +459,28 @@ def render(report: dict[str, Any], reports: list[dict[str, Any]] | None = None) 
                 else f"stop it (`kill {h['pid']}`) or pick another port (--master-port)"
             )
             lines.append(f"{label}: in use by pid {h['pid']} ({(h['cmd'] or '?')[:70]}): {what}")
+    return lines
 
-    env = report.get("env", {})
-    lines += ["", "environment (NCCL_*, GLOO_*, TORCH_*, MASTER_*, CUDA_VISIBLE_DEVICES, ...)"]
-    lines += [f"  {k}={val}" for k, val in env.items()] or ["  none set"]
 
-    flags = report.get("flags", [])
-    lines += ["", f"flags: {len(flags)}" if flags else "flags: none"]
-    mark = {"bad": "BAD ", "warn": "WARN", "info": "note"}
-    for f in flags:
-        lines.append(f"  {mark.get(f['level'], f['level'])} {f['name']}: {f['message']}")
-
-    if reports is not None:
-        lines += ["", f"ranks: {len(reports)} reported"]
-        hosts = sorted({r.get("host", "?") for r in reports})
-        lines.append(f"  hosts: {', '.join(hosts)}")
-        diffs = rank_differences(reports)
-        lines.append("differences between ranks: " + ("none" if not diffs else str(len(diffs))))
-        lines += [f"  {d}" for d in diffs]
-        for r in reports:
-            if r is report:
-                continue
-            for f in r.get("flags", []):
-                if f not in report.get("flags", []):
-                    lines.append(
-                        f"  rank {r.get('rank')} only: {mark.get(f['level'])} "
-                        f"{f['name']}: {f['message']}"
-                    )
-    return "\n".join(lines)
+def _ranks_lines(report: dict[str, Any], reports: list[dict[str, Any]]) -> list[str]:
+    """Under torchrun: the ranks that reported, their hosts, how they differ and the
+    flags only some ranks raised."""
+    lines = ["", f"ranks: {len(reports)} reported"]
+    hosts = sorted({r.get("host", "?") for r in reports})
+    lines.append(f"  hosts: {', '.join(hosts)}")
+    diffs = rank_differences(reports)
+    lines.append("differences between ranks: " + ("none" if not diffs else str(len(diffs))))
+    lines += [f"  {d}" for d in diffs]
+    for r in reports:
+        if r is report:
+            continue
+        for f in r.get("flags", []):
+            if f not in report.get("flags", []):
+                lines.append(
+                    f"  rank {r.get('rank')} only: {_MARK.get(f['level'])} "
+                    f"{f['name']}: {f['message']}"
+                )
+    return lines
 
 
 def _pct(v: Any) -> str:

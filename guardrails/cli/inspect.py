@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from guardrails.checkpoint import manifest as _manifest
+from guardrails.checkpoint.files import read_json
+from guardrails.checkpoint.schema import Bad
 
 
 def inspect_dir(path: Path, *, verify: bool = False) -> dict[str, Any]:
@@ -110,7 +112,7 @@ def _one(step: int, ckpt: Path, *, entry: bool, verify: bool = True) -> dict[str
         return row
     try:
         if ranks:
-            first = _manifest.read_json(ckpt / ranks[0])  # checked by problem()
+            first = read_json(ckpt / ranks[0])  # checked by problem()
             data = first.get("data")
             if data:
                 held.append(
@@ -120,10 +122,10 @@ def _one(step: int, ckpt: Path, *, entry: bool, verify: bool = True) -> dict[str
             if first.get("components"):
                 held.append("guard state (" + ", ".join(sorted(first["components"])) + ")")
         if "extras.json" in files:
-            extras = _manifest.read_json(ckpt / "extras.json")
+            extras = read_json(ckpt / "extras.json")
             if extras:
                 held.append("extras (" + ", ".join(sorted(extras)) + ")")
-    except (OSError, _manifest.Bad):  # changed since it was checked: say what is known
+    except (OSError, Bad):  # changed since it was checked: say what is known
         pass
     row["holds"] = held
     return row

@@ -246,7 +246,7 @@ class _Ends:
 
 
 class RunStats:
-    """What :func:`guardrails.cli.report.summarize` says of a run's rows, added a batch at
+    """What :func:`guardrails.cli.report_summary.summarize` says of a run's rows, added a batch at
     a time. ``lead``: the rank that tells the loss story (the lowest with rows);
     ``first``: the lead rank's first row (started_at, step), left out of the step-time
     median as the original report did (it includes start-up)."""

@@ -1,4 +1,4 @@
-"""Component configuration: one dataclass per component, and the one alias table.
+"""Component configuration: one dataclass per component, and the table of 0.1's knobs.
 
 Each component defines its knobs once, as a ``Config`` dataclass nested in its class
 (``NanGuard.Config``, ``SignalCheckpointer.Config``...): the fields are the knobs, the
@@ -9,64 +9,74 @@ docstring documents them, ``__post_init__`` validates them. Everything else read
 * ``guardrails.guard(nan=NanGuard.Config(policy="raise"))``, ``nan={"policy":
   "raise"}``, ``nan=True`` (the defaults) and ``nan=False`` (not installed) choose and
   configure it as a section of ``guard()`` (:func:`section`);
-* the knob names of earlier releases keep working for one release through
-  :data:`ALIASES`, with a ``DeprecationWarning`` that names the new spelling.
+* the knob names of release 0.1 are refused with a ``TypeError`` that says the new
+  spelling, from the one table :data:`REMOVED`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-#: Knob names of release 0.1, by where they were given, and their new place:
-#: ``(old name) -> (section, field, how the old value maps)``. ``guard()``'s flat knobs
-#: became sections; two knobs called ``grace_s`` meant different things and one was
-#: renamed. Removed in the release after next.
-ALIASES: dict[str, dict[str, tuple[str, str | None, str]]] = {
+#: Knob names of release 0.1, by where they were given, and where each went:
+#: ``(old name) -> (section, field)``, field ``None`` for the section itself (``True`` /
+#: ``False``). ``guard()``'s flat knobs became sections; two knobs called ``grace_s``
+#: meant different things and one was renamed. Deprecated while 0.2 was developed,
+#: removed before its release (nothing we could find still used them): an old name is
+#: a ``TypeError`` that says the new spelling (docs/configuration.md, "Migrating from
+#: 0.1").
+REMOVED: dict[str, dict[str, tuple[str, str | None]]] = {
     "guard": {
-        # old knob: (section, field or None for the section itself, mapping)
-        "nan_policy": ("nan", "policy", "none_disables"),
-        "max_consecutive_skips": ("nan", "max_consecutive_skips", "value"),
-        "metrics_every_n_steps": ("metrics", "every_n_steps", "value"),
-        "metrics_write_every_s": ("metrics", "write_every_s", "value"),
-        "gc_every_n_steps": ("gc", "every_n_steps", "none_disables"),
-        "leak_check_every_n_steps": ("memory", "leak_check_every_n_steps", "value"),
-        "data_starvation_window_steps": ("memory", "data_starvation_window_steps", "value"),
-        "data_starvation_fraction": ("memory", "data_starvation_fraction", "value"),
-        "explain_oom": ("memory", "explain_oom", "value"),
-        "hang_timeout_s": ("watchdog", "hang_timeout_s", "value"),
-        "first_step_timeout_s": ("watchdog", "first_step_timeout_s", "value"),
-        "audit_collectives": ("audit", None, "switch"),
-        "save_on_signal": ("checkpoint", "save_on_signal", "value"),
-        "exit_on_signal": ("checkpoint", "exit_on_signal", "value"),
-        "checkpoint_every_n_steps": ("checkpoint", "every_n_steps", "value"),
-        "checkpoint_every_s": ("checkpoint", "every_s", "value"),
-        "keep_last_checkpoints": ("checkpoint", "keep_last", "value"),
-        "grace_s": ("checkpoint", "grace_s", "value"),
-        "resume_allow_world_size_change": ("checkpoint", "allow_world_size_change", "value"),
-        "even_batches": ("preflight", "even_batches", "value"),
-        "explain_errors": ("explain", None, "switch"),
+        "nan_policy": ("nan", "policy"),
+        "max_consecutive_skips": ("nan", "max_consecutive_skips"),
+        "metrics_every_n_steps": ("metrics", "every_n_steps"),
+        "metrics_write_every_s": ("metrics", "write_every_s"),
+        "gc_every_n_steps": ("gc", "every_n_steps"),
+        "leak_check_every_n_steps": ("memory", "leak_check_every_n_steps"),
+        "data_starvation_window_steps": ("memory", "data_starvation_window_steps"),
+        "data_starvation_fraction": ("memory", "data_starvation_fraction"),
+        "explain_oom": ("memory", "explain_oom"),
+        "hang_timeout_s": ("watchdog", "hang_timeout_s"),
+        "first_step_timeout_s": ("watchdog", "first_step_timeout_s"),
+        "audit_collectives": ("audit", None),
+        "save_on_signal": ("checkpoint", "save_on_signal"),
+        "exit_on_signal": ("checkpoint", "exit_on_signal"),
+        "checkpoint_every_n_steps": ("checkpoint", "every_n_steps"),
+        "checkpoint_every_s": ("checkpoint", "every_s"),
+        "keep_last_checkpoints": ("checkpoint", "keep_last"),
+        "grace_s": ("checkpoint", "grace_s"),
+        "resume_allow_world_size_change": ("checkpoint", "allow_world_size_change"),
+        "even_batches": ("preflight", "even_batches"),
+        "explain_errors": ("explain", None),
     },
     # Component knobs renamed (the component's own name is the section).
-    "CollectiveAuditor": {"grace_s": ("audit", "abort_after_s", "value")},
-    "Watchdog": {"fail_grace_s": ("watchdog", "abort_after_s", "value")},
+    "CollectiveAuditor": {"grace_s": ("audit", "abort_after_s")},
+    "Watchdog": {"fail_grace_s": ("watchdog", "abort_after_s")},
     # Preflight's own `config` would shadow the component's Config (component.config).
-    "Preflight": {"config": ("preflight", "run_config", "value")},
+    "Preflight": {"config": ("preflight", "run_config")},
 }
 
 
-def _deprecated(where: str, old: str, new: str, *, stacklevel: int = 4) -> None:
-    # stacklevel: the user's line (the component's __init__ -> configure -> here: 4;
-    # guard() -> _fold_old_knobs -> apply_aliases -> here: 5).
-    warnings.warn(
-        f"{where}({old}=...) is deprecated and will be removed in guardrails 0.4: "
-        f"use {where}({new}).",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
+def check_removed(where: str, given: Iterable[str]) -> None:
+    """Raise a ``TypeError`` for a knob of release 0.1 among ``given`` (``where``:
+    ``"guard"`` or a component's class name), saying how to write it now."""
+    table = REMOVED.get(where, {})
+    for old in given:
+        if old not in table:
+            continue
+        section, field = table[old]
+        if field is None:
+            new = f"guard({section}=True) or guard({section}=False)"
+        elif where == "guard":
+            new = f'guard({section}={{"{field}": ...}}) (guard({section}=False) turns it off)'
+        else:
+            new = f'{where}({field}=...), or guard({section}={{"{field}": ...}})'
+        raise TypeError(
+            f"{where}({old}=...) is release 0.1's spelling, since removed: write {new}. "
+            'docs/configuration.md, "Migrating from 0.1", lists every old knob.'
+        )
 
 
 def check_knobs(given: Mapping[str, Any], known: Iterable[str], where: str) -> None:
@@ -113,15 +123,12 @@ def check_flags(config: Any) -> None:
 
 def configure(component: Any, config: Any, knobs: dict[str, Any]) -> Any:
     """A component's ``__init__(config=None, /, **knobs)``: its ``Config`` (the one
-    given, or one built from ``knobs``, with renamed knobs accepted for one release),
+    given, or one built from ``knobs``; a knob renamed since 0.1 says its new name),
     stored as ``component.config`` and mirrored as attributes (``self.policy``: its
     hooks read a knob with one attribute lookup, not two)."""
     cls = type(component).Config
     name = type(component).__name__
-    for old, (_, new, _how) in ALIASES.get(name, {}).items():
-        if old in knobs:
-            _deprecated(name, old, f"{new}=...")
-            knobs[new or old] = knobs.pop(old)
+    check_removed(name, knobs)
     if config is not None:
         if knobs:
             raise TypeError(f"{name}() takes a {name}.Config or knobs, not both")
@@ -154,23 +161,3 @@ def section(name: str, value: Any, cls: type[Any]) -> Any:
         f"guard({name}=...) takes True (the defaults), False (off), a {owner} or a dict "
         f"of its knobs; got {type(value).__name__}."
     )
-
-
-def apply_aliases(old: Mapping[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
-    """``guard()``'s knobs of release 0.1 (``old``, by name) folded into ``sections``
-    (section name -> the value given for it), with a ``DeprecationWarning`` each;
-    returns per-section overrides: section -> {field: value} (``None`` turns the
-    section off)."""
-    table = ALIASES["guard"]
-    overrides: dict[str, dict[str, Any] | None] = {}
-    for knob, value in old.items():
-        where, field, how = table[knob]
-        if how == "switch" or (how == "none_disables" and value is None):
-            _deprecated("guard", knob, f"{where}={bool(value)!r}", stacklevel=5)
-            if not value:
-                overrides[where] = None
-            continue
-        _deprecated("guard", knob, f"{where}={{'{field}': ...}}", stacklevel=5)
-        if overrides.get(where, {}) is not None:
-            overrides.setdefault(where, {})[field] = value  # type: ignore[index]
-    return overrides

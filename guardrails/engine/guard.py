@@ -85,6 +85,7 @@ from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.services import CollectiveRecorder
 from guardrails.engine.state import Shared, StepState
+from guardrails.engine.surface import USER_SURFACE
 from guardrails.metrics.events import EventLog, logger_of
 from guardrails.util.checks import check_scaler, flag, named, positive_int
 from guardrails.util.text import shorten
@@ -111,6 +112,11 @@ class Guard(StepState):
     Without ``with``: ``g = Guard(...); g.start(); ...; g.close()``. Closing (normally
     or through an exception) removes every hook and lets each component restore what
     it changed.
+
+    A loop uses the names ``dir(g)`` shows (``engine/surface.USER_SURFACE``: ``g.step``,
+    ``g.state``, ``g.save_checkpoint()``...). The other public attributes are for
+    components: the published step state and the services they call
+    (``engine/surface.SERVICES``: ``request_stop``, ``skip_update``...).
 
     Args:
         model: the ``nn.Module`` being trained (a DDP / compiled wrapper is fine), or a
@@ -1504,6 +1510,11 @@ class Guard(StepState):
             f"Guard(step={self.step}, state={self._state}, run_dir='{self.run_dir}', "
             f"components=[{names}])"
         )
+
+    def __dir__(self) -> list[str]:
+        # dir(g) and tab completion offer the user's surface (engine/surface.py); the
+        # services components call stay reachable, only not offered to a loop.
+        return sorted({*USER_SURFACE, *(n for n in super().__dir__() if n.startswith("__"))})
 
 
 # ---------------------------------------------------------------------- helpers

@@ -81,33 +81,13 @@ def record(fn: F) -> F:
             launch.check_before_main()
             result = fn(*args, **kwargs)
         except SystemExit as exc:
-            process.hold_signals()  # the report first; see process.hold_signals
-            _close_running_guard(exc)
-            if getattr(exc, "guardrails_message", None):  # a signal stop: say so
-                process.write_error_file(exc, with_traceback=False)
-            if exc.code in (0, None):  # like torch's record: a clean sys.exit returns
-                process.release_process_group(abort=False)
+            if _ended_by_exit(exc):  # like torch's record: a clean sys.exit returns
                 return None
-            # A non-zero exit (a signal save's 128+signum, the user's sys.exit(1)): the
-            # process group goes too, bounded, in case a peer is still in a collective.
-            process.release_process_group(abort=True)
-            _reported(process.code_for(exc))
             raise
         except GuardrailsError as exc:
-            process.hold_signals()
-            _close_running_guard(exc)
-            process.write_error_file(exc)
-            sys.stderr.write(process.summary(exc))
-            sys.stderr.flush()
-            process.release_process_group(abort=True)
-            _reported(process.code_for(exc))
-            raise SystemExit(process.code_for(exc)) from exc
+            raise SystemExit(_ended_by_guardrails_error(exc)) from exc
         except Exception as exc:
-            process.hold_signals()
-            _close_running_guard(exc)
-            _torch_record_exception(exc)
-            process.release_process_group(abort=True)
-            _reported(1)
+            _ended_by_exception(exc)
             raise
         finally:
             process.recording -= 1
@@ -118,6 +98,46 @@ def record(fn: F) -> F:
         return result
 
     return cast(F, wrapper)
+
+
+def _ended_by_exit(exc: SystemExit) -> bool:
+    """``main`` called ``sys.exit`` (or a signal stop raised ``SystemExit``): the guard
+    closed, the process group released; whether the exit is clean (code 0 or None)."""
+    process.hold_signals()  # the report first; see process.hold_signals
+    _close_running_guard(exc)
+    if getattr(exc, "guardrails_message", None):  # a signal stop: say so
+        process.write_error_file(exc, with_traceback=False)
+    if exc.code in (0, None):
+        process.release_process_group(abort=False)
+        return True
+    # A non-zero exit (a signal save's 128+signum, the user's sys.exit(1)): the
+    # process group goes too, bounded, in case a peer is still in a collective.
+    process.release_process_group(abort=True)
+    _reported(process.code_for(exc))
+    return False
+
+
+def _ended_by_guardrails_error(exc: GuardrailsError) -> int:
+    """A guardrails error: the error file, one summary block on stderr, the process
+    group aborted; the class's exit code."""
+    process.hold_signals()
+    _close_running_guard(exc)
+    process.write_error_file(exc)
+    sys.stderr.write(process.summary(exc))
+    sys.stderr.flush()
+    process.release_process_group(abort=True)
+    _reported(process.code_for(exc))
+    return process.code_for(exc)
+
+
+def _ended_by_exception(exc: Exception) -> None:
+    """Any other exception: torch's handling (the traceback in the error file), the
+    process group aborted. Called inside the ``except`` block (``sys.exc_info``)."""
+    process.hold_signals()
+    _close_running_guard(exc)
+    _torch_record_exception(exc)
+    process.release_process_group(abort=True)
+    _reported(1)
 
 
 def _reported(code: int) -> None:

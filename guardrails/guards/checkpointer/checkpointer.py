@@ -68,6 +68,18 @@ What it does, and where the cost goes:
   ``run_dir/checkpoints`` (rank 0 picks and verifies it; every rank loads the same one)
   restores model, optimizer, scheduler, scaler, ``g.state``, ``g.step``, every RNG,
   the components' own statistics and the data position.
+
+How it is built: the component keeps the hooks and decides when to save and when to
+stop; the work is done by objects it owns, each with its inputs given when it is built
+and its own state: :class:`~.signals.SignalCapture` (the handlers and the watcher
+thread), :class:`~.writer.CheckpointWriter` (staging, the writer thread, the commit),
+:class:`~.resume.ResumeAtStart` (the checkpoint to continue from, checked and applied)
+and, with several ranks, :class:`~.agree.Agreement` (the stop and timed-save
+decisions). A periodic save: :meth:`SignalCheckpointer.on_boundary` ->
+:meth:`CheckpointWriter.save` (stage) -> ``_write`` (files, commit, report), in the
+writer thread. A SIGTERM: ``SignalCapture._on_signal`` sets a flag -> ``after_step``
+(the ranks agree on the step) -> ``on_boundary`` -> ``_stop`` ->
+:meth:`CheckpointWriter.save` with ``final_save`` -> the exit.
 """
 
 from __future__ import annotations
@@ -88,16 +100,16 @@ import torch
 import torch.distributed as dist
 
 from guardrails._errors import CheckpointError
-from guardrails.checkpoint import commit, sharded, stage
-from guardrails.distributed import store as _store
+from guardrails.checkpoint import commit, stage
 from guardrails.engine import model, process
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
+from guardrails.guards.checkpointer.agree import Agreement
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
-from guardrails.guards.checkpointer.workers import LoaderStop, WorkerShield, worker_died
-from guardrails.guards.checkpointer.writer import CheckpointWriter
+from guardrails.guards.checkpointer.workers import NOT_A_BOUNDARY, WorkerShield, worker_died
+from guardrails.guards.checkpointer.writer import CheckpointWriter, agree_token
 from guardrails.util.checks import config_dict, path_like, positive_int
 
 log = logging.getLogger("guardrails.checkpoint")
@@ -109,7 +121,7 @@ if TYPE_CHECKING:
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 
 
-class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderStop, Component):
+class SignalCheckpointer(Component):
     """Checkpoints on SIGTERM / SIGINT / SIGUSR1 and every N steps or seconds, agreed on
     by every rank, and the resume that continues exactly. Knobs:
     :class:`SignalCheckpointer.Config` (``guardrails.guard(checkpoint=...)``)."""
@@ -273,103 +285,67 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
 
     def __init__(self, config: SignalCheckpointer.Config | None = None, /, **knobs: Any) -> None:
         configure(self, config, knobs)
-
-        #: The last committed checkpoint (``None`` until one is).
-        self.last_path: Path | None = None
         #: Seconds each save took, staging to commit (the grace-period check).
         self.save_times_s: list[float] = []
         #: Seconds each save blocked training (staging; all of it for a sync save).
         self.blocking_times_s: list[float] = []
-        self._signal: int | None = None  # set by the handler: the only thing it does
-        # SIGINTs after a first signal of another kind (signals.py: the first decides).
-        self._late_sigints = 0
-        # The last save's sequence number in the checkpoint directory (writer.py).
-        self._seq: int | None = None
-        # When the first stop signal came (time.monotonic()), by the handler or the watcher.
-        self._signal_at: float | None = None
-        self._previous: dict[int, Any] = {}
-        self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the wakeup fd
-        self._previous_wakeup = -1
-        self._watcher: threading.Thread | None = None
-        self._watched_signal: int | None = None  # what the watcher thread saw
+        #: Periodic saves skipped or delayed because the previous one was still writing.
+        self.skipped_saves = 0
+        self.root = Path()
+        # The parts, each with its own state: the signals (installed at start), the
+        # writer and the resume (built at start, when the directory and the ranks are
+        # known), the ranks' agreement (multi-rank runs).
+        self.capture = SignalCapture(
+            signals=self.signals,
+            grace_s=self.grace_s,
+            latest=self._last_checkpoint,
+            stop_decided=lambda: self._stop_at is not None,
+        )
+        self.writer: CheckpointWriter | None = None
+        self.resumer: ResumeAtStart | None = None
+        self._agreement: Agreement | None = None
+        # What the manifest's "run" records (the config and the optimizer settings as
+        # the code built them, the run's id).
+        self._run: dict[str, Any] = {}
+        # The stop: the step it was decided at, and the signal that decided it.
+        self._stop_at: int | None = None
+        self._stop_signal = 0
+        self._save_due = False
+        self._delayed = False  # an every_s save is waiting for the writer (told once)
+        self._saves = False  # a signal's or periodic saves can come: staging is planned
+        self._replan = False  # ...and planned again at a boundary, until after step 1
         # The stop signals ignored by the loader's workers while the guard runs, and what
         # the stop says when a worker died of the signal before the ranks stopped.
         self._shield = WorkerShield()
         self._dead_loader: str | None = None
         # (step, epoch, batch_in_epoch, training forwards) at the last step boundary.
         self._boundary_mark: tuple[int, int, int, int] | None = None
-        self._stop_at: int | None = None
-        self._stop_signal = 0
-        self._save_due = False
-        self._last_saved_step = -1
-        # The step of the last committed (or resumed) checkpoint: _last_saved_step goes
-        # back to it when a save fails, so the next save (or the one at the end) retries.
-        self._committed_step = -1
-        #: Saves that failed to write (a full disk...) while training went on.
-        self.failed_saves = 0
-        self._failed_warned_t = -float("inf")
-        # Retention also counts checkpoints without a run id (this run resumed one).
-        self._adopt_unlabelled = False
-        self._last_save_t = 0.0
-        self._warned_grace = False
         # What the loop keeps that no checkpoint saves (a scheduler, a generator, an
         # EMA, an epoch loop from 0): told at the first step.
         self._unsaved = Unsaved()
-        self._writer: threading.Thread | None = None
-        self._writer_error: BaseException | None = None
-        self._writing: tuple[int, stage.Part] | None = None  # (step, its part)
-        self._next_check = 1
-        self._check_t = 0.0
-        self._check_step = 0
-        self._agree_store: Any = None  # guard.side_store("agree") when multi-rank
-        self._signal_posted = False  # this rank's signal is in the decisions
-        self._token = ""
-        self._rewinds = 0  # rewinds this run (the rewind guard): the agreement's keys
-        self._resumed = False
-        # What the manifest's "run" records (the config and the optimizer settings as
-        # the code built them), taken at start before a resume overwrites them.
-        self._run: dict[str, Any] = {}
-        self._resumed_step = -1
-        self._resumed_finished: float | None = None  # when the resumed run had finished
-        self.root = Path()
-        # The writer of every sharded save (None for a model that is not sharded),
-        # kept so its pinned staging and save plan are reused, and the thread
-        # allocating that staging ahead of the first background save.
-        self._shard_writer: sharded.ShardWriter | None = None
-        #: Deleting retired checkpoints (``.trash-*``) off the writer's path.
-        self._emptying: threading.Thread | None = None
-        self._dcp_prepared: threading.Thread | None = None
-        self._dcp_stats: dict[str, Any] = {}  # its timings, told in checkpoint events
-        # Optimizers whose state differs per rank: every rank saves its own part.
-        self._per_rank: set[str] = set()
-        self._contents: dict[str, Any] = {}
-        # The host blocks every save stages into (pinned on a CUDA machine; allocated
-        # ahead of the first save, at start and after step 1: see _plan_staging).
-        self._staging = stage.Staging()
-        self._staging_planned = False
-        self._saves = False  # a signal's or periodic saves can come: staging is planned
-        #: Periodic saves skipped or delayed because the previous one was still writing.
-        self.skipped_saves = 0
-        self._delayed = False  # an every_s save is waiting for the writer (told once)
+
+    @property
+    def last_path(self) -> Path | None:
+        """The last committed checkpoint (``None`` until one is)."""
+        return None if self.writer is None else self.writer.last_path
+
+    @property
+    def failed_saves(self) -> int:
+        """Saves that failed to write (a full disk...) while training went on."""
+        return 0 if self.writer is None else self.writer.failed_saves
+
+    @property
+    def run_id(self) -> str:
+        """This run's id, in every checkpoint it saves (a resumed run keeps the id of
+        the run it continues): which checkpoints under :attr:`root` are this run's."""
+        return str(self._run.get("id", ""))
 
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, guard: Guard) -> None:
         self.root = self.directory or guard.run_dir / "checkpoints"
-        if guard.world_size > 1:
-            # A sharded optimizer (ZeroRedundancyOptimizer, or one that reduces the
-            # gradients inside its step, like nanochat's: then the ranks' gradients, and
-            # so their states, differ) holds a different part on every rank.
-            agree = all(model.grads_agree(m) for m in guard.models.values())
-            self._per_rank = {
-                name
-                for name, opt in guard.optimizers.items()
-                if stage.per_rank(opt) is not opt or not agree
-            }
-        self._contents = commit.contents_of(guard.optimizers, guard.schedulers, self._per_rank)
         self._unsaved.on_start(guard)
         self._run = commit.run_record(self.run_config, guard.optimizers)
-        self._token = self._agree_token(guard)
         # This run's id, in every checkpoint it saves (rank 0's is the one written); a
         # resume replaces it with the resumed checkpoint's: the same run, continued.
         self._run["id"] = uuid.uuid4().hex[:16]
@@ -378,25 +354,32 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
             # back under its name before a resume picks (resume reads it either way).
             with contextlib.suppress(OSError):
                 commit.settle_asides(self.root)
-        if guard.rank == 0:  # what a stop left in the trash (the save it abandoned...)
-            self._emptying = commit.empty_trash(self.root)
+        self.writer = self._build_writer(guard)
+        self.resumer = ResumeAtStart(
+            resume=self.resume,
+            root=self.root,
+            directory=self.directory,
+            allow_world_size_change=self.allow_world_size_change,
+            allow_config_change=self.allow_config_change,
+        )
         if self.resume is not None:
-            self._resume(guard)
+            resumed = self.resumer.at_start(guard, self._run)
+            if resumed is not None:
+                self.writer.continue_from(resumed.path, resumed.step, resumed.run_id)
         else:
-            self._warn_beside_checkpoints(guard)
-        self._last_save_t = self._check_t = time.monotonic()
-        self._check_step = guard.step
-        self._next_check = guard.step + 1
-        self._agree_store = guard.side_store("agree")
-        self._signal_posted = False
-        if model.is_sharded(model.unwrap(guard.model)):
-            self._shard_writer = sharded.ShardWriter()  # no memory until it stages
+            periodic = bool(self.every_n_steps or self.every_s)
+            self.resumer.warn_beside_checkpoints(guard, periodic=periodic, keep_last=self.keep_last)
+        self.writer.last_save_t = time.monotonic()
+        agree_store = guard.side_store("agree")
+        if agree_store is not None:
+            self._agreement = Agreement(agree_store, world_size=guard.world_size, step=guard.step)
         main = threading.current_thread() is threading.main_thread()
         # Saves can come (a signal's, periodic ones): their staging memory is allocated
         # now, in a thread, before the first signal can (then grown after step 1).
         self._saves = bool((self.signals and main) or self.every_n_steps or self.every_s)
         if self._saves:
-            self._plan_staging(guard)
+            self.writer.plan_staging(guard, background_saves=self._background_saves)
+        self._replan = self._saves and not self.writer.staging_planned
         if not main:
             if self.signals:
                 guard.event(
@@ -407,19 +390,45 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
                     "checkpoint. Start the guard in the main thread.",
                 )
             return
-        for name in self.signals:
-            num = getattr(signal, name)
-            self._previous[num] = signal.signal(num, self._on_signal)
-        if self.signals:
-            self._watch_signals(guard)
-            if guard.loader is not None:
-                self._shield.cover(guard.loader, tuple(self._previous))
+        self.capture.install(guard)
+        if self.signals and guard.loader is not None:
+            self._shield.cover(guard.loader, self.capture.installed)
+
+    def _build_writer(self, guard: Guard) -> CheckpointWriter:
+        """The writer of this guard's saves: the directory, the ranks, the store they
+        commit through, what the checkpoints hold."""
+        per_rank: set[str] = set()
+        if guard.world_size > 1:
+            # A sharded optimizer (ZeroRedundancyOptimizer, or one that reduces the
+            # gradients inside its step, like nanochat's: then the ranks' gradients, and
+            # so their states, differ) holds a different part on every rank.
+            agree = all(model.grads_agree(m) for m in guard.models.values())
+            per_rank = {
+                name
+                for name, opt in guard.optimizers.items()
+                if stage.per_rank(opt) is not opt or not agree
+            }
+        store = guard.side_store("checkpoint")
+        return CheckpointWriter(
+            root=self.root,
+            rank=guard.rank,
+            world_size=guard.world_size,
+            store=store,
+            token=agree_token(store, guard.rank),
+            run=self._run,
+            contents=commit.contents_of(guard.optimizers, guard.schedulers, per_rank),
+            per_rank=per_rank,
+            model_sharded=model.is_sharded(model.unwrap(guard.model)),
+            keep_last=self.keep_last,
+            grace_s=self.grace_s,
+            save_times_s=self.save_times_s,
+            blocking_times_s=self.blocking_times_s,
+        )
 
     @property
-    def run_id(self) -> str:
-        """This run's id, in every checkpoint it saves (a resumed run keeps the id of
-        the run it continues): which checkpoints under :attr:`root` are this run's."""
-        return str(self._run.get("id", ""))
+    def _background_saves(self) -> bool:
+        """Periodic saves are on, written by the writer thread."""
+        return bool((self.every_n_steps or self.every_s) and self.background)
 
     def _last_checkpoint(self) -> str:
         if self.last_path is not None:
@@ -427,97 +436,102 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
         return "no checkpoint was saved in this run"
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
+        assert self.writer is not None
         try:
-            signum = self._signal or self._watched_signal
-            # A verdict this rank had taken before the signal came (a hang another rank
-            # diagnosed, then torchrun's SIGTERM once a rank exited) is what happened:
-            # the signal only ended it.
-            preempted = signum and self._stop_at is None and isinstance(exc, Exception)
-            if (
-                preempted
-                and not self._verdict_first(guard)
-                and not self._stop_at_dead_loader(guard, signum, exc)
-            ):
-                # Pre-empted before a stop could be agreed, then failed: under a
-                # launcher's SIGTERM to every rank, a peer that could not save left,
-                # and this rank's collective failed for it. The signal is what
-                # happened; a "rank 1 died" report would be a false alarm.
-                name = signal.Signals(signum).name
-                guard.replace_error(
-                    process.stop_exit(
-                        128 + signum,
-                        f"{name} received at step {guard.step}; before the ranks could "
-                        f"agree to stop and save, this rank failed with "
-                        f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                        f" (another rank ending on the same signal): exited without a "
-                        f"checkpoint; {self._last_checkpoint()}.",
-                    )
-                )
-                self._say_nothing_saved(guard, name, exc)
+            signum = self.capture.received
+            if signum and self._stop_at is None and isinstance(exc, Exception):
+                self._preempted_then_failed(guard, signum, exc)
             if exc is None and guard.stopping is None:
-                if self._agree_store is not None:
-                    # A signal that came after the last agreement must still stop every
-                    # rank: one more decision, the same for every rank that closes.
-                    self._agree(guard, at="end")
-                elif self._signal is not None and self._stop_at is None:
-                    self._stop_at, self._stop_signal = guard.step, self._signal
-                # With periodic saves, or after a resume, the directory is the run's
-                # latest state: a later run of the same command must not go back to an
-                # older checkpoint (and a finished run resumes as finished).
-                keeps = self.every_n_steps or self.every_s or self._resumed
-                # A background save that failed: said like any failed periodic save, and
-                # the save below retries it.
-                self._settle_writer(guard, stopping=self._stop_at is not None)
-                if self._stop_at is not None:
-                    self._stop(guard, exit_now=False)
-                elif keeps and guard.step != self._last_saved_step:
-                    try:
-                        self._save(guard, background=False)  # progress since the last save
-                    except CheckpointError as e:  # the end: nothing is left to retry it
-                        e.rehint(f"{e.hint} Meanwhile {self._latest_text()}.")
-                        raise
-                if self._stop_at is None:
-                    self._finish(guard)
+                self._close_normally(guard)
         finally:
-            self._restore_handlers()
+            self.capture.restore()
             self._shield.restore()
+            self.writer.close(raise_error=exc is None, stopped=self._stop_at is not None)
+
+    def _preempted_then_failed(self, guard: Guard, signum: int, exc: Exception) -> None:
+        """The loop failed after a stop signal, before a stop was agreed. A verdict this
+        rank had taken before the signal came (a hang another rank diagnosed, then
+        torchrun's SIGTERM once a rank exited) is what happened: the signal only ended
+        it; a loader whose worker died of the signal at a step boundary is the stop
+        (:meth:`_stop_at_dead_loader`). Otherwise the signal is what happened: under a
+        launcher's SIGTERM to every rank, a peer that could not save left, and this
+        rank's collective failed for it; a "rank 1 died" report would be a false
+        alarm."""
+        if self.capture.verdict_first(guard) or self._stop_at_dead_loader(guard, signum, exc):
+            return
+        name = signal.Signals(signum).name
+        guard.replace_error(
+            process.stop_exit(
+                128 + signum,
+                f"{name} received at step {guard.step}; before the ranks could "
+                f"agree to stop and save, this rank failed with "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                f" (another rank ending on the same signal): exited without a "
+                f"checkpoint; {self._last_checkpoint()}.",
+            )
+        )
+        self._say_nothing_saved(guard, name, exc)
+
+    def _close_normally(self, guard: Guard) -> None:
+        """The loop ended without an error or a stop: a signal that came after the last
+        agreement still stops every rank (one more decision, the same for every rank
+        that closes), else the run's end is saved when it made progress and marked
+        finished."""
+        writer = self.writer
+        assert writer is not None
+        if self._agreement is not None:
+            self._agree(guard, at="end")
+        elif self.capture.signal is not None and self._stop_at is None:
+            self._stop_at, self._stop_signal = guard.step, self.capture.signal
+        # With periodic saves, or after a resume, the directory is the run's latest
+        # state: a later run of the same command must not go back to an older
+        # checkpoint (and a finished run resumes as finished).
+        resumed = self.resumer is not None and self.resumer.resumed is not None
+        keeps = self.every_n_steps or self.every_s or resumed
+        # A background save that failed: said like any failed periodic save, and the
+        # save below retries it.
+        writer.settle(guard, stopping=self._stop_at is not None)
+        if self._stop_at is not None:
+            self._stop(guard, exit_now=False)
+        elif keeps and guard.step != writer.last_saved_step:
             try:
-                self._wait_writer(raise_error=exc is None)
-            finally:
-                if self._dcp_prepared is not None:
-                    self._dcp_prepared.join()
-                    self._dcp_prepared = None
-                self._shard_writer = None  # its pinned staging memory goes with it
-                if self._emptying is not None and self._stop_at is None:
-                    self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
-                    self._emptying = None
+                self._save(guard, background=False)  # progress since the last save
+            except CheckpointError as e:  # the end: nothing is left to retry it
+                e.rehint(f"{e.hint} Meanwhile {writer.latest_text()}.")
+                raise
+        if self._stop_at is None:
+            self._finish(guard)
+
+    def _finish(self, guard: Guard) -> None:
+        """The run ended normally: mark the checkpoint it ended with as finished, or,
+        when it resumed a finished run and trained nothing, say so."""
+        assert self.writer is not None and self.resumer is not None
+        if self.resumer.trained_nothing(guard, self.writer.last_path):
+            return
+        self.writer.settle(guard)
+        self.resumer.mark_finished(guard, self.writer.last_path)
 
     def _say_nothing_saved(self, guard: Guard, name: str, exc: BaseException) -> None:
         """A signal's stop that ended without a checkpoint, said on the console (a
         warning event: stderr), with why and what to do: a re-run must not start over
         from step 0 (or an old checkpoint) without a word."""
+        assert self.writer is not None
         first = str(exc).splitlines()[0] if str(exc) else ""
-        if worker_died(exc):
-            why = (
-                "a DataLoader worker died of the signal before the rank reached a step "
-                "boundary. guardrails keeps the workers of the loader it iterates alive "
-                "through the stop signals only when they start inside the guard: create the "
-                "loader's iterator inside the guard (a persistent_workers iterator made "
-                "before it keeps workers that die), or have your other loaders' "
-                "worker_init_fn ignore SIGTERM/SIGINT"
-            )
-        else:
-            why = (
+        why = (
+            NOT_A_BOUNDARY
+            if worker_died(exc)
+            else (
                 "a peer that could not save left, or this rank failed on its own before a "
                 "step boundary; the other ranks' reports say which"
             )
+        )
         guard.event(
             "stopped",
             level="warning",
             message=f"{name} received at step {guard.step}, but this rank failed before the "
             f"ranks could stop at a step boundary ({type(exc).__name__}: {first}): NOTHING "
-            f"was saved; {self._latest_text()}. Why: {why}. To lose less next time, save "
-            "periodically too: guard(checkpoint=dict(every_s=1800)).",
+            f"was saved; {self.writer.latest_text()}. Why: {why}. To lose less next time, "
+            "save periodically too: guard(checkpoint=dict(every_s=1800)).",
             signal=name,
             path=None,
             saved=False,
@@ -526,90 +540,66 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
     # ------------------------------------------------------------------ per step
 
     def after_step(self, guard: Guard) -> None:
-        if self._agree_store is None:
-            if self._signal is not None and self._stop_at is None:
-                self._stop_at, self._stop_signal = guard.step, self._signal
-            if self.every_s is not None and time.monotonic() - self._last_save_t >= self.every_s:
+        # Per step: a few attribute reads (tests/test_structure.py pins the frames).
+        if self._agreement is None:
+            if self.capture.signal is not None and self._stop_at is None:
+                self._stop_at, self._stop_signal = guard.step, self.capture.signal
+            if (
+                self.every_s is not None
+                and time.monotonic() - self.writer.last_save_t >= self.every_s  # type: ignore[union-attr]
+            ):
                 self._save_due = True
         else:
-            if self._signal is not None and not self._signal_posted:
-                self._claim_stop(guard)
-            if guard.step >= self._next_check:
-                self._agree(guard, at=str(self._next_check))
-
-    def _key(self, at: int | str) -> str:
-        """The store key of the decision at check ``at``: after a rewind (the rewind
-        guard, at the same step on every rank) step numbers repeat, so the checks of
-        each stretch between rewinds have keys of their own."""
-        return f"at/{at}" if not self._rewinds or at == "end" else f"at/r{self._rewinds}/{at}"
+            agreement, signum = self._agreement, self.capture.signal
+            if signum is not None and not agreement.posted:
+                agreement.claim_stop(guard, signum)
+            if guard.step >= agreement.next_check:
+                self._agree(guard, at=str(agreement.next_check))
 
     def on_rewind(self, guard: Guard, from_step: int) -> None:
-        """The run is back at an earlier step on every rank: the next check is the next
-        step (not the one scheduled for a step number it would take ``from_step -
-        guard.step`` steps more to reach again: a signal must not wait for it), under
-        keys of their own (step numbers repeat), and a signal already posted under the
-        old keys is posted again."""
-        self._rewinds += 1
-        self._next_check = guard.step + 1
-        self._check_t, self._check_step = time.monotonic(), guard.step
-        self._signal_posted = False
-
-    def _claim_stop(self, guard: Guard) -> None:
-        """This rank got a signal: write "stop" as the decision of the first check no
-        rank has decided yet (the next one, unless a faster rank is already past it),
-        and of the close, so every rank stops at the same step, or closes as a stop.
-        A few store calls, once."""
-        store, mine = self._agree_store, f"{self._signal} 0 1"
-        with guard.in_phase("agree"):
-            at = self._next_check
-            while True:
-                decided = bytes(store.compare_set(self._key(at), "", mine)).decode().split()
-                if int(decided[0]):  # a stop is decided there (ours, or a peer's)
-                    break
-                at += int(decided[2])
-            store.compare_set("at/end", "", mine)
-        self._signal_posted = True
+        """The run is back at an earlier step on every rank: the agreement's next check
+        is the next step, under keys of its own (step numbers repeat)."""
+        if self._agreement is not None:
+            self._agreement.rewound(guard.step)
 
     def _agree(self, guard: Guard, *, at: str) -> None:
-        """Decide stop / save and the next check step for every rank at once, at a
-        point every rank reaches (``at``: the scheduled step, or ``"end"``): the first
-        rank there writes its decision under ``at``'s key, every rank uses the one
-        there. One store call per rank, no collective."""
-        if self._signal is not None and not self._signal_posted:
-            self._claim_stop(guard)
-        now = time.monotonic()
-        per_step = (now - self._check_t) / max(1, guard.step - self._check_step)
-        every = _store.stretched(self.agree_every_s, guard.world_size)
-        steps = 1 if per_step <= 0 else min(10_000, max(1, round(every / per_step)))
-        due = self.every_s is not None and now - self._last_save_t >= self.every_s
-        mine = f"{self._signal or 0} {int(due)} {steps}"
-        with guard.in_phase("agree"):
-            decided = self._agree_store.compare_set(self._key(at), "", mine)
-        signum, due_any, steps = map(int, bytes(decided).decode().split())
-        if signum and self._stop_at is None:
-            self._stop_at, self._stop_signal = guard.step, signum
-        self._save_due = self._save_due or bool(due_any)
-        self._check_t, self._check_step = now, guard.step
-        self._next_check = guard.step + steps
+        """The ranks' decision at ``at`` (a check step, or ``"end"``): a stop there, a
+        timed save due on any rank."""
+        assert self._agreement is not None
+        due = (
+            self.every_s is not None and time.monotonic() - self.writer.last_save_t >= self.every_s  # type: ignore[union-attr]
+        )
+        decision = self._agreement.decide(
+            guard,
+            at=at,
+            signum=self.capture.signal,
+            save_due=due,
+            agree_every_s=self.agree_every_s,
+        )
+        if decision.signum and self._stop_at is None:
+            self._stop_at, self._stop_signal = guard.step, decision.signum
+        self._save_due = self._save_due or decision.save_due
 
     def on_boundary(self, guard: Guard) -> None:
         if not self._unsaved.checked:
             self._unsaved.at_step(guard)
         # Where a loader that fails on the next fetch leaves the run (_stop_at_dead_loader).
         self._boundary_mark = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
-        if self._agree_store is None and self._signal is not None and self._stop_at is None:
-            self._stop_at, self._stop_signal = guard.step, self._signal  # alone: stop now
-        elif self._stop_at is None and (self._signal or self._watched_signal):
-            self._dead_loader_at_boundary(guard)  # a peer's loader died here: stop with it
-        if self._writer_error is not None:
-            self._settle_writer(guard, stopping=self._stop_at is not None)
+        capture = self.capture
+        if (capture.signal or capture.watched) and self._stop_at is None:
+            if self._agreement is None and capture.signal is not None:
+                self._stop_at, self._stop_signal = guard.step, capture.signal  # alone: stop now
+            else:
+                self._dead_loader_at_boundary(guard)  # a peer's loader died here: stop with it
+        if self.writer.error is not None:  # type: ignore[union-attr]  # built at start
+            self.writer.settle(guard, stopping=self._stop_at is not None)  # type: ignore[union-attr]
         if self._stop_at is not None:
             self._stop(guard)
             return
         by_steps = (
             self.every_n_steps is not None
             and guard.step % self.every_n_steps == 0
-            and guard.step != self._last_saved_step
+            and guard.step != self.writer.last_saved_step  # type: ignore[union-attr]
         )
         if self._save_due or by_steps:
             self._save_due = False
@@ -620,9 +610,12 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
                 try:
                     self._save(guard, background=self.background)
                 except CheckpointError as e:  # the disk: training goes on (see the docstring)
-                    self._save_failed(guard, e)
-        elif not self._staging_planned and self._saves:
-            self._plan_staging(guard)
+                    self.writer.failed(guard, e)  # type: ignore[union-attr]
+        elif self._replan:  # once the optimizer's state exists (after step 1)
+            self.writer.plan_staging(  # type: ignore[union-attr]
+                guard, background_saves=self._background_saves
+            )
+            self._replan = not self.writer.staging_planned  # type: ignore[union-attr]
 
     def _still_writing(self, guard: Guard) -> bool:
         """Whether the previous background save is still being written on any rank (the
@@ -630,7 +623,8 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
         where a periodic save is due."""
         if self.strict_cadence or not self.background:
             return False
-        busy = self._writer is not None and self._writer.is_alive()
+        assert self.writer is not None
+        busy = self.writer.busy
         if guard.side_group is None:
             return busy
         flag = torch.tensor([float(busy)])
@@ -643,15 +637,16 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
         goes on (waiting would stall every rank for the rest of the write)."""
         if delayed and self._delayed:
             return  # an every_s save waiting for the writer: said once
+        assert self.writer is not None
         self._delayed = delayed
         self.skipped_saves += 1
         first = self.skipped_saves == 1
         what = "delayed until it is written" if delayed else "skipped"
+        writing = self.writer.last_saved_step
         message = (
-            f"checkpoint at step {guard.step} {what}: the save of step "
-            f"{self._last_saved_step} is still being written "
-            f"({time.monotonic() - self._last_save_t:.1f} s so far), and waiting would "
-            "stall training."
+            f"checkpoint at step {guard.step} {what}: the save of step {writing} is still "
+            f"being written ({time.monotonic() - self.writer.last_save_t:.1f} s so far), "
+            "and waiting would stall training."
         )
         if first:
             message += (
@@ -664,51 +659,16 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
             level="warning" if first else "info",
             message=message,
             step=guard.step,
-            writing_step=self._last_saved_step,
+            writing_step=writing,
             delayed=delayed,
         )
 
+    # ------------------------------------------------------------------ the stop
+
     def _stop(self, guard: Guard, *, exit_now: bool = True) -> None:
+        """Every rank stops at this step: the stop's save, what it says, the exit."""
         name = signal.Signals(self._stop_signal).name
-        mine = self._signal == self._stop_signal
-        # The old checkpoints beyond keep_last are only renamed away here: deleting them
-        # is left to the next run's first save, not to the grace period.
-        where = "this rank" if mine else "another rank"
-        try:
-            path: Path | None = self._save(guard, background=False, final_save=True)
-        except Exception as e:
-            # Still a stop by the signal (128 + signum), whatever failed (the disk, or
-            # a value in g.state no checkpoint stores), said in one message and no
-            # traceback: the launcher SIGKILLs the process soon anyway, and a resume
-            # needs to know which checkpoint it gets.
-            path = None
-            if isinstance(e, CheckpointError):
-                cause, fix = e.message, e.hint
-            else:
-                log.debug("guardrails: the stop's save failed", exc_info=True)
-                cause = f"{type(e).__name__}: {e}"
-                fix = "change what the error names (it says how), then run the same command."
-            message = (
-                f"{name} received by {where}; all {guard.world_size} rank(s) stopped at "
-                f"step {guard.step}, but nothing new was saved ({cause}); "
-                f"{self._latest_text()}. Fix: {fix}"
-            )
-        else:
-            message = (
-                f"{name} received by {where}; all {guard.world_size} rank(s) stopped at step "
-                f"{guard.step} and saved {path}. To resume, run the same command: "
-                "guard(..., resume='auto') continues from it."
-            )
-        if self._dead_loader is not None:
-            message += (
-                f" A DataLoader worker had died of the signal ({self._dead_loader}): the "
-                "checkpoint is the step boundary the loader failed at."
-            )
-        if self._late_sigints:
-            message += (
-                f" A SIGINT (Ctrl+C) came after the {name} and did not change the exit "
-                f"code ({128 + self._stop_signal}); a second one ends the process at once."
-            )
+        path, message = self._stop_save(guard, name)
         guard.event(
             "stopped",
             level="warning",
@@ -729,15 +689,103 @@ class SignalCheckpointer(ResumeAtStart, CheckpointWriter, SignalCapture, LoaderS
         if exit_now:
             raise process.stop_exit(128 + self._stop_signal, reason)
 
+    def _stop_save(self, guard: Guard, name: str) -> tuple[Path | None, str]:
+        """The stop's save (synchronous): its directory (``None``: nothing new was
+        saved), and what the stop says of it."""
+        assert self.writer is not None
+        where = "this rank" if self.capture.signal == self._stop_signal else "another rank"
+        # The old checkpoints beyond keep_last are only renamed away here: deleting them
+        # is left to the next run's first save, not to the grace period.
+        try:
+            path: Path | None = self._save(guard, background=False, final_save=True)
+        except Exception as e:
+            # Still a stop by the signal (128 + signum), whatever failed (the disk, or
+            # a value in g.state no checkpoint stores), said in one message and no
+            # traceback: the launcher SIGKILLs the process soon anyway, and a resume
+            # needs to know which checkpoint it gets.
+            path = None
+            if isinstance(e, CheckpointError):
+                cause, fix = e.message, e.hint
+            else:
+                log.debug("guardrails: the stop's save failed", exc_info=True)
+                cause = f"{type(e).__name__}: {e}"
+                fix = "change what the error names (it says how), then run the same command."
+            message = (
+                f"{name} received by {where}; all {guard.world_size} rank(s) stopped at "
+                f"step {guard.step}, but nothing new was saved ({cause}); "
+                f"{self.writer.latest_text()}. Fix: {fix}"
+            )
+        else:
+            message = (
+                f"{name} received by {where}; all {guard.world_size} rank(s) stopped at step "
+                f"{guard.step} and saved {path}. To resume, run the same command: "
+                "guard(..., resume='auto') continues from it."
+            )
+        if self._dead_loader is not None:
+            message += (
+                f" A DataLoader worker had died of the signal ({self._dead_loader}): the "
+                "checkpoint is the step boundary the loader failed at."
+            )
+        if self.capture.late_sigints:
+            message += (
+                f" A SIGINT (Ctrl+C) came after the {name} and did not change the exit "
+                f"code ({128 + self._stop_signal}); a second one ends the process at once."
+            )
+        return path, message
+
+    def _stop_at_dead_loader(self, guard: Guard, signum: int, error: BaseException) -> bool:
+        """From ``on_end``, the loop failed after ``signum``: whether that was its loader
+        failing for a worker gone while fetching the first batch after a step boundary
+        (no batch fetched, no training forward since: the state is that boundary's, the
+        data position too). Then the rank stops there, with every rank whose loader
+        failed at the same boundary (all of them, or nobody saves: a save is one commit
+        of every rank), and the loop's error becomes the stop's exit. Checked here, once,
+        not around every fetch: nothing is added to a step (see ``workers.py``)."""
+        at = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
+        if guard.phase != "data" or not worker_died(error) or at != self._boundary_mark:
+            return False
+        agreement = self._agreement
+        if agreement is not None and not agreement.join_dead_loaders(guard, grace_s=self.grace_s):
+            return False
+        self._dead_loader = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        self._stop_at, self._stop_signal = guard.step, signum
+        self._stop(guard, exit_now=False)
+        if self.exit_on_signal:
+            guard.replace_error(process.stop_exit(128 + signum, guard.stopping or ""))
+        return True
+
+    def _dead_loader_at_boundary(self, guard: Guard) -> bool:
+        """At a step boundary after a stop signal (one store call per step, only then):
+        whether a peer's loader died at this boundary; then this rank stops here with it
+        (its own loader may still hold batches). Raises the stop's exit when every rank
+        joined."""
+        agreement = self._agreement
+        signum = self.capture.received
+        if agreement is None or not signum or self._stop_at is not None:
+            return False
+        if not agreement.dead_loader_posted(guard):
+            return False
+        if agreement.join_dead_loaders(guard, grace_s=self.grace_s):
+            self._dead_loader = "a peer's DataLoader worker died of the signal"
+            self._stop_at, self._stop_signal = guard.step, signum
+            self._stop(guard)
+        return True
+
     # ------------------------------------------------------------------ saving
 
     def save(self, guard: Guard) -> Path:
         """Save now, synchronously (every rank must call it at the same step boundary);
         returns the committed directory."""
+        assert self.writer is not None
         try:
             return self._save(guard, background=False)
         except CheckpointError as e:
-            e.rehint(f"{e.hint} Meanwhile {self._latest_text()}.")
+            e.rehint(f"{e.hint} Meanwhile {self.writer.latest_text()}.")
             raise
 
-    # ------------------------------------------------------------------ resume
+    def _save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
+        """One save, by the writer: what the loop keeps that no checkpoint saves is said
+        first (at the first step; a save before it: here)."""
+        assert self.writer is not None
+        self._unsaved.at_step(guard)
+        return self.writer.save(guard, background=background, final_save=final_save)

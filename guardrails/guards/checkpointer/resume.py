@@ -1,14 +1,20 @@
 """Resume orchestration for :class:`SignalCheckpointer`: which checkpoint (rank 0 picks and
 verifies, every rank loads the same), the run's config checked against the saved one,
 what is announced.
+
+:class:`ResumeAtStart` is built with the resume knobs and the checkpoint directory; at
+the guard's start :meth:`~ResumeAtStart.at_start` finds, checks and applies a
+checkpoint and returns what the writer continues from (:class:`Resumed`); at a normal
+end :meth:`~ResumeAtStart.finish` marks the last checkpoint finished.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,8 +72,42 @@ def _ago(when: float) -> str:
     return f"{age} ago, at {time.strftime('%Y-%m-%d %H:%M', time.localtime(when))}"
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a resume restored: its directory and step, the id of the run
+    that saved it (``None``: saved before run ids), when that run had finished."""
+
+    path: Path
+    step: int
+    run_id: str | None
+    finished_at: float | None
+
+
 class ResumeAtStart:
-    """Part of :class:`SignalCheckpointer`: see its docstring."""
+    """Finds, checks and applies a checkpoint at the guard's start.
+
+    ``resume``, ``allow_world_size_change``, ``allow_config_change``: the knobs (see
+    :class:`SignalCheckpointer.Config`). ``root``: the checkpoint directory;
+    ``directory``: the knob it came from (``None``: ``run_dir/checkpoints``), for the
+    way out a message names.
+    """
+
+    def __init__(
+        self,
+        *,
+        resume: str | PathLike[str] | None,
+        root: Path,
+        directory: Path | None,
+        allow_world_size_change: bool,
+        allow_config_change: bool | Sequence[str],
+    ) -> None:
+        self.resume = resume
+        self.root = root
+        self.directory = directory
+        self.allow_world_size_change = allow_world_size_change
+        self.allow_config_change = allow_config_change
+        #: What this guard resumed from (``None``: it started fresh).
+        self.resumed: Resumed | None = None
 
     def _prepare(self, guard: Guard, ckpt: Path) -> restore.Plan:
         """``restore.prepare`` for the guard (everything read and checked, nothing
@@ -142,77 +182,21 @@ class ResumeAtStart:
             f"--run-dir option, if it has one), or move {self.root} away"
         )
 
-    def _agree_token(self, guard: Guard) -> str:
-        """One name per guard for this run's temp directories, the same on every rank."""
-        store = guard.side_store("checkpoint")
-        if store is None:
-            return uuid.uuid4().hex[:8]
-        if guard.rank == 0:
-            store.set("token", uuid.uuid4().hex[:8])
-        return store.get("token").decode()
-
-    def _resume(self, guard: Guard) -> None:
-        auto = self.resume == "auto"
-        where = self.root if auto else Path(self.resume)  # type: ignore[arg-type]
-        store = guard.side_store("checkpoint")
-        chosen: str | None = None
-        plan: restore.Plan | None = None
-        if guard.rank == 0:
-            try:
-                if auto and not manifest.list_checkpoints(where):
-                    chosen = ""  # nothing saved yet: a fresh run
-                    self._warn_finished_unsaved(guard)
-                else:
-                    # Rank 0 reads and checks each candidate, newest first, against this
-                    # run (its model, optimizers, loader): a damaged one is skipped, said
-                    # in an event, and the previous one is tried.
-                    found, plan, skipped = restore.pick(where, lambda c: self._prepare(guard, c))
-                    chosen = str(found)
-                    reasons = dict(skipped)
-                    for name, said in restore.said_skipped(skipped, where):
-                        away = name or "them"
-                        guard.event(
-                            "checkpoint_invalid",
-                            level="warning",
-                            message=f"{said}; resuming from {found.name} instead (delete "
-                            f"or move {away} away to keep this from being said at every "
-                            "start)",
-                            checkpoint=name,
-                            reason=reasons.get(name) if name else said,
-                            using=chosen,
-                            count=1 if name else len(skipped),
-                        )
-            except GuardrailsError as e:
-                if store is not None:
-                    store.set("resume", json.dumps({"error": str(e)}))
-                if auto and getattr(e, "remedy", None) == "all_invalid":
-                    e.rehint(
-                        "every checkpoint under the run's checkpoint directory is invalid; "
-                        "restore them from a backup, pass resume=None to start fresh (they "
-                        "are kept), or resume= a specific checkpoint; if this is another "
-                        f"run, {self._new_run(guard)}."
-                    )
-                raise
-            if store is not None:
-                store.set("resume", json.dumps({"path": chosen}))
-        else:
-            assert store is not None
-            got = json.loads(store.get("resume"))
-            if "error" in got:
-                raise ResumeError(
-                    f"rank 0 could not pick a checkpoint to resume from: {got['error']}",
-                    rank=guard.rank,
-                    path=str(where),
-                )
-            chosen = got["path"]
+    def at_start(self, guard: Guard, run: Mapping[str, Any]) -> Resumed | None:
+        """Resume ``guard`` from the checkpoint its ``resume`` knob names, if any:
+        rank 0 picks and verifies it, every rank checks its config (``run``: this run's
+        record, config and optimizer settings as the code built them) and its own files,
+        then everything is applied (``guard.resume_from``) and the resume announced.
+        ``None`` when there is nothing to resume."""
+        chosen, plan = self._choose(guard)
         if not chosen:
-            return
+            return None
         ckpt = Path(chosen)
         # Checked before anything is restored, on every rank (the same manifest, and the
         # preflight has compared the ranks' configs): a refusal leaves all as it was.
         saved = restore.saved_run(ckpt)
-        changed = self._check_config(guard, ckpt, saved)
-        settings = self._settings_changed(saved)
+        changed = self._check_config(guard, ckpt, saved, run)
+        settings = _settings_changed(saved, run)
         if plan is None:  # the other ranks: their own files of the checkpoint rank 0 chose
             try:
                 plan = self._prepare(guard, ckpt)
@@ -222,53 +206,76 @@ class ResumeAtStart:
         # component's may refuse a well-formed dict), and a refusal must leave the
         # model, optimizers, schedulers, scaler and RNG as they were.
         _check_generators(guard, ckpt, plan.rank_tensors)  # set back by resume_from
-        self._load_components(guard, ckpt, plan.rank_state.get("components", {}))
+        _load_components(guard, ckpt, plan.rank_state.get("components", {}))
         with guard.quiet():  # a sharded load may step the optimizer to create its state
             out = restore.apply(plan)
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
         position = rank_state.get("data")
         if position is not None and "loader" in rank_state:  # format 2 kept it beside
             position = {**position, "loader": rank_state["loader"]}
-        self._last_saved_step = self._committed_step = out["step"]
-        # The same run, continued: its checkpoints keep the run's id (retention counts
-        # them together). One saved before run ids: a new id, and those without one
-        # count as this run's too (they are the run this one continues).
-        if isinstance(saved.get("id"), str):
-            self._run["id"] = saved["id"]
-        else:
-            self._adopt_unlabelled = True
         guard.resume_from(out["step"], state=out["extras"], position=position, tensors=tensors)
-        self.last_path = Path(out["path"])
-        self._resumed = True
-        self._resumed_step = out["step"]
-        self._resumed_finished = saved.get("finished_at")
+        # The same run, continued: its checkpoints keep the run's id (retention counts
+        # them together).
+        self.resumed = Resumed(
+            path=Path(out["path"]),
+            step=out["step"],
+            run_id=saved["id"] if isinstance(saved.get("id"), str) else None,
+            finished_at=saved.get("finished_at"),
+        )
         self._announce(guard, saved, changed, settings, out.get("recreated_groups") or [])
+        return self.resumed
 
-    def _load_components(self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]) -> None:
-        """Each component's saved state into it, before anything else is restored: a
-        ``ResumeError`` naming the component if its ``load_state_dict`` raises."""
-        for c in guard.components:
-            if c.name not in saved:
-                continue
-            try:
-                c.load_state_dict(saved[c.name])
-            except Exception as e:
+    def _choose(self, guard: Guard) -> tuple[str | None, restore.Plan | None]:
+        """Which checkpoint every rank resumes (``""``: none yet, a fresh run): rank 0
+        picks and verifies it (its plan, prepared, comes with it) and says it through
+        the store; the other ranks read rank 0's word."""
+        auto = self.resume == "auto"
+        where = self.root if auto else Path(self.resume)  # type: ignore[arg-type]
+        store = guard.side_store("checkpoint")
+        if guard.rank != 0:
+            assert store is not None
+            got = json.loads(store.get("resume"))
+            if "error" in got:
                 raise ResumeError(
-                    f"component {c.name!r} ({type(c).__name__}) could not load its state "
-                    f"from {ckpt}: {type(e).__name__}: {e}; nothing else was restored "
-                    "(model, optimizers, schedulers, scaler and RNG are as they were)",
+                    f"rank 0 could not pick a checkpoint to resume from: {got['error']}",
                     rank=guard.rank,
-                    path=str(ckpt),
-                    hint=f"fix {type(c).__name__}.load_state_dict for the state its "
-                    "state_dict() saved, or resume with a run_dir of its own to start fresh",
-                ) from e
+                    path=str(where),
+                )
+            return got["path"], None
+        chosen: str | None = None
+        plan: restore.Plan | None = None
+        try:
+            if auto and not manifest.list_checkpoints(where):
+                chosen = ""  # nothing saved yet: a fresh run
+                self._warn_finished_unsaved(guard)
+            else:
+                # Rank 0 reads and checks each candidate, newest first, against this
+                # run (its model, optimizers, loader): a damaged one is skipped, said
+                # in an event, and the previous one is tried.
+                found, plan, skipped = restore.pick(where, lambda c: self._prepare(guard, c))
+                chosen = str(found)
+                _say_skipped(guard, where, found, skipped)
+        except GuardrailsError as e:
+            if store is not None:
+                store.set("resume", json.dumps({"error": str(e)}))
+            if auto and getattr(e, "remedy", None) == "all_invalid":
+                e.rehint(
+                    "every checkpoint under the run's checkpoint directory is invalid; "
+                    "restore them from a backup, pass resume=None to start fresh (they "
+                    "are kept), or resume= a specific checkpoint; if this is another "
+                    f"run, {self._new_run(guard)}."
+                )
+            raise
+        if store is not None:
+            store.set("resume", json.dumps({"path": chosen}))
+        return chosen, plan
 
     def _check_config(
-        self, guard: Guard, ckpt: Path, saved: Mapping[str, Any]
+        self, guard: Guard, ckpt: Path, saved: Mapping[str, Any], run: Mapping[str, Any]
     ) -> dict[str, tuple[Any, Any]]:
         """The config keys that differ from the checkpoint's, ``key -> (saved, given)``;
         a ``ResumeError`` unless ``allow_config_change`` allows them all."""
-        old, new = saved.get("config"), self._run.get("config")
+        old, new = saved.get("config"), run.get("config")
         if old is None or new is None:  # saved without one, or none given: nothing to compare
             return {}
         changed = {
@@ -299,32 +306,6 @@ class ResumeAtStart:
             f"that may change ({list(refused)[:3]}). Nothing was modified.",
         )
 
-    def _settings_changed(self, saved: Mapping[str, Any]) -> list[str]:
-        """Each optimizer setting the code now builds differently from the run that saved
-        the checkpoint (both as built, before any step or resume: a scheduler's moves
-        of ``lr`` are not a change), as ``"group 0 lr: checkpoint 0.1, code 0.05"``."""
-        old = saved.get("optimizer_settings") or {}
-        new = self._run["optimizer_settings"]
-        if not old:  # saved before settings were recorded
-            return []
-        lone = len(new) == 1 and len(old) == 1
-        found = []
-        for name, groups in new.items():
-            was = next(iter(old.values())) if lone else old.get(name)
-            if was is None or len(was) != len(groups):  # the load names a real mismatch
-                continue
-            who = "" if len(new) == 1 else f"optimizer {name!r} "
-            for i, (before, now) in enumerate(zip(was, groups, strict=True)):
-                for key, value in now.items():
-                    # Keys one torch version has and another lacks are not settings
-                    # the user changed.
-                    if key in before and not _same(before[key], value):
-                        found.append(
-                            f"{who}group {i} {key}: checkpoint {_show(before[key])}, "
-                            f"code {_show(value)}"
-                        )
-        return found
-
     def _announce(
         self,
         guard: Guard,
@@ -336,9 +317,9 @@ class ResumeAtStart:
         """Say the resume on the console (rank 0) and in the events: which checkpoint,
         its step and age, a config continued despite changes, a finished run; and the
         optimizer settings the resume put back over the code's."""
-        saved_at = saved.get("time")
-        finished = self._resumed_finished
-        text = f"resumed from {self.last_path} (step {self._resumed_step}"
+        assert self.resumed is not None
+        path, saved_at, finished = self.resumed.path, saved.get("time"), self.resumed.finished_at
+        text = f"resumed from {path} (step {self.resumed.step}"
         if isinstance(saved_at, (int, float)) and finished is None:
             text += f", saved {_ago(saved_at)}"
         text += ")"
@@ -356,7 +337,7 @@ class ResumeAtStart:
         guard.event(
             "resumed",
             message=text,
-            path=str(self.last_path),
+            path=str(path),
             saved_at=saved_at,
             finished_at=finished,
             config_changed=list(changed) or None,
@@ -375,7 +356,7 @@ class ResumeAtStart:
                 "optimizer_settings_changed",
                 level="warning",
                 message=f"the optimizer settings in your code differ from those of the "
-                f"run that saved {self.last_path}, and the resume restored the "
+                f"run that saved {path}, and the resume restored the "
                 f"checkpoint's (an optimizer's state_dict holds its settings): "
                 f"{'; '.join(settings)}. The checkpoint's values are used now. To train "
                 "with the code's, set them after the guard has started "
@@ -384,25 +365,31 @@ class ResumeAtStart:
                 settings=settings,
             )
 
-    def _finish(self, guard: Guard) -> None:
-        """The run ended normally: mark the checkpoint it ended with as finished (so a
-        re-run of the same command says it resumes a finished run), or, when it resumed
-        a finished run and trained nothing, say so."""
-        if self._resumed_finished is not None and guard.step == self._resumed_step:
-            if guard.rank == 0:
-                guard.event(
-                    "nothing_trained",
-                    level="warning",
-                    message=f"this run trained no step: it resumed {self.last_path} "
-                    f"(step {guard.step}), the end of a run that finished "
-                    f"{_ago(self._resumed_finished)}, and its loop ended at once (the "
-                    "script's own end, its step or epoch count, was reached already). "
-                    f"If this is a new run, {self._new_run(guard)}; to train further, raise "
-                    "the script's step or epoch count.",
-                )
-            return
-        self._settle_writer(guard)
-        last = self.last_path
+    def trained_nothing(self, guard: Guard, last: Path | None) -> bool:
+        """At a normal end: whether this run resumed a finished run and trained no step
+        (said, on rank 0; ``last``: the latest checkpoint). Then there is nothing to
+        mark finished."""
+        done = self.resumed
+        if done is None or done.finished_at is None or guard.step != done.step:
+            return False
+        if guard.rank == 0:
+            guard.event(
+                "nothing_trained",
+                level="warning",
+                message=f"this run trained no step: it resumed {last} "
+                f"(step {guard.step}), the end of a run that finished "
+                f"{_ago(done.finished_at)}, and its loop ended at once (the "
+                "script's own end, its step or epoch count, was reached already). "
+                f"If this is a new run, {self._new_run(guard)}; to train further, raise "
+                "the script's step or epoch count.",
+            )
+        return True
+
+    def mark_finished(self, guard: Guard, last: Path | None) -> None:
+        """The run ended normally: mark the checkpoint it ended with (``last``, the
+        latest committed) as finished, so a re-run of the same command says it resumes
+        a finished run. Rank 0, and only a checkpoint of this step in this run's
+        directory."""
         if (
             guard.rank != 0
             or last is None
@@ -441,20 +428,22 @@ class ResumeAtStart:
             finished_step=last["step"],
         )
 
-    def _warn_beside_checkpoints(self, guard: Guard) -> None:
+    def warn_beside_checkpoints(
+        self, guard: Guard, *, periodic: bool, keep_last: int | None
+    ) -> None:
         """``resume=None`` with periodic saves into a directory that holds another run's
         checkpoints: the two runs are kept apart (run ids), but the directory now holds
         both, and ``resume="auto"`` will continue this one, not the other."""
-        if guard.rank != 0 or not (self.every_n_steps or self.every_s):
+        if guard.rank != 0 or not periodic:
             return
         found = manifest.list_checkpoints(self.root)
         if not found:
             return
         newest = found[-1][1]
         kept = (
-            f"keep_last={self.keep_last} counts only this run's checkpoints (the other "
+            f"keep_last={keep_last} counts only this run's checkpoints (the other "
             "run's stay, and keep their disk space); "
-            if self.keep_last is not None
+            if keep_last is not None
             else ""
         )
         guard.event(
@@ -466,6 +455,25 @@ class ResumeAtStart:
             f"last (this one, once it has saved), so the other run is continued only by "
             f"naming its checkpoint (resume='{newest}'). To keep the runs in separate "
             f"directories, {self._new_run(guard)} first.",
+        )
+
+
+def _say_skipped(guard: Guard, where: Path, found: Path, skipped: list[tuple[str, str]]) -> None:
+    """The damaged checkpoints rank 0 skipped to resume from ``found``, said as
+    warnings (one for each, or one for them all)."""
+    reasons = dict(skipped)
+    for name, said in restore.said_skipped(skipped, where):
+        away = name or "them"
+        guard.event(
+            "checkpoint_invalid",
+            level="warning",
+            message=f"{said}; resuming from {found.name} instead (delete "
+            f"or move {away} away to keep this from being said at every "
+            "start)",
+            checkpoint=name,
+            reason=reasons.get(name) if name else said,
+            using=str(found),
+            count=1 if name else len(skipped),
         )
 
 
@@ -523,3 +531,50 @@ def _last_run_end(path: Path, run_id: str) -> dict[str, Any] | None:
         if event.get("kind") == "start" and event.get("run") != run_id:
             return None  # that run has no end: it did not finish
     return None
+
+
+def _load_components(guard: Guard, ckpt: Path, saved: Mapping[str, Any]) -> None:
+    """Each component's saved state into it, before anything else is restored: a
+    ``ResumeError`` naming the component if its ``load_state_dict`` raises."""
+    for c in guard.components:
+        if c.name not in saved:
+            continue
+        try:
+            c.load_state_dict(saved[c.name])
+        except Exception as e:
+            raise ResumeError(
+                f"component {c.name!r} ({type(c).__name__}) could not load its state "
+                f"from {ckpt}: {type(e).__name__}: {e}; nothing else was restored "
+                "(model, optimizers, schedulers, scaler and RNG are as they were)",
+                rank=guard.rank,
+                path=str(ckpt),
+                hint=f"fix {type(c).__name__}.load_state_dict for the state its "
+                "state_dict() saved, or resume with a run_dir of its own to start fresh",
+            ) from e
+
+
+def _settings_changed(saved: Mapping[str, Any], run: Mapping[str, Any]) -> list[str]:
+    """Each optimizer setting the code now builds differently from the run that saved
+    the checkpoint (both as built, before any step or resume: a scheduler's moves
+    of ``lr`` are not a change), as ``"group 0 lr: checkpoint 0.1, code 0.05"``."""
+    old = saved.get("optimizer_settings") or {}
+    new = run["optimizer_settings"]
+    if not old:  # saved before settings were recorded
+        return []
+    lone = len(new) == 1 and len(old) == 1
+    found = []
+    for name, groups in new.items():
+        was = next(iter(old.values())) if lone else old.get(name)
+        if was is None or len(was) != len(groups):  # the load names a real mismatch
+            continue
+        who = "" if len(new) == 1 else f"optimizer {name!r} "
+        for i, (before, now) in enumerate(zip(was, groups, strict=True)):
+            for key, value in now.items():
+                # Keys one torch version has and another lacks are not settings
+                # the user changed.
+                if key in before and not _same(before[key], value):
+                    found.append(
+                        f"{who}group {i} {key}: checkpoint {_show(before[key])}, "
+                        f"code {_show(value)}"
+                    )
+    return found

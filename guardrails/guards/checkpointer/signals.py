@@ -1,6 +1,10 @@
 """Signal capture for :class:`SignalCheckpointer`: handlers that only set a flag, a watcher
 thread that wakes on a signal's wakeup byte, and exact restoration of the previous
 handlers.
+
+:class:`SignalCapture` owns all of it: which signal came first and when, the SIGINTs
+after it, the handlers it replaced and the watcher thread. The checkpointer reads
+:attr:`SignalCapture.signal` at its step boundaries and turns it into a stop there.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from guardrails.engine import process
@@ -30,7 +35,58 @@ _SIGNAL_STUCK_S = 5.0
 
 
 class SignalCapture:
-    """Part of :class:`SignalCheckpointer`: see its docstring."""
+    """The stop signals of one guard: installed at its start, restored at its end.
+
+    ``signals``: the signal names to capture; ``grace_s``: the launcher's time between
+    SIGTERM and SIGKILL (bounds how long a stuck rank waits before it exits);
+    ``latest``: says which checkpoint is the latest, in words (for the messages of an
+    exit without a save); ``stop_decided``: whether the checkpointer has already
+    decided the stop (then its save is under way, bounded: the watcher leaves it be).
+    """
+
+    def __init__(
+        self,
+        *,
+        signals: tuple[str, ...],
+        grace_s: float,
+        latest: Callable[[], str],
+        stop_decided: Callable[[], bool],
+    ) -> None:
+        self.names = signals
+        self.grace_s = grace_s
+        self._latest = latest
+        self._stop_decided = stop_decided
+        #: The first stop signal's number, set by the handler: the only thing it does.
+        self.signal: int | None = None
+        #: When the first stop signal came (``time.monotonic()``), by the handler or the
+        #: watcher.
+        self.signal_at: float | None = None
+        #: SIGINTs after a first signal of another kind (the first decides the exit).
+        self.late_sigints = 0
+        #: What the watcher thread saw (the handler may not have run yet: a stuck rank).
+        self.watched: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the wakeup fd
+        self._previous_wakeup = -1
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def received(self) -> int | None:
+        """The stop signal this rank got, by its handler or its watcher (``None``)."""
+        return self.signal or self.watched
+
+    @property
+    def installed(self) -> tuple[int, ...]:
+        """The numbers of the signals whose handlers are installed now."""
+        return tuple(self._previous)
+
+    def install(self, guard: Guard) -> None:
+        """The handlers, and the watcher thread (main thread only)."""
+        for name in self.names:
+            num = getattr(signal, name)
+            self._previous[num] = signal.signal(num, self._on_signal)
+        if self.names:
+            self._watch_signals(guard)
 
     def _watch_signals(self, guard: Guard) -> None:
         """A thread that learns of a stop signal even while the main thread is stuck.
@@ -49,7 +105,7 @@ class SignalCapture:
             os.close(write_fd)
             return
         self._wakeup = (read_fd, write_fd)
-        nums = {int(getattr(signal, name)) for name in self.signals}
+        nums = {int(getattr(signal, name)) for name in self.names}
         self._watcher = threading.Thread(
             target=self._watch, args=(guard, read_fd, nums), name="guardrails-signals", daemon=True
         )
@@ -76,13 +132,13 @@ class SignalCapture:
                         os.write(self._previous_wakeup, data)
                 if not signum:
                     signum = next((b for b in data if b in nums), 0)
-                    self._watched_signal = signum or None
+                    self.watched = signum or None
                     key, since = progress_key(guard), time.monotonic()
-                    if signum and self._signal_at is None:
-                        self._signal_at = since
-            if not signum or self._stop_at is not None or guard.stopping is not None:
+                    if signum and self.signal_at is None:
+                        self.signal_at = since
+            if not signum or self._stop_decided() or guard.stopping is not None:
                 continue  # no signal yet, or the stop is under way: its save is bounded
-            if self._verdict_first(guard):
+            if self.verdict_first(guard):
                 continue  # a verdict came first: the engine ends the rank with it
             now = time.monotonic()
             here = progress_key(guard)
@@ -98,7 +154,7 @@ class SignalCapture:
                 f"{name} received at step {guard.step}, but this rank made no progress "
                 f"for {now - since:.0f} s after it (its main thread is at "
                 f"{main_thread_site()}), so it could not reach a step boundary to save: "
-                f"exited without a checkpoint; {self._last_checkpoint()}. If the job "
+                f"exited without a checkpoint; {self._latest()}. If the job "
                 "should have saved, see why this rank was stuck (the other ranks' "
                 "reports, or the watchdog's)."
             )
@@ -118,18 +174,19 @@ class SignalCapture:
             self._watcher = None
         os.close(read_fd)
 
-    def _restore_handlers(self) -> None:
+    def restore(self) -> None:
+        """The previous handlers back, exactly; the watcher ended."""
         self._unwatch_signals()
         for num, previous in self._previous.items():
             process.restore_handler(num, previous)  # after a failing close's hold, if any
         self._previous = {}
 
-    def _verdict_first(self, guard: Guard) -> bool:
+    def verdict_first(self, guard: Guard) -> bool:
         """Whether a verdict came before the signal: one this rank took, or one any
         rank claimed (the job's news keeps the first one's time) that this rank had
         not read yet. Then the verdict is what happened; the signal (torchrun's
         teardown once the stuck rank exited) only ended it."""
-        signal_at = self._signal_at if self._signal_at is not None else math.inf
+        signal_at = self.signal_at if self.signal_at is not None else math.inf
         if guard.verdict_at is not None and guard.verdict_at <= signal_at:
             return True
         if guard.news is None:
@@ -144,29 +201,29 @@ class SignalCapture:
     def _on_signal(self, signum: int, frame: Any) -> None:
         # A flag only: this runs between two bytecodes of whatever the main thread was
         # doing (maybe inside the logging module's lock), so no I/O and no collective.
-        if self._signal is None:
-            self._signal = signum
-            if self._signal_at is None:  # a float set: no I/O, no lock
-                self._signal_at = time.monotonic()
+        if self.signal is None:
+            self.signal = signum
+            if self.signal_at is None:  # a float set: no I/O, no lock
+                self.signal_at = time.monotonic()
             return
         if signum != signal.SIGINT:
             return  # a second SIGTERM / SIGUSR1: the stop is under way already
-        first = self._signal
+        first = self.signal
         if first == signal.SIGINT:  # the second Ctrl+C: out, now
-            self._restore_handlers()
+            self.restore()
             raise KeyboardInterrupt
         # A Ctrl+C after another signal (a launcher's SIGTERM, then a person at the
         # terminal, or a launcher forwarding both): the first signal decides the exit
         # code and the message. The first Ctrl+C is noted and the stop's save goes on
         # (a pre-emption's save is what the job needs next); a second one ends the
         # process now, still as the first signal's stop.
-        self._late_sigints += 1
-        if self._late_sigints < 2:
+        self.late_sigints += 1
+        if self.late_sigints < 2:
             return
-        self._restore_handlers()
+        self.restore()
         name = signal.Signals(first).name
         raise process.stop_exit(
             128 + first,
             f"{name} received; a second SIGINT (Ctrl+C) during the stop's save ended the "
-            f"process before the save finished: {self._last_checkpoint()}",
+            f"process before the save finished: {self._latest()}",
         )

@@ -12,7 +12,8 @@ on a step to stop at: no checkpoint, and the same command trained again from ste
   the loader's own one; the loader's ``worker_init_fn`` is the user's object again at
   the guard's end. A worker still ends when the loader shuts it down or its parent ends
   (torch's workers watch their parent), and nothing about the data changes.
-* :class:`LoaderStop`: what the shield cannot cover (a worker killed before its
+* A loader stop (the checkpointer's ``_stop_at_dead_loader``, the ranks joined by
+  ``agree.Agreement.join_dead_loaders``): what the shield cannot cover (a worker killed before its
   ``worker_init_fn`` ran, a ``persistent_workers`` iterator made before the guard, a
   loader the guard does not iterate, a kill from elsewhere): a loader that fails
   because a worker died, after a stop signal, while fetching the first batch after a
@@ -26,26 +27,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.multiprocessing
 from torch.utils.data import DataLoader
 
 from guardrails.distributed import dist
-from guardrails.engine import process
-
-if TYPE_CHECKING:
-    from guardrails.engine.guard import Guard
-
-# How long a rank whose loader died after a stop signal waits at its step boundary for
-# every rank to stop at the same one (their loaders died of the same signal): the save
-# that follows is a commit of every rank. Bounded well inside torchrun's and SLURM's
-# 30 s before SIGKILL (a third of grace_s, at most 10 s): a rank that went past that
-# boundary (its loader still had batches) never comes, and waiting longer only eats
-# the grace period.
-_JOIN_MAX_S = 10.0
 
 
 class IgnoreStopSignals:
@@ -108,7 +96,7 @@ class WorkerShield:
         """Wrap the ``worker_init_fn`` of ``loader`` (and of the DataLoader under it).
 
         Workers already running keep what they started with: a ``persistent_workers``
-        iterator made before the guard (``LoaderStop`` covers those). The workers of a
+        iterator made before the guard (the loader stop covers those). The workers of a
         persistent iterator made while the guard runs outlive it: from its close on they
         end at the stop signals again (the shared flag)."""
         if not signums:
@@ -134,76 +122,19 @@ class WorkerShield:
         self._covered = []
 
 
+#: Why a stop saved nothing when a loader's worker died of the signal before the rank
+#: reached a step boundary, and what to do.
+NOT_A_BOUNDARY = (
+    "a DataLoader worker died of the signal before the rank reached a step "
+    "boundary. guardrails keeps the workers of the loader it iterates alive "
+    "through the stop signals only when they start inside the guard: create the "
+    "loader's iterator inside the guard (a persistent_workers iterator made "
+    "before it keeps workers that die), or have your other loaders' "
+    "worker_init_fn ignore SIGTERM/SIGINT"
+)
+
+
 def worker_died(error: BaseException) -> bool:
     """Whether ``error`` is a DataLoader's for one of its workers gone ("DataLoader
     worker (pid N) is killed by signal: ...", "... exited unexpectedly")."""
     return isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
-
-
-class LoaderStop:
-    """Part of :class:`SignalCheckpointer`: a loader whose worker died after a stop
-    signal ends the run as that signal's stop (see the module's docstring)."""
-
-    def _stop_at_dead_loader(self, guard: Guard, signum: int, error: BaseException) -> bool:
-        """From ``on_end``, the loop failed after ``signum``: whether that was its loader
-        failing for a worker gone while fetching the first batch after a step boundary
-        (no batch fetched, no training forward since: the state is that boundary's, the
-        data position too). Then the rank stops there, with every rank whose loader
-        failed at the same boundary (all of them, or nobody saves: a save is one commit
-        of every rank), and the loop's error becomes the stop's exit. Checked here, once,
-        not around every fetch: nothing is added to a step."""
-        at = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
-        if guard.phase != "data" or not worker_died(error) or at != self._boundary_mark:
-            return False
-        store = self._agree_store  # type: ignore[attr-defined]
-        if store is not None and not self._join_dead_loaders(guard, store):
-            return False
-        self._dead_loader = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-        self._stop_at, self._stop_signal = guard.step, signum
-        self._stop(guard, exit_now=False)  # type: ignore[attr-defined]
-        if self.exit_on_signal:  # type: ignore[attr-defined]
-            guard.replace_error(process.stop_exit(128 + signum, guard.stopping or ""))
-        return True
-
-    def _join_dead_loaders(self, guard: Guard, store: Any) -> bool:
-        """Count this rank in at its step's boundary and wait (bounded) until every rank
-        has: whether they all save there. The first rank to know (all counted, or its
-        wait over) writes the verdict every rank follows: a rank counted in just as
-        another gave up must not wait for a commit that rank never makes. A few store
-        calls, once, on this path only."""
-        key = self._key(f"dead/{guard.step}")  # type: ignore[attr-defined]
-        wait_s = min(float(self.grace_s) / 3, _JOIN_MAX_S)  # type: ignore[attr-defined]
-        # A bounded wait of its own: neither the watchdog nor the signal watcher's "no
-        # progress after the signal" (5 s) may call it stuck meanwhile.
-        with guard.in_phase("agree"), guard.pause_watchdog("stop"):
-            joined = store.add(key, 1)
-            deadline, pause = time.monotonic() + wait_s, 0.005
-            while joined < guard.world_size and time.monotonic() < deadline:
-                time.sleep(pause)
-                pause = min(0.2, pause * 2)
-                joined = store.add(key, 0)
-            mine = "save" if joined >= guard.world_size else "none"
-            verdict = bytes(store.compare_set(f"{key}/verdict", "", mine)).decode()
-        return verdict == "save"
-
-    def _dead_loader_at_boundary(self, guard: Guard) -> bool:
-        """At a step boundary after a stop signal (one store call per step, only then):
-        whether a peer's loader died at this boundary; then this rank stops here with it
-        (its own loader may still hold batches). Raises the stop's exit when every rank
-        joined."""
-        store = self._agree_store  # type: ignore[attr-defined]
-        signum = self._signal or self._watched_signal  # type: ignore[attr-defined]
-        if store is None or not signum or self._stop_at is not None:  # type: ignore[attr-defined]
-            return False
-        key = self._key(f"dead/{guard.step}")  # type: ignore[attr-defined]
-        try:
-            posted = store.add(key, 0)
-        except Exception:  # the store went with the job: the normal path decides
-            return False
-        if not posted:
-            return False
-        if self._join_dead_loaders(guard, store):
-            self._dead_loader = "a peer's DataLoader worker died of the signal"
-            self._stop_at, self._stop_signal = guard.step, signum
-            self._stop(guard)  # type: ignore[attr-defined]
-        return True

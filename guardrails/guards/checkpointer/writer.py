@@ -1,5 +1,12 @@
 """The write pipeline of :class:`SignalCheckpointer`: staging off the live objects, the
 background writer thread, the multi-rank commit, and what a failed save costs.
+
+:class:`CheckpointWriter` is built at the guard's start with what every save needs
+(the directory, this rank and the job's size, the store the ranks commit through, the
+run's record for the manifest) and owns what the saves share: the staging memory, the
+writer thread and its error, the last committed checkpoint. One save reads top to
+bottom: :meth:`~CheckpointWriter.save` (stage, then write here or in the thread),
+:meth:`~CheckpointWriter._write` (files, commit, report).
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ import logging
 import shutil
 import threading
 import time
+import uuid
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,61 +77,166 @@ def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
     return e
 
 
-class CheckpointWriter:
-    """Part of :class:`SignalCheckpointer`: see its docstring."""
+def agree_token(store: Any, rank: int) -> str:
+    """One name per guard for this run's temp directories, the same on every rank
+    (``store``: the checkpoint's side store, ``None`` in a single process)."""
+    if store is None:
+        return uuid.uuid4().hex[:8]
+    if rank == 0:
+        store.set("token", uuid.uuid4().hex[:8])
+    return store.get("token").decode()
 
-    def _next_seq(self, root: Path) -> int:
+
+class CheckpointWriter:
+    """Stages and commits this guard's checkpoints.
+
+    ``root``: the checkpoint directory. ``rank``, ``world_size``: this rank and the
+    job's. ``store``: the checkpoint's side store (``None`` in a single process),
+    through which the ranks publish their files and rank 0 its commit; ``token``
+    names this guard's temp directories and store keys (:func:`agree_token`).
+    ``run``: the manifest's run record (config, optimizer settings, the run's id).
+    ``contents``: what the checkpoint holds (``commit.contents_of``). ``per_rank``:
+    the optimizers whose state differs per rank (every rank saves its own).
+    ``model_sharded``: the model is sharded (FSDP2 / DTensor), written in DCP's format.
+    ``keep_last``, ``grace_s``: the knobs. ``save_times_s``, ``blocking_times_s``:
+    the lists each save appends its seconds to (the component's, public).
+    """
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        rank: int,
+        world_size: int,
+        store: Any,
+        token: str,
+        run: dict[str, Any],
+        contents: dict[str, Any],
+        per_rank: set[str],
+        model_sharded: bool,
+        keep_last: int | None,
+        grace_s: float,
+        save_times_s: list[float],
+        blocking_times_s: list[float],
+    ) -> None:
+        self.root = root
+        self._rank, self._world = rank, world_size
+        self._store = store
+        self._token = token
+        self.run = run
+        self._contents = contents
+        self._per_rank = per_rank
+        self._keep_last = keep_last
+        self._grace_s = grace_s
+        self.save_times_s = save_times_s
+        self.blocking_times_s = blocking_times_s
+        #: The last committed checkpoint (``None`` until one is).
+        self.last_path: Path | None = None
+        #: The step of the last save begun, and when (``time.monotonic()``).
+        self.last_saved_step = -1
+        self.last_save_t = time.monotonic()
+        # The step of the last committed (or resumed) checkpoint: last_saved_step goes
+        # back to it when a save fails, so the next save (or the one at the end) retries.
+        self._committed_step = -1
+        #: Saves that failed to write (a full disk...) while training went on.
+        self.failed_saves = 0
+        self._failed_warned_t = -float("inf")
+        self._warned_grace = False
+        # Retention also counts checkpoints without a run id (this run resumed one).
+        self._adopt_unlabelled = False
+        self._seq: int | None = None  # the last save's sequence number in root
+        self._writer: threading.Thread | None = None
+        #: What the background writer raised (said at the next step boundary).
+        self.error: BaseException | None = None
+        self._writing: tuple[int, stage.Part] | None = None  # (step, its part)
+        # The host blocks every save stages into (pinned on a CUDA machine; allocated
+        # ahead of the first save, at start and after step 1: see plan_staging).
+        self.staging = stage.Staging()
+        #: Whether the staging memory is planned for the optimizer's state too.
+        self.staging_planned = False
+        # The writer of every sharded save (None for a model that is not sharded),
+        # kept so its pinned staging and save plan are reused, and the thread
+        # allocating that staging ahead of the first background save.
+        self._sharded = model_sharded
+        self._shard_writer = sharded.ShardWriter() if model_sharded else None  # no memory yet
+        self._dcp_prepared: threading.Thread | None = None
+        self._dcp_stats: dict[str, Any] = {}  # its timings, told in checkpoint events
+        # Deleting retired checkpoints (.trash-*) off the writer's path: what a stop
+        # left in the trash (the save it abandoned...), at start.
+        self._emptying = commit.empty_trash(root) if rank == 0 else None
+
+    def continue_from(self, path: Path, step: int, run_id: str | None) -> None:
+        """A resume restored ``path`` (``step``): it is the latest checkpoint, and this
+        run continues the one that saved it (its id; one saved before run ids: a new
+        id, and those without one count as this run's too)."""
+        self.last_saved_step = self._committed_step = step
+        if run_id is not None:
+            self.run["id"] = run_id
+        else:
+            self._adopt_unlabelled = True
+        self.last_path = path
+
+    @property
+    def busy(self) -> bool:
+        """Whether a background save is being written now."""
+        return self._writer is not None and self._writer.is_alive()
+
+    def latest_text(self) -> str:
+        """Which checkpoint stays the latest, in words."""
+        if self.last_path is None:
+            return "this run has no checkpoint, so a re-run starts from scratch"
+        return (
+            f"the latest checkpoint is {self.last_path} (step {self._committed_step}), "
+            "which a re-run of the same command resumes"
+        )
+
+    def _next_seq(self) -> int:
         """This save's sequence number (``manifest.SEQ``): the directory's highest, read
         at this guard's first save, then one more per save. Rank 0 commits alone, and
         one run holds a run_dir at a time (its lock), so no other writer interleaves."""
         if self._seq is None:
-            self._seq = highest_seq(root)
+            self._seq = highest_seq(self.root)
         self._seq += 1
         return self._seq
 
-    def _plan_staging(self, guard: Guard) -> None:
+    # ------------------------------------------------------------------ staging
+
+    def plan_staging(self, guard: Guard, *, background_saves: bool) -> None:
         """Allocate the staging memory of the next save now, in a thread, while training
         goes on: at start for the model (and an optimizer state a resume restored), and
         again after the first optimizer step, once its state exists (it grows the same
         layout). Whenever saves can come (a signal's or periodic ones): without it the
         first save paid for pinning its whole state (5.9 s of stall at 10 GB, H200; 4.1 to
-        4.6 s of a SIGTERM's 12.4-12.9 s to exit with no periodic saves, H100)."""
+        4.6 s of a SIGTERM's 12.4-12.9 s to exit with no periodic saves, H100).
+        ``background_saves``: periodic saves written in the thread are on."""
         if guard.step >= 1:
-            self._staging_planned = True  # the optimizer's state appears at its first step
+            self.staging_planned = True  # the optimizer's state appears at its first step
         bare = model.unwrap(guard.model)
-        if model.is_sharded(bare):
+        if self._sharded:
             # A signal's sharded save writes from the live shards (no staging); a
             # background one stages into DCP's own memory, prepared once it exists.
-            periodic = self.every_n_steps or self.every_s
-            if guard.step >= 1 and periodic and self._shard_writer is not None and self.background:
+            if guard.step >= 1 and background_saves and self._shard_writer is not None:
                 self._dcp_prepared = sharded.prepare_staging(
                     self._shard_writer.stager, bare, guard.optimizer, self._dcp_stats
                 )
             return
         try:
-            part = stage.Part(measure=True, host=not self._staging.pinned)
+            part = stage.Part(measure=True, host=not self.staging.pinned)
             self._stage(guard, part, measure=True)
             if part.device_bytes:  # allocates only the blocks its layout still lacks
-                self._staging.prepare(part.device_bytes, guard.device)
+                self.staging.prepare(part.device_bytes, guard.device)
         except Exception as e:  # only an optimisation: the save itself will say what fails
             log.debug("guardrails: staging memory not allocated ahead: %r", e)
 
-    def _save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
+    def save(self, guard: Guard, *, background: bool, final_save: bool = False) -> Path:
+        """Save ``guard``'s objects at its step: staged now (training blocks for that),
+        then written and committed, in the writer thread when ``background``.
+        ``final_save``: the stop's save (a signal's), which supersedes a background
+        save still being written. Returns the checkpoint's directory."""
         step = guard.step
-        self._unsaved.at_step(guard)  # said at the first step; a save before it: here
         if final_save:
-            try:
-                # What can make the stop's save fail before it writes a byte, checked
-                # before the save still being written is given up for it: a value in
-                # g.state no checkpoint stores would otherwise cost both saves.
-                if guard.rank == 0:
-                    encode(dict(guard.state), "g.state", {}, devices=True)
-            except BaseException as e:
-                self._settle_writer(guard, stopping=True)  # committed: the latest
-                self._tell_ranks(guard, step, e)
-                raise
-            self._abandon_older_write(guard, step)
-        self._settle_writer(guard, stopping=final_save)  # the next save waits for the previous one
+            self._before_final_save(guard, step)
+        self.settle(guard, stopping=final_save)  # the next save waits for the previous one
         done = self.last_path
         if final_save and done is not None and done.name == f"step_{step:09d}":
             # The signal came while this very step's periodic save was being written:
@@ -131,36 +245,17 @@ class CheckpointWriter:
             return done
         t0 = time.perf_counter()
         with guard.pause_watchdog("checkpoint"):
-            part = stage.Part(self._staging)
-            bare = model.unwrap(guard.model)
+            part = stage.Part(self.staging)
             if self._shard_writer is not None:  # sharded: every rank writes its shards
-                writer = self._shard_writer
-                try:
-                    if background:  # staged to host memory now; the writer thread writes
-                        if self._dcp_prepared is not None:
-                            # Its memory still being allocated ahead: wait rather than
-                            # have DCP allocate a second copy.
-                            t_wait = time.perf_counter()
-                            self._dcp_prepared.join()
-                            self._dcp_prepared = None
-                            waited = round(time.perf_counter() - t_wait, 3)
-                            self._dcp_stats["waited_s"] = waited
-                        part.dcp = (writer, writer.stage(bare, guard.optimizer))
-                    else:  # written below, in this thread, before training goes on
-                        part.dcp = (writer, writer.live(bare, guard.optimizer))
-                except BaseException as e:
-                    error = _write_error(self.root / f"step_{step:09d}", step, e)
-                    if error is not e:
-                        raise error from e
-                    raise
+                part.dcp = self._stage_shards(guard, step, background=background)
             try:
                 self._stage(guard, part)
                 part.ready()
             except BaseException as e:  # g.state holding a value no checkpoint stores...
-                self._tell_ranks(guard, step, e)
+                self._tell_ranks(step, e)
                 raise
-            self._last_saved_step = step
-            self._last_save_t = time.monotonic()
+            self.last_saved_step = step
+            self.last_save_t = time.monotonic()
             part.stage_s = blocking = time.perf_counter() - t0
             if background:
                 self.blocking_times_s.append(blocking)
@@ -176,22 +271,59 @@ class CheckpointWriter:
             self.blocking_times_s.append(time.perf_counter() - t0)
             return path
 
+    def _before_final_save(self, guard: Guard, step: int) -> None:
+        """What can make the stop's save fail before it writes a byte, checked before
+        the save still being written is given up for it: a value in g.state no
+        checkpoint stores would otherwise cost both saves. Then that older write is
+        abandoned."""
+        try:
+            if self._rank == 0:
+                encode(dict(guard.state), "g.state", {}, devices=True)
+        except BaseException as e:
+            self.settle(guard, stopping=True)  # committed: the latest
+            self._tell_ranks(step, e)
+            raise
+        self._abandon_older_write(guard, step)
+
+    def _stage_shards(self, guard: Guard, step: int, *, background: bool) -> tuple[Any, Any]:
+        """A sharded save's shards: staged to host memory now for the writer thread
+        (``background``), else the live shards, written before training goes on."""
+        writer = self._shard_writer
+        assert writer is not None
+        bare = model.unwrap(guard.model)
+        try:
+            if not background:
+                return (writer, writer.live(bare, guard.optimizer))
+            if self._dcp_prepared is not None:
+                # Its memory still being allocated ahead: wait rather than have DCP
+                # allocate a second copy.
+                t_wait = time.perf_counter()
+                self._dcp_prepared.join()
+                self._dcp_prepared = None
+                self._dcp_stats["waited_s"] = round(time.perf_counter() - t_wait, 3)
+            return (writer, writer.stage(bare, guard.optimizer))
+        except BaseException as e:
+            error = _write_error(self.root / f"step_{step:09d}", step, e)
+            if error is not e:
+                raise error from e
+            raise
+
     def _stage(self, guard: Guard, part: stage.Part, *, measure: bool = False) -> None:
         """Stage what this rank writes into ``part``: rank 0 the replicated state (model,
         optimizers, schedulers, scaler, ``g.state``), every rank its own (data position,
         RNG, the components' state, optimizer state that differs per rank). With
         ``measure``, only what lives on the device is looked at (its sizes, in the same
-        order a save stages it: :meth:`_plan_staging`; host tensors too where the
+        order a save stages it: :meth:`plan_staging`; host tensors too where the
         staging takes them, a CPU run's)."""
         bare = model.unwrap(guard.model)
-        is_sharded = model.is_sharded(bare)
+        is_sharded = self._sharded
         stems = stage.stems("optimizer", list(guard.optimizers))
         replicated = {
             n: o for n, o in guard.optimizers.items() if not is_sharded and n not in self._per_rank
         }
         per_rank = {stems[n]: guard.optimizers[n] for n in sorted(self._per_rank)}
         if measure:  # the device tensors below, in the order they are staged
-            if guard.rank == 0:
+            if self._rank == 0:
                 if not is_sharded:  # measuring copies nothing: copy= as a save's
                     part.add_tensors("model.safetensors", bare.state_dict(), copy=True)
                 for name, opt in replicated.items():
@@ -199,7 +331,7 @@ class CheckpointWriter:
             for stem, opt in per_rank.items():
                 stage.stage_optimizer(part, stem, opt, copy=True)
             return
-        if guard.rank == 0:
+        if self._rank == 0:
             stage.stage_replicated(
                 model=None if is_sharded else bare,
                 optimizers=replicated,
@@ -223,22 +355,21 @@ class CheckpointWriter:
         }
         names = stage.param_names(bare) if per_rank and not is_sharded else None
         stage.stage_rank(
-            guard.rank, state=state, tensors=tensors, optimizers=per_rank, part=part, names=names
+            self._rank, state=state, tensors=tensors, optimizers=per_rank, part=part, names=names
         )
 
-    def _tell_ranks(self, guard: Guard, step: int, error: BaseException) -> None:
+    def _tell_ranks(self, step: int, error: BaseException) -> None:
         """This rank's staging of ``step`` failed: say so where the other ranks wait for
         its files (and, from rank 0, for the commit), so that they fail now, not after
         the commit's 10-minute wait."""
-        store = guard.side_store("checkpoint")
-        if store is None:
+        if self._store is None:
             return
         key = f"{self._token}/{step}"
         said = json.dumps({"error": f"{type(error).__name__}: {error}"})
         with contextlib.suppress(Exception):  # the store gone too: the ranks time out
-            store.set(f"{key}/files/{guard.rank}", said)
-            if guard.rank == 0:
-                store.set(f"{key}/commit", said)
+            self._store.set(f"{key}/files/{self._rank}", said)
+            if self._rank == 0:
+                self._store.set(f"{key}/commit", said)
 
     def _abandon_older_write(self, guard: Guard, step: int) -> None:
         """A stop's save while a periodic save of an earlier step is still being written:
@@ -250,11 +381,11 @@ class CheckpointWriter:
             return
         old_step, part = writing
         if old_step == step:
-            return  # this very step: its save is the checkpoint (see _save)
+            return  # this very step: its save is the checkpoint (see save)
         part.cancel.set()
         self._writer.join()
         self._writer = None
-        error, self._writer_error = self._writer_error, None
+        error, self.error = self.error, None
         if error is None:
             return  # it was past its last piece: committed after all
         guard.event(
@@ -266,24 +397,52 @@ class CheckpointWriter:
         if not isinstance(error, digest.Cancelled):
             log.debug("guardrails: the abandoned save of step %d also failed: %r", old_step, error)
 
+    # ------------------------------------------------------------------ writing
+
     def _write_safely(self, guard: Guard, step: int, part: stage.Part, t0: float) -> None:
         try:
             self._write(guard, step, part, t0)
         except BaseException as e:  # raised in the main thread at the next boundary
-            self._writer_error = e
+            self.error = e
 
     def _write(
-        self,
-        guard: Guard,
-        step: int,
-        part: stage.Part,
-        t0: float,
-        *,
-        final_save: bool = False,
+        self, guard: Guard, step: int, part: stage.Part, t0: float, *, final_save: bool = False
     ) -> Path:
-        root, rank = self.root, guard.rank
-        final = root / f"step_{step:09d}"
-        store = guard.side_store("checkpoint")
+        """Write this rank's files of ``part``, commit them (with every rank's), and
+        report the save."""
+        tmp, files = self._write_files(step, part, final_save=final_save)
+        t_commit = time.perf_counter()
+        final = self.root / f"step_{step:09d}"
+        try:
+            if self._store is None:
+                final = self._commit(step, tmp, files, world=1)
+            else:
+                key = f"{self._token}/{step}"
+                self._store.set(f"{key}/files/{self._rank}", json.dumps(files))
+                final = self._commit_together(key, step, tmp, files)
+        except BaseException as e:  # the manifest or the rename failed: nothing committed
+            if self._store is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            error = _write_error(final, step, e)
+            if error is not e:
+                raise error from e
+            raise
+        took = time.perf_counter() - t0
+        if self._rank == 0 and not final_save:  # the stop's save leaves them to the next start
+            self._emptying = commit.empty_trash(self.root)
+        self.save_times_s.append(took)
+        self.last_path = final
+        self._committed_step = step
+        self._report(guard, step, final, part, took, commit_s=time.perf_counter() - t_commit)
+        return final
+
+    def _write_files(
+        self, step: int, part: stage.Part, *, final_save: bool
+    ) -> tuple[Path, dict[str, Any]]:
+        """This rank's files of ``step`` into the temp directory (hashed as written):
+        the temp directory and the files' records. A failure is said where the other
+        ranks wait (its files, rank 0's commit), and the temp directory goes."""
+        root, rank, store = self.root, self._rank, self._store
         key = f"{self._token}/{step}"
         tmp: Path | None = None
         files: dict[str, Any] = {}
@@ -306,7 +465,7 @@ class CheckpointWriter:
                     tmp,
                     staged,
                     rank=rank,
-                    world=guard.world_size,
+                    world=self._world,
                     store=store,
                     key=key,
                     cancel=part.cancel,
@@ -316,162 +475,46 @@ class CheckpointWriter:
                 files.update({f"{sharded.DCP_DIR}/{n}": r for n, r in records.items()})
             part.write_s += time.perf_counter() - t_shards
         except BaseException as e:
-            error = _write_error(final, step, e)
+            error = _write_error(root / f"step_{step:09d}", step, e)
             if store is not None:  # so rank 0 does not wait for files that never come
                 said = error.message if isinstance(error, CheckpointError) else repr(e)
                 store.set(f"{key}/files/{rank}", json.dumps({"error": said}))
                 if rank == 0:  # nor the other ranks for a commit that never comes
                     store.set(f"{key}/commit", json.dumps({"error": said}))
             if tmp is not None and rank == 0:
-                trashed = False
-                if part.cancel.is_set():  # abandoned by a stop: the next start deletes it
-                    with contextlib.suppress(OSError):
-                        commit.to_trash(tmp)
-                        trashed = True
-                if not trashed:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                _discard(tmp, to_trash=part.cancel.is_set())
             if error is not e:
                 raise error from e
             raise
-        t_commit = time.perf_counter()
-        try:
-            if store is None:
-                final = commit.commit(
-                    root,
-                    step,
-                    tmp,
-                    files,
-                    world_size=1,
-                    ranks=[0],
-                    keep_last=self.keep_last,
-                    delete_old=False,  # retired to .trash-*; deleted below
-                    contents=self._contents,
-                    run=self._run,
-                    adopt_unlabelled=self._adopt_unlabelled,
-                    seq=self._next_seq(root),
-                )
-            else:
-                store.set(f"{key}/files/{rank}", json.dumps(files))
-                final = self._commit_together(guard, store, key, root, step, tmp, files, final_save)
-        except BaseException as e:  # the manifest or the rename failed: nothing committed
-            if store is None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            error = _write_error(final, step, e)
-            if error is not e:
-                raise error from e
-            raise
-        took = time.perf_counter() - t0
-        if rank == 0 and not final_save:  # the stop's save leaves them to the next start
-            self._emptying = commit.empty_trash(root)
-        self.save_times_s.append(took)
-        self.last_path = final
-        self._committed_step = step
-        # Where the time went: staging blocks training (device-to-host copy); writing
-        # includes hashing (done on the way to disk); the fsyncs wait for the disk;
-        # commit is the manifest, the rename and (multi-rank) waiting for every rank.
-        guard.event(
-            "checkpoint",
-            step=step,
-            path=str(final),
-            bytes=part.nbytes,
-            seconds=round(took, 3),
-            stage_s=round(part.stage_s, 3),
-            stage_fresh_bytes=part.fresh_bytes,
-            write_s=round(part.write_s, 3),
-            fsync_s=round(part.fsync_s, 3),
-            commit_s=round(time.perf_counter() - t_commit, 3),
-            background=threading.current_thread() is not threading.main_thread(),
-            sharded=bool(part.sealed),
-            **({"dcp_staging": dict(self._dcp_stats)} if part.sealed and self._dcp_stats else {}),
-        )
-        if took > _GRACE_SHARE * self.grace_s and not self._warned_grace:
-            self._warned_grace = True
-            guard.event(
-                "checkpoint_slow",
-                level="warning",
-                message=f"saving a checkpoint took {took:.1f} s ({part.nbytes / 1e9:.2f} GB "
-                f"on rank {rank}), more than {_GRACE_SHARE:.0%} of the {self.grace_s:.0f} s "
-                "the launcher waits between SIGTERM and SIGKILL: a pre-emption would "
-                "likely lose this save. Save to a faster disk (local NVMe, then copy), "
-                "checkpoint more often so less is lost, or ask the scheduler for an "
-                "earlier warning (SLURM: --signal=USR1@120) and raise grace_s to match.",
-                seconds=round(took, 3),
-                grace_s=self.grace_s,
-            )
-        return final
+        return tmp, files
 
-    def _commit_together(
-        self,
-        guard: Guard,
-        store: Any,
-        key: str,
-        root: Path,
-        step: int,
-        tmp: Path,
-        files: dict[str, Any],
-        final_save: bool,
-    ) -> Path:
+    def _commit(self, step: int, tmp: Path, files: Mapping[str, Any], *, world: int) -> Path:
+        """Rank 0's commit of ``tmp`` as ``step``, with ``world`` ranks' ``files``."""
+        return commit.commit(
+            self.root,
+            step,
+            tmp,
+            dict(files),
+            world_size=world,
+            ranks=list(range(world)),
+            keep_last=self._keep_last,
+            delete_old=False,  # retired to .trash-*; deleted after the commit
+            contents=self._contents,
+            run=self.run,
+            adopt_unlabelled=self._adopt_unlabelled,
+            seq=self._next_seq(),
+        )
+
+    def _commit_together(self, key: str, step: int, tmp: Path, files: dict[str, Any]) -> Path:
         """Rank 0 commits once every rank's files are in; the others wait for its word."""
-        timeout = timedelta(seconds=_COMMIT_TIMEOUT_S)
-        world = guard.world_size
-        if guard.rank != 0:
-            _store.wait_keys(store, [f"{key}/commit"], timeout, world=world)
-            result = json.loads(store.get(f"{key}/commit"))
-            store.add(f"{key}/ack", 1)  # rank 0 may exit (and take its store) after this
-            if "error" in result:
-                raise CheckpointError(
-                    f"checkpoint step {step} was not committed: {result['error']}",
-                    step=step,
-                    rank=guard.rank,
-                    path=str(root / f"step_{step:09d}"),
-                    hint="see rank 0's log for the cause and its fix (free space, the "
-                    "permissions of run_dir, or another run_dir); the previous checkpoints "
-                    "are intact.",
-                )
-            return Path(result["path"])
+        store, world = self._store, self._world
+        if self._rank != 0:
+            return self._await_commit(key, step)
         try:
-            keys = [f"{key}/files/{r}" for r in range(world)]
-            try:
-                _store.wait_keys(store, keys, timeout, world=world)
-            except Exception as e:
-                missing = [r for r, k in enumerate(keys) if not store.check([k])]
-                raise CheckpointError(
-                    f"rank(s) {missing} did not finish writing checkpoint step {step} "
-                    f"within {_COMMIT_TIMEOUT_S:.0f} s",
-                    step=step,
-                    path=str(tmp),
-                    hint="those ranks died or hung mid-save; the previous checkpoints are intact.",
-                ) from e
-            merged: dict[str, Any] = {}
-            for r, k in enumerate(keys):
-                got = json.loads(store.get(k))
-                if "error" in got:
-                    raise CheckpointError(
-                        f"rank {r} could not write its part of checkpoint step {step}: "
-                        f"{got['error']}",
-                        step=step,
-                        path=str(tmp),
-                        hint="free space, or check the permissions of run_dir, on that "
-                        "rank's node, or point run_dir at another disk; the previous "
-                        "checkpoints are intact.",
-                    )
-                merged.update(got)
-            final = commit.commit(
-                root,
-                step,
-                tmp,
-                merged,
-                world_size=world,
-                ranks=list(range(world)),
-                keep_last=self.keep_last,
-                delete_old=False,  # retired to .trash-*; deleted below
-                contents=self._contents,
-                run=self._run,
-                adopt_unlabelled=self._adopt_unlabelled,
-                seq=self._next_seq(root),
-            )
+            merged = self._gather_files(key, step, tmp)
+            final = self._commit(step, tmp, merged, world=world)
         except BaseException as e:
-            error = _write_error(root / f"step_{step:09d}", step, e)
+            error = _write_error(self.root / f"step_{step:09d}", step, e)
             said = f"{type(e).__name__}: {e}"
             if isinstance(error, CheckpointError):
                 said = error.message
@@ -486,9 +529,105 @@ class CheckpointWriter:
             time.sleep(0.01)
         return final
 
-    def _settle_writer(self, guard: Guard, *, stopping: bool = False) -> None:
+    def _await_commit(self, key: str, step: int) -> Path:
+        """A rank other than 0: rank 0's word on the commit of ``step``."""
+        store = self._store
+        timeout = timedelta(seconds=_COMMIT_TIMEOUT_S)
+        _store.wait_keys(store, [f"{key}/commit"], timeout, world=self._world)
+        result = json.loads(store.get(f"{key}/commit"))
+        store.add(f"{key}/ack", 1)  # rank 0 may exit (and take its store) after this
+        if "error" in result:
+            raise CheckpointError(
+                f"checkpoint step {step} was not committed: {result['error']}",
+                step=step,
+                rank=self._rank,
+                path=str(self.root / f"step_{step:09d}"),
+                hint="see rank 0's log for the cause and its fix (free space, the "
+                "permissions of run_dir, or another run_dir); the previous checkpoints "
+                "are intact.",
+            )
+        return Path(result["path"])
+
+    def _gather_files(self, key: str, step: int, tmp: Path) -> dict[str, Any]:
+        """Rank 0: every rank's file records of ``step``, merged, once all are in."""
+        store, world = self._store, self._world
+        keys = [f"{key}/files/{r}" for r in range(world)]
+        try:
+            _store.wait_keys(store, keys, timedelta(seconds=_COMMIT_TIMEOUT_S), world=world)
+        except Exception as e:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise CheckpointError(
+                f"rank(s) {missing} did not finish writing checkpoint step {step} "
+                f"within {_COMMIT_TIMEOUT_S:.0f} s",
+                step=step,
+                path=str(tmp),
+                hint="those ranks died or hung mid-save; the previous checkpoints are intact.",
+            ) from e
+        merged: dict[str, Any] = {}
+        for r, k in enumerate(keys):
+            got = json.loads(store.get(k))
+            if "error" in got:
+                raise CheckpointError(
+                    f"rank {r} could not write its part of checkpoint step {step}: {got['error']}",
+                    step=step,
+                    path=str(tmp),
+                    hint="free space, or check the permissions of run_dir, on that "
+                    "rank's node, or point run_dir at another disk; the previous "
+                    "checkpoints are intact.",
+                )
+            merged.update(got)
+        return merged
+
+    def _report(
+        self,
+        guard: Guard,
+        step: int,
+        final: Path,
+        part: stage.Part,
+        took: float,
+        *,
+        commit_s: float,
+    ) -> None:
+        """The save's event, and a warning once when it took most of the grace period."""
+        # Where the time went: staging blocks training (device-to-host copy); writing
+        # includes hashing (done on the way to disk); the fsyncs wait for the disk;
+        # commit is the manifest, the rename and (multi-rank) waiting for every rank.
+        guard.event(
+            "checkpoint",
+            step=step,
+            path=str(final),
+            bytes=part.nbytes,
+            seconds=round(took, 3),
+            stage_s=round(part.stage_s, 3),
+            stage_fresh_bytes=part.fresh_bytes,
+            write_s=round(part.write_s, 3),
+            fsync_s=round(part.fsync_s, 3),
+            commit_s=round(commit_s, 3),
+            background=threading.current_thread() is not threading.main_thread(),
+            sharded=bool(part.sealed),
+            **({"dcp_staging": dict(self._dcp_stats)} if part.sealed and self._dcp_stats else {}),
+        )
+        if took > _GRACE_SHARE * self._grace_s and not self._warned_grace:
+            self._warned_grace = True
+            guard.event(
+                "checkpoint_slow",
+                level="warning",
+                message=f"saving a checkpoint took {took:.1f} s ({part.nbytes / 1e9:.2f} GB "
+                f"on rank {self._rank}), more than {_GRACE_SHARE:.0%} of the "
+                f"{self._grace_s:.0f} s the launcher waits between SIGTERM and SIGKILL: a "
+                "pre-emption would likely lose this save. Save to a faster disk (local "
+                "NVMe, then copy), checkpoint more often so less is lost, or ask the "
+                "scheduler for an earlier warning (SLURM: --signal=USR1@120) and raise "
+                "grace_s to match.",
+                seconds=round(took, 3),
+                grace_s=self._grace_s,
+            )
+
+    # ------------------------------------------------------------------ the writer thread
+
+    def settle(self, guard: Guard, *, stopping: bool = False) -> None:
         """Wait for the background writer; a save it could not write is handled like
-        any failed periodic save (:meth:`_save_failed`), anything else raised. When
+        any failed periodic save (:meth:`failed`), anything else raised. When
         ``stopping`` (a signal's stop is about to save), any failure of the older save
         is only said: the stop's own save must still be tried, or a pre-emption would
         lose every step since the last checkpoint to an error of a save it supersedes
@@ -496,21 +635,21 @@ class CheckpointWriter:
         if self._writer is not None:
             self._writer.join()
             self._writer = None
-        error = self._writer_error
+        error = self.error
         if isinstance(error, CheckpointError) or (stopping and error is not None):
-            self._writer_error = None
+            self.error = None
             step = None if self._writing is None else self._writing[0]
-            self._save_failed(guard, _writer_failed(error, self.root, step), stopping=stopping)
+            self.failed(guard, _writer_failed(error, self.root, step), stopping=stopping)
         else:
             self._wait_writer(raise_error=True)
 
-    def _save_failed(self, guard: Guard, error: CheckpointError, *, stopping: bool = False) -> None:
+    def failed(self, guard: Guard, error: CheckpointError, *, stopping: bool = False) -> None:
         """A periodic save could not be written (a full disk, permissions): a warning,
         and training goes on with the previous checkpoint as the latest; the next save
         retries. Raised when this run has no checkpoint to fall back on (a run_dir that
         takes none at all is a setup mistake, best found now), unless ``stopping``: the
         stop's save is the retry, and it comes next."""
-        self._last_saved_step = self._committed_step  # the next save retries
+        self.last_saved_step = self._committed_step  # the next save retries
         if self._writing is not None and self._writing[0] == error.step:
             self._writing = None
         if self.last_path is None and not stopping:
@@ -527,10 +666,10 @@ class CheckpointWriter:
             self._failed_warned_t = now
         step = error.step if error.step is not None else guard.step
         then = (
-            f"The stop's save comes next; until it commits, {self._latest_text()}"
+            f"The stop's save comes next; until it commits, {self.latest_text()}"
             if stopping
             else f"Training goes on and the next periodic save retries ({self.failed_saves} "
-            f"failed so far); {self._latest_text()}, and a pre-emption now loses the steps "
+            f"failed so far); {self.latest_text()}, and a pre-emption now loses the steps "
             "since"
         )
         guard.event(
@@ -545,21 +684,37 @@ class CheckpointWriter:
             failed=self.failed_saves,
         )
 
-    def _latest_text(self) -> str:
-        """Which checkpoint stays the latest, in words."""
-        if self.last_path is None:
-            return "this run has no checkpoint, so a re-run starts from scratch"
-        return (
-            f"the latest checkpoint is {self.last_path} (step {self._committed_step}), "
-            "which a re-run of the same command resumes"
-        )
-
     def _wait_writer(self, *, raise_error: bool) -> None:
         if self._writer is not None:
             self._writer.join()
             self._writer = None
-        error, self._writer_error = self._writer_error, None
+        error, self.error = self.error, None
         if error is not None and raise_error:
             if isinstance(error, GuardrailsError):
                 raise error
             raise _writer_failed(error, self.root) from error
+
+    def close(self, *, raise_error: bool, stopped: bool) -> None:
+        """At the guard's end: the writer thread joined (its error raised when
+        ``raise_error``), the staging ahead and the sharded writer's memory let go, and
+        the trash emptied unless the run ``stopped`` on a signal (the next start does)."""
+        try:
+            self._wait_writer(raise_error=raise_error)
+        finally:
+            if self._dcp_prepared is not None:
+                self._dcp_prepared.join()
+                self._dcp_prepared = None
+            self._shard_writer = None  # its pinned staging memory goes with it
+            if self._emptying is not None and not stopped:
+                self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
+                self._emptying = None
+
+
+def _discard(tmp: Path, *, to_trash: bool) -> None:
+    """A temp directory of a save that failed: deleted, or, for a save abandoned by a
+    stop (``to_trash``), renamed into the trash for the next start to delete."""
+    if to_trash:
+        with contextlib.suppress(OSError):
+            commit.to_trash(tmp)
+            return
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -110,6 +110,11 @@ def bf16_visible_at_start(guard: Guard) -> bool:
 
 def advice(f: Facts) -> list[Advice]:
     """Every rule that applies to ``f``, in a fixed order."""
+    return [*_precision(f), *_optimizers(f), *_loader(f), *_bf16_on_cpu(f)]
+
+
+def _precision(f: Facts) -> list[Advice]:
+    """TF32 off, or float32 on a GPU that computes bf16 natively."""
     out: list[Advice] = []
     cuda = f.device_type == "cuda"
     fp32 = f.compute in ("fp32", "tf32")
@@ -138,7 +143,13 @@ def advice(f: Facts) -> list[Advice]:
                 fields={"compute_dtype": f.compute},
             )
         )
-    if cuda:
+    return out
+
+
+def _optimizers(f: Facts) -> list[Advice]:
+    """An optimizer on a GPU that updates one parameter at a time."""
+    out: list[Advice] = []
+    if f.device_type == "cuda":
         for name, cls, foreach, fused in f.optimizers:
             # foreach=None is torch's default: it picks the foreach path on CUDA itself.
             if foreach is False and fused in (None, False):
@@ -152,6 +163,13 @@ def advice(f: Facts) -> list[Advice]:
                         fields={"optimizer": name, "class": cls},
                     )
                 )
+    return out
+
+
+def _loader(f: Facts) -> list[Advice]:
+    """A DataLoader feeding a GPU without workers or pinned memory."""
+    out: list[Advice] = []
+    cuda = f.device_type == "cuda"
     if cuda and f.loader_workers is not None and not f.batches_on_device:
         if f.loader_workers == 0:
             out.append(
@@ -174,6 +192,12 @@ def advice(f: Facts) -> list[Advice]:
                     "non_blocking=True).",
                 )
             )
+    return out
+
+
+def _bf16_on_cpu(f: Facts) -> list[Advice]:
+    """bf16 compute on a CPU that emulates it (unless told at start already)."""
+    out: list[Advice] = []
     if (
         f.device_type == "cpu"
         and f.compute == "bf16"

@@ -363,14 +363,37 @@ def _oom_remedies(
     per_rank: dict[int, Any] | None,
     leak: dict[str, Any] | None,
 ) -> list[tuple[str, str]]:
-    """The usual OOM remedies, each scored by what the numbers say; best first."""
-    scored: list[tuple[int, str, str]] = []
-    kinds = memory["by_kind"]
-    allocated = memory.get("allocated")
-    requested = memory.get("requested")
-    in_model = phase in ("forward", "backward")
-    state = kinds["parameters"] + kinds["gradients"] + kinds["optimizer_state"]
+    """The usual OOM remedies, each scored by what the numbers say; best first (equal
+    scores in the order below)."""
+    scored = [
+        *_misuse_remedies(guard, phase, per_rank, leak),
+        *_fragmentation_remedy(memory),
+        *_activation_remedies(phase, memory),
+        *_state_remedies(guard, phase, memory),
+    ]
+    scored.sort(key=lambda s: -s[0])
+    return [(key, text) for _, key, text in scored]
 
+
+#: A remedy: (score, key, text).
+_Scored = tuple[int, str, str]
+
+
+def _state_bytes(memory: dict[str, Any]) -> int:
+    """The bytes of parameters, gradients and optimizer state."""
+    kinds = memory["by_kind"]
+    return kinds["parameters"] + kinds["gradients"] + kinds["optimizer_state"]
+
+
+def _misuse_remedies(
+    guard: Guard,
+    phase: str,
+    per_rank: dict[int, Any] | None,
+    leak: dict[str, Any] | None,
+) -> list[_Scored]:
+    """An eval forward with grad, a leak before the OOM, one rank using more."""
+    scored: list[_Scored] = []
+    in_model = phase in ("forward", "backward")
     if in_model and not guard.model.training:
         scored.append(
             (
@@ -404,6 +427,13 @@ def _oom_remedies(
                 "only (metrics, logging tensors, an extra eval on rank 0).",
             )
         )
+    return scored
+
+
+def _fragmentation_remedy(memory: dict[str, Any]) -> list[_Scored]:
+    """expandable_segments, when the free memory is there in pieces."""
+    scored: list[_Scored] = []
+    requested = memory.get("requested")
     frag = memory.get("fragmentation")
     if frag is not None and memory.get("reserved"):
         if requested and frag >= requested:
@@ -425,6 +455,15 @@ def _oom_remedies(
                     "serve other sizes.",
                 )
             )
+    return scored
+
+
+def _activation_remedies(phase: str, memory: dict[str, Any]) -> list[_Scored]:
+    """Fewer activations kept: checkpointing, a smaller micro-batch, bf16."""
+    scored: list[_Scored] = []
+    allocated = memory.get("allocated")
+    in_model = phase in ("forward", "backward")
+    state = _state_bytes(memory)
     activations = None if allocated is None else allocated - state
     act_share = activations / allocated if activations is not None and allocated else None
     if phase in ("forward", "backward", "loop"):
@@ -462,6 +501,14 @@ def _oom_remedies(
                 "activations take half the bytes.",
             )
         )
+    return scored
+
+
+def _state_remedies(guard: Guard, phase: str, memory: dict[str, Any]) -> list[_Scored]:
+    """Optimizer state sharded, a smaller loader batch, memory held across steps."""
+    scored: list[_Scored] = []
+    allocated = memory.get("allocated")
+    state = _state_bytes(memory)
     if phase == "optimizer" or (allocated and state >= 0.5 * allocated):
         first = phase == "optimizer" and guard.step == 0
         scored.append(
@@ -497,5 +544,4 @@ def _oom_remedies(
                 "fragmentation.",
             )
         )
-    scored.sort(key=lambda s: -s[0])
-    return [(key, text) for _, key, text in scored]
+    return scored

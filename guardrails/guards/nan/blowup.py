@@ -86,21 +86,7 @@ def evidence(
     update = _update_jump(updates, drift, since)
     if update is not None:
         found["update"] = update
-        med = f"against a median of {update['median']:.3g} a step before"
-        if update["kind"] == "sample":
-            parts.append(
-                f"one step moved the weights by {update['ratio']:.3g} of their size at step "
-                f"{update['step']}, {update['ratio'] / update['median']:.0f}x the run's median "
-                f"update {update['median']:.3g}"
-            )
-        else:
-            span = f"between step {update['from_step']} and step {update['to_step']}"
-            moved = (
-                "overflows float32"
-                if math.isinf(update["ratio"])
-                else f"is {update['ratio']:.3g}x their size"
-            )
-            parts.append(f"the weights' move {span} {moved}, {med}")
+        parts.append(_update_text(update))
     for name, col, value, factor in (
         ("grad norm", 2, norm, spike_factor),
         ("loss", 1, loss, loss_spike_factor),
@@ -126,6 +112,25 @@ def evidence(
         "evidence": found,
         "lr_jump": "lr_jump" in found,
     }
+
+
+def _update_text(update: dict[str, Any]) -> str:
+    """The sentence for an update outside the run's range: one sampled step's, or the
+    weights' drift between two samples."""
+    if update["kind"] == "sample":
+        return (
+            f"one step moved the weights by {update['ratio']:.3g} of their size at step "
+            f"{update['step']}, {update['ratio'] / update['median']:.0f}x the run's median "
+            f"update {update['median']:.3g}"
+        )
+    med = f"against a median of {update['median']:.3g} a step before"
+    span = f"between step {update['from_step']} and step {update['to_step']}"
+    moved = (
+        "overflows float32"
+        if math.isinf(update["ratio"])
+        else f"is {update['ratio']:.3g}x their size"
+    )
+    return f"the weights' move {span} {moved}, {med}"
 
 
 def _lr_jump(

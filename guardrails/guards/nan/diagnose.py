@@ -202,20 +202,49 @@ def _diagnose(
         found = _replay(guard, calls, batches, replay_fn)
     diag.update(found)
 
+    diag["message"] = _explain(
+        guard,
+        diag,
+        bad=bad,
+        inputs=inputs,
+        batches=batches,
+        found=found,
+        blowup=blowup,
+        fp16=fp16,
+        scaler=scaler,
+        replay_fn=replay_fn,
+        other_rank=other_rank,
+        replay=replay,
+    )
+    clipped = diag["cause"] == "optimization_blowup" and guard.clip_norm_steps > 0
+    diag["hint"] = HINT_BLOWUP_CLIPPED if clipped else HINTS[diag["cause"]]
+    if diag["cause"] == "optimization_blowup" and blowup and blowup["lr_jump"]:
+        diag["hint"] = HINT_LR_JUMP + (HINT_LR_JUMP_CLIPPED if clipped else "")
+    if save:
+        _save_told(guard, step, inputs, batches, diag)
+    return diag
+
+
+def _explain(
+    guard: Guard,
+    diag: dict[str, Any],
+    *,
+    bad: list[tuple[Any, ...]],
+    inputs: list[Any],
+    batches: list[Any] | None,
+    found: dict[str, Any],
+    blowup: dict[str, Any] | None,
+    fp16: bool,
+    scaler: bool,
+    replay_fn: Callable[[Any, Any], Any] | None,
+    other_rank: bool,
+    replay: bool,
+) -> str:
+    """The cause, most specific first (into ``diag``), and the message that says it:
+    bad data, fp16 without a scaler, a blow-up, the first non-finite module, a
+    backward-only fault, or the rest (:func:`_elsewhere`)."""
     if bad:
-        what, mb, key, rows, dataset_rows = bad[0]
-        n = len(inputs) if what == "forward call" else len(batches or ())
-        where = f"{what} {mb + 1} of {n}, " if n > 1 else ""
-        entry = "argument" if what == "forward call" else "entry"
-        diag.update(cause="bad_data", samples=rows, tensor=key, dataset_indices=dataset_rows)
-        msg = (
-            f"the step's data holds NaN/Inf: {where}{entry} `{key}`, sample row(s) "
-            f"{_short(rows)} of the batch on rank {guard.rank}"
-        )
-        if dataset_rows is not None:
-            msg += f" (dataset indices {_short(dataset_rows)})"
-        if len(bad) > 1:
-            msg += f"; {len(bad) - 1} more tensor(s) in the batch also hold NaN/Inf"
+        msg = _bad_data(guard, diag, bad, inputs, batches)
     elif fp16 and not scaler:
         diag["cause"] = "fp16_overflow"
         msg = "training in float16 with no GradScaler: a value overflowed float16's range"
@@ -226,23 +255,8 @@ def _diagnose(
         diag.update(cause="optimization_blowup", evidence=blowup["evidence"])
         msg = "the steps before the NaN show a blow-up: " + blowup["text"]
     elif found.get("module"):
-        diag["cause"] = "numerics"
-        inp = "finite" if found["input_finite"] else "NOT finite"
-        msg = (
-            f"inputs are finite, but replaying the batch, module `{found['module']}` "
-            f"({found['module_type']}) is the first whose output is NaN/Inf; its input was "
-            f"{inp}"
-        )
-        if found.get("params_finite") is False:
-            msg += " and its own parameters hold NaN/Inf (they were already corrupt)"
-        if found.get("rows"):
-            n = len(inputs) if replay_fn is None else len(batches or ())
-            where = f" of forward call {found['call'] + 1} of {n}" if n > 1 else ""
-            diag["samples"] = found["rows"]
-            msg += (
-                f"; only sample row(s) {_short(found['rows'])}{where} of the batch on rank "
-                f"{guard.rank} go non-finite there: the data of those samples triggers it"
-            )
+        n = len(inputs) if replay_fn is None else len(batches or ())
+        msg = _first_module(guard, diag, found, calls=n)
     elif found.get("grad_params"):
         diag["cause"] = "numerics"
         names = found["grad_params"]
@@ -252,30 +266,88 @@ def _diagnose(
             "a norm of a zero vector, atan2(0, 0))"
         )
         diag["module"] = names[-1].rsplit(".", 1)[0]
-    elif other_rank:
+    else:
+        msg = _elsewhere(guard, diag, found, other_rank=other_rank, replay=replay)
+    return msg
+
+
+def _bad_data(
+    guard: Guard,
+    diag: dict[str, Any],
+    bad: list[tuple[Any, ...]],
+    inputs: list[Any],
+    batches: list[Any] | None,
+) -> str:
+    """The step's own data holds NaN/Inf: which call or batch, which tensor, which
+    sample rows (and dataset indices where the batch carries them)."""
+    what, mb, key, rows, dataset_rows = bad[0]
+    n = len(inputs) if what == "forward call" else len(batches or ())
+    where = f"{what} {mb + 1} of {n}, " if n > 1 else ""
+    entry = "argument" if what == "forward call" else "entry"
+    diag.update(cause="bad_data", samples=rows, tensor=key, dataset_indices=dataset_rows)
+    msg = (
+        f"the step's data holds NaN/Inf: {where}{entry} `{key}`, sample row(s) "
+        f"{_short(rows)} of the batch on rank {guard.rank}"
+    )
+    if dataset_rows is not None:
+        msg += f" (dataset indices {_short(dataset_rows)})"
+    if len(bad) > 1:
+        msg += f"; {len(bad) - 1} more tensor(s) in the batch also hold NaN/Inf"
+    return msg
+
+
+def _first_module(guard: Guard, diag: dict[str, Any], found: dict[str, Any], *, calls: int) -> str:
+    """The replay found the first module whose output is NaN/Inf (of ``calls`` replayed
+    forward calls): its input, its parameters, the sample rows that trigger it."""
+    diag["cause"] = "numerics"
+    inp = "finite" if found["input_finite"] else "NOT finite"
+    msg = (
+        f"inputs are finite, but replaying the batch, module `{found['module']}` "
+        f"({found['module_type']}) is the first whose output is NaN/Inf; its input was "
+        f"{inp}"
+    )
+    if found.get("params_finite") is False:
+        msg += " and its own parameters hold NaN/Inf (they were already corrupt)"
+    if found.get("rows"):
+        where = f" of forward call {found['call'] + 1} of {calls}" if calls > 1 else ""
+        diag["samples"] = found["rows"]
+        msg += (
+            f"; only sample row(s) {_short(found['rows'])}{where} of the batch on rank "
+            f"{guard.rank} go non-finite there: the data of those samples triggers it"
+        )
+    return msg
+
+
+def _elsewhere(
+    guard: Guard, diag: dict[str, Any], found: dict[str, Any], *, other_rank: bool, replay: bool
+) -> str:
+    """This rank's data, forward and backward replay finite: another rank, the loss
+    outside the model, not reproducible, or unknown (nothing replayed)."""
+    step, weights_step = diag["step"], diag["weights_step"]
+    if other_rank:
         diag["cause"] = "other_rank"
-        msg = (
+        return (
             f"this rank's own gradients were finite: another rank's were not, and every "
             f"rank skips the step together; the other ranks' reports under "
             f"{guard.run_dir / NONFINITE_DIR} name the culprit"
         )
-    elif found.get("replayed") and found.get("no_loss") and guard.world_size == 1:
+    if found.get("replayed") and found.get("no_loss") and guard.world_size == 1:
         diag["cause"] = "outside_model"
-        msg = (
+        return (
             "the step's forward calls replay finite and the model returns no loss, so the "
             "NaN/Inf arose after the model, in the loss or its backward, which the loop "
             "computes itself (e.g. criterion(logits, y)) and guardrails cannot replay"
         )
-    elif found.get("replayed") and guard.world_size > 1:
+    if found.get("replayed") and guard.world_size > 1:
         diag["cause"] = "other_rank"
         replayed = "forward replays" if found.get("no_loss") else "forward and backward replay"
-        msg = (
+        return (
             f"this rank's data is finite and its {replayed} finite: the NaN/Inf most "
             f"likely reached its gradients from another rank (gradients are all-reduced)"
             + (", or arose in the loss computed outside the model" if found.get("no_loss") else "")
             + f"; the other ranks' reports under {guard.run_dir / NONFINITE_DIR} name the culprit"
         )
-    elif found.get("replayed"):
+    if found.get("replayed"):
         diag["cause"] = "not_reproducible"
         same = (
             "the same weights"
@@ -285,37 +357,34 @@ def _diagnose(
                 f"{weights_step - step + 1} step(s) late, without syncing)"
             )
         )
-        msg = f"replaying the same batch on {same} gives a finite loss and gradients"
-    else:
-        diag["cause"] = "unknown"
-        why = found.get("replay_error") or (
-            "no training forward of the guarded model was recorded for this step, so "
-            "there was nothing to replay"
-            if replay
-            else "replay is off"
+        return f"replaying the same batch on {same} gives a finite loss and gradients"
+    diag["cause"] = "unknown"
+    why = found.get("replay_error") or (
+        "no training forward of the guarded model was recorded for this step, so "
+        "there was nothing to replay"
+        if replay
+        else "replay is off"
+    )
+    return f"could not classify: {why}"
+
+
+def _save_told(
+    guard: Guard, step: int, inputs: list[Any], batches: list[Any] | None, diag: dict[str, Any]
+) -> None:
+    """The batch and the diagnosis saved, where, said in the message; a storage error
+    said instead (a full or read-only disk must not turn a skipped step into a crash:
+    the diagnosis itself is in the event and the log)."""
+    try:
+        diag["path"] = _save(guard, step, inputs, batches, diag)
+        diag["message"] += f". Saved to {diag['path']}"
+    except Exception as e:
+        if not storage.is_storage_error(e):
+            raise
+        where = guard.run_dir / NONFINITE_DIR
+        said = storage.cause_of(e, where) or f"{type(e).__name__}: {e}"
+        diag["message"] += (
+            f". The batch could not be saved under {where} ({said}): {storage.fix_for(e, where)}"
         )
-        msg = f"could not classify: {why}"
-    diag["message"] = msg
-    clipped = diag["cause"] == "optimization_blowup" and guard.clip_norm_steps > 0
-    diag["hint"] = HINT_BLOWUP_CLIPPED if clipped else HINTS[diag["cause"]]
-    if diag["cause"] == "optimization_blowup" and blowup and blowup["lr_jump"]:
-        diag["hint"] = HINT_LR_JUMP + (HINT_LR_JUMP_CLIPPED if clipped else "")
-    if save:
-        try:
-            diag["path"] = _save(guard, step, inputs, batches, diag)
-            diag["message"] += f". Saved to {diag['path']}"
-        except Exception as e:
-            # A full or read-only disk must not turn a skipped step into a crash: the
-            # diagnosis itself is in the event and the log.
-            if not storage.is_storage_error(e):
-                raise
-            where = guard.run_dir / NONFINITE_DIR
-            said = storage.cause_of(e, where) or f"{type(e).__name__}: {e}"
-            diag["message"] += (
-                f". The batch could not be saved under {where} ({said}): "
-                f"{storage.fix_for(e, where)}"
-            )
-    return diag
 
 
 # ---------------------------------------------------------------------- evidence
@@ -415,12 +484,7 @@ def _replay(
                 if loss is None or not named:
                     continue
                 result["no_loss"] = False
-                grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
-                bad = [
-                    n
-                    for (n, _), g in zip(named, grads, strict=True)
-                    if g is not None and not bool(torch.isfinite(g).all())
-                ]
+                bad = _nonfinite_grads(loss, named)
                 if bad:
                     result["grad_params"] = bad
                     break
@@ -439,6 +503,17 @@ def _replay(
                 b.copy_(copy)
     result.update(first)
     return result
+
+
+def _nonfinite_grads(loss: Tensor, named: list[tuple[str, Tensor]]) -> list[str]:
+    """The names of the parameters whose gradient of ``loss`` holds NaN/Inf (taken with
+    autograd.grad: the parameters' ``.grad`` is left as it was)."""
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return [
+        n
+        for (n, _), g in zip(named, grads, strict=True)
+        if g is not None and not bool(torch.isfinite(g).all())
+    ]
 
 
 def _batch_size(args: Any, kwargs: Any) -> int:

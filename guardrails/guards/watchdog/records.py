@@ -182,3 +182,52 @@ def _where(rec: dict[str, Any]) -> str:
             path, num, func = user[-1]
             text += f" at {Path(path).name}:{num} ({func})"
     return text
+
+
+# ---------------------------------------------------------------------- reading the store
+
+
+def read_records(
+    store: Any, kind: str, *, world: int, exclude: int | None = None
+) -> dict[int, dict[str, Any]]:
+    """Every rank's ``kind`` record (``hb``, ``end``) but ``exclude``'s, in at most three
+    round trips to the store, whatever the number of ranks. Heartbeats: one ``check`` of all the
+    keys, one ``multi_get`` (each key checked on its own only while some rank has
+    not started its guard yet). End records: the list of ranks that ended, then
+    just theirs."""
+    if kind == "end":
+        if not store.check(["ended"]):
+            return {}
+        listed = {int(r) for r in bytes(store.get("ended")).split()}
+        ranks = sorted(listed - {exclude})
+    else:
+        ranks = [r for r in range(world) if r != exclude]
+    keys = [f"{kind}/{r}" for r in ranks]
+    if not keys:
+        return {}
+    # A rank lists itself as ended only after its record is set.
+    whole = kind == "end" or store.check(keys)
+    present = keys if whole else [k for k in keys if store.check([k])]
+    if not present:
+        return {}
+    raw = store.multi_get(present)
+    out: dict[int, dict[str, Any]] = {}
+    for key, value in zip(present, raw, strict=True):
+        out[int(key.rsplit("/", 1)[1])] = json.loads(bytes(value).decode())
+    return out
+
+
+def read_stacks(store: Any, ranks: list[int]) -> dict[int, str]:
+    """The published stacks of ``ranks``: two round trips when all are there (the
+    usual case: every live rank in a hang is suspect and publishes), else one
+    ``check`` per key."""
+    keys = [f"stack/{r}" for r in ranks]
+    try:
+        whole = bool(keys) and store.check(keys)
+        present = keys if whole else [k for k in keys if store.check([k])]
+        values = store.multi_get(present) if present else []
+    except Exception:
+        return {}
+    return {
+        int(k.rsplit("/", 1)[1]): bytes(v).decode() for k, v in zip(present, values, strict=True)
+    }

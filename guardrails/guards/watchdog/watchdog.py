@@ -76,9 +76,10 @@ from guardrails.engine.component import Component
 from guardrails.engine.config import configure
 from guardrails.engine.where import (
     data_position,
-    progress_key,
     thread_stack,
 )
+from guardrails.guards.watchdog import verdicts
+from guardrails.guards.watchdog.clock import ProgressClock
 from guardrails.guards.watchdog.records import (
     STALE_PERIODS,
     _first_line,
@@ -88,9 +89,9 @@ from guardrails.guards.watchdog.records import (
     _jsonable,
     _past,
     _position,
-    main_thread_cpu_s,
+    read_records,
+    read_stacks,
 )
-from guardrails.guards.watchdog.verdicts import _RAISED_EVERYWHERE, Verdicts, _build
 from guardrails.util.checks import positive
 
 if TYPE_CHECKING:
@@ -98,19 +99,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("guardrails.watchdog")
 
-# Automatic timeout (hang_timeout_s=None): AUTO_FACTOR times the longest gap between two
-# optimizer steps seen after the first, kept within [AUTO_FLOOR_S, AUTO_CAP_S].
-# - The gap, not the mean step: periodic slow steps (unmarked logging, a dataloader
-#   re-spawning its workers at an epoch boundary) are what a timeout must survive.
-# - x5: a step 5 times slower than the slowest seen so far is not jitter.
-# - Floor 60 s: below that, one-off host stalls a run has not shown yet (an epoch's
-#   first batch from cold storage, a slow filesystem on a save someone did not mark)
-#   would become false alarms; a minute is still 10x faster than NCCL's default.
-# - Cap 300 s: half of NCCL's default collective timeout (10 min), so the report with
-#   the rank and the stacks arrives before NCCL's watchdog kills the process anyway.
-AUTO_FACTOR = 5.0
-AUTO_FLOOR_S = 60.0
-AUTO_CAP_S = 300.0
 # Until this rank completes its first optimizer step: compile / autotune / lazy NCCL
 # init. 600 s is NCCL's default collective timeout, so no slower than torch alone.
 FIRST_STEP_TIMEOUT_S = 600.0
@@ -120,15 +108,7 @@ FIRST_STEP_TIMEOUT_S = 600.0
 SUSPECT_AFTER_S = 30.0
 
 
-def auto_timeout_s(longest_gap_s: float | None) -> float:
-    """The automatic hang timeout for a run whose slowest step gap so far (excluding the
-    first step) is ``longest_gap_s`` (``None``: not seen yet, the cap)."""
-    if longest_gap_s is None:
-        return AUTO_CAP_S
-    return min(AUTO_CAP_S, max(AUTO_FLOOR_S, AUTO_FACTOR * longest_gap_s))
-
-
-class Watchdog(Verdicts, Component):
+class Watchdog(Component):
     """Turns a hang, a dead rank or uneven data into ``HangError``, ``RankFailedError`` or
     ``UnevenDataError`` on every rank, within ``hang_timeout_s``. Distributed runs only;
     a real no-op in a single process. Knobs: :class:`Watchdog.Config`
@@ -201,13 +181,15 @@ class Watchdog(Verdicts, Component):
         self._rank, self._world = guard.rank, guard.world_size
         self._host = _host_id()
         self._seq = 0
-        # (monotonic time, main-thread CPU seconds) at the last sample, and the main
-        # thread's share of a core over the last span of >= 0.5 s, sampled every tick
-        # (one /proc read) and published in the heartbeat: a crawl is busy, a
-        # deadlock idle.
-        self._cpu_at: tuple[float, float] | None = None
-        self._cpu: float | None = None
-        self._reset_clock(guard, time.monotonic())
+        # When the main thread last moved, the step gaps, the timeout, its CPU share
+        # (sampled every tick, one /proc read, published in the heartbeat).
+        self._clock = ProgressClock(
+            hang_timeout_s=self.hang_timeout_s,
+            first_step_timeout_s=self.first_step_timeout_s,
+            step=guard.step,
+            now=time.monotonic(),
+        )
+        self._stacks_awaited_since: float | None = None
         self._ends_seen = 0
         # The counter starts at 0 with this guard's keys: anything a peer posts, even
         # before this rank's first tick, is news.
@@ -292,6 +274,65 @@ class Watchdog(Verdicts, Component):
                     return
                 raise uneven
 
+    def _explain(self, guard: Guard, *, deadline_s: float) -> GuardrailsError | None:
+        """For an exception from a collective: which peer ended (failed, was killed,
+        ran out of data, left the loop), read within ``deadline_s``; ``None`` if none.
+        The one-key answers first (the job's verdict, the first failure, the first
+        rank out of data); every rank's records only if they say nothing."""
+        end = time.monotonic() + deadline_s
+        while True:
+            try:
+                adopted = self._adopt_verdict(guard)
+                if adopted is not None:
+                    return adopted
+                failed = self._peer_failed(guard, idle=math.inf)  # no beat: it failed
+                if failed is not None:
+                    return failed
+                uneven = self._past_a_shorter_peer(guard)
+                if uneven is not None:
+                    return uneven
+                finished = read_records(self._store, "end", world=self._world, exclude=self._rank)
+                records = read_records(self._store, "hb", world=self._world, exclude=self._rank)
+                for r, rec in sorted(records.items()):
+                    if r in finished:
+                        continue
+                    if rec.get("host") == self._host and not _dist.pid_alive(int(rec["pid"])):
+                        return self._rank_failed(guard, records, r, dead=True)
+                if finished:
+                    return self._rank_failed(guard, finished, min(finished), dead=False)
+            except Exception as exc:  # the store is gone: its host died
+                return self._store_down_now(guard, exc)
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.1)
+
+    def _check_uneven_at_end(self, guard: Guard) -> GuardrailsError | None:
+        """This rank's loop ended because its loader ran out: if a peer has fetched
+        more batches, the data is uneven and the peer is now waiting for this rank in
+        a collective. The peer finds out from this rank's record under the pass's
+        ``len`` key and claims the verdict; this rank waits for it a few periods at
+        most, and not at all once every rank has run out of this pass too."""
+        try:
+            uneven = self._post_exhausted(guard)
+        except Exception:
+            return None
+        if uneven is not None:
+            return uneven
+        epoch = guard.exhausted_at[0] if guard.exhausted_at is not None else guard.epoch
+        deadline = time.monotonic() + 2 * self._period + 1
+        while True:
+            try:
+                adopted = self._adopt_verdict(guard)
+                if adopted is not None:
+                    return adopted
+                if self._store.add(f"out/{epoch}", 0) >= self._world:
+                    return None  # every rank ran out of the same pass
+            except Exception:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
@@ -311,11 +352,8 @@ class Watchdog(Verdicts, Component):
 
     def _tick(self, guard: Guard) -> GuardrailsError | None:
         now = time.monotonic()
-        self._sample(guard, now)
-        share = self._cpu_share(now)
-        if share is not None:
-            self._cpu = share
-        idle = now - self._last_progress
+        self._clock.sample(guard, now)
+        idle = self._clock.idle_s(now)
         timeout = self._timeout(guard)
         suspect = idle >= min(timeout / 2, SUSPECT_AFTER_S)
         self._count_suspect(guard, suspect)
@@ -360,17 +398,17 @@ class Watchdog(Verdicts, Component):
         takeover = idle >= timeout + max(timeout / 2, STALE_PERIODS * self._period)
         if not (self._diagnoser or takeover):
             return None
-        finished = self._read("end", exclude_self=True)
+        finished = read_records(self._store, "end", world=self._world, exclude=self._rank)
         early = self._check_ended_peers(guard, finished, idle)
         if early is not None:
             return early
-        records = self._read("hb", exclude_self=False)
+        records = read_records(self._store, "hb", world=self._world)
         records.update(finished)
         dead = self._dead_peers(records, now, finished, timeout)
         if dead:
             return self._rank_failed(guard, records, dead[0], dead=True)
         if any(r.get("paused") for k, r in records.items() if k not in finished):
-            self._last_progress = now  # a paused peer legitimately holds everyone
+            self._clock.last_progress = now  # a paused peer legitimately holds everyone
             return None
         if idle < timeout:
             self._stacks_awaited_since = None
@@ -397,7 +435,10 @@ class Watchdog(Verdicts, Component):
         # An error raised on every rank at the same step (NaN policy, the auditor's
         # mismatch) is about to be raised here too: give it a beat (look again on
         # the next ticks).
-        if rec.get("error_class") in _RAISED_EVERYWHERE and idle < 2 * self.heartbeat_every_s + 1:
+        if (
+            rec.get("error_class") in verdicts.RAISED_EVERYWHERE
+            and idle < 2 * self.heartbeat_every_s + 1
+        ):
             self._news_seen = -1
             return None
         return self._rank_failed(guard, {rec["rank"]: rec}, rec["rank"], dead=False)
@@ -460,48 +501,8 @@ class Watchdog(Verdicts, Component):
             self._stacks_awaited_since = now
         return now - self._stacks_awaited_since < mark
 
-    def _reset_clock(self, guard: Guard, now: float) -> None:
-        """The progress clock and step-gap statistics, as at the guard's start."""
-        self._stacks_awaited_since: float | None = None
-        self._last_key: tuple[Any, ...] | None = None
-        self._last_progress = now
-        self._last_step_at: float | None = None
-        self._last_step = guard.step
-        self._longest_gap: float | None = None
-        self._gaps_count = False
-
-    def _sample(self, guard: Guard, now: float) -> None:
-        """Update this rank's progress clock from what the main thread advertises."""
-        key = progress_key(guard)
-        if key != self._last_key or guard.paused:
-            self._last_key = key
-            self._last_progress = now
-        if guard.step != self._last_step:
-            # step_time_s stays NaN until the first optimizer step since start (a
-            # resume sets guard.step, not that): the first step (compilation) and a
-            # resume's jump are not gaps.
-            warm = not math.isnan(guard.step_time_s)
-            if warm and self._gaps_count and self._last_step_at is not None:
-                gap = (now - self._last_step_at) / max(1, guard.step - self._last_step)
-                self._longest_gap = max(self._longest_gap or 0.0, gap)
-            self._gaps_count = warm
-            self._last_step, self._last_step_at = guard.step, now
-        elif guard.paused and self._last_step_at is not None:
-            self._last_step_at = now  # a marked pause is not a slow step
-
     def _timeout(self, guard: Guard) -> float:
-        t = (
-            self.hang_timeout_s
-            if self.hang_timeout_s is not None
-            else (auto_timeout_s(self._longest_gap))
-        )
-        # The first step's allowance (compilation, autotuning, communicator setup) is
-        # for a rank inside its step; a rank that has not fetched its first batch is
-        # waiting for its loader, which no compiler explains: the ranks that wait for it
-        # in a collective should hear within the hang timeout, not in 10 minutes.
-        if math.isnan(guard.step_time_s) and guard.phase != "data":
-            return max(t, self.first_step_timeout_s)
-        return t
+        return self._clock.timeout(guard)
 
     @property
     def timeout_s(self) -> float | None:
@@ -515,7 +516,7 @@ class Watchdog(Verdicts, Component):
         coll = guard.shared.collective
         here = data_position(guard)
         return {
-            "cpu": self._cpu,
+            "cpu": self._clock.cpu,
             "device": guard.device.type,
             "rank": self._rank,
             "seq": self._seq,
@@ -532,19 +533,6 @@ class Watchdog(Verdicts, Component):
             "host": self._host,
             "events": str(guard.events.path) if guard.events is not None else None,
         }
-
-    def _cpu_share(self, now: float) -> float | None:
-        """The main thread's share of a core since the previous sample, if that was at
-        least half a second ago (shorter spans are the kernel's tick noise)."""
-        cpu = main_thread_cpu_s()
-        if cpu is None:
-            return None
-        last, self._cpu_at = self._cpu_at, (now, cpu)
-        if last is None or now - last[0] < 0.5:
-            if last is not None:
-                self._cpu_at = last  # keep the older sample: a longer span next time
-            return None
-        return round(min(1.0, (cpu - last[1]) / (now - last[0])), 2)
 
     def _publish(self, record: dict[str, Any]) -> None:
         self._store.set(f"hb/{self._rank}", json.dumps(record, default=str))
@@ -574,57 +562,59 @@ class Watchdog(Verdicts, Component):
         except Exception as err:
             log.debug("guardrails: watchdog could not announce the end: %s", err)
 
-    def _read(self, kind: str, *, exclude_self: bool) -> dict[int, dict[str, Any]]:
-        """Every rank's ``kind`` record (``hb``, ``end``) in at most three round trips to
-        the store, whatever the number of ranks. Heartbeats: one ``check`` of all the
-        keys, one ``multi_get`` (each key checked on its own only while some rank has
-        not started its guard yet). End records: the list of ranks that ended, then
-        just theirs."""
-        if kind == "end":
-            if not self._store.check(["ended"]):
-                return {}
-            listed = {int(r) for r in bytes(self._store.get("ended")).split()}
-            ranks = sorted(listed - ({self._rank} if exclude_self else set()))
-        else:
-            ranks = [r for r in range(self._world) if not (exclude_self and r == self._rank)]
-        keys = [f"{kind}/{r}" for r in ranks]
-        if not keys:
-            return {}
-        if kind == "end" or self._store.check(keys):
-            present = keys  # a rank lists itself as ended only after its record is set
-        else:
-            present = [k for k in keys if self._store.check([k])]
-        if not present:
-            return {}
-        raw = self._store.multi_get(present)
-        out: dict[int, dict[str, Any]] = {}
-        for key, value in zip(present, raw, strict=True):
-            out[int(key.rsplit("/", 1)[1])] = json.loads(bytes(value).decode())
-        return out
-
-    def _read_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """The published stacks of ``ranks``: two round trips when all are there (the
-        usual case: every live rank in a hang is suspect and publishes), else one
-        ``check`` per key."""
-        keys = [f"stack/{r}" for r in ranks]
-        try:
-            if keys and self._store.check(keys):
-                present = keys
-            else:
-                present = [k for k in keys if self._store.check([k])]
-            values = self._store.multi_get(present) if present else []
-        except Exception:
-            return {}
-        return {
-            int(k.rsplit("/", 1)[1]): bytes(v).decode()
-            for k, v in zip(present, values, strict=True)
-        }
-
     # ------------------------------------------------------------------ verdicts
+
+    def _rank_failed(
+        self, guard: Guard, records: dict[int, dict[str, Any]], r: int, *, dead: bool
+    ) -> GuardrailsError:
+        rec = records.get(r)
+        pid_gone = (
+            dead
+            and rec is not None
+            and rec.get("host") == self._host
+            and not _dist.pid_alive(int(rec["pid"]))
+        )
+        spec = verdicts.rank_failed(
+            records, r, dead=dead, pid_gone=pid_gone, stale_s=STALE_PERIODS * self._period
+        )
+        return self._claim(guard, spec)
+
+    def _uneven(self, guard: Guard, records: dict[int, dict[str, Any]]) -> GuardrailsError:
+        return self._claim(guard, verdicts.uneven(records))
+
+    def _diagnose(
+        self, guard: Guard, records: dict[int, dict[str, Any]], timeout: float
+    ) -> GuardrailsError | None:
+        """At the full timeout, from every rank's records: a rank that left while this
+        one waits, uneven data, or a hang; ``None`` when it is none of them (yet)."""
+        live = {r: rec for r, rec in records.items() if "state" not in rec}
+        others = [r for r in live if r != self._rank]
+        if not others and len(live) < len(records):
+            # Every other rank has left its loop. Only a hang if this rank waits for them
+            # (in a collective); rank-0-only work after the loop (a final eval, a save)
+            # waits for nobody.
+            if not self._waiting(guard):
+                return None
+            return self._rank_failed(guard, records, min(set(records) - set(live)), dead=False)
+        if (
+            others
+            and not any(
+                live[r].get("idle_s", 0) >= timeout / 2 or live[r].get("collective") for r in others
+            )
+            and not self._waiting(guard)
+        ):
+            return None  # the others move and this rank waits for none: not a hang
+        exhausted = [r for r, rec in records.items() if rec.get("exhausted")]
+        if exhausted and len(exhausted) < len(records):
+            return self._uneven(guard, records)
+        stacks = read_stacks(self._store, sorted(records))
+        if self._awaiting_stacks(live, stacks, timeout):
+            return None
+        return self._claim(guard, verdicts.hang(records, stacks, timeout))
 
     def _adopt_verdict(self, guard: Guard) -> GuardrailsError | None:
         verdict = read_verdict(self._store)
-        return None if verdict is None else _build(verdict, guard)
+        return None if verdict is None else verdicts.build(verdict, guard)
 
     def _claim(self, guard: Guard, spec: dict[str, Any]) -> GuardrailsError:
         """Publish ``spec`` as the job's verdict unless another rank did first; return
@@ -632,10 +622,10 @@ class Watchdog(Verdicts, Component):
         spec = {**spec, "by": self._rank}
         if claim_verdict(self._store, spec):
             guard.news.post(verdict=True)
-            return _build(spec, guard)
+            return verdicts.build(spec, guard)
         # Lost: the winner sets its verdict right after its claim.
         won = read_verdict(self._store, wait_s=2.0)
-        return _build(spec if won is None else won, guard)
+        return verdicts.build(spec if won is None else won, guard)
 
     def _fail(self, guard: Guard, error: GuardrailsError) -> None:
         self.error = error
@@ -703,7 +693,7 @@ class Watchdog(Verdicts, Component):
                 # An error raised on every rank at the same step (NaN policy, the
                 # auditor's mismatch) is about to be raised here too: give it a beat.
                 if (
-                    rec.get("error_class") in _RAISED_EVERYWHERE
+                    rec.get("error_class") in verdicts.RAISED_EVERYWHERE
                     and idle < 2 * self.heartbeat_every_s + 1
                 ):
                     continue
@@ -761,7 +751,7 @@ class Watchdog(Verdicts, Component):
         return sorted(dead)
 
     def _idle(self) -> float:
-        return time.monotonic() - self._last_progress
+        return self._clock.idle_s(time.monotonic())
 
     def _store_down_now(self, guard: Guard, exc: Exception) -> GuardrailsError:
         self._store_down_since = time.monotonic() - 1e9
