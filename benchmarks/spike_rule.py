@@ -103,10 +103,10 @@ def time_judge(n: int, repeats: int) -> None:
         nan._unjudged = list(block)
         nan._judge()
 
-    norms = nan._norms.values
+    norms = nan._spike_judge.norms.values
 
     def old_medians() -> None:  # the old rule's per-block work: one median per metric
-        for window in (norms, nan._losses.values):
+        for window in (norms, nan._spike_judge.losses.values):
             median = sorted(window)[len(window) // 2]
             for row in block:
                 _ = row[2] > 5 * median

@@ -196,6 +196,130 @@ def test_no_module_level_import_cycles():
         visit(module, [module])
 
 
+# ---------------------------------------------------------------------- guard to guard
+# A guard that serves another sits in a slot of engine/state.Shared typed with a
+# protocol of engine/services.py; these read the source to hold every call to that.
+
+
+def shared_slots() -> dict[str, str | None]:
+    """``Shared``'s fields (engine/state.py), each with the protocol of
+    engine/services.py that types it (``auditor: CollectiveRecorder | None``), or
+    ``None`` for a plain value."""
+    protocols = service_members()
+    tree = ast.parse((PKG / "engine" / "state.py").read_text())
+    shared = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Shared")
+    slots: dict[str, str | None] = {}
+    for node in shared.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = {n.id for n in ast.walk(node.annotation) if isinstance(n, ast.Name)}
+            typed = sorted(names & protocols.keys())
+            slots[node.target.id] = typed[0] if typed else None
+    return slots
+
+
+def service_members() -> dict[str, set[str]]:
+    """Each protocol of engine/services.py and the members it names."""
+    tree = ast.parse((PKG / "engine" / "services.py").read_text())
+    out = {}
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef) and any("Protocol" in ast.unparse(b) for b in cls.bases):
+            out[cls.name] = {
+                n.name if isinstance(n, ast.FunctionDef) else n.target.id  # type: ignore[union-attr]
+                for n in cls.body
+                if isinstance(n, ast.FunctionDef)
+                or (isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+            }
+    return out
+
+
+def _slot_reads(scope: ast.AST) -> list[ast.Attribute]:
+    """Every ``<x>.shared.<slot>`` in ``scope``, and ``s.<slot>`` where ``s`` was bound
+    to ``<x>.shared`` in it (``shared = guard.shared``)."""
+    aliases = {
+        t.id
+        for n in ast.walk(scope)
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "shared"
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+    return [
+        n
+        for n in ast.walk(scope)
+        if isinstance(n, ast.Attribute)
+        and (
+            (isinstance(n.value, ast.Attribute) and n.value.attr == "shared")
+            or (isinstance(n.value, ast.Name) and n.value.id in aliases)
+        )
+    ]
+
+
+def _uses(node: ast.expr, parents: dict[ast.AST, ast.AST], scope: ast.AST) -> list[str]:
+    """What is done with the service read at ``node``: ``.member`` for a member read,
+    ``ok`` for a test (``is None``, ``if auditor``), ``passed on`` for anything else.
+    A read bound to a local name (``auditor = guard.shared.auditor or ...``) is
+    followed through that name's uses in the same function."""
+    parent = parents[node]
+    while isinstance(parent, (ast.BoolOp, ast.IfExp)) and node is not getattr(parent, "test", 0):
+        node, parent = parent, parents[parent]
+    if isinstance(parent, ast.Attribute):
+        return [f".{parent.attr}"]
+    if isinstance(parent, (ast.Compare, ast.If, ast.UnaryOp)) or (
+        isinstance(parent, (ast.BoolOp, ast.IfExp)) and node is getattr(parent, "test", 0)
+    ):
+        return ["ok"]
+    if isinstance(parent, ast.Return) and isinstance(scope, ast.FunctionDef) and scope.returns:
+        return ["ok"]  # a typed accessor (Guard.auditor): its annotation names the protocol
+    if isinstance(parent, ast.Assign) and len(parent.targets) == 1:
+        target = parent.targets[0]
+        if isinstance(target, ast.Name):
+            out = []
+            for n in ast.walk(scope):
+                if isinstance(n, ast.Name) and n.id == target.id and isinstance(n.ctx, ast.Load):
+                    up = parents[n]
+                    if isinstance(up, ast.Call) and ast.unparse(up.func) == "getattr":
+                        member = up.args[1]
+                        out.append(f".{member.value}" if isinstance(member, ast.Constant) else "?")
+                    else:
+                        out += _uses(n, parents, scope)
+            return out
+    return ["passed on"]
+
+
+def test_guard_to_guard_calls_go_through_the_declared_services():
+    """Every ``guard.shared.<slot>`` in the package names a slot ``Shared`` declares,
+    and a slot typed with a service protocol is used only through that protocol's
+    members: a new call from one guard to another shows up here, and is declared in
+    engine/services.py (or is refused) instead of going through an untyped slot."""
+    slots, members = shared_slots(), service_members()
+    assert {"auditor", "rewind"} <= {s for s, p in slots.items() if p}, slots
+    wrong: set[str] = set()
+    seen: set[tuple[str, str]] = set()
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text())
+        parents = {child: n for n in ast.walk(tree) for child in ast.iter_child_nodes(n)}
+        scopes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+        for scope in scopes:
+            for read in _slot_reads(scope):
+                where = f"{path.relative_to(ROOT)}:{read.lineno}"
+                if read.attr not in slots:
+                    wrong.add(f"{where}: guard.shared.{read.attr} is not a Shared field")
+                    continue
+                protocol = slots[read.attr]
+                if protocol is None or isinstance(read.ctx, ast.Store):
+                    continue
+                for use in _uses(read, parents, scope):
+                    seen.add((read.attr, use))
+                    if use == "passed on":
+                        wrong.add(f"{where}: {read.attr} passed on, not called as {protocol}")
+                    elif use != "ok" and use[1:] not in members[protocol]:
+                        wrong.add(f"{where}: {read.attr}{use} is not in {protocol}")
+    assert not wrong, "calls outside engine/services.py:\n" + "\n".join(sorted(wrong))
+    # Not vacuous: the calls of today are seen.
+    assert {("rewind", ".request"), ("auditor", ".record"), ("auditor", ".record_own")} <= seen
+
+
 def architecture_files() -> set[str]:
     """The paths listed in ARCHITECTURE.md's "The files" block."""
     text = (ROOT / "ARCHITECTURE.md").read_text()

@@ -571,7 +571,7 @@ def test_a_one_step_excursion_of_a_small_batch_loss_is_no_spike(tmp_path):
     losses[119] = 4.4 * sorted(losses[99:119])[10]
     spikes, nan = _designed_loss_run(tmp_path, losses)
     assert spikes == [] and list(nan.spikes) == []
-    assert nan._losses.scale > losses[119]  # not vacuous: the rule saw the excursion
+    assert nan._spike_judge.losses.scale > losses[119]  # not vacuous: the rule saw the excursion
     assert losses[119] > 4.1 * sorted(losses[99:119])[10]
 
 

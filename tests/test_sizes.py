@@ -25,8 +25,6 @@ EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
     ("engine/guard.py", "Guard.start", "being split with Guard (issue 49)"),
     ("engine/guard.py", "Guard._close", "being split with Guard (issue 49)"),
     ("engine/state.py", "StepState.__init__", "the declared fields, one documented line each"),
-    ("guards/nan/guard.py", "<module>", "NanGuard is being split (issue 49)"),
-    ("guards/nan/guard.py", "NanGuard.on_start", "NanGuard is being split (issue 49)"),
     ("guards/rewind/rewind.py", "Rewind._rewind", "the rewind's rework (issue 49)"),
 )
 

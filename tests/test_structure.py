@@ -368,3 +368,47 @@ def test_a_guard_start_imports_no_heavy_torch_package_it_does_not_need(tmp_path)
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def test_each_service_in_shared_is_provided_as_its_protocol_says():
+    """A Shared slot typed with a protocol of engine/services.py: the component that
+    writes it (SHARED_WRITERS) is an instance of that protocol, and each method has the
+    protocol's signature (names, kinds, defaults), so a caller that reads the protocol
+    calls the provider correctly; ``tests/test_layout.py`` holds the callers to it."""
+    import importlib
+    import inspect
+    import typing
+
+    from guardrails.engine import services
+    from guardrails.engine.component import Component
+    from guardrails.engine.state import SHARED_WRITERS, Shared
+
+    protocols = {
+        c
+        for _, c in inspect.getmembers(services, inspect.isclass)
+        if getattr(c, "_is_protocol", False)
+    }
+    hints = typing.get_type_hints(Shared)
+    provided = {}
+    for slot, writer in SHARED_WRITERS.items():
+        typed = [p for p in typing.get_args(hints[slot]) if p in protocols]
+        if not typed:
+            continue
+        (protocol,) = typed
+        module = importlib.import_module(f"guardrails.{writer}")
+        (cls,) = [
+            c
+            for c in vars(module).values()
+            if isinstance(c, type) and issubclass(c, Component) and c.__module__ == module.__name__
+        ]
+        provider = cls()
+        assert isinstance(provider, protocol), (cls, protocol)
+        for name, member in vars(protocol).items():
+            if inspect.isfunction(member) and not name.startswith("_"):
+                mine = inspect.signature(getattr(cls, name), eval_str=True)
+                assert mine == inspect.signature(member, eval_str=True), (cls, name, mine)
+        provided[slot] = (cls.__name__, protocol.__name__)
+    assert provided == {
+        "auditor": ("CollectiveAuditor", "CollectiveRecorder"),
+        "rewind": ("Rewind", "RewindService"),
+    }

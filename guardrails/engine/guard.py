@@ -83,6 +83,7 @@ from guardrails.engine.lagged import OpenRow, StepRing
 from guardrails.engine.model import averaged as _averaged
 from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
+from guardrails.engine.services import CollectiveRecorder
 from guardrails.engine.state import Shared, StepState
 from guardrails.engine.surface import USER_SURFACE
 from guardrails.metrics.events import EventLog, logger_of
@@ -1087,8 +1088,9 @@ class Guard(StepState):
         return self.shared.collective
 
     @property
-    def auditor(self) -> Any:
-        """The running CollectiveAuditor, or ``None`` (``guard.shared.auditor``)."""
+    def auditor(self) -> CollectiveRecorder | None:
+        """The running CollectiveAuditor, or ``None`` (``guard.shared.auditor``): what
+        it offers the other components is ``engine/services.CollectiveRecorder``."""
         return self.shared.auditor
 
     @property

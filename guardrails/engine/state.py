@@ -17,7 +17,9 @@ Two kinds of state:
   is a plain attribute read: the hot path pays nothing for the declaration.
 * :class:`Shared`, the components': a value one component produces for others (the
   collective in flight, for the watchdog's hang report; GC time, for telemetry). It
-  lives at ``guard.shared``; each field is written by one component.
+  lives at ``guard.shared``; each field is written by one component. A field that is a
+  guard offering a service to the others (the auditor, the rewind guard) is typed with
+  the protocol of what it offers (``engine/services.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
+
+from guardrails.engine.services import CollectiveRecorder, RewindService
 
 #: Who writes each published field: the module allowed to assign it. The engine's are
 #: written by ``engine/guard.py`` (and ``engine/data.py``, its data-position half); a
@@ -156,9 +160,10 @@ class Shared:
     #: the watchdog from its thread and by error explanations.
     collective: dict[str, Any] | None = None
     #: The running CollectiveAuditor, or ``None``. Writer: the auditor (at start and
-    #: close); read by GuardedDDP's comm hook, which reports its all-reduces to it, and
-    #: by the components that run an agreement of their own between ranks.
-    auditor: Any = None
+    #: close); read by GuardedDDP's comm hook, which reports its all-reduces to it, by
+    #: the components that run an agreement of their own between ranks, and by error
+    #: explanations, through :class:`~guardrails.engine.services.CollectiveRecorder`.
+    auditor: CollectiveRecorder | None = None
     #: Seconds spent in Python's garbage collector since start (cumulative). Writer:
     #: the GCScheduler, which times each collection; telemetry turns it into ``gc_s``.
     gc_total_s: float = 0.0
@@ -170,5 +175,5 @@ class Shared:
     #: The running rewind guard (``guards/rewind``), or ``None`` (off: the default).
     #: Writer: the rewind guard, at start and close. NanGuard asks it for a rewind
     #: (``request``) instead of raising on a streak of non-finite steps, and on a
-    #: divergence.
-    rewind: Any = None
+    #: divergence, through :class:`~guardrails.engine.services.RewindService`.
+    rewind: RewindService | None = None

@@ -29,7 +29,8 @@ Three additions, public DDP API only:
   NCCL); on gloo with another world size they may differ in the last bit.
   The all-reduce is issued on the ``ProcessGroup`` object (``group.allreduce``), not
   through ``torch.distributed.all_reduce``, which the auditor patches: the bucket is
-  reported once, through ``guard.shared.auditor.record(...)``, with the bucket index as site.
+  reported once, through ``guard.shared.auditor.record(...)`` (the auditor's service to the
+  other guards: ``engine/services.CollectiveRecorder``), with the bucket index as site.
   After each bucket's all-reduce the hook also takes the reduced bucket's norm, so the
   guard's per-step grad norm comes from the buckets instead of a second pass over
   every gradient (``engine/gradnorm.BucketNorms``).
@@ -234,15 +235,14 @@ def _audited_allreduce(state: weakref.ref[GuardedDDP], bucket: Any) -> torch.fut
     tensor = bucket.buffer()
     guard = ddp._guardrails_guard if ddp is not None else None
     auditor = guard.shared.auditor if guard is not None else None
-    record = getattr(auditor, "record", None)
     average = ddp._guardrails_average if ddp is not None else None
     if average is None:
         average = _averages_itself(group, tensor)
         if ddp is not None:
             ddp._guardrails_average = average
     op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-    if record is not None:
-        record(
+    if auditor is not None:
+        auditor.record(
             "all_reduce",
             [tensor],
             group=group,

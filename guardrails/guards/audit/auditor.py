@@ -52,7 +52,8 @@ different ones. Calls on ``guard.side_group`` (guardrails' own agreements) are n
 recorded at all.
 
 For code that issues collectives the Python API does not see (GuardedDDP's comm hook,
-from the autograd thread)::
+from the autograd thread), the auditor's service to the other guards (its protocol:
+``engine/services.CollectiveRecorder``, which also names ``record_own`` and ``recent``)::
 
     guard.shared.auditor.record(
         op: str,                            # "all_reduce", ...

@@ -11,30 +11,16 @@ The NaN/Inf playbook, as code. Per optimizer step, on the device and without a s
   shared one, so a user who clips through ``g.clip_grad_norm_`` pays for one pass over
   the gradients, not two. With ``policy="warn"`` nothing is skipped, so there is no
   flag kernel: the host judges the norm when the row comes back.
-* The update is skipped before it touches parameters or optimizer state:
-
-  - fused optimizers (``Adam/AdamW/SGD/Adagrad(fused=True)``) take that flag as
-    ``optimizer.found_inf``, exactly as GradScaler hands them its own; the fused kernel
-    leaves weights and state unchanged and undoes its step count. No sync at all.
-  - any other optimizer cannot be told on the device, so the flag is read on the host
-    before the update and, when set, the optimizer's ``step()`` is not called at all
-    for that step (:meth:`Guard.skip_update`): weights and state stay bitwise as they
-    were, whatever the optimizer would have done with the gradients (one that reads
-    every ``p.grad``, a sharded one that all-reduces inside ``step()``). On a CUDA
-    device that read is one host sync per step (2-7% of a GPT-2-small step):
-    a start event says so and recommends ``fused=True``. On a CPU device it is free.
-
+* The update is skipped before it touches parameters or optimizer state
+  (``skip.py``): a fused optimizer takes that flag as ``optimizer.found_inf``, as from
+  a GradScaler (no sync at all); any other is not called for that step
+  (:meth:`Guard.skip_update`), which on a CUDA device costs one host read of the flag
+  per step (2-7% of a GPT-2-small step): a start event says so and recommends
+  ``fused=True``. On a CPU device it is free.
 * Ranks agree: under DDP (and FSDP2, whose grad norm is global) every rank computes
   the same flag from the same gradients. Where the ranks' gradients differ at
-  ``step()`` (a distributed optimizer that reduces them inside its step, like
-  nanochat's or ``ZeroRedundancyOptimizer`` without DDP), the flag is agreed (any
-  rank's set flag sets everyone's) over a group of the guard's own (NCCL's tree on
-  CUDA, the gloo side group on CPU), never the training's process group, so no
-  collective of the user's can ever pair with it: one host read and one small
-  all-reduce per step. The same all-reduce carries each
-  rank's squared grad norm, so spikes are judged on the root mean square of the
-  ranks' grad norms, the same number on every rank (a rank-local norm made each rank
-  judge its own noise).
+  ``step()``, the flag (and the grad norm judged) is agreed over a group of the
+  guard's own, never the training's (``agree.py``).
 * Several optimizers (a GAN): each one's step is checked over its own parameters'
   gradients (on the host: one read per step of the second and later optimizers) and
   skipped the same way; the diagnosis names the optimizer.
@@ -51,15 +37,10 @@ for it and the optimizer (``found_inf``) is touched only on a bad step.
 
 What the host does with the rows (``diagnose.py`` has the details):
 
-* finite steps are judged in blocks of ``check_every_n_steps``: a grad norm or loss
-  is a ``spike`` event when it jumps above its recent trend (the median of the last
-  20 finite steps) by both ``spike_factor`` / ``loss_spike_factor`` times and
-  ``SPIKE_SWINGS`` times its usual step-to-step swing (over the last
-  ``window_steps``), so a steady rise (a grad norm climbing through an LR warmdown) is
-  never a spike and a noisy metric needs a bigger jump; it must also reach
-  ``SCALE_SHARE`` of the run's early level (a loss fallen to 1e-7 bumping to 1e-5 is
-  not a spike). These statistics live on the
-  host, not the device: the values are there anyway, lagged, so they cost no kernel.
+* finite steps are judged in blocks of ``check_every_n_steps`` (``judge.py``): a grad
+  norm or loss is a ``spike`` event when it jumps far above its recent trend, by both
+  ``spike_factor`` / ``loss_spike_factor`` times and several times its usual
+  step-to-step swing (``spikes.py``: a steady rise is never a spike).
 * the first non-finite step of a streak is diagnosed (bad data / fp16 overflow /
   optimisation blow-up / numerics in a module / not reproducible / another rank), its
   batch saved under ``run_dir/nonfinite/``; the policy then logs, raises, or raises
@@ -75,30 +56,29 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from guardrails._errors import NonFiniteError
 from guardrails.distributed import dist as _dist
-from guardrails.distributed import store as _store
 from guardrails.engine import model
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
 from guardrails.engine.gradnorm import grads_of
 from guardrails.engine.guard import current_lr
 from guardrails.engine.lagged import SCALER_SKIPPED, SKIPPED, Copy
-from guardrails.guards.nan import blowup, diagnose
+from guardrails.guards.nan import blowup, diagnose, messages
+from guardrails.guards.nan.agree import FlagAgreement
 from guardrails.guards.nan.divergence import Divergence
 from guardrails.guards.nan.health import _Health, _StaleGrads
-from guardrails.guards.nan.spikes import SCALE_SHARE, TREND_STEPS, _Series, _spikes
+from guardrails.guards.nan.judge import SpikeJudge
+from guardrails.guards.nan.scaler import ScalerSkips, skip_scale
+from guardrails.guards.nan.skip import SkipUpdate
 from guardrails.guards.nan.updates import UpdateSampler
 from guardrails.util.checks import non_negative, positive_int
-from guardrails.util.text import shorten
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -110,13 +90,6 @@ logger = logging.getLogger("guardrails.nan")
 POLICIES = ("skip", "raise", "warn")
 #: The ring row's flag for a step a GradScaler skipped itself (1.0: non-finite).
 SCALER_SKIP = SCALER_SKIPPED
-
-
-def _skip_scale(guard: Guard) -> float:
-    """The scale a GradScaler's skipped step overflowed at (it halves it in update()):
-    one host read, on skipped steps only, after the scaler's own read of its flag."""
-    scaler = guard.skip_scaler
-    return math.nan if scaler is None else float(scaler.get_scale())
 
 
 class NanGuard(Component):
@@ -241,12 +214,29 @@ class NanGuard(Component):
         self.nonfinite_steps: list[int] = []
         #: Diagnoses made this run (dicts: step, cause, message, path...).
         self.diagnoses: list[dict[str, Any]] = []
-        #: Steps a GradScaler skipped itself (its gradients overflowed at its scale).
-        self.scaler_skips: list[int] = []
-        self._scaler_streak: list[int] = []
-        #: Spikes seen (the last 1000): (step, "grad_norm" | "loss", value, median).
-        self.spikes: deque[tuple[int, str, float, float]] = deque(maxlen=1000)
-        self._spike_events = {"grad_norm": 0, "loss": 0}
+        # Steps a GradScaler skipped itself: its calibration, or a fault (scaler.py).
+        self._scaler = ScalerSkips(
+            policy=self.policy,
+            max_events=self.max_spike_events,
+            max_consecutive_skips=self.max_consecutive_skips,
+        )
+        # The finite steps' grad norms and losses, judged for spikes (judge.py).
+        self._spike_judge = SpikeJudge(
+            window_steps=self.window_steps,
+            spike_factor=self.spike_factor,
+            loss_spike_factor=self.loss_spike_factor,
+            max_events=self.max_spike_events,
+        )
+
+    @property
+    def spikes(self) -> deque[tuple[int, str, float, float]]:
+        """Spikes seen (the last 1000): (step, "grad_norm" | "loss", value, median)."""
+        return self._spike_judge.spikes
+
+    @property
+    def scaler_skips(self) -> list[int]:
+        """Steps a GradScaler skipped itself (its gradients overflowed at its scale)."""
+        return self._scaler.steps
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -255,65 +245,72 @@ class NanGuard(Component):
         # The torch optimizer under accelerate's prepared one: a fused step() reads
         # found_inf from itself, not from the wrapper (distributed/dist.inner).
         opt = self._opt = _dist.inner(guard.optimizer)
-        dev = guard.device
-        self._cuda = dev.type == "cuda"
+        self._cuda = guard.device.type == "cuda"
         # Lagged: flags reach the host in copies, one interval late (CUDA). Tests set
         # `_lagged_on_cpu` to run that same path on a CPU device.
         self._lagged = self._cuda or self._lagged_on_cpu
         self._skips = self.policy != "warn"
-        # GradScaler's contract with fused optimizers: they read `found_inf` in step().
-        self._fused = bool(getattr(opt, "_step_supports_amp_scaling", False))
+        self._skip = SkipUpdate(guard, opt)
         # Gradients that differ across ranks at step(): agree on the flag (host path).
         self._reduce = guard.world_size > 1 and not all(
             model.grads_agree(m) for m in guard.models.values()
         )
-        # Where the flag is agreed on CUDA (see _agree): an NCCL group of guardrails'
-        # own over the training's ranks (collective to create: every rank starts its
-        # NanGuard here, with the same model); NCCL connects it at its first use.
-        self._nccl: Any = None
-        if self._reduce and self._cuda and "nccl" in str(dist.get_backend()):
-            self._nccl = dist.new_group(backend="nccl")
-        # Steps whose agreed flag was set by another rank (this rank's was finite).
-        self._foreign: set[int] = set()
+        self._agree = FlagAgreement(guard, needed=self._reduce)
         # Lagged path with self._reduce: step -> the ranks' grad norm, until its row is read.
         self._rank_norms: dict[int, float] = {}
         # Lagged path: step -> the scale a GradScaler skipped it at, until its row is read.
         self._scales: dict[int, float] = {}
-        n = self.check_every_n_steps if self._lagged else 1
-        # The step's (loss, grad norm, skipped) row is the engine's, shared with
-        # telemetry (engine/lagged.StepRing): one write per step for both. Lagged path:
-        # its rows reach the host in copies read an interval later, each kept with its
-        # rows' (step, lr, row count).
-        self._ring = guard.step_ring
-        self._reader = self._ring.reader(n) if self._lagged else None
-        self._lrs: list[tuple[int, float, int]] = []
-        # A host ring (CPU) is judged from the row's values as each step happens.
-        self._host = not self._lagged and self._ring.host
-        self._one = torch.ones((), device=dev)
-        self._set_found = False
+        n = self._start_rows(guard)
         self._fp16_params = any(p.dtype == torch.float16 for p in guard.params)
-        self._scaler_seen = False
         self._param_ids = {id(p) for g in opt.param_groups for p in g["params"]}
         #: (step, loss, grad norm, lr) of the last ``window_steps`` finite steps.
         self.history: deque[tuple[int, float, float, float]] = deque(maxlen=self.window_steps)
         self._unjudged: list[tuple[int, float, float, float]] = []  # finite, not judged yet
-        # The same steps' grad norms and (observed) losses, for the running medians.
-        self._norms = _Series(self.window_steps, SCALE_SHARE["grad_norm"])
-        self._losses = _Series(self.window_steps, SCALE_SHARE["loss"])
+        self._spike_judge.start()
         self._streak: list[int] = []
         self._streak_diag: dict[str, Any] | None = None
         # (forward calls, fetched batches) of steps whose flags the host has not read
         # yet: at most two intervals.
         self._recent: deque[tuple[int, Any, Any]] = deque(maxlen=2 * n + 2)
+        self._start_checks(guard, opt, lag_steps=2 * n if self._lagged else 0)
+        # The other optimizers' parameters and skip streaks (several optimizers).
+        self._extra = {
+            name: [p for g in o.param_groups for p in g["params"]]
+            for name, o in list(guard.optimizers.items())[1:]
+        }
+        self._extra_streaks: dict[str, list[int]] = {name: [] for name in self._extra}
+        self._streak_diags: dict[str, dict[str, Any]] = {}
+        if self._skips and self._cuda and (self._reduce or not self._skip.fused):
+            # The guard's own cost, with its fix: advice, as the efficiency advisor's
+            # are; torch's default AdamW on CUDA is not fused, so a warning here would
+            # come with every healthy default run.
+            advice = messages.syncs_advice(type(opt).__name__, agrees=self._reduce)
+            guard.event("nan_guard_syncs", level="info", message=advice)
+
+    def _start_rows(self, guard: Guard) -> int:
+        """Where the step's values come from: the engine's (loss, grad norm, skipped)
+        row, shared with telemetry (``engine/lagged.StepRing``: one write per step for
+        both). Lagged path: its rows reach the host in copies read an interval later,
+        each kept with its rows' (step, lr, row count). Returns the rows per copy."""
+        n = self.check_every_n_steps if self._lagged else 1
+        self._ring = guard.step_ring
+        self._reader = self._ring.reader(n) if self._lagged else None
+        self._lrs: list[tuple[int, float, int]] = []
+        # A host ring (CPU) is judged from the row's values as each step happens.
+        self._host = not self._lagged and self._ring.host
+        self._one = torch.ones((), device=guard.device)
+        return n
+
+    def _start_checks(self, guard: Guard, opt: Any, *, lag_steps: int) -> None:
+        """The checks beside the skip: training health, a forgotten ``zero_grad()``,
+        the update size, the divergence."""
         self._health = _Health(self.window_steps)
         # The update size, sampled every update_every_n_steps over the first
         # optimizer's parameters (updates.py: no sync, nothing between samples).
         every = self.update_every_n_steps
         self._updates: UpdateSampler | None = (
             UpdateSampler(
-                [p for g in opt.param_groups for p in g["params"]],
-                every,
-                lag_steps=2 * n if self._lagged else 0,
+                [p for g in opt.param_groups for p in g["params"]], every, lag_steps=lag_steps
             )
             if every is not None
             else None
@@ -338,41 +335,6 @@ class NanGuard(Component):
             and not model.holds_shards(guard.model)
             else None
         )
-        # The other optimizers' parameters and skip streaks (several optimizers).
-        self._extra = {
-            name: [p for g in o.param_groups for p in g["params"]]
-            for name, o in list(guard.optimizers.items())[1:]
-        }
-        self._extra_streaks: dict[str, list[int]] = {name: [] for name in self._extra}
-        self._streak_diags: dict[str, dict[str, Any]] = {}
-        if self._skips and self._cuda and self._reduce:
-            guard.event(
-                "nan_guard_syncs",
-                # The guard's own cost, with its fix: advice, as the efficiency
-                # advisor's are; torch's default AdamW on CUDA is not fused, so a
-                # warning here would come with every healthy default run.
-                level="info",
-                message=(
-                    "the ranks' gradients differ at optimizer.step() (no DDP: the "
-                    "optimizer reduces them itself), so NanGuard agrees on the non-finite "
-                    "flag on the host before each update: a host read of the step's flag "
-                    "and one small all-reduce (read back: it waits for that all-reduce) "
-                    "per step. Wrapping the model in DDP makes the gradients "
-                    "agree before the step and skipping free with a fused optimizer."
-                ),
-            )
-        elif self._skips and not self._fused and self._cuda:
-            guard.event(
-                "nan_guard_syncs",
-                level="info",
-                message=(
-                    f"{type(opt).__name__} is not fused, so it cannot skip a non-finite "
-                    "update on the device: NanGuard reads the flag on the host before each "
-                    "update (one host sync per step, 2-7% of a GPT-2-small step). Build the "
-                    f"optimizer with fused=True (torch.optim.{type(opt).__name__}(..., "
-                    "fused=True) where supported) to make skipping free."
-                ),
-            )
 
     def before_step(self, guard: Guard) -> None:
         count = guard.step_row()  # (loss, grad norm, 0): one write, shared with telemetry
@@ -402,13 +364,13 @@ class NanGuard(Component):
                 return
             bad = not math.isfinite(norm_v)
             if self._reduce:
-                bad, norm_v = self._agree(guard, bad, norm_v)
+                bad, norm_v = self._agree(bad, norm_v)
             if self._skips:
                 if bad:
                     found.fill_(SKIPPED)  # the row's skipped column: telemetry records it
                 guard.record_skip(found)
                 if bad:
-                    self._skip_now(found, guard)
+                    self._skip.now(found)
             self._observe(step, ring.loss, norm_v, bad, guard.lr, now=True)
             return
         self._lrs.append((step, guard.lr, count))  # read back with the row
@@ -417,7 +379,7 @@ class NanGuard(Component):
             # norm when the row comes back (a NaN or Inf in any gradient makes it so).
             if self._reduce:
                 _, norm_v, _ = ring.rows[i].tolist()
-                bad, norm_v = self._agree(guard, not math.isfinite(norm_v), norm_v)
+                bad, norm_v = self._agree(not math.isfinite(norm_v), norm_v)
                 if not bad:
                     self._rank_norms[step] = norm_v
             return
@@ -428,27 +390,27 @@ class NanGuard(Component):
             # The ranks' flags may differ: agree on the host (one read per step: the
             # row, not only the flag, so the agreement can carry the norm too).
             _, norm_v, flag = ring.rows[i].tolist()
-            bad, norm_v = self._agree(guard, flag > 0.5, norm_v)
+            bad, norm_v = self._agree(flag > 0.5, norm_v)
             if not bad:  # judged by the ranks' norm when the row is read back
                 self._rank_norms[step] = norm_v
             if bad:
                 found.fill_(1.0)
                 guard.record_skip(found)
-                self._skip_now(found, guard)
+                self._skip.now(found)
             return
         guard.record_skip(found)
-        self._skip_on_device(found, guard)
+        self._skip.on_device(found)
 
     def _scaler_skipped(self, guard: Guard, step: int, found: Tensor) -> None:
         """A GradScaler leaves this step's update out itself (``guard.skip_cause``): the
         row says so (flag ``SCALER_SKIP``), nothing is judged or diagnosed here; unless
-        the step is a fault, not an overflow (:meth:`_scaler_fault`): then it is a
+        the step is a fault, not an overflow (``ScalerSkips.is_fault``): then it is a
         non-finite step like any other (flag ``SKIPPED``, diagnosed, buffers put back)."""
-        fault = self._scaler_fault(guard, loss=True)
+        fault = self._scaler.is_fault(guard, loss=True)
         found.fill_(SKIPPED if fault else SCALER_SKIP)
         guard.record_skip(found)
         if self._reduce:  # in step with the other ranks' agreement (their scalers may
-            self._agree(guard, fault, 0.0)  # not have skipped); a fault skips them too
+            self._agree(fault, 0.0)  # not have skipped); a fault skips them too
         if fault:
             guard.skip_update()  # the scaler leaves the update out; the buffers go back
             if self._host:
@@ -456,108 +418,16 @@ class NanGuard(Component):
             else:  # judged when the row (flag SKIPPED) is read back
                 self._lrs.append((step, guard.lr, guard.step_row()))
             return
-        scale = _skip_scale(guard)
+        scale = skip_scale(guard)
         if not self._host:
             self._lrs.append((step, guard.lr, guard.step_row()))
             self._scales[step] = scale
             return
-        self._scaler_skip(step, scale)
-
-    def _scaler_fault(self, guard: Guard, *, loss: bool) -> bool:
-        """A step its GradScaler skipped is a fault, not the scaler's calibration: its
-        loss (``loss``: the guard's step, whose loss it is) or a buffer its forwards
-        wrote (BatchNorm's statistics) is NaN/Inf. An fp16 overflow happens in the
-        backward, at a finite loss, and leaves the forward's statistics finite; a NaN
-        batch makes both non-finite. Host reads on scaler-skipped steps only (a few at
-        the start, then about one per ``growth_interval`` steps), after the scaler's own
-        read of its flag. Not with ``policy="warn"``: the scaler's skips as before."""
-        if not self._skips:
-            return False
-        value = guard.step_loss if loss else None
-        if value is not None and not math.isfinite(value.item()):
-            return True
-        return bool(guard.nonfinite_buffers())
-
-    def _scaler_skip(self, step: int, scale: float) -> None:
-        """A scaler-skipped step reached the host: an info event (its normal dynamic
-        scaling: a few at the start while the scale calibrates, then about one per
-        ``growth_interval`` steps when it tries a higher one), and an error when the
-        scaler skips on and on while its scale collapses: then the gradients are not
-        finite at any scale, a NaN rather than an overflow."""
-        self.scaler_skips.append(step)
-        streak = self._scaler_streak
-        if streak and streak[-1] != step - 1:
-            streak.clear()
-        streak.append(step)
-        n = len(self.scaler_skips)
-        if n <= self.max_spike_events:
-            last = n == self.max_spike_events
-            self._guard.event(
-                "scaler_skip",
-                step=step,
-                cause="fp16_overflow",
-                scale=scale,
-                message=(
-                    f"GradScaler skipped step {step}: the fp16 gradients overflowed at "
-                    f"scale {scale:g}, so it left the update out and lowers its scale (its "
-                    "normal calibration, not a fault)"
-                    + (" (the last one logged; later ones: NanGuard.scaler_skips)" if last else "")
-                ),
-            )
-        if (
-            self.policy != "warn"
-            and len(streak) >= self.max_consecutive_skips
-            and scale == scale
-            and scale < 1.0
-        ):
-            raise NonFiniteError(
-                f"GradScaler skipped {len(streak)} steps in a row (steps {streak[0]}-"
-                f"{streak[-1]}) and its scale fell to {scale:g}: the gradients are not "
-                "finite at any scale, so this is not an fp16 overflow but a NaN or Inf in "
-                "the loss or the model (or gradients beyond fp16's range even unscaled).",
-                hint=(
-                    "check the loss and the data of those steps; run a few steps in "
-                    "float32 (no autocast, no scaler) to see where the first NaN comes "
-                    "from, or use bfloat16, which needs no scaler"
-                ),
-                cause="fp16_overflow",
-                step=streak[0],
-                rank=self._guard.rank,
-            )
-
-    def _agree(self, guard: Guard, bad: bool, norm: float = 0.0) -> tuple[bool, float]:
-        """``(bad, norm)``: whether any rank's flag is set, and the grad norm to record
-        for the step: on a finite step the root mean square of the ranks' grad norms
-        (the same number on every rank, so every rank judges the same spikes), on a bad
-        one this rank's own (its diagnosis's evidence). One SUM all-reduce of (flag,
-        norm ** 2): a sum of 0/1 flags over 0.5 is exactly their MAX.
-
-        Where: on NCCL, an NCCL group of guardrails' own (a tree all-reduce: O(log N)
-        hops, tens of microseconds); elsewhere guardrails' gloo side group, whose ring
-        is 2(N-1) hops over TCP (~0.1 ms a hop: a second a step at 10,000 ranks).
-        Never the training's group, so no collective of the user's can pair with it;
-        the auditor still sees it in the training's sequence (``record_own``)."""
-        both = torch.tensor([float(bad), norm * norm], dtype=torch.float64)
-        if guard.shared.auditor is not None:  # in the training's sequence: see record_own
-            guard.shared.auditor.record_own("NaN-flag agreement", both, dist.ReduceOp.SUM)
-        if self._nccl is not None:
-            # The group's own method, not torch.distributed.all_reduce: the auditor
-            # would take it for a collective of the user's on a group of its own.
-            on_device, opts = both.to(guard.device), dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.SUM
-            self._nccl.allreduce([on_device], opts).wait()
-            both = on_device.cpu()
-        else:
-            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=guard.side_group)
-        flags, squares = both.tolist()
-        agreed = flags > 0.5
-        if agreed and not bad:
-            self._foreign.add(guard.step + 1)
-        return agreed, norm if agreed else math.sqrt(squares / guard.world_size)
+        self._scaler.skipped(guard, step, scale)
 
     def after_step(self, guard: Guard) -> None:
-        if self._set_found:
-            self._restore_found(self._opt)
+        if self._skip.set_found:
+            self._skip.restore()
         if self._stale is not None and not self._stale.after_step(guard):
             self._stale = None  # the first steps only
         if guard.step <= _Health.CHECK_GRADS_STEPS:
@@ -577,14 +447,14 @@ class NanGuard(Component):
         """Another optimizer's step: its own parameters' gradients, checked on the host
         (one read), skipped like the first optimizer's."""
         scaled = guard.skip_cause is not None  # its GradScaler skipped it
-        if scaled and not self._scaler_fault(guard, loss=False):  # an overflow
-            self._scaler_skip(guard.step + 1, _skip_scale(guard))
+        if scaled and not self._scaler.is_fault(guard, loss=False):  # an overflow
+            self._scaler.skipped(guard, guard.step + 1, skip_scale(guard))
             return
         norm = guard.total_norm(grads_of(self._extra[name]))
         norm_v = float(norm)  # the one host read of this optimizer's step
         bad = scaled or not math.isfinite(norm_v)
         if self._reduce:
-            bad, _ = self._agree(guard, bad)
+            bad, _ = self._agree(bad)
         streak = self._extra_streaks[name]
         if not bad:
             if streak:
@@ -611,9 +481,7 @@ class NanGuard(Component):
         (the last ``window_steps`` finite losses and grad norms) and to count a skip
         streak that spans the restart; saved in every checkpoint."""
         return {
-            "norms": list(self._norms.values),
-            "losses": list(self._losses.values),
-            "scales": [self._norms.scale, self._losses.scale],
+            **self._spike_judge.state_dict(),  # norms, losses, scales
             "history": [list(r) for r in self.history],
             # Read but not yet judged (blocks of check_every_n_steps). On CUDA the rows
             # still in the device ring (at most 2 intervals) are not saved.
@@ -625,11 +493,7 @@ class NanGuard(Component):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._norms.extend(state.get("norms", []))
-        self._losses.extend(state.get("losses", []))
-        scales = state.get("scales")
-        if scales:  # else: a checkpoint from before it, the first saved values'
-            self._norms.scale, self._losses.scale = scales
+        self._spike_judge.load_state_dict(state)
         self.history.extend(tuple(r) for r in state.get("history", []))
         self._unjudged[:0] = [tuple(r) for r in state.get("unjudged", [])]
         self.nonfinite_steps[:0] = state.get("nonfinite_steps", [])
@@ -640,8 +504,8 @@ class NanGuard(Component):
             self._divergence.load_state_dict(state.get("divergence"))
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
-        if self._set_found:
-            self._restore_found(self._opt)
+        if self._skip.set_found:
+            self._skip.restore()
         if self._stale is not None:
             self._stale.remove()
             self._stale = None
@@ -659,55 +523,8 @@ class NanGuard(Component):
                 self._judge()
             finally:
                 self._recent.clear()
-                self._close_nccl()
+                self._agree.close()
         self._recent.clear()
-
-    def _close_nccl(self) -> None:
-        """Destroy the flag's NCCL group after a run that ended well or by a stop (after
-        a failure a peer may be inside a collective on it: the process's end or the
-        guard's abort releases it)."""
-        group, self._nccl = self._nccl, None
-        if group is not None:
-            _store.close_side_group(group)
-
-    # ------------------------------------------------------------------ skipping
-
-    def _skip_on_device(self, found: Tensor, guard: Guard) -> None:
-        """CUDA: a fused optimizer takes the flag; any other costs a host read."""
-        if self._fused:
-            self._give_found_inf(found, self._opt)
-        elif found.item():  # the one host sync per step of a non-fused optimizer
-            guard.skip_update()
-
-    def _skip_now(self, found: Tensor, guard: Guard) -> None:
-        """The host knows this step is bad: skip its update."""
-        if self._fused:
-            self._give_found_inf(found, self._opt)
-        else:
-            # The optimizer's step() is not called at all: nothing an optimizer does
-            # with non-finite (or missing) gradients can reach weights or state.
-            guard.skip_update()
-
-    def _give_found_inf(self, found: Tensor, opt: Any) -> None:
-        # GradScaler's contract: a fused step() reads optimizer.found_inf and leaves
-        # weights and state untouched where it is nonzero (and undoes its step count).
-        prev = getattr(opt, "found_inf", None)
-        if prev is not None:
-            # A GradScaler got here first: skip if either of us says so.
-            self._scaler_seen = True
-            found = torch.maximum(prev, found.to(prev.device))
-        self._prev_found = prev
-        opt.found_inf = found
-        self._set_found = True
-        # The step's buffers (BatchNorm statistics) are put back by the same flag.
-        self._guard.skip_update(where=found)
-
-    def _restore_found(self, opt: Any) -> None:
-        self._set_found = False
-        if self._prev_found is None:
-            opt.__dict__.pop("found_inf", None)
-        else:
-            opt.found_inf = self._prev_found
 
     # ------------------------------------------------------------------ lagged read
 
@@ -724,12 +541,12 @@ class NanGuard(Component):
         # Issued one interval ago: long finished, so read() does not wait in practice.
         rows, lrs = copy.read(), copy.meta
         rank_norms = self._rank_norms
-        skips, foreign = self._skips, self._foreign
+        skips, foreign = self._skips, self._agree.foreign
         for (step, lr, _), (loss_v, norm_v, flag) in zip(lrs, rows.tolist(), strict=True):
             if upto is not None and step > upto:
                 continue
             if flag > 1.5:  # SCALER_SKIP
-                self._scaler_skip(step, self._scales.pop(step, math.nan))
+                self._scaler.skipped(self._guard, step, self._scales.pop(step, math.nan))
                 continue
             # "warn" sets no flag (nothing is skipped): judged from the norm here.
             bad = flag > 0.5 if skips else not math.isfinite(norm_v) or step in foreign
@@ -786,28 +603,7 @@ class NanGuard(Component):
         rows, self._unjudged = self._unjudged, []
         if not rows:
             return
-        found_now: list[tuple[int, str, float, float, float]] = []
-        for col, kind, factor, series in (
-            (2, "grad_norm", self.spike_factor, self._norms),
-            (1, "loss", self.loss_spike_factor, self._losses),
-        ):
-            values = list(map(itemgetter(col), rows))
-            found = _spikes(series.values, values, factor, series.swing, series.floor())
-            found_now += [(rows[i][0], kind, values[i], m, t) for i, m, t in found]
-            # NaN: no loss seen; an Inf loss with finite grads is not a level to judge by
-            series.extend(list(filter(math.isfinite, values)))
-        for step, kind, value, median, threshold in sorted(found_now):
-            # A lone one-step spike that comes straight back is a hard batch, not an
-            # instability (a converged classifier meeting one misclassified sample: its
-            # grad norm 60x its median for one step); it is an info event. It is a
-            # warning when it repeats within window_steps, or when the loss and the grad
-            # norm jump at the same step.
-            both = any(s == step and k != kind for s, k, *_ in found_now)
-            again = any(
-                k == kind and step - self.window_steps <= s < step for s, k, *_ in self.spikes
-            )
-            self.spikes.append((step, kind, value, median))
-            self._spike_event(step, kind, value, median, threshold, lone=not (both or again))
+        self._spike_judge.judge(self._guard, rows, ranks_rms=self._reduce)
         self.history.extend(rows)
         self._health.observe(self._guard, rows, self._updates)
         if self._divergence is not None:
@@ -845,10 +641,10 @@ class NanGuard(Component):
             else lambda: updates.drift(weights_step, step),
             calls=calls,
             batches=batches,
-            other_rank=step in self._foreign,
+            other_rank=step in self._agree.foreign,
             optimizer=optimizer,
             fp16=self._fp16_params or guard.fp16_autocast,
-            scaler=self._scaler_seen,
+            scaler=self._skip.scaler_seen,
             spike_factor=self.spike_factor,
             loss_spike_factor=self.loss_spike_factor,
             replay=self.replay and len(self.diagnoses) < self.max_diagnoses,
@@ -857,21 +653,13 @@ class NanGuard(Component):
             save=len(self.diagnoses) < self.max_diagnoses,
         )
         self.diagnoses.append(diag)
-        what = {"skip": "skipped", "raise": "skipped", "warn": "NOT skipped (policy warn)"}
-        restored = ""
         put_back = guard.restored_buffers_of(optimizer or next(iter(guard.optimizers)))
         if self.policy != "warn" and put_back:
-            restored = (
-                " and the buffers its forward wrote put back as they were before it ("
-                + shorten(put_back, 4)
-                + ")"
-            )
             diag["restored_buffers"] = list(put_back)
         guard.event(
             "nonfinite",
             level="warning",
-            message=f"non-finite gradients at step {step}, update {what[self.policy]}"
-            f"{restored}: " + diag["message"],
+            message=messages.nonfinite(step, diag, policy=self.policy),
             **{k: v for k, v in diag.items() if k not in ("message", "rank")},
         )
         return diag
@@ -899,38 +687,16 @@ class NanGuard(Component):
             # Finite gradients again, but a buffer a forward writes holds a NaN or an
             # Inf (an update that went in, policy "warn"): the model is not recovered.
             # Every evaluation from here on is non-finite. Said once per streak.
-            self._guard.event(
-                "nonfinite_buffers",
-                level="warning",
-                message=(
-                    f"{whose}the gradients are finite again at step {step} after {n} "
-                    f"non-finite step(s) from step {first}, but the model's buffers "
-                    f"{shorten(broken, 4)} (module(s) "
-                    f"{shorten(sorted({b.rpartition('.')[0] or b for b in broken}), 4)}) "
-                    "hold NaN/Inf (written by a training forward of a "
-                    "non-finite step): the model is not recovered, and evaluations and "
-                    "saved weights are non-finite from here on. Resume from a checkpoint "
-                    "before that step, or reset those statistics (e.g. "
-                    "module.reset_running_stats() for BatchNorm) and re-estimate them."
-                ),
-                step=step,
-                first_step=first,
-                buffers=broken,
-                **({} if optimizer is None else {"optimizer": optimizer}),
+            kind, level, fields = "nonfinite_buffers", "warning", {"buffers": broken}
+            message = messages.buffers_not_recovered(whose, step, first, n, broken)
+        else:
+            kind, level, fields = "nonfinite_recovered", "info", {"skipped": n}
+            message = (
+                f"{whose}finite again at step {step} after {n} skipped step(s) from step {first}"
             )
-            if optimizer is None:
-                self._streak = []
-                self._streak_diag = None
-            return
-        self._guard.event(
-            "nonfinite_recovered",
-            message=f"{whose}finite again at step {step} after {n} skipped step(s) from "
-            f"step {first}",
-            step=step,
-            first_step=first,
-            skipped=n,
-            **({} if optimizer is None else {"optimizer": optimizer}),
-        )
+        if optimizer is not None:
+            fields["optimizer"] = optimizer
+        self._guard.event(kind, level=level, message=message, step=step, first_step=first, **fields)
         if optimizer is None:
             self._streak = []
             self._streak_diag = None
@@ -975,7 +741,7 @@ class NanGuard(Component):
         self._recent.clear()
         self._rank_norms.clear()
         self._scales.clear()
-        self._foreign = {s for s in self._foreign if s <= step}
+        self._agree.forget_after(step)
         if self._divergence is not None:
             self._divergence.forget_after(step)
         if self._updates is not None:
@@ -987,30 +753,11 @@ class NanGuard(Component):
     def _divergence_event(self, found: dict[str, Any]) -> None:
         """A loss that jumped and stays up, every value finite (``divergence.py``)."""
         self.divergences.append(found)
-        step, lr, lr_before = found["step"], found["lr"], found["lr_before"]
-        if lr == lr and lr_before == lr_before and lr > 2 * lr_before:
-            why = (
-                f"the LR went from {lr_before:.3g} to {lr:.3g} by step {step}: lower it or "
-                "check the LR schedule"
-            )
-        else:
-            why = (
-                "the usual causes: an LR too high for this point of the run (lower the peak "
-                "LR, lengthen the warmup"
-                + ("" if self._guard.clip_norm_steps else ", clip the grad norm")
-                + "), or a run of bad batches from that step (look at the data there)"
-            )
         self._guard.event(
             "divergence",
             level="warning",
-            message=(
-                f"the loss diverged from step {step}: the median of the last {found['steps']} "
-                f"losses is {found['value']:.4g}, {found['value'] / found['median']:.1f}x the "
-                f"median {found['median']:.4g} of the {found['reference_steps']} steps before "
-                f"(over {found['threshold'] / found['median']:.1f}x: divergence_factor="
-                f"{self.divergence_factor:g}, higher where the loss is noisier). Every value "
-                f"is finite, so no step was skipped; {why}. If the data mix or the task "
-                "changed at that step, a higher loss is expected: raise divergence_factor."
+            message=messages.divergence(
+                found, factor=self.divergence_factor, clips=bool(self._guard.clip_norm_steps)
             ),
             **found,
         )
@@ -1027,53 +774,6 @@ class NanGuard(Component):
             everywhere=self._guard.world_size == 1,
         )
 
-    def _spike_event(
-        self, step: int, kind: str, value: float, median: float, threshold: float, *, lone: bool
-    ) -> None:
-        n = self._spike_events[kind] = self._spike_events[kind] + 1
-        if n > self.max_spike_events:
-            return
-        last = n == self.max_spike_events
-        what = kind
-        if kind == "grad_norm" and self._reduce:
-            what = f"grad_norm (root mean square of the {self._guard.world_size} ranks')"
-        knob = "spike_factor" if kind == "grad_norm" else "loss_spike_factor"
-        factor = self.spike_factor if kind == "grad_norm" else self.loss_spike_factor
-        self._guard.event(
-            "spike",
-            level="info" if lone else "warning",
-            message=(
-                f"{what} {value:.4g} at step {step} is {value / median:.1f}x its running "
-                f"median {median:.4g} (last {TREND_STEPS} steps; a spike here is over "
-                f"{threshold / median:.1f}x: {knob}={factor:g}, higher where it swings more "
-                "from step to step or has fallen far below its early level): "
-                "often the early warning before a NaN. If they repeat: lower the LR, add "
-                + (
-                    "warmup (the loop clips the grad norm already)."
-                    if self._guard.clip_norm_steps
-                    else "warmup, clip the grad norm (g.clip_grad_norm_(1.0))."
-                )
-                + (
-                    " A lone one like this, that comes straight back with no NaN after it, "
-                    "is harmless (a hard batch)."
-                    if lone
-                    else f" Expected ones (a data mix that changes): raise {knob} to hear "
-                    "less of them."
-                )
-                + (
-                    f" (This is the last {kind} spike logged; later ones are counted in "
-                    "NanGuard.spikes.)"
-                    if last
-                    else ""
-                )
-            ),
-            step=step,
-            metric=kind,
-            value=value,
-            median=median,
-            threshold=threshold,
-        )
-
     def _error(
         self,
         diag: dict[str, Any],
@@ -1081,25 +781,11 @@ class NanGuard(Component):
         streak: list[int] | None = None,
         optimizer: str | None = None,
     ) -> NonFiniteError:
-        guard = self._guard
-        streak = self._streak if streak is None else streak
-        whose = "" if optimizer is None else f" of optimizer {optimizer!r}"
-        if self.policy == "raise":
-            head = f"non-finite gradients{whose} at step {streak[0]} (update skipped). "
-        else:
-            head = (
-                f"{len(streak)} optimizer steps{whose} in a row had non-finite gradients "
-                f"(steps {streak[0]}-{streak[-1]}, all skipped; max_consecutive_skips="
-                f"{self.max_consecutive_skips}). First one: "
-            )
-        return NonFiniteError(
-            f"{head}[{diag.get('cause')}] {diag.get('message', '')}",
-            rank=guard.rank,
-            step=streak[0],
-            hint=diag.get("hint"),
-            cause=diag.get("cause"),
-            skipped_steps=list(streak),
-            batch_path=diag.get("path"),
-            module=diag.get("module"),
-            samples=diag.get("samples"),
+        return messages.streak_error(
+            diag,
+            self._streak if streak is None else streak,
+            policy=self.policy,
+            max_consecutive_skips=self.max_consecutive_skips,
+            optimizer=optimizer,
+            rank=self._guard.rank,
         )

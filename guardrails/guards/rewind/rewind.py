@@ -228,13 +228,15 @@ class Rewind(Component):
     # ------------------------------------------------------------------ services
 
     def request(self, cause: str, start: int, numbers: dict[str, Any], *, everywhere: bool) -> bool:
-        """NanGuard: trouble began at step ``start`` (``cause``: ``"nonfinite"``, a
-        streak of skipped steps; ``"divergence"``); ``numbers``: its evidence, for the
-        event. ``everywhere``: every rank sees the same trouble at this same step (then
-        every rank rewinds at the next boundary, no exchange); else this rank alone may
-        (its request is posted for the next snapshot step, see :meth:`_post`). Returns
-        whether a rewind is coming (``False``: the cap is reached, or no snapshot is
-        older than ``start``: the caller keeps today's behaviour)."""
+        """The rewind guard's service (``engine/services.RewindService``, at
+        ``guard.shared.rewind``), asked by NanGuard: trouble began at step ``start``
+        (``cause``: ``"nonfinite"``, a streak of skipped steps; ``"divergence"``);
+        ``numbers``: its evidence, for the event. ``everywhere``: every rank sees the
+        same trouble at this same step (then every rank rewinds at the next boundary, no
+        exchange); else this rank alone may (its request is posted for the next snapshot
+        step, see :meth:`_post`). Returns whether a rewind is coming (``False``: the cap
+        is reached, or no snapshot is older than ``start``: the caller keeps today's
+        behaviour)."""
         if self.used >= self.max_rewinds:
             return False
         start = self._limit(start)
