@@ -32,13 +32,18 @@ what it needs on an idle machine, stretched on a busy one (the load per core) an
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import select
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -179,7 +184,7 @@ class Job:
     """Ranks started by ``launch``: ``wait`` for them; leaving a ``with`` block (or a
     failed ``wait``) kills whatever still runs."""
 
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen | Forked]
     dir: Path
     merged: bool
     ended: dict[int, float] = field(default_factory=dict)
@@ -234,6 +239,226 @@ class Job:
         self.kill()
 
 
+#: ``GUARDRAILS_TEST_FORKSERVER=0`` starts every ``python SCRIPT`` of the tests as a real
+#: new interpreter, as before the fork server (to rule the server out of a failure).
+FORKSERVER_VAR = "GUARDRAILS_TEST_FORKSERVER"
+
+#: Environment variables an interpreter or torch reads as it starts (the module search
+#: path, hash seed, warnings, threads, devices): a process whose values differ from the
+#: fork server's would not be what a fresh one is, so it gets a real subprocess.
+#: TORCHELASTIC_* (torchrun's) are read later, by guardrails and torch.distributed.
+_STARTUP_VARS = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "HIP")
+
+
+def _startup_env(env: dict[str, str]) -> dict[str, str]:
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(_STARTUP_VARS) and not k.startswith("TORCHELASTIC_")
+    }
+
+
+class Forked:
+    """A ``python SCRIPT`` process forked by the fork server: a real process of its own
+    (its pid, its session; signals and ``killpg`` reach it), with the part of
+    ``subprocess.Popen``'s interface the tests use. Its exit status comes from the
+    server, which is its parent; ``returncode`` is negative for a death by signal."""
+
+    def __init__(self, args: list[str], conn: socket.socket, pid: int, buf: bytes) -> None:
+        self.args, self.pid, self.returncode = args, pid, None
+        self._conn, self._buf = conn, buf
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read_status(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._read_status(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _read_status(self, timeout: float | None) -> bool:
+        line = _read_line(self._conn, self, timeout)
+        if line is None:
+            return False
+        kind, _, value = line.partition(" ")
+        if kind != "status":
+            raise RuntimeError(f"fork server: {line} (for {self.args})")
+        self.returncode = os.waitstatus_to_exitcode(int(value))
+        self._conn.close()
+        return True
+
+
+def _read_line(conn: socket.socket, holder, timeout: float | None) -> str | None:
+    """The next line from the server (buffered in ``holder._buf``), waiting up to
+    ``timeout`` seconds (None: for ever); None if none came in time."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while b"\n" not in holder._buf:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([conn], [], [], left)[0]:
+            return None
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise RuntimeError(f"the fork server went away (its log: {ForkServer.log_path()})")
+        holder._buf += chunk
+    line, _, holder._buf = holder._buf.partition(b"\n")
+    return line.decode()
+
+
+class ForkServer:
+    """The client of ``tests/_forkserver.py``: one server per pytest process (each
+    xdist worker), started at the first ``python SCRIPT`` the tests launch, ended when
+    the process exits. ``serves`` says which commands it takes; ``start`` forks one."""
+
+    _current: ForkServer | None = None
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="guardrails-forkserver-"))
+        self.socket = str(self.dir / "socket")
+        self.env = base_env()
+        with open(self.dir / "server.log", "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(TESTS / "_forkserver.py"), self.socket],
+                cwd=ROOT,
+                env=self.env,
+                stdin=subprocess.PIPE,  # its end of the pipe closing ends the server
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.pid = os.getpid()
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> ForkServer:
+        if cls._current is None or cls._current.pid != os.getpid():
+            cls._current = cls()
+        return cls._current
+
+    @classmethod
+    def log_path(cls) -> Path | None:
+        return cls._current.dir / "server.log" if cls._current else None
+
+    @classmethod
+    def serves(cls, cmd: Sequence[str], env: dict[str, str]) -> bool:
+        """A command of the form ``python SCRIPT.py ...`` (this interpreter, no flags)
+        whose start-up variables (``_STARTUP_VARS``) are the server's, unless
+        ``GUARDRAILS_TEST_FORKSERVER=0``."""
+        if os.environ.get(FORKSERVER_VAR, "1").strip() == "0":
+            return False
+        if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
+            return False
+        server_env = cls._current.env if cls._current else base_env()
+        return _startup_env(env) == _startup_env(server_env)
+
+    def start(
+        self, cmd: list[str], env: dict, cwd: Path, out_fd: int, err_fd: int
+    ) -> Forked | None:
+        """Fork ``cmd`` with its output on ``out_fd``/``err_fd``; None when the server
+        cannot fork now (the caller starts a real process instead)."""
+        conn = self._connect()
+        request = json.dumps({"argv": cmd, "env": env, "cwd": str(cwd)}).encode()
+        socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [out_fd, err_fd])
+        holder = Forked(cmd, conn, 0, b"")
+        line = _read_line(conn, holder, patience(60))
+        kind, _, value = (line or "error no answer in time").partition(" ")
+        if kind != "pid":
+            conn.close()
+            return None
+        holder.pid = int(value)
+        return holder
+
+    def _connect(self) -> socket.socket:
+        """A connection to the server, waiting for it to start (it imports torch)."""
+        deadline = time.monotonic() + patience(120)
+        while True:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self.socket)
+                return conn
+            except (FileNotFoundError, ConnectionRefusedError):
+                conn.close()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.dir / "server.log").read_text(errors="replace")
+                    raise RuntimeError(f"the fork server did not start:\n{log[-3000:]}") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        """End the server (it kills what it still runs) and reap it, so its CPU time
+        counts in this process's children's."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def run_script(
+    argv: Sequence[str | os.PathLike],
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    fresh: bool = False,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=...)`` for a
+    ``python SCRIPT ...``, forked from the fork server unless ``fresh``; ``env``
+    defaults to ``base_env()``. Output comes through pipes (as ``capture_output``: a
+    file could be refused under a test's RLIMIT_FSIZE); past ``patience(timeout_s)``
+    the process group is killed and ``subprocess.TimeoutExpired`` raised."""
+    cmd = [str(a) for a in argv]
+    env = base_env() if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    limit = patience(timeout_s)
+    if fresh or not ForkServer.serves(cmd, env):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=cwd)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = ForkServer.get().start(cmd, env, cwd, out_w, err_w)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    if proc is None:
+        os.close(out_r)
+        os.close(err_r)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=cwd)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    open_fds, deadline = [out_r, err_r], time.monotonic() + limit
+    try:
+        while open_fds:  # to EOF on both, as communicate() reads
+            left = deadline - time.monotonic()
+            ready = select.select(open_fds, [], [], max(0.0, left))[0]
+            if not ready:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                raise subprocess.TimeoutExpired(cmd, limit)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_fds.remove(fd)
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+    text = {fd: b"".join(c).decode(errors="replace") for fd, c in chunks.items()}
+    return subprocess.CompletedProcess(cmd, code, text[out_r], text[err_r])
+
+
 def _fail(message: str) -> None:
     import pytest  # not at the top: the workers import conftest, so this module, too
 
@@ -244,10 +469,17 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _start(cmd: list[str], env: dict[str, str], out: Path, name: str, merge: bool, cwd: Path):
+def _start(
+    cmd: list[str], env: dict[str, str], out: Path, name: str, merge: bool, cwd: Path, fresh: bool
+) -> subprocess.Popen | Forked:
     with open(out / f"{name}.out", "w") as stdout:
         stderr = subprocess.STDOUT if merge else open(out / f"{name}.err", "w")  # noqa: SIM115
         try:
+            if not fresh and ForkServer.serves(cmd, env):
+                err = stdout if merge else stderr
+                forked = ForkServer.get().start(cmd, env, cwd, stdout.fileno(), err.fileno())
+                if forked is not None:
+                    return forked
             return subprocess.Popen(
                 cmd,
                 cwd=cwd,
@@ -272,9 +504,12 @@ def launch(
     cwd: Path = ROOT,
     merge: bool = True,
     error_files: bool = False,
+    fresh: bool = False,
 ) -> Job:
     """Start ``world`` ranks of ``argv`` (see the module's docstring); ``env`` is added
-    to each rank's environment."""
+    to each rank's environment. A ``python SCRIPT ...`` rank is forked from the fork
+    server (``ForkServer``: torch imported once) unless ``fresh`` asks for a new
+    interpreter (a test about the interpreter's start-up itself)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
@@ -288,7 +523,7 @@ def launch(
             if error_files:
                 extra["TORCHELASTIC_ERROR_FILE"] = str(out / f"error{r}.json")
             env_r = rank_env(r, world, port, **extra)
-            job.procs.append(_start(cmd, env_r, out, f"rank{r}", merge, cwd))
+            job.procs.append(_start(cmd, env_r, out, f"rank{r}", merge, cwd, fresh))
     except BaseException:
         job.kill()
         raise
@@ -310,7 +545,9 @@ def launch_torchrun(
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc-per-node", str(nproc), *map(str, args)]
-    return Job([_start(cmd, base_env(**(env or {})), out, "rank0", False, cwd)], out, False)
+    # torchrun itself always starts fresh: the tests of it are about the real launcher.
+    env_t = base_env(**(env or {}))
+    return Job([_start(cmd, env_t, out, "rank0", False, cwd, fresh=True)], out, False)
 
 
 def torchrun(
