@@ -5,10 +5,11 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
-from _ranks import free_port, patience, spawn  # noqa: F401  (the tests import them from here)
+from _ranks import free_port, patience, run_script, spawn  # noqa: F401  (the tests import them)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -94,16 +95,9 @@ def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
 
 def run_worker(worker: Path, run_dir: Path, out: Path, *args: object):
     """``python WORKER RUN_DIR OUT ARGS...`` to its end (a worker script of the resume
-    tests): the finished process, its output captured."""
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, str(worker), str(run_dir), str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    tests), forked from the fork server (``_ranks.run_script``): the finished process,
+    its output captured."""
+    return run_script([sys.executable, worker, run_dir, out, *args], timeout_s=240)
 
 
 def read_events(run_dir) -> list[dict]:
