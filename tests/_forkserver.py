@@ -5,7 +5,8 @@ Most of the suite's CPU went into the processes the tests start importing torch 
 3.6 CPU-s each for torch, torch._dynamo and guardrails, ~1,000 of the suite's ~1,250
 CPU-s). This server imports torch once (``PRELOAD``) and then, for each request, forks a
 child that becomes what ``subprocess.Popen([sys.executable, SCRIPT, *ARGS],
-start_new_session=True, stdin=DEVNULL, stdout=..., stderr=...)`` would start:
+start_new_session=True, stdin=DEVNULL, stdout=..., stderr=...)`` would start (or
+of ``[sys.executable, "-c", CODE, *ARGS]``):
 
 - its own pid and its own session and process group (signals, ``killpg`` and SIGKILL
   reach it and only it, as before);
@@ -38,6 +39,7 @@ import contextlib
 import faulthandler
 import gc
 import importlib
+import importlib.machinery
 import io
 import json
 import os
@@ -48,7 +50,6 @@ import struct
 import sys
 import threading
 import types
-from importlib.machinery import SourceFileLoader
 from typing import NoReturn
 
 #: Imported once, before any fork: what nearly every worker imports first anyway
@@ -197,21 +198,27 @@ def _text_out(fd: int, *, unbuffered: bool, line: bool) -> io.TextIOWrapper:
 
 
 def _run_script(argv: list[str]) -> NoReturn:
-    """``python SCRIPT ARGS``: the script as a new ``__main__``, an uncaught exception
-    reported as Python reports it (without this file's frames), then Python's exit."""
-    script, args = argv[1], argv[2:]
-    sys.argv = [script, *args]
-    sys.path[:] = [os.path.dirname(os.path.realpath(script)), *_START_PATH[1:]]
+    """``python SCRIPT ARGS`` (or ``python -c CODE ARGS``): the code as a new
+    ``__main__``, an uncaught exception reported as Python reports it (without this
+    file's frames), then Python's exit."""
     main = types.ModuleType("__main__")
-    main.__file__ = script
-    main.__cached__ = None
-    main.__loader__ = SourceFileLoader("__main__", script)
     main.__builtins__ = builtins
+    if argv[1] == "-c":
+        source, filename = argv[2], "<string>"
+        sys.argv = ["-c", *argv[3:]]
+        sys.path[:] = ["", *_START_PATH[1:]]
+        main.__loader__ = importlib.machinery.BuiltinImporter
+    else:
+        with io.open_code(argv[1]) as f:
+            source, filename = f.read(), argv[1]
+        sys.argv = argv[1:]
+        sys.path[:] = [os.path.dirname(os.path.realpath(filename)), *_START_PATH[1:]]
+        main.__file__ = filename
+        main.__cached__ = None
+        main.__loader__ = importlib.machinery.SourceFileLoader("__main__", filename)
     sys.modules["__main__"] = main
     try:
-        with io.open_code(script) as f:
-            code = compile(f.read(), script, "exec", dont_inherit=True)
-        exec(code, main.__dict__)
+        exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as stop:
         _exit(_exit_code(stop))
     except BaseException as exc:  # Python's own top level

@@ -316,6 +316,12 @@ def _read_line(conn: socket.socket, holder, timeout: float | None) -> str | None
     return line.decode()
 
 
+#: The longest the server may take to start (it imports torch: ~4 s on an idle core) or
+#: to answer; not shortened by a test that sets a small GUARDRAILS_TEST_PATIENCE to
+#: time its own process out.
+SERVER_WAIT_S = 120.0
+
+
 class ForkServer:
     """The client of ``tests/_forkserver.py``: one server per pytest process (each
     xdist worker), started at the first ``python SCRIPT`` the tests launch, ended when
@@ -352,12 +358,14 @@ class ForkServer:
 
     @classmethod
     def serves(cls, cmd: Sequence[str], env: dict[str, str]) -> bool:
-        """A command of the form ``python SCRIPT.py ...`` (this interpreter, no flags)
-        whose start-up variables (``_STARTUP_VARS``) are the server's, unless
-        ``GUARDRAILS_TEST_FORKSERVER=0``."""
+        """A command of the form ``python SCRIPT.py ...`` or ``python -c CODE ...``
+        (this interpreter, no other flag) whose start-up variables (``_STARTUP_VARS``)
+        are the server's, unless ``GUARDRAILS_TEST_FORKSERVER=0``."""
         if os.environ.get(FORKSERVER_VAR, "1").strip() == "0":
             return False
-        if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
+        if len(cmd) < 2 or cmd[0] != sys.executable:
+            return False
+        if not (cmd[1].endswith(".py") or (cmd[1] == "-c" and len(cmd) > 2)):
             return False
         server_env = cls._current.env if cls._current else base_env()
         return _startup_env(env) == _startup_env(server_env)
@@ -371,7 +379,7 @@ class ForkServer:
         request = json.dumps({"argv": cmd, "env": env, "cwd": str(cwd)}).encode()
         socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [out_fd, err_fd])
         holder = Forked(cmd, conn, 0, b"")
-        line = _read_line(conn, holder, patience(60))
+        line = _read_line(conn, holder, max(SERVER_WAIT_S, patience(SERVER_WAIT_S)))
         kind, _, value = (line or "error no answer in time").partition(" ")
         if kind != "pid":
             conn.close()
@@ -381,7 +389,7 @@ class ForkServer:
 
     def _connect(self) -> socket.socket:
         """A connection to the server, waiting for it to start (it imports torch)."""
-        deadline = time.monotonic() + patience(120)
+        deadline = time.monotonic() + max(SERVER_WAIT_S, patience(SERVER_WAIT_S))
         while True:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

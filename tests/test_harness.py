@@ -2,7 +2,9 @@
 GUARDRAILS_TEST_PATIENCE, and a rank that never ends still fails the test (killed,
 named), however patient the wait; ``spawn``'s ranks, forked from a fork server that
 imported torch once, get what a spawned process gets: the caller's environment, working
-directory and ``sys.path`` at the call, a process of their own, their output shown."""
+directory and ``sys.path`` at the call, a process of their own, their output shown; a
+``python SCRIPT`` forked from the script fork server is what a fresh ``python SCRIPT``
+is, to what the script can see."""
 
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from _ranks import MAX_STRETCH, PATIENCE_VAR, launch, patience, spawn
+from _ranks import (
+    FORKSERVER_VAR,
+    MAX_STRETCH,
+    PATIENCE_VAR,
+    ForkServer,
+    launch,
+    patience,
+    run_script,
+    spawn,
+)
 
 
 def test_patience_multiplies_by_the_env_var_and_never_shrinks_with_load(monkeypatch):
@@ -86,3 +97,73 @@ def test_a_spawned_rank_that_never_ends_still_fails_the_test(monkeypatch):
     monkeypatch.setenv(PATIENCE_VAR, "0.01")  # 60 s of patience: 0.6 s idle, more if busy
     with pytest.raises(pytest.fail.Exception, match="ranks still running after .*: a hang"):
         spawn(_sleep, (), deadline_s=60)
+
+
+#: What a process can see of how it was started, then its end: ``exit CODE``,
+#: ``raise``, ``sigterm`` (the default action: death by SIGTERM), ``open`` (a file left
+#: open and unflushed, which the interpreter's exit flushes).
+PROBE = """
+import faulthandler, json, os, signal, sys
+seen = {
+    "name": __name__, "file": globals().get("__file__"), "argv": sys.argv, "path": sys.path,
+    "cwd": os.getcwd(), "mark": os.environ.get("PROBE_MARK"), "stdin": sys.stdin.read(),
+    "session": os.getsid(0) == os.getpid(), "group": os.getpgid(0) == os.getpid(),
+    "signals": {s.name: str(signal.getsignal(s)) for s in signal.Signals
+                if s not in (signal.SIGKILL, signal.SIGSTOP)},
+    "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "faulthandler": faulthandler.is_enabled(), "threads": len(os.listdir("/proc/self/task")),
+    "buffered": sys.stdout.line_buffering,
+}
+print(json.dumps(seen))
+how = sys.argv[1]
+if how == "exit":
+    sys.exit(3)
+if how == "raise":
+    raise ValueError("on purpose")
+if how == "sigterm":
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGTERM)
+if how == "open":
+    kept = open(sys.argv[2], "w")
+    kept.write("flushed at exit")
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "raise", "sigterm", "open"])
+def test_a_forked_script_is_what_a_fresh_python_script_is(tmp_path, monkeypatch, how):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    monkeypatch.setenv("PROBE_MARK", how)  # set after the server may have started
+    monkeypatch.delenv(FORKSERVER_VAR, raising=False)
+    runs, kept = {}, tmp_path / "kept.txt"
+    for fresh in (False, True):
+        out = tmp_path / f"fresh{fresh}"
+        with launch(
+            [sys.executable, script, how, kept], 1, out=out, merge=False, fresh=fresh
+        ) as job:
+            [runs[fresh]] = job.wait(60)
+        if how == "open":
+            assert kept.read_text() == "flushed at exit", f"fresh={fresh}"
+            kept.unlink()
+    forked, real = runs[False], runs[True]
+    assert json.loads(forked.out) == json.loads(real.out)
+    assert forked.code == real.code == {"exit": 3, "raise": 1, "sigterm": -15, "open": 0}[how]
+    assert forked.err == real.err  # the same traceback, none of the server's frames
+
+
+def test_script_processes_are_forked_from_the_server_unless_asked_otherwise(tmp_path, monkeypatch):
+    code = "import os, sys; print(os.getppid(), 'torch' in sys.modules)"
+    monkeypatch.delenv(FORKSERVER_VAR, raising=False)
+    forked = run_script([sys.executable, "-c", code], timeout_s=60)
+    server = ForkServer.get().proc.pid
+    assert forked.stdout.split() == [str(server), "True"]  # torch came with the fork
+    fresh = run_script([sys.executable, "-c", code], timeout_s=60, fresh=True)
+    assert fresh.stdout.split() == [str(os.getpid()), "False"]
+    monkeypatch.setenv(FORKSERVER_VAR, "0")  # the developer's way out, for every launch
+    assert run_script([sys.executable, "-c", code], timeout_s=60).stdout == fresh.stdout
+    monkeypatch.setenv(FORKSERVER_VAR, "1")
+    monkeypatch.setenv("PYTHONHASHSEED", "7")  # read at start-up: a fresh interpreter then
+    assert run_script([sys.executable, "-c", code], timeout_s=60).stdout == fresh.stdout
+    assert (
+        ForkServer._current is not None and ForkServer._current.proc.poll() is None
+    )  # the server lives on
