@@ -27,7 +27,8 @@ pipe from the pytest process that started it) closes. The client side is
 
 Protocol, one connection per child: the client sends a 4-byte length and a JSON request
 (``argv``, ``env``, ``cwd``) with two descriptors (stdout, stderr); the server answers
-``pid N`` when the child runs, then ``status S`` (the raw wait status) when it ends, or
+``pid N`` when the child runs, then ``status S CPU`` (the raw wait status, the CPU-s it
+and the children it reaped used) when it ends, or
 ``error MESSAGE`` if it could not fork.
 """
 
@@ -132,15 +133,16 @@ def serve(listen: socket.socket) -> tuple[dict, list[int]]:
 def _reap(children: dict[int, socket.socket]) -> None:
     while children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
         conn = children.pop(pid, None)
         if conn is not None:
+            cpu_s = usage.ru_utime + usage.ru_stime  # with the children it reaped
             with contextlib.suppress(OSError):  # the caller went away: nobody to tell
-                conn.sendall(f"status {status}\n".encode())
+                conn.sendall(f"status {status} {cpu_s:.3f}\n".encode())
             conn.close()
 
 

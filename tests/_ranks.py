@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import json
 import os
+import resource
 import select
 import shutil
 import signal
@@ -262,10 +263,15 @@ class Forked:
     """A ``python SCRIPT`` process forked by the fork server: a real process of its own
     (its pid, its session; signals and ``killpg`` reach it), with the part of
     ``subprocess.Popen``'s interface the tests use. Its exit status comes from the
-    server, which is its parent; ``returncode`` is negative for a death by signal."""
+    server, which is its parent; ``returncode`` is negative for a death by signal, and
+    ``cpu_s`` the CPU time it used (with the children it reaped)."""
+
+    #: The CPU-s of every forked process seen to end in this pytest process: they are
+    #: not this process's children, so ``RUSAGE_CHILDREN`` misses them (``cpu_now``).
+    ended_cpu_s = 0.0
 
     def __init__(self, args: list[str], conn: socket.socket, pid: int, buf: bytes) -> None:
-        self.args, self.pid, self.returncode = args, pid, None
+        self.args, self.pid, self.returncode, self.cpu_s = args, pid, None, 0.0
         self._conn, self._buf = conn, buf
 
     def poll(self) -> int | None:
@@ -292,10 +298,13 @@ class Forked:
         line = _read_line(self._conn, self, timeout)
         if line is None:
             return False
-        kind, _, value = line.partition(" ")
+        kind, _, rest = line.partition(" ")
         if kind != "status":
             raise RuntimeError(f"fork server: {line} (for {self.args})")
-        self.returncode = os.waitstatus_to_exitcode(int(value))
+        status, cpu_s = rest.split()
+        self.returncode = os.waitstatus_to_exitcode(int(status))
+        self.cpu_s = float(cpu_s)
+        Forked.ended_cpu_s += self.cpu_s
         self._conn.close()
         return True
 
@@ -410,6 +419,17 @@ class ForkServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def cpu_now() -> float:
+    """CPU-s used so far by this process and the processes it started that ended:
+    its own, its reaped children's, and those forked for it by the fork server (the
+    ranks ``spawn`` forks are not counted). A test's cost, read before and after it,
+    whatever else the machine runs."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return used + Forked.ended_cpu_s
 
 
 def run_script(

@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-from _ranks import free_port, patience, run_script, spawn  # noqa: F401  (the tests import them)
+from _ranks import cpu_now, free_port, patience, run_script, spawn  # noqa: F401  (tests import them)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -128,3 +129,48 @@ def pytest_collection_modifyitems(config, items) -> None:
     a long file alone at the end."""
     slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.path])
+
+
+# ---------------------------------------------------------------- each test's CPU time
+# ``--cpu-durations=N`` lists the N tests that used the most CPU-s (the test's process
+# and the processes it started; ``_ranks.cpu_now``), as ``--durations`` lists wall
+# time: on a shared machine the CPU time is what says whether a test is slow.
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="list the N tests that used the most CPU-s (0: all), with their processes'",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.cpu_start = cpu_now()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and hasattr(item, "cpu_start"):
+        outcome.get_result().user_properties.append(("cpu_s", cpu_now() - item.cpu_start))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    n = config.getoption("--cpu-durations")
+    if n is None:
+        return
+    costs = [
+        (dict(rep.user_properties)["cpu_s"], rep.nodeid)
+        for reports in terminalreporter.stats.values()
+        for rep in reports
+        if getattr(rep, "when", None) == "teardown" and "cpu_s" in dict(rep.user_properties)
+    ]
+    costs.sort(reverse=True)
+    terminalreporter.write_sep("=", f"CPU-s per test ({sum(c for c, _ in costs):.0f} in all)")
+    for cpu_s, nodeid in costs[:n] if n else costs:
+        terminalreporter.write_line(f"{cpu_s:8.2f}s cpu  {nodeid}")
