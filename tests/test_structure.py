@@ -368,3 +368,47 @@ def test_a_guard_start_imports_no_heavy_torch_package_it_does_not_need(tmp_path)
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout + out.stderr
+
+
+def _marks(decorators: list[ast.expr]) -> dict[str, ast.expr]:
+    """``@pytest.mark.NAME`` or ``@pytest.mark.NAME(...)`` decorators, by NAME."""
+    found = {}
+    for deco in decorators:
+        node = deco.func if isinstance(deco, ast.Call) else deco
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value).endswith("mark"):
+            found[node.attr] = deco
+    return found
+
+
+def _says_why(mark: ast.expr) -> bool:
+    reason = next((k.value for k in getattr(mark, "keywords", []) if k.arg == "reason"), None)
+    return isinstance(reason, ast.Constant) and bool(str(reason.value).strip())
+
+
+def test_every_slow_marker_says_why_and_real_torchrun_tests_are_slow():
+    # The quick tier (-m "not slow", docs/development.md) stays under 2 minutes because
+    # every test over ~2 s carries the marker, with the reason it takes long; a test
+    # that starts a real torchrun (a launcher and its ranks, each a fresh interpreter
+    # importing torch: 10 CPU-s and more) can never be quick.
+    unsaid, unmarked = [], []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = None
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0]):
+                values = node.value.elts if isinstance(node.value, ast.List) else [node.value]
+                module_slow = _marks(values).get("slow", module_slow)
+        if module_slow is not None and not _says_why(module_slow):
+            unsaid.append(f"{path.name}: pytestmark")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
+                continue
+            slow = _marks(node.decorator_list).get("slow")
+            if slow is not None and not _says_why(slow):
+                unsaid.append(f"{path.name}::{node.name}")
+            calls = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call)
+                     and isinstance(c.func, ast.Name)}  # fmt: skip
+            if calls & {"torchrun", "launch_torchrun"} and slow is None and module_slow is None:
+                unmarked.append(f"{path.name}::{node.name}")
+    assert not unsaid, f'@pytest.mark.slow without reason="...": {unsaid}'
+    assert not unmarked, f"real torchrun jobs outside the slow tier: {unmarked}"
