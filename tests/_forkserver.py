@@ -60,8 +60,27 @@ from typing import NoReturn
 #: children import guardrails themselves (about 0.3 CPU-s).
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "torch.utils.data")
 
-#: A process's state before the preload: what each child is given back.
-_START_PATH = list(sys.path)
+
+#: A process's state before the preload: what each child is given back. The module
+#: search path without its first entry (this file's folder) and without the server's
+#: PYTHONPATH: each child's own goes in front of it.
+def _pythonpath(value: str | None) -> list[str]:
+    """The ``sys.path`` entries Python makes of ``PYTHONPATH``: absolute (an empty
+    one is the working directory)."""
+    return [os.path.abspath(entry) for entry in value.split(os.pathsep)] if value else []
+
+
+_BASE_PATH = [p for p in sys.path[1:] if p not in _pythonpath(os.environ.get("PYTHONPATH"))]
+
+
+def _search_path(first: str) -> list[str]:
+    """``sys.path`` as Python builds it: PYTHONPATH's entries and the installation's,
+    duplicates dropped (``site``), then the script's folder (or '' for ``-c``) in
+    front."""
+    rest = _pythonpath(os.environ.get("PYTHONPATH")) + _BASE_PATH
+    return [first, *dict.fromkeys(rest)]
+
+
 _START_SIGNALS = {
     sig: signal.getsignal(sig)
     for sig in signal.valid_signals()
@@ -208,13 +227,13 @@ def _run_script(argv: list[str]) -> NoReturn:
     if argv[1] == "-c":
         source, filename = argv[2], "<string>"
         sys.argv = ["-c", *argv[3:]]
-        sys.path[:] = ["", *_START_PATH[1:]]
+        sys.path[:] = _search_path("")
         main.__loader__ = importlib.machinery.BuiltinImporter
     else:
         with io.open_code(argv[1]) as f:
             source, filename = f.read(), argv[1]
         sys.argv = argv[1:]
-        sys.path[:] = [os.path.dirname(os.path.realpath(filename)), *_START_PATH[1:]]
+        sys.path[:] = _search_path(os.path.dirname(os.path.realpath(filename)))
         main.__file__ = filename
         main.__cached__ = None
         main.__loader__ = importlib.machinery.SourceFileLoader("__main__", filename)

@@ -244,18 +244,20 @@ class Job:
 #: new interpreter, as before the fork server (to rule the server out of a failure).
 FORKSERVER_VAR = "GUARDRAILS_TEST_FORKSERVER"
 
-#: Environment variables an interpreter or torch reads as it starts (the module search
-#: path, hash seed, warnings, threads, devices): a process whose values differ from the
-#: fork server's would not be what a fresh one is, so it gets a real subprocess.
-#: TORCHELASTIC_* (torchrun's) are read later, by guardrails and torch.distributed.
+#: Environment variables an interpreter or torch reads as it starts (hash seed,
+#: warnings, threads, devices, libraries): a process whose values differ from the fork
+#: server's would not be what a fresh one is, so it gets a real subprocess.
 _STARTUP_VARS = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "HIP")
 
 
 def _startup_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` read at start-up, but PYTHONPATH (the fork server
+    builds each child's ``sys.path`` from its own) and TORCHELASTIC_* (torchrun's, read
+    later, by guardrails and torch.distributed)."""
     return {
         k: v
         for k, v in env.items()
-        if k.startswith(_STARTUP_VARS) and not k.startswith("TORCHELASTIC_")
+        if k.startswith(_STARTUP_VARS) and not k.startswith("TORCHELASTIC_") and k != "PYTHONPATH"
     }
 
 

@@ -115,6 +115,7 @@ seen = {
     "buffered": sys.stdout.line_buffering,
 }
 print(json.dumps(seen))
+print(os.getppid())
 how = sys.argv[1]
 if how == "exit":
     sys.exit(3)
@@ -136,17 +137,22 @@ def test_a_forked_script_is_what_a_fresh_python_script_is(tmp_path, monkeypatch,
     monkeypatch.setenv("PROBE_MARK", how)  # set after the server may have started
     monkeypatch.delenv(FORKSERVER_VAR, raising=False)
     runs, kept = {}, tmp_path / "kept.txt"
+    argv = [sys.executable, script, how, kept]
+    # Its own module search path (an empty entry and a relative one included).
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), "", "rel/"])}
     for fresh in (False, True):
         out = tmp_path / f"fresh{fresh}"
-        with launch(
-            [sys.executable, script, how, kept], 1, out=out, merge=False, fresh=fresh
-        ) as job:
+        with launch(argv, 1, out=out, env=env, merge=False, fresh=fresh) as job:
             [runs[fresh]] = job.wait(60)
         if how == "open":
             assert kept.read_text() == "flushed at exit", f"fresh={fresh}"
             kept.unlink()
+    (seen, forked_parent), (fresh_seen, fresh_parent) = [
+        runs[fresh].out.splitlines()[:2] for fresh in (False, True)
+    ]
+    assert [forked_parent, fresh_parent] == [str(ForkServer.get().proc.pid), str(os.getpid())]
+    assert json.loads(seen) == json.loads(fresh_seen)
     forked, real = runs[False], runs[True]
-    assert json.loads(forked.out) == json.loads(real.out)
     assert forked.code == real.code == {"exit": 3, "raise": 1, "sigterm": -15, "open": 0}[how]
     assert forked.err == real.err  # the same traceback, none of the server's frames
 
