@@ -12,6 +12,7 @@ of ``[sys.executable, "-c", CODE, *ARGS]``):
   reach it and only it, as before);
 - the request's environment, working directory, ``sys.argv`` and ``sys.path`` (the
   script's folder first); a fresh ``__main__`` module running the script;
+- the caller's umask, resource limits, CPUs and nice value (read at the request);
 - stdin on /dev/null, stdout and stderr on the caller's files (passed as descriptors);
 - the signal dispositions and mask the server had before it imported anything, the
   faulthandler as ``PYTHONFAULTHANDLER`` says, NumPy's global generator reseeded (as
@@ -44,6 +45,7 @@ import importlib.machinery
 import io
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -189,6 +191,13 @@ def _become(request: dict, fds: list[int]) -> None:
     os.dup2(err, 2)
     for fd in set(fds):
         os.close(fd)
+
+    os.umask(request["umask"])
+    for name, limits in request["rlimits"].items():
+        if resource.getrlimit(getattr(resource, name)) != tuple(limits):
+            resource.setrlimit(getattr(resource, name), tuple(limits))
+    os.sched_setaffinity(0, request["cpus"])
+    os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
 
     env = request["env"]
     os.environ.clear()

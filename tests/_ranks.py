@@ -261,6 +261,24 @@ def _startup_env(env: dict[str, str]) -> dict[str, str]:
     }
 
 
+def _inherited() -> dict:
+    """What a process inherits from the one that starts it, besides its environment
+    and directory, read from this one now (a test may have changed them): the umask,
+    the resource limits, the CPUs it may run on, its nice value."""
+    umask = os.umask(0o22)
+    os.umask(umask)
+    return {
+        "umask": umask,
+        "rlimits": {
+            name: resource.getrlimit(getattr(resource, name))
+            for name in dir(resource)
+            if name.startswith("RLIMIT_")
+        },
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    }
+
+
 class Forked:
     """A ``python SCRIPT`` process forked by the fork server: a real process of its own
     (its pid, its session; signals and ``killpg`` reach it), with the part of
@@ -387,7 +405,8 @@ class ForkServer:
         """Fork ``cmd`` with its output on ``out_fd``/``err_fd``; None when the server
         cannot fork now (the caller starts a real process instead)."""
         conn = self._connect()
-        request = json.dumps({"argv": cmd, "env": env, "cwd": str(cwd)}).encode()
+        request = {"argv": cmd, "env": env, "cwd": str(cwd), **_inherited()}
+        request = json.dumps(request).encode()
         socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [out_fd, err_fd])
         holder = Forked(cmd, conn, 0, b"")
         line = _read_line(conn, holder, max(SERVER_WAIT_S, patience(SERVER_WAIT_S)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def test_a_spawned_rank_that_never_ends_still_fails_the_test(monkeypatch):
 #: ``raise``, ``sigterm`` (the default action: death by SIGTERM), ``open`` (a file left
 #: open and unflushed, which the interpreter's exit flushes).
 PROBE = """
-import faulthandler, json, os, signal, sys
+import faulthandler, json, os, resource, signal, sys
 seen = {
     "name": __name__, "file": globals().get("__file__"), "argv": sys.argv, "path": sys.path,
     "cwd": os.getcwd(), "mark": os.environ.get("PROBE_MARK"), "stdin": sys.stdin.read(),
@@ -112,7 +113,8 @@ seen = {
                 if s not in (signal.SIGKILL, signal.SIGSTOP)},
     "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     "faulthandler": faulthandler.is_enabled(), "threads": len(os.listdir("/proc/self/task")),
-    "buffered": sys.stdout.line_buffering,
+    "buffered": sys.stdout.line_buffering, "umask": os.umask(0o22),
+    "core": resource.getrlimit(resource.RLIMIT_CORE), "cpus": sorted(os.sched_getaffinity(0)),
 }
 print(json.dumps(seen))
 print(os.getppid())
@@ -136,6 +138,27 @@ def test_a_forked_script_is_what_a_fresh_python_script_is(tmp_path, monkeypatch,
     script.write_text(PROBE)
     monkeypatch.setenv("PROBE_MARK", how)  # set after the server may have started
     monkeypatch.delenv(FORKSERVER_VAR, raising=False)
+    # Inherited from the test's process as it is at the launch: a umask, a core limit.
+    umask = os.umask(0o027)
+    core = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, core[1]))
+    try:
+        runs = _probe_both_ways(tmp_path, script, how)
+    finally:
+        os.umask(umask)
+        resource.setrlimit(resource.RLIMIT_CORE, core)
+    (seen, forked_parent), (fresh_seen, fresh_parent) = [
+        runs[fresh].out.splitlines()[:2] for fresh in (False, True)
+    ]
+    assert [forked_parent, fresh_parent] == [str(ForkServer.get().proc.pid), str(os.getpid())]
+    assert json.loads(seen) == json.loads(fresh_seen)
+    assert json.loads(seen)["umask"] == 0o027 and json.loads(seen)["core"][0] == 0
+    forked, real = runs[False], runs[True]
+    assert forked.code == real.code == {"exit": 3, "raise": 1, "sigterm": -15, "open": 0}[how]
+    assert forked.err == real.err  # the same traceback, none of the server's frames
+
+
+def _probe_both_ways(tmp_path: Path, script: Path, how: str) -> dict:
     runs, kept = {}, tmp_path / "kept.txt"
     argv = [sys.executable, script, how, kept]
     # Its own module search path (an empty entry and a relative one included).
@@ -147,14 +170,7 @@ def test_a_forked_script_is_what_a_fresh_python_script_is(tmp_path, monkeypatch,
         if how == "open":
             assert kept.read_text() == "flushed at exit", f"fresh={fresh}"
             kept.unlink()
-    (seen, forked_parent), (fresh_seen, fresh_parent) = [
-        runs[fresh].out.splitlines()[:2] for fresh in (False, True)
-    ]
-    assert [forked_parent, fresh_parent] == [str(ForkServer.get().proc.pid), str(os.getpid())]
-    assert json.loads(seen) == json.loads(fresh_seen)
-    forked, real = runs[False], runs[True]
-    assert forked.code == real.code == {"exit": 3, "raise": 1, "sigterm": -15, "open": 0}[how]
-    assert forked.err == real.err  # the same traceback, none of the server's frames
+    return runs
 
 
 def test_script_processes_are_forked_from_the_server_unless_asked_otherwise(tmp_path, monkeypatch):
