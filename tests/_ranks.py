@@ -463,11 +463,12 @@ def run_script(
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, capture_output=True, text=True, timeout=...)`` for a
     ``python SCRIPT ...``, forked from the fork server unless ``fresh``; ``env``
-    defaults to ``base_env()``. Output comes through pipes (as ``capture_output``: a
-    file could be refused under a test's RLIMIT_FSIZE); past ``patience(timeout_s)``
-    the process group is killed and ``subprocess.TimeoutExpired`` raised."""
+    defaults to this process's, as for ``subprocess.run``. Output comes through pipes
+    (as ``capture_output``: a file could be refused under a test's RLIMIT_FSIZE); past
+    ``patience(timeout_s)`` the process group is killed and ``subprocess.TimeoutExpired``
+    raised."""
     cmd = [str(a) for a in argv]
-    env = base_env() if env is None else env
+    env = dict(os.environ) if env is None else env
     cwd = Path.cwd() if cwd is None else cwd
     limit = patience(timeout_s)
     if fresh or not ForkServer.serves(cmd, env):

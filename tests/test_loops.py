@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from _ranks import patience, run_ranks
+from _ranks import run_ranks, run_script
 from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
 from torch import nn
@@ -722,12 +722,7 @@ def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, faul
     # interpreter's exit, flushing metrics and writing its end event.
     script = tmp_path / "train.py"
     script.write_text(FLAT_SCRIPT.format(tests=str(Path(__file__).parent)))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run"), fault],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
-    )
+    proc = run_script([sys.executable, script, tmp_path / "run", fault], timeout_s=120)
     assert proc.returncode == (143 if fault == "sigterm" else 1), proc.stderr
     (end,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "end"]
     assert end["error"].startswith("SystemExit: 143" if fault == "sigterm" else "NonFiniteError")
