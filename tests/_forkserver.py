@@ -178,6 +178,9 @@ def _end(children: dict[int, socket.socket]) -> None:
 def _become(request: dict, fds: list[int]) -> None:
     """In the child: become ``python SCRIPT ARGS`` as a fresh process would be."""
     os.setsid()
+    # Python 3.11 keeps the server's thread id as the main thread's native_id after a
+    # fork (the watchdog reads /proc/self/task/<native_id> for its CPU share).
+    threading.main_thread()._set_native_id()  # type: ignore[attr-defined]
     for sig, handler in _START_SIGNALS.items():
         if handler is not None and signal.getsignal(sig) != handler:
             signal.signal(sig, handler)

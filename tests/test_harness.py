@@ -104,7 +104,7 @@ def test_a_spawned_rank_that_never_ends_still_fails_the_test(monkeypatch):
 #: ``raise``, ``sigterm`` (the default action: death by SIGTERM), ``open`` (a file left
 #: open and unflushed, which the interpreter's exit flushes).
 PROBE = """
-import faulthandler, json, os, resource, signal, sys
+import faulthandler, json, os, resource, signal, sys, threading
 seen = {
     "name": __name__, "file": globals().get("__file__"), "argv": sys.argv, "path": sys.path,
     "cwd": os.getcwd(), "mark": os.environ.get("PROBE_MARK"), "stdin": sys.stdin.read(),
@@ -115,6 +115,7 @@ seen = {
     "faulthandler": faulthandler.is_enabled(), "threads": len(os.listdir("/proc/self/task")),
     "buffered": sys.stdout.line_buffering, "umask": os.umask(0o22),
     "core": resource.getrlimit(resource.RLIMIT_CORE), "cpus": sorted(os.sched_getaffinity(0)),
+    "main_thread": threading.main_thread().native_id == threading.get_native_id() == os.getpid(),
 }
 print(json.dumps(seen))
 print(os.getppid())
@@ -153,6 +154,7 @@ def test_a_forked_script_is_what_a_fresh_python_script_is(tmp_path, monkeypatch,
     assert [forked_parent, fresh_parent] == [str(ForkServer.get().proc.pid), str(os.getpid())]
     assert json.loads(seen) == json.loads(fresh_seen)
     assert json.loads(seen)["umask"] == 0o027 and json.loads(seen)["core"][0] == 0
+    assert json.loads(seen)["main_thread"]  # its thread ids are its own
     forked, real = runs[False], runs[True]
     assert forked.code == real.code == {"exit": 3, "raise": 1, "sigterm": -15, "open": 0}[how]
     assert forked.err == real.err  # the same traceback, none of the server's frames
