@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -244,9 +245,9 @@ class Job:
 #: new interpreter, as before the fork server (to rule the server out of a failure).
 FORKSERVER_VAR = "GUARDRAILS_TEST_FORKSERVER"
 
-#: Environment variables an interpreter or torch reads as it starts (hash seed,
-#: warnings, threads, devices, libraries): a process whose values differ from the fork
-#: server's would not be what a fresh one is, so it gets a real subprocess.
+#: Environment variables an interpreter or torch may read as it starts (hash seed,
+#: warnings, threads, devices, libraries): a fork server is started with them, and
+#: serves only the processes launched with the same values.
 _STARTUP_VARS = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "HIP")
 
 
@@ -290,9 +291,12 @@ class Forked:
     #: not this process's children, so ``RUSAGE_CHILDREN`` misses them (``cpu_now``).
     ended_cpu_s = 0.0
 
-    def __init__(self, args: list[str], conn: socket.socket, pid: int, buf: bytes) -> None:
+    def __init__(
+        self, args: list[str], conn: socket.socket, pid: int, buf: bytes, log: Path
+    ) -> None:
         self.args, self.pid, self.returncode, self.cpu_s = args, pid, None, 0.0
-        self._conn, self._buf = conn, buf
+        self._conn, self._buf, self.log = conn, buf, log
+        self.server: ForkServer | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -325,6 +329,8 @@ class Forked:
         self.returncode = os.waitstatus_to_exitcode(int(status))
         self.cpu_s = float(cpu_s)
         Forked.ended_cpu_s += self.cpu_s
+        if self.server is not None:
+            self.server.live.discard(self.pid)
         self._conn.close()
         return True
 
@@ -339,7 +345,7 @@ def _read_line(conn: socket.socket, holder, timeout: float | None) -> str | None
             return None
         chunk = conn.recv(4096)
         if not chunk:
-            raise RuntimeError(f"the fork server went away (its log: {ForkServer.log_path()})")
+            raise RuntimeError(f"the fork server went away (its log: {holder.log})")
         holder._buf += chunk
     line, _, holder._buf = holder._buf.partition(b"\n")
     return line.decode()
@@ -352,52 +358,69 @@ SERVER_WAIT_S = 120.0
 
 
 class ForkServer:
-    """The client of ``tests/_forkserver.py``: one server per pytest process (each
-    xdist worker), started at the first ``python SCRIPT`` the tests launch, ended when
-    the process exits. ``serves`` says which commands it takes; ``start`` forks one."""
+    """The client of ``tests/_forkserver.py``: a server per pytest process (each xdist
+    worker) and set of start-up variables (``_STARTUP_VARS``), started at the first
+    ``python SCRIPT`` launched with them, ended when the process exits (or earlier,
+    past ``MAX_SERVERS``). A process launched with other
+    start-up variables than the servers' gets a server of its own, started with them:
+    what it would see fresh, forked. ``serves`` says which commands a server takes;
+    ``for_env`` gives the server; ``start`` forks one."""
 
-    _current: ForkServer | None = None
+    #: Servers held at once per pytest process (~400 MB each, mostly shared with their
+    #: children), past which the least recently used one with nothing running ends: a
+    #: test that sets a start-up variable for its processes starts one more, and
+    #: torch.compile in a test's own process sets TORCHINDUCTOR_CACHE_DIR for every
+    #: later launch of that pytest process.
+    MAX_SERVERS = 3
 
-    def __init__(self) -> None:
+    _servers: ClassVar[dict[tuple, ForkServer]] = {}
+    _owner = os.getpid()
+
+    def __init__(self, startup: dict[str, str]) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="guardrails-forkserver-"))
         self.socket = str(self.dir / "socket")
-        self.env = base_env()
+        env = {k: v for k, v in base_env().items() if k not in _startup_env(base_env())}
         with open(self.dir / "server.log", "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(TESTS / "_forkserver.py"), self.socket],
                 cwd=ROOT,
-                env=self.env,
+                env={**env, **startup},
                 stdin=subprocess.PIPE,  # its end of the pipe closing ends the server
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.pid = os.getpid()
+        self.live: set[int] = set()  # the pids it forked, not yet seen to end
         atexit.register(self.close)
 
     @classmethod
+    def for_env(cls, env: dict[str, str]) -> ForkServer:
+        """The server for a process with environment ``env``: started now if none has
+        its start-up variables."""
+        if cls._owner != os.getpid():  # a process forked from this one: none of its own
+            cls._servers, cls._owner = {}, os.getpid()
+        key = tuple(sorted(_startup_env(env).items()))
+        server = cls._servers.pop(key, None) or cls(_startup_env(env))
+        cls._servers[key] = server  # the most recently used last
+        idle = [k for k, other in cls._servers.items() if not other.live and other is not server]
+        for k in idle[: max(0, len(cls._servers) - cls.MAX_SERVERS)]:
+            cls._servers.pop(k).close()  # it forked nothing still running: nothing lost
+        return server
+
+    @classmethod
     def get(cls) -> ForkServer:
-        if cls._current is None or cls._current.pid != os.getpid():
-            cls._current = cls()
-        return cls._current
+        """The server for a process with this process's environment."""
+        return cls.for_env(base_env())
 
-    @classmethod
-    def log_path(cls) -> Path | None:
-        return cls._current.dir / "server.log" if cls._current else None
-
-    @classmethod
-    def serves(cls, cmd: Sequence[str], env: dict[str, str]) -> bool:
+    @staticmethod
+    def serves(cmd: Sequence[str]) -> bool:
         """A command of the form ``python SCRIPT.py ...`` or ``python -c CODE ...``
-        (this interpreter, no other flag) whose start-up variables (``_STARTUP_VARS``)
-        are the server's, unless ``GUARDRAILS_TEST_FORKSERVER=0``."""
+        (this interpreter, no other flag), unless ``GUARDRAILS_TEST_FORKSERVER=0``."""
         if os.environ.get(FORKSERVER_VAR, "1").strip() == "0":
             return False
         if len(cmd) < 2 or cmd[0] != sys.executable:
             return False
-        if not (cmd[1].endswith(".py") or (cmd[1] == "-c" and len(cmd) > 2)):
-            return False
-        server_env = cls._current.env if cls._current else base_env()
-        return _startup_env(env) == _startup_env(server_env)
+        return cmd[1].endswith(".py") or (cmd[1] == "-c" and len(cmd) > 2)
 
     def start(
         self, cmd: list[str], env: dict, cwd: Path, out_fd: int, err_fd: int
@@ -408,13 +431,15 @@ class ForkServer:
         request = {"argv": cmd, "env": env, "cwd": str(cwd), **_inherited()}
         request = json.dumps(request).encode()
         socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [out_fd, err_fd])
-        holder = Forked(cmd, conn, 0, b"")
+        holder = Forked(cmd, conn, 0, b"", self.dir / "server.log")
         line = _read_line(conn, holder, max(SERVER_WAIT_S, patience(SERVER_WAIT_S)))
         kind, _, value = (line or "error no answer in time").partition(" ")
         if kind != "pid":
             conn.close()
             return None
         holder.pid = int(value)
+        holder.server = self
+        self.live.add(holder.pid)
         return holder
 
     def _connect(self) -> socket.socket:
@@ -471,12 +496,12 @@ def run_script(
     env = dict(os.environ) if env is None else env
     cwd = Path.cwd() if cwd is None else cwd
     limit = patience(timeout_s)
-    if fresh or not ForkServer.serves(cmd, env):
+    if fresh or not ForkServer.serves(cmd):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=cwd)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        proc = ForkServer.get().start(cmd, env, cwd, out_w, err_w)
+        proc = ForkServer.for_env(env).start(cmd, env, cwd, out_w, err_w)
     finally:
         os.close(out_w)
         os.close(err_w)
@@ -525,9 +550,10 @@ def _start(
     with open(out / f"{name}.out", "w") as stdout:
         stderr = subprocess.STDOUT if merge else open(out / f"{name}.err", "w")  # noqa: SIM115
         try:
-            if not fresh and ForkServer.serves(cmd, env):
+            if not fresh and ForkServer.serves(cmd):
                 err = stdout if merge else stderr
-                forked = ForkServer.get().start(cmd, env, cwd, stdout.fileno(), err.fileno())
+                server = ForkServer.for_env(env)
+                forked = server.start(cmd, env, cwd, stdout.fileno(), err.fileno())
                 if forked is not None:
                     return forked
             return subprocess.Popen(

@@ -20,6 +20,7 @@ from _ranks import (
     MAX_STRETCH,
     PATIENCE_VAR,
     ForkServer,
+    base_env,
     launch,
     patience,
     run_script,
@@ -151,7 +152,8 @@ def test_a_forked_script_is_what_a_fresh_python_script_is(tmp_path, monkeypatch,
     (seen, forked_parent), (fresh_seen, fresh_parent) = [
         runs[fresh].out.splitlines()[:2] for fresh in (False, True)
     ]
-    assert [forked_parent, fresh_parent] == [str(ForkServer.get().proc.pid), str(os.getpid())]
+    server = ForkServer.for_env(base_env()).proc.pid  # launch()'s environment
+    assert [forked_parent, fresh_parent] == [str(server), str(os.getpid())]
     assert json.loads(seen) == json.loads(fresh_seen)
     assert json.loads(seen)["umask"] == 0o027 and json.loads(seen)["core"][0] == 0
     assert json.loads(seen)["main_thread"]  # its thread ids are its own
@@ -176,18 +178,23 @@ def _probe_both_ways(tmp_path: Path, script: Path, how: str) -> dict:
 
 
 def test_script_processes_are_forked_from_the_server_unless_asked_otherwise(tmp_path, monkeypatch):
-    code = "import os, sys; print(os.getppid(), 'torch' in sys.modules)"
+    code = "import os, sys; print(os.getppid(), 'torch' in sys.modules, hash('guardrails'))"
+    argv = [sys.executable, "-c", code]
     monkeypatch.delenv(FORKSERVER_VAR, raising=False)
-    forked = run_script([sys.executable, "-c", code], timeout_s=60)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     server = ForkServer.get().proc.pid
-    assert forked.stdout.split() == [str(server), "True"]  # torch came with the fork
-    fresh = run_script([sys.executable, "-c", code], timeout_s=60, fresh=True)
-    assert fresh.stdout.split() == [str(os.getpid()), "False"]
+    forked = run_script(argv, timeout_s=60).stdout.split()
+    assert forked[:2] == [str(server), "True"]  # torch came with the fork
+    fresh = run_script(argv, timeout_s=60, fresh=True).stdout.split()
+    assert fresh[:2] == [str(os.getpid()), "False"]
     monkeypatch.setenv(FORKSERVER_VAR, "0")  # the developer's way out, for every launch
-    assert run_script([sys.executable, "-c", code], timeout_s=60).stdout == fresh.stdout
+    assert run_script(argv, timeout_s=60).stdout.split()[:2] == fresh[:2]
+    # A variable read at start-up: a server of its own, started with it.
     monkeypatch.setenv(FORKSERVER_VAR, "1")
-    monkeypatch.setenv("PYTHONHASHSEED", "7")  # read at start-up: a fresh interpreter then
-    assert run_script([sys.executable, "-c", code], timeout_s=60).stdout == fresh.stdout
-    assert (
-        ForkServer._current is not None and ForkServer._current.proc.poll() is None
-    )  # the server lives on
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    seeded = run_script(argv, timeout_s=60).stdout.split()
+    other = ForkServer.get().proc.pid
+    assert other != server and seeded[:2] == [str(other), "True"]
+    assert seeded[2] == run_script(argv, timeout_s=60, fresh=True).stdout.split()[2]
+    monkeypatch.delenv("PYTHONHASHSEED")
+    assert run_script(argv, timeout_s=60).stdout.split()[0] == str(server)  # still there
