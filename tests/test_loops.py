@@ -890,6 +890,7 @@ def _train_forever(run_dir, steps: int, delay_s: float = 0.0) -> None:
                 break
 
 
+@pytest.mark.slow(reason="fast-forwards a loader through many batches: ~2.2 CPU-s")
 def test_a_long_fast_forward_says_how_far_it_is_and_how_long_is_left(tmp_path, monkeypatch):
     # A loader without a length is fast-forwarded batch by batch at resume, and the
     # start is blocked meanwhile: past PROGRESS_EVERY_S it says how far it is, the

@@ -643,6 +643,7 @@ def wandb_offline(monkeypatch):
         wandb.run.finish()
 
 
+@pytest.mark.slow(reason="imports wandb and runs it offline: ~2.2 CPU-s")
 def test_wandb_offline_run_holds_every_row_at_its_step(tmp_path, wandb_offline, caplog):
     caplog.set_level(logging.INFO)
     g = train(

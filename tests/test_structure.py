@@ -134,6 +134,7 @@ CPU_OPS_PER_STEP = {
 }
 
 
+@pytest.mark.slow(reason="counts the ops of guarded steps for two models: ~2 CPU-s")
 def test_cpu_guard_ops_per_step_are_pinned_and_o1_in_the_parameter_tensors(tmp_path):
     """Exactly CPU_OPS_PER_STEP per step for a model of 10 parameter tensors and one of
     200, plus one ``view`` a gradient inside the flat copy (torch's C++
@@ -268,6 +269,7 @@ def bytecode_per_step(depth, tmp_path):
     return sum(1 for _ in model.parameters()), ops
 
 
+@pytest.mark.slow(reason="traces every bytecode of guarded steps for two models: ~5 CPU-s")
 def test_python_bytecode_per_step_does_not_grow_with_the_parameter_tensors(tmp_path):
     """The guard's Python work per step is the same for 150 parameter tensors and
     1,500: its per-tensor work (the grad norm's gather of the gradients) is C calls
@@ -347,6 +349,7 @@ def test_every_default_component_declares_the_protocol():
     check_components([cls() for cls in SECTIONS.values()])
 
 
+@pytest.mark.slow(reason="a fresh interpreter importing torch and guardrails: ~3.5 CPU-s")
 def test_a_guard_start_imports_no_heavy_torch_package_it_does_not_need(tmp_path):
     """Checks for sharded models and ZeroRedundancyOptimizer look their classes up in
     ``sys.modules`` instead of importing them: ``torch.distributed.optim`` compiles its
