@@ -258,7 +258,10 @@ def _run_script(argv: list[str]) -> NoReturn:
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        # As Python's top level does: sys.last_* first (an atexit hook may read them),
+        # then the hook.
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc.with_traceback(tb), tb
+        sys.excepthook(type(exc), exc, tb)
         _exit(1, by_signal=signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None)
     _exit(0)
 
