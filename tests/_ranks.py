@@ -32,17 +32,24 @@ what it needs on an idle machine, stretched on a busy one (the load per core) an
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import resource
+import select
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -179,7 +186,7 @@ class Job:
     """Ranks started by ``launch``: ``wait`` for them; leaving a ``with`` block (or a
     failed ``wait``) kills whatever still runs."""
 
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen | Forked]
     dir: Path
     merged: bool
     ended: dict[int, float] = field(default_factory=dict)
@@ -234,6 +241,299 @@ class Job:
         self.kill()
 
 
+#: ``GUARDRAILS_TEST_FORKSERVER=0`` starts every ``python SCRIPT`` of the tests as a real
+#: new interpreter, as before the fork server (to rule the server out of a failure).
+FORKSERVER_VAR = "GUARDRAILS_TEST_FORKSERVER"
+
+#: Environment variables an interpreter or torch may read as it starts (hash seed,
+#: warnings, threads, devices, libraries): a fork server is started with them, and
+#: serves only the processes launched with the same values.
+_STARTUP_VARS = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "LD_", "HIP")
+
+
+def _startup_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` read at start-up, but PYTHONPATH (the fork server
+    builds each child's ``sys.path`` from its own) and TORCHELASTIC_* (torchrun's, read
+    later, by guardrails and torch.distributed)."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(_STARTUP_VARS) and not k.startswith("TORCHELASTIC_") and k != "PYTHONPATH"
+    }
+
+
+def _inherited() -> dict:
+    """What a process inherits from the one that starts it, besides its environment
+    and directory, read from this one now (a test may have changed them): the umask,
+    the resource limits, the CPUs it may run on, its nice value."""
+    umask = os.umask(0o22)
+    os.umask(umask)
+    return {
+        "umask": umask,
+        "rlimits": {
+            name: resource.getrlimit(getattr(resource, name))
+            for name in dir(resource)
+            if name.startswith("RLIMIT_")
+        },
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    }
+
+
+class Forked:
+    """A ``python SCRIPT`` process forked by the fork server: a real process of its own
+    (its pid, its session; signals and ``killpg`` reach it), with the part of
+    ``subprocess.Popen``'s interface the tests use. Its exit status comes from the
+    server, which is its parent; ``returncode`` is negative for a death by signal, and
+    ``cpu_s`` the CPU time it used (with the children it reaped)."""
+
+    #: The CPU-s of every forked process seen to end in this pytest process: they are
+    #: not this process's children, so ``RUSAGE_CHILDREN`` misses them (``cpu_now``).
+    ended_cpu_s = 0.0
+
+    def __init__(
+        self, args: list[str], conn: socket.socket, pid: int, buf: bytes, log: Path
+    ) -> None:
+        self.args, self.pid, self.returncode, self.cpu_s = args, pid, None, 0.0
+        self._conn, self._buf, self.log = conn, buf, log
+        self.server: ForkServer | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read_status(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._read_status(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _read_status(self, timeout: float | None) -> bool:
+        line = _read_line(self._conn, self, timeout)
+        if line is None:
+            return False
+        kind, _, rest = line.partition(" ")
+        if kind != "status":
+            raise RuntimeError(f"fork server: {line} (for {self.args})")
+        status, cpu_s = rest.split()
+        self.returncode = os.waitstatus_to_exitcode(int(status))
+        self.cpu_s = float(cpu_s)
+        Forked.ended_cpu_s += self.cpu_s
+        if self.server is not None:
+            self.server.live.discard(self.pid)
+        self._conn.close()
+        return True
+
+
+def _read_line(conn: socket.socket, holder, timeout: float | None) -> str | None:
+    """The next line from the server (buffered in ``holder._buf``), waiting up to
+    ``timeout`` seconds (None: for ever); None if none came in time."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while b"\n" not in holder._buf:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([conn], [], [], left)[0]:
+            return None
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise RuntimeError(f"the fork server went away (its log: {holder.log})")
+        holder._buf += chunk
+    line, _, holder._buf = holder._buf.partition(b"\n")
+    return line.decode()
+
+
+#: The longest the server may take to start (it imports torch: ~4 s on an idle core) or
+#: to answer; not shortened by a test that sets a small GUARDRAILS_TEST_PATIENCE to
+#: time its own process out.
+SERVER_WAIT_S = 120.0
+
+
+class ForkServer:
+    """The client of ``tests/_forkserver.py``: a server per pytest process (each xdist
+    worker) and set of start-up variables (``_STARTUP_VARS``), started at the first
+    ``python SCRIPT`` launched with them, ended when the process exits (or earlier,
+    past ``MAX_SERVERS``). A process launched with other
+    start-up variables than the servers' gets a server of its own, started with them:
+    what it would see fresh, forked. ``serves`` says which commands a server takes;
+    ``for_env`` gives the server; ``start`` forks one."""
+
+    #: Servers held at once per pytest process (~400 MB each, mostly shared with their
+    #: children), past which the least recently used one with nothing running ends: a
+    #: test that sets a start-up variable for its processes starts one more, and
+    #: torch.compile in a test's own process sets TORCHINDUCTOR_CACHE_DIR for every
+    #: later launch of that pytest process.
+    MAX_SERVERS = 3
+
+    _servers: ClassVar[dict[tuple, ForkServer]] = {}
+    _owner = os.getpid()
+
+    def __init__(self, startup: dict[str, str]) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="guardrails-forkserver-"))
+        self.socket = str(self.dir / "socket")
+        env = {k: v for k, v in base_env().items() if k not in _startup_env(base_env())}
+        with open(self.dir / "server.log", "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(TESTS / "_forkserver.py"), self.socket],
+                cwd=ROOT,
+                env={**env, **startup},
+                stdin=subprocess.PIPE,  # its end of the pipe closing ends the server
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.live: set[int] = set()  # the pids it forked, not yet seen to end
+        atexit.register(self.close)
+
+    @classmethod
+    def for_env(cls, env: dict[str, str]) -> ForkServer:
+        """The server for a process with environment ``env``: started now if none has
+        its start-up variables."""
+        if cls._owner != os.getpid():  # a process forked from this one: none of its own
+            cls._servers, cls._owner = {}, os.getpid()
+        key = tuple(sorted(_startup_env(env).items()))
+        server = cls._servers.pop(key, None) or cls(_startup_env(env))
+        cls._servers[key] = server  # the most recently used last
+        idle = [k for k, other in cls._servers.items() if not other.live and other is not server]
+        for k in idle[: max(0, len(cls._servers) - cls.MAX_SERVERS)]:
+            cls._servers.pop(k).close()  # it forked nothing still running: nothing lost
+        return server
+
+    @classmethod
+    def get(cls) -> ForkServer:
+        """The server for a process with this process's environment."""
+        return cls.for_env(base_env())
+
+    @staticmethod
+    def serves(cmd: Sequence[str]) -> bool:
+        """A command of the form ``python SCRIPT.py ...`` or ``python -c CODE ...``
+        (this interpreter, no other flag), unless ``GUARDRAILS_TEST_FORKSERVER=0``."""
+        if os.environ.get(FORKSERVER_VAR, "1").strip() == "0":
+            return False
+        if len(cmd) < 2 or cmd[0] != sys.executable:
+            return False
+        return cmd[1].endswith(".py") or (cmd[1] == "-c" and len(cmd) > 2)
+
+    def start(
+        self, cmd: list[str], env: dict, cwd: Path, out_fd: int, err_fd: int
+    ) -> Forked | None:
+        """Fork ``cmd`` with its output on ``out_fd``/``err_fd``; None when the server
+        cannot fork now (the caller starts a real process instead)."""
+        conn = self._connect()
+        request = {"argv": cmd, "env": env, "cwd": str(cwd), **_inherited()}
+        request = json.dumps(request).encode()
+        socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [out_fd, err_fd])
+        holder = Forked(cmd, conn, 0, b"", self.dir / "server.log")
+        line = _read_line(conn, holder, max(SERVER_WAIT_S, patience(SERVER_WAIT_S)))
+        kind, _, value = (line or "error no answer in time").partition(" ")
+        if kind != "pid":
+            conn.close()
+            return None
+        holder.pid = int(value)
+        holder.server = self
+        self.live.add(holder.pid)
+        return holder
+
+    def _connect(self) -> socket.socket:
+        """A connection to the server, waiting for it to start (it imports torch)."""
+        deadline = time.monotonic() + max(SERVER_WAIT_S, patience(SERVER_WAIT_S))
+        while True:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self.socket)
+                return conn
+            except (FileNotFoundError, ConnectionRefusedError):
+                conn.close()
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    log = (self.dir / "server.log").read_text(errors="replace")
+                    raise RuntimeError(f"the fork server did not start:\n{log[-3000:]}") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        """End the server (it kills what it still runs) and reap it, so its CPU time
+        counts in this process's children's."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def cpu_now() -> float:
+    """CPU-s used so far by this process and the processes it started that ended:
+    its own, its reaped children's, and those forked for it by the fork server (the
+    ranks ``spawn`` forks are not counted). A test's cost, read before and after it,
+    whatever else the machine runs."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return used + Forked.ended_cpu_s
+
+
+def run_script(
+    argv: Sequence[str | os.PathLike],
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    fresh: bool = False,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=...)`` for a
+    ``python SCRIPT ...``, forked from the fork server unless ``fresh``; ``env``
+    defaults to this process's, as for ``subprocess.run``. Output comes through pipes
+    (as ``capture_output``: a file could be refused under a test's RLIMIT_FSIZE); past
+    ``patience(timeout_s)`` the process group is killed and ``subprocess.TimeoutExpired``
+    raised."""
+    cmd = [str(a) for a in argv]
+    env = dict(os.environ) if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    limit = patience(timeout_s)
+    if fresh or not ForkServer.serves(cmd):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=cwd)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        proc = ForkServer.for_env(env).start(cmd, env, cwd, out_w, err_w)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    if proc is None:
+        os.close(out_r)
+        os.close(err_r)
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=cwd)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    open_fds, deadline = [out_r, err_r], time.monotonic() + limit
+    try:
+        while open_fds:  # to EOF on both, as communicate() reads
+            left = deadline - time.monotonic()
+            ready = select.select(open_fds, [], [], max(0.0, left))[0]
+            if not ready:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+                raise subprocess.TimeoutExpired(cmd, limit)
+            for fd in ready:
+                data = os.read(fd, 65536)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_fds.remove(fd)
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(out_r)
+        os.close(err_r)
+    text = {fd: b"".join(c).decode(errors="replace") for fd, c in chunks.items()}
+    return subprocess.CompletedProcess(cmd, code, text[out_r], text[err_r])
+
+
 def _fail(message: str) -> None:
     import pytest  # not at the top: the workers import conftest, so this module, too
 
@@ -244,10 +544,18 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _start(cmd: list[str], env: dict[str, str], out: Path, name: str, merge: bool, cwd: Path):
+def _start(
+    cmd: list[str], env: dict[str, str], out: Path, name: str, merge: bool, cwd: Path, fresh: bool
+) -> subprocess.Popen | Forked:
     with open(out / f"{name}.out", "w") as stdout:
         stderr = subprocess.STDOUT if merge else open(out / f"{name}.err", "w")  # noqa: SIM115
         try:
+            if not fresh and ForkServer.serves(cmd):
+                err = stdout if merge else stderr
+                server = ForkServer.for_env(env)
+                forked = server.start(cmd, env, cwd, stdout.fileno(), err.fileno())
+                if forked is not None:
+                    return forked
             return subprocess.Popen(
                 cmd,
                 cwd=cwd,
@@ -272,9 +580,12 @@ def launch(
     cwd: Path = ROOT,
     merge: bool = True,
     error_files: bool = False,
+    fresh: bool = False,
 ) -> Job:
     """Start ``world`` ranks of ``argv`` (see the module's docstring); ``env`` is added
-    to each rank's environment."""
+    to each rank's environment. A ``python SCRIPT ...`` rank is forked from the fork
+    server (``ForkServer``: torch imported once) unless ``fresh`` asks for a new
+    interpreter (a test about the interpreter's start-up itself)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port() if port is None else port
@@ -288,7 +599,7 @@ def launch(
             if error_files:
                 extra["TORCHELASTIC_ERROR_FILE"] = str(out / f"error{r}.json")
             env_r = rank_env(r, world, port, **extra)
-            job.procs.append(_start(cmd, env_r, out, f"rank{r}", merge, cwd))
+            job.procs.append(_start(cmd, env_r, out, f"rank{r}", merge, cwd, fresh))
     except BaseException:
         job.kill()
         raise
@@ -310,7 +621,9 @@ def launch_torchrun(
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc-per-node", str(nproc), *map(str, args)]
-    return Job([_start(cmd, base_env(**(env or {})), out, "rank0", False, cwd)], out, False)
+    # torchrun itself always starts fresh: the tests of it are about the real launcher.
+    env_t = base_env(**(env or {}))
+    return Job([_start(cmd, env_t, out, "rank0", False, cwd, fresh=True)], out, False)
 
 
 def torchrun(

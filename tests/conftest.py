@@ -5,10 +5,12 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 from pathlib import Path
 
+import pytest
 import torch
-from _ranks import free_port, patience, spawn  # noqa: F401  (the tests import them from here)
+from _ranks import cpu_now, free_port, patience, run_script, spawn  # noqa: F401  (tests import them)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -94,16 +96,9 @@ def guarded_run(run_dir, n_steps: int = 2, inside=None, **knobs):
 
 def run_worker(worker: Path, run_dir: Path, out: Path, *args: object):
     """``python WORKER RUN_DIR OUT ARGS...`` to its end (a worker script of the resume
-    tests): the finished process, its output captured."""
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, str(worker), str(run_dir), str(out), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    tests), forked from the fork server (``_ranks.run_script``): the finished process,
+    its output captured."""
+    return run_script([sys.executable, worker, run_dir, out, *args], timeout_s=240)
 
 
 def read_events(run_dir) -> list[dict]:
@@ -134,3 +129,48 @@ def pytest_collection_modifyitems(config, items) -> None:
     a long file alone at the end."""
     slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.path])
+
+
+# ---------------------------------------------------------------- each test's CPU time
+# ``--cpu-durations=N`` lists the N tests that used the most CPU-s (the test's process
+# and the processes it started; ``_ranks.cpu_now``), as ``--durations`` lists wall
+# time: on a shared machine the CPU time is what says whether a test is slow.
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="list the N tests that used the most CPU-s (0: all), with their processes'",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.cpu_start = cpu_now()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and hasattr(item, "cpu_start"):
+        outcome.get_result().user_properties.append(("cpu_s", cpu_now() - item.cpu_start))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    n = config.getoption("--cpu-durations")
+    if n is None:
+        return
+    costs = [
+        (dict(rep.user_properties)["cpu_s"], rep.nodeid)
+        for reports in terminalreporter.stats.values()
+        for rep in reports
+        if getattr(rep, "when", None) == "teardown" and "cpu_s" in dict(rep.user_properties)
+    ]
+    costs.sort(reverse=True)
+    terminalreporter.write_sep("=", f"CPU-s per test ({sum(c for c, _ in costs):.0f} in all)")
+    for cpu_s, nodeid in costs[:n] if n else costs:
+        terminalreporter.write_line(f"{cpu_s:8.2f}s cpu  {nodeid}")

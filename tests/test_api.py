@@ -82,6 +82,7 @@ def test_all_is_pinned_and_sorted():
         assert hasattr(guardrails, name), name
 
 
+@pytest.mark.slow(reason="fresh interpreters importing each public name: ~2.2 CPU-s")
 def test_names_load_on_first_use_and_type_checkers_see_the_same_ones():
     """``import guardrails`` imports no torch (the CLI's report and inspect start
     without it); the first use of a name imports its module. The TYPE_CHECKING imports

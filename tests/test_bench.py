@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from guardrails.__main__ import main
 
 
+@pytest.mark.slow(reason="the bench command's timed runs: ~2.4 CPU-s")
 def test_bench_cli_tiny_on_cpu(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--device", "cpu", "--size", "tiny", "--batch", "2", "--seq", "16"]

@@ -44,7 +44,10 @@ from torch.nn import functional as F
 
 import guardrails
 
-pytestmark = pytest.mark.census
+pytestmark = [
+    pytest.mark.census,
+    pytest.mark.slow(reason="600 guarded steps per loop, in a process of its own: ~3 CPU-s"),
+]
 
 #: Optimizer steps each loop trains: the leak check's confirmation comes at step 600
 #: (checks every 100 steps, 4 rises in a row, then a census confirmed one check later),

@@ -69,6 +69,7 @@ def _run(cases, pristine, tmp_path, ways):
     return per_kind, per_way, problems
 
 
+@pytest.mark.slow(reason="resumes from many damaged checkpoints: ~3 CPU-s")
 def test_damaged_checkpoints_resume_cleanly_or_are_refused_by_name(pristine, tmp_path):
     """``resume(root)``, ``resume(step_dir)`` and ``inspect`` on a sample of every kind of
     damage: the newest loads (harmless damage), the previous one loads with a warning

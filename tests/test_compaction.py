@@ -109,6 +109,7 @@ def assert_same_rows(run_dir: Path, expected: pa.Table) -> None:
 # ---------------------------------------------------------------------------- merging
 
 
+@pytest.mark.slow(reason="hours of metric parts written and merged: ~3 CPU-s")
 def test_parts_of_each_finished_hour_become_one_file_and_rows_stay_exact(tmp_path):
     # 6 h of rank 0 and 1 at one step a second, one part a minute: 720 parts; the last
     # hour is not over (its rows may still come), so it stays as parts.
@@ -403,6 +404,7 @@ def test_the_report_reads_a_batch_at_a_time_whatever_the_length_of_the_run(tmp_p
 
 
 @pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.slow(reason="a run's report read twice, from parts and merged: ~2 CPU-s each")
 def test_report_facts_are_the_same_from_parts_and_from_merged_files(tmp_path, compact):
     """Two ranks, two hours, NaN steps: the streaming report says exactly what the
     report that loaded every row said (its output on this data, from the code before

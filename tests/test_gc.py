@@ -287,6 +287,7 @@ def _train_with_long_lived_cycles(run_dir, gc_section, n_steps: int, keep: int =
     return at_2000, dead, g
 
 
+@pytest.mark.slow(reason="a guarded run building cyclic garbage until collections run: ~3 CPU-s")
 def test_cycles_that_outlive_a_young_collection_are_freed_by_default(tmp_path, caplog):
     """A month-long run must not keep every cycle that lived through one scheduled
     collection: before full collections ran by default, none of the 1,850 dead cycles

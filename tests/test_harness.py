@@ -2,17 +2,30 @@
 GUARDRAILS_TEST_PATIENCE, and a rank that never ends still fails the test (killed,
 named), however patient the wait; ``spawn``'s ranks, forked from a fork server that
 imported torch once, get what a spawned process gets: the caller's environment, working
-directory and ``sys.path`` at the call, a process of their own, their output shown."""
+directory and ``sys.path`` at the call, a process of their own, their output shown; a
+``python SCRIPT`` forked from the script fork server is what a fresh ``python SCRIPT``
+is, to what the script can see."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 
 import pytest
-from _ranks import MAX_STRETCH, PATIENCE_VAR, launch, patience, spawn
+from _ranks import (
+    FORKSERVER_VAR,
+    MAX_STRETCH,
+    PATIENCE_VAR,
+    ForkServer,
+    base_env,
+    launch,
+    patience,
+    run_script,
+    spawn,
+)
 
 
 def test_patience_multiplies_by_the_env_var_and_never_shrinks_with_load(monkeypatch):
@@ -86,3 +99,102 @@ def test_a_spawned_rank_that_never_ends_still_fails_the_test(monkeypatch):
     monkeypatch.setenv(PATIENCE_VAR, "0.01")  # 60 s of patience: 0.6 s idle, more if busy
     with pytest.raises(pytest.fail.Exception, match="ranks still running after .*: a hang"):
         spawn(_sleep, (), deadline_s=60)
+
+
+#: What a process can see of how it was started, then its end: ``exit CODE``,
+#: ``raise``, ``sigterm`` (the default action: death by SIGTERM), ``open`` (a file left
+#: open and unflushed, which the interpreter's exit flushes).
+PROBE = """
+import faulthandler, json, os, resource, signal, sys, threading
+seen = {
+    "name": __name__, "file": globals().get("__file__"), "argv": sys.argv, "path": sys.path,
+    "cwd": os.getcwd(), "mark": os.environ.get("PROBE_MARK"), "stdin": sys.stdin.read(),
+    "session": os.getsid(0) == os.getpid(), "group": os.getpgid(0) == os.getpid(),
+    "signals": {s.name: str(signal.getsignal(s)) for s in signal.Signals
+                if s not in (signal.SIGKILL, signal.SIGSTOP)},
+    "blocked": sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "faulthandler": faulthandler.is_enabled(), "threads": len(os.listdir("/proc/self/task")),
+    "buffered": sys.stdout.line_buffering, "umask": os.umask(0o22),
+    "core": resource.getrlimit(resource.RLIMIT_CORE), "cpus": sorted(os.sched_getaffinity(0)),
+    "main_thread": threading.main_thread().native_id == threading.get_native_id() == os.getpid(),
+}
+print(json.dumps(seen))
+print(os.getppid())
+how = sys.argv[1]
+if how == "exit":
+    sys.exit(3)
+if how == "raise":
+    raise ValueError("on purpose")
+if how == "sigterm":
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGTERM)
+if how == "open":
+    kept = open(sys.argv[2], "w")
+    kept.write("flushed at exit")
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "raise", "sigterm", "open"])
+def test_a_forked_script_is_what_a_fresh_python_script_is(tmp_path, monkeypatch, how):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    monkeypatch.setenv("PROBE_MARK", how)  # set after the server may have started
+    monkeypatch.delenv(FORKSERVER_VAR, raising=False)
+    # Inherited from the test's process as it is at the launch: a umask, a core limit.
+    umask = os.umask(0o027)
+    core = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, core[1]))
+    try:
+        runs = _probe_both_ways(tmp_path, script, how)
+    finally:
+        os.umask(umask)
+        resource.setrlimit(resource.RLIMIT_CORE, core)
+    (seen, forked_parent), (fresh_seen, fresh_parent) = [
+        runs[fresh].out.splitlines()[:2] for fresh in (False, True)
+    ]
+    server = ForkServer.for_env(base_env()).proc.pid  # launch()'s environment
+    assert [forked_parent, fresh_parent] == [str(server), str(os.getpid())]
+    assert json.loads(seen) == json.loads(fresh_seen)
+    assert json.loads(seen)["umask"] == 0o027 and json.loads(seen)["core"][0] == 0
+    assert json.loads(seen)["main_thread"]  # its thread ids are its own
+    forked, real = runs[False], runs[True]
+    assert forked.code == real.code == {"exit": 3, "raise": 1, "sigterm": -15, "open": 0}[how]
+    assert forked.err == real.err  # the same traceback, none of the server's frames
+
+
+def _probe_both_ways(tmp_path: Path, script: Path, how: str) -> dict:
+    runs, kept = {}, tmp_path / "kept.txt"
+    argv = [sys.executable, script, how, kept]
+    # Its own module search path (an empty entry and a relative one included).
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), "", "rel/"])}
+    for fresh in (False, True):
+        out = tmp_path / f"fresh{fresh}"
+        with launch(argv, 1, out=out, env=env, merge=False, fresh=fresh) as job:
+            [runs[fresh]] = job.wait(60)
+        if how == "open":
+            assert kept.read_text() == "flushed at exit", f"fresh={fresh}"
+            kept.unlink()
+    return runs
+
+
+def test_script_processes_are_forked_from_the_server_unless_asked_otherwise(tmp_path, monkeypatch):
+    code = "import os, sys; print(os.getppid(), 'torch' in sys.modules, hash('guardrails'))"
+    argv = [sys.executable, "-c", code]
+    monkeypatch.delenv(FORKSERVER_VAR, raising=False)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    server = ForkServer.get().proc.pid
+    forked = run_script(argv, timeout_s=60).stdout.split()
+    assert forked[:2] == [str(server), "True"]  # torch came with the fork
+    fresh = run_script(argv, timeout_s=60, fresh=True).stdout.split()
+    assert fresh[:2] == [str(os.getpid()), "False"]
+    monkeypatch.setenv(FORKSERVER_VAR, "0")  # the developer's way out, for every launch
+    assert run_script(argv, timeout_s=60).stdout.split()[:2] == fresh[:2]
+    # A variable read at start-up: a server of its own, started with it.
+    monkeypatch.setenv(FORKSERVER_VAR, "1")
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    seeded = run_script(argv, timeout_s=60).stdout.split()
+    other = ForkServer.get().proc.pid
+    assert other != server and seeded[:2] == [str(other), "True"]
+    assert seeded[2] == run_script(argv, timeout_s=60, fresh=True).stdout.split()[2]
+    monkeypatch.delenv("PYTHONHASHSEED")
+    assert run_script(argv, timeout_s=60).stdout.split()[0] == str(server)  # still there

@@ -18,7 +18,7 @@ import textwrap
 import pyarrow as pa
 import pytest
 import torch
-from conftest import Regressor, batches, patience, reference_grad_norm
+from conftest import Regressor, batches, patience, reference_grad_norm, run_script
 
 import guardrails
 from guardrails import Component, NanGuard, NonFiniteError
@@ -218,9 +218,7 @@ def test_a_sigterm_the_stuck_step_never_answers_keeps_that_steps_row(tmp_path):
                 opt.zero_grad()
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=patience(120)
-    )
+    proc = run_script([sys.executable, "-c", script], timeout_s=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "made no progress" in proc.stderr
     seen = train(tmp_path / "ref", batches(12))

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from _loops import train_loop_signalled
-from _ranks import patience, run_ranks
+from _ranks import run_ranks, run_script
 from conftest import Regressor, assert_state_equal, batches, free_port, guarded_run, read_events
 from safetensors.torch import load_file
 from torch import nn
@@ -724,12 +724,7 @@ def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, faul
     # interpreter's exit, flushing metrics and writing its end event.
     script = tmp_path / "train.py"
     script.write_text(FLAT_SCRIPT.format(tests=str(Path(__file__).parent)))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run"), fault],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
-    )
+    proc = run_script([sys.executable, script, tmp_path / "run", fault], timeout_s=120)
     assert proc.returncode == (143 if fault == "sigterm" else 1), proc.stderr
     (end,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "end"]
     assert end["error"].startswith("SystemExit: 143" if fault == "sigterm" else "NonFiniteError")
@@ -893,6 +888,7 @@ def _train_forever(run_dir, steps: int, delay_s: float = 0.0) -> None:
                 break
 
 
+@pytest.mark.slow(reason="fast-forwards a loader through many batches: ~2.2 CPU-s")
 def test_a_long_fast_forward_says_how_far_it_is_and_how_long_is_left(tmp_path, monkeypatch):
     # A loader without a length is fast-forwarded batch by batch at resume, and the
     # start is blocked meanwhile: past PROGRESS_EVERY_S it says how far it is, the

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _ranks import patience
+from _ranks import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,11 +53,9 @@ def _writable_by_others(root: Path) -> list[str]:
 def run_under_umask_0(tmp_path: Path, pythonpath: Path = ROOT) -> subprocess.CompletedProcess:
     script = tmp_path / "umask0.py"
     script.write_text(SCRIPT.format(tests=str(ROOT / "tests")))
-    return subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "a" / "b" / "run"), str(tmp_path / "ckpts")],
-        capture_output=True,
-        text=True,
-        timeout=patience(300),
+    return run_script(
+        [sys.executable, script, tmp_path / "a" / "b" / "run", tmp_path / "ckpts"],
+        timeout_s=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath)},
     )
 

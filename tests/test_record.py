@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, patience
+from conftest import free_port, patience, run_script
 
 import guardrails
 from guardrails import _errors
@@ -180,13 +180,7 @@ def test_a_preemption_says_so_in_the_error_file(tmp_path):
     script.write_text(PREEMPTED.format(tests=str(Path(__file__).parent)))
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run")],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
-        env=env,
-    )
+    proc = run_script([sys.executable, script, tmp_path / "run"], timeout_s=120, env=env)
     assert proc.returncode == 143, proc.stderr
     msg = json.loads(error_file.read_text())["message"]
     assert msg["message"].startswith("pre-empted by SIGTERM at step 5: SIGTERM received")
@@ -291,13 +285,8 @@ def test_record_stops_a_launch_that_cannot_work_before_main(tmp_path, bad, says)
     script = tmp_path / "train.py"
     script.write_text(LAUNCHED)
     error_file = tmp_path / "error.json"
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
-        env=_launch_env(TORCHELASTIC_ERROR_FILE=str(error_file), **bad),
-    )
+    env = _launch_env(TORCHELASTIC_ERROR_FILE=str(error_file), **bad)
+    proc = run_script([sys.executable, script], timeout_s=120, env=env)
     assert proc.returncode == 90, proc.stdout + proc.stderr
     assert "main ran" not in proc.stdout
     assert proc.stderr.count("failed with LaunchError (exit code 90)") == 1, proc.stderr
@@ -310,13 +299,7 @@ def test_record_stops_a_launch_that_cannot_work_before_main(tmp_path, bad, says)
 def test_record_is_silent_on_a_healthy_single_process_run(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(LAUNCHED)
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
-        env=_launch_env(),
-    )
+    proc = run_script([sys.executable, script], timeout_s=120, env=_launch_env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "main ran\n" and proc.stderr == ""
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from _loops import train_loop_signalled
-from conftest import Regressor, batches, patience, read_events, train_loop
+from conftest import Regressor, batches, read_events, run_script, train_loop
 from torch import nn
 
 import guardrails
@@ -92,13 +92,8 @@ def user_run(tmp_path: Path, ok: bool = True, **args) -> subprocess.CompletedPro
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("CI", None)
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=patience(240),
-        env=env,
-        cwd=tmp_path,
+    proc = run_script(
+        [sys.executable, script, json.dumps(args)], timeout_s=240, env=env, cwd=tmp_path
     )
     assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
     return proc

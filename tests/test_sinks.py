@@ -644,6 +644,7 @@ def wandb_offline(monkeypatch):
         wandb.run.finish()
 
 
+@pytest.mark.slow(reason="imports wandb and runs it offline: ~2.2 CPU-s")
 def test_wandb_offline_run_holds_every_row_at_its_step(tmp_path, wandb_offline, caplog):
     caplog.set_level(logging.INFO)
     g = train(
@@ -670,6 +671,7 @@ def test_wandb_offline_run_holds_every_row_at_its_step(tmp_path, wandb_offline, 
     assert our_warnings(caplog) == [m for m in our_warnings(caplog) if "odd" in m]
 
 
+@pytest.mark.slow(reason="imports wandb and runs it offline: ~2.3 CPU-s")
 def test_wandb_uses_the_users_run_and_leaves_it_open(tmp_path, wandb_offline):
     run = wandb_offline.init(project="mine", dir=str(tmp_path))
     with pytest.raises(RuntimeError):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import run_script
 from conftest import Regressor, batches, patience, read_events, train_loop
 from test_nan import poisoned, run_until_raise
 
@@ -72,13 +73,8 @@ def run_worker(run_dir: Path, *args: object, tmpfs: bool = False, env: dict | No
         if reason:
             pytest.skip(reason)
         cmd = ["unshare", "-Urm", "sh", "-c", TMPFS, "sh", str(run_dir), *cmd]
-    got = subprocess.run(
-        cmd,
-        capture_output=True,  # pipes: under RLIMIT_FSIZE a file would refuse the output
-        text=True,
-        timeout=patience(240),
-        env={**os.environ, **(env or {})},
-    )
+    # Pipes, not files: under RLIMIT_FSIZE a file would refuse the output.
+    got = run_script(cmd, timeout_s=240, env={**os.environ, **(env or {})})
     lines = [ln for ln in got.stdout.splitlines() if ln.startswith("summary: ")]
     summary = json.loads(lines[-1].removeprefix("summary: ")) if lines else None
     return got.returncode, got.stderr, summary

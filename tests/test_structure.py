@@ -134,6 +134,7 @@ CPU_OPS_PER_STEP = {
 }
 
 
+@pytest.mark.slow(reason="counts the ops of guarded steps for two models: ~2 CPU-s")
 def test_cpu_guard_ops_per_step_are_pinned_and_o1_in_the_parameter_tensors(tmp_path):
     """Exactly CPU_OPS_PER_STEP per step for a model of 10 parameter tensors and one of
     200, plus one ``view`` a gradient inside the flat copy (torch's C++
@@ -268,6 +269,7 @@ def bytecode_per_step(depth, tmp_path):
     return sum(1 for _ in model.parameters()), ops
 
 
+@pytest.mark.slow(reason="traces every bytecode of guarded steps for two models: ~5 CPU-s")
 def test_python_bytecode_per_step_does_not_grow_with_the_parameter_tensors(tmp_path):
     """The guard's Python work per step is the same for 150 parameter tensors and
     1,500: its per-tensor work (the grad norm's gather of the gradients) is C calls
@@ -347,6 +349,7 @@ def test_every_default_component_declares_the_protocol():
     check_components([cls() for cls in SECTIONS.values()])
 
 
+@pytest.mark.slow(reason="a fresh interpreter importing torch and guardrails: ~3.5 CPU-s")
 def test_a_guard_start_imports_no_heavy_torch_package_it_does_not_need(tmp_path):
     """Checks for sharded models and ZeroRedundancyOptimizer look their classes up in
     ``sys.modules`` instead of importing them: ``torch.distributed.optim`` compiles its
@@ -412,3 +415,47 @@ def test_each_service_in_shared_is_provided_as_its_protocol_says():
         "auditor": ("CollectiveAuditor", "CollectiveRecorder"),
         "rewind": ("Rewind", "RewindService"),
     }
+
+
+def _marks(decorators: list[ast.expr]) -> dict[str, ast.expr]:
+    """``@pytest.mark.NAME`` or ``@pytest.mark.NAME(...)`` decorators, by NAME."""
+    found = {}
+    for deco in decorators:
+        node = deco.func if isinstance(deco, ast.Call) else deco
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value).endswith("mark"):
+            found[node.attr] = deco
+    return found
+
+
+def _says_why(mark: ast.expr) -> bool:
+    reason = next((k.value for k in getattr(mark, "keywords", []) if k.arg == "reason"), None)
+    return isinstance(reason, ast.Constant) and bool(str(reason.value).strip())
+
+
+def test_every_slow_marker_says_why_and_real_torchrun_tests_are_slow():
+    # The quick tier (-m "not slow", docs/development.md) stays under 2 minutes because
+    # every test over ~2 s carries the marker, with the reason it takes long; a test
+    # that starts a real torchrun (a launcher and its ranks, each a fresh interpreter
+    # importing torch: 10 CPU-s and more) can never be quick.
+    unsaid, unmarked = [], []
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = None
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0]):
+                values = node.value.elts if isinstance(node.value, ast.List) else [node.value]
+                module_slow = _marks(values).get("slow", module_slow)
+        if module_slow is not None and not _says_why(module_slow):
+            unsaid.append(f"{path.name}: pytestmark")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
+                continue
+            slow = _marks(node.decorator_list).get("slow")
+            if slow is not None and not _says_why(slow):
+                unsaid.append(f"{path.name}::{node.name}")
+            calls = {c.func.id for c in ast.walk(node) if isinstance(c, ast.Call)
+                     and isinstance(c.func, ast.Name)}  # fmt: skip
+            if calls & {"torchrun", "launch_torchrun"} and slow is None and module_slow is None:
+                unmarked.append(f"{path.name}::{node.name}")
+    assert not unsaid, f'@pytest.mark.slow without reason="...": {unsaid}'
+    assert not unmarked, f"real torchrun jobs outside the slow tier: {unmarked}"
