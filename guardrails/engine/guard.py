@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import math
 import operator
@@ -57,7 +56,6 @@ import os
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
@@ -78,13 +76,15 @@ from guardrails.engine.component import (
     check_components,
     overrides,
 )
-from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
+from guardrails.engine.gradnorm import GradNorm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
+from guardrails.engine.losses import LossRecord
 from guardrails.engine.model import averaged as _averaged
 from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.state import Shared, StepState
 from guardrails.engine.surface import USER_SURFACE
+from guardrails.engine.wrappers import StepHooks, UserWrappers, temporarily
 from guardrails.metrics.events import EventLog, logger_of
 from guardrails.util.checks import check_scaler, flag, named, positive_int
 from guardrails.util.text import shorten
@@ -280,10 +280,6 @@ class Guard(StepState):
         # Fire the boundary at the next training forward too, not only at the next
         # fetch: set at each step from what the loop does (see the module docstring).
         self._fire_on_forward = True
-        self._skip = False  # set by skip_update(): the wrapper does not call step()
-        # Set by skip_update(where=flag): the optimizer leaves the update out on the
-        # device where the flag is set (a fused one's found_inf); buffers follow it.
-        self._skip_where: Tensor | None = None
         # The buffers a training forward writes in place (BatchNorm's running
         # statistics) and their copies from before the step's first forward: what a
         # skipped step puts back (engine/buffers.py).
@@ -306,22 +302,29 @@ class Guard(StepState):
         self.benchmark = benchmark
         self._bench: Any = None
 
-        # Per-step accumulators, reset after every optimizer step.
-        self._auto_loss: Tensor | None = None
-        self._auto_n = 0
-        self._explicit_loss: Tensor | None = None
-        self._explicit_n = 0
-        # The losses the step backpropagated (loss.backward()), summed: the loss its
-        # gradients are of, for loops that compute it outside the model.
-        self._backward_loss: Tensor | None = None
-        self._backward_n = 0
-        # (scaled, loss) of the last GradScaler.scale(loss): its backward is the loss's.
-        self._scaled: tuple[Tensor, Tensor] | None = None
+        # The step's losses, on the device (engine/losses.py), cleared after each step.
+        self._losses = LossRecord()
+        # The wrappers of the user's forward, step, backward and scaler, and the
+        # switches they read (skip, quiet, replaying): installed at start (wrappers.py).
+        self._wrappers = UserWrappers(
+            self,
+            StepHooks(
+                on_forward=self._on_forward,
+                forward_done=self._forward_done,
+                before_step=self._before_step,
+                after_step=self._after_step,
+                before_extra_step=self._before_extra_step,
+                after_extra_step=self._after_extra_step,
+                put_back=self._put_back,
+                scaler_skipped=self._scaler_skipped,
+                took_clip_norm=self._took_clip_norm,
+            ),
+            self._losses,
+            self._norm,
+        )
         self._loss_checked = False  # the first step said whether a loss was recorded
         self._grad_norm: Tensor | None = None
-        self._opt_steps = 0  # optimizer.step() calls that reached a wrapper
         self._scaler_warned = False
-        self._step_loss: Tensor | None = None
         self._data_wait_s = 0.0
         self._tokens: int | None = None
         self._step_start = 0.0
@@ -338,8 +341,6 @@ class Guard(StepState):
         self._clock: DeviceClock | None = None
         self._marks: list[Any] | None = None
         self._fwd_mark: Any = None
-        # Set while NanGuard replays a batch (replaying()): its loss is not a training loss.
-        self._replaying = False
         #: The user's own state, saved in every checkpoint and restored on resume
         #: (JSON values and tensors: ``g.state["best_val"] = 1.23``).
         self.state: dict[str, Any] = {}
@@ -358,9 +359,6 @@ class Guard(StepState):
         #: instead of each polling its own keys. ``None`` in a single process.
         self.news: store.News | None = None
         self._replacement: BaseException | None = None
-        # Set inside quiet(): optimizer steps there are not training steps (a sharded
-        # resume's set_state_dict runs a zero-grad step() to create the state).
-        self._quiet = False
         # An error found by a background thread, raised by the main thread at its next
         # step boundary (see fail_from_thread).
         self._pending: BaseException | None = None
@@ -428,17 +426,7 @@ class Guard(StepState):
                 if self.rank == 0:
                     store.wait_refusal_read(self.generation, self.world_size)
                 raise rundir.refused(refusal, self.rank)
-            self._handles = [
-                _wrap_step(opt, name, self, counted=i == 0)
-                for i, (name, opt) in enumerate(self.optimizers.items())
-            ]
-            self._handles += [_wrap_forward(m, self) for m in self.models.values()]
-            self._handles.append(_wrap_scaler_step(self))
-            if len(self.optimizers) == 1:
-                # A GAN's two losses straddle its first optimizer's step: the one
-                # backpropagated after it is the other model's, not the next step's.
-                self._handles.append(_wrap_backward(self))
-            self._handles.append(_Restore(share_clip_norm(self._took_clip_norm)))
+            self._wrappers.install()
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
                 handle = attach(self)
@@ -495,6 +483,7 @@ class Guard(StepState):
             self._state = "closed"
             return
         self._state = "closed"
+        self._wrappers.open = False  # the class-wide wrappers pass calls through now
         if _running is self:
             _running = None
         atexit.unregister(self._close_at_exit)
@@ -537,6 +526,7 @@ class Guard(StepState):
                 errors.append(err)
                 if not isinstance(err, GuardrailsError):  # ours are raised on purpose
                     logger.exception("guardrails: %r failed while closing", fn)
+        self._wrappers.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -702,17 +692,6 @@ class Guard(StepState):
         ``distributed/store.py``), or ``None`` when not distributed."""
         return store.side_store(self.generation, name)
 
-    @contextlib.contextmanager
-    def _temporarily(self, name: str, value: Any) -> Iterator[None]:
-        """Set ``self.<name>`` to ``value`` inside the block, then put back what was
-        there (so the services below nest)."""
-        previous = getattr(self, name)
-        setattr(self, name, value)
-        try:
-            yield
-        finally:
-            setattr(self, name, previous)
-
     def pause_watchdog(self, reason: str = "paused") -> contextlib.AbstractContextManager[None]:
         """Mark a long, legitimate pause (evaluation, a big save) so the watchdog does
         not call this rank stuck::
@@ -720,25 +699,25 @@ class Guard(StepState):
             with g.pause_watchdog("eval"):
                 evaluate(model)
         """
-        return self._temporarily("paused", reason)
+        return temporarily(self, "paused", reason)
 
     def in_phase(self, phase: str) -> contextlib.AbstractContextManager[None]:
         """Components: the main thread is in ``phase`` inside this block (``"agree"``:
         a guardrails agreement between ranks), so a hang or an error there is reported
         as such; the loop's phase is back afterwards."""
-        return self._temporarily("phase", phase)
+        return temporarily(self, "phase", phase)
 
     def quiet(self) -> contextlib.AbstractContextManager[None]:
         """Components: ``optimizer.step()`` calls inside this block are not training
         steps (a sharded resume's ``set_state_dict`` steps the optimizer with zero
         gradients to create its state): not counted, not seen by components."""
-        return self._temporarily("_quiet", True)
+        return temporarily(self._wrappers, "quiet", True)
 
     def replaying(self) -> contextlib.AbstractContextManager[None]:
         """Components: forwards inside this block re-run a step to diagnose it; they
         are not training forwards (their loss is not the step's, their inputs not
         recorded)."""
-        return self._temporarily("_replaying", True)
+        return temporarily(self._wrappers, "replaying", True)
 
     def request_stop(self, reason: str, *, exit_code: int | None = None) -> None:
         """Components: end ``for batch in g`` at the next step boundary, ``reason`` in
@@ -933,41 +912,13 @@ class Guard(StepState):
         An explicit ``observe`` in a step takes precedence over a loss picked up from
         the model's output.
         """
-        if not isinstance(loss, Tensor):
-            loss = torch.tensor(float(loss), device=self.device)
-        elif loss.numel() != 1:
-            raise ValueError(
-                f"observe() takes the scalar loss of the micro-batch; got a tensor of "
-                f"shape {tuple(loss.shape)}. Reduce it first (e.g. loss.mean())."
-            )
-        loss = loss.detach().reshape(())
-        # Out of place: the first detached loss shares storage with the user's tensor.
-        if self._explicit_loss is None:
-            self._explicit_loss = loss
-        else:
-            self._explicit_loss = self._explicit_loss + loss
-        self._explicit_n += 1
-
-    def _on_backward(self, loss: Tensor) -> None:
-        """``loss.backward()`` of a scalar while the guard is open (not a replay): the
-        step backpropagates ``loss`` (the unscaled one when a GradScaler scaled it).
-        Kept on the device, summed; read lagged like a loss the model returns."""
-        scaled = self._scaled
-        if scaled is not None and scaled[0] is loss:
-            loss = scaled[1]
-            self._scaled = None
-        loss = loss.detach()
-        if loss.ndim:  # a (1,)-shaped loss
-            loss = loss.reshape(())
-        total = self._backward_loss
-        self._backward_loss = loss if total is None else total + loss
-        self._backward_n += 1
+        self._losses.observe(loss, self.device)
 
     def _check_loss_recorded(self) -> None:
         """The end of the first step: say once, with the fix, when no loss reached the
         guard (the progress bar, metrics and report would show none)."""
         self._loss_checked = True
-        if self._explicit_n or self._auto_n or self._backward_n or len(self.optimizers) > 1:
+        if self._losses.any() or len(self.optimizers) > 1:
             return
         self.event(
             "no_loss",
@@ -1015,7 +966,7 @@ class Guard(StepState):
         position it trains at, and fire a pending step boundary where the loop's shape
         calls for it (before the forward draws from the RNG)."""
         # Evaluation passes (no_grad or eval mode) are not training forwards.
-        if self._replaying or not module.training or not torch.is_grad_enabled():
+        if self._wrappers.replaying or not module.training or not torch.is_grad_enabled():
             return False
         if self._at_boundary and self._fire_on_forward:
             self._boundary()
@@ -1076,8 +1027,9 @@ class Guard(StepState):
         if loss is None:
             return
         loss = loss.detach()
-        self._auto_loss = loss if self._auto_loss is None else self._auto_loss + loss
-        self._auto_n += 1
+        losses = self._losses  # the record's sum, inline: one frame fewer per forward
+        losses.auto = loss if losses.auto is None else losses.auto + loss
+        losses.auto_n += 1
 
     # ------------------------------------------------------------------ per-step values
 
@@ -1103,19 +1055,10 @@ class Guard(StepState):
         :meth:`observe` was given, else the mean of the losses the model returned, else
         the sum of the losses the step backpropagated (``loss.backward()``, with
         ``(loss / accum).backward()`` the mean micro-batch loss); ``None`` when none of
-        these happened. Computed once per step and shared by the components."""
-        if self._step_loss is None:
-            if self._explicit_n:
-                total, n = self._explicit_loss, self._explicit_n
-            elif self._auto_n:
-                total, n = self._auto_loss, self._auto_n
-            else:
-                total, n = self._backward_loss, 1
-            if total is not None:
-                if total.device != self.device:  # model parallel: loss on the last device
-                    total = total.to(self.device, non_blocking=True)
-                self._step_loss = total if n == 1 else total / n
-        return self._step_loss
+        these happened. Computed once per step (``engine/losses.py``) and shared by the
+        components."""
+        losses = self._losses
+        return losses.mean if losses.mean is not None else losses.compute(self.device)
 
     def grad_norm(self) -> Tensor:
         """The total L2 norm of the gradients at this step, a 0-d float32 device tensor.
@@ -1163,7 +1106,10 @@ class Guard(StepState):
             norm = self._grad_norm  # grad_norm() inline: one frame fewer per step
             if norm is None:
                 norm = self._grad_norm = self._norm(self._params, self.step)
-            self._row = self._ring.write(self.step_loss, norm)
+            # step_loss inline: the record computes it, without the property's frame
+            losses = self._losses
+            loss = losses.mean if losses.mean is not None else losses.compute(self.device)
+            self._row = self._ring.write(loss, norm)
         return self._row
 
     @property
@@ -1264,9 +1210,9 @@ class Guard(StepState):
         the buffers are put back by the same flag, on the device, without reading it.
         """
         if where is None:
-            self._skip = True
+            self._wrappers.skip = True
         else:
-            self._skip_where = where
+            self._wrappers.skip_where = where
 
     @property
     def restored_buffers(self) -> list[str]:
@@ -1289,12 +1235,13 @@ class Guard(StepState):
     def _put_back(self, optimizer: str) -> None:
         """After ``optimizer``'s before-step hooks: the buffers its skip puts back
         (:meth:`skip_update`), whoever skips it (a component, or its GradScaler)."""
+        switches = self._wrappers
         if self._forward_seen:  # else the shadows are an earlier step's
-            if self._skip:
+            if switches.skip:
                 self._shadow.restore(optimizer)
-            elif self._skip_where is not None:
-                self._shadow.restore_where(self._skip_where, optimizer)
-        self._skip_where = None
+            elif switches.skip_where is not None:
+                self._shadow.restore_where(switches.skip_where, optimizer)
+        switches.skip_where = None
 
     def _before_step(self) -> None:
         self.phase = "optimizer"
@@ -1369,10 +1316,8 @@ class Guard(StepState):
             self._norm_shared = False
         if not self._loss_checked:
             self._check_loss_recorded()
-        self._auto_loss = self._explicit_loss = self._step_loss = self._grad_norm = None
-        self._backward_loss = self._scaled = None
-        self._row = self.skipped = None
-        self._auto_n = self._explicit_n = self._backward_n = 0
+        self._losses.__dict__.clear()  # LossRecord.clear() inline: one C call, no frame
+        self._grad_norm = self._row = self.skipped = None
         self._data_wait_s = self._forward_s = 0.0
         self._tokens = None
         # New lists, not cleared ones: NanGuard keeps this step's for its lagged read.
@@ -1443,12 +1388,12 @@ class Guard(StepState):
             if name == next(iter(self.optimizers)):
                 self._before_step()
                 self._put_back(name)
-                self._skip = False
+                self._wrappers.skip = False
                 self._after_step()
             else:
                 self._before_extra_step(name)
                 self._put_back(name)
-                self._skip = False
+                self._wrappers.skip = False
                 self._after_extra_step(name)
         finally:
             self.skip_cause = self.skip_scaler = None
@@ -1574,277 +1519,6 @@ def _validate(
     check_components(components)
     positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
     return params
-
-
-class _Restore:
-    """A handle whose ``remove()`` undoes a change, like a hook handle."""
-
-    def __init__(self, undo: Callable[[], None]) -> None:
-        self.remove = undo
-
-
-def _set_on_instance(obj: Any, name: str, value: Any) -> _Restore:
-    """Set ``obj.<name>`` on the instance; the handle puts back exactly what was there:
-    the instance attribute a wrapper (torch.compile's, an LR scheduler's, another
-    tool's) had set, or none.
-
-    Into the instance's ``__dict__``, not through ``setattr``: Lightning Fabric's
-    module wrapper sets an attribute the wrapped module also has on both, so the
-    model's own ``forward`` became the guard's, which called Fabric's, which called the
-    model's: a ``RecursionError`` at the first forward."""
-    own = vars(obj)
-    had_own = name in own
-    previous = own.get(name)
-    own[name] = value
-
-    def undo() -> None:
-        if had_own:
-            own[name] = previous
-        else:
-            own.pop(name, None)
-
-    return _Restore(undo)
-
-
-def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
-    """Set ``model.forward`` (on the instance) to tell ``guard`` about the call, call the
-    current forward, then hand its output to ``guard``; ``guard.phase`` says whether the
-    loop is inside the forward.
-
-    Outside the user's compiled graph, whatever the wrapping order. A compiled module
-    (``opt = torch.compile(model)``) runs ``model.__call__`` under dynamo's frame
-    callback, which compiles the first frame outside torch's own files: without care,
-    this wrapper's, so dynamo traced the guard's bookkeeping, guarded on
-    ``guard.batch_in_epoch`` and recompiled (2 graphs for 1, 16 captured calls for 7 on
-    a small CPU model over 8 steps, torch 2.13; 3 graphs over 300 steps). Now this
-    wrapper's frame is skipped (``torch._dynamo.eval_frame.skip_code``, what
-    ``torch._dynamo.decorators.skip`` does: "skip frames associated with the function
-    code, but still process recursively invoked frames", torch 2.8-2.13), so dynamo
-    compiles ``inner``, the user's forward, as it would without the guard; the
-    bookkeeping before and after runs under ``torch._dynamo.disable`` (recursive:
-    nothing it calls, a checkpoint at the step boundary included, is ever compiled;
-    ~0.25 us a call on a CPU). Where dynamo inlines this module's call into a bigger
-    traced frame (a compiled training step) the skipped wrapper is a graph break in
-    that frame, as any ``torch._dynamo.disable``-d code is (``compile(DDP(model))``
-    breaks there already: the same counts). tests/test_compile.py counts each wrapping order."""
-    inner = model.forward
-    on_forward, forward_done = _outside_compile(guard._on_forward, guard._forward_done)
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        training = on_forward(model, args, kwargs)
-        guard.phase = "forward"
-        t0 = time.perf_counter()
-        output = inner(*args, **kwargs)
-        guard.phase = "backward"  # until optimizer.step(): loss, backward, clipping
-        if training:
-            forward_done(output, t0)
-        return output
-
-    return _set_on_instance(model, "forward", _skipped_frame(forward))
-
-
-def _outside_compile(*fns: Callable[..., Any]) -> list[Callable[..., Any]]:
-    """``fns`` run with dynamo off, themselves and everything they call."""
-    import torch._dynamo  # imported already: building a torch optimizer imports it
-
-    return [torch._dynamo.disable(fn) for fn in fns]
-
-
-def _skipped_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` whose own frame dynamo never compiles, while the frames it calls are
-    compiled as usual (a compiled module's forward inside it). By its code object, not
-    ``torch._dynamo.decorators.skip(fn)``: that follows ``_torchdynamo_orig_callable``,
-    which ``functools.wraps`` copies from a compiled module's forward, and would skip
-    torch's ``Module.__call__`` instead of ``fn``."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(fn.__code__)
-    return fn
-
-
-def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: bool) -> _Restore:
-    """Set ``opt.step`` (on the instance) to run the guard around the current step, and
-    to leave the update out when a component asked for it (:meth:`Guard.skip_update`).
-    ``counted``: this optimizer's steps are the guard's steps.
-
-    A bound method, like the one it replaces: torch's LR schedulers wrap
-    ``optimizer.step`` too and read its ``__func__`` (one created inside the guard
-    wraps this one).
-    """
-    inner = opt.step
-    before = guard._before_step if counted else functools.partial(guard._before_extra_step, name)
-    after = guard._after_step if counted else functools.partial(guard._after_extra_step, name)
-    # accelerate's prepared optimizer: inside accelerator.accumulate(), step() returns
-    # without stepping until the micro-batch that syncs. Those calls are not steps
-    # (counted, g.step would count micro-batches and a checkpoint could fall between
-    # them, losing the accumulated gradients).
-    idle = dist.accumulating(opt)
-    # With fp16 its step() runs a GradScaler: a skipped step still goes in, and the
-    # scaler, finding the same non-finite gradients, leaves weights and state alone and
-    # lowers its scale. Left out, the scale never drops and every later step overflows
-    # (measured: NonFiniteError after 10 steps).
-    scaler = dist.own_scaler(opt)
-
-    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any, Any, Any]:
-        """Before the update: whether to run it (``_BYPASS``: inner alone, ``_RUN``:
-        inner then ``after``, ``_SKIPPED``: no update, then ``after``), with the
-        arguments and what a skipped step returns."""
-        # A sharded resume's set_state_dict steps the optimizer to create its state.
-        if guard._quiet or (idle is not None and idle()):
-            return _BYPASS, args, kwargs, None
-        guard._skip = False
-        closure = kwargs.get("closure", args[0] if args else None)
-        first: Any = None
-        if closure is not None:
-            # LBFGS's step(closure): the closure computes the gradients, so the guard
-            # runs it first (as the optimizer would: grad enabled) and judges what it
-            # produced; the optimizer's own first call gets that result (_FirstResult).
-            with torch.enable_grad():
-                first = closure()
-            replay = _FirstResult(first, closure, guard)
-            if args:
-                args = (replay, *args[1:])
-            else:
-                kwargs = {**kwargs, "closure": replay}
-        guard._opt_steps += 1
-        if scaler is not None and dist.overflowed(scaler, dist.inner(opt)):
-            # The scaler inside step() will skip this update: its normal calibration,
-            # told to components as such (not judged as non-finite gradients), and
-            # the gradients they see are unscaled, as the update would have used.
-            guard.skip_cause, guard.skip_scaler = "fp16_overflow", scaler
-        try:
-            before()
-        finally:
-            guard.skip_cause = guard.skip_scaler = None
-        if guard._skip or guard._skip_where is not None:  # inline: no frame per step
-            guard._put_back(name)
-        skipped = guard._skip and scaler is None
-        guard._skip = False
-        return (_SKIPPED if skipped else _RUN), args, kwargs, first
-
-    # Outside the user's compiled graph, like the forward's (_wrap_forward): a
-    # compiled step (`torch.compile(lambda: opt.step())`) compiles the optimizer's own
-    # step, while the guard's before / after run with dynamo off (measured without:
-    # 8 graphs for 2 and 14 graph breaks for 2 over 8 steps on a small CPU model).
-    prepare, after = _outside_compile(prepare, after)
-
-    @functools.wraps(inner)
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        how, args, kwargs, out = prepare(args, kwargs)
-        if how == _SKIPPED:
-            after()  # skipped: weights and optimizer state untouched
-            return out
-        out = inner(*args, **kwargs)
-        if how == _RUN:
-            after()
-        return out
-
-    return _set_on_instance(opt, "step", types.MethodType(_skipped_frame(step), opt))
-
-
-#: What a wrapped ``optimizer.step()`` does (_wrap_step): the update alone (a resume's
-#: or an accumulating micro-batch's call), the update inside the guard's step, or no
-#: update (a skipped step).
-_BYPASS, _RUN, _SKIPPED = 0, 1, 2
-
-
-class _FirstResult:
-    """The closure handed to a closure optimizer's ``step()`` after the guard ran it
-    once: its first call returns that run's result (the gradients it left are the
-    ones the guard judged), later calls run the closure again (LBFGS's line search),
-    as re-evaluations: not the step's training forwards or loss."""
-
-    def __init__(self, first: Any, closure: Callable[[], Any], guard: Guard) -> None:
-        self._first: Any = first
-        self._used = False
-        self._closure = closure
-        self._guard = guard
-
-    def __call__(self) -> Any:
-        if not self._used:
-            self._used = True
-            first, self._first = self._first, None
-            return first
-        with self._guard.replaying():
-            return self._closure()
-
-
-def _wrap_scaler_step(guard: Guard) -> _Restore:
-    """Set ``torch.amp.GradScaler.step`` (the class's, restored exactly at close) to tell
-    ``guard`` when a scaler skips one of its optimizers' steps.
-
-    A GradScaler with a non-fused optimizer does not call ``optimizer.step()`` when the
-    gradients overflowed, so the guard saw no step at all: no skipped row, no event,
-    and the next row's loss averaged two iterations. The class, not an instance: the
-    scaler is rarely passed to the guard (``torch.cuda.amp.GradScaler`` subclasses it
-    without overriding ``step``). The check costs a dict lookup per ``scaler.step()``;
-    the scaler has already read its overflow flag on the host (``.item()``) by then.
-    """
-    from torch.amp import GradScaler
-
-    inner = GradScaler.__dict__["step"]
-    inner_scale = GradScaler.__dict__["scale"]
-    names = {id(opt): name for name, opt in guard.optimizers.items()}
-
-    @functools.wraps(inner_scale)
-    def scale(scaler: Any, outputs: Any) -> Any:
-        out = inner_scale(scaler, outputs)
-        if isinstance(outputs, Tensor) and guard._state == "started":
-            guard._scaled = (out, outputs)  # its backward records the unscaled loss
-        return out
-
-    @functools.wraps(inner)
-    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        name = names.get(id(optimizer))
-        if name is None or guard._state != "started" or not scaler.is_enabled():
-            return inner(scaler, optimizer, *args, **kwargs)
-        calls = guard._opt_steps
-        guard._norm.scaled = True  # DDP buckets hold scaled gradients: not the norm
-        out = inner(scaler, optimizer, *args, **kwargs)
-        if guard._opt_steps == calls:  # the scaler left the step out: overflow
-            guard._scaler_skipped(name, scaler)
-        return out
-
-    GradScaler.step = step  # type: ignore[method-assign]
-    GradScaler.scale = scale  # type: ignore[method-assign]
-
-    def undo() -> None:
-        GradScaler.step = inner  # type: ignore[method-assign]
-        GradScaler.scale = inner_scale  # type: ignore[method-assign]
-
-    return _Restore(undo)
-
-
-def _wrap_backward(guard: Guard) -> _Restore:
-    """Set ``torch.Tensor.backward`` (the class's, restored exactly at close) to hand
-    ``guard`` each loss the loop backpropagates: the loss of a loop that computes it
-    outside the model (``criterion(model(x), y)``; accelerate's ``backward(loss)``
-    ends in ``loss.backward()`` too). Only a call without ``gradient`` (a scalar's),
-    not during a replay or a closure optimizer's re-evaluations, and only while no
-    loss came from the model or :meth:`Guard.observe` (which come first): ~0.5 us
-    per backward (a frame), ~2 us with the loss to keep (its detach)."""
-    inner = Tensor.__dict__["backward"]
-
-    @functools.wraps(inner)
-    def backward(self: Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # Inline: a loss the model returned or observe() was given comes first, so
-        # the common loop pays this wrapper's frame and one check, nothing more.
-        if (
-            gradient is None
-            and not (guard._auto_n or guard._explicit_n or guard._replaying)
-            and guard._state == "started"
-            and self.numel() == 1  # else torch's own error, unchanged ("scalar outputs")
-        ):
-            guard._on_backward(self)
-        return inner(self, gradient, *args, **kwargs)
-
-    Tensor.backward = backward  # type: ignore[method-assign]
-
-    def undo() -> None:
-        Tensor.backward = inner  # type: ignore[method-assign]
-
-    return _Restore(undo)
 
 
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
