@@ -76,6 +76,7 @@ from guardrails.engine.component import (
     check_components,
     overrides,
 )
+from guardrails.engine.data import DataPosition
 from guardrails.engine.gradnorm import GradNorm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
 from guardrails.engine.losses import LossRecord
@@ -250,32 +251,10 @@ class Guard(StepState):
         self._after_step_failed = -1
         self._ending_at = math.nan
 
-        # RNG states just before the current pass's iter(loader), so a resumed run can
-        # replay the pass's shuffle (see data.py); None until the first pass.
-        self._epoch_start: dict[str, Any] | None = None
-        # Set by a resume: the data position the first pass continues from.
-        self._resume_position: dict[str, Any] | None = None
-        # Why the loader's state_dict() could not be saved, once it failed (reported
-        # once; later saves keep the position as a count, see data._own_state).
-        self._loader_state_error: str | None = None
-        # The loop's own int variables that equalled the epoch at every pass start
-        # (its epoch counter), whether a pass past epoch 0 proved it, and, after a
-        # resume, the ones to check at the first pass (data.note_pass).
-        self._epoch_names: set[str] | None = None
-        self._epoch_proven = False
-        self._epoch_check: set[str] | None = None
-        # Where the loop iterates the guard (file, line) and whether its epoch loop was
-        # told at a resumed pass: the first step reads the loop's source (unsaved.py).
-        self._loop_site: tuple[str, int] | None = None
-        self._epoch_told = False
+        #: The data position (``engine/data.py``): the batches fetched and trained,
+        #: what a checkpoint saves of the loader and a resume continues.
+        self.data_position = DataPosition(self)
         self._at_boundary = False
-        # Batches fetched since the last training forward (the next step's, in a loop
-        # that prefetches).
-        self._fetched: list[Any] = []
-        self._n_fetched = 0  # batches fetched through the guard, all passes
-        # The data position at the last training forward: (epoch, batch_in_epoch,
-        # epoch-start RNG states). What a checkpoint saves (data.save_position).
-        self._trained_at: tuple[int, int, dict[str, Any] | None] | None = None
         self._forward_seen = False  # a training forward since the last step
         # Fire the boundary at the next training forward too, not only at the next
         # fetch: set at each step from what the loop does (see the module docstring).
@@ -365,9 +344,6 @@ class Guard(StepState):
         # Functions iterator -> iterator applied in order to each pass's iter(loader),
         # added by components at start through wrap_batches(): once per pass.
         self._batch_wrappers: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
-        # Batches still to be fetched and dropped (drop_batches(): a rewind skips past
-        # the batches of a divergence): counted in the data position, never trained on.
-        self._drop = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -760,9 +736,7 @@ class Guard(StepState):
                 gen.set_state(tensors[f"generator.{name}"].clone())
         self.generator_states = None  # as they are now, until the next step
         if position is not None and self.loader is not None:
-            from guardrails.engine import data
-
-            data.load_position(self, position, tensors or {})
+            self.epoch = self.data_position.load(position, tensors or {})
 
     def rewind_to(self, step: int) -> None:
         """The rewind guard, at a step boundary, once it has set the model, optimizers,
@@ -784,7 +758,7 @@ class Guard(StepState):
         """Components: fetch the loader's next ``n`` batches and drop them (not handed
         to the loop, not trained on); they count in the data position, so a resumed run
         drops them too. A drop still pending is saved in checkpoints."""
-        self._drop += int(n)
+        self.data_position.drop += int(n)
 
     def fail_from_thread(self, error: BaseException, *, abort_after_s: float = 5.0) -> bool:
         """From a background thread (watchdog, auditor): make the main thread raise
@@ -836,26 +810,19 @@ class Guard(StepState):
                 "guardrails.guard(model, opt, loader), or keep iterating your own data "
                 "inside the `with` block (steps are still observed through the optimizer)."
             )
-        from guardrails.engine import data
-
-        data.note_pass(self, sys._getframe(1))  # the loop's frame: its epoch counter
+        # The loop's frame: its epoch counter.
+        self.data_position.note_pass(sys._getframe(1))
         return self._batches(self.loader)
 
     def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        from guardrails.engine import data
-
         if self.stopping is not None:
             return
-        position, self._resume_position = self._resume_position, None
-        if position is not None:  # continue the interrupted pass where it stopped
-            it, self._epoch_start = data.resume_iter(loader, position, self)
-            self.batch_in_epoch = int(position["batch_in_epoch"])
-        else:
-            if self.batch_in_epoch:  # the last pass was left mid-way (a break): a new one
-                self.epoch += 1
-            self._epoch_start = data.epoch_start(loader)
-            it = iter(loader)
-            self.batch_in_epoch = 0
+        pos = self.data_position
+        if not pos.resuming and self.batch_in_epoch:
+            self.epoch += 1  # the last pass was left mid-way (a break): a new one
+        # A resumed pass continues where it stopped, a new one from its first batch.
+        it, resumed_at = pos.begin_pass(loader)
+        self.batch_in_epoch = 0 if resumed_at is None else resumed_at
         for wrap in self._batch_wrappers:
             it = wrap(it)
         self.exhausted_at = None
@@ -879,11 +846,11 @@ class Guard(StepState):
                 return
             self._data_wait_s += clock() - t0
             self.batch_in_epoch += 1
-            self._n_fetched += 1
-            if self._drop:  # a rewind skips past these (drop_batches)
-                self._drop -= 1
+            pos.n_fetched += 1
+            if pos.drop:  # a rewind skips past these (drop_batches)
+                pos.drop -= 1
                 continue
-            self._fetched.append(batch)
+            pos.fetched.append(batch)
             versions = self._arg_versions
             if versions and not self._copy_inputs:
                 # Inline, not a call: this runs at every fetch (see _check_refill).
@@ -998,10 +965,11 @@ class Guard(StepState):
                 if isinstance(a, Tensor):
                     versions.append((a, a._version))
         self.step_calls.append((module, args, kwargs))
-        if self._fetched:  # the batches fetched since the last forward are this step's
-            self.step_batches += self._fetched
-            self._fetched = []
-        self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
+        pos = self.data_position
+        if pos.fetched:  # the batches fetched since the last forward are this step's
+            self.step_batches += pos.fetched
+            pos.fetched = []
+        pos.trained_at = (self.epoch, self.batch_in_epoch, pos.epoch_start)
         return True
 
     def _forward_done(self, output: Any, t0: float) -> None:
@@ -1258,9 +1226,10 @@ class Guard(StepState):
         if self._shadow.pending:
             self._shadow.settle()  # the run's first optimizer step, once
         if not self._forward_seen:  # no forward observed: the fetch position it is
-            self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
-            self.step_batches += self._fetched
-            self._fetched = []
+            pos = self.data_position
+            pos.trained_at = (self.epoch, self.batch_in_epoch, pos.epoch_start)
+            self.step_batches += pos.fetched
+            pos.fetched = []
         self.data_wait_s = self._data_wait_s
         self.forward_s = self._forward_s
         # From the first training forward to this step: what is neither a forward nor a
@@ -1328,10 +1297,11 @@ class Guard(StepState):
         # any further fetch. So must it in a loop that does not iterate the guard.
         # With several optimizers (a GAN) a training forward can follow the first
         # optimizer's step inside the same iteration, so there only those loops do.
-        prefetched = self._forward_seen and bool(self._fetched)
-        self._fire_on_forward = len(self.optimizers) == 1 or prefetched or not self._n_fetched
+        pos = self.data_position
+        prefetched = self._forward_seen and bool(pos.fetched)
+        self._fire_on_forward = len(self.optimizers) == 1 or prefetched or not pos.n_fetched
         self._forward_seen = False
-        if self.loader is not None and not self._n_fetched and not self._warned_not_iterated:
+        if self.loader is not None and not pos.n_fetched and not self._warned_not_iterated:
             self._warned_not_iterated = True
             self.event(
                 "loader_not_iterated",
