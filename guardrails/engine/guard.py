@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
 from guardrails.engine import process, rundir, where
-from guardrails.engine.anatomy import DeviceClock
+from guardrails.engine.anatomy import StepAnatomy
 from guardrails.engine.buffers import BufferShadows
 from guardrails.engine.component import (
     HOOKS,
@@ -304,22 +304,10 @@ class Guard(StepState):
         self._loss_checked = False  # the first step said whether a loss was recorded
         self._grad_norm: Tensor | None = None
         self._scaler_warned = False
-        self._data_wait_s = 0.0
-        self._tokens: int | None = None
-        self._step_start = 0.0
-        # The step's anatomy on the host clock (see StepState.forward_s): the training
-        # forwards' time so far, when the step's first forward began and the loader wait
-        # up to then, and when optimizer.step() began.
-        self._forward_s = 0.0
-        self._compute_t0 = math.nan
-        self._data_at_compute = 0.0
-        self._optimizer_t0 = math.nan
-        # The same phases on the device, on sampled steps (anatomy.DeviceClock): the
-        # events the current step records (None: not sampled), and the forward's end
-        # mark while the step's first forward runs.
-        self._clock: DeviceClock | None = None
-        self._marks: list[Any] | None = None
-        self._fwd_mark: Any = None
+        self._tokens: int | None = None  # the step's tokens so far
+        # The step's phases on the host clock, and on the device on sampled steps
+        # (anatomy.py): what the guard publishes as forward_s, backward_s...
+        self._anatomy = StepAnatomy()
         #: The user's own state, saved in every checkpoint and restored on resume
         #: (JSON values and tensors: ``g.state["best_val"] = 1.23``).
         self.state: dict[str, Any] = {}
@@ -426,10 +414,7 @@ class Guard(StepState):
                 device=str(self.device),
                 components=[c.name for c in self.components],
             )
-            self._step_start = time.perf_counter()
-            if self._device_type == "cuda":
-                self._clock = DeviceClock()
-                self._marks = self._clock.arm(self.step + 1)
+            self._anatomy.start(self.step, cuda=self._device_type == "cuda")
             for c in self.components:
                 if overrides(c, "on_start"):
                     c.on_start(self)
@@ -749,8 +734,7 @@ class Guard(StepState):
             raise ValueError(f"rewind_to({step}) at step {self.step}: a rewind goes back")
         from_step, self.step = self.step, step
         self.generator_states = None  # as they are now (the loop's generators go on)
-        if self._clock is not None:  # the next step's device sample, by its new number
-            self._marks = self._clock.arm(step + 1)
+        self._anatomy.arm(step)  # the next step's device sample, by its new number
         for fn in self._dispatch["on_rewind"]:
             fn(self, from_step)
 
@@ -826,7 +810,7 @@ class Guard(StepState):
         for wrap in self._batch_wrappers:
             it = wrap(it)
         self.exhausted_at = None
-        clock = time.perf_counter
+        clock, anatomy = time.perf_counter, self._anatomy
         while True:
             if self._at_boundary:  # _boundary() inline: the common place it fires
                 self._at_boundary = False
@@ -844,7 +828,7 @@ class Guard(StepState):
                 self.epoch += 1  # set_epoch(g.epoch) before the next pass gets its number
                 self.batch_in_epoch = 0
                 return
-            self._data_wait_s += clock() - t0
+            anatomy.data_wait_s += clock() - t0
             self.batch_in_epoch += 1
             pos.n_fetched += 1
             if pos.drop:  # a rewind skips past these (drop_batches)
@@ -941,11 +925,12 @@ class Guard(StepState):
             self._forward_seen = True
             if self.forward_compiled is None:  # the run's first: once
                 self.forward_compiled = where.under_compiled_code()
-            self._compute_t0 = time.perf_counter()
-            self._data_at_compute = self._data_wait_s
-            if self._marks is not None:  # a sampled step: its forward on the device
-                self._marks[0].record()
-                self._fwd_mark = self._marks[1]
+            anatomy = self._anatomy
+            anatomy.compute_t0 = time.perf_counter()
+            anatomy.data_at_compute = anatomy.data_wait_s
+            if anatomy.marks is not None:  # a sampled step: its forward on the device
+                anatomy.marks[0].record()
+                anatomy.fwd_mark = anatomy.marks[1]
             self._arg_versions = []
             # The buffers before the step (one fused copy, no sync; none for a model
             # whose forward writes no buffer): what a skipped step puts back.
@@ -975,10 +960,11 @@ class Guard(StepState):
     def _forward_done(self, output: Any, t0: float) -> None:
         """After a training forward that began at ``t0`` (``perf_counter``): its time,
         a sampled step's device mark, its loss (one frame: it runs every forward)."""
-        self._forward_s += time.perf_counter() - t0
-        if self._fwd_mark is not None:  # a sampled step's first forward ended
-            self._fwd_mark.record()
-            self._fwd_mark = None
+        anatomy = self._anatomy
+        anatomy.forward_s += time.perf_counter() - t0
+        if anatomy.fwd_mark is not None:  # a sampled step's first forward ended
+            anatomy.fwd_mark.record()
+            anatomy.fwd_mark = None
         # Two C calls (~0.2 us): fp16 autocast is the one that overflows at 65504;
         # bf16's is the compute dtype the efficiency advisor judges.
         if torch.is_autocast_enabled(self._device_type):
@@ -1213,9 +1199,10 @@ class Guard(StepState):
 
     def _before_step(self) -> None:
         self.phase = "optimizer"
-        now = self._optimizer_t0 = time.perf_counter()
-        if self._marks is not None:
-            self._marks[2].record()
+        anatomy = self._anatomy
+        now = anatomy.optimizer_t0 = time.perf_counter()
+        if anatomy.marks is not None:
+            anatomy.marks[2].record()
         if self._pending is not None:
             self._raise_pending()
         if self._at_boundary:
@@ -1230,13 +1217,13 @@ class Guard(StepState):
             pos.trained_at = (self.epoch, self.batch_in_epoch, pos.epoch_start)
             self.step_batches += pos.fetched
             pos.fetched = []
-        self.data_wait_s = self._data_wait_s
-        self.forward_s = self._forward_s
+        waited = self.data_wait_s = anatomy.data_wait_s
+        forward = self.forward_s = anatomy.forward_s
         # From the first training forward to this step: what is neither a forward nor a
         # wait for the loader (a prefetch, or the next micro-batch's fetch) is the
         # backward, with the loss, the gradients' all-reduce and clipping.
         self.backward_s = (
-            now - self._compute_t0 - self._forward_s - (self._data_wait_s - self._data_at_compute)
+            now - anatomy.compute_t0 - forward - (waited - anatomy.data_at_compute)
             if self._forward_seen
             else math.nan
         )
@@ -1254,11 +1241,14 @@ class Guard(StepState):
             # forward, after drawing the next batch (one get_state each: 0.6 us on a CPU).
             self.generator_states = {n: g.get_state() for n, g in self.generators.items()}
         now = time.perf_counter()
-        self.step_time_s = now - self._step_start
-        self.optimizer_s = now - self._optimizer_t0
-        self._step_start = now
-        if self._marks is not None:
-            self._sample_device_phases()
+        anatomy = self._anatomy
+        self.step_time_s = now - anatomy.step_start
+        self.optimizer_s = now - anatomy.optimizer_t0
+        anatomy.step_start = now
+        if anatomy.marks is not None:  # a sampled step's end (CUDA)
+            sample = anatomy.end_sampled(self.step, forward_seen=self._forward_seen)
+            if sample is not None:
+                self.device_phases = sample
         try:  # free unless it raises (zero-cost try, Python 3.11+)
             for fn in self._live["after_step"]:
                 fn(self)
@@ -1287,7 +1277,7 @@ class Guard(StepState):
             self._check_loss_recorded()
         self._losses.__dict__.clear()  # LossRecord.clear() inline: one C call, no frame
         self._grad_norm = self._row = self.skipped = None
-        self._data_wait_s = self._forward_s = 0.0
+        anatomy.data_wait_s = anatomy.forward_s = 0.0
         self._tokens = None
         # New lists, not cleared ones: NanGuard keeps this step's for its lagged read.
         self.step_calls = []
@@ -1314,24 +1304,10 @@ class Guard(StepState):
                     "`for batch in g:` or `it = iter(g); batch = next(it)`."
                 ),
             )
-        if self._clock is not None:
-            self._marks = self._clock.arm(self.step + 1)
+        if anatomy.clock is not None:  # anatomy.arm() inline: no frame per step
+            anatomy.marks = anatomy.clock.arm(self.step + 1)
         self._at_boundary = True
         self.phase = "loop"
-
-    def _sample_device_phases(self) -> None:
-        """A sampled step's end: its last mark, the previous sample read if the device
-        has finished it (no wait), this one kept for a later read, the next armed."""
-        clock, marks = self._clock, self._marks
-        assert clock is not None and marks is not None
-        marks[3].record()
-        sample = clock.read()
-        if sample is not None:
-            self.device_phases = sample
-        if self._forward_seen and self._fwd_mark is None:  # all four marks recorded
-            clock.recorded(self.step, marks)
-        self._fwd_mark = None
-        self._marks = None  # armed again at the boundary
 
     def _scaler_skipped(self, name: str, scaler: Any) -> None:
         """A GradScaler's ``step(optimizer)`` returned without calling
