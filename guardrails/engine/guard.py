@@ -1190,11 +1190,9 @@ class Guard(StepState):
         """After ``optimizer``'s before-step hooks: the buffers its skip puts back
         (:meth:`skip_update`), whoever skips it (a component, or its GradScaler)."""
         switches = self._wrappers
-        if self._forward_seen:  # else the shadows are an earlier step's
-            if switches.skip:
-                self._shadow.restore(optimizer)
-            elif switches.skip_where is not None:
-                self._shadow.restore_where(switches.skip_where, optimizer)
+        self._shadow.put_back(
+            optimizer, skip=switches.skip, where=switches.skip_where, this_step=self._forward_seen
+        )
         switches.skip_where = None
 
     def _before_step(self) -> None:
