@@ -66,29 +66,26 @@ from torch import Tensor, nn
 
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
-from guardrails.engine import process, rundir, where
+from guardrails.engine import process, rundir, setup, where
 from guardrails.engine.anatomy import StepAnatomy
 from guardrails.engine.buffers import BufferShadows
 from guardrails.engine.component import (
     HOOKS,
     Component,
     check_component_list,
-    check_components,
     overrides,
 )
 from guardrails.engine.data import DataPosition
 from guardrails.engine.gradnorm import GradNorm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
 from guardrails.engine.losses import LossRecord
-from guardrails.engine.model import averaged as _averaged
 from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.state import Shared, StepState
 from guardrails.engine.surface import USER_SURFACE
 from guardrails.engine.wrappers import StepHooks, UserWrappers, temporarily
 from guardrails.metrics.events import EventLog, logger_of
-from guardrails.util.checks import check_scaler, flag, named, positive_int
-from guardrails.util.text import shorten
+from guardrails.util.checks import check_scaler, flag, named
 
 logger = logging.getLogger("guardrails.guard")
 
@@ -168,6 +165,45 @@ class Guard(StepState):
         #: What components produce for each other (the collective in flight, GC time),
         #: each field with one writer: see ``state.Shared``.
         self.shared = Shared()
+        self._take(model, optimizer, loader, scheduler, scaler, generators)
+        self.components: list[Component] = list(check_component_list(components))
+        self.tokens_per_batch = tokens_per_batch
+        if replay_fn is not None and not callable(replay_fn):
+            raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
+        #: How to replay a non-finite step's batch: ``replay_fn(model, batch)``, or
+        #: ``None`` to re-run the step's recorded forward calls as they were made.
+        self.replay_fn = replay_fn
+        # The parameters the step's grad norm and NaN flag cover (setup.py).
+        self._params = setup.trained_params(
+            self.model,
+            self.optimizers,
+            setup.validate(self.model, self.optimizers, loader, self.components, tokens_per_batch),
+        )
+        if run_dir is not None:
+            rundir.check_arg(run_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else setup.default_run_dir()
+        self.device = self._params[0].device
+        self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
+        #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
+        #: graph expects them (one launch instead of one output per gradient; opt-in,
+        #: see gradnorm.py).
+        flag("guard(graph_grad_norm=...)", graph_grad_norm)
+        self.graph_grad_norm = graph_grad_norm
+        flag("guard(benchmark=...)", benchmark)
+        self.benchmark = benchmark
+        self._build_step_parts()
+        self._build_lifecycle()
+
+    def _take(
+        self,
+        model: Any,
+        optimizer: Optimizers,
+        loader: Iterable[Any] | None,
+        scheduler: Any,
+        scaler: Any,
+        generators: Any,
+    ) -> None:
+        """The user's objects, each by name (a list or a dict of several), checked."""
         #: The modules whose forward is wrapped: the model, or each one given.
         self.models: dict[str, nn.Module] = named("model", model, nn.Module)
         #: The model: the one given, or an ``nn.ModuleDict`` of the ones given.
@@ -200,40 +236,14 @@ class Guard(StepState):
         #: Their states as the last step left them (what checkpoints save); ``None``
         #: before the first step and after a resume (then: as they are).
         self.generator_states: dict[str, Tensor] | None = None
-        self.components: list[Component] = list(check_component_list(components))
-        self.tokens_per_batch = tokens_per_batch
-        if replay_fn is not None and not callable(replay_fn):
-            raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
-        #: How to replay a non-finite step's batch: ``replay_fn(model, batch)``, or
-        #: ``None`` to re-run the step's recorded forward calls as they were made.
-        self.replay_fn = replay_fn
-        self._params = _validate(
-            self.model, self.optimizers, loader, self.components, tokens_per_batch
-        )
-        # An EMA passed beside the model (guard([model, ema], ...)) is saved with it;
-        # its parameters take no gradient: neither normed nor NaN-checked.
-        ema = _averaged(self.model)
-        if ema and any(id(p) not in ema for p in self._params):
-            self._params = [p for p in self._params if id(p) not in ema]
-        if len(self.optimizers) > 1:
-            # The step's grad norm and NaN flag are the first optimizer's: another's
-            # gradients (a GAN's generator, left from its last backward) are checked
-            # at that optimizer's own step.
-            first = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-            self._params = [p for p in self._params if id(p) in first]
-        if run_dir is not None:
-            rundir.check_arg(run_dir)
-        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
-        # Held by rank 0 from start to close: one run per run_dir (rundir.py).
-        self._run_lock: rundir.RunLock | None = None
-        self.device = self._params[0].device
-        self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
-        #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
-        #: graph expects them (one launch instead of one output per gradient; opt-in,
-        #: see gradnorm.py).
-        flag("guard(graph_grad_norm=...)", graph_grad_norm)
-        self.graph_grad_norm = graph_grad_norm
-        self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
+        #: The user's own state, saved in every checkpoint and restored on resume
+        #: (JSON values and tensors: ``g.state["best_val"] = 1.23``).
+        self.state: dict[str, Any] = {}
+
+    def _build_step_parts(self) -> None:
+        """The objects a step reads through, each owning its state, and the step's own
+        flags."""
+        self._norm = GradNorm(self._params, use_graph=self.graph_grad_norm)
         self._norm.scaled = self.scaler is not None and self.scaler.is_enabled()
         # To recognise a torch.nn.utils.clip_grad_norm_ over exactly these parameters
         # (whose norm then is the step's: _took_clip_norm), in any order.
@@ -242,75 +252,69 @@ class Guard(StepState):
         #: Steps whose norm came from the loop's own clip_grad_norm_ (the end event).
         self.clip_norm_steps = 0
         self._norm_shared = False  # this step's norm is the clip's
+        self._grad_norm: Tensor | None = None
         # Each step's (loss, grad norm, skipped) row, written once for every component
         # that judges or records it (step_row()); its count this step, or None.
         self._ring = StepRing(self.device)
         self._row: int | None = None
-        # The step whose after_step hooks raised (set on that error path only), and
-        # when the guard began to close or abort: what open_row() reports.
-        self._after_step_failed = -1
-        self._ending_at = math.nan
-
         #: The data position (``engine/data.py``): the batches fetched and trained,
         #: what a checkpoint saves of the loader and a resume continues.
         self.data_position = DataPosition(self)
+        # The buffers a training forward writes in place (BatchNorm's running
+        # statistics) and their copies from before the step's first forward: what a
+        # skipped step puts back (engine/buffers.py).
+        self._shadow = BufferShadows(self.model, self.models, self.optimizers)
+        # The step's losses, on the device (engine/losses.py), cleared after each step.
+        self._losses = LossRecord()
+        # The step's phases on the host clock, and on the device on sampled steps
+        # (anatomy.py): what the guard publishes as forward_s, backward_s...
+        self._anatomy = StepAnatomy()
+        # The wrappers of the user's forward, step, backward and scaler, and the
+        # switches they read (skip, quiet, replaying): installed at start (wrappers.py).
+        hooks = StepHooks(
+            on_forward=self._on_forward,
+            forward_done=self._forward_done,
+            before_step=self._before_step,
+            after_step=self._after_step,
+            before_extra_step=self._before_extra_step,
+            after_extra_step=self._after_extra_step,
+            put_back=self._put_back,
+            scaler_skipped=self._scaler_skipped,
+            took_clip_norm=self._took_clip_norm,
+        )
+        self._wrappers = UserWrappers(self, hooks, self._losses, self._norm)
         self._at_boundary = False
         self._forward_seen = False  # a training forward since the last step
         # Fire the boundary at the next training forward too, not only at the next
         # fetch: set at each step from what the loop does (see the module docstring).
         self._fire_on_forward = True
-        # The buffers a training forward writes in place (BatchNorm's running
-        # statistics) and their copies from before the step's first forward: what a
-        # skipped step puts back (engine/buffers.py).
-        self._shadow = BufferShadows(self.model, self.models, self.optimizers)
         # (tensor, version) of the step's forward arguments, to notice a loader that
         # refills them in place; then copy them instead (see _check_refill).
         self._arg_versions: list[tuple[Tensor, int]] = []
         self._copy_inputs = False
+        self._tokens: int | None = None  # the step's tokens so far
+        self._loss_checked = False  # the first step said whether a loss was recorded
+        self._scaler_warned = False
         self._warned_not_iterated = False
+
+    def _build_lifecycle(self) -> None:
+        """What start() fills in and close() empties: the job, the events, the hooks."""
         self.rank = 0
         self.world_size = 1
         self.events: EventLog | None = None
         self._state = "new"  # new -> started -> closed
+        # Held by rank 0 from start to close: one run per run_dir (rundir.py).
+        self._run_lock: rundir.RunLock | None = None
         self._handles: list[Any] = []
         self._dispatch: dict[str, list[Callable[..., Any]]] = {h: [] for h in HOOKS}
         # The per-step hooks this step runs: the same table as _dispatch, except on the
         # steps benchmark mode samples with some components bypassed (benchmark_mode.py).
         self._live = self._dispatch
-        flag("guard(benchmark=...)", benchmark)
-        self.benchmark = benchmark
         self._bench: Any = None
-
-        # The step's losses, on the device (engine/losses.py), cleared after each step.
-        self._losses = LossRecord()
-        # The wrappers of the user's forward, step, backward and scaler, and the
-        # switches they read (skip, quiet, replaying): installed at start (wrappers.py).
-        self._wrappers = UserWrappers(
-            self,
-            StepHooks(
-                on_forward=self._on_forward,
-                forward_done=self._forward_done,
-                before_step=self._before_step,
-                after_step=self._after_step,
-                before_extra_step=self._before_extra_step,
-                after_extra_step=self._after_extra_step,
-                put_back=self._put_back,
-                scaler_skipped=self._scaler_skipped,
-                took_clip_norm=self._took_clip_norm,
-            ),
-            self._losses,
-            self._norm,
-        )
-        self._loss_checked = False  # the first step said whether a loss was recorded
-        self._grad_norm: Tensor | None = None
-        self._scaler_warned = False
-        self._tokens: int | None = None  # the step's tokens so far
-        # The step's phases on the host clock, and on the device on sampled steps
-        # (anatomy.py): what the guard publishes as forward_s, backward_s...
-        self._anatomy = StepAnatomy()
-        #: The user's own state, saved in every checkpoint and restored on resume
-        #: (JSON values and tensors: ``g.state["best_val"] = 1.23``).
-        self.state: dict[str, Any] = {}
+        # The step whose after_step hooks raised (set on that error path only), and
+        # when the guard began to close or abort: what open_row() reports.
+        self._after_step_failed = -1
+        self._ending_at = math.nan
         #: This guard's number among the guards started in this process (the same on
         #: every rank), which namespaces its side-channel keys.
         self.generation = -1
@@ -406,7 +410,12 @@ class Guard(StepState):
             self._dispatch["on_end"] = []
             self._dispatch["on_abort"] = []
             self._live = self._dispatch
-            self._check_optimizer_coverage()
+            # Trainable parameters no optimizer updates: told once, by rank 0.
+            warning = (
+                setup.coverage_warning(self.model, self.optimizers) if self.rank == 0 else None
+            )
+            if warning is not None:
+                self.event("params_not_in_optimizer", level="warning", **warning)
             self.event(
                 "start",
                 run=run_id,  # the same on every rank: tells runs in one run_dir apart
@@ -1358,39 +1367,6 @@ class Guard(StepState):
 
     # ------------------------------------------------------------------ checks
 
-    def _check_optimizer_coverage(self) -> None:
-        """Warn about trainable parameters the optimizer will never update (the
-        frozen-params / LoRA-wiring failure: the loss does not decrease)."""
-        if self.rank != 0:
-            return
-        owned = {
-            id(p)
-            for opt in self.optimizers.values()
-            for group in opt.param_groups
-            for p in group["params"]
-        }
-        owned |= _averaged(self.model)  # an EMA's: updated by update_parameters()
-        missing = [
-            name
-            for name, p in self.model.named_parameters()
-            if p.requires_grad and id(p) not in owned
-        ]
-        if missing:
-            shown = ", ".join(missing[:8]) + (
-                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            )
-            self.event(
-                "params_not_in_optimizer",
-                level="warning",
-                message=(
-                    f"{len(missing)} trainable parameter(s) are not in the optimizer and will "
-                    f"never be updated: {shown}. If they should train, build the optimizer "
-                    "from model.parameters() after wrapping/adapting the model; if not, set "
-                    "requires_grad=False."
-                ),
-                params=missing,
-            )
-
     def __repr__(self) -> str:
         names = ", ".join(c.name for c in self.components)
         return (
@@ -1407,75 +1383,12 @@ class Guard(StepState):
 # ---------------------------------------------------------------------- helpers
 
 
-def _validate(
-    model: nn.Module,
-    optimizers: Mapping[str, torch.optim.Optimizer],
-    loader: Any,
-    components: list[Component],
-    tokens_per_batch: Any,
-) -> list[nn.Parameter]:
-    """Every argument check in one place; returns the model's parameters."""
-    params = list(model.parameters())
-    if not params:
-        raise ValueError(
-            f"the model ({type(model).__name__}) has no parameters, so there is nothing to "
-            "train or guard. Pass the module that holds the weights."
-        )
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"guard() got a `model` with {len(meta)} parameter(s) on the meta device "
-            f"({shorten(meta, 3)}): they hold no values, so nothing can be trained. It was "
-            "built under torch.device('meta') or accelerate's init_empty_weights: "
-            "materialize it first (model.to_empty(device=...), then initialize or load "
-            "its weights), then build the optimizer and the guard."
-        )
-    ids = {id(p) for p in params}
-    if len({id(o) for o in optimizers.values()}) < len(optimizers):
-        raise ValueError("the same optimizer was passed twice; pass each one once.")
-    seen: dict[int, str] = {}  # parameter id -> the optimizer that owns it
-    for name, optimizer in optimizers.items():
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        which = "the optimizer" if len(optimizers) == 1 else f"optimizer {name!r}"
-        if not owned & ids:
-            raise ValueError(
-                f"{which} owns none of the model's parameters, so its step() would "
-                "never change this model. It was probably built from another model "
-                "instance (a copy, or one re-created after the optimizer), or the model "
-                "it trains was not passed: build it from this model "
-                "(torch.optim.AdamW(model.parameters(), ...)), or pass every model: "
-                "guard([gen, disc], [opt_g, opt_d], ...)."
-            )
-        shared = next((seen[i] for i in owned if i in seen), None)
-        if shared is not None:
-            raise ValueError(
-                f"optimizers {shared!r} and {name!r} both own a parameter: each parameter "
-                "must be updated by one optimizer. Split the parameters between them."
-            )
-        seen.update(dict.fromkeys(owned, name))
-    if loader is not None and (
-        not isinstance(loader, Iterable) or isinstance(loader, (str, bytes))
-    ):
-        raise TypeError(
-            f"`loader` must be an iterable of batches (DataLoader, generator, list), "
-            f"got {type(loader).__name__}."
-        )
-    check_components(components)
-    positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
-    return params
-
-
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     """The first param group's LR (``nan`` for a device tensor: reading it would sync)."""
     lr = optimizer.param_groups[0].get("lr", math.nan)
     if isinstance(lr, Tensor):
         return lr.item() if lr.device.type == "cpu" else math.nan
     return float(lr)
-
-
-def _default_run_dir() -> Path:
-    stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
-    return Path("runs") / (stem or "guardrails")
 
 
 def _tokens(batch: Any) -> int | None:
