@@ -52,7 +52,6 @@ import contextlib
 import logging
 import math
 import operator
-import os
 import sys
 import threading
 import time
@@ -66,7 +65,7 @@ from torch import Tensor, nn
 
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
-from guardrails.engine import process, rundir, setup, where
+from guardrails.engine import ending, process, rundir, setup, where
 from guardrails.engine.anatomy import StepAnatomy
 from guardrails.engine.buffers import BufferShadows
 from guardrails.engine.component import (
@@ -500,63 +499,17 @@ class Guard(StepState):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        from_buckets = self._norm.from_buckets
-        kernel_steps, kernel_failed = self._norm.kernel_steps, self._norm.kernel_gave_up
-        counts = self._norm.close()  # eager from here on
-        if self._norm.wanted:
-            self.event("grad_norm_graph", **counts)
-        if kernel_steps or kernel_failed:
-            self.event(
-                "grad_norm_kernel",
-                message=(
-                    f"the grad norm of {kernel_steps} of {self.step} steps was taken by one "
-                    "kernel over the gradients' addresses"
-                    + (
-                        f" (it failed to build, eager instead: {kernel_failed})"
-                        if kernel_failed
-                        else ""
-                    )
-                ),
-                steps=kernel_steps,
-                failed=kernel_failed,
-            )
-        if from_buckets:
-            self.event(
-                "grad_norm_shared",
-                message=(
-                    f"the grad norm of {from_buckets} of {self.step} steps came from "
-                    "GuardedDDP's all-reduce buckets (no second pass over the gradients)"
-                ),
-                steps=from_buckets,
-                source="ddp_buckets",
-            )
-        if self.clip_norm_steps:
-            self.event(
-                "grad_norm_shared",
-                message=(
-                    f"the grad norm of {self.clip_norm_steps} of {self.step} steps was the "
-                    "one the loop's clip_grad_norm_ computed (no second pass over the "
-                    "gradients)"
-                ),
-                steps=self.clip_norm_steps,
-                source="clip_grad_norm_",
-            )
+        # What the grad norm's fast paths did this run, one event each (ending.py).
+        for kind, fields in ending.norm_summary(self._norm, self.clip_norm_steps, self.step):
+            self.event(kind, **fields)
         self._dispatch = self._live = {h: [] for h in HOOKS}
         store.close_side_group(self.side_group)
         self.side_group = None
-        # The error the user will see: the loop's own, or the one a component explained
-        # it with, or a component's failure while closing.
-        if exc is not None:
-            final = self._replacement or exc
-        elif errors:
-            # Ours first: a component's diagnosis (a watchdog verdict) explains the
-            # plain error another component hit while closing (a peer gone mid-agree).
-            final = next((e for e in errors if isinstance(e, GuardrailsError)), errors[0])
-        else:
-            final = None
+        final = ending.final_error(exc, self._replacement, errors)
         self._end_event(final)
-        if final is None or (isinstance(final, SystemExit) and self.exit_code is not None):
-            self._point_to_report()
+        clean = final is None or (isinstance(final, SystemExit) and self.exit_code is not None)
+        if clean and self.rank == 0:
+            ending.point_to_report(self.run_dir)
         if final is not None and exc is None:
             raise final
         if exc is not None and self._replacement is not None:
@@ -564,22 +517,6 @@ class Guard(StepState):
             raise replacement from exc
         if exc is None and self.exit_code is not None:  # a signal save at the last step
             raise process.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
-
-    def _point_to_report(self) -> None:
-        """One line on rank 0 at a clean end or a signal stop: the command that tells
-        the run's story. Not after an error: its own report follows on stderr, and a
-        line before it would only push it up. Logged at INFO where the user's logging
-        shows that, else printed when stderr is a terminal outside CI (the progress
-        bar's rule): a script under a test runner or a benchmark loop stays quiet."""
-        if self.rank != 0:
-            return
-        import shlex
-
-        line = f"guardrails: this run's report: guardrails report {shlex.quote(str(self.run_dir))}"
-        if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
-            logger.info(line)
-        elif sys.stderr is not None and sys.stderr.isatty() and not os.environ.get("CI"):
-            print(line, file=sys.stderr, flush=True)
 
     def _end_event(self, error: BaseException | None, **fields: Any) -> None:
         """The run's last event, once: how it ended (``error``: ``None`` for a clean
