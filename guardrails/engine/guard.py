@@ -369,30 +369,7 @@ class Guard(StepState):
         # reaches its g.close(): close at the interpreter's exit instead.
         atexit.register(self._close_at_exit)
         try:
-            self.generation = store.next_generation()
-            published = store.publish_run_id(self.generation)  # before the collective
-            refusal = None
-            if self.rank == 0:  # one holder per job: the other ranks share its run_dir
-                self._run_lock = rundir.RunLock(self.run_dir)
-                refusal = self._run_lock.acquire(published or "")
-                if refusal is not None:
-                    self._run_lock = None
-                    store.publish_refusal(self.generation, refusal)  # before the collective
-            news_store = store.side_store(self.generation, "news")
-            self.news = (
-                None if news_store is None else store.News(news_store, world=self.world_size)
-            )
-            self.side_group = store.open_side_group()
-            run_id = self.run_id = store.read_run_id(self.generation, published)
-            if self.rank != 0:
-                refusal = store.read_refusal(self.generation)
-            if refusal is not None:
-                # Not a word into the other run's events.jsonl: this run never began.
-                events, self.events = self.events, None
-                events.close()
-                if self.rank == 0:
-                    store.wait_refusal_read(self.generation, self.world_size)
-                raise rundir.refused(refusal, self.rank)
+            self._join_job()
             self._wrappers.install()
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
@@ -417,7 +394,7 @@ class Guard(StepState):
                 self.event("params_not_in_optimizer", level="warning", **warning)
             self.event(
                 "start",
-                run=run_id,  # the same on every rank: tells runs in one run_dir apart
+                run=self.run_id,  # the same on every rank: tells runs in one run_dir apart
                 world_size=self.world_size,
                 device=str(self.device),
                 components=[c.name for c in self.components],
@@ -438,6 +415,33 @@ class Guard(StepState):
             self.close(exc)
             raise
         return self
+
+    def _join_job(self) -> None:
+        """This guard's place in the job: its generation, the run id rank 0 drew, the
+        run_dir's lock (rank 0 holds it for the job), the news counter and the side
+        group. A run_dir another run holds is refused on every rank, before step one."""
+        self.generation = store.next_generation()
+        published = store.publish_run_id(self.generation)  # before the collective
+        refusal = None
+        if self.rank == 0:  # one holder per job: the other ranks share its run_dir
+            self._run_lock = rundir.RunLock(self.run_dir)
+            refusal = self._run_lock.acquire(published or "")
+            if refusal is not None:
+                self._run_lock = None
+                store.publish_refusal(self.generation, refusal)  # before the collective
+        news_store = store.side_store(self.generation, "news")
+        self.news = None if news_store is None else store.News(news_store, world=self.world_size)
+        self.side_group = store.open_side_group()
+        self.run_id = store.read_run_id(self.generation, published)
+        if self.rank != 0:
+            refusal = store.read_refusal(self.generation)
+        if refusal is not None:
+            # Not a word into the other run's events.jsonl: this run never began.
+            events, self.events = self.events, None
+            events.close()
+            if self.rank == 0:
+                store.wait_refusal_read(self.generation, self.world_size)
+            raise rundir.refused(refusal, self.rank)
 
     def close(self, exc: BaseException | None = None) -> None:
         """Stop every component (in reverse order) and remove every hook. Idempotent.

@@ -152,11 +152,38 @@ class UserWrappers:
         wraps this one).
         """
         inner = opt.step
-        guard, hooks = self._guard, self._hooks
-        switches = self
-        before = hooks.before_step if counted else functools.partial(hooks.before_extra_step, name)
-        after = hooks.after_step if counted else functools.partial(hooks.after_extra_step, name)
-        put_back = hooks.put_back
+        before = self._hooks.before_step
+        after = self._hooks.after_step
+        if not counted:
+            before = functools.partial(self._hooks.before_extra_step, name)
+            after = functools.partial(self._hooks.after_extra_step, name)
+        # Outside the user's compiled graph, like the forward's (_wrap_forward): a
+        # compiled step (`torch.compile(lambda: opt.step())`) compiles the optimizer's
+        # own step, while the guard's before / after run with dynamo off (measured
+        # without: 8 graphs for 2 and 14 graph breaks for 2 over 8 steps on a small CPU
+        # model).
+        prepare, after = _outside_compile(self._prepare_step(opt, name, before), after)
+
+        @functools.wraps(inner)
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            how, args, kwargs, out = prepare(args, kwargs)
+            if how == _SKIPPED:
+                after()  # skipped: weights and optimizer state untouched
+                return out
+            out = inner(*args, **kwargs)
+            if how == _RUN:
+                after()
+            return out
+
+        return _set_on_instance(opt, "step", types.MethodType(_skipped_frame(step), opt))
+
+    def _prepare_step(
+        self, opt: torch.optim.Optimizer, name: str, before: Callable[[], None]
+    ) -> Callable[[tuple[Any, ...], dict[str, Any]], tuple[int, Any, Any, Any]]:
+        """The part of ``opt``'s wrapped step before the update (``prepare``): a quiet or
+        accumulating call bypasses the guard; else the closure's first run, the
+        guard's before-step hooks, and the buffers a skip puts back."""
+        guard, switches, put_back = self._guard, self, self._hooks.put_back
         # accelerate's prepared optimizer: inside accelerator.accumulate(), step() returns
         # without stepping until the micro-batch that syncs. Those calls are not steps
         # (counted, g.step would count micro-batches and a checkpoint could fall between
@@ -206,25 +233,7 @@ class UserWrappers:
             switches.skip = False
             return (_SKIPPED if skipped else _RUN), args, kwargs, first
 
-        # Outside the user's compiled graph, like the forward's (_wrap_forward): a
-        # compiled step (`torch.compile(lambda: opt.step())`) compiles the optimizer's
-        # own step, while the guard's before / after run with dynamo off (measured
-        # without: 8 graphs for 2 and 14 graph breaks for 2 over 8 steps on a small CPU
-        # model).
-        prepare, after = _outside_compile(prepare, after)
-
-        @functools.wraps(inner)
-        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            how, args, kwargs, out = prepare(args, kwargs)
-            if how == _SKIPPED:
-                after()  # skipped: weights and optimizer state untouched
-                return out
-            out = inner(*args, **kwargs)
-            if how == _RUN:
-                after()
-            return out
-
-        return _set_on_instance(opt, "step", types.MethodType(_skipped_frame(step), opt))
+        return prepare
 
     def _wrap_scaler(self) -> Callable[[], None]:
         """Set ``torch.amp.GradScaler.step`` (the class's, restored exactly at close) to
