@@ -74,7 +74,7 @@ from guardrails.engine.component import (
     check_component_list,
     overrides,
 )
-from guardrails.engine.data import DataPosition
+from guardrails.engine.data import DataPosition, tokens_in
 from guardrails.engine.gradnorm import GradNorm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
 from guardrails.engine.losses import LossRecord
@@ -798,7 +798,7 @@ class Guard(StepState):
                 self._raise_pending()
             if self._state != "started":
                 raise ValueError("the guard was closed while its loop was running")
-            n = self.tokens_per_batch if self.tokens_per_batch is not None else _tokens(batch)
+            n = self.tokens_per_batch if self.tokens_per_batch is not None else tokens_in(batch)
             if n is not None:
                 self._tokens = n if self._tokens is None else self._tokens + n
             for fn in self._live["on_batch"]:
@@ -1330,17 +1330,3 @@ def current_lr(optimizer: torch.optim.Optimizer) -> float:
     if isinstance(lr, Tensor):
         return lr.item() if lr.device.type == "cpu" else math.nan
     return float(lr)
-
-
-def _tokens(batch: Any) -> int | None:
-    """Tokens in a batch: the size of its first tensor when that is an integer
-    ``(batch, seq)`` tensor of token ids; ``None`` otherwise. Shapes only, no sync."""
-    first = batch
-    while isinstance(first, (tuple, list)) and first:
-        first = first[0]
-    # A tensor first: the Mapping check is an ABC's (~0.3-1 us a batch).
-    if not isinstance(first, Tensor) and isinstance(first, Mapping):
-        first = first.get("input_ids")
-    if isinstance(first, Tensor) and first.ndim == 2 and not first.is_floating_point():
-        return first.numel()
-    return None
