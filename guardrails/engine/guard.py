@@ -287,6 +287,7 @@ class Guard(StepState):
         # Fire the boundary at the next training forward too, not only at the next
         # fetch: set at each step from what the loop does (see the module docstring).
         self._fire_on_forward = True
+        self._one_optimizer = len(self.optimizers) == 1  # read each step: no len() call
         # (tensor, version) of the step's forward arguments, to notice a loader that
         # refills them in place; then copy them instead (see _check_refill).
         self._arg_versions: list[tuple[Tensor, int]] = []
@@ -961,8 +962,7 @@ class Guard(StepState):
         ``(loss / accum).backward()`` the mean micro-batch loss); ``None`` when none of
         these happened. Computed once per step (``engine/losses.py``) and shared by the
         components."""
-        losses = self._losses
-        return losses.mean if losses.mean is not None else losses.compute(self.device)
+        return self._losses.compute(self.device)
 
     def grad_norm(self) -> Tensor:
         """The total L2 norm of the gradients at this step, a 0-d float32 device tensor.
@@ -1010,10 +1010,8 @@ class Guard(StepState):
             norm = self._grad_norm  # grad_norm() inline: one frame fewer per step
             if norm is None:
                 norm = self._grad_norm = self._norm(self._params, self.step)
-            # step_loss inline: the record computes it, without the property's frame
-            losses = self._losses
-            loss = losses.mean if losses.mean is not None else losses.compute(self.device)
-            self._row = self._ring.write(loss, norm)
+            # The record's mean (once a step), without step_loss's property frame.
+            self._row = self._ring.write(self._losses.compute(self.device), norm)
         return self._row
 
     @property
@@ -1165,13 +1163,16 @@ class Guard(StepState):
             pos.trained_at = (self.epoch, self.batch_in_epoch, pos.epoch_start)
             self.step_batches += pos.fetched
             pos.fetched = []
-        waited = self.data_wait_s = anatomy.data_wait_s
-        forward = self.forward_s = anatomy.forward_s
+        self.data_wait_s = anatomy.data_wait_s
+        self.forward_s = anatomy.forward_s
         # From the first training forward to this step: what is neither a forward nor a
         # wait for the loader (a prefetch, or the next micro-batch's fetch) is the
         # backward, with the loss, the gradients' all-reduce and clipping.
         self.backward_s = (
-            now - anatomy.compute_t0 - forward - (waited - anatomy.data_at_compute)
+            now
+            - anatomy.compute_t0
+            - anatomy.forward_s
+            - (anatomy.data_wait_s - anatomy.data_at_compute)
             if self._forward_seen
             else math.nan
         )
@@ -1236,8 +1237,11 @@ class Guard(StepState):
         # With several optimizers (a GAN) a training forward can follow the first
         # optimizer's step inside the same iteration, so there only those loops do.
         pos = self.data_position
-        prefetched = self._forward_seen and bool(pos.fetched)
-        self._fire_on_forward = len(self.optimizers) == 1 or prefetched or not pos.n_fetched
+        self._fire_on_forward = (
+            self._one_optimizer
+            or (self._forward_seen and bool(pos.fetched))  # prefetched: the next step's
+            or not pos.n_fetched
+        )
         self._forward_seen = False
         if self.loader is not None and not pos.n_fetched and not self._warned_not_iterated:
             self._warned_not_iterated = True

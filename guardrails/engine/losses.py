@@ -74,7 +74,9 @@ class LossRecord:
         """The step's loss as a 0-d tensor on ``device``: the mean of the observed
         losses, else of the losses the model returned, else the sum of the losses
         backpropagated (with ``(loss / accum).backward()`` the mean micro-batch loss);
-        ``None`` when none came. Kept in :attr:`mean`."""
+        ``None`` when none came. Computed once a step, then kept in :attr:`mean`."""
+        if self.mean is not None:
+            return self.mean
         if self.explicit_n:
             total, n = self.explicit, self.explicit_n
         elif self.auto_n:
