@@ -1,4 +1,5 @@
-"""The step's phases on the device, sampled: what the host clock cannot say on a GPU.
+"""The step's anatomy: its phases on the host clock (:class:`StepAnatomy`), and on the
+device, sampled (:class:`DeviceClock`): what the host clock cannot say on a GPU.
 
 On a GPU the host launches a step's kernels and runs ahead; it waits only where
 something syncs, so ``guard.forward_s`` (host time) is the launch time of the forward,
@@ -14,6 +15,8 @@ other step, one attribute check at each of the four points.
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
 import torch
@@ -58,3 +61,61 @@ class DeviceClock:
             e1.elapsed_time(e2) / 1e3,
             e2.elapsed_time(e3) / 1e3,
         )
+
+
+class StepAnatomy:
+    """The step's phases as the engine times them: on the host clock every step, on the
+    device (:class:`DeviceClock`, CUDA only) on sampled steps. One per guard.
+
+    The guard's hooks update the public fields inline at the four points of a step
+    (the fetch, the first training forward, ``optimizer.step()`` and its end): a
+    method call there would be a Python frame each, every step. The guard publishes
+    ``data_wait_s``, ``forward_s``, ``backward_s``, ``optimizer_s``, ``step_time_s`` and
+    ``device_phases`` (``engine/state.py``) from them."""
+
+    def __init__(self) -> None:
+        #: When the current step began (the previous step's end), ``perf_counter``.
+        self.step_start = 0.0
+        #: The step's time in the loader's ``next()`` so far.
+        self.data_wait_s = 0.0
+        #: The step's training forwards' time so far.
+        self.forward_s = 0.0
+        #: When the step's first training forward began, and the loader wait up to then.
+        self.compute_t0 = math.nan
+        self.data_at_compute = 0.0
+        #: When ``optimizer.step()`` began.
+        self.optimizer_t0 = math.nan
+        #: On a GPU: the device clock, the events the current step records (``None``:
+        #: not sampled), and the forward's end mark while the first forward runs.
+        self.clock: DeviceClock | None = None
+        self.marks: list[Any] | None = None
+        self.fwd_mark: Any = None
+
+    def start(self, step: int, *, cuda: bool) -> None:
+        """The guard started at ``step``: the first step's clock runs from now."""
+        self.step_start = time.perf_counter()
+        if cuda:
+            self.clock = DeviceClock()
+            self.arm(step)
+
+    def arm(self, step: int) -> None:
+        """The next step is ``step + 1``: its device events if it is sampled (the guard
+        does this inline at each step's end)."""
+        if self.clock is not None:
+            self.marks = self.clock.arm(step + 1)
+
+    def end_sampled(
+        self, step: int, *, forward_seen: bool
+    ) -> tuple[int, float, float, float] | None:
+        """A sampled step ``step``'s end: its last mark, this one kept for a later read
+        (when its forward was seen, all four marks recorded), and the previous sample
+        if the device has finished it (no wait: ``None`` before)."""
+        clock, marks = self.clock, self.marks
+        assert clock is not None and marks is not None
+        marks[3].record()
+        sample = clock.read()
+        if forward_seen and self.fwd_mark is None:  # all four marks recorded
+            clock.recorded(step, marks)
+        self.fwd_mark = None
+        self.marks = None  # armed again at the boundary
+        return sample

@@ -162,6 +162,20 @@ class BufferShadows:
                 [self._all.shadows[i] for i in idx],
             )
 
+    def put_back(
+        self, optimizer: str, *, skip: bool, where: Tensor | None, this_step: bool
+    ) -> None:
+        """``optimizer``'s step is skipped (``skip``) or skipped on the device where the
+        flag ``where`` is set: its buffers go back as they were before the step's first
+        forward. ``this_step``: a training forward ran this step (else the shadows are
+        an earlier step's, and nothing is put back)."""
+        if not this_step:
+            return
+        if skip:
+            self.restore(optimizer)
+        elif where is not None:
+            self.restore_where(where, optimizer)
+
     def restore(self, optimizer: str) -> None:
         """``optimizer``'s step is skipped: its buffers as they were before the step's
         first forward, bitwise (one fused copy per dtype)."""

@@ -37,6 +37,7 @@ import itertools
 import linecache
 import logging
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -108,104 +109,343 @@ def _set_states(loader: Any, states: dict[str, Tensor]) -> None:
             g.set_state(states[name])
 
 
-def trained_position(guard: Guard) -> tuple[int, int, dict[str, Tensor] | None]:
-    """``(epoch, batch_in_epoch, epoch-start RNG states)`` after the batches the
-    completed steps trained on: the position at the last step's last training forward
-    (``guard._trained_at``), not the batches fetched, which in a loop that prefetches
-    are one more. A position at the very end of a pass whose next pass has started
-    (the prefetched batch was that pass's first) is the next pass's start. Resumed and
-    not iterated yet: the resumed position (a save right after a resume, such as
-    ``g.save_checkpoint()`` before the loop, wrote batch 0 of the pass, and the next
-    resume trained the pass's first batches again)."""
-    resumed = guard._resume_position
-    if guard._trained_at is None and resumed is not None:
-        start = resumed.get("epoch_start") or None
-        return int(resumed["epoch"]), int(resumed["batch_in_epoch"]), start
-    epoch, batch, start = guard._trained_at or (
-        guard.epoch,
-        guard.batch_in_epoch,
-        guard._epoch_start,
-    )
-    if epoch < guard.epoch and guard.exhausted_at in (None, (epoch, batch)):
-        return guard.epoch, 0, guard._epoch_start
-    return epoch, batch, start
+class DataPosition:
+    """Where the loop is in its loader, as a checkpoint saves it and a resume continues
+    it: the batches fetched and trained, the pass's epoch-start RNG states, a pending
+    drop, a resumed pass still to continue, and what the loop's epoch counter showed.
+    One per guard, owned by it; it reads the guard's published fields (``epoch``,
+    ``batch_in_epoch``, ``exhausted_at``) and writes none: the guard sets them from
+    what :meth:`begin_pass` and :meth:`load` return.
 
+    The guard's per-fetch and per-forward bookkeeping updates the four public fields
+    inline (a method call would be a Python frame per batch); the rest is methods."""
 
-def note_pass(guard: Guard, frame: Any) -> None:
-    """At each ``iter(guard)``: which of the loop's own int variables count the passes
-    (equal to the pass's epoch at every pass so far: ``epoch`` in ``for epoch in
-    range(...): for batch in g``), and, at a resumed run's first pass, whether one the
-    run had counted with starts again from another number.
+    def __init__(self, guard: Guard) -> None:
+        self._guard = guard
+        #: Batches fetched through the guard, all passes.
+        self.n_fetched = 0
+        #: Batches fetched since the last training forward (the next step's, in a loop
+        #: that prefetches).
+        self.fetched: list[Any] = []
+        #: The position at the last training forward: ``(epoch, batch_in_epoch,
+        #: epoch-start RNG states)``. What a checkpoint saves (:meth:`trained`).
+        self.trained_at: tuple[int, int, dict[str, Any] | None] | None = None
+        #: RNG states just before the current pass's ``iter(loader)``, so a resumed run
+        #: can replay the pass's shuffle (the module docstring); ``None`` until a pass.
+        self.epoch_start: dict[str, Any] | None = None
+        #: Batches still to be fetched and dropped (``Guard.drop_batches``: a rewind
+        #: skips past a divergence's): counted in the position, never trained on.
+        self.drop = 0
+        # Set by a resume: the position the first pass continues from.
+        self._resumed: dict[str, Any] | None = None
+        # Why the loader's state_dict() could not be saved, once it failed (reported
+        # once; later saves keep the position as a count, see _own_state).
+        self._loader_state_error: str | None = None
+        # The loop's own int variables that equalled the epoch at every pass start
+        # (its epoch counter), whether a pass past epoch 0 proved it, and, after a
+        # resume, the ones to check at the first pass (note_pass).
+        self._epoch_names: set[str] | None = None
+        self._epoch_proven = False
+        self._epoch_check: set[str] | None = None
+        # Where the loop iterates the guard (file, line) and whether its epoch loop was
+        # told at a resumed pass: the first step reads the loop's source (unsaved.py).
+        self._loop_site: tuple[str, int] | None = None
+        self._epoch_told = False
 
-    A loop ``for epoch in range(3)`` resumed in epoch 1 makes three passes after the
-    resumed one begins, not two: it trains epochs 1, 2 and 3 (one more than the run it
-    continues). The guard cannot tell where such a loop ends, only that its counter
-    no longer says what it said in the first process (``frame``: the loop's, which
-    called ``iter``). Once per pass: a scan of the frame's variables (a few µs)."""
-    if guard._resume_position is not None:
-        epoch = guard.epoch  # the resumed pass (load_position set it)
-    else:
-        epoch = guard.epoch + (1 if guard.batch_in_epoch else 0)  # as _batches counts it
-    if guard._loop_site is None:
-        guard._loop_site = (frame.f_code.co_filename, frame.f_lineno)
-    try:
-        ints = {k: v for k, v in where.frame_locals(frame).items() if type(v) is int}
-    except Exception:  # an exotic frame: nothing to learn from it
-        ints = {}
-    if guard._epoch_check is not None:
-        carried, guard._epoch_check = guard._epoch_check, None
-        restarted = sorted(n for n in carried if n in ints and ints[n] != epoch)
-        if restarted:
-            guard._epoch_told = True
-            name = restarted[0]
-            off = epoch - ints[name]
-            more = f"{off} pass(es) more" if off > 0 else f"{-off} pass(es) fewer"
-            guard.event(
-                "epoch_loop_restarted",
-                level="warning",
-                message=f"resumed in epoch {epoch} (step {guard.step}), but your loop's "
-                f"`{name}` is {ints[name]} at the resumed pass, where the run it continues "
-                f"had it equal to the epoch: a loop `for {name} in range(n_epochs)` now "
-                f"makes {more} than the run asks for (other final weights). Count from "
-                "the guard's epoch: "
-                f"`for {name} in range(g.epoch, n_epochs):` (or `while g.epoch < "
-                "n_epochs: for batch in g:`).",
-                variable=name,
-                value=ints[name],
-                epoch=epoch,
+    def begin_pass(self, loader: Any) -> tuple[Iterator[Any], int | None]:
+        """At a pass's first ``next()``: the pass's iterator, and the batch it continues
+        from when it is a resumed pass (``None``: a new pass, from its first batch)."""
+        position, self._resumed = self._resumed, None
+        if position is None:
+            self.epoch_start = epoch_start(loader)
+            return iter(loader), None
+        it, self.epoch_start = self._resume_iter(loader, position)
+        return it, int(position["batch_in_epoch"])
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the next pass continues a resumed one (set by :meth:`load`)."""
+        return self._resumed is not None
+
+    def trained(self) -> tuple[int, int, dict[str, Tensor] | None]:
+        """``(epoch, batch_in_epoch, epoch-start RNG states)`` after the batches the
+        completed steps trained on: the position at the last step's last training forward
+        (:attr:`trained_at`), not the batches fetched, which in a loop that prefetches
+        are one more. A position at the very end of a pass whose next pass has started
+        (the prefetched batch was that pass's first) is the next pass's start. Resumed and
+        not iterated yet: the resumed position (a save right after a resume, such as
+        ``g.save_checkpoint()`` before the loop, wrote batch 0 of the pass, and the next
+        resume trained the pass's first batches again)."""
+        resumed = self._resumed
+        if self.trained_at is None and resumed is not None:
+            start = resumed.get("epoch_start") or None
+            return int(resumed["epoch"]), int(resumed["batch_in_epoch"]), start
+        guard = self._guard
+        epoch, batch, start = self.trained_at or (
+            guard.epoch,
+            guard.batch_in_epoch,
+            self.epoch_start,
+        )
+        if epoch < guard.epoch and guard.exhausted_at in (None, (epoch, batch)):
+            return guard.epoch, 0, self.epoch_start
+        return epoch, batch, start
+
+    def note_pass(self, frame: Any) -> None:
+        """At each ``iter(guard)``: which of the loop's own int variables count the passes
+        (equal to the pass's epoch at every pass so far: ``epoch`` in ``for epoch in
+        range(...): for batch in g``), and, at a resumed run's first pass, whether one the
+        run had counted with starts again from another number.
+
+        A loop ``for epoch in range(3)`` resumed in epoch 1 makes three passes after the
+        resumed one begins, not two: it trains epochs 1, 2 and 3 (one more than the run it
+        continues). The guard cannot tell where such a loop ends, only that its counter
+        no longer says what it said in the first process (``frame``: the loop's, which
+        called ``iter``). Once per pass: a scan of the frame's variables (a few µs)."""
+        guard = self._guard
+        if self._resumed is not None:
+            epoch = guard.epoch  # the resumed pass (the guard set it from load())
+        else:
+            epoch = guard.epoch + (1 if guard.batch_in_epoch else 0)  # as _batches counts it
+        if self._loop_site is None:
+            self._loop_site = (frame.f_code.co_filename, frame.f_lineno)
+        try:
+            ints = {k: v for k, v in where.frame_locals(frame).items() if type(v) is int}
+        except Exception:  # an exotic frame: nothing to learn from it
+            ints = {}
+        if self._epoch_check is not None:
+            carried, self._epoch_check = self._epoch_check, None
+            restarted = sorted(n for n in carried if n in ints and ints[n] != epoch)
+            if restarted:
+                self._epoch_told = True
+                name = restarted[0]
+                off = epoch - ints[name]
+                more = f"{off} pass(es) more" if off > 0 else f"{-off} pass(es) fewer"
+                guard.event(
+                    "epoch_loop_restarted",
+                    level="warning",
+                    message=f"resumed in epoch {epoch} (step {guard.step}), but your loop's "
+                    f"`{name}` is {ints[name]} at the resumed pass, where the run it continues "
+                    f"had it equal to the epoch: a loop `for {name} in range(n_epochs)` now "
+                    f"makes {more} than the run asks for (other final weights). Count from "
+                    "the guard's epoch: "
+                    f"`for {name} in range(g.epoch, n_epochs):` (or `while g.epoch < "
+                    "n_epochs: for batch in g:`).",
+                    variable=name,
+                    value=ints[name],
+                    epoch=epoch,
+                )
+        same = {n for n, v in ints.items() if v == epoch}
+        self._epoch_names = same if self._epoch_names is None else self._epoch_names & same
+        # Pass 0 alone proves nothing (every int that is 0 equals it).
+        self._epoch_proven = self._epoch_proven or epoch >= 1
+
+    def warn_epoch_loop_from_zero(self) -> None:
+        """At the run's first step (the checkpointer's ``unsaved``): the loop's epoch loop
+        around ``for batch in g`` counts from 0 (``for epoch in range(n_epochs)``), so a
+        resumed run would make the passes it had made again. Read once from the loop's
+        source, where ``iter(g)`` was called (``note_pass``); not when this run already said
+        it at its resumed pass (``epoch_loop_restarted``, which says how many passes more)."""
+        site = self._loop_site
+        if site is None or self._epoch_told:
+            return
+        filename, lineno = site
+        found = _epoch_loop(filename, lineno)
+        if found is None:
+            return
+        clause, line = found
+        name = clause.split(" in ", 1)[0].removeprefix("for ")
+        self._guard.event(
+            "epoch_loop_from_zero",
+            level="warning",
+            message=f"your epoch loop `{clause}:` ({Path(filename).name}:{line}) counts from "
+            "0: a run resumed in epoch k would make all its passes again after the resumed "
+            "one, more than the run asks for (other final weights). Count from the guard's "
+            f"epoch: `for {name} in range(g.epoch, n_epochs):` (or `while g.epoch < "
+            "n_epochs: for batch in g:`).",
+            variable=name,
+            line=line,
+        )
+
+    def save(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """``(position, tensors)`` of the guard's loader at a step boundary: the JSON part
+        (with the loader's own ``state_dict()`` when it has one that works) and its
+        tensors: the epoch-start RNG states under ``epoch_start.*``, the loader's and
+        sampler's own generators as they are now under ``current.*`` (the next pass draws
+        from them)."""
+        loader = self._guard.loader
+        own = self._own_state(loader)
+        if own is not None:
+            kind = "state_dict"
+        elif _replayable(loader):
+            kind = "replay"
+        else:
+            kind = "fast_forward"
+        epoch, batch, start = self.trained()
+        position: dict[str, Any] = {
+            "kind": kind,
+            "epoch": epoch,
+            "batch_in_epoch": batch,
+            "sampler_epoch": getattr(_sampler(loader), "epoch", None),
+        }
+        if self._epoch_proven and self._epoch_names:
+            position["epoch_names"] = sorted(self._epoch_names)
+        if self.drop:  # batches a rewind still drops before the next one trained on
+            position["drop"] = self.drop
+        tensors = {f"epoch_start.{k}": v for k, v in (start or {}).items()}
+        for name, g in _generators(loader).items():
+            tensors[f"current.{name}"] = g.get_state()
+        if own is not None:
+            position.update(own[0])
+            tensors.update(own[1])
+        elif kind == "fast_forward":
+            held = self._held()
+            # Fetching it again would draw it afresh (see the module docstring); a batch
+            # that would not come back as the same types is fetched again.
+            if held and _plain(held):
+                position.update(_encode_held(held, tensors))
+        return position, tensors
+
+    def _held(self) -> list[Any]:
+        """The batches fetched past the trained position: a prefetching loop's next batch.
+        Resumed and not iterated yet: the resumed position's, still to be handed out."""
+        resumed = self._resumed
+        if self.trained_at is None and resumed is not None:
+            return list(resumed.get("held") or [])
+        return list(self.fetched)
+
+    def _own_state(self, loader: Any) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """The loader's own ``state_dict()`` and the batches fetched past the trained
+        position, encoded (``(position entries, tensors)``); ``None`` when the loader has no
+        ``state_dict()``, or when it raised or cannot be stored: then the position is kept
+        as a count of batches (replay or fast-forward), with one warning, and this guard
+        does not call it again. A save never fails on the data position."""
+        from guardrails.checkpoint.codec import encode
+
+        if not stateful(loader) or self._loader_state_error is not None:
+            return None
+        tensors: dict[str, Tensor] = {}
+        try:
+            entries = {
+                "loader": encode(loader.state_dict(), "loader", tensors),
+                # The loader's own state is past the batches a prefetching loop fetched for
+                # the next step; they are saved and handed out first on resume (no rewind).
+                **_encode_held(self._held(), tensors),
+            }
+        except Exception as exc:  # the user's / a library's loader: any failure, same fallback
+            self._loader_state_error = f"{type(exc).__name__}: {exc}"
+            name = type(loader).__name__  # type(): accelerate's loaders claim DataLoader
+            how = (
+                "replays the pass's order and loads only the batches not trained on yet"
+                if _replayable(loader)
+                else "fetches and drops the batches already trained on in the interrupted "
+                "pass (the same order; each one is loaded again)"
             )
-    same = {n for n, v in ints.items() if v == epoch}
-    guard._epoch_names = same if guard._epoch_names is None else guard._epoch_names & same
-    # Pass 0 alone proves nothing (every int that is 0 equals it).
-    guard._epoch_proven = guard._epoch_proven or epoch >= 1
+            self._guard.event(
+                "loader_state_unavailable",
+                level="warning",
+                message=f"{name}.state_dict() failed ({self._loader_state_error}), so "
+                f"checkpoints keep this loader's position as a count of batches: a resumed "
+                f"run {how}. Nothing to do unless that is too slow; a loader whose "
+                "state_dict() / load_state_dict() work resumes from its own state.",
+                loader=name,
+                error=self._loader_state_error,
+                resume="replay" if _replayable(loader) else "fast_forward",
+            )
+            return None
+        return entries, tensors
+
+    def load(self, position: dict[str, Any], tensors: dict[str, Tensor]) -> int:
+        """Make the next pass continue ``position`` (called at resume); returns
+        the epoch it is in, which the guard publishes."""
+        from guardrails.checkpoint.codec import decode
+
+        position = dict(position)
+        position["epoch_start"] = {
+            k.removeprefix("epoch_start."): v
+            for k, v in tensors.items()
+            if k.startswith("epoch_start.")
+        }
+        guard = self._guard
+        loader = guard.loader
+        if position.get("loader") is not None and stateful(loader):
+            loader.load_state_dict(decode(position["loader"], tensors))  # type: ignore[union-attr]
+        # Fresh copies: a tensor read from the checkpoint's file may sit at an alignment
+        # that sends CPU matmuls down another kernel (last-bit differences, measured).
+        # Held batches go back to the device they were fetched to.
+        devices = position.get("held_devices") or {}
+        position["held"] = decode(
+            position.get("held") or [],
+            {
+                k: _to(v, devices[k], guard.device) if k in devices else v.clone()
+                for k, v in tensors.items()
+            },
+        )
+        # The generators a DataLoader / sampler owns are not among the RNG streams a
+        # checkpoint restores: without this, a resumed run's next pass would draw from a
+        # freshly seeded generator and repeat the first pass's order.
+        for name, g in _generators(loader).items():
+            if f"current.{name}" in tensors:
+                g.set_state(tensors[f"current.{name}"])
+        self.drop = int(position.get("drop") or 0)
+        self._resumed = position
+        names = position.get("epoch_names") or []
+        if names:  # the loop's pass counters in the run this one continues (note_pass)
+            self._epoch_names, self._epoch_proven = set(names), True
+            self._epoch_check = set(names)
+        return int(position["epoch"])
+
+    def _resume_iter(self, loader: Any, position: dict[str, Any]) -> tuple[Any, Any]:
+        """An iterator over the rest of the interrupted pass, and that pass's epoch-start
+        RNG states (kept for the next checkpoint)."""
+        skip = int(position["batch_in_epoch"])
+        start = position.get("epoch_start") or None
+        saved_epoch = position.get("sampler_epoch")
+        live_epoch = getattr(_sampler(loader), "epoch", None)
+        if saved_epoch is not None and live_epoch != saved_epoch:
+            self._guard.event(
+                "data_epoch_mismatch",
+                level="warning",
+                message=f"the sampler is at epoch {live_epoch} but the checkpoint was taken in "
+                f"epoch {saved_epoch}: the resumed pass shuffles differently from the first run. "
+                "Call sampler.set_epoch() with the epoch counted from g.epoch "
+                "(for epoch in range(g.epoch, n_epochs): ...).",
+            )
+        if position["kind"] == "state_dict" and stateful(loader):
+            # The loader's own state was loaded at resume; the batches fetched beyond the
+            # trained position come first.
+            return itertools.chain(position.get("held") or [], iter(loader)), start
+        if position["kind"] == "replay" and _replayable(loader) and start is not None:
+            return _replay(loader, skip, start), start
+        held = position.get("held") or []
+        if position["kind"] == "fast_forward" and held:
+            # Past the held batches too, which are handed out as saved.
+            it = _fast_forward(loader, skip + len(held), start, self._guard, trained=skip)
+            return itertools.chain(held, it), start
+        return _fast_forward(loader, skip, start, self._guard), start
+
+
+def tokens_in(batch: Any) -> int | None:
+    """Tokens in a batch: the size of its first tensor when that is an integer
+    ``(batch, seq)`` tensor of token ids; ``None`` otherwise. Shapes only, no sync."""
+    first = batch
+    while isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    # A tensor first: the Mapping check is an ABC's (~0.3-1 us a batch).
+    if not isinstance(first, Tensor) and isinstance(first, Mapping):
+        first = first.get("input_ids")
+    if isinstance(first, Tensor) and first.ndim == 2 and not first.is_floating_point():
+        return first.numel()
+    return None
+
+
+def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``guard``'s data position at a step boundary (:meth:`DataPosition.save`)."""
+    return guard.data_position.save()
 
 
 def warn_epoch_loop_from_zero(guard: Guard) -> None:
-    """At the run's first step (the checkpointer's ``unsaved``): the loop's epoch loop
-    around ``for batch in g`` counts from 0 (``for epoch in range(n_epochs)``), so a
-    resumed run would make the passes it had made again. Read once from the loop's
-    source, where ``iter(g)`` was called (``note_pass``); not when this run already said
-    it at its resumed pass (``epoch_loop_restarted``, which says how many passes more)."""
-    site = guard._loop_site
-    if site is None or guard._epoch_told:
-        return
-    filename, lineno = site
-    found = _epoch_loop(filename, lineno)
-    if found is None:
-        return
-    clause, line = found
-    name = clause.split(" in ", 1)[0].removeprefix("for ")
-    guard.event(
-        "epoch_loop_from_zero",
-        level="warning",
-        message=f"your epoch loop `{clause}:` ({Path(filename).name}:{line}) counts from "
-        "0: a run resumed in epoch k would make all its passes again after the resumed "
-        "one, more than the run asks for (other final weights). Count from the guard's "
-        f"epoch: `for {name} in range(g.epoch, n_epochs):` (or `while g.epoch < "
-        "n_epochs: for batch in g:`).",
-        variable=name,
-        line=line,
-    )
+    """At the run's first step (:meth:`DataPosition.warn_epoch_loop_from_zero`)."""
+    guard.data_position.warn_epoch_loop_from_zero()
 
 
 def _epoch_loop(filename: str, lineno: int) -> tuple[str, int] | None:
@@ -285,55 +525,6 @@ def _counts_from_zero(loop: ast.For, scope: ast.AST) -> bool:
     return True
 
 
-def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``(position, tensors)`` of ``guard``'s loader at a step boundary: the JSON part
-    (with the loader's own ``state_dict()`` when it has one that works) and its
-    tensors: the epoch-start RNG states under ``epoch_start.*``, the loader's and
-    sampler's own generators as they are now under ``current.*`` (the next pass draws
-    from them)."""
-    loader = guard.loader
-    own = _own_state(guard, loader)
-    if own is not None:
-        kind = "state_dict"
-    elif _replayable(loader):
-        kind = "replay"
-    else:
-        kind = "fast_forward"
-    epoch, batch, start = trained_position(guard)
-    position: dict[str, Any] = {
-        "kind": kind,
-        "epoch": epoch,
-        "batch_in_epoch": batch,
-        "sampler_epoch": getattr(_sampler(loader), "epoch", None),
-    }
-    if guard._epoch_proven and guard._epoch_names:
-        position["epoch_names"] = sorted(guard._epoch_names)
-    if guard._drop:  # batches a rewind still drops before the next one trained on
-        position["drop"] = guard._drop
-    tensors = {f"epoch_start.{k}": v for k, v in (start or {}).items()}
-    for name, g in _generators(loader).items():
-        tensors[f"current.{name}"] = g.get_state()
-    if own is not None:
-        position.update(own[0])
-        tensors.update(own[1])
-    elif kind == "fast_forward":
-        held = _held(guard)
-        # Fetching it again would draw it afresh (see the module docstring); a batch
-        # that would not come back as the same types is fetched again.
-        if held and _plain(held):
-            position.update(_encode_held(held, tensors))
-    return position, tensors
-
-
-def _held(guard: Guard) -> list[Any]:
-    """The batches fetched past the trained position: a prefetching loop's next batch.
-    Resumed and not iterated yet: the resumed position's, still to be handed out."""
-    resumed = guard._resume_position
-    if guard._trained_at is None and resumed is not None:
-        return list(resumed.get("held") or [])
-    return list(guard._fetched)
-
-
 def _plain(obj: Any) -> bool:
     """Whether ``obj`` comes back from a checkpoint as the same types: tensors, numbers,
     strings, and exactly tuple / list / dict (str keys) of them. A subclass (a
@@ -359,84 +550,6 @@ def _encode_held(held: list[Any], tensors: dict[str, Tensor]) -> dict[str, Any]:
         entries["held_devices"] = devices
     tensors.update(mine)
     return entries
-
-
-def _own_state(guard: Guard, loader: Any) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
-    """The loader's own ``state_dict()`` and the batches fetched past the trained
-    position, encoded (``(position entries, tensors)``); ``None`` when the loader has no
-    ``state_dict()``, or when it raised or cannot be stored: then the position is kept
-    as a count of batches (replay or fast-forward), with one warning, and this guard
-    does not call it again. A save never fails on the data position."""
-    from guardrails.checkpoint.codec import encode
-
-    if not stateful(loader) or guard._loader_state_error is not None:
-        return None
-    tensors: dict[str, Tensor] = {}
-    try:
-        entries = {
-            "loader": encode(loader.state_dict(), "loader", tensors),
-            # The loader's own state is past the batches a prefetching loop fetched for
-            # the next step; they are saved and handed out first on resume (no rewind).
-            **_encode_held(_held(guard), tensors),
-        }
-    except Exception as exc:  # the user's / a library's loader: any failure, same fallback
-        guard._loader_state_error = f"{type(exc).__name__}: {exc}"
-        name = type(loader).__name__  # type(): accelerate's loaders claim DataLoader
-        how = (
-            "replays the pass's order and loads only the batches not trained on yet"
-            if _replayable(loader)
-            else "fetches and drops the batches already trained on in the interrupted "
-            "pass (the same order; each one is loaded again)"
-        )
-        guard.event(
-            "loader_state_unavailable",
-            level="warning",
-            message=f"{name}.state_dict() failed ({guard._loader_state_error}), so "
-            f"checkpoints keep this loader's position as a count of batches: a resumed "
-            f"run {how}. Nothing to do unless that is too slow; a loader whose "
-            "state_dict() / load_state_dict() work resumes from its own state.",
-            loader=name,
-            error=guard._loader_state_error,
-            resume="replay" if _replayable(loader) else "fast_forward",
-        )
-        return None
-    return entries, tensors
-
-
-def load_position(guard: Guard, position: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-    """Make ``guard``'s next pass continue ``position`` (called at resume)."""
-    from guardrails.checkpoint.codec import decode
-
-    position = dict(position)
-    position["epoch_start"] = {
-        k.removeprefix("epoch_start."): v
-        for k, v in tensors.items()
-        if k.startswith("epoch_start.")
-    }
-    loader = guard.loader
-    if position.get("loader") is not None and stateful(loader):
-        loader.load_state_dict(decode(position["loader"], tensors))  # type: ignore[union-attr]
-    # Fresh copies: a tensor read from the checkpoint's file may sit at an alignment
-    # that sends CPU matmuls down another kernel (last-bit differences, measured).
-    # Held batches go back to the device they were fetched to.
-    devices = position.get("held_devices") or {}
-    position["held"] = decode(
-        position.get("held") or [],
-        {k: _to(v, devices[k], guard) if k in devices else v.clone() for k, v in tensors.items()},
-    )
-    # The generators a DataLoader / sampler owns are not among the RNG streams a
-    # checkpoint restores: without this, a resumed run's next pass would draw from a
-    # freshly seeded generator and repeat the first pass's order.
-    for name, g in _generators(loader).items():
-        if f"current.{name}" in tensors:
-            g.set_state(tensors[f"current.{name}"])
-    guard.epoch = int(position["epoch"])
-    guard._drop = int(position.get("drop") or 0)
-    guard._resume_position = position
-    names = position.get("epoch_names") or []
-    if names:  # the loop's pass counters in the run this one continues (note_pass)
-        guard._epoch_names, guard._epoch_proven = set(names), True
-        guard._epoch_check = set(names)
 
 
 def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> None:
@@ -470,13 +583,14 @@ def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> 
         )
 
 
-def _to(tensor: Tensor, device: str, guard: Guard) -> Tensor:
-    """``tensor`` on the device it was saved from; on the guard's device where that one
-    is not here (saved on a GPU, resumed on another machine or on the CPU)."""
+def _to(tensor: Tensor, device: str, fallback: torch.device) -> Tensor:
+    """``tensor`` on the device it was saved from; on ``fallback`` (the guard's device)
+    where that one is not here (saved on a GPU, resumed on another machine or on the
+    CPU)."""
     try:
         return tensor.to(device)
     except (RuntimeError, AssertionError, ValueError):  # no such device / CUDA build
-        return tensor.to(guard.device)
+        return tensor.to(fallback)
 
 
 def _replayable(loader: Any) -> bool:
@@ -489,36 +603,6 @@ def _replayable(loader: Any) -> bool:
         and loader.batch_sampler is not None
         and not isinstance(loader.dataset, IterableDataset)
     )
-
-
-def resume_iter(loader: Any, position: dict[str, Any], guard: Guard) -> tuple[Any, Any]:
-    """An iterator over the rest of the interrupted pass, and that pass's epoch-start
-    RNG states (kept for the next checkpoint)."""
-    skip = int(position["batch_in_epoch"])
-    start = position.get("epoch_start") or None
-    saved_epoch = position.get("sampler_epoch")
-    live_epoch = getattr(_sampler(loader), "epoch", None)
-    if saved_epoch is not None and live_epoch != saved_epoch:
-        guard.event(
-            "data_epoch_mismatch",
-            level="warning",
-            message=f"the sampler is at epoch {live_epoch} but the checkpoint was taken in "
-            f"epoch {saved_epoch}: the resumed pass shuffles differently from the first run. "
-            "Call sampler.set_epoch() with the epoch counted from g.epoch "
-            "(for epoch in range(g.epoch, n_epochs): ...).",
-        )
-    if position["kind"] == "state_dict" and stateful(loader):
-        # The loader's own state was loaded at resume; the batches fetched beyond the
-        # trained position come first.
-        return itertools.chain(position.get("held") or [], iter(loader)), start
-    if position["kind"] == "replay" and _replayable(loader) and start is not None:
-        return _replay(loader, skip, start), start
-    held = position.get("held") or []
-    if position["kind"] == "fast_forward" and held:
-        # Past the held batches too, which are handed out as saved.
-        it = _fast_forward(loader, skip + len(held), start, guard, trained=skip)
-        return itertools.chain(held, it), start
-    return _fast_forward(loader, skip, start, guard), start
 
 
 def _replay(loader: DataLoader, skip: int, start: dict[str, Tensor]) -> Any:

@@ -49,15 +49,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import math
 import operator
-import os
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
@@ -68,27 +65,27 @@ from torch import Tensor, nn
 
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
-from guardrails.engine import process, rundir, where
-from guardrails.engine.anatomy import DeviceClock
+from guardrails.engine import ending, process, rundir, setup, where
+from guardrails.engine.anatomy import StepAnatomy
 from guardrails.engine.buffers import BufferShadows
 from guardrails.engine.component import (
     HOOKS,
     Component,
     check_component_list,
-    check_components,
     overrides,
 )
-from guardrails.engine.gradnorm import GradNorm, share_clip_norm, total_norm
+from guardrails.engine.data import DataPosition, tokens_in
+from guardrails.engine.gradnorm import GradNorm, total_norm
 from guardrails.engine.lagged import OpenRow, StepRing
-from guardrails.engine.model import averaged as _averaged
+from guardrails.engine.losses import LossRecord
 from guardrails.engine.model import find_loss as _find_loss
 from guardrails.engine.model import is_loss as _is_loss
 from guardrails.engine.services import CollectiveRecorder
 from guardrails.engine.state import Shared, StepState
 from guardrails.engine.surface import USER_SURFACE
+from guardrails.engine.wrappers import StepHooks, UserWrappers, temporarily
 from guardrails.metrics.events import EventLog, logger_of
-from guardrails.util.checks import check_scaler, flag, named, positive_int
-from guardrails.util.text import shorten
+from guardrails.util.checks import check_scaler, flag, named
 
 logger = logging.getLogger("guardrails.guard")
 
@@ -168,6 +165,45 @@ class Guard(StepState):
         #: What components produce for each other (the collective in flight, GC time),
         #: each field with one writer: see ``state.Shared``.
         self.shared = Shared()
+        self._take(model, optimizer, loader, scheduler, scaler, generators)
+        self.components: list[Component] = list(check_component_list(components))
+        self.tokens_per_batch = tokens_per_batch
+        if replay_fn is not None and not callable(replay_fn):
+            raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
+        #: How to replay a non-finite step's batch: ``replay_fn(model, batch)``, or
+        #: ``None`` to re-run the step's recorded forward calls as they were made.
+        self.replay_fn = replay_fn
+        # The parameters the step's grad norm and NaN flag cover (setup.py).
+        self._params = setup.trained_params(
+            self.model,
+            self.optimizers,
+            setup.validate(self.model, self.optimizers, loader, self.components, tokens_per_batch),
+        )
+        if run_dir is not None:
+            rundir.check_arg(run_dir)
+        self.run_dir = Path(run_dir) if run_dir is not None else setup.default_run_dir()
+        self.device = self._params[0].device
+        self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
+        #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
+        #: graph expects them (one launch instead of one output per gradient; opt-in,
+        #: see gradnorm.py).
+        flag("guard(graph_grad_norm=...)", graph_grad_norm)
+        self.graph_grad_norm = graph_grad_norm
+        flag("guard(benchmark=...)", benchmark)
+        self.benchmark = benchmark
+        self._build_step_parts()
+        self._build_lifecycle()
+
+    def _take(
+        self,
+        model: Any,
+        optimizer: Optimizers,
+        loader: Iterable[Any] | None,
+        scheduler: Any,
+        scaler: Any,
+        generators: Any,
+    ) -> None:
+        """The user's objects, each by name (a list or a dict of several), checked."""
         #: The modules whose forward is wrapped: the model, or each one given.
         self.models: dict[str, nn.Module] = named("model", model, nn.Module)
         #: The model: the one given, or an ``nn.ModuleDict`` of the ones given.
@@ -200,40 +236,14 @@ class Guard(StepState):
         #: Their states as the last step left them (what checkpoints save); ``None``
         #: before the first step and after a resume (then: as they are).
         self.generator_states: dict[str, Tensor] | None = None
-        self.components: list[Component] = list(check_component_list(components))
-        self.tokens_per_batch = tokens_per_batch
-        if replay_fn is not None and not callable(replay_fn):
-            raise TypeError(f"replay_fn must be callable(model, batch), got {replay_fn!r}")
-        #: How to replay a non-finite step's batch: ``replay_fn(model, batch)``, or
-        #: ``None`` to re-run the step's recorded forward calls as they were made.
-        self.replay_fn = replay_fn
-        self._params = _validate(
-            self.model, self.optimizers, loader, self.components, tokens_per_batch
-        )
-        # An EMA passed beside the model (guard([model, ema], ...)) is saved with it;
-        # its parameters take no gradient: neither normed nor NaN-checked.
-        ema = _averaged(self.model)
-        if ema and any(id(p) not in ema for p in self._params):
-            self._params = [p for p in self._params if id(p) not in ema]
-        if len(self.optimizers) > 1:
-            # The step's grad norm and NaN flag are the first optimizer's: another's
-            # gradients (a GAN's generator, left from its last backward) are checked
-            # at that optimizer's own step.
-            first = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-            self._params = [p for p in self._params if id(p) in first]
-        if run_dir is not None:
-            rundir.check_arg(run_dir)
-        self.run_dir = Path(run_dir) if run_dir is not None else _default_run_dir()
-        # Held by rank 0 from start to close: one run per run_dir (rundir.py).
-        self._run_lock: rundir.RunLock | None = None
-        self.device = self._params[0].device
-        self._device_type = self.device.type  # a str: device.type costs ~0.4 us a read
-        #: Replay the grad norm's kernels as a CUDA graph when the gradients are where a
-        #: graph expects them (one launch instead of one output per gradient; opt-in,
-        #: see gradnorm.py).
-        flag("guard(graph_grad_norm=...)", graph_grad_norm)
-        self.graph_grad_norm = graph_grad_norm
-        self._norm = GradNorm(self._params, use_graph=graph_grad_norm)
+        #: The user's own state, saved in every checkpoint and restored on resume
+        #: (JSON values and tensors: ``g.state["best_val"] = 1.23``).
+        self.state: dict[str, Any] = {}
+
+    def _build_step_parts(self) -> None:
+        """The objects a step reads through, each owning its state, and the step's own
+        flags."""
+        self._norm = GradNorm(self._params, use_graph=self.graph_grad_norm)
         self._norm.scaled = self.scaler is not None and self.scaler.is_enabled()
         # To recognise a torch.nn.utils.clip_grad_norm_ over exactly these parameters
         # (whose norm then is the step's: _took_clip_norm), in any order.
@@ -242,108 +252,70 @@ class Guard(StepState):
         #: Steps whose norm came from the loop's own clip_grad_norm_ (the end event).
         self.clip_norm_steps = 0
         self._norm_shared = False  # this step's norm is the clip's
+        self._grad_norm: Tensor | None = None
         # Each step's (loss, grad norm, skipped) row, written once for every component
         # that judges or records it (step_row()); its count this step, or None.
         self._ring = StepRing(self.device)
         self._row: int | None = None
-        # The step whose after_step hooks raised (set on that error path only), and
-        # when the guard began to close or abort: what open_row() reports.
-        self._after_step_failed = -1
-        self._ending_at = math.nan
-
-        # RNG states just before the current pass's iter(loader), so a resumed run can
-        # replay the pass's shuffle (see data.py); None until the first pass.
-        self._epoch_start: dict[str, Any] | None = None
-        # Set by a resume: the data position the first pass continues from.
-        self._resume_position: dict[str, Any] | None = None
-        # Why the loader's state_dict() could not be saved, once it failed (reported
-        # once; later saves keep the position as a count, see data._own_state).
-        self._loader_state_error: str | None = None
-        # The loop's own int variables that equalled the epoch at every pass start
-        # (its epoch counter), whether a pass past epoch 0 proved it, and, after a
-        # resume, the ones to check at the first pass (data.note_pass).
-        self._epoch_names: set[str] | None = None
-        self._epoch_proven = False
-        self._epoch_check: set[str] | None = None
-        # Where the loop iterates the guard (file, line) and whether its epoch loop was
-        # told at a resumed pass: the first step reads the loop's source (unsaved.py).
-        self._loop_site: tuple[str, int] | None = None
-        self._epoch_told = False
-        self._at_boundary = False
-        # Batches fetched since the last training forward (the next step's, in a loop
-        # that prefetches).
-        self._fetched: list[Any] = []
-        self._n_fetched = 0  # batches fetched through the guard, all passes
-        # The data position at the last training forward: (epoch, batch_in_epoch,
-        # epoch-start RNG states). What a checkpoint saves (data.save_position).
-        self._trained_at: tuple[int, int, dict[str, Any] | None] | None = None
-        self._forward_seen = False  # a training forward since the last step
-        # Fire the boundary at the next training forward too, not only at the next
-        # fetch: set at each step from what the loop does (see the module docstring).
-        self._fire_on_forward = True
-        self._skip = False  # set by skip_update(): the wrapper does not call step()
-        # Set by skip_update(where=flag): the optimizer leaves the update out on the
-        # device where the flag is set (a fused one's found_inf); buffers follow it.
-        self._skip_where: Tensor | None = None
+        #: The data position (``engine/data.py``): the batches fetched and trained,
+        #: what a checkpoint saves of the loader and a resume continues.
+        self.data_position = DataPosition(self)
         # The buffers a training forward writes in place (BatchNorm's running
         # statistics) and their copies from before the step's first forward: what a
         # skipped step puts back (engine/buffers.py).
         self._shadow = BufferShadows(self.model, self.models, self.optimizers)
+        # The step's losses, on the device (engine/losses.py), cleared after each step.
+        self._losses = LossRecord()
+        # The step's phases on the host clock, and on the device on sampled steps
+        # (anatomy.py): what the guard publishes as forward_s, backward_s...
+        self._anatomy = StepAnatomy()
+        # The wrappers of the user's forward, step, backward and scaler, and the
+        # switches they read (skip, quiet, replaying): installed at start (wrappers.py).
+        hooks = StepHooks(
+            on_forward=self._on_forward,
+            forward_done=self._forward_done,
+            before_step=self._before_step,
+            after_step=self._after_step,
+            before_extra_step=self._before_extra_step,
+            after_extra_step=self._after_extra_step,
+            put_back=self._put_back,
+            scaler_skipped=self._scaler_skipped,
+            took_clip_norm=self._took_clip_norm,
+        )
+        self._wrappers = UserWrappers(self, hooks, self._losses, self._norm)
+        self._at_boundary = False
+        self._forward_seen = False  # a training forward since the last step
+        # Fire the boundary at the next training forward too, not only at the next
+        # fetch: set at each step from what the loop does (see the module docstring).
+        self._fire_on_forward = True
+        self._one_optimizer = len(self.optimizers) == 1  # read each step: no len() call
         # (tensor, version) of the step's forward arguments, to notice a loader that
         # refills them in place; then copy them instead (see _check_refill).
         self._arg_versions: list[tuple[Tensor, int]] = []
         self._copy_inputs = False
+        self._tokens: int | None = None  # the step's tokens so far
+        self._loss_checked = False  # the first step said whether a loss was recorded
+        self._scaler_warned = False
         self._warned_not_iterated = False
+
+    def _build_lifecycle(self) -> None:
+        """What start() fills in and close() empties: the job, the events, the hooks."""
         self.rank = 0
         self.world_size = 1
         self.events: EventLog | None = None
         self._state = "new"  # new -> started -> closed
+        # Held by rank 0 from start to close: one run per run_dir (rundir.py).
+        self._run_lock: rundir.RunLock | None = None
         self._handles: list[Any] = []
         self._dispatch: dict[str, list[Callable[..., Any]]] = {h: [] for h in HOOKS}
         # The per-step hooks this step runs: the same table as _dispatch, except on the
         # steps benchmark mode samples with some components bypassed (benchmark_mode.py).
         self._live = self._dispatch
-        flag("guard(benchmark=...)", benchmark)
-        self.benchmark = benchmark
         self._bench: Any = None
-
-        # Per-step accumulators, reset after every optimizer step.
-        self._auto_loss: Tensor | None = None
-        self._auto_n = 0
-        self._explicit_loss: Tensor | None = None
-        self._explicit_n = 0
-        # The losses the step backpropagated (loss.backward()), summed: the loss its
-        # gradients are of, for loops that compute it outside the model.
-        self._backward_loss: Tensor | None = None
-        self._backward_n = 0
-        # (scaled, loss) of the last GradScaler.scale(loss): its backward is the loss's.
-        self._scaled: tuple[Tensor, Tensor] | None = None
-        self._loss_checked = False  # the first step said whether a loss was recorded
-        self._grad_norm: Tensor | None = None
-        self._opt_steps = 0  # optimizer.step() calls that reached a wrapper
-        self._scaler_warned = False
-        self._step_loss: Tensor | None = None
-        self._data_wait_s = 0.0
-        self._tokens: int | None = None
-        self._step_start = 0.0
-        # The step's anatomy on the host clock (see StepState.forward_s): the training
-        # forwards' time so far, when the step's first forward began and the loader wait
-        # up to then, and when optimizer.step() began.
-        self._forward_s = 0.0
-        self._compute_t0 = math.nan
-        self._data_at_compute = 0.0
-        self._optimizer_t0 = math.nan
-        # The same phases on the device, on sampled steps (anatomy.DeviceClock): the
-        # events the current step records (None: not sampled), and the forward's end
-        # mark while the step's first forward runs.
-        self._clock: DeviceClock | None = None
-        self._marks: list[Any] | None = None
-        self._fwd_mark: Any = None
-        # Set while NanGuard replays a batch (replaying()): its loss is not a training loss.
-        self._replaying = False
-        #: The user's own state, saved in every checkpoint and restored on resume
-        #: (JSON values and tensors: ``g.state["best_val"] = 1.23``).
-        self.state: dict[str, Any] = {}
+        # The step whose after_step hooks raised (set on that error path only), and
+        # when the guard began to close or abort: what open_row() reports.
+        self._after_step_failed = -1
+        self._ending_at = math.nan
         #: This guard's number among the guards started in this process (the same on
         #: every rank), which namespaces its side-channel keys.
         self.generation = -1
@@ -359,18 +331,12 @@ class Guard(StepState):
         #: instead of each polling its own keys. ``None`` in a single process.
         self.news: store.News | None = None
         self._replacement: BaseException | None = None
-        # Set inside quiet(): optimizer steps there are not training steps (a sharded
-        # resume's set_state_dict runs a zero-grad step() to create the state).
-        self._quiet = False
         # An error found by a background thread, raised by the main thread at its next
         # step boundary (see fail_from_thread).
         self._pending: BaseException | None = None
         # Functions iterator -> iterator applied in order to each pass's iter(loader),
         # added by components at start through wrap_batches(): once per pass.
         self._batch_wrappers: list[Callable[[Iterator[Any]], Iterator[Any]]] = []
-        # Batches still to be fetched and dropped (drop_batches(): a rewind skips past
-        # the batches of a divergence): counted in the data position, never trained on.
-        self._drop = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -405,41 +371,8 @@ class Guard(StepState):
         # reaches its g.close(): close at the interpreter's exit instead.
         atexit.register(self._close_at_exit)
         try:
-            self.generation = store.next_generation()
-            published = store.publish_run_id(self.generation)  # before the collective
-            refusal = None
-            if self.rank == 0:  # one holder per job: the other ranks share its run_dir
-                self._run_lock = rundir.RunLock(self.run_dir)
-                refusal = self._run_lock.acquire(published or "")
-                if refusal is not None:
-                    self._run_lock = None
-                    store.publish_refusal(self.generation, refusal)  # before the collective
-            news_store = store.side_store(self.generation, "news")
-            self.news = (
-                None if news_store is None else store.News(news_store, world=self.world_size)
-            )
-            self.side_group = store.open_side_group()
-            run_id = self.run_id = store.read_run_id(self.generation, published)
-            if self.rank != 0:
-                refusal = store.read_refusal(self.generation)
-            if refusal is not None:
-                # Not a word into the other run's events.jsonl: this run never began.
-                events, self.events = self.events, None
-                events.close()
-                if self.rank == 0:
-                    store.wait_refusal_read(self.generation, self.world_size)
-                raise rundir.refused(refusal, self.rank)
-            self._handles = [
-                _wrap_step(opt, name, self, counted=i == 0)
-                for i, (name, opt) in enumerate(self.optimizers.items())
-            ]
-            self._handles += [_wrap_forward(m, self) for m in self.models.values()]
-            self._handles.append(_wrap_scaler_step(self))
-            if len(self.optimizers) == 1:
-                # A GAN's two losses straddle its first optimizer's step: the one
-                # backpropagated after it is the other model's, not the next step's.
-                self._handles.append(_wrap_backward(self))
-            self._handles.append(_Restore(share_clip_norm(self._took_clip_norm)))
+            self._join_job()
+            self._wrappers.install()
             attach = getattr(self.model, "_guardrails_attach", None)
             if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
                 handle = attach(self)
@@ -455,18 +388,20 @@ class Guard(StepState):
             self._dispatch["on_end"] = []
             self._dispatch["on_abort"] = []
             self._live = self._dispatch
-            self._check_optimizer_coverage()
+            # Trainable parameters no optimizer updates: told once, by rank 0.
+            warning = (
+                setup.coverage_warning(self.model, self.optimizers) if self.rank == 0 else None
+            )
+            if warning is not None:
+                self.event("params_not_in_optimizer", level="warning", **warning)
             self.event(
                 "start",
-                run=run_id,  # the same on every rank: tells runs in one run_dir apart
+                run=self.run_id,  # the same on every rank: tells runs in one run_dir apart
                 world_size=self.world_size,
                 device=str(self.device),
                 components=[c.name for c in self.components],
             )
-            self._step_start = time.perf_counter()
-            if self._device_type == "cuda":
-                self._clock = DeviceClock()
-                self._marks = self._clock.arm(self.step + 1)
+            self._anatomy.start(self.step, cuda=self._device_type == "cuda")
             for c in self.components:
                 if overrides(c, "on_start"):
                     c.on_start(self)
@@ -483,6 +418,33 @@ class Guard(StepState):
             raise
         return self
 
+    def _join_job(self) -> None:
+        """This guard's place in the job: its generation, the run id rank 0 drew, the
+        run_dir's lock (rank 0 holds it for the job), the news counter and the side
+        group. A run_dir another run holds is refused on every rank, before step one."""
+        self.generation = store.next_generation()
+        published = store.publish_run_id(self.generation)  # before the collective
+        refusal = None
+        if self.rank == 0:  # one holder per job: the other ranks share its run_dir
+            self._run_lock = rundir.RunLock(self.run_dir)
+            refusal = self._run_lock.acquire(published or "")
+            if refusal is not None:
+                self._run_lock = None
+                store.publish_refusal(self.generation, refusal)  # before the collective
+        news_store = store.side_store(self.generation, "news")
+        self.news = None if news_store is None else store.News(news_store, world=self.world_size)
+        self.side_group = store.open_side_group()
+        self.run_id = store.read_run_id(self.generation, published)
+        if self.rank != 0:
+            refusal = store.read_refusal(self.generation)
+        if refusal is not None:
+            # Not a word into the other run's events.jsonl: this run never began.
+            events, self.events = self.events, None
+            events.close()
+            if self.rank == 0:
+                store.wait_refusal_read(self.generation, self.world_size)
+            raise rundir.refused(refusal, self.rank)
+
     def close(self, exc: BaseException | None = None) -> None:
         """Stop every component (in reverse order) and remove every hook. Idempotent.
 
@@ -496,6 +458,7 @@ class Guard(StepState):
             self._state = "closed"
             return
         self._state = "closed"
+        self._wrappers.open = False  # the class-wide wrappers pass calls through now
         if _running is self:
             _running = None
         atexit.unregister(self._close_at_exit)
@@ -538,66 +501,21 @@ class Guard(StepState):
                 errors.append(err)
                 if not isinstance(err, GuardrailsError):  # ours are raised on purpose
                     logger.exception("guardrails: %r failed while closing", fn)
+        self._wrappers.remove()
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        from_buckets = self._norm.from_buckets
-        kernel_steps, kernel_failed = self._norm.kernel_steps, self._norm.kernel_gave_up
-        counts = self._norm.close()  # eager from here on
-        if self._norm.wanted:
-            self.event("grad_norm_graph", **counts)
-        if kernel_steps or kernel_failed:
-            self.event(
-                "grad_norm_kernel",
-                message=(
-                    f"the grad norm of {kernel_steps} of {self.step} steps was taken by one "
-                    "kernel over the gradients' addresses"
-                    + (
-                        f" (it failed to build, eager instead: {kernel_failed})"
-                        if kernel_failed
-                        else ""
-                    )
-                ),
-                steps=kernel_steps,
-                failed=kernel_failed,
-            )
-        if from_buckets:
-            self.event(
-                "grad_norm_shared",
-                message=(
-                    f"the grad norm of {from_buckets} of {self.step} steps came from "
-                    "GuardedDDP's all-reduce buckets (no second pass over the gradients)"
-                ),
-                steps=from_buckets,
-                source="ddp_buckets",
-            )
-        if self.clip_norm_steps:
-            self.event(
-                "grad_norm_shared",
-                message=(
-                    f"the grad norm of {self.clip_norm_steps} of {self.step} steps was the "
-                    "one the loop's clip_grad_norm_ computed (no second pass over the "
-                    "gradients)"
-                ),
-                steps=self.clip_norm_steps,
-                source="clip_grad_norm_",
-            )
+        # What the grad norm's fast paths did this run, one event each (ending.py).
+        for kind, fields in ending.norm_summary(self._norm, self.clip_norm_steps, self.step):
+            self.event(kind, **fields)
         self._dispatch = self._live = {h: [] for h in HOOKS}
         store.close_side_group(self.side_group)
         self.side_group = None
-        # The error the user will see: the loop's own, or the one a component explained
-        # it with, or a component's failure while closing.
-        if exc is not None:
-            final = self._replacement or exc
-        elif errors:
-            # Ours first: a component's diagnosis (a watchdog verdict) explains the
-            # plain error another component hit while closing (a peer gone mid-agree).
-            final = next((e for e in errors if isinstance(e, GuardrailsError)), errors[0])
-        else:
-            final = None
+        final = ending.final_error(exc, self._replacement, errors)
         self._end_event(final)
-        if final is None or (isinstance(final, SystemExit) and self.exit_code is not None):
-            self._point_to_report()
+        clean = final is None or (isinstance(final, SystemExit) and self.exit_code is not None)
+        if clean and self.rank == 0:
+            ending.point_to_report(self.run_dir)
         if final is not None and exc is None:
             raise final
         if exc is not None and self._replacement is not None:
@@ -605,22 +523,6 @@ class Guard(StepState):
             raise replacement from exc
         if exc is None and self.exit_code is not None:  # a signal save at the last step
             raise process.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
-
-    def _point_to_report(self) -> None:
-        """One line on rank 0 at a clean end or a signal stop: the command that tells
-        the run's story. Not after an error: its own report follows on stderr, and a
-        line before it would only push it up. Logged at INFO where the user's logging
-        shows that, else printed when stderr is a terminal outside CI (the progress
-        bar's rule): a script under a test runner or a benchmark loop stays quiet."""
-        if self.rank != 0:
-            return
-        import shlex
-
-        line = f"guardrails: this run's report: guardrails report {shlex.quote(str(self.run_dir))}"
-        if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
-            logger.info(line)
-        elif sys.stderr is not None and sys.stderr.isatty() and not os.environ.get("CI"):
-            print(line, file=sys.stderr, flush=True)
 
     def _end_event(self, error: BaseException | None, **fields: Any) -> None:
         """The run's last event, once: how it ended (``error``: ``None`` for a clean
@@ -703,17 +605,6 @@ class Guard(StepState):
         ``distributed/store.py``), or ``None`` when not distributed."""
         return store.side_store(self.generation, name)
 
-    @contextlib.contextmanager
-    def _temporarily(self, name: str, value: Any) -> Iterator[None]:
-        """Set ``self.<name>`` to ``value`` inside the block, then put back what was
-        there (so the services below nest)."""
-        previous = getattr(self, name)
-        setattr(self, name, value)
-        try:
-            yield
-        finally:
-            setattr(self, name, previous)
-
     def pause_watchdog(self, reason: str = "paused") -> contextlib.AbstractContextManager[None]:
         """Mark a long, legitimate pause (evaluation, a big save) so the watchdog does
         not call this rank stuck::
@@ -721,25 +612,25 @@ class Guard(StepState):
             with g.pause_watchdog("eval"):
                 evaluate(model)
         """
-        return self._temporarily("paused", reason)
+        return temporarily(self, "paused", reason)
 
     def in_phase(self, phase: str) -> contextlib.AbstractContextManager[None]:
         """Components: the main thread is in ``phase`` inside this block (``"agree"``:
         a guardrails agreement between ranks), so a hang or an error there is reported
         as such; the loop's phase is back afterwards."""
-        return self._temporarily("phase", phase)
+        return temporarily(self, "phase", phase)
 
     def quiet(self) -> contextlib.AbstractContextManager[None]:
         """Components: ``optimizer.step()`` calls inside this block are not training
         steps (a sharded resume's ``set_state_dict`` steps the optimizer with zero
         gradients to create its state): not counted, not seen by components."""
-        return self._temporarily("_quiet", True)
+        return temporarily(self._wrappers, "quiet", True)
 
     def replaying(self) -> contextlib.AbstractContextManager[None]:
         """Components: forwards inside this block re-run a step to diagnose it; they
         are not training forwards (their loss is not the step's, their inputs not
         recorded)."""
-        return self._temporarily("_replaying", True)
+        return temporarily(self._wrappers, "replaying", True)
 
     def request_stop(self, reason: str, *, exit_code: int | None = None) -> None:
         """Components: end ``for batch in g`` at the next step boundary, ``reason`` in
@@ -782,9 +673,7 @@ class Guard(StepState):
                 gen.set_state(tensors[f"generator.{name}"].clone())
         self.generator_states = None  # as they are now, until the next step
         if position is not None and self.loader is not None:
-            from guardrails.engine import data
-
-            data.load_position(self, position, tensors or {})
+            self.epoch = self.data_position.load(position, tensors or {})
 
     def rewind_to(self, step: int) -> None:
         """The rewind guard, at a step boundary, once it has set the model, optimizers,
@@ -797,8 +686,7 @@ class Guard(StepState):
             raise ValueError(f"rewind_to({step}) at step {self.step}: a rewind goes back")
         from_step, self.step = self.step, step
         self.generator_states = None  # as they are now (the loop's generators go on)
-        if self._clock is not None:  # the next step's device sample, by its new number
-            self._marks = self._clock.arm(step + 1)
+        self._anatomy.arm(step)  # the next step's device sample, by its new number
         for fn in self._dispatch["on_rewind"]:
             fn(self, from_step)
 
@@ -806,7 +694,7 @@ class Guard(StepState):
         """Components: fetch the loader's next ``n`` batches and drop them (not handed
         to the loop, not trained on); they count in the data position, so a resumed run
         drops them too. A drop still pending is saved in checkpoints."""
-        self._drop += int(n)
+        self.data_position.drop += int(n)
 
     def fail_from_thread(self, error: BaseException, *, abort_after_s: float = 5.0) -> bool:
         """From a background thread (watchdog, auditor): make the main thread raise
@@ -858,30 +746,23 @@ class Guard(StepState):
                 "guardrails.guard(model, opt, loader), or keep iterating your own data "
                 "inside the `with` block (steps are still observed through the optimizer)."
             )
-        from guardrails.engine import data
-
-        data.note_pass(self, sys._getframe(1))  # the loop's frame: its epoch counter
+        # The loop's frame: its epoch counter.
+        self.data_position.note_pass(sys._getframe(1))
         return self._batches(self.loader)
 
     def _batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        from guardrails.engine import data
-
         if self.stopping is not None:
             return
-        position, self._resume_position = self._resume_position, None
-        if position is not None:  # continue the interrupted pass where it stopped
-            it, self._epoch_start = data.resume_iter(loader, position, self)
-            self.batch_in_epoch = int(position["batch_in_epoch"])
-        else:
-            if self.batch_in_epoch:  # the last pass was left mid-way (a break): a new one
-                self.epoch += 1
-            self._epoch_start = data.epoch_start(loader)
-            it = iter(loader)
-            self.batch_in_epoch = 0
+        pos = self.data_position
+        if not pos.resuming and self.batch_in_epoch:
+            self.epoch += 1  # the last pass was left mid-way (a break): a new one
+        # A resumed pass continues where it stopped, a new one from its first batch.
+        it, resumed_at = pos.begin_pass(loader)
+        self.batch_in_epoch = 0 if resumed_at is None else resumed_at
         for wrap in self._batch_wrappers:
             it = wrap(it)
         self.exhausted_at = None
-        clock = time.perf_counter
+        clock, anatomy = time.perf_counter, self._anatomy
         while True:
             if self._at_boundary:  # _boundary() inline: the common place it fires
                 self._at_boundary = False
@@ -899,13 +780,13 @@ class Guard(StepState):
                 self.epoch += 1  # set_epoch(g.epoch) before the next pass gets its number
                 self.batch_in_epoch = 0
                 return
-            self._data_wait_s += clock() - t0
+            anatomy.data_wait_s += clock() - t0
             self.batch_in_epoch += 1
-            self._n_fetched += 1
-            if self._drop:  # a rewind skips past these (drop_batches)
-                self._drop -= 1
+            pos.n_fetched += 1
+            if pos.drop:  # a rewind skips past these (drop_batches)
+                pos.drop -= 1
                 continue
-            self._fetched.append(batch)
+            pos.fetched.append(batch)
             versions = self._arg_versions
             if versions and not self._copy_inputs:
                 # Inline, not a call: this runs at every fetch (see _check_refill).
@@ -919,7 +800,7 @@ class Guard(StepState):
                 self._raise_pending()
             if self._state != "started":
                 raise ValueError("the guard was closed while its loop was running")
-            n = self.tokens_per_batch if self.tokens_per_batch is not None else _tokens(batch)
+            n = self.tokens_per_batch if self.tokens_per_batch is not None else tokens_in(batch)
             if n is not None:
                 self._tokens = n if self._tokens is None else self._tokens + n
             for fn in self._live["on_batch"]:
@@ -934,41 +815,13 @@ class Guard(StepState):
         An explicit ``observe`` in a step takes precedence over a loss picked up from
         the model's output.
         """
-        if not isinstance(loss, Tensor):
-            loss = torch.tensor(float(loss), device=self.device)
-        elif loss.numel() != 1:
-            raise ValueError(
-                f"observe() takes the scalar loss of the micro-batch; got a tensor of "
-                f"shape {tuple(loss.shape)}. Reduce it first (e.g. loss.mean())."
-            )
-        loss = loss.detach().reshape(())
-        # Out of place: the first detached loss shares storage with the user's tensor.
-        if self._explicit_loss is None:
-            self._explicit_loss = loss
-        else:
-            self._explicit_loss = self._explicit_loss + loss
-        self._explicit_n += 1
-
-    def _on_backward(self, loss: Tensor) -> None:
-        """``loss.backward()`` of a scalar while the guard is open (not a replay): the
-        step backpropagates ``loss`` (the unscaled one when a GradScaler scaled it).
-        Kept on the device, summed; read lagged like a loss the model returns."""
-        scaled = self._scaled
-        if scaled is not None and scaled[0] is loss:
-            loss = scaled[1]
-            self._scaled = None
-        loss = loss.detach()
-        if loss.ndim:  # a (1,)-shaped loss
-            loss = loss.reshape(())
-        total = self._backward_loss
-        self._backward_loss = loss if total is None else total + loss
-        self._backward_n += 1
+        self._losses.observe(loss, self.device)
 
     def _check_loss_recorded(self) -> None:
         """The end of the first step: say once, with the fix, when no loss reached the
         guard (the progress bar, metrics and report would show none)."""
         self._loss_checked = True
-        if self._explicit_n or self._auto_n or self._backward_n or len(self.optimizers) > 1:
+        if self._losses.any() or len(self.optimizers) > 1:
             return
         self.event(
             "no_loss",
@@ -1016,7 +869,7 @@ class Guard(StepState):
         position it trains at, and fire a pending step boundary where the loop's shape
         calls for it (before the forward draws from the RNG)."""
         # Evaluation passes (no_grad or eval mode) are not training forwards.
-        if self._replaying or not module.training or not torch.is_grad_enabled():
+        if self._wrappers.replaying or not module.training or not torch.is_grad_enabled():
             return False
         if self._at_boundary and self._fire_on_forward:
             self._boundary()
@@ -1024,11 +877,12 @@ class Guard(StepState):
             self._forward_seen = True
             if self.forward_compiled is None:  # the run's first: once
                 self.forward_compiled = where.under_compiled_code()
-            self._compute_t0 = time.perf_counter()
-            self._data_at_compute = self._data_wait_s
-            if self._marks is not None:  # a sampled step: its forward on the device
-                self._marks[0].record()
-                self._fwd_mark = self._marks[1]
+            anatomy = self._anatomy
+            anatomy.compute_t0 = time.perf_counter()
+            anatomy.data_at_compute = anatomy.data_wait_s
+            if anatomy.marks is not None:  # a sampled step: its forward on the device
+                anatomy.marks[0].record()
+                anatomy.fwd_mark = anatomy.marks[1]
             self._arg_versions = []
             # The buffers before the step (one fused copy, no sync; none for a model
             # whose forward writes no buffer): what a skipped step puts back.
@@ -1048,19 +902,21 @@ class Guard(StepState):
                 if isinstance(a, Tensor):
                     versions.append((a, a._version))
         self.step_calls.append((module, args, kwargs))
-        if self._fetched:  # the batches fetched since the last forward are this step's
-            self.step_batches += self._fetched
-            self._fetched = []
-        self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
+        pos = self.data_position
+        if pos.fetched:  # the batches fetched since the last forward are this step's
+            self.step_batches += pos.fetched
+            pos.fetched = []
+        pos.trained_at = (self.epoch, self.batch_in_epoch, pos.epoch_start)
         return True
 
     def _forward_done(self, output: Any, t0: float) -> None:
         """After a training forward that began at ``t0`` (``perf_counter``): its time,
         a sampled step's device mark, its loss (one frame: it runs every forward)."""
-        self._forward_s += time.perf_counter() - t0
-        if self._fwd_mark is not None:  # a sampled step's first forward ended
-            self._fwd_mark.record()
-            self._fwd_mark = None
+        anatomy = self._anatomy
+        anatomy.forward_s += time.perf_counter() - t0
+        if anatomy.fwd_mark is not None:  # a sampled step's first forward ended
+            anatomy.fwd_mark.record()
+            anatomy.fwd_mark = None
         # Two C calls (~0.2 us): fp16 autocast is the one that overflows at 65504;
         # bf16's is the compute dtype the efficiency advisor judges.
         if torch.is_autocast_enabled(self._device_type):
@@ -1077,8 +933,9 @@ class Guard(StepState):
         if loss is None:
             return
         loss = loss.detach()
-        self._auto_loss = loss if self._auto_loss is None else self._auto_loss + loss
-        self._auto_n += 1
+        losses = self._losses  # the record's sum, inline: one frame fewer per forward
+        losses.auto = loss if losses.auto is None else losses.auto + loss
+        losses.auto_n += 1
 
     # ------------------------------------------------------------------ per-step values
 
@@ -1105,19 +962,9 @@ class Guard(StepState):
         :meth:`observe` was given, else the mean of the losses the model returned, else
         the sum of the losses the step backpropagated (``loss.backward()``, with
         ``(loss / accum).backward()`` the mean micro-batch loss); ``None`` when none of
-        these happened. Computed once per step and shared by the components."""
-        if self._step_loss is None:
-            if self._explicit_n:
-                total, n = self._explicit_loss, self._explicit_n
-            elif self._auto_n:
-                total, n = self._auto_loss, self._auto_n
-            else:
-                total, n = self._backward_loss, 1
-            if total is not None:
-                if total.device != self.device:  # model parallel: loss on the last device
-                    total = total.to(self.device, non_blocking=True)
-                self._step_loss = total if n == 1 else total / n
-        return self._step_loss
+        these happened. Computed once per step (``engine/losses.py``) and shared by the
+        components."""
+        return self._losses.compute(self.device)
 
     def grad_norm(self) -> Tensor:
         """The total L2 norm of the gradients at this step, a 0-d float32 device tensor.
@@ -1165,7 +1012,8 @@ class Guard(StepState):
             norm = self._grad_norm  # grad_norm() inline: one frame fewer per step
             if norm is None:
                 norm = self._grad_norm = self._norm(self._params, self.step)
-            self._row = self._ring.write(self.step_loss, norm)
+            # The record's mean (once a step), without step_loss's property frame.
+            self._row = self._ring.write(self._losses.compute(self.device), norm)
         return self._row
 
     @property
@@ -1266,9 +1114,9 @@ class Guard(StepState):
         the buffers are put back by the same flag, on the device, without reading it.
         """
         if where is None:
-            self._skip = True
+            self._wrappers.skip = True
         else:
-            self._skip_where = where
+            self._wrappers.skip_where = where
 
     @property
     def restored_buffers(self) -> list[str]:
@@ -1291,18 +1139,18 @@ class Guard(StepState):
     def _put_back(self, optimizer: str) -> None:
         """After ``optimizer``'s before-step hooks: the buffers its skip puts back
         (:meth:`skip_update`), whoever skips it (a component, or its GradScaler)."""
-        if self._forward_seen:  # else the shadows are an earlier step's
-            if self._skip:
-                self._shadow.restore(optimizer)
-            elif self._skip_where is not None:
-                self._shadow.restore_where(self._skip_where, optimizer)
-        self._skip_where = None
+        switches = self._wrappers
+        self._shadow.put_back(
+            optimizer, skip=switches.skip, where=switches.skip_where, this_step=self._forward_seen
+        )
+        switches.skip_where = None
 
     def _before_step(self) -> None:
         self.phase = "optimizer"
-        now = self._optimizer_t0 = time.perf_counter()
-        if self._marks is not None:
-            self._marks[2].record()
+        anatomy = self._anatomy
+        now = anatomy.optimizer_t0 = time.perf_counter()
+        if anatomy.marks is not None:
+            anatomy.marks[2].record()
         if self._pending is not None:
             self._raise_pending()
         if self._at_boundary:
@@ -1313,16 +1161,20 @@ class Guard(StepState):
         if self._shadow.pending:
             self._shadow.settle()  # the run's first optimizer step, once
         if not self._forward_seen:  # no forward observed: the fetch position it is
-            self._trained_at = (self.epoch, self.batch_in_epoch, self._epoch_start)
-            self.step_batches += self._fetched
-            self._fetched = []
-        self.data_wait_s = self._data_wait_s
-        self.forward_s = self._forward_s
+            pos = self.data_position
+            pos.trained_at = (self.epoch, self.batch_in_epoch, pos.epoch_start)
+            self.step_batches += pos.fetched
+            pos.fetched = []
+        self.data_wait_s = anatomy.data_wait_s
+        self.forward_s = anatomy.forward_s
         # From the first training forward to this step: what is neither a forward nor a
         # wait for the loader (a prefetch, or the next micro-batch's fetch) is the
         # backward, with the loss, the gradients' all-reduce and clipping.
         self.backward_s = (
-            now - self._compute_t0 - self._forward_s - (self._data_wait_s - self._data_at_compute)
+            now
+            - anatomy.compute_t0
+            - anatomy.forward_s
+            - (anatomy.data_wait_s - anatomy.data_at_compute)
             if self._forward_seen
             else math.nan
         )
@@ -1340,11 +1192,14 @@ class Guard(StepState):
             # forward, after drawing the next batch (one get_state each: 0.6 us on a CPU).
             self.generator_states = {n: g.get_state() for n, g in self.generators.items()}
         now = time.perf_counter()
-        self.step_time_s = now - self._step_start
-        self.optimizer_s = now - self._optimizer_t0
-        self._step_start = now
-        if self._marks is not None:
-            self._sample_device_phases()
+        anatomy = self._anatomy
+        self.step_time_s = now - anatomy.step_start
+        self.optimizer_s = now - anatomy.optimizer_t0
+        anatomy.step_start = now
+        if anatomy.marks is not None:  # a sampled step's end (CUDA)
+            sample = anatomy.end_sampled(self.step, forward_seen=self._forward_seen)
+            if sample is not None:
+                self.device_phases = sample
         try:  # free unless it raises (zero-cost try, Python 3.11+)
             for fn in self._live["after_step"]:
                 fn(self)
@@ -1371,11 +1226,9 @@ class Guard(StepState):
             self._norm_shared = False
         if not self._loss_checked:
             self._check_loss_recorded()
-        self._auto_loss = self._explicit_loss = self._step_loss = self._grad_norm = None
-        self._backward_loss = self._scaled = None
-        self._row = self.skipped = None
-        self._auto_n = self._explicit_n = self._backward_n = 0
-        self._data_wait_s = self._forward_s = 0.0
+        self._losses.__dict__.clear()  # LossRecord.clear() inline: one C call, no frame
+        self._grad_norm = self._row = self.skipped = None
+        anatomy.data_wait_s = anatomy.forward_s = 0.0
         self._tokens = None
         # New lists, not cleared ones: NanGuard keeps this step's for its lagged read.
         self.step_calls = []
@@ -1385,10 +1238,14 @@ class Guard(StepState):
         # any further fetch. So must it in a loop that does not iterate the guard.
         # With several optimizers (a GAN) a training forward can follow the first
         # optimizer's step inside the same iteration, so there only those loops do.
-        prefetched = self._forward_seen and bool(self._fetched)
-        self._fire_on_forward = len(self.optimizers) == 1 or prefetched or not self._n_fetched
+        pos = self.data_position
+        self._fire_on_forward = (
+            self._one_optimizer
+            or (self._forward_seen and bool(pos.fetched))  # prefetched: the next step's
+            or not pos.n_fetched
+        )
         self._forward_seen = False
-        if self.loader is not None and not self._n_fetched and not self._warned_not_iterated:
+        if self.loader is not None and not pos.n_fetched and not self._warned_not_iterated:
             self._warned_not_iterated = True
             self.event(
                 "loader_not_iterated",
@@ -1401,24 +1258,10 @@ class Guard(StepState):
                     "`for batch in g:` or `it = iter(g); batch = next(it)`."
                 ),
             )
-        if self._clock is not None:
-            self._marks = self._clock.arm(self.step + 1)
+        if anatomy.clock is not None:  # anatomy.arm() inline: no frame per step
+            anatomy.marks = anatomy.clock.arm(self.step + 1)
         self._at_boundary = True
         self.phase = "loop"
-
-    def _sample_device_phases(self) -> None:
-        """A sampled step's end: its last mark, the previous sample read if the device
-        has finished it (no wait), this one kept for a later read, the next armed."""
-        clock, marks = self._clock, self._marks
-        assert clock is not None and marks is not None
-        marks[3].record()
-        sample = clock.read()
-        if sample is not None:
-            self.device_phases = sample
-        if self._forward_seen and self._fwd_mark is None:  # all four marks recorded
-            clock.recorded(self.step, marks)
-        self._fwd_mark = None
-        self._marks = None  # armed again at the boundary
 
     def _scaler_skipped(self, name: str, scaler: Any) -> None:
         """A GradScaler's ``step(optimizer)`` returned without calling
@@ -1445,12 +1288,12 @@ class Guard(StepState):
             if name == next(iter(self.optimizers)):
                 self._before_step()
                 self._put_back(name)
-                self._skip = False
+                self._wrappers.skip = False
                 self._after_step()
             else:
                 self._before_extra_step(name)
                 self._put_back(name)
-                self._skip = False
+                self._wrappers.skip = False
                 self._after_extra_step(name)
         finally:
             self.skip_cause = self.skip_scaler = None
@@ -1471,39 +1314,6 @@ class Guard(StepState):
 
     # ------------------------------------------------------------------ checks
 
-    def _check_optimizer_coverage(self) -> None:
-        """Warn about trainable parameters the optimizer will never update (the
-        frozen-params / LoRA-wiring failure: the loss does not decrease)."""
-        if self.rank != 0:
-            return
-        owned = {
-            id(p)
-            for opt in self.optimizers.values()
-            for group in opt.param_groups
-            for p in group["params"]
-        }
-        owned |= _averaged(self.model)  # an EMA's: updated by update_parameters()
-        missing = [
-            name
-            for name, p in self.model.named_parameters()
-            if p.requires_grad and id(p) not in owned
-        ]
-        if missing:
-            shown = ", ".join(missing[:8]) + (
-                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            )
-            self.event(
-                "params_not_in_optimizer",
-                level="warning",
-                message=(
-                    f"{len(missing)} trainable parameter(s) are not in the optimizer and will "
-                    f"never be updated: {shown}. If they should train, build the optimizer "
-                    "from model.parameters() after wrapping/adapting the model; if not, set "
-                    "requires_grad=False."
-                ),
-                params=missing,
-            )
-
     def __repr__(self) -> str:
         names = ", ".join(c.name for c in self.components)
         return (
@@ -1520,357 +1330,9 @@ class Guard(StepState):
 # ---------------------------------------------------------------------- helpers
 
 
-def _validate(
-    model: nn.Module,
-    optimizers: Mapping[str, torch.optim.Optimizer],
-    loader: Any,
-    components: list[Component],
-    tokens_per_batch: Any,
-) -> list[nn.Parameter]:
-    """Every argument check in one place; returns the model's parameters."""
-    params = list(model.parameters())
-    if not params:
-        raise ValueError(
-            f"the model ({type(model).__name__}) has no parameters, so there is nothing to "
-            "train or guard. Pass the module that holds the weights."
-        )
-    meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"guard() got a `model` with {len(meta)} parameter(s) on the meta device "
-            f"({shorten(meta, 3)}): they hold no values, so nothing can be trained. It was "
-            "built under torch.device('meta') or accelerate's init_empty_weights: "
-            "materialize it first (model.to_empty(device=...), then initialize or load "
-            "its weights), then build the optimizer and the guard."
-        )
-    ids = {id(p) for p in params}
-    if len({id(o) for o in optimizers.values()}) < len(optimizers):
-        raise ValueError("the same optimizer was passed twice; pass each one once.")
-    seen: dict[int, str] = {}  # parameter id -> the optimizer that owns it
-    for name, optimizer in optimizers.items():
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        which = "the optimizer" if len(optimizers) == 1 else f"optimizer {name!r}"
-        if not owned & ids:
-            raise ValueError(
-                f"{which} owns none of the model's parameters, so its step() would "
-                "never change this model. It was probably built from another model "
-                "instance (a copy, or one re-created after the optimizer), or the model "
-                "it trains was not passed: build it from this model "
-                "(torch.optim.AdamW(model.parameters(), ...)), or pass every model: "
-                "guard([gen, disc], [opt_g, opt_d], ...)."
-            )
-        shared = next((seen[i] for i in owned if i in seen), None)
-        if shared is not None:
-            raise ValueError(
-                f"optimizers {shared!r} and {name!r} both own a parameter: each parameter "
-                "must be updated by one optimizer. Split the parameters between them."
-            )
-        seen.update(dict.fromkeys(owned, name))
-    if loader is not None and (
-        not isinstance(loader, Iterable) or isinstance(loader, (str, bytes))
-    ):
-        raise TypeError(
-            f"`loader` must be an iterable of batches (DataLoader, generator, list), "
-            f"got {type(loader).__name__}."
-        )
-    check_components(components)
-    positive_int("tokens_per_batch", tokens_per_batch, allow_none=True)
-    return params
-
-
-class _Restore:
-    """A handle whose ``remove()`` undoes a change, like a hook handle."""
-
-    def __init__(self, undo: Callable[[], None]) -> None:
-        self.remove = undo
-
-
-def _set_on_instance(obj: Any, name: str, value: Any) -> _Restore:
-    """Set ``obj.<name>`` on the instance; the handle puts back exactly what was there:
-    the instance attribute a wrapper (torch.compile's, an LR scheduler's, another
-    tool's) had set, or none.
-
-    Into the instance's ``__dict__``, not through ``setattr``: Lightning Fabric's
-    module wrapper sets an attribute the wrapped module also has on both, so the
-    model's own ``forward`` became the guard's, which called Fabric's, which called the
-    model's: a ``RecursionError`` at the first forward."""
-    own = vars(obj)
-    had_own = name in own
-    previous = own.get(name)
-    own[name] = value
-
-    def undo() -> None:
-        if had_own:
-            own[name] = previous
-        else:
-            own.pop(name, None)
-
-    return _Restore(undo)
-
-
-def _wrap_forward(model: nn.Module, guard: Guard) -> _Restore:
-    """Set ``model.forward`` (on the instance) to tell ``guard`` about the call, call the
-    current forward, then hand its output to ``guard``; ``guard.phase`` says whether the
-    loop is inside the forward.
-
-    Outside the user's compiled graph, whatever the wrapping order. A compiled module
-    (``opt = torch.compile(model)``) runs ``model.__call__`` under dynamo's frame
-    callback, which compiles the first frame outside torch's own files: without care,
-    this wrapper's, so dynamo traced the guard's bookkeeping, guarded on
-    ``guard.batch_in_epoch`` and recompiled (2 graphs for 1, 16 captured calls for 7 on
-    a small CPU model over 8 steps, torch 2.13; 3 graphs over 300 steps). Now this
-    wrapper's frame is skipped (``torch._dynamo.eval_frame.skip_code``, what
-    ``torch._dynamo.decorators.skip`` does: "skip frames associated with the function
-    code, but still process recursively invoked frames", torch 2.8-2.13), so dynamo
-    compiles ``inner``, the user's forward, as it would without the guard; the
-    bookkeeping before and after runs under ``torch._dynamo.disable`` (recursive:
-    nothing it calls, a checkpoint at the step boundary included, is ever compiled;
-    ~0.25 us a call on a CPU). Where dynamo inlines this module's call into a bigger
-    traced frame (a compiled training step) the skipped wrapper is a graph break in
-    that frame, as any ``torch._dynamo.disable``-d code is (``compile(DDP(model))``
-    breaks there already: the same counts). tests/test_compile.py counts each wrapping order."""
-    inner = model.forward
-    on_forward, forward_done = _outside_compile(guard._on_forward, guard._forward_done)
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        training = on_forward(model, args, kwargs)
-        guard.phase = "forward"
-        t0 = time.perf_counter()
-        output = inner(*args, **kwargs)
-        guard.phase = "backward"  # until optimizer.step(): loss, backward, clipping
-        if training:
-            forward_done(output, t0)
-        return output
-
-    return _set_on_instance(model, "forward", _skipped_frame(forward))
-
-
-def _outside_compile(*fns: Callable[..., Any]) -> list[Callable[..., Any]]:
-    """``fns`` run with dynamo off, themselves and everything they call."""
-    import torch._dynamo  # imported already: building a torch optimizer imports it
-
-    return [torch._dynamo.disable(fn) for fn in fns]
-
-
-def _skipped_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` whose own frame dynamo never compiles, while the frames it calls are
-    compiled as usual (a compiled module's forward inside it). By its code object, not
-    ``torch._dynamo.decorators.skip(fn)``: that follows ``_torchdynamo_orig_callable``,
-    which ``functools.wraps`` copies from a compiled module's forward, and would skip
-    torch's ``Module.__call__`` instead of ``fn``."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(fn.__code__)
-    return fn
-
-
-def _wrap_step(opt: torch.optim.Optimizer, name: str, guard: Guard, *, counted: bool) -> _Restore:
-    """Set ``opt.step`` (on the instance) to run the guard around the current step, and
-    to leave the update out when a component asked for it (:meth:`Guard.skip_update`).
-    ``counted``: this optimizer's steps are the guard's steps.
-
-    A bound method, like the one it replaces: torch's LR schedulers wrap
-    ``optimizer.step`` too and read its ``__func__`` (one created inside the guard
-    wraps this one).
-    """
-    inner = opt.step
-    before = guard._before_step if counted else functools.partial(guard._before_extra_step, name)
-    after = guard._after_step if counted else functools.partial(guard._after_extra_step, name)
-    # accelerate's prepared optimizer: inside accelerator.accumulate(), step() returns
-    # without stepping until the micro-batch that syncs. Those calls are not steps
-    # (counted, g.step would count micro-batches and a checkpoint could fall between
-    # them, losing the accumulated gradients).
-    idle = dist.accumulating(opt)
-    # With fp16 its step() runs a GradScaler: a skipped step still goes in, and the
-    # scaler, finding the same non-finite gradients, leaves weights and state alone and
-    # lowers its scale. Left out, the scale never drops and every later step overflows
-    # (measured: NonFiniteError after 10 steps).
-    scaler = dist.own_scaler(opt)
-
-    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, Any, Any, Any]:
-        """Before the update: whether to run it (``_BYPASS``: inner alone, ``_RUN``:
-        inner then ``after``, ``_SKIPPED``: no update, then ``after``), with the
-        arguments and what a skipped step returns."""
-        # A sharded resume's set_state_dict steps the optimizer to create its state.
-        if guard._quiet or (idle is not None and idle()):
-            return _BYPASS, args, kwargs, None
-        guard._skip = False
-        closure = kwargs.get("closure", args[0] if args else None)
-        first: Any = None
-        if closure is not None:
-            # LBFGS's step(closure): the closure computes the gradients, so the guard
-            # runs it first (as the optimizer would: grad enabled) and judges what it
-            # produced; the optimizer's own first call gets that result (_FirstResult).
-            with torch.enable_grad():
-                first = closure()
-            replay = _FirstResult(first, closure, guard)
-            if args:
-                args = (replay, *args[1:])
-            else:
-                kwargs = {**kwargs, "closure": replay}
-        guard._opt_steps += 1
-        if scaler is not None and dist.overflowed(scaler, dist.inner(opt)):
-            # The scaler inside step() will skip this update: its normal calibration,
-            # told to components as such (not judged as non-finite gradients), and
-            # the gradients they see are unscaled, as the update would have used.
-            guard.skip_cause, guard.skip_scaler = "fp16_overflow", scaler
-        try:
-            before()
-        finally:
-            guard.skip_cause = guard.skip_scaler = None
-        if guard._skip or guard._skip_where is not None:  # inline: no frame per step
-            guard._put_back(name)
-        skipped = guard._skip and scaler is None
-        guard._skip = False
-        return (_SKIPPED if skipped else _RUN), args, kwargs, first
-
-    # Outside the user's compiled graph, like the forward's (_wrap_forward): a
-    # compiled step (`torch.compile(lambda: opt.step())`) compiles the optimizer's own
-    # step, while the guard's before / after run with dynamo off (measured without:
-    # 8 graphs for 2 and 14 graph breaks for 2 over 8 steps on a small CPU model).
-    prepare, after = _outside_compile(prepare, after)
-
-    @functools.wraps(inner)
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        how, args, kwargs, out = prepare(args, kwargs)
-        if how == _SKIPPED:
-            after()  # skipped: weights and optimizer state untouched
-            return out
-        out = inner(*args, **kwargs)
-        if how == _RUN:
-            after()
-        return out
-
-    return _set_on_instance(opt, "step", types.MethodType(_skipped_frame(step), opt))
-
-
-#: What a wrapped ``optimizer.step()`` does (_wrap_step): the update alone (a resume's
-#: or an accumulating micro-batch's call), the update inside the guard's step, or no
-#: update (a skipped step).
-_BYPASS, _RUN, _SKIPPED = 0, 1, 2
-
-
-class _FirstResult:
-    """The closure handed to a closure optimizer's ``step()`` after the guard ran it
-    once: its first call returns that run's result (the gradients it left are the
-    ones the guard judged), later calls run the closure again (LBFGS's line search),
-    as re-evaluations: not the step's training forwards or loss."""
-
-    def __init__(self, first: Any, closure: Callable[[], Any], guard: Guard) -> None:
-        self._first: Any = first
-        self._used = False
-        self._closure = closure
-        self._guard = guard
-
-    def __call__(self) -> Any:
-        if not self._used:
-            self._used = True
-            first, self._first = self._first, None
-            return first
-        with self._guard.replaying():
-            return self._closure()
-
-
-def _wrap_scaler_step(guard: Guard) -> _Restore:
-    """Set ``torch.amp.GradScaler.step`` (the class's, restored exactly at close) to tell
-    ``guard`` when a scaler skips one of its optimizers' steps.
-
-    A GradScaler with a non-fused optimizer does not call ``optimizer.step()`` when the
-    gradients overflowed, so the guard saw no step at all: no skipped row, no event,
-    and the next row's loss averaged two iterations. The class, not an instance: the
-    scaler is rarely passed to the guard (``torch.cuda.amp.GradScaler`` subclasses it
-    without overriding ``step``). The check costs a dict lookup per ``scaler.step()``;
-    the scaler has already read its overflow flag on the host (``.item()``) by then.
-    """
-    from torch.amp import GradScaler
-
-    inner = GradScaler.__dict__["step"]
-    inner_scale = GradScaler.__dict__["scale"]
-    names = {id(opt): name for name, opt in guard.optimizers.items()}
-
-    @functools.wraps(inner_scale)
-    def scale(scaler: Any, outputs: Any) -> Any:
-        out = inner_scale(scaler, outputs)
-        if isinstance(outputs, Tensor) and guard._state == "started":
-            guard._scaled = (out, outputs)  # its backward records the unscaled loss
-        return out
-
-    @functools.wraps(inner)
-    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        name = names.get(id(optimizer))
-        if name is None or guard._state != "started" or not scaler.is_enabled():
-            return inner(scaler, optimizer, *args, **kwargs)
-        calls = guard._opt_steps
-        guard._norm.scaled = True  # DDP buckets hold scaled gradients: not the norm
-        out = inner(scaler, optimizer, *args, **kwargs)
-        if guard._opt_steps == calls:  # the scaler left the step out: overflow
-            guard._scaler_skipped(name, scaler)
-        return out
-
-    GradScaler.step = step  # type: ignore[method-assign]
-    GradScaler.scale = scale  # type: ignore[method-assign]
-
-    def undo() -> None:
-        GradScaler.step = inner  # type: ignore[method-assign]
-        GradScaler.scale = inner_scale  # type: ignore[method-assign]
-
-    return _Restore(undo)
-
-
-def _wrap_backward(guard: Guard) -> _Restore:
-    """Set ``torch.Tensor.backward`` (the class's, restored exactly at close) to hand
-    ``guard`` each loss the loop backpropagates: the loss of a loop that computes it
-    outside the model (``criterion(model(x), y)``; accelerate's ``backward(loss)``
-    ends in ``loss.backward()`` too). Only a call without ``gradient`` (a scalar's),
-    not during a replay or a closure optimizer's re-evaluations, and only while no
-    loss came from the model or :meth:`Guard.observe` (which come first): ~0.5 us
-    per backward (a frame), ~2 us with the loss to keep (its detach)."""
-    inner = Tensor.__dict__["backward"]
-
-    @functools.wraps(inner)
-    def backward(self: Tensor, gradient: Any = None, *args: Any, **kwargs: Any) -> Any:
-        # Inline: a loss the model returned or observe() was given comes first, so
-        # the common loop pays this wrapper's frame and one check, nothing more.
-        if (
-            gradient is None
-            and not (guard._auto_n or guard._explicit_n or guard._replaying)
-            and guard._state == "started"
-            and self.numel() == 1  # else torch's own error, unchanged ("scalar outputs")
-        ):
-            guard._on_backward(self)
-        return inner(self, gradient, *args, **kwargs)
-
-    Tensor.backward = backward  # type: ignore[method-assign]
-
-    def undo() -> None:
-        Tensor.backward = inner  # type: ignore[method-assign]
-
-    return _Restore(undo)
-
-
 def current_lr(optimizer: torch.optim.Optimizer) -> float:
     """The first param group's LR (``nan`` for a device tensor: reading it would sync)."""
     lr = optimizer.param_groups[0].get("lr", math.nan)
     if isinstance(lr, Tensor):
         return lr.item() if lr.device.type == "cpu" else math.nan
     return float(lr)
-
-
-def _default_run_dir() -> Path:
-    stem = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
-    return Path("runs") / (stem or "guardrails")
-
-
-def _tokens(batch: Any) -> int | None:
-    """Tokens in a batch: the size of its first tensor when that is an integer
-    ``(batch, seq)`` tensor of token ids; ``None`` otherwise. Shapes only, no sync."""
-    first = batch
-    while isinstance(first, (tuple, list)) and first:
-        first = first[0]
-    # A tensor first: the Mapping check is an ABC's (~0.3-1 us a batch).
-    if not isinstance(first, Tensor) and isinstance(first, Mapping):
-        first = first.get("input_ids")
-    if isinstance(first, Tensor) and first.ndim == 2 and not first.is_floating_point():
-        return first.numel()
-    return None

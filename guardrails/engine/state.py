@@ -33,9 +33,12 @@ from torch import Tensor, nn
 from guardrails.engine.services import CollectiveRecorder, RewindService
 
 #: Who writes each published field: the module allowed to assign it. The engine's are
-#: written by ``engine/guard.py`` (and ``engine/data.py``, its data-position half); a
-#: component that wants one changed calls a service instead.
-ENGINE_MODULES = ("engine.guard", "engine.data")
+#: written by ``engine/guard.py`` (the data position, ``engine/data.py``, returns what
+#: the guard publishes); a component that wants one changed calls a service instead.
+#: ``engine/wrappers.py`` writes ``phase`` around each forward and ``skip_cause`` /
+#: ``skip_scaler`` around a scaler's step inline: a call back into the guard would be
+#: a frame per forward.
+ENGINE_MODULES = ("engine.guard", "engine.wrappers")
 
 #: Each :class:`Shared` field and the one module that writes it.
 SHARED_WRITERS: dict[str, str] = {

@@ -44,6 +44,7 @@ SERVICES: tuple[str, ...] = (
     "bf16_autocast",
     "clip_norm_steps",
     "collective",
+    "data_position",
     "data_wait_s",
     "device",
     "device_phases",
