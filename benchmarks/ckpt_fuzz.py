@@ -8,7 +8,7 @@ GradScaler, a DataLoader mid-epoch); each case damages a fresh copy's step_4 and
 ``resume(root)``, ``resume(step_dir)``, ``guard(resume="auto")`` with two steps of a
 real loop, and ``inspect`` (its function); a case whose newest manifest is a FIFO is
 also inspected once through ``python -m guardrails inspect``. The suite
-(``tests/test_ckpt_fuzz.py``) runs a sample of the same cases. Run it from the
+(``tests/checkpoint/test_ckpt_fuzz.py``) runs a sample of the same cases. Run it from the
 repository root against any checkout (``PYTHONPATH=.``): the outcomes are what that
 checkout's code does, so the same script measures the code before and after a change.
 """

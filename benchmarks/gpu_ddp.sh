@@ -9,7 +9,7 @@ OUT=${1:?usage: gpu_ddp.sh OUT_DIR}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/machine.txt"
-python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
+python3 -m pytest -q -rs tests/loops/test_gpu.py 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
 python3 -m guardrails doctor 2>&1 | tee "$OUT/doctor.txt"
 python3 -m guardrails doctor --json > "$OUT/doctor.json" 2>&1
 torchrun --standalone --nproc-per-node 2 -m guardrails doctor 2>&1 | tail -12 | tee "$OUT/doctor_torchrun.txt"

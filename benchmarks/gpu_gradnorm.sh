@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$OUT/machine.txt" 2>&1
-T="python3 -m pytest -q -rs tests/test_gpu.py"
+T="python3 -m pytest -q -rs tests/loops/test_gpu.py"
 $T -k "graph or never_syncs" 2>&1 | tail -25 > "$OUT/tests_graph.txt"
 python3 benchmarks/grad_norm.py --model gpt2 --out "$OUT/bench.jsonl" > "$OUT/bench.txt" 2>&1
 B="python3 benchmarks/overhead.py --device cuda --graph-norm --out $OUT/bench.jsonl"

@@ -2,7 +2,7 @@
 # The guard's own grad norm by its Triton kernels (issue 18, session 15):
 #   PART=tests bash benchmarks/gpu_kernel_norm.sh OUT   # every GPU test, norm_host.py
 #   PART=bench bash benchmarks/gpu_kernel_norm.sh OUT   # overhead.py, 1 and 2 GPUs
-# - tests: tests/test_gpu.py (the NCCL ones need 2 GPUs), then benchmarks/norm_host.py:
+# - tests: tests/loops/test_gpu.py (the NCCL ones need 2 GPUs), then benchmarks/norm_host.py:
 #   host time of one norm, kernel vs eager, 150 and 1,500 tensors, each one's error
 #   against a float64 norm;
 # - bench: benchmarks/overhead.py, plain / guarded (kernel) / guarded with the eager
@@ -21,11 +21,11 @@ export PYTHONUNBUFFERED=1
   nproc
 } 2>&1 | tee "$OUT/machine_$PART.txt"
 if [ "$PART" = tests ]; then
-  PYTHONPATH=$PWD:$PWD/tests timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+  PYTHONPATH=$PWD:$PWD/tests timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/loops/test_gpu.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
   CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python3 benchmarks/norm_host.py --device cuda --tensors 150 1500 --out "$OUT/norm_host.jsonl" 2>&1 | grep -v nan_guard | tail -4 | tee "$OUT/norm_host.txt"
   exit 0
 fi
-PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k kernel_grad_norm 2>&1 | tail -2 | tee "$OUT/gpu_test_kernel.txt"
+PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -p no:cacheprovider tests/loops/test_gpu.py -k kernel_grad_norm 2>&1 | tail -2 | tee "$OUT/gpu_test_kernel.txt"
 run() {  # run ARGS...
   echo "== $*" | tee -a "$OUT/overhead.txt"
   CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD timeout 200 python3 benchmarks/overhead.py --device cuda --eager-norm --shuffle --out "$OUT/overhead.jsonl" "$@" 2>&1 | grep -v "^ *[-+][0-9.]* us" | tail -8 | tee -a "$OUT/overhead.txt"

@@ -17,8 +17,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/machine.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$OUT/machine.txt"
-[ "$PART" = ddp ] && PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -k "nccl or ddp_bucket" 2>&1 | tail -15 | tee "$OUT/gpu_tests_ddp.txt"
-[ "$PART" = eager ] && PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+[ "$PART" = ddp ] && PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -rs -p no:cacheprovider tests/loops/test_gpu.py -k "nccl or ddp_bucket" 2>&1 | tail -15 | tee "$OUT/gpu_tests_ddp.txt"
+[ "$PART" = eager ] && PYTHONPATH=$PWD:$PWD/tests python3 -m pytest -q -rs -p no:cacheprovider tests/loops/test_gpu.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 run() {  # run TAG PYTHONPATH ARGS...
   local tag=$1 path=$2; shift 2
   echo "== $tag $*" | tee -a "$OUT/overhead.txt"

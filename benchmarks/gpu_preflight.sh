@@ -26,6 +26,6 @@ ARGS=(--device "$DEVICE" --out "$OUT")
 $PY -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/preflight.py "${ARGS[@]}" \
   2>&1 | grep -v "OMP_NUM_THREADS\|^W.*\*\*\*\*\|^W.*run.py" | tee "$OUT/run.txt"
 status=$?
-timeout 300 $PY -m pytest -q tests/test_preflight.py tests/test_ddp.py tests/test_explain.py 2>&1 \
+timeout 300 $PY -m pytest -q tests/guards/test_preflight.py tests/guards/test_ddp.py tests/guards/test_explain.py 2>&1 \
   | tail -3 | tee "$OUT/tests.txt"
 exit $status

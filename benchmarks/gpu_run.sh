@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/machine.txt"
-python3 -m pytest -q -rs ${GPU_TESTS:-tests/test_gpu.py tests/test_structure.py} 2>&1 | tee "$OUT/gpu_tests.txt"
+python3 -m pytest -q -rs ${GPU_TESTS:-tests/loops/test_gpu.py tests/test_structure.py} 2>&1 | tee "$OUT/gpu_tests.txt"
 B="python3 benchmarks/overhead.py --device cuda --out $OUT/bench.jsonl --item"
 $B --model tiny --steps 300 --repeats 11 2>&1 | tee -a "$OUT/bench.txt"
 $B --model gpt2 --batch 8 --seq 1024 --steps 30 --repeats 7 2>&1 | tee -a "$OUT/bench.txt"

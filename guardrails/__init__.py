@@ -56,8 +56,8 @@ from typing import TYPE_CHECKING, Any
 from guardrails._version import __version__
 
 #: Each public name -> the private module that defines it, imported on first use:
-#: the CLI's report, inspect and --help need no torch, whose import (~2.3 s on a 2-core
-#: CPU VM) would be most of their start (--help starts in 0.08 s median without it).
+#: the CLI's report, inspect and --help need no torch, whose import (~2.3 s on a
+#: CPU host) would be most of their start (--help starts in 0.08 s median without it).
 _EXPORTS = {
     "CheckpointError": "_errors",
     "CollectiveAuditor": "guards.audit.auditor",

@@ -4,7 +4,7 @@ One subcommand per module; each module has ``add_parser(subparsers)`` (which set
 ``func``) and ``main(args) -> exit code``, so adding one (``bench``, ``inspect``) is one
 entry in ``COMMANDS``. Only the module of the command being run is imported (``--help``
 imports none): ``report`` and ``inspect`` need no torch, and importing it (~2.3 s on a
-2-core CPU VM) would be most of their start (``report`` starts in 0.5 s median without
+a CPU host) would be most of their start (``report`` starts in 0.5 s median without
 it). Keep those modules' top-level imports light: heavy or optional ones (torch where
 only one command path needs it, matplotlib, pynvml) are imported inside the command.
 """

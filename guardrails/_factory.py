@@ -11,7 +11,7 @@ engine), not this module's.
 Each section is also a typed keyword of ``guard()`` (its knobs as a ``TypedDict`` at the
 end of this module), so an editor completes ``nan=`` and the knobs inside it. A section
 added to ``SECTIONS`` alone already works (as ``**more_sections``); its typed keyword
-and ``TypedDict`` follow, and ``tests/test_config.py`` fails until they agree with
+and ``TypedDict`` follow, and ``tests/engine/test_config.py`` fails until they agree with
 ``SECTIONS`` and the ``Config``.
 """
 
@@ -230,7 +230,7 @@ _KEYWORDS = [
 
 # ---------------------------------------------------- the sections' knobs, as types
 # One TypedDict per section, its keys and types those of the component's Config
-# (tests/test_config.py checks them): what an editor completes inside nan={...}.
+# (tests/engine/test_config.py checks them): what an editor completes inside nan={...}.
 
 
 class ExplainKnobs(TypedDict, total=False):

@@ -1,7 +1,7 @@
 """A seeded fuzz over a real checkpoint: damaged, edited and planted copies, each resumed
 four ways, with what every way must do.
 
-Used by ``tests/test_ckpt_fuzz.py`` (a bounded sample) and ``benchmarks/ckpt_fuzz.py``
+Used by ``tests/checkpoint/test_ckpt_fuzz.py`` (a bounded sample) and ``benchmarks/ckpt_fuzz.py``
 (every case, with counts). Nothing is mocked: a real guarded run writes the checkpoints
 (a small model, AdamW, StepLR, an enabled GradScaler, a DataLoader's position and the
 NaN guard's statistics), the copies are real files, links, FIFOs and directories, and

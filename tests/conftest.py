@@ -14,6 +14,12 @@ from _ranks import cpu_now, free_port, patience, run_script, spawn  # noqa: F401
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# The tests live in folders that mirror the package (tests/engine, tests/guards...), and
+# a few share a helper by module name (test_storage runs test_nan's poisoned loop): every
+# folder is on the path, as the one flat folder was. Basenames stay unique across them.
+_TESTS = Path(__file__).resolve().parent
+sys.path[1:1] = sorted(str(d) for d in _TESTS.iterdir() if d.is_dir() and any(d.glob("test_*.py")))
+
 # One intra-op thread per process, as torchrun sets for its ranks: the suite's
 # processes (2-rank jobs, pytest-xdist workers) share CI's 2 cores, and OpenMP threads
 # that spin-wait for a core slow everything down. Set before any test starts a process;

@@ -1,4 +1,4 @@
-"""A training loop written against HF accelerate and transformers, for tests/test_hf.py:
+"""A training loop written against HF accelerate and transformers, for tests/loops/test_hf.py:
 accelerate's documented loop (everything ``accelerator.prepare()``d, gradient
 accumulation through ``accelerator.accumulate()``) over a small GPT-2 built from a
 config (nothing downloaded), guarded with the prepared objects as they are. It can

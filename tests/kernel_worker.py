@@ -1,5 +1,5 @@
 """Run guardrails' grad-norm Triton kernels in Triton's interpreter (on CPU tensors)
-and print what tests/test_gradnorm_kernel.py checks, as JSON. Needs TRITON_INTERPRET=1
+and print what tests/engine/test_gradnorm_kernel.py checks, as JSON. Needs TRITON_INTERPRET=1
 in the environment before triton is imported (the test sets it)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training loops of the shapes users bring, for tests/test_loops.py: each runs guarded,
+"""Training loops of the shapes users bring, for tests/loops/test_loops.py: each runs guarded,
 can SIGTERM itself at a step (on one rank), and dumps its final state (every rank's
 weights, optimizer state, scheduler state, RNG) so a stopped-and-resumed run can be
 compared bitwise with one that was never interrupted.

@@ -1,4 +1,4 @@
-"""A guarded training loop with a run of bad batches planted, for tests/test_rewind.py:
+"""A guarded training loop with a run of bad batches planted, for tests/guards/test_rewind.py:
 under DDP when launched with WORLD_SIZE 2 (gloo), alone otherwise.
 
     python tests/rewind_worker.py RUN_DIR OUT [--fault none|div|nan|cut]

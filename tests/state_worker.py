@@ -1,5 +1,5 @@
 """A guarded training loop whose checkpointed state is what users keep beside the
-model, for tests/test_state_resume.py: it can SIGTERM itself after a step and dumps its
+model, for tests/checkpoint/test_state_resume.py: it can SIGTERM itself after a step and dumps its
 final state (weights, optimizer state, ``g.state``, RNG) so a stopped-and-resumed run
 can be compared bitwise with one that was never interrupted.
 

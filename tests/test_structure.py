@@ -438,7 +438,7 @@ def test_every_slow_marker_says_why_and_real_torchrun_tests_are_slow():
     # that starts a real torchrun (a launcher and its ranks, each a fresh interpreter
     # importing torch: 10 CPU-s and more) can never be quick.
     unsaid, unmarked = [], []
-    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+    for path in sorted(Path(__file__).parent.rglob("test_*.py")):
         tree = ast.parse(path.read_text())
         module_slow = None
         for node in tree.body:

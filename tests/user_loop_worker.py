@@ -1,4 +1,4 @@
-"""Guarded loops written the way users write them, for tests/test_user_loops.py: an
+"""Guarded loops written the way users write them, for tests/loops/test_user_loops.py: an
 epoch loop of their own around the guard, an EMA of the model, batches drawn from the
 loop's own ``torch.Generator`` without a loader. It can SIGTERM itself after a step and
 dumps its final state so a stopped-and-resumed run can be compared bitwise with one that

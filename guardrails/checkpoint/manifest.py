@@ -20,7 +20,7 @@ Only listed files are ever read: a file the manifest does not name is not part o
 checkpoint. :mod:`guardrails.checkpoint` (the format's writer and
 :func:`guardrails.resume`) and ``python -m guardrails inspect`` both judge a checkpoint
 here, so ``inspect`` answers "which one would ``resume`` pick?" exactly as resume does,
-without importing torch (``inspect`` starts in 0.15 s median on a loaded 2-core CPU VM,
+without importing torch (``inspect`` starts in 0.15 s median on a loaded CPU host,
 where torch's import alone takes ~2.3 s). The one check that needs torch, DCP's pickled
 metadata, is passed in by the caller (``metadata_check``).
 
@@ -345,7 +345,7 @@ def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] 
     files and the .safetensors headers, not the tensors: 2 ms for a one-rank checkpoint,
     0.5 ms more per rank (its rank<R>.json, mostly RNG state); verifying a 604 MB
     checkpoint took 1.13-1.15 s with these checks and 1.19-1.23 s without (medians of
-    5, a loaded 2-core CPU VM: the sha256 of every byte is the cost)."""
+    5, a loaded CPU host: the sha256 of every byte is the cost)."""
     files = manifest["files"]
     headers: dict[str, dict[str, Any]] = {}
     found = _read_headers(ckpt, files, headers) or _rng_tensor_problem(ckpt, headers)

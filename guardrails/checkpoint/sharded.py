@@ -387,7 +387,7 @@ class ShardWriter:
         from the last save's; else the same bytes again: a ``torch.save`` item's length
         depends only on its shape and dtype, so once the layout is fixed every save's
         results are the same, and DCP's one ``pickle.dump`` of the metadata (70-100 ms
-        holding the GIL on a 2-core CPU VM, 985 items a rank) is not repeated. Only its
+        holding the GIL on a CPU host, 985 items a rank) is not repeated. Only its
         ``storage_meta`` (the path and id of the save that wrote it) is then the
         first's, which nothing reads (the path named a temp directory anyway)."""
         target = directory / DCP_DIR / ".metadata"

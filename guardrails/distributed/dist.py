@@ -141,7 +141,7 @@ def imported_class(module: str, name: str) -> Any:
     ``isinstance`` check that imports nothing: an object can only be an instance of a
     class whose module was imported, and some are costly to import for a run that does
     not use them (``torch.distributed.optim`` compiles its functional optimizers with
-    TorchScript on import: 0.25-0.35 s of every guard's start on a 2-core CPU VM, 0.8-1.0
+    TorchScript on import: 0.25-0.35 s of every guard's start on a CPU host, 0.8-1.0
     s before ``torch._dynamo`` is imported; ``torch.distributed.tensor`` up to ~0.2 s)."""
     mod = sys.modules.get(module)
     return None if mod is None else getattr(mod, name)

@@ -24,7 +24,7 @@ At close the table goes to ``run_dir/benchmark.json``, a ``benchmark`` event and
 median step time guarded vs bypassed, the overhead with a 95% bootstrap interval of
 the difference of medians, each component's cost, and a plain statement when the
 interval includes zero (below what this run can resolve: run longer). Host syncs are
-not counted in-loop (``tests/test_gpu.py`` proves none under
+not counted in-loop (``tests/loops/test_gpu.py`` proves none under
 ``torch.cuda.set_sync_debug_mode("error")``).
 """
 
@@ -194,7 +194,7 @@ def _table(samples: dict[str, list[float]], cuda: bool) -> dict[str, Any]:
         "resolved": not (lo <= 0 <= hi),
         "samples": {"guarded": len(guarded), "bypassed": len(bypassed)},
         "components": components,
-        "host_syncs": "not counted in-loop: tests/test_gpu.py proves none under "
+        "host_syncs": "not counted in-loop: tests/loops/test_gpu.py proves none under "
         "torch.cuda.set_sync_debug_mode('error')",
     }
 

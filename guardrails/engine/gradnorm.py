@@ -30,7 +30,7 @@ eager for the run. Off by default: in the first loop measured (GPT-2 small, 8x10
 30-step runs) the gradients never came back to the previous step's addresses.
 
 **On CPU** ``_foreach_norm`` has no fused kernel: it is one full ``linalg_vector_norm``
-dispatch per gradient, ~5 us each on a 2-core CPU VM. Where the model is small
+dispatch per gradient, ~5 us each on a CPU host. Where the model is small
 for its number of tensors (``FLAT_NUMEL_PER_TENSOR`` elements a tensor or fewer, on
 average), the gradients are copied into one flat tensor by torch's C++
 ``flatten_dense_tensors`` and its norm taken, two calls: the guard's norm in 7.1 us
@@ -101,7 +101,7 @@ MAX_MISSES = 50
 RECENT_LAYOUTS = 4
 #: On CPU, the norm of one flat copy of the gradients when the model has at most this
 #: many elements per gradient tensor on average: 16 float32 tensors of 4,096 elements,
-#: 27 us flat against 38 per tensor; of 16,384, 94 against 57 (a 2-core CPU VM).
+#: 27 us flat against 38 per tensor; of 16,384, 94 against 57 (a CPU host).
 FLAT_NUMEL_PER_TENSOR = 4096
 
 
@@ -416,7 +416,7 @@ class BucketNorms:
         # gloo completes each bucket's all-reduce on a thread of its own, so callbacks
         # run at once: a slot written into the old tensor while another callback grew
         # it would be lost, and two growths raced ("expanded size ... must match" in
-        # 1 of 4 runs of tests/test_ddp.py). NCCL runs them on the autograd thread,
+        # 1 of 4 runs of tests/guards/test_ddp.py). NCCL runs them on the autograd thread,
         # one at a time: the lock is uncontended there.
         self._lock = threading.Lock()
 

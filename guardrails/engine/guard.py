@@ -1061,7 +1061,7 @@ class Guard(StepState):
         if not all(map(operator.is_, parameters, params)):
             # Another order (nanoGPT's decay / no-decay groups): the same set, once
             # checked, is then recognised by its order (a tuple compare: 110 us at
-            # 1,500 tensors on a 2-core CPU VM, against 430 us to build a set).
+            # 1,500 tensors on a CPU host, against 430 us to build a set).
             order = tuple(map(id, parameters))
             if order != self._clip_order:
                 if len(set(order)) != len(order) or not self._param_ids.issuperset(order):

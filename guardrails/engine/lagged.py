@@ -148,7 +148,7 @@ class StepRing:
     host sees it through a :class:`RingReader`'s lagged copies. On a CPU device
     (``host=True``) the ring is host memory: :meth:`write` reads the loss and the grad
     norm with ``Tensor.tolist()`` (no kernel, no dispatch: ~2 us for both in the loop,
-    against ~7.5 us for the stack and a numpy read of its row, a 2-core CPU VM), stores
+    against ~7.5 us for the stack and a numpy read of its row, a CPU host), stores
     them into the ring through a memoryview and keeps them in :attr:`loss` /
     :attr:`norm`, exactly the float32 values the row holds.
     """

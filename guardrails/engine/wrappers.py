@@ -119,7 +119,7 @@ class UserWrappers:
         ~0.25 us a call on a CPU). Where dynamo inlines this module's call into a bigger
         traced frame (a compiled training step) the skipped wrapper is a graph break in
         that frame, as any ``torch._dynamo.disable``-d code is (``compile(DDP(model))``
-        breaks there already: the same counts). tests/test_compile.py counts each
+        breaks there already: the same counts). tests/loops/test_compile.py counts each
         wrapping order."""
         inner = model.forward
         guard = self._guard

@@ -21,7 +21,7 @@ runs every ``full_every_n_steps`` (default 1000: every 10th scheduled collection
 ratio of CPython's own third threshold), on the same step on every rank. After the
 freeze it scans only what was created since the first step and is still alive, plus
 the garbage it frees: in ``benchmarks/gc_bench.py`` no longer than the young
-collections of the same run (87-254 ms vs 225-390 ms on a loaded 2-core CPU VM); with
+collections of the same run (87-254 ms vs 225-390 ms on a loaded CPU host); with
 cycles kept 200 steps (``--survive 200``) 579 ms, against 1,395 ms for Python's own full
 collections, and memory flat instead of every cycle kept.
 Every collection (ours or anyone's) is timed through ``gc.callbacks`` and lands in the

@@ -3,7 +3,7 @@
 :class:`guardrails.Telemetry` writes the parts; :func:`guardrails.read_metrics` and
 ``python -m guardrails report`` read them. Kept apart from the writer so the report
 starts without importing torch (~2.3 s on its own): 0.65-0.7 s median for a 100k-row run
-on a loaded 2-core CPU VM.
+on a loaded CPU host.
 
 Two kinds of file hold the rows: the parts a rank writes (``part-r<rank>-s<step>-*``,
 one per ``write_every_s``) and, once an hour is over, one ``compact-r<rank>-t<time>-*``

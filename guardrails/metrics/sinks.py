@@ -19,8 +19,8 @@ turned off with one warning naming it and the error; training goes on.
 The three packages are optional extras, imported only when their sink opens:
 ``pip install torch-guardrails[tensorboard]`` (``[wandb]``, ``[mlflow]``).
 
-What a sink costs is its own work per row, on its thread: measured on a busy 2-core CPU
-VM (benchmarks/sinks_bench.py), TensorBoard ~0.1-0.3 ms a row, W&B offline ~0.6-2.5 ms,
+What a sink costs is its own work per row, on its thread: measured on a busy CPU
+host (benchmarks/sinks_bench.py), TensorBoard ~0.1-0.3 ms a row, W&B offline ~0.6-2.5 ms,
 MLflow's file store ~1-2 ms. The training thread's share is ~2 us a part. On a
 host-bound loop of ~2 ms steps with all three on 2 cores that CPU work showed as
 +2.2 ms a step (the cores are shared); each sink's ``every_n_steps`` thins the rows it
@@ -444,7 +444,7 @@ class TensorBoardSink(Sink):
             and the curve continues.
         every_n_steps: log the rows of every this many steps (and every skipped or
             non-finite step); default 1, every row. A row costs the sink thread
-            ~0.1-0.3 ms of CPU (measured on a busy 2-core CPU VM).
+            ~0.1-0.3 ms of CPU (measured on a busy CPU host).
     """
 
     def __init__(
@@ -523,8 +523,8 @@ class WandbSink(Sink):
         project: the W&B project of a run this sink starts.
         every_n_steps: log the rows of every this many steps (and every skipped or
             non-finite step); default 1, every row. A row costs the sink thread
-            ~0.6-2.5 ms of CPU in ``wandb.log`` (measured offline on a busy 2-core CPU
-            VM): raise this for loops of more than a few hundred steps a second.
+            ~0.6-2.5 ms of CPU in ``wandb.log`` (measured offline on a busy CPU
+            host): raise this for loops of more than a few hundred steps a second.
         init: more ``wandb.init`` arguments for a run this sink starts.
     """
 
@@ -621,7 +621,7 @@ class MLflowSink(Sink):
         every_n_steps: log the rows of every this many steps (and every skipped or
             non-finite step); default 1, every row. A row costs the sink thread ~1-2 ms
             of CPU with MLflow's file store (one file append per value; measured on a
-            busy 2-core CPU VM), less through a tracking server (one request a batch).
+            a busy CPU host), less through a tracking server (one request a batch).
     """
 
     #: MLflow's limit of values per ``log_batch`` request.

@@ -9,7 +9,7 @@ pairs with another rank's gradient all-reduce. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`
 catches some of it by adding a collective per call, which is why it is a debug-only
 tool. Here the per-call work is host bookkeeping and the comparison is elsewhere:
 
-* **Main thread, per call, O(1)** (~3 us on a busy 2-core EPYC, torch 2.13: ~0.9 us
+* **Main thread, per call, O(1)** (~3 us on a busy EPYC host, torch 2.13: ~0.9 us
   bookkeeping, ~0.7 us flight recorder, ~0.45 us the ``guard.collective`` dict, the rest
   argument handling; ``benchmarks/audit_bench.py``): the wrapper over ``torch.distributed.X``
   reads the op, the tensor's shape and dtype, the reduce op, the root, the group, the
@@ -75,7 +75,7 @@ imported by name before the guard started (``from torch.distributed import
 all_reduce``), DDP's C++ reducer (unless reported through ``record``) and functional
 collectives (``torch.distributed._functional_collectives``) are not seen. FSDP2
 (``fully_shard``) issues its all-gathers and reduce-scatters through the module
-functions, so they are seen and compared (tests/test_audit.py, gloo, torch 2.13).
+functions, so they are seen and compared (tests/guards/test_audit.py, gloo, torch 2.13).
 
 Where the parts live: this module holds the component (patching, the per-call
 bookkeeping, the background comparison, close); ``calls.py`` what a call is (the op

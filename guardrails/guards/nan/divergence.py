@@ -66,8 +66,8 @@ class Divergence:
                 self.rows.append((step, loss, lr))
 
     def check(self) -> dict[str, Any] | None:
-        """The divergence that starts here, or ``None``. ~10 us a block (a 2-core CPU
-        VM) when the recent median is under ``factor`` times the reference's (every
+        """The divergence that starts here, or ``None``. ~10 us a block (a CPU
+        host) when the recent median is under ``factor`` times the reference's (every
         healthy block): two sorts of 20 and 80 floats."""
         n, losses = self.steps, self.losses
         total = len(losses)

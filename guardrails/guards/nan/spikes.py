@@ -62,7 +62,7 @@ def _spikes(
 
     In log space: a ratio is a distance, and a grad norm's noise is multiplicative.
     A block with no value over ``factor`` times the lowest value around it cannot hold
-    a spike and costs ~2 us a metric (a 2-core CPU VM; every block of the nanochat and
+    a spike and costs ~2 us a metric (a CPU host; every block of the nanochat and
     README-example runs): the swing is measured only for the others (~18 us), and a
     value's own median only where it clears the bar over that lowest value. ``swing``:
     the window's median step-to-step move, from :class:`_Series`, which keeps it up to
@@ -112,7 +112,7 @@ class _Series:
     next (:meth:`swing`), kept up to date as values arrive.
 
     Recomputed from the window (100 logs, 99 moves, a sort), the swing costs ~13 us a
-    block (a 2-core CPU VM, warm; more in the loop), paid in every block of the
+    block (a CPU host, warm; more in the loop), paid in every block of the
     benchmark's tiny regression, whose noisy loss clears the first cut each time; here
     each value's log and move are computed once, when first needed, and a block pays for
     its 10 new ones and the sort (~6 us). The numbers are the same: the same

@@ -206,7 +206,7 @@ BUSY_WAIT_SHARE = 0.5
 #: ... and its CPU time a step (the loop's work) grew by at most this factor: a loop
 #: doing 3x the work is the loop's even on a busy machine. Sharing a core costs some
 #: work itself (caches refilled after each switch): 1.19 -> 1.57 ms a step, 1.3x, with 8
-#: other processes on its core (a 2-core CPU VM).
+#: other processes on its core (a CPU host).
 BUSY_MAX_WORK = 1.6
 
 

@@ -40,8 +40,8 @@ from guardrails.checkpoint.common import CRASH_ENV
 from guardrails.checkpoint.manifest import MANIFEST, _dumps, _self_hash, list_checkpoints
 from guardrails.cli.inspect import inspect_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("storage_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parents[1] / "storage_worker.py"
 TMPFS = 'mount -t tmpfs -o size=4m tmpfs "$1" && shift && exec "$@"'
 
 

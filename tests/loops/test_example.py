@@ -14,7 +14,7 @@ from _ranks import patience
 
 import guardrails
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 # A 1-layer, 32-wide GPT (~10x cheaper steps than the default 0.8M parameters): for the
 # tests about flags, faults and resumes, which do not depend on the model's size.

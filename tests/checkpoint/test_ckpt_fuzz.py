@@ -36,7 +36,7 @@ from conftest import patience, read_events
 
 import guardrails
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED = 20
 #: Cases per kind of damage in the suite's sample (the benchmark runs every case).
 PER_KIND = 8

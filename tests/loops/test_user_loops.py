@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_state_equal, read_events, run_worker
 
-WORKER = Path(__file__).with_name("user_loop_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "user_loop_worker.py"
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 

@@ -199,7 +199,7 @@ def test_a_sigterm_the_stuck_step_never_answers_keeps_that_steps_row(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, sys, time, torch
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
         from conftest import Regressor, batches
         import guardrails
         torch.manual_seed(0)

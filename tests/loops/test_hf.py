@@ -29,8 +29,8 @@ from transformers import GPT2Config, GPT2ForSequenceClassification
 
 import guardrails
 
-WORKER = Path(__file__).with_name("hf_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parents[1] / "hf_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
 #: The worker's GradScaler starts at 2**126: the first step's scaled loss overflows
 #: (loss ~4.2 x 8.5e37 > 3.4e38, float32's largest), the next ones do not.
 SCALE = 2.0**126

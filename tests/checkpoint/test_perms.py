@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _ranks import run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """

@@ -31,7 +31,7 @@ import guardrails
 from guardrails.guards.pace import judge
 from guardrails.guards.pace.pace import Pace, Usage, summarize
 
-WORKER = Path(__file__).parent / "pace_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "pace_worker.py"
 FINDINGS = ("straggler", "slowdown", "comms_bound")
 SYNCED = frozenset({"backward"})  # DDP: ranks wait for each other at the end of the backward
 

@@ -311,7 +311,7 @@ def test_keep_last_retention_and_leftover_cleanup(tmp_path):
 
 
 def test_extras_must_be_storable_and_nothing_is_written(tmp_path):
-    # Tensors are stored (tests/test_state_resume.py); a set is not, and says the fix.
+    # Tensors are stored (tests/checkpoint/test_state_resume.py); a set is not, and says the fix.
     with pytest.raises(TypeError, match=r"extras\.tags is a set.*a sorted list"):
         guardrails.save_checkpoint(
             tmp_path, 1, model=Regressor(), optimizer=None, extras={"tags": {"a"}}

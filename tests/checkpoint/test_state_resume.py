@@ -23,7 +23,7 @@ import guardrails
 from guardrails.checkpoint.manifest import _self_hash
 from guardrails.checkpoint.read import verify_checkpoint
 
-WORKER = Path(__file__).with_name("state_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "state_worker.py"
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 

@@ -21,7 +21,7 @@ from _ranks import patience
 
 import guardrails
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

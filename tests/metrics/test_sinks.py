@@ -29,7 +29,7 @@ from conftest import Regressor, batches, patience, train_loop
 
 import guardrails
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Recorder(guardrails.Sink):
@@ -415,7 +415,7 @@ def test_no_sink_package_is_imported_unless_used(tmp_path):
     script = textwrap.dedent(
         f"""
         import importlib.util, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         from conftest import Regressor, batches, train_loop
         import guardrails
         names = ("tensorboard", "torch.utils.tensorboard", "wandb", "mlflow")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU (CI has none); run on an H100/H200, see benchmarks/RESULTS.md",
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 
 def gpt(device):
@@ -750,7 +750,7 @@ def test_graph_grad_norm_keeps_one_graph_per_layout_the_gradients_cycle_through(
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 @pytest.mark.parametrize("shape", ["zero", "distopt"])
 def test_sharded_optimizers_skip_together_and_resume_bitwise_on_nccl(tmp_path, shape):
-    """tests/test_loops.py's ZeroRedundancyOptimizer and reduce-inside-step loops on 2
+    """tests/loops/test_loops.py's ZeroRedundancyOptimizer and reduce-inside-step loops on 2
     GPUs over NCCL: a NaN sample on rank 0 at step 2 is skipped on both ranks (the flag
     agreed over guardrails' gloo group where the gradients differ), SIGTERM on rank 1
     at step 3 saves every rank's optimizer part, the resume ends bitwise equal."""
@@ -782,7 +782,7 @@ def _run_nccl_worker(tmp_path: Path, source: str) -> Path:
 
     script = tmp_path / "worker.py"
     script.write_text(source)
-    env = {"EXAMPLES": str(Path(__file__).resolve().parents[1] / "examples")}
+    env = {"EXAMPLES": str(Path(__file__).resolve().parents[2] / "examples")}
     run_dir = tmp_path / "run"
     res = torchrun([script], 2, out=tmp_path, timeout_s=300, env={**env, "RUN_DIR": str(run_dir)})
     assert res.code == 0, (res.out[-2000:], res.err[-4000:])
@@ -1074,7 +1074,7 @@ def test_a_cuda_error_at_the_end_keeps_the_rows_the_host_holds(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = {[str(p) for p in Path(__file__).resolve().parents[:2]]!r}
         from test_gpu import gpt, data
         import guardrails
         device = torch.device("cuda")

@@ -29,8 +29,8 @@ import guardrails
 from guardrails.checkpoint.manifest import _self_hash
 from guardrails.checkpoint.read import verify_checkpoint
 
-WORKER = Path(__file__).with_name("loop_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parents[1] / "loop_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------- stop and resume
@@ -723,7 +723,7 @@ def test_a_flat_script_that_never_reaches_close_is_closed_at_exit(tmp_path, faul
     # NonFiniteError, so `g.close()` never runs: the guard closes itself at the
     # interpreter's exit, flushing metrics and writing its end event.
     script = tmp_path / "train.py"
-    script.write_text(FLAT_SCRIPT.format(tests=str(Path(__file__).parent)))
+    script.write_text(FLAT_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1])))
     proc = run_script([sys.executable, script, tmp_path / "run", fault], timeout_s=120)
     assert proc.returncode == (143 if fault == "sigterm" else 1), proc.stderr
     (end,) = [e for e in read_events(tmp_path / "run") if e["kind"] == "end"]

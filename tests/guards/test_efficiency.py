@@ -223,7 +223,7 @@ def test_attention_counts_on_a_cpu_as_torch_counts_it_on_a_gpu(tmp_path):
     input and weight gradients), and scaled_dot_product_attention as torch's formulas
     count its GPU kernels (4 x B x T^2 x d forward, 10 x backward with the scores
     recomputed; not halved for the causal mask), which torch leaves out on a CPU."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     from train_gpt import GPT
 
     b, t, layers, d, vocab = 2, 16, 2, 32, 65

@@ -177,7 +177,7 @@ def test_a_preemption_says_so_in_the_error_file(tmp_path):
     # after a signal save that is what happened and what to do, not "To enable
     # traceback see ...".
     script = tmp_path / "train.py"
-    script.write_text(PREEMPTED.format(tests=str(Path(__file__).parent)))
+    script.write_text(PREEMPTED.format(tests=str(Path(__file__).resolve().parents[1])))
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
     proc = run_script([sys.executable, script, tmp_path / "run"], timeout_s=120, env=env)
@@ -200,7 +200,9 @@ def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
     # error file, summary and exit code as a decorated main().
     from test_loops import FLAT_SCRIPT  # a flat script; "nan": NonFiniteError at step 13
 
-    (tmp_path / "flat_train.py").write_text(FLAT_SCRIPT.format(tests=str(Path(__file__).parent)))
+    (tmp_path / "flat_train.py").write_text(
+        FLAT_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]))
+    )
     target = "flat_train" if launch[-1] == "-m" else str(tmp_path / "flat_train.py")
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}

@@ -21,7 +21,7 @@ from conftest import Regressor, batches, train_loop
 import guardrails
 from guardrails.engine.rundir import LOCK_NAME
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _guarded(run_dir, n=2, **knobs):

@@ -29,8 +29,8 @@ import guardrails
 from guardrails.checkpoint.manifest import _self_hash
 from guardrails.checkpoint.read import verify_checkpoint
 
-WORKER = Path(__file__).with_name("ckpt_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parents[1] / "ckpt_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cmd(run_dir, out, *args, world=1):

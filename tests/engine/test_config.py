@@ -196,7 +196,7 @@ def test_guard_signature_names_every_section_with_its_typed_knobs():
 def test_the_sections_page_has_each_section_once_with_its_default():
     """docs/sections.md (which sections are on, their cost, what they caught) has a row
     per section of SECTIONS, in order, whose "on by default" is the code's."""
-    page = Path(__file__).resolve().parents[1] / "docs" / "sections.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "sections.md"
     rows = [
         line.split("|")[1:3] for line in page.read_text().splitlines() if line.startswith("| `")
     ]

@@ -20,10 +20,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import guardrails
 from guardrails.guards.rewind.rewind import Rewind
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewind_worker  # its model and data, for the in-process runs
 
-WORKER = Path(__file__).resolve().parent / "rewind_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "rewind_worker.py"
 KNOBS = {"snapshot_every_steps": 20, "skip_batches": 10}
 
 

@@ -26,7 +26,7 @@ from guardrails.guards.watchdog import clock, records
 from guardrails.guards.watchdog.clock import auto_timeout_s
 from guardrails.guards.watchdog.watchdog import Watchdog
 
-WORKER = Path(__file__).parent / "hang_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "hang_worker.py"
 TIMEOUT_S = 3.0
 # The spec's bound: every rank ends within hang_timeout_s + 10 s of the fault.
 BOUND_S = TIMEOUT_S + 10.0

@@ -31,7 +31,7 @@ from guardrails.cli.report_stats import EXACT_VALUES, Median
 from guardrails.metrics.compact import Compactor
 from guardrails.metrics.file import BATCH_ROWS, METRICS_DIR, SCHEMA, sources
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_767_225_600.0  # 2026-01-01 00:00 UTC: windows start on the hour
 
 

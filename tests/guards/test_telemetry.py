@@ -169,7 +169,7 @@ def test_sigkill_keeps_every_part_written_before_it(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, sys, torch
-        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        sys.path.insert(0, {str(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
         from _loops import train_loop_signalled
         from conftest import Regressor, batches
         import guardrails

@@ -1,7 +1,7 @@
 """The grad norm's Triton kernels (guardrails/_gradnorm_kernel.py), run on CPU in
 Triton's interpreter: their chunking, dtypes, missing gradients, NaN/Inf and the
 fixed slots of DDP buckets, checked where CI runs. The compiled kernels, the guard's
-use of them and their cost are tests/test_gpu.py's (an H100/H200)."""
+use of them and their cost are tests/loops/test_gpu.py's (an H100/H200)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs triton (the dev extra installs it on Linux x86_64; it ships with CUDA torch)",
 )
 
-WORKER = Path(__file__).resolve().parent / "kernel_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "kernel_worker.py"
 #: The tests that read the shared run of the kernels under the Triton interpreter.
 interpreted = pytest.mark.slow(reason="reads the shared Triton-interpreter run (a process)")
 

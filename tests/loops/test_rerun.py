@@ -28,7 +28,7 @@ import guardrails
 from guardrails.checkpoint.manifest import _self_hash, list_checkpoints
 from guardrails.checkpoint.read import verify_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A user's script: a DataLoader over a map-style dataset (resumes by replay, so the
 # only lines on stderr are the guard's own), an epoch loop counted from g.epoch,
@@ -474,7 +474,7 @@ def test_a_fresh_run_beside_another_runs_checkpoints_is_warned(tmp_path):
 def test_two_ranks_rerun_said_once_and_a_changed_config_refused_on_every_rank(tmp_path):
     from _ranks import run_ranks
 
-    worker = Path(__file__).with_name("ckpt_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "ckpt_worker.py"
 
     def job(*args):
         cmd = [sys.executable, worker, tmp_path / "run", tmp_path / "out", "--steps", 6]
