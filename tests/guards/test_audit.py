@@ -295,7 +295,7 @@ def test_the_first_rank_names_the_mismatch_when_gloo_aborted_the_last(tmp_path):
     # the audited sequence) and gloo aborts rank 1. Rank 0, the group's first member,
     # has no member before it to compare with: at close it compares with the one after
     # it, from that rank's flight recorder.
-    worker = HERE.parent / "hang_worker.py"
+    worker = HERE.parents[1] / "hang_worker.py"
     cmd = [sys.executable, worker, "extra", "--hang-timeout-s", 5, "--out", tmp_path]
     with launch(cmd, out=tmp_path, error_files=True) as job:
         first, last = job.wait(BOUND_S)

@@ -10,10 +10,11 @@ import pickle
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regressor, batches, read_events, train_loop
+from conftest import Regressor, batches, read_events, spawn, train_loop
 
 import guardrails
 from guardrails import GCScheduler, Guard, MemoryGuard
@@ -104,14 +105,11 @@ def test_a_leak_of_plain_tensors_names_the_attribute_that_holds_them(tmp_path):
     assert "grad_fn" not in leak["tensor"]
 
 
-@pytest.mark.parametrize("keep", ["detach", "item", "nothing"])
-def test_healthy_loops_report_no_leak(tmp_path, keep):
-    """Keeping detached losses or floats is history, not a leak worth a warning; a
-    census that finds nothing doubles the window so censuses stay rare."""
+def _healthy_child(rank: int, keep: str, run_dir: str, out: str) -> None:
     model, opt = make()
     memory = leak_guard()
     history = []
-    with Guard(model, opt, batches(60), run_dir=tmp_path, components=[memory]) as g:
+    with Guard(model, opt, batches(60), run_dir=run_dir, components=[memory]) as g:
         for x, y in g:
             loss = model(x, y)
             loss.backward()
@@ -121,9 +119,23 @@ def test_healthy_loops_report_no_leak(tmp_path, keep):
                 history.append(loss.item())
             opt.step()
             opt.zero_grad()
-    assert events(tmp_path, "leak") == []
-    assert memory.leak is None
-    assert len(memory.censuses) <= 4
+    result = {"leak": memory.leak is not None, "censuses": len(memory.censuses)}
+    Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.parametrize("keep", ["detach", "item", "nothing"])
+def test_healthy_loops_report_no_leak(tmp_path, keep):
+    """Keeping detached losses or floats is history, not a leak worth a warning; a
+    census that finds nothing doubles the window so censuses stay rare. In a process of
+    its own: after some orders of earlier guards in one process (one that raised out of
+    optimizer.step(), then a planted leak) the census sees new storage wrappers each
+    step of the data list's tensors, a false leak still open (docs/failures.md, leaks)."""
+    out = tmp_path / "result.json"
+    spawn(_healthy_child, (keep, str(tmp_path / "run"), str(out)), nprocs=1)
+    assert events(tmp_path / "run", "leak") == []
+    result = json.loads(out.read_text())
+    assert result["leak"] is False
+    assert result["censuses"] <= 4
 
 
 class Node:
