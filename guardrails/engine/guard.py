@@ -426,26 +426,11 @@ class Guard(StepState):
         process.die(error, exit_code=exit_code, last_words=self._last_words)
 
     def _last_words(self, error: BaseException) -> None:
-        self._ending_at = time.time()
-        for fn in self._dispatch["on_abort"]:
-            try:
-                fn(self, error)
-            except Exception as exc:  # the process ends either way; the rest still run
-                logger.debug("guardrails: %r failed while aborting: %s", fn, exc)
-        lifecycle.end_event(self, error, aborted=True)
+        lifecycle.last_words(self, error)
 
     def _close_at_exit(self) -> None:
-        """At the interpreter's exit, a guard still open: close it with the exception
-        that ended the script (an uncaught one, or the guard's own signal stop)."""
-        if self._state != "started":
-            return
-        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        if exc is None and self.exit_code is not None:  # the guard's own signal stop
-            exc = SystemExit(self.exit_code)
-        try:
-            self.close(exc)
-        except BaseException as err:  # the process is ending; say so, do not raise
-            logger.warning("guardrails: closing the guard at exit raised %r", err)
+        # A bound method of its own: atexit.unregister() finds it by equality.
+        lifecycle.close_at_exit(self)
 
     def replace_error(self, error: BaseException) -> None:
         """From a component's ``on_end``: when the loop failed, raise ``error`` instead

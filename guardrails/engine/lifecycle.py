@@ -8,6 +8,8 @@ the guard they start or close; none runs per step.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError
@@ -146,3 +148,29 @@ def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:
         text = getattr(error, "guardrails_message", None) or f"{type(error).__name__}: {error}"
     events.emit("end", step=guard.step, error=text, **fields)
     events.close()
+
+
+def last_words(guard: Guard, error: BaseException) -> None:
+    """``Guard.die``'s, before the process ends: the components' ``on_abort`` (in
+    reverse order) and the ``end`` event, marked aborted."""
+    guard._ending_at = time.time()
+    for fn in guard._dispatch["on_abort"]:
+        try:
+            fn(guard, error)
+        except Exception as exc:  # the process ends either way; the rest still run
+            logger.debug("guardrails: %r failed while aborting: %s", fn, exc)
+    end_event(guard, error, aborted=True)
+
+
+def close_at_exit(guard: Guard) -> None:
+    """At the interpreter's exit, a guard still open: close it with the exception
+    that ended the script (an uncaught one, or the guard's own signal stop)."""
+    if guard._state != "started":
+        return
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None and guard.exit_code is not None:  # the guard's own signal stop
+        exc = SystemExit(guard.exit_code)
+    try:
+        guard.close(exc)
+    except BaseException as err:  # the process is ending; say so, do not raise
+        logger.warning("guardrails: closing the guard at exit raised %r", err)
