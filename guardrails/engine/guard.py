@@ -63,16 +63,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from guardrails._errors import GuardrailsError
 from guardrails.distributed import dist, store
-from guardrails.engine import ending, process, rundir, setup, where
+from guardrails.engine import lifecycle, process, rundir, setup, where
 from guardrails.engine.anatomy import StepAnatomy
 from guardrails.engine.buffers import BufferShadows
 from guardrails.engine.component import (
     HOOKS,
     Component,
     check_component_list,
-    overrides,
 )
 from guardrails.engine.data import DataPosition, tokens_in
 from guardrails.engine.gradnorm import GradNorm, total_norm
@@ -371,79 +369,12 @@ class Guard(StepState):
         # reaches its g.close(): close at the interpreter's exit instead.
         atexit.register(self._close_at_exit)
         try:
-            self._join_job()
-            self._wrappers.install()
-            attach = getattr(self.model, "_guardrails_attach", None)
-            if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
-                handle = attach(self)
-                self._handles.append(handle)
-                # ...and takes each reduced bucket's norm: the step's, see gradnorm.py
-                self._norm.buckets = getattr(handle, "bucket_norms", None)
-            for hook in HOOKS:
-                self._dispatch[hook] = [
-                    getattr(c, hook) for c in self.components if overrides(c, hook)
-                ]
-            # Filled as components start, so a start that fails closes only those that
-            # started (like nested `with` blocks): on_end never sees half-made state.
-            self._dispatch["on_end"] = []
-            self._dispatch["on_abort"] = []
-            self._live = self._dispatch
-            # Trainable parameters no optimizer updates: told once, by rank 0.
-            warning = (
-                setup.coverage_warning(self.model, self.optimizers) if self.rank == 0 else None
-            )
-            if warning is not None:
-                self.event("params_not_in_optimizer", level="warning", **warning)
-            self.event(
-                "start",
-                run=self.run_id,  # the same on every rank: tells runs in one run_dir apart
-                world_size=self.world_size,
-                device=str(self.device),
-                components=[c.name for c in self.components],
-            )
-            self._anatomy.start(self.step, cuda=self._device_type == "cuda")
-            for c in self.components:
-                if overrides(c, "on_start"):
-                    c.on_start(self)
-                if overrides(c, "on_end"):
-                    self._dispatch["on_end"].insert(0, c.on_end)  # reverse order
-                if overrides(c, "on_abort"):
-                    self._dispatch["on_abort"].insert(0, c.on_abort)
-            if self.benchmark:
-                from guardrails.engine.benchmark_mode import StepBenchmark
-
-                self._bench = StepBenchmark(self, self._dispatch)
+            lifecycle.join_job(self)
+            lifecycle.install(self)
         except BaseException as exc:
             self.close(exc)
             raise
         return self
-
-    def _join_job(self) -> None:
-        """This guard's place in the job: its generation, the run id rank 0 drew, the
-        run_dir's lock (rank 0 holds it for the job), the news counter and the side
-        group. A run_dir another run holds is refused on every rank, before step one."""
-        self.generation = store.next_generation()
-        published = store.publish_run_id(self.generation)  # before the collective
-        refusal = None
-        if self.rank == 0:  # one holder per job: the other ranks share its run_dir
-            self._run_lock = rundir.RunLock(self.run_dir)
-            refusal = self._run_lock.acquire(published or "")
-            if refusal is not None:
-                self._run_lock = None
-                store.publish_refusal(self.generation, refusal)  # before the collective
-        news_store = store.side_store(self.generation, "news")
-        self.news = None if news_store is None else store.News(news_store, world=self.world_size)
-        self.side_group = store.open_side_group()
-        self.run_id = store.read_run_id(self.generation, published)
-        if self.rank != 0:
-            refusal = store.read_refusal(self.generation)
-        if refusal is not None:
-            # Not a word into the other run's events.jsonl: this run never began.
-            events, self.events = self.events, None
-            events.close()
-            if self.rank == 0:
-                store.wait_refusal_read(self.generation, self.world_size)
-            raise rundir.refused(refusal, self.rank)
 
     def close(self, exc: BaseException | None = None) -> None:
         """Stop every component (in reverse order) and remove every hook. Idempotent.
@@ -474,7 +405,7 @@ class Guard(StepState):
             process.hold_signals()
         self._ending_at = time.time()  # the time of the open step's row (open_row())
         try:
-            self._close(exc)
+            lifecycle.close(self, exc)
         finally:
             if self._run_lock is not None:  # after the last save: the run_dir is free
                 self._run_lock.release()
@@ -484,57 +415,6 @@ class Guard(StepState):
                 # is on its way out to the loop's code (its handler, then the process's
                 # exit), which a re-raised SIGTERM would kill before it could run.
                 process.release_signals(deliver=False)
-
-    def _close(self, exc: BaseException | None) -> None:
-        errors: list[BaseException] = []
-        if self._bench is not None:
-            bench, self._bench = self._bench, None
-            self._live = self._dispatch
-            try:
-                bench.finish(self)
-            except Exception:  # a failed report must not hide the loop's own outcome
-                logger.exception("guardrails: benchmark mode could not report")
-        for fn in self._dispatch["on_end"]:
-            try:
-                fn(self, exc)
-            except Exception as err:
-                errors.append(err)
-                if not isinstance(err, GuardrailsError):  # ours are raised on purpose
-                    logger.exception("guardrails: %r failed while closing", fn)
-        self._wrappers.remove()
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        # What the grad norm's fast paths did this run, one event each (ending.py).
-        for kind, fields in ending.norm_summary(self._norm, self.clip_norm_steps, self.step):
-            self.event(kind, **fields)
-        self._dispatch = self._live = {h: [] for h in HOOKS}
-        store.close_side_group(self.side_group)
-        self.side_group = None
-        final = ending.final_error(exc, self._replacement, errors)
-        self._end_event(final)
-        clean = final is None or (isinstance(final, SystemExit) and self.exit_code is not None)
-        if clean and self.rank == 0:
-            ending.point_to_report(self.run_dir)
-        if final is not None and exc is None:
-            raise final
-        if exc is not None and self._replacement is not None:
-            replacement, self._replacement = self._replacement, None
-            raise replacement from exc
-        if exc is None and self.exit_code is not None:  # a signal save at the last step
-            raise process.stop_exit(self.exit_code, self.stopping or "stopped by a signal")
-
-    def _end_event(self, error: BaseException | None, **fields: Any) -> None:
-        """The run's last event, once: how it ended (``error``: ``None`` for a clean
-        end; a signal stop's ``SystemExit`` is named by ``g.stopping``)."""
-        events, self.events = self.events, None
-        if events is None:
-            return
-        text = None
-        if error is not None:
-            text = getattr(error, "guardrails_message", None) or f"{type(error).__name__}: {error}"
-        events.emit("end", step=self.step, error=text, **fields)
-        events.close()
 
     def die(self, error: BaseException, *, exit_code: int | None = None) -> None:
         """From a background thread, when the main thread cannot be reached (stuck in a
@@ -546,26 +426,11 @@ class Guard(StepState):
         process.die(error, exit_code=exit_code, last_words=self._last_words)
 
     def _last_words(self, error: BaseException) -> None:
-        self._ending_at = time.time()
-        for fn in self._dispatch["on_abort"]:
-            try:
-                fn(self, error)
-            except Exception as exc:  # the process ends either way; the rest still run
-                logger.debug("guardrails: %r failed while aborting: %s", fn, exc)
-        self._end_event(error, aborted=True)
+        lifecycle.last_words(self, error)
 
     def _close_at_exit(self) -> None:
-        """At the interpreter's exit, a guard still open: close it with the exception
-        that ended the script (an uncaught one, or the guard's own signal stop)."""
-        if self._state != "started":
-            return
-        exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        if exc is None and self.exit_code is not None:  # the guard's own signal stop
-            exc = SystemExit(self.exit_code)
-        try:
-            self.close(exc)
-        except BaseException as err:  # the process is ending; say so, do not raise
-            logger.warning("guardrails: closing the guard at exit raised %r", err)
+        # A bound method of its own: atexit.unregister() finds it by equality.
+        lifecycle.close_at_exit(self)
 
     def replace_error(self, error: BaseException) -> None:
         """From a component's ``on_end``: when the loop failed, raise ``error`` instead

@@ -38,7 +38,7 @@ from guardrails.engine.services import CollectiveRecorder, RewindService
 #: ``engine/wrappers.py`` writes ``phase`` around each forward and ``skip_cause`` /
 #: ``skip_scaler`` around a scaler's step inline: a call back into the guard would be
 #: a frame per forward.
-ENGINE_MODULES = ("engine.guard", "engine.wrappers")
+ENGINE_MODULES = ("engine.guard", "engine.lifecycle", "engine.wrappers")
 
 #: Each :class:`Shared` field and the one module that writes it.
 SHARED_WRITERS: dict[str, str] = {

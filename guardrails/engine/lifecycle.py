@@ -1,0 +1,176 @@
+"""The guard's start and close, past the bookkeeping ``Guard.start`` and ``Guard.close``
+keep (its state, the one running guard, the atexit hook, the held signals): joining the
+job (generation, run id, the run_dir's lock, the side group), installing the hooks and
+starting the components, and closing them with the run's last event. Plain functions of
+the guard they start or close; none runs per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from guardrails._errors import GuardrailsError
+from guardrails.distributed import store
+from guardrails.engine import ending, process, rundir, setup
+from guardrails.engine.component import HOOKS, overrides
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+logger = logging.getLogger("guardrails.guard")
+
+
+def join_job(guard: Guard) -> None:
+    """This guard's place in the job: its generation, the run id rank 0 drew, the
+    run_dir's lock (rank 0 holds it for the job), the news counter and the side
+    group. A run_dir another run holds is refused on every rank, before step one."""
+    guard.generation = store.next_generation()
+    published = store.publish_run_id(guard.generation)  # before the collective
+    refusal = None
+    if guard.rank == 0:  # one holder per job: the other ranks share its run_dir
+        guard._run_lock = rundir.RunLock(guard.run_dir)
+        refusal = guard._run_lock.acquire(published or "")
+        if refusal is not None:
+            guard._run_lock = None
+            store.publish_refusal(guard.generation, refusal)  # before the collective
+    news_store = store.side_store(guard.generation, "news")
+    guard.news = None if news_store is None else store.News(news_store, world=guard.world_size)
+    guard.side_group = store.open_side_group()
+    guard.run_id = store.read_run_id(guard.generation, published)
+    if guard.rank != 0:
+        refusal = store.read_refusal(guard.generation)
+    if refusal is not None:
+        # Not a word into the other run's events.jsonl: this run never began.
+        events, guard.events = guard.events, None
+        events.close()
+        if guard.rank == 0:
+            store.wait_refusal_read(guard.generation, guard.world_size)
+        raise rundir.refused(refusal, guard.rank)
+
+
+def install(guard: Guard) -> None:
+    """What ``Guard.start`` does once the guard has joined the job: the wrappers and
+    hooks installed, the dispatch tables filled, the ``start`` event, each component's
+    ``on_start`` (in order), benchmark mode."""
+    guard._wrappers.install()
+    attach = getattr(guard.model, "_guardrails_attach", None)
+    if attach is not None:  # GuardedDDP: reports its all-reduces to the auditor
+        handle = attach(guard)
+        guard._handles.append(handle)
+        # ...and takes each reduced bucket's norm: the step's, see gradnorm.py
+        guard._norm.buckets = getattr(handle, "bucket_norms", None)
+    for hook in HOOKS:
+        guard._dispatch[hook] = [getattr(c, hook) for c in guard.components if overrides(c, hook)]
+    # Filled as components start, so a start that fails closes only those that
+    # started (like nested `with` blocks): on_end never sees half-made state.
+    guard._dispatch["on_end"] = []
+    guard._dispatch["on_abort"] = []
+    guard._live = guard._dispatch
+    # Trainable parameters no optimizer updates: told once, by rank 0.
+    warning = setup.coverage_warning(guard.model, guard.optimizers) if guard.rank == 0 else None
+    if warning is not None:
+        guard.event("params_not_in_optimizer", level="warning", **warning)
+    guard.event(
+        "start",
+        run=guard.run_id,  # the same on every rank: tells runs in one run_dir apart
+        world_size=guard.world_size,
+        device=str(guard.device),
+        components=[c.name for c in guard.components],
+    )
+    guard._anatomy.start(guard.step, cuda=guard._device_type == "cuda")
+    for c in guard.components:
+        if overrides(c, "on_start"):
+            c.on_start(guard)
+        if overrides(c, "on_end"):
+            guard._dispatch["on_end"].insert(0, c.on_end)  # reverse order
+        if overrides(c, "on_abort"):
+            guard._dispatch["on_abort"].insert(0, c.on_abort)
+    if guard.benchmark:
+        from guardrails.engine.benchmark_mode import StepBenchmark
+
+        guard._bench = StepBenchmark(guard, guard._dispatch)
+
+
+def close(guard: Guard, exc: BaseException | None) -> None:
+    """What ``Guard.close`` does once the guard is marked closed: benchmark mode's
+    report, the components' ``on_end`` (in reverse order), the hooks removed, the grad
+    norm's summary, the ``end`` event; then the error the user sees, raised."""
+    errors: list[BaseException] = []
+    if guard._bench is not None:
+        bench, guard._bench = guard._bench, None
+        guard._live = guard._dispatch
+        try:
+            bench.finish(guard)
+        except Exception:  # a failed report must not hide the loop's own outcome
+            logger.exception("guardrails: benchmark mode could not report")
+    for fn in guard._dispatch["on_end"]:
+        try:
+            fn(guard, exc)
+        except Exception as err:
+            errors.append(err)
+            if not isinstance(err, GuardrailsError):  # ours are raised on purpose
+                logger.exception("guardrails: %r failed while closing", fn)
+    guard._wrappers.remove()
+    for handle in guard._handles:
+        handle.remove()
+    guard._handles = []
+    # What the grad norm's fast paths did this run, one event each (ending.py).
+    for kind, fields in ending.norm_summary(guard._norm, guard.clip_norm_steps, guard.step):
+        guard.event(kind, **fields)
+    guard._dispatch = guard._live = {h: [] for h in HOOKS}
+    store.close_side_group(guard.side_group)
+    guard.side_group = None
+    final = ending.final_error(exc, guard._replacement, errors)
+    end_event(guard, final)
+    clean = final is None or (isinstance(final, SystemExit) and guard.exit_code is not None)
+    if clean and guard.rank == 0:
+        ending.point_to_report(guard.run_dir)
+    if final is not None and exc is None:
+        raise final
+    if exc is not None and guard._replacement is not None:
+        replacement, guard._replacement = guard._replacement, None
+        raise replacement from exc
+    if exc is None and guard.exit_code is not None:  # a signal save at the last step
+        raise process.stop_exit(guard.exit_code, guard.stopping or "stopped by a signal")
+
+
+def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:
+    """The run's last event, once: how it ended (``error``: ``None`` for a clean
+    end; a signal stop's ``SystemExit`` is named by ``g.stopping``)."""
+    events, guard.events = guard.events, None
+    if events is None:
+        return
+    text = None
+    if error is not None:
+        text = getattr(error, "guardrails_message", None) or f"{type(error).__name__}: {error}"
+    events.emit("end", step=guard.step, error=text, **fields)
+    events.close()
+
+
+def last_words(guard: Guard, error: BaseException) -> None:
+    """``Guard.die``'s, before the process ends: the components' ``on_abort`` (in
+    reverse order) and the ``end`` event, marked aborted."""
+    guard._ending_at = time.time()
+    for fn in guard._dispatch["on_abort"]:
+        try:
+            fn(guard, error)
+        except Exception as exc:  # the process ends either way; the rest still run
+            logger.debug("guardrails: %r failed while aborting: %s", fn, exc)
+    end_event(guard, error, aborted=True)
+
+
+def close_at_exit(guard: Guard) -> None:
+    """At the interpreter's exit, a guard still open: close it with the exception
+    that ended the script (an uncaught one, or the guard's own signal stop)."""
+    if guard._state != "started":
+        return
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if exc is None and guard.exit_code is not None:  # the guard's own signal stop
+        exc = SystemExit(guard.exit_code)
+    try:
+        guard.close(exc)
+    except BaseException as err:  # the process is ending; say so, do not raise
+        logger.warning("guardrails: closing the guard at exit raised %r", err)
