@@ -20,9 +20,18 @@ MAX_FUNCTION_LINES = 80
 
 #: (path under guardrails/, qualified name or "<module>", why it may be bigger for now).
 EXCEPTIONS: tuple[tuple[str, str, str], ...] = (
-    ("engine/guard.py", "<module>", "Guard is being split into owned objects (issue 49)"),
+    (
+        "engine/guard.py",
+        "<module>",
+        "Guard: the step boundary and ~30 documented services; the clip-norm sharing and"
+        " the ring's open_row/step_row still to move out",
+    ),
     ("engine/state.py", "StepState.__init__", "the declared fields, one documented line each"),
-    ("guards/rewind/rewind.py", "Rewind._rewind", "the rewind's rework (issue 49)"),
+    (
+        "guards/rewind/rewind.py",
+        "Rewind._rewind",
+        "one agreed rewind, in order: verdict, snapshot, restore, skip, events; to be cut",
+    ),
 )
 
 
