@@ -557,7 +557,7 @@ def check_position(loader: Any, position: dict[str, Any] | None, file: Path) -> 
     can reach. A position past the end of a pass (a checkpoint saved with another
     batch size or dataset, or an edited file) would otherwise be fast-forwarded batch by
     batch: 10**12 batches never end. The position's types were checked with the file
-    (:func:`guardrails.checkpoint.manifest.check_rank_state`); here, its size, where the loader
+    (:func:`guardrails.checkpoint.schema.check_rank_state`); here, its size, where the loader
     has a length. A loader with its own state (``state_dict``) keeps its own position;
     one without a length is bounded as it is fast-forwarded (:func:`_fast_forward`)."""
     from guardrails._errors import ResumeError
