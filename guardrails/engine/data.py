@@ -438,16 +438,6 @@ def tokens_in(batch: Any) -> int | None:
     return None
 
 
-def save_position(guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``guard``'s data position at a step boundary (:meth:`DataPosition.save`)."""
-    return guard.data_position.save()
-
-
-def warn_epoch_loop_from_zero(guard: Guard) -> None:
-    """At the run's first step (:meth:`DataPosition.warn_epoch_loop_from_zero`)."""
-    guard.data_position.warn_epoch_loop_from_zero()
-
-
 def _epoch_loop(filename: str, lineno: int) -> tuple[str, int] | None:
     """``(its for clause, line)`` of the epoch loop around the ``for batch in g`` at
     ``lineno`` of ``filename`` when it counts from 0 (``for epoch in range(n)``,

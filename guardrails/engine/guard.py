@@ -527,7 +527,7 @@ class Guard(StepState):
     ) -> None:
         """The checkpointer, at start: continue from a checkpoint of step ``step``:
         the user's :attr:`state`, the data position the first pass continues from
-        (``position`` and its ``tensors``, as ``data.save_position`` wrote them) and the
+        (``position`` and its ``tensors``, as ``DataPosition.save`` wrote them) and the
         loop's :attr:`generators` (``generator.<name>`` in ``tensors``)."""
         self.step = step
         if state is not None:

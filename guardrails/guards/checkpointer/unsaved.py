@@ -212,7 +212,7 @@ class Unsaved:
             except Exception as e:  # a diagnosis: an exotic object must not stop training
                 log.debug("guardrails: %s failed: %r", check.__name__, e)
         try:
-            _data.warn_epoch_loop_from_zero(guard)
+            guard.data_position.warn_epoch_loop_from_zero()
         except Exception as e:
             log.debug("guardrails: the epoch loop's check failed: %r", e)
 

@@ -28,7 +28,6 @@ from guardrails.checkpoint import commit, digest, sharded, stage
 from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.manifest import highest_seq
 from guardrails.distributed import store as _store
-from guardrails.engine import data as _data
 from guardrails.engine import model
 from guardrails.util import files as _perms
 from guardrails.util import storage
@@ -341,7 +340,7 @@ class CheckpointWriter:
                 part=part,
                 extras_name="g.state",
             )
-        position, tensors = _data.save_position(guard)
+        position, tensors = guard.data_position.save()
         states = guard.generator_states  # the loop's own (guard(generators=)), as the
         for name, gen in guard.generators.items():  # last step left them
             tensors[f"generator.{name}"] = gen.get_state() if states is None else states[name]
