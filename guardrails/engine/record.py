@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from guardrails._errors import GuardrailsError
-from guardrails.distributed import launch
+from guardrails.distributed import attempt, launch
 from guardrails.engine import process
 
 log = logging.getLogger("guardrails.record")
@@ -47,6 +47,13 @@ def record(fn: F) -> F:
     ``LOCAL_WORLD_SIZE`` consistent, ``MASTER_ADDR`` resolvable and reachable; see
     :mod:`guardrails.distributed.launch`): a problem is a :class:`~guardrails.LaunchError`,
     reported as below, and ``main`` does not start.
+
+    While ``main`` runs under a single-node ``torchrun``, ``init_process_group``
+    (``env://``, ``tcp://``) connects through a store namespaced by the restart
+    (``TORCHELASTIC_RESTART_COUNT``): a restarted attempt never reads the keys the
+    attempt before left in the agent's store (see
+    :mod:`guardrails.distributed.attempt`). torch's rendezvous handlers are back when
+    ``main`` returns.
 
     While ``main`` runs, ``faulthandler`` is on for all threads (a segfault or a fatal
     error prints every thread's Python stack; the previous state is restored after).
@@ -79,7 +86,10 @@ def record(fn: F) -> F:
         try:
             # A launch that cannot work fails here, before main waits at a rendezvous.
             launch.check_before_main()
-            result = fn(*args, **kwargs)
+            # Under a torchrun restart, main's init_process_group must not meet the
+            # keys the attempt before left in the agent's store (distributed/attempt.py).
+            with attempt.namespaced_rendezvous():
+                result = fn(*args, **kwargs)
         except SystemExit as exc:
             if _ended_by_exit(exc):  # like torch's record: a clean sys.exit returns
                 return None
