@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 
 from guardrails._errors import GuardrailsError
 from guardrails.distributed import attempt, launch
-from guardrails.engine import process
+from guardrails.engine import last_failure, process
 
 log = logging.getLogger("guardrails.record")
 
@@ -101,6 +101,7 @@ def record(fn: F) -> F:
             raise
         finally:
             process.recording -= 1
+            last_failure.forget()
             process.release_signals(deliver=False, all_holds=True)
             if not was_enabled:
                 faulthandler.disable()
@@ -132,6 +133,8 @@ def _ended_by_guardrails_error(exc: GuardrailsError) -> int:
     group aborted; the class's exit code."""
     process.hold_signals()
     _close_running_guard(exc)
+    # A restart after a failure no restart can fix is refused at once: recorded here.
+    last_failure.write(exc, exit_code=process.code_for(exc))
     process.write_error_file(exc)
     sys.stderr.write(process.summary(exc))
     sys.stderr.flush()
