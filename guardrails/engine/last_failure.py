@@ -13,13 +13,19 @@ of the same failure (issue 50). So:
   agent (host and parent pid) and a fingerprint of the entry script. A restartable
   failure does not replace an unfixable one of the same attempt (a survivor's
   ``RankFailedError`` after a peer's ``UnevenDataError`` must not hide the cause).
-* **Checked** (:func:`check_at_start`) on every rank when a guard starts, before its
-  first store call and step: a record of an unfixable failure from an earlier attempt
-  of *the same torchrun job* (same ``TORCHELASTIC_RUN_ID``, a lower restart count; and
-  for torchrun's default id ``none``, which every job without ``--rdzv-id`` shares, the
-  same agent) and the same entry script is raised again, as the same class with the same
-  exit code and message, plus "this failure recurs on every restart". The refusal is
-  itself written, with this attempt's count, so every later restart is refused too.
+* **Checked** twice, on every rank. First before ``main`` (:func:`check_before_main`,
+  ``@guardrails.record``): the same record sits in torchrun's error file of each rank
+  of the attempt before (``extraInfo.failure``), found through this rank's own error
+  file's path, so a refusal costs the restart its interpreter's start and no more:
+  no process group, no data, no model. Then when a guard starts, before its first
+  store call and step (:func:`check_at_start`, for a ``main`` without ``@record`` or
+  another log layout): ``last_failure.json`` of an unfixable failure from an earlier
+  attempt of *the same torchrun job* (same ``TORCHELASTIC_RUN_ID``, a lower restart
+  count; and for torchrun's default id ``none``, which every job without
+  ``--rdzv-id`` shares, the same agent). Either way, with the same entry script, it is
+  raised again as the same class with the same exit code and message, plus "this
+  failure recurs on every restart". The refusal is itself recorded, with this
+  attempt's count, so every later restart is refused too.
 
 **A requeue is not refused** (a new job: another run id, or a restart count that
 starts again at 0), only warned about, once, by rank 0: a person or a scheduler who
@@ -82,15 +88,9 @@ def _fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
-def write(error: BaseException, *, exit_code: int, run_dir: Path | None = None) -> None:
-    """Record ``error`` (a guardrails error; others are ignored), ending the process
-    with ``exit_code``, as the run's ending failure in ``run_dir`` (default: the last
-    started guard's). Best effort: a report that cannot be written must not replace
-    the error."""
-    run_dir = _run_dir if run_dir is None else run_dir
-    if run_dir is None or not isinstance(error, GuardrailsError):
-        return
-    path = run_dir / FILE_NAME
+def describe(error: GuardrailsError, *, exit_code: int) -> dict[str, Any]:
+    """The record of ``error`` ending this process with ``exit_code``: what
+    ``last_failure.json`` holds, and torchrun's error file under ``extraInfo.failure``."""
     now = _this_attempt()
     original = getattr(error, "recurring_from", None)  # a refusal: keep the cause's words
     record = {
@@ -102,11 +102,29 @@ def write(error: BaseException, *, exit_code: int, run_dir: Path | None = None) 
         "rank": error.rank,
         "step": original["step"] if original else error.step,
         "time": time.time(),
+        # The attempt the failure first ended, and when: a refusal repeats them.
         "first_restart_count": original.get("first_restart_count") if original else None,
+        "first_time": original.get("first_time") if original else None,
         **now,
     }
     if record["first_restart_count"] is None:
         record["first_restart_count"] = now["restart_count"]
+    if record["first_time"] is None:
+        record["first_time"] = record["time"]
+    return record
+
+
+def write(error: BaseException, *, exit_code: int, run_dir: Path | None = None) -> None:
+    """Record ``error`` (a guardrails error; others are ignored), ending the process
+    with ``exit_code``, as the run's ending failure in ``run_dir`` (default: the last
+    started guard's). Best effort: a report that cannot be written must not replace
+    the error."""
+    run_dir = _run_dir if run_dir is None else run_dir
+    if run_dir is None or not isinstance(error, GuardrailsError):
+        return
+    path = run_dir / FILE_NAME
+    record = describe(error, exit_code=exit_code)
+    now = _this_attempt()
     previous = _read(path)
     if (
         record["restartable"]
@@ -123,6 +141,36 @@ def write(error: BaseException, *, exit_code: int, run_dir: Path | None = None) 
         log.warning("guardrails: could not record the failure in %s: %s", path, exc)
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+
+
+def check_before_main() -> None:
+    """Under a torchrun restart, before ``main`` (``@guardrails.record``): raise again
+    a failure no restart can fix that ended the attempt before, read from that
+    attempt's error files, so the restart ends within a second of its start, before
+    the process group, the data and the model. torchrun keeps them in
+    ``<log_dir>/<run id>/attempt_<K>/<local rank>/error.json``
+    (``DefaultLogsSpecs``); under another layout nothing is found here and the guard's
+    start refuses instead (:func:`check_at_start`)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not count.isdigit() or int(count) == 0 or not error_file:
+        return
+    if os.environ.get(RETRY_ENV) == "1":
+        return
+    attempt_dir = Path(error_file).parent.parent
+    if attempt_dir.name != f"attempt_{count}":
+        return
+    now = _this_attempt()
+    for path in sorted((attempt_dir.parent / f"attempt_{int(count) - 1}").glob("*/error.json")):
+        failure = (_read(path) or {}).get("message", {})
+        failure = failure.get("extraInfo", {}).get("failure") if isinstance(failure, dict) else None
+        if (
+            isinstance(failure, dict)
+            and failure.get("restartable") is False
+            and _same(failure, now, "torchelastic_run_id", "entry")
+        ):
+            rank = os.environ.get("RANK", "")
+            raise _recurring(failure, path, int(rank) if rank.isdigit() else None)
 
 
 def check_at_start(run_dir: Path, rank: int) -> None:
@@ -176,13 +224,13 @@ def forget() -> None:
     _run_dir = None
 
 
-def _recurring(previous: dict[str, Any], path: Path, rank: int) -> GuardrailsError:
+def _recurring(previous: dict[str, Any], path: Path, rank: int | None) -> GuardrailsError:
     """The recorded failure as an error of its own class (so its exit code), refused."""
     cls = getattr(_errors, str(previous.get("error_class")), None)
     if not (isinstance(cls, type) and issubclass(cls, GuardrailsError)):
         cls = GuardrailsError
     first = previous.get("first_restart_count", previous.get("restart_count"))
-    ago = time.time() - float(previous.get("time", time.time()))
+    ago = time.time() - float(previous.get("first_time") or previous.get("time") or time.time())
     message = (
         f"{previous.get('message', '')}\n(refused before training: this failure ended "
         f"attempt {first} of this torchrun job at step {previous.get('step')}, "
@@ -190,8 +238,8 @@ def _recurring(previous: dict[str, Any], path: Path, rank: int) -> GuardrailsErr
     )
     hint = (
         f"{previous.get('hint') or 'fix the cause above'}. A restart will fail the same "
-        f"way, so each one is refused at once. To try anyway: {RETRY_ENV}=1, or delete "
-        f"{path}."
+        f"way, so each one is refused at once. To try anyway: {RETRY_ENV}=1"
+        + (f", or delete {path}." if path.name == FILE_NAME else ".")
     )
     return cls(message, rank=rank, step=None, hint=hint, recurring_from=previous)
 

@@ -217,6 +217,13 @@ def write_error_file(error: BaseException, *, with_traceback: bool = True) -> st
                 # The structured fields (stuck_ranks, failed_rank, lengths...), for
                 # tools that read the file: never parse the message.
                 "fields": getattr(error, "_fields", {}),
+                # What a restart reads to refuse a failure no restart can fix
+                # (engine/last_failure.py): the class, its words, the job and attempt.
+                "failure": (
+                    last_failure.describe(error, exit_code=code_for(error))
+                    if isinstance(error, GuardrailsError)
+                    else None
+                ),
             },
         }
     }

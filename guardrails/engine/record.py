@@ -86,6 +86,8 @@ def record(fn: F) -> F:
         try:
             # A launch that cannot work fails here, before main waits at a rendezvous.
             launch.check_before_main()
+            # A torchrun restart after a failure no restart can fix ends here, at once.
+            last_failure.check_before_main()
             # Under a torchrun restart, main's init_process_group must not meet the
             # keys the attempt before left in the agent's store (distributed/attempt.py).
             with attempt.namespaced_rendezvous():
