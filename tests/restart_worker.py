@@ -2,7 +2,8 @@
 the test as two ranks): ``FAULT`` on rank 1 at step ``FAULT_AT`` of the first attempt
 (``hang``: a sleep; ``kill``: SIGKILL), or on rank 0 at that step of *every* attempt
 (``desync``: a barrier rank 1 never calls). ``RECORD=0`` runs the loop without
-``@guardrails.record`` (the process group made by torch's own rendezvous). Prints
+``@guardrails.record`` (the process group made by torch's own rendezvous);
+``STEP_SLEEP_S`` pads each step. Prints
 ``attempt K: start at step N`` and ``attempt K: done at step N`` on rank 0.
 """
 
@@ -20,6 +21,7 @@ import guardrails
 FAULT = os.environ.get("FAULT", "")
 AT = int(os.environ.get("FAULT_AT", "20"))
 STEPS = int(os.environ.get("STEPS", "40"))
+STEP_SLEEP_S = float(os.environ.get("STEP_SLEEP_S", "0.005"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
@@ -50,7 +52,7 @@ def train() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-            time.sleep(0.005)
+            time.sleep(STEP_SLEEP_S)
     if rank == 0:
         print(f"attempt {ATTEMPT}: done at step {g.step}", flush=True)
     dist.destroy_process_group()
