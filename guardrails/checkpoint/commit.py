@@ -36,6 +36,7 @@ from guardrails.checkpoint.common import (
 # The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
 from guardrails.checkpoint.manifest import (
     ASIDE_RE,
+    FAILURE,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -82,8 +83,12 @@ def commit(
     run: Mapping[str, Any] | None = None,
     adopt_unlabelled: bool = False,
     seq: int | None = None,
+    failure: Mapping[str, Any] | None = None,
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
+
+    ``failure``: a failure save's record (``manifest.FAILURE``: its cause, which state it
+    holds, the ranks whose files are missing); ``ranks`` then lists the ranks it holds.
 
     ``seq``: the save's sequence number (``manifest.SEQ``), from a writer that counts
     its saves; ``None``: one more than the highest under ``root`` (read now).
@@ -117,6 +122,7 @@ def commit(
         SEQ: highest_seq(root) + 1 if seq is None else seq,
         "contents": dict(contents or {}),
         **({"run": dict(run)} if run else {}),
+        **({FAILURE: dict(failure)} if failure is not None else {}),
         "files": files,
     }
     # The manifest is the commit record of the files: written last, so its presence

@@ -1,0 +1,266 @@
+"""The failure save: when a run ends on a failure that leaves the process alive, each rank
+writes the newest *consistent* state it holds, and ``resume="auto"`` continues from it.
+
+Without it every failure but a signal ended each rank with an error and saved nothing
+(periodic checkpoints are off by default): a hang at hour 20 lost 20 hours.
+
+* **Which failures**: an exception that ends the loop (a NaN streak without rewind, a
+  desync, a bad batch, the loop's own error), raised in the main thread (``on_end``), and
+  a verdict that ends the process from the watchdog's or auditor's thread while the main
+  thread is stuck (a hang on the ranks that are not stuck, a peer's death seen by the
+  survivors: ``on_abort``, the thread's last words). Not a signal's stop (it saves
+  already), not ``KeyboardInterrupt`` (a Ctrl+C is a stop the user asked for), not a
+  failure before the first step (nothing trained), not a step already saved.
+* **Which state**: the live model, optimizers, schedulers and scaler are those of the last
+  finished step as long as no ``optimizer.step()`` began since its boundary
+  (``guard.update_began``); the RNG streams and the data position are the boundary's
+  (``guard.boundary_capture``, ``engine/boundary.py``), since the failing step may have
+  drawn from them and fetched its batch. Otherwise nothing is saved, said in the
+  ``failure_saved`` event. (The rewind guard's in-memory snapshot is not used: it holds
+  no RNG streams nor the full data position, so a checkpoint of it would not resume
+  bitwise.)
+* **Never long, never a hang**: every rank's part is bounded by ``timeout_s`` (the
+  whole save runs in a daemon thread joined with that limit; past it the write is
+  cancelled within a piece). With several ranks the save is the usual multi-rank commit
+  under keys of its own: each rank writes its files (RNG streams, data position) into the
+  step's temp directory and publishes their records; rank 0, which holds the replicated
+  model and optimizer, commits with the records it has by the limit. A rank whose files
+  are missing (dead, stuck with no thread able to write, or past the step) makes the
+  checkpoint **incomplete**: committed with ``failure.missing`` naming those ranks, and
+  never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why). If
+  rank 0 is the dead or stuck one, nothing is committed (its state is the replicated
+  copy written here).
+* Under torchrun a worker's exit makes the agent SIGTERM the others and SIGKILL them
+  30 s later; guardrails holds SIGTERM while a failing rank reports, so the ranks other
+  than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
+  limit, 20 s, ends inside that window.
+
+On CUDA, a save from the watchdog's thread would copy the weights off a device whose
+stream may be stuck in a collective (the copy would wait for it): it is not attempted
+there (said), only from the main thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from guardrails.checkpoint import commit
+from guardrails.guards.checkpointer.writer import CheckpointWriter
+from guardrails.util import files as _perms
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+log = logging.getLogger("guardrails.checkpoint")
+
+#: How often a rank polls the store for the others' records and rank 0's commit.
+_POLL_S = 0.05
+
+
+class FailureSave:
+    """One guard's failure save (see the module docstring), built at its start.
+    ``writer``: the checkpointer's (its directory, the run record); the ranks commit
+    through the checkpoint's side store. ``timeout_s``: the most one rank spends on it."""
+
+    def __init__(self, guard: Guard, writer: CheckpointWriter, *, timeout_s: float) -> None:
+        self._writer = writer
+        self._store = guard.side_store("checkpoint")  # None in a single process
+        self._rank, self._world = guard.rank, guard.world_size
+        self.timeout_s = timeout_s
+        #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
+        self.outcome: dict[str, Any] | None = None
+
+    def wanted(self, guard: Guard, error: BaseException | None) -> bool:
+        """Whether ``error`` ending the run calls for a failure save: an ``Exception``
+        (not a stop: ``SystemExit``, ``KeyboardInterrupt``), after at least one step, and
+        not one already saved."""
+        if self.outcome is not None or not isinstance(error, Exception):
+            return False
+        if guard.step == 0:  # a failure at start: nothing trained
+            return False
+        return guard.step != self._writer.last_saved_step
+
+    def run(self, guard: Guard, error: BaseException, *, from_thread: bool) -> None:
+        """Save, bounded by ``timeout_s``, then the ``failure_saved`` event. Never raises:
+        the run's own error is what the process reports."""
+        t0 = time.perf_counter()
+        cause = _cause(error)
+        state, why = self._state(guard, from_thread=from_thread)
+        path: Path | None = None
+        missing: list[int] = []
+        if state is not None:
+            result: dict[str, Any] = {}
+            cancel = threading.Event()
+            worker = threading.Thread(
+                target=self._save_safely,
+                args=(guard, state, cause, cancel, result),
+                name="guardrails-failure-save",
+                daemon=True,
+            )
+            worker.start()
+            worker.join(self.timeout_s + 1.0)  # its waits end by the limit; +1 s to commit
+            if worker.is_alive():
+                cancel.set()
+                why = f"the save did not finish within failure_save_timeout_s={self.timeout_s:g} s"
+            else:
+                path, missing, why = result.get("path"), result.get("missing", []), result["why"]
+        self._said(guard, cause, path, missing, why, time.perf_counter() - t0)
+
+    def _state(self, guard: Guard, *, from_thread: bool) -> tuple[Any, str]:
+        """``((rng, position), "")``: the boundary's RNG streams and data position, when
+        the live state is the last finished step's; else ``(None, why not)``."""
+        if guard.update_began:
+            return None, (
+                "the failure came inside optimizer.step() or after it, before the next "
+                "step boundary: the live weights are no longer those of a finished step"
+            )
+        if from_thread and guard.device is not None and guard.device.type == "cuda":
+            return None, (
+                "the main thread is stuck and the weights are on a GPU whose stream may be "
+                "stuck with it (a copy would wait for it)"
+            )
+        capture = guard.boundary_capture
+        rng, why = capture.rng_at_boundary()
+        if rng is None:
+            return None, why
+        if capture.epoch != guard.epoch:
+            return None, "the failing step began a new pass over the loader"
+        pos = guard.data_position
+        return (rng, (capture.trained_at, [*guard.step_batches, *pos.fetched])), ""
+
+    def _save_safely(
+        self, guard: Guard, state: Any, cause: str, cancel: threading.Event, result: dict
+    ) -> None:
+        try:
+            result["path"], result["missing"] = self._save(guard, state, cause, cancel)
+            result["why"] = "" if result["path"] is not None else "rank 0 did not commit it"
+        except Exception as e:  # said in the event; the run's own error goes on
+            log.debug("guardrails: the failure save failed", exc_info=True)
+            result["why"] = f"the save failed: {type(e).__name__}: {e}"
+
+    def _save(
+        self, guard: Guard, state: Any, cause: str, cancel: threading.Event
+    ) -> tuple[Path | None, list[int]]:
+        """This rank's files, then (rank 0) the commit with every record in by the
+        limit: ``(path or None, the ranks missing)``."""
+        deadline = time.monotonic() + self.timeout_s
+        writer, step = self._writer, guard.step
+        rng, position = state
+        part = writer.stage_boundary(guard, rng=rng, position=position)
+        part.cancel = cancel
+        key = f"{writer.token}/failure/{step}"
+        if self._rank == 0:
+            _perms.make_dirs(writer.root)
+        tmp = commit.begin(writer.root, step, f"{writer.token}-failure")
+        files: dict[str, Any] = {}
+        part.write(tmp, files)
+        if self._store is None:
+            return self._commit(step, tmp, files, cause, missing=[]), []
+        self._store.set(f"{key}/files/{self._rank}", json.dumps(files))
+        if self._rank != 0:
+            return self._await_commit(key, deadline), []
+        merged, missing = self._gather(key, deadline)
+        try:
+            final = self._commit(step, tmp, merged, cause, missing=missing)
+        except BaseException as e:
+            self._store.set(f"{key}/commit", json.dumps({"error": repr(e)}))
+            raise
+        self._store.set(f"{key}/commit", json.dumps({"path": str(final)}))
+        return final, missing
+
+    def _gather(self, key: str, deadline: float) -> tuple[dict[str, Any], list[int]]:
+        """Rank 0: the other ranks' records in by ``deadline``, merged, and the ranks
+        without one."""
+        store, pending = self._store, set(range(1, self._world))
+        merged: dict[str, Any] = {}
+        while pending:
+            for r in sorted(pending):
+                if store.check([f"{key}/files/{r}"]):
+                    merged.update(json.loads(store.get(f"{key}/files/{r}")))
+                    pending.discard(r)
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+        return merged, sorted(pending)
+
+    def _await_commit(self, key: str, deadline: float) -> Path | None:
+        """A rank other than 0: rank 0's commit, waited for until ``deadline`` (so that
+        this rank's exit does not get rank 0 killed by the launcher mid-commit)."""
+        store = self._store
+        while time.monotonic() < deadline:
+            if store.check([f"{key}/commit"]):
+                said = json.loads(store.get(f"{key}/commit"))
+                return Path(said["path"]) if "path" in said else None
+            time.sleep(_POLL_S)
+        return None
+
+    def _commit(
+        self, step: int, tmp: Path, files: dict[str, Any], cause: str, *, missing: list[int]
+    ) -> Path:
+        """Rank 0's commit of the failure save: never counted by retention (an
+        incomplete one must not retire a complete checkpoint)."""
+        ranks = [r for r in range(self._world) if r not in missing]
+        return commit.commit(
+            self._writer.root,
+            step,
+            tmp,
+            files,
+            world_size=self._world,
+            ranks=ranks,
+            keep_last=None,
+            failure={"cause": cause, "state": "live", "missing": missing},
+            **self._writer.commit_args,
+        )
+
+    def _said(
+        self,
+        guard: Guard,
+        cause: str,
+        path: Path | None,
+        missing: list[int],
+        why: str,
+        took_s: float,
+    ) -> None:
+        """The ``failure_saved`` event (a warning: the console says it)."""
+        step = guard.step
+        if path is not None and not missing:
+            message = (
+                f"the run failed in step {step + 1} ({cause}); the state of step {step}, the "
+                f"last finished step, was saved to {path} in {took_s:.1f} s: run the same "
+                "command to continue from it (resume='auto')."
+            )
+        elif path is not None:
+            message = (
+                f"the run failed in step {step + 1} ({cause}); step {step} was saved to {path} "
+                f"without rank(s) {missing} (dead or stuck: their RNG streams and data "
+                "position are missing), so it is incomplete and resume='auto' will not "
+                f"use it; {self._writer.latest_text()}."
+            )
+        else:
+            message = (
+                f"the run failed in step {step + 1} ({cause}); nothing was saved: {why}; "
+                f"{self._writer.latest_text()}."
+            )
+        self.outcome = {
+            "path": None if path is None else str(path),
+            "step": step,
+            "seconds": round(took_s, 3),
+            "state": "live" if path is not None else "none",
+            "why": why,
+            "complete": path is not None and not missing,
+            "missing": missing,
+        }
+        with contextlib.suppress(Exception):  # the events file gone: the error goes on
+            guard.event("failure_saved", level="warning", message=message, **self.outcome)
+
+
+def _cause(error: BaseException) -> str:
+    """The error's class and first line: what the manifest and the event say."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
