@@ -320,9 +320,10 @@ def die(
     ``end`` event), bounded by :data:`_LAST_WORDS_S`; writes the torchelastic error
     file, prints the summary on stderr, ends the daemonic children (:func:`end_children`),
     aborts the process groups (bounded, see :func:`release_process_group`) and
-    ``os._exit``\\ s with the error's code. ``extra_s``: seconds the last words may
-    take beyond :data:`_LAST_WORDS_S` (a failure save, bounded by its own limit). ``os._exit`` and not ``sys.exit``: the main
+    ``os._exit``\\ s with the error's code. ``os._exit`` and not ``sys.exit``: the main
     thread may be inside a C++ collective, and interpreter shutdown would wait for it.
+    ``extra_s``: seconds the last words may take beyond :data:`_LAST_WORDS_S` (a
+    failure save, bounded by its own limit: ``Component.abort_s``).
     """
     code = code_for(error) if exit_code is None else exit_code
     if not _lock.acquire(timeout=_TEARDOWN_S + _LAST_WORDS_S + extra_s + 5):
