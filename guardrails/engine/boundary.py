@@ -12,11 +12,11 @@ each CUDA generator ~1 us host-only): too much for every step. So:
 
 * torch's generators (CPU, and each CUDA device initialized by the first boundary) are
   captured at every boundary (``get_state``, a C call each, no Python frame);
-* python's ``random`` and numpy's global generator are captured at the first boundary and
-  every :data:`EVERY_N`-th after it, and at every boundary only while they change (the
-  main process draws from them: then the capture is always the last boundary's). A loop
-  that never draws from them in the main process (nanoGPT, nanochat) pays one counter
-  increment a step. At failure time such a capture is used only if it is the last
+* python's ``random`` and numpy's global generator are captured at every boundary of the
+  first :data:`EVERY_N` and of every later stretch of EVERY_N in which they changed (the
+  main process draws from them: then the capture is always the last boundary's), else
+  at one boundary in EVERY_N. A loop that never draws from them in the main process
+  (nanoGPT, nanochat) pays one counter increment and a test a step after the first 64. At failure time such a capture is used only if it is the last
   boundary's or equals the current state (nothing drew since); else the save is not
   exact, and :meth:`BoundaryCapture.rng_at_boundary` says why.
 
@@ -58,11 +58,13 @@ class BoundaryCapture:
         #: Boundaries seen since start.
         self.count = 0
         #: Whether python's or numpy's stream changed between two checks: then they are
-        #: captured at every boundary.
-        self.drawing = False
+        #: captured at every boundary. True until the first EVERY_N boundaries show
+        #: whether the loop draws from them.
+        self.drawing = True
         self._python: Any = None
         self._numpy: Any = None
         self._at = 0  # the boundary count of that capture
+        self._changed = False  # a change seen since the last periodic check
 
     def check(self) -> None:
         """Capture python's and numpy's streams (and pick up the CUDA generators): at
@@ -72,9 +74,11 @@ class BoundaryCapture:
             self.torch = tuple(g.get_state() for g in self.generators)
         python, numpy = random.getstate(), np.random.get_state(legacy=True)
         if self._python is not None:
-            changed = python != self._python or not _same_numpy(numpy, self._numpy)
-            if changed or self.count & (EVERY_N - 1) == 1:
-                self.drawing = changed
+            self._changed = (
+                self._changed or python != self._python or not _same_numpy(numpy, self._numpy)
+            )
+            if self.count & (EVERY_N - 1) == 1:  # periodic: drew since the last one?
+                self.drawing, self._changed = self._changed, False
         self._python, self._numpy, self._at = python, numpy, self.count
 
     def rng_at_boundary(self) -> tuple[dict[str, Any] | None, str]:
