@@ -166,6 +166,7 @@ class FailureSave:
         if self._rank != 0:
             return self._await_commit(key, deadline), []
         merged, missing = self._gather(key, deadline)
+        merged.update(files)  # rank 0's own
         try:
             final = self._commit(step, tmp, merged, cause, missing=missing)
         except BaseException as e:
