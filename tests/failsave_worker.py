@@ -81,9 +81,7 @@ def main() -> None:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
-    sampler = (
-        torch.utils.data.DistributedSampler(data, shuffle=True, seed=1) if world > 1 else None
-    )
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=1) if world > 1 else None
     loader = torch.utils.data.DataLoader(
         data, batch_size=8, shuffle=sampler is None, sampler=sampler
     )

@@ -87,13 +87,10 @@ def commit(
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
 
-    ``failure``: a failure save's record (``manifest.FAILURE``: its cause, which state it
-    holds, the ranks whose files are missing); ``ranks`` then lists the ranks it holds.
-
     ``seq``: the save's sequence number (``manifest.SEQ``), from a writer that counts
-    its saves; ``None``: one more than the highest under ``root`` (read now).
-
-    Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
+    its saves; ``None``: one more than the highest under ``root`` (read now);
+    ``failure``: a failure save's record (``manifest.FAILURE``). Called by rank 0 once
+    every rank's files are in ``tmp`` (``files`` lists them all).
     ``contents``: which optimizers and schedulers the checkpoint holds, and where (see
     :func:`contents_of`); ``run``: the run's config and settings (:func:`run_record`)
     and its id: retention then counts only that run's checkpoints (and, with

@@ -12,13 +12,15 @@ each CUDA generator ~1 us host-only): too much for every step. So:
 
 * torch's generators (CPU, and each CUDA device initialized by the first boundary) are
   captured at every boundary (``get_state``, a C call each, no Python frame);
-* python's ``random`` and numpy's global generator are captured at every boundary of the
-  first :data:`EVERY_N` and of every later stretch of EVERY_N in which they changed (the
-  main process draws from them: then the capture is always the last boundary's), else
-  at one boundary in EVERY_N. A loop that never draws from them in the main process
-  (nanoGPT, nanochat) pays one counter increment and a test a step after the first 64. At failure time such a capture is used only if it is the last
-  boundary's or equals the current state (nothing drew since); else the save is not
-  exact, and :meth:`BoundaryCapture.rng_at_boundary` says why.
+* python's ``random`` and numpy's global generator are captured at the first two
+  boundaries and at one in :data:`EVERY_N` after them, and at every boundary while they
+  change (the first two differ, or two of those checks do: the main process draws from
+  them, and the capture is then always the last boundary's). A loop that never draws
+  from them in the main process (nanoGPT, nanochat) pays one counter increment and a
+  test a step.
+  At failure time such a capture is used only if it is the last boundary's or equals
+  the current state (nothing drew since); else the save is not exact, and
+  :meth:`BoundaryCapture.rng_at_boundary` says why.
 
 The engine writes the public fields inline at each boundary (``engine/guard.py``); a
 failure save reads them, from the main thread or from the watchdog's while the main
@@ -58,8 +60,8 @@ class BoundaryCapture:
         #: Boundaries seen since start.
         self.count = 0
         #: Whether python's or numpy's stream changed between two checks: then they are
-        #: captured at every boundary. True until the first EVERY_N boundaries show
-        #: whether the loop draws from them.
+        #: captured at every boundary. True until the second boundary shows whether
+        #: the loop draws from them.
         self.drawing = True
         self._python: Any = None
         self._numpy: Any = None
@@ -68,7 +70,8 @@ class BoundaryCapture:
 
     def check(self) -> None:
         """Capture python's and numpy's streams (and pick up the CUDA generators): at
-        the first boundary, every EVERY_N-th, and every boundary while they change."""
+        the first two boundaries, every EVERY_N-th, and every boundary while they
+        change."""
         if len(self.generators) == 1 and torch.cuda.is_available() and torch.cuda.is_initialized():
             self.generators = (torch.default_generator, *torch.cuda.default_generators)
             self.torch = tuple(g.get_state() for g in self.generators)
@@ -77,7 +80,7 @@ class BoundaryCapture:
             self._changed = (
                 self._changed or python != self._python or not _same_numpy(numpy, self._numpy)
             )
-            if self.count & (EVERY_N - 1) == 1:  # periodic: drew since the last one?
+            if self.count & (EVERY_N - 1) == 1 or self.count == 2:  # drew since the last?
                 self.drawing, self._changed = self._changed, False
         self._python, self._numpy, self._at = python, numpy, self.count
 

@@ -51,6 +51,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guardrails.checkpoint import commit
+from guardrails.checkpoint.manifest import (
+    ManifestError,
+    incomplete,
+    list_checkpoints,
+    read_manifest,
+    resume_order,
+)
 from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util import files as _perms
 
@@ -219,6 +226,18 @@ class FailureSave:
             **self._writer.commit_args,
         )
 
+    def _latest_text(self, ours: Path | None) -> str:
+        """Which checkpoint a re-run resumes, in words: the newest complete one on disk
+        (a background save may have committed it without this rank hearing so yet)."""
+        with contextlib.suppress(OSError):
+            for step, ckpt in resume_order(list_checkpoints(self._writer.root)):
+                with contextlib.suppress(ManifestError):
+                    if ckpt != ours and incomplete(ckpt, read_manifest(ckpt)) is None:
+                        return (
+                            f"a re-run resumes the latest complete checkpoint, {ckpt} (step {step})"
+                        )
+        return "no complete checkpoint is left, so a re-run starts from scratch"
+
     def _said(
         self,
         guard: Guard,
@@ -241,12 +260,12 @@ class FailureSave:
                 f"the run failed in step {step + 1} ({cause}); step {step} was saved to {path} "
                 f"without rank(s) {missing} (dead or stuck: their RNG streams and data "
                 "position are missing), so it is incomplete and resume='auto' will not "
-                f"use it; {self._writer.latest_text()}."
+                f"use it; {self._latest_text(path)}."
             )
         else:
             message = (
                 f"the run failed in step {step + 1} ({cause}); nothing was saved: {why}; "
-                f"{self._writer.latest_text()}."
+                f"{self._latest_text(path)}."
             )
         self.outcome = {
             "path": None if path is None else str(path),
@@ -261,7 +280,13 @@ class FailureSave:
             guard.event("failure_saved", level="warning", message=message, **self.outcome)
 
 
+#: The most of an error's first line the manifest and the event keep (gloo's run to 300).
+_CAUSE_CHARS = 160
+
+
 def _cause(error: BaseException) -> str:
     """The error's class and first line: what the manifest and the event say."""
     first = str(error).splitlines()[0] if str(error) else ""
+    if len(first) > _CAUSE_CHARS:
+        first = first[: _CAUSE_CHARS - 3] + "..."
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
