@@ -101,12 +101,15 @@ class FailureSave:
         state, why = self._state(guard, from_thread=from_thread)
         path: Path | None = None
         missing: list[int] = []
-        if state is not None:
-            result: dict[str, Any] = {}
+        # A rank with nothing to save still says so, or rank 0 would wait out the limit.
+        if state is not None or self._store is not None:
+            result: dict[str, Any] = {"why": why}
             cancel = threading.Event()
+            # A dead rank the error names (RankFailedError) is not waited for.
+            dead = getattr(error, "failed_rank", None)
             worker = threading.Thread(
                 target=self._save_safely,
-                args=(guard, state, cause, cancel, result),
+                args=(guard, state, cause, cancel, result, dead),
                 name="guardrails-failure-save",
                 daemon=True,
             )
@@ -117,6 +120,7 @@ class FailureSave:
                 why = f"the save did not finish within failure_save_timeout_s={self.timeout_s:g} s"
             else:
                 path, missing, why = result.get("path"), result.get("missing", []), result["why"]
+                why = why or ("" if path is not None else "rank 0 did not commit it")
         self._said(guard, cause, path, missing, why, time.perf_counter() - t0)
 
     def _state(self, guard: Guard, *, from_thread: bool) -> tuple[Any, str]:
@@ -142,17 +146,34 @@ class FailureSave:
         return (rng, (capture.trained_at, [*guard.step_batches, *pos.fetched])), ""
 
     def _save_safely(
-        self, guard: Guard, state: Any, cause: str, cancel: threading.Event, result: dict
+        self,
+        guard: Guard,
+        state: Any,
+        cause: str,
+        cancel: threading.Event,
+        result: dict,
+        dead: int | None,
     ) -> None:
         try:
-            result["path"], result["missing"] = self._save(guard, state, cause, cancel)
-            result["why"] = "" if result["path"] is not None else "rank 0 did not commit it"
+            if state is None:  # said where the others wait: nothing comes from this rank
+                self._say_none(guard.step, result["why"])
+                return
+            result["path"], result["missing"] = self._save(guard, state, cause, cancel, dead)
         except Exception as e:  # said in the event; the run's own error goes on
             log.debug("guardrails: the failure save failed", exc_info=True)
             result["why"] = f"the save failed: {type(e).__name__}: {e}"
 
+    def _say_none(self, step: int, why: str) -> None:
+        """This rank has no consistent state to save: its record says so (rank 0's
+        commit too: nothing is committed without the replicated state)."""
+        said = json.dumps({"none": why})
+        key = f"{self._writer.token}/failure/{step}"
+        self._store.set(f"{key}/files/{self._rank}", said)
+        if self._rank == 0:
+            self._store.set(f"{key}/commit", said)
+
     def _save(
-        self, guard: Guard, state: Any, cause: str, cancel: threading.Event
+        self, guard: Guard, state: Any, cause: str, cancel: threading.Event, dead: int | None
     ) -> tuple[Path | None, list[int]]:
         """This rank's files, then (rank 0) the commit with every record in by the
         limit: ``(path or None, the ranks missing)``."""
@@ -171,8 +192,8 @@ class FailureSave:
             return self._commit(step, tmp, files, cause, missing=[]), []
         self._store.set(f"{key}/files/{self._rank}", json.dumps(files))
         if self._rank != 0:
-            return self._await_commit(key, deadline), []
-        merged, missing = self._gather(key, deadline)
+            return self._await_commit(key, deadline, dead), []
+        merged, missing = self._gather(key, deadline, dead)
         merged.update(files)  # rank 0's own
         try:
             final = self._commit(step, tmp, merged, cause, missing=missing)
@@ -182,26 +203,33 @@ class FailureSave:
         self._store.set(f"{key}/commit", json.dumps({"path": str(final)}))
         return final, missing
 
-    def _gather(self, key: str, deadline: float) -> tuple[dict[str, Any], list[int]]:
-        """Rank 0: the other ranks' records in by ``deadline``, merged, and the ranks
-        without one."""
-        store, pending = self._store, set(range(1, self._world))
+    def _gather(
+        self, key: str, deadline: float, dead: int | None
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Rank 0: the other ranks' records in by ``deadline`` (``dead``: not waited
+        for), merged, and the ranks without one (or with nothing to save)."""
+        store, pending = self._store, set(range(1, self._world)) - {dead}
         merged: dict[str, Any] = {}
+        missing = [] if dead is None or dead == 0 else [dead]
         while pending:
             for r in sorted(pending):
                 if store.check([f"{key}/files/{r}"]):
-                    merged.update(json.loads(store.get(f"{key}/files/{r}")))
+                    got = json.loads(store.get(f"{key}/files/{r}"))
+                    if "none" in got:
+                        missing.append(r)
+                    merged.update({k: v for k, v in got.items() if k != "none"})
                     pending.discard(r)
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(_POLL_S)
-        return merged, sorted(pending)
+        return merged, sorted([*missing, *pending])
 
-    def _await_commit(self, key: str, deadline: float) -> Path | None:
+    def _await_commit(self, key: str, deadline: float, dead: int | None) -> Path | None:
         """A rank other than 0: rank 0's commit, waited for until ``deadline`` (so that
-        this rank's exit does not get rank 0 killed by the launcher mid-commit)."""
+        this rank's exit does not get rank 0 killed by the launcher mid-commit); not
+        when rank 0 is the ``dead`` one."""
         store = self._store
-        while time.monotonic() < deadline:
+        while dead != 0 and time.monotonic() < deadline:
             if store.check([f"{key}/commit"]):
                 said = json.loads(store.get(f"{key}/commit"))
                 return Path(said["path"]) if "path" in said else None
