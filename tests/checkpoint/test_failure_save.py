@@ -178,6 +178,10 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
     assert "incomplete failure save" in problem(found[7])[1]
     [said] = events(tmp_path, "failure_saved")
     assert not said["complete"] and said["missing"] == [1]
+    shown = run_script(
+        [sys.executable, "-m", "guardrails", "inspect", tmp_path / "checkpoints"], timeout_s=30
+    ).stdout
+    assert "failure save after" in shown and "incomplete: rank(s) [1] missing" in shown
     assert said["seconds"] < 2 + 2  # the limit, and the commit
     ranks = ddp(tmp_path)
     assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
