@@ -87,8 +87,8 @@ def main() -> None:
     )
     faulty = args.rank in (-1, rank)
     checkpoint = {"failure_save_timeout_s": args.save_timeout_s}
-    if args.every:
-        checkpoint["every_n_steps"] = args.every
+    if args.every:  # written before training goes on: committed before any fault
+        checkpoint.update(every_n_steps=args.every, background=False)
     with guardrails.guard(
         model,
         opt,

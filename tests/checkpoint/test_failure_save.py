@@ -181,11 +181,27 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
     shown = run_script(
         [sys.executable, "-m", "guardrails", "inspect", tmp_path / "checkpoints"], timeout_s=30
     ).stdout
-    assert "failure save after" in shown and "incomplete: rank(s) [1] missing" in shown
+    assert "step_000000007 is an incomplete failure save" in shown and "rank(s) [1]" in shown
     assert said["seconds"] < 2 + 2  # the limit, and the commit
     ranks = ddp(tmp_path)
     assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
     assert "skipped checkpoint step_000000007" in ranks[0].out
     assert "incomplete failure save" in ranks[0].out
+    for rank in (0, 1):
+        assert_same_final(tmp_path, uninterrupted_ddp, rank)
+
+
+def test_error_on_one_rank_is_saved_whole(tmp_path, uninterrupted_ddp):
+    """A bad batch on rank 1 only: rank 1 writes its part and leaves (rank 0, waiting
+    for it in DDP's all-reduce, has not begun); rank 0's collective then fails, and it
+    commits step 7 with rank 1's part: complete, and the resume is bitwise."""
+    ranks = ddp(tmp_path, "--fault", "raise", "--at", 7, "--rank", 1)
+    assert "boom: a bad batch" in ranks[1].out
+    [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
+    assert step == 7, [r.out for r in ranks]
+    assert manifest(ckpt)["failure"]["missing"] == []
+    assert "this rank wrote its part" in ranks[1].out
+    ranks = ddp(tmp_path)
+    assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
     for rank in (0, 1):
         assert_same_final(tmp_path, uninterrupted_ddp, rank)

@@ -69,6 +69,11 @@ log = logging.getLogger("guardrails.checkpoint")
 #: How often a rank polls the store for the others' records and rank 0's commit.
 _POLL_S = 0.05
 
+#: How long a rank other than 0 waits for rank 0 to begin its failure save: ranks that
+#: fail together (a hang's verdict, a NaN streak, a desync) begin within ~1 s of each
+#: other; a rank that failed alone leaves, and rank 0 commits its part later.
+_BEGUN_WAIT_S = 3.0
+
 
 class FailureSave:
     """One guard's failure save (see the module docstring), built at its start.
@@ -82,6 +87,8 @@ class FailureSave:
         self.timeout_s = timeout_s
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
         self.outcome: dict[str, Any] | None = None
+        #: This rank (not 0) wrote its part and left before rank 0 began to commit.
+        self.part_only = False
 
     def wanted(self, guard: Guard, error: BaseException | None) -> bool:
         """Whether ``error`` ending the run calls for a failure save: an ``Exception``
@@ -120,7 +127,8 @@ class FailureSave:
                 why = f"the save did not finish within failure_save_timeout_s={self.timeout_s:g} s"
             else:
                 path, missing, why = result.get("path"), result.get("missing", []), result["why"]
-                why = why or ("" if path is not None else "rank 0 did not commit it")
+                if not why and path is None and not self.part_only:
+                    why = "rank 0 did not commit it"
         self._said(guard, cause, path, missing, why, time.perf_counter() - t0)
 
     def _state(self, guard: Guard, *, from_thread: bool) -> tuple[Any, str]:
@@ -179,10 +187,12 @@ class FailureSave:
         limit: ``(path or None, the ranks missing)``."""
         deadline = time.monotonic() + self.timeout_s
         writer, step = self._writer, guard.step
+        key = f"{writer.token}/failure/{step}"
         rng, position = state
+        if self._rank == 0 and self._store is not None:  # the others wait for it from now
+            self._store.set(f"{key}/begun", "1")
         part = writer.stage_boundary(guard, rng=rng, position=position)
         part.cancel = cancel
-        key = f"{writer.token}/failure/{step}"
         if self._rank == 0:
             _perms.make_dirs(writer.root)
         tmp = commit.begin(writer.root, step, f"{writer.token}-failure")
@@ -225,14 +235,19 @@ class FailureSave:
         return merged, sorted([*missing, *pending])
 
     def _await_commit(self, key: str, deadline: float, dead: int | None) -> Path | None:
-        """A rank other than 0: rank 0's commit, waited for until ``deadline`` (so that
-        this rank's exit does not get rank 0 killed by the launcher mid-commit); not
-        when rank 0 is the ``dead`` one."""
-        store = self._store
+        """A rank other than 0: rank 0's commit, waited for until ``deadline`` once rank
+        0 has begun its failure save (this rank's exit would get it SIGTERMed by torchrun
+        mid-commit); not when rank 0 is the ``dead`` one, nor when it has not begun
+        within :data:`_BEGUN_WAIT_S` (it may be waiting in a collective for this rank,
+        and will commit this rank's part when this rank's exit fails it)."""
+        store, begun_by = self._store, time.monotonic() + _BEGUN_WAIT_S
         while dead != 0 and time.monotonic() < deadline:
             if store.check([f"{key}/commit"]):
                 said = json.loads(store.get(f"{key}/commit"))
                 return Path(said["path"]) if "path" in said else None
+            if time.monotonic() > begun_by and not store.check([f"{key}/begun"]):
+                self.part_only = True
+                return None
             time.sleep(_POLL_S)
         return None
 
@@ -290,6 +305,13 @@ class FailureSave:
                 "position are missing), so it is incomplete and resume='auto' will not "
                 f"use it; {self._latest_text(path)}."
             )
+        elif self.part_only:
+            why = "rank 0 had not begun its failure save"
+            message = (
+                f"the run failed in step {step + 1} ({cause}); this rank wrote its part of the "
+                f"failure save of step {step} (its RNG streams and data position), which rank "
+                "0 commits once it fails too."
+            )
         else:
             message = (
                 f"the run failed in step {step + 1} ({cause}); nothing was saved: {why}; "
@@ -299,7 +321,7 @@ class FailureSave:
             "path": None if path is None else str(path),
             "step": step,
             "seconds": round(took_s, 3),
-            "state": "live" if path is not None else "none",
+            "state": "live" if path is not None or self.part_only else "none",
             "why": why,
             "complete": path is not None and not missing,
             "missing": missing,
