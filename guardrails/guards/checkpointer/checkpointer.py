@@ -101,13 +101,13 @@ from guardrails.checkpoint import commit, stage
 from guardrails.engine import model, process
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
-from guardrails.guards.checkpointer import cadence
+from guardrails.guards.checkpointer import cadence, workers
 from guardrails.guards.checkpointer.agree import Agreement
 from guardrails.guards.checkpointer.failure import FailureSave
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
-from guardrails.guards.checkpointer.workers import NOT_A_BOUNDARY, WorkerShield, worker_died
+from guardrails.guards.checkpointer.workers import WorkerShield, worker_died
 from guardrails.guards.checkpointer.writer import CheckpointWriter, agree_token
 from guardrails.util.checks import config_dict, path_like, positive_int
 
@@ -375,7 +375,9 @@ class SignalCheckpointer(Component):
                 commit.settle_asides(self.root)
         self.writer = self._build_writer(guard)
         if self.save_on_failure:
-            self.failure = FailureSave(guard, self.writer, timeout_s=self.failure_save_timeout_s)
+            self.failure = FailureSave(
+                guard, self.writer, self.capture, timeout_s=self.failure_save_timeout_s
+            )
         self.resumer = ResumeAtStart(
             resume=self.resume,
             root=self.root,
@@ -464,7 +466,7 @@ class SignalCheckpointer(Component):
                 self._preempted_then_failed(guard, signum, exc)
             if exc is None and guard.stopping is None:
                 self._close_normally(guard)
-            elif not signum and self.failure is not None and self.failure.wanted(guard, exc):
+            elif self.failure is not None and self.failure.wanted(guard, exc, stop=self._stop_at):
                 with guard.pause_watchdog("checkpoint"):
                     self.failure.run(guard, exc, from_thread=False)  # type: ignore[arg-type]
         finally:
@@ -475,9 +477,8 @@ class SignalCheckpointer(Component):
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         """A thread ends the process (a hang verdict, a peer's death) while the main
         thread is stuck: the failure save, from here (``failure.py``)."""
-        if self.capture.received or self.failure is None or not self.failure.wanted(guard, error):
-            return
-        self.failure.run(guard, error, from_thread=True)
+        if self.failure is not None and self.failure.wanted(guard, error, stop=self._stop_at):
+            self.failure.run(guard, error, from_thread=True)
 
     def _preempted_then_failed(self, guard: Guard, signum: int, exc: Exception) -> None:
         """The loop failed after a stop signal, before a stop was agreed. A verdict this
@@ -501,7 +502,7 @@ class SignalCheckpointer(Component):
                 f"checkpoint; {self._last_checkpoint()}.",
             )
         )
-        self._say_nothing_saved(guard, name, exc)
+        workers.say_nothing_saved(guard, name, exc, latest=self.writer.latest_text())  # type: ignore[union-attr]
 
     def _close_normally(self, guard: Guard) -> None:
         """The loop ended without an error or a stop: a signal that came after the last
@@ -541,32 +542,6 @@ class SignalCheckpointer(Component):
             return
         self.writer.settle(guard)
         self.resumer.mark_finished(guard, self.writer.last_path)
-
-    def _say_nothing_saved(self, guard: Guard, name: str, exc: BaseException) -> None:
-        """A signal's stop that ended without a checkpoint, said on the console (a
-        warning event: stderr), with why and what to do: a re-run must not start over
-        from step 0 (or an old checkpoint) without a word."""
-        assert self.writer is not None
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        why = (
-            NOT_A_BOUNDARY
-            if worker_died(exc)
-            else (
-                "a peer that could not save left, or this rank failed on its own before a "
-                "step boundary; the other ranks' reports say which"
-            )
-        )
-        guard.event(
-            "stopped",
-            level="warning",
-            message=f"{name} received at step {guard.step}, but this rank failed before the "
-            f"ranks could stop at a step boundary ({type(exc).__name__}: {first}): NOTHING "
-            f"was saved; {self.writer.latest_text()}. Why: {why}. To lose less next time, "
-            "save periodically too: guard(checkpoint=dict(every_s=1800)).",
-            signal=name,
-            path=None,
-            saved=False,
-        )
 
     # ------------------------------------------------------------------ per step
 

@@ -58,6 +58,7 @@ from guardrails.checkpoint.manifest import (
     read_manifest,
     resume_order,
 )
+from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util import files as _perms
 
@@ -78,10 +79,14 @@ _BEGUN_WAIT_S = 3.0
 class FailureSave:
     """One guard's failure save (see the module docstring), built at its start.
     ``writer``: the checkpointer's (its directory, the run record); the ranks commit
-    through the checkpoint's side store. ``timeout_s``: the most one rank spends on it."""
+    through the checkpoint's side store. ``capture``: its signals (a signal's stop is
+    not a failure). ``timeout_s``: the most one rank spends on it."""
 
-    def __init__(self, guard: Guard, writer: CheckpointWriter, *, timeout_s: float) -> None:
+    def __init__(
+        self, guard: Guard, writer: CheckpointWriter, capture: SignalCapture, *, timeout_s: float
+    ) -> None:
         self._writer = writer
+        self._capture = capture
         self._store = guard.side_store("checkpoint")  # None in a single process
         self._rank, self._world = guard.rank, guard.world_size
         self.timeout_s = timeout_s
@@ -90,15 +95,17 @@ class FailureSave:
         #: This rank (not 0) wrote its part and left before rank 0 began to commit.
         self.part_only = False
 
-    def wanted(self, guard: Guard, error: BaseException | None) -> bool:
+    def wanted(self, guard: Guard, error: BaseException | None, *, stop: int | None) -> bool:
         """Whether ``error`` ending the run calls for a failure save: an ``Exception``
-        (not a stop: ``SystemExit``, ``KeyboardInterrupt``), after at least one step, and
-        not one already saved."""
-        if self.outcome is not None or not isinstance(error, Exception):
+        (not a stop: ``SystemExit``, ``KeyboardInterrupt``), after at least one step, not
+        one already saved, and not when a signal ended the run (``stop``: the step a
+        signal's stop was decided at; a signal that came after a verdict, torchrun's
+        teardown once the stuck rank exited, does not count)."""
+        if self.outcome is not None or not isinstance(error, Exception) or stop is not None:
             return False
-        if guard.step == 0:  # a failure at start: nothing trained
-            return False
-        return guard.step != self._writer.last_saved_step
+        if guard.step == 0 or guard.step == self._writer.last_saved_step:
+            return False  # a failure at start (nothing trained), or a step saved already
+        return not self._capture.received or self._capture.verdict_first(guard)
 
     def run(self, guard: Guard, error: BaseException, *, from_thread: bool) -> None:
         """Save, bounded by ``timeout_s``, then the ``failure_saved`` event. Never raises:
