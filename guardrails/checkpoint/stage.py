@@ -478,17 +478,21 @@ def stage_rank(
     optimizers: Mapping[str, Any] | None = None,
     part: Part | None = None,
     names: Mapping[int, str] | None = None,
+    rng: Mapping[str, Any] | None = None,
 ) -> Part:
-    """Stage one rank's own state: every RNG stream, plus ``state`` (JSON: data position,
-    guard state), ``tensors`` (e.g. the epoch-start RNG states) and the state of the
-    ``optimizers`` whose state differs per rank (``rank<R>.<stem>.*``; ``optimizers``
-    maps their stem to the optimizer; ``names``: their parameters' names in the model,
-    by ``id``)."""
+    """Stage one rank's own state: every RNG stream (``rng``: the streams as a step
+    boundary left them, ``engine/boundary.py``'s, instead of the current ones), plus
+    ``state`` (JSON: data position, guard state), ``tensors`` (e.g. the epoch-start RNG
+    states) and the state of the ``optimizers`` whose state differs per rank
+    (``rank<R>.<stem>.*``; ``optimizers`` maps their stem to the optimizer; ``names``:
+    their parameters' names in the model, by ``id``)."""
     part = part if part is not None else Part()
     for stem, optimizer in (optimizers or {}).items():
         stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names)
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    version, internal, gauss = random.getstate() if rng is None else rng["python"]
+    kind, keys, pos, has_gauss, cached = (
+        np.random.get_state(legacy=True) if rng is None else rng["numpy"]
+    )
     doc = {
         "rank": rank,
         "rng": {
@@ -497,14 +501,16 @@ def stage_rank(
         },
         **encode(dict(state or {}), f"rank{rank}"),
     }
-    rng = {"torch.cpu": torch.get_rng_state()}
+    streams = {"torch.cpu": torch.get_rng_state()} if rng is None else {}
     # Only when CUDA is already initialized: reading the CUDA generators would otherwise
     # create a context on every device (seconds, and memory on each GPU) just to save a
     # state that nothing has drawn from.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if rng is None and torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            rng[f"torch.cuda.{i}"] = s
+            streams[f"torch.cuda.{i}"] = s
+    elif rng is not None:
+        streams = {k: v for k, v in rng.items() if k.startswith("torch.")}
     part.add_json(f"{_rank_name(rank)}.json", doc)
-    rank_tensors = {**rng, **(tensors or {})}
+    rank_tensors = {**streams, **(tensors or {})}
     part.add_tensors(f"{_rank_name(rank)}.safetensors", rank_tensors, copy=True, sized=False)
     return part

@@ -344,6 +344,7 @@ def die(
     *,
     exit_code: int | None = None,
     last_words: Callable[[BaseException], None] | None = None,
+    extra_s: float = 0.0,
 ) -> NoReturn:
     """Report ``error`` and end this process at once, whatever the main thread is doing.
 
@@ -353,13 +354,15 @@ def die(
     aborts the process groups (bounded, see :func:`release_process_group`) and
     ``os._exit``\\ s with the error's code. ``os._exit`` and not ``sys.exit``: the main
     thread may be inside a C++ collective, and interpreter shutdown would wait for it.
+    ``extra_s``: seconds the last words may take beyond :data:`_LAST_WORDS_S` (a
+    failure save, bounded by its own limit: ``Component.abort_s``).
     """
     code = code_for(error) if exit_code is None else exit_code
-    if not _lock.acquire(timeout=_TEARDOWN_S + _LAST_WORDS_S + 5):
+    if not _lock.acquire(timeout=_TEARDOWN_S + _LAST_WORDS_S + extra_s + 5):
         os._exit(code)  # another thread is already reporting and stuck doing it
     try:
         if last_words is not None:
-            _bounded(lambda: last_words(error), _LAST_WORDS_S, "saying its last words")
+            _bounded(lambda: last_words(error), _LAST_WORDS_S + extra_s, "saying its last words")
         last_failure.write(error, exit_code=code)
         write_error_file(error, with_traceback=False)
         text = summary(error)
