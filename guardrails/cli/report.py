@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from guardrails.cli.report_plot import PLOT_HINT, plot
+from guardrails.cli.report_restarts import Restarts
 from guardrails.cli.report_runs import _metrics_keys, gather, logger, read_events, split_runs
 from guardrails.cli.report_story import story
 from guardrails.cli.report_summary import summarize
@@ -62,18 +63,22 @@ def main(args: argparse.Namespace) -> int:
         return 2
     runs = split_runs(events, keys)
     chosen = runs if args.all else runs[-1:]
+    restarts = [Restarts(run, runs) for run in chosen]
     try:
-        gather(run_dir, chosen, runs, plots=not args.no_png)
+        extra = [r.feeds() for r in restarts]
+        gather(run_dir, chosen, runs, plots=not args.no_png, extra=extra)
     except Exception as exc:  # a part damaged after the scan read it: tell the events
         logger.warning(
             "guardrails report: %s unreadable: %s: %s", METRICS_DIR, type(exc).__name__, exc
         )
         for run in chosen:
             run.keys, run.stats, run.curves = {}, None, None
+        for r in restarts:
+            r.streamed = False
     facts = []
     texts = []
     for i, run in enumerate(chosen):
-        s = summarize(run, run_dir, runs)
+        s = summarize(run, run_dir, runs, restarts[i])
         s["run"] = runs.index(run) + 1
         s["runs_in_dir"] = len(runs)
         if not args.no_png:
