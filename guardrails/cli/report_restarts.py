@@ -280,13 +280,13 @@ def restart(prev: Attempt, new: Attempt) -> dict[str, Any]:
 def _cause(prev: Attempt) -> dict[str, Any]:
     """Why ``prev`` ended: a signal stop, its first error, or no word at all."""
     missing = sorted(set(prev.run.starts) - {e.get("rank") for e in prev.ends})
-    errors = sorted((e for e in prev.ends if e.get("error")), key=lambda e: float(e["time"]))
+    errors = sorted((e for e in prev.ends if e.get("error")), key=_began)
     cause: dict[str, Any] = {"kind": "error", "message": "", "error_type": None, "rank": None}
     cause.update(step=None, restartable=None, missing_ranks=missing)
     stop = _signal_stop(prev, errors)
     if stop is not None:
         name, e = stop
-        cause.update(kind="signal", message=f"{name} (a pre-emption)", rank=e.get("rank"))
+        cause.update(kind="signal", message=f"{name}, a pre-emption", rank=e.get("rank"))
         cause["step"] = int(e["step"])
     elif errors:
         e = errors[0]
@@ -303,21 +303,25 @@ def _cause(prev: Attempt) -> dict[str, Any]:
 
 
 def _fault(prev: Attempt, cause: dict[str, Any]) -> tuple[float | None, float | None, str]:
-    """The fault's time, the verdict's, and what the fault's time is."""
+    """The fault's time, the verdict's, and what the fault's time is: an exception
+    raised before any verdict is the fault (the others' verdict, if any, saw it: a
+    rank's error seen by its peers as a failed rank); else a hang or a dead rank's
+    fault is the last progress before its verdict."""
     verdicts = [e for e in prev.run.events if e.get("kind") in _VERDICTS]
-    if verdicts:
-        first = min(verdicts, key=lambda e: float(e["time"]))
-        verdict = float(first["time"])
-        if first["kind"] not in _SILENT:
-            return verdict, verdict, "verdict"
-        return prev.last_progress(verdict), verdict, "last progress"
+    first = min(verdicts, key=lambda e: float(e["time"])) if verdicts else None
+    verdict = None if first is None else float(first["time"])
+    if cause["kind"] == "error":
+        e = next(e for e in prev.ends if e.get("rank") == cause["rank"] and e.get("error"))
+        if verdict is None or _began(e) <= verdict:
+            return _began(e), _began(e) if verdict is None else verdict, "error"
+    if first is not None and verdict is not None:
+        if first["kind"] in _SILENT:
+            return prev.last_progress(verdict), verdict, "last progress"
+        return verdict, verdict, "verdict"
     if cause["kind"] == "signal":  # stopped at a step boundary: that step's end
         stops = [_began(e) for e in prev.run.events if e.get("kind") in ("stopped", "end")]
         at = prev.last_progress(min(stops)) or min(stops)
         return at, at, "signal stop"
-    if cause["kind"] == "error":
-        e = next(e for e in prev.ends if e.get("rank") == cause["rank"] and e.get("error"))
-        return _began(e), _began(e), "error"
     return prev.last_sign(cause["missing_ranks"]), None, "last sign of life"
 
 

@@ -148,6 +148,61 @@ def test_a_sigkilled_run_then_a_resume_is_killed_without_a_word(tmp_path):
     assert "detection unknown, exit unknown, restart " in text
 
 
+DDP_WORKER = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    import guardrails
+    from conftest import Regressor, batches
+
+    dist.init_process_group("gloo")
+    run_dir, fail_at = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(Regressor())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with guardrails.guard(model, opt, batches(50, seed=dist.get_rank()), run_dir=run_dir,
+                          progress=False, checkpoint={{"every_n_steps": 20}},
+                          metrics={{"every_n_steps": 5, "write_every_s": 0}}) as g:
+        for x, y in g:
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == fail_at and dist.get_rank() == 1:
+                raise RuntimeError(f"injected fault on rank 1 at step {{g.step}}")
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow(reason="two torchrun jobs of 2 gloo ranks: a failing rank, then a requeue")
+def test_a_two_rank_torchrun_job_requeued_after_a_rank_failed(tmp_path):
+    """Rank 1 raises after step 30; rank 0 sees it fail. The same torchrun command
+    again (a requeue) resumes both ranks at step 20."""
+    from _ranks import torchrun
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_WORKER.format(tests=str(ROOT / "tests")))
+    run_dir = tmp_path / "run"
+    first = torchrun([script, run_dir, 30], out=tmp_path / "a", env={"OMP_NUM_THREADS": "1"})
+    assert first.code != 0, first.text
+    again = torchrun([script, run_dir, 0], out=tmp_path / "b", env={"OMP_NUM_THREADS": "1"})
+    assert again.code == 0, again.text
+
+    starts = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    starts = [e for e in starts if e["kind"] == "start"]
+    assert len(starts) == 4 and all(
+        e["launcher"]["torchelastic_restart_count"] == 0 for e in starts
+    )
+    facts = json.loads(report(run_dir, "--json"))
+    (r,) = facts["restarts"]
+    assert r["cause"]["message"] == "RuntimeError: injected fault on rank 1 at step 30"
+    assert (r["cause"]["rank"], r["fault_is"]) == (1, "error")
+    assert (r["last_step"], r["resumed_step"], r["steps_redone"]) == (30, 20, 10)
+    for phase in PHASES:
+        assert r[phase] is not None and r[phase] >= 0, (phase, r)
+    assert 0 < facts["job"]["goodput"] < 1
+
+
 # ------------------------------------------------------ hand-made runs, exact times
 
 
