@@ -177,10 +177,8 @@ def _relaunched(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 def _counts(launcher: dict[str, Any]) -> tuple[int, int]:
     """The attempt's number: SLURM's requeues, then torchrun's restarts within one."""
-    return (
-        int(launcher.get("slurm_restart_count") or 0),
-        int(launcher.get("torchelastic_restart_count") or 0),
-    )
+    slurm, torchrun = (str(launcher.get(f"{k}_restart_count")) for k in ("slurm", "torchelastic"))
+    return (int(slurm) if slurm.isdigit() else 0, int(torchrun) if torchrun.isdigit() else 0)
 
 
 def _of(rank: int, ranks: list[int] | None) -> bool:
@@ -241,8 +239,9 @@ class Restarts:
 
 def restart(prev: Attempt, new: Attempt) -> dict[str, Any]:
     """One restart's facts: from ``prev``'s failure to ``new`` training again."""
-    cause = _cause(prev)
-    fault, verdict, fault_is = _fault(prev, cause)
+    first = _first_failure(prev)
+    cause = _cause(prev, first)
+    fault, verdict, fault_is = _fault(prev, first, cause["missing_ranks"])
     exited = max((float(e["time"]) for e in prev.ends), default=None)
     instants = (verdict, exited, new.process_started, new.ready, new.training)
     phases: dict[str, float | None] = {}
@@ -277,52 +276,75 @@ def restart(prev: Attempt, new: Attempt) -> dict[str, Any]:
     }
 
 
-def _cause(prev: Attempt) -> dict[str, Any]:
-    """Why ``prev`` ended: a signal stop, its first error, or no word at all."""
+#: The failure a rank said first: when (its guard began to close on it, or stopped),
+#: its event, and the signal's name for a signal stop (``None``: an error).
+Failure = tuple[float, dict[str, Any], str | None]
+
+
+def _first_failure(prev: Attempt) -> Failure | None:
+    """The failure that came first in ``prev``: an ``end`` with an error, or a signal
+    stop (its ``stopped`` event, or the ``SystemExit: 143`` end of a stop that saved
+    nothing); ``None`` when no rank said a word of one. Under torchrun a rank's error
+    makes the launcher SIGTERM the others: their stop comes after, and is not the cause."""
+    found: list[Failure] = [
+        (float(e["time"]), e, str(e.get("signal") or "a signal"))
+        for e in prev.run.events
+        if e.get("kind") == "stopped"
+    ]
+    found += [(_began(e), e, _signal_exit(str(e["error"]))) for e in prev.ends if e.get("error")]
+    return min(found, key=lambda f: f[0], default=None)
+
+
+def _cause(prev: Attempt, first: Failure | None) -> dict[str, Any]:
+    """Why ``prev`` ended: its first error, a signal stop, or no word at all."""
     missing = sorted(set(prev.run.starts) - {e.get("rank") for e in prev.ends})
-    errors = sorted((e for e in prev.ends if e.get("error")), key=_began)
-    cause: dict[str, Any] = {"kind": "error", "message": "", "error_type": None, "rank": None}
-    cause.update(step=None, restartable=None, missing_ranks=missing)
-    stop = _signal_stop(prev, errors)
-    if stop is not None:
-        name, e = stop
-        cause.update(kind="signal", message=f"{name}, a pre-emption", rank=e.get("rank"))
-        cause["step"] = int(e["step"])
-    elif errors:
-        e = errors[0]
-        head = str(e["error"]).strip().splitlines()[0]
-        m = _ERROR_TYPE.match(head)
-        cause.update(message=head, rank=e.get("rank"), step=int(e["step"]))
-        cause.update(error_type=e.get("error_type") or (m.group(1) if m else None))
-        cause["restartable"] = e.get("restartable")
-    else:
+    cause: dict[str, Any] = {"kind": "killed", "message": "", "error_type": None, "rank": None}
+    cause.update(step=prev.last_step, restartable=None, missing_ranks=missing)
+    if first is None:
         who = "" if not prev.ends else f"rank(s) {', '.join(map(str, missing))} "
-        cause.update(kind="killed", message=f"{who}killed without a word")
-        cause["step"] = prev.last_step
+        cause["message"] = f"{who}killed without a word"
+        return cause
+    _, e, name = first
+    cause.update(rank=e.get("rank"), step=int(e["step"]))
+    if name is not None:
+        cause.update(kind="signal", message=f"stopped by {name}, a pre-emption")
+        return cause
+    message = str(e["error"]).strip().splitlines()[0]
+    m = _ERROR_TYPE.match(message)
+    cause.update(kind="error", message=message, restartable=e.get("restartable"))
+    cause["error_type"] = e.get("error_type") or (m.group(1) if m else None)
     return cause
 
 
-def _fault(prev: Attempt, cause: dict[str, Any]) -> tuple[float | None, float | None, str]:
-    """The fault's time, the verdict's, and what the fault's time is: an exception
-    raised before any verdict is the fault (the others' verdict, if any, saw it: a
-    rank's error seen by its peers as a failed rank); else a hang or a dead rank's
-    fault is the last progress before its verdict."""
+def _fault(
+    prev: Attempt, first: Failure | None, missing: list[int]
+) -> tuple[float | None, float | None, str]:
+    """The fault's time, the verdict's, and what the fault's time is. An error raised
+    before any verdict is the fault, seen by the verdict, else by the other ranks'
+    first sign of it (a stop, or their guards beginning to close), else by itself. A
+    hang's or a dead rank's fault is the last progress before its verdict; a signal
+    stop's, the step boundary it stopped at."""
     verdicts = [e for e in prev.run.events if e.get("kind") in _VERDICTS]
-    first = min(verdicts, key=lambda e: float(e["time"])) if verdicts else None
-    verdict = None if first is None else float(first["time"])
-    if cause["kind"] == "error":
-        e = next(e for e in prev.ends if e.get("rank") == cause["rank"] and e.get("error"))
-        if verdict is None or _began(e) <= verdict:
-            return _began(e), _began(e) if verdict is None else verdict, "error"
-    if first is not None and verdict is not None:
-        if first["kind"] in _SILENT:
-            return prev.last_progress(verdict), verdict, "last progress"
-        return verdict, verdict, "verdict"
-    if cause["kind"] == "signal":  # stopped at a step boundary: that step's end
-        stops = [_began(e) for e in prev.run.events if e.get("kind") in ("stopped", "end")]
-        at = prev.last_progress(min(stops)) or min(stops)
-        return at, at, "signal stop"
-    return prev.last_sign(cause["missing_ranks"]), None, "last sign of life"
+    verdict = min(verdicts, key=lambda e: float(e["time"])) if verdicts else None
+    at = None if verdict is None else float(verdict["time"])
+    if first is not None and first[2] is None and (at is None or first[0] <= at):
+        rank = first[1].get("rank")
+        peers = [
+            _began(e)
+            for e in prev.run.events
+            if e.get("rank") != rank
+            and (e.get("kind") == "stopped" or (e.get("kind") == "end" and e.get("error")))
+        ]
+        seen = at if at is not None else min(peers, default=first[0])
+        return first[0], seen, "error"
+    if verdict is not None and at is not None:
+        if verdict["kind"] in _SILENT:
+            return prev.last_progress(at), at, "last progress"
+        return at, at, "verdict"
+    if first is not None:
+        boundary = prev.last_progress(first[0]) or first[0]
+        return boundary, boundary, "signal stop"
+    return prev.last_sign(missing), None, "last sign of life"
 
 
 def _began(e: dict[str, Any]) -> float:
@@ -331,18 +353,13 @@ def _began(e: dict[str, Any]) -> float:
     return float(e["time"]) - float(e.get("closing_s") or 0.0)
 
 
-def _signal_stop(prev: Attempt, errors: list[dict[str, Any]]) -> tuple[str, dict[str, Any]] | None:
-    """The signal that stopped ``prev`` and its event (``stopped``, else an ``end`` with
-    the ``SystemExit: 143`` of a stop that saved nothing); ``None`` if none did."""
-    stopped = [e for e in prev.run.events if e.get("kind") == "stopped"]
-    if stopped:
-        first = min(stopped, key=lambda e: float(e["time"]))
-        return str(first.get("signal") or "a signal"), first
-    for e in errors:
-        m = _SIGNAL_EXIT.match(str(e["error"]).strip())
-        if m and 128 < int(m.group(1)) < 128 + 65:
-            try:
-                return signal.Signals(int(m.group(1)) - 128).name, e
-            except ValueError:
-                return f"signal {int(m.group(1)) - 128}", e
-    return None
+def _signal_exit(error: str) -> str | None:
+    """The signal's name of a signal stop's ``SystemExit: 143`` (128 + the signal);
+    ``None`` for any other error."""
+    m = _SIGNAL_EXIT.match(error.strip())
+    if not m or not 128 < int(m.group(1)) < 128 + 65:
+        return None
+    try:
+        return signal.Signals(int(m.group(1)) - 128).name
+    except ValueError:
+        return f"signal {int(m.group(1)) - 128}"

@@ -363,3 +363,35 @@ def test_a_launcher_restart_without_a_checkpoint_redoes_every_step(tmp_path, cap
     write_attempt(run_dir, [other], [(1, T0 + 41.0, 1.0)], started_at=T0 + 40.0)
     facts = facts_of(run_dir, capsys)
     assert facts["restarts"] == [] and facts["job"] is None
+
+
+def test_the_launchers_sigterm_after_a_rank_error_is_not_the_cause(tmp_path, capsys):
+    """Rank 1 raises after step 6; torchrun then SIGTERMs rank 0, which stops at its
+    step boundary and saves: the cause is rank 1's error, seen by rank 0 when its stop
+    began (the other ranks' ends time the detection where no verdict event does)."""
+    run_dir = tmp_path / "run"
+    error = "ValueError: bad shape"
+    stop = {"kind": "stopped", "signal": "SIGTERM", "path": "ckpt/step_6", "level": "warning"}
+    for rank, events in (
+        (1, [{"time": T0 + 7.5, "step": 6, "kind": "end", "error": error, "closing_s": 0.5}]),
+        (0, [{"time": T0 + 8.0, "step": 6, **stop}]),
+        (0, [{"time": T0 + 9.0, "step": 6, "kind": "end", "error": "SystemExit: 143"}]),
+    ):
+        write_attempt(run_dir, events, [], started_at=0, rank=rank)
+    # The attempt's starts and its rank 0 rows, then the requeued attempt.
+    lines = (run_dir / "events.jsonl").read_text()
+    starts = [{**start("a", 1.0, 0.5, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in starts) + lines)
+    write_attempt(run_dir, [], [(s, T0 + 1.0 + s, 1.0) for s in range(1, 7)], started_at=T0 + 1.0)
+    again = [{**start("b", 12.0, 11.0, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
+    resumed = {"time": T0 + 12.5, "step": 6, "kind": "resumed", "path": "ckpt/step_6"}
+    write_attempt(run_dir, [*again, resumed], [(7, T0 + 13.0, 0.5)], started_at=T0 + 12.0)
+
+    facts = facts_of(run_dir, capsys)
+    (r,) = facts["restarts"]
+    assert r["cause"]["kind"] == "error" and r["cause"]["message"] == error
+    assert r["cause"]["rank"] == 1 and r["fault_is"] == "error"
+    assert r["fault_time"] == pytest.approx(T0 + 7.0)
+    # Rank 0's stop at +8 is the others' first sign of it; its end at +9 the exit.
+    assert (r["detection_s"], r["exit_s"]) == pytest.approx((1.0, 1.0))
+    assert r["steps_redone"] == 0
