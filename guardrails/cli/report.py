@@ -13,7 +13,8 @@ A run_dir can hold several runs (restarts, resumes): runs are told apart by thei
 ``start`` events (one per rank) and the ``started_at`` column. The newest is reported
 unless ``--all``. A run killed mid-way has no ``end`` event and maybe no metrics part
 yet (parts are written every ``metrics_write_every_s`` and at close): the story says so
-and tells what it can from what is there.
+and tells what it can from what is there. A run that continued another after a failure
+(a restart) ends with the job's restarts and goodput (:mod:`~guardrails.cli.report_restarts`).
 
 The command in parts, each its own module: :mod:`~guardrails.cli.report_runs` (the runs
 in a run_dir, the one streaming pass), :mod:`~guardrails.cli.report_summary` (the facts,
@@ -42,6 +43,11 @@ def add_parser(sub: Any) -> None:
         "report",
         help="a run's story from metrics.parquet and events.jsonl, and a PNG",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="A run that continued another after a failure also shows each restart (its "
+        "cause, the time from the fault to training again, the steps redone) and the job's "
+        "goodput: useful step time / wall time over its attempts, where useful leaves out "
+        "the steps a later attempt redid and each attempt's first step (its start-up). "
+        "See docs/cli.md, 'Restarts and goodput'.",
     )
     p.add_argument("run_dir", type=Path, help="the guard's run_dir")
     p.add_argument("--png", type=Path, help="where to write the plot (default RUN_DIR/report.png)")

@@ -11,13 +11,14 @@ not a restart).
 A restart from attempt P to attempt N is timed by six instants, each from the events
 and the metrics rows (``metrics.parquet``), and told as five phases:
 
-* the **fault**: an exception's time (P's ``end`` less its ``closing_s``); for a hang or
-  a dead rank, P's last progress before the verdict (the last finished step on any
-  rank: the watchdog claims a hang ``timeout`` seconds after it); for a signal, the
-  step boundary it stopped at; for a process killed without a word, its last sign of
-  life;
-* the **verdict**: the first verdict event (``hang``, ``rank_failed``, ...), else the
-  fault itself (an exception, a signal is its own verdict);
+* the **fault**: an exception's time (P's ``end`` less its ``closing_s``: when the
+  guard began to close on it); for a hang or a dead rank, P's last progress before the
+  verdict (the last finished step on any rank: the watchdog claims a hang ``timeout``
+  seconds after it); for a signal, the step boundary it stopped at; for a process
+  killed without a word, its last sign of life;
+* the **verdict**: the first verdict event (``hang``, ``rank_failed``, ...); for an
+  exception without one, the other ranks' first sign of it (a stop, a close), else the
+  fault itself (a single process's exception, a signal, are their own verdict);
 * **exited**: P's last ``end`` event (a save on the way out is in *exit*);
 * **restarted**: N's first process start (``process_started`` on its ``start`` event);
 * **ready**: N's last ``resumed`` event (the checkpoint loaded), else its last ``start``;
