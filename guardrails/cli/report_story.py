@@ -15,6 +15,8 @@ from guardrails.cli.report_summary import _ADVICE, _FAILURES, _WARNINGS
 from guardrails.util.text import shorten, si
 
 _FIRST_LAST = FIRST_LAST  # loss "first" and "last": mean of this many steps
+#: A restart's cause in its line: the head of the error, at most this many characters.
+_CAUSE_CHARS = 160
 
 
 def story(s: dict[str, Any]) -> str:
@@ -268,9 +270,12 @@ def _restart_line(r: dict[str, Any]) -> str:
         )
         if x
     )
-    text = f"    run {r['from_run']} -> {r['to_run']}: {c['message']}" + (
-        f" ({where})" if where else ""
-    )
+    # A verdict's head line can run to several hundred characters (a hang's names both
+    # ranks' places): cut in the line, whole in --json and in the run's own report.
+    message = c["message"]
+    if len(message) > _CAUSE_CHARS:
+        message = message[: _CAUSE_CHARS - 3].rstrip() + "..."
+    text = f"    run {r['from_run']} -> {r['to_run']}: {message}" + (f" ({where})" if where else "")
     if c.get("restartable") is not None:
         text += "; a restart can fix this" if c["restartable"] else "; a restart cannot fix this"
     if r.get("failure_saved"):
