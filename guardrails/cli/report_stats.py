@@ -90,7 +90,7 @@ class KeyInfo:
     done_time: float = math.nan
 
     def add(self, step: np.ndarray, time: np.ndarray, step_time: np.ndarray) -> None:
-        """A batch's rows of this key (not the first: the constructor took that)."""
+        """A batch of this key's rows (the first batch too: built empty, then added)."""
         self.rows += len(step)
         self.step_max = max(self.step_max, int(step.max()))
         i = int(step.argmin())

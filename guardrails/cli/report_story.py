@@ -233,14 +233,10 @@ def _restart_lines(s: dict[str, Any]) -> list[str]:
     job = s.get("job")
     if not job:
         return []
-    runs = job["runs"]
+    runs = job["runs"]  # consecutive: each attempt is the run after the one it continued
     useful = job["useful_step_s"]
-    head = f"  restarts     {len(s['restarts'])} in {job['attempts']} attempts (runs "
-    head += (
-        f"{runs[0]}-{runs[-1]}); "
-        if runs == list(range(runs[0], runs[-1] + 1))
-        else (f"{', '.join(map(str, runs))}); ")
-    )
+    head = f"  restarts     {len(s['restarts'])} in {job['attempts']} attempts "
+    head += f"(runs {runs[0]}-{runs[-1]}); "
     if job["goodput"] is not None:
         head += (
             f"goodput {job['goodput']:.1%} (useful step time {_dur(useful)} of "
@@ -262,20 +258,15 @@ def _restart_line(r: dict[str, Any]) -> str:
     """One restart: its cause, the time from the fault to training again, by phase,
     and the steps redone."""
     c = r["cause"]
-    where = ", ".join(
-        x
-        for x in (
-            f"rank {c['rank']}" if c.get("rank") is not None else "",
-            f"step {c['step']}" if c.get("step") is not None else "",
-        )
-        if x
-    )
+    where = [f"rank {c['rank']}"] if c.get("rank") is not None else []
+    where += [f"step {c['step']}"] if c.get("step") is not None else []
     # A verdict's head line can run to several hundred characters (a hang's names both
     # ranks' places): cut in the line, whole in --json and in the run's own report.
     message = c["message"]
     if len(message) > _CAUSE_CHARS:
         message = message[: _CAUSE_CHARS - 3].rstrip() + "..."
-    text = f"    run {r['from_run']} -> {r['to_run']}: {message}" + (f" ({where})" if where else "")
+    text = f"    run {r['from_run']} -> {r['to_run']}: {message}"
+    text += f" ({', '.join(where)})" if where else ""
     if c.get("restartable") is not None:
         text += "; a restart can fix this" if c["restartable"] else "; a restart cannot fix this"
     if r.get("failure_saved"):
