@@ -301,6 +301,13 @@ def _cause(prev: Attempt, first: Failure | None) -> dict[str, Any]:
     missing = sorted(set(prev.run.starts) - {e.get("rank") for e in prev.ends})
     cause: dict[str, Any] = {"kind": "killed", "message": "", "error_type": None, "rank": None}
     cause.update(step=prev.last_step, restartable=None, missing_ranks=missing)
+    if first is None and prev.ends and not missing:  # relaunched all the same
+        cause.update(
+            kind="after_close",
+            message="every rank's guard closed cleanly; the "
+            "process failed after it (the launcher restarted the job)",
+        )
+        return cause
     if first is None:
         who = "" if not prev.ends else f"rank(s) {', '.join(map(str, missing))} "
         cause["message"] = f"{who}killed without a word"

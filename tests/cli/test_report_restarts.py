@@ -395,3 +395,22 @@ def test_the_launchers_sigterm_after_a_rank_error_is_not_the_cause(tmp_path, cap
     # Rank 0's stop at +8 is the others' first sign of it; its end at +9 the exit.
     assert (r["detection_s"], r["exit_s"]) == pytest.approx((1.0, 1.0))
     assert r["steps_redone"] == 0
+
+
+def test_a_relaunch_after_a_clean_close_says_the_process_failed_after_it(tmp_path, capsys):
+    """torchrun restarted a job whose guard had closed cleanly (the script failed after
+    its loop): a restart, and its cause says where the failure was not."""
+    run_dir = tmp_path / "run"
+    end = {"time": T0 + 6.0, "step": 4, "kind": "end", "error": None, "closing_s": 0.5}
+    write_attempt(
+        run_dir,
+        [start("a", 1.0, 0.5, restart=0), end],
+        [(s, T0 + 1.0 + s, 1.0) for s in range(1, 5)],
+        started_at=T0 + 1.0,
+    )
+    write_attempt(
+        run_dir, [start("b", 9.0, 8.0, restart=1)], [(1, T0 + 10.0, 1.0)], started_at=T0 + 9.0
+    )
+    (r,) = facts_of(run_dir, capsys)["restarts"]
+    assert r["cause"]["kind"] == "after_close" and r["steps_redone"] == 4
+    assert r["fault_is"] == "last sign of life" and r["fault_time"] == pytest.approx(T0 + 6.0)
