@@ -37,6 +37,7 @@ the first save hours later.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import threading
@@ -111,9 +112,9 @@ class LocalTier:
         if room.copies >= 1:
             return
         raise CheckpointError(
-            f"the checkpoint's local directory {self.local} has {room.free_bytes / 1e9:.2f} "
-            f"GB of room, and one checkpoint of this run needs about "
-            f"{room.need_bytes / 1e9:.2f} GB: no save could commit there",
+            f"the checkpoint's local directory {self.local} has {size(room.free_bytes)} of "
+            f"room, and one checkpoint of this run needs about {size(room.need_bytes)}: "
+            "no save could commit there",
             path=str(self.local),
             hint="point local_directory at a larger disk (a local NVMe), free room there "
             "(/dev/shm counts against the host's memory: its size is set by the mount, "
@@ -153,10 +154,6 @@ class LocalTier:
                 adopt=adopt_unlabelled,
             )
         return final
-
-    def is_local(self, ckpt: Path) -> bool:
-        """Whether ``ckpt`` is a copy in the local tier."""
-        return _same_dir(ckpt.parent, self.local)
 
 
 def copy_committed(
@@ -225,25 +222,48 @@ def candidates(durable: Path, local: Path | None) -> list[tuple[int, Path]]:
     return found + list_checkpoints(durable)
 
 
+def in_local(ckpt: Path, local: Path | None) -> bool:
+    """Whether ``ckpt`` is a copy in the local tier ``local``."""
+    return local is not None and _same_dir(ckpt.parent, local)
+
+
+def recorded_local(durable: Path) -> Path | None:
+    """The local tier the newest checkpoint under ``durable`` was saved with (its
+    manifest's ``run.local_directory``), when that directory exists on this host."""
+    for _, ckpt in reversed(list_checkpoints(durable)):
+        try:
+            run = json.loads((ckpt / MANIFEST).read_bytes()).get("run") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        where = run.get("local_directory") if isinstance(run, dict) else None
+        return Path(where) if isinstance(where, str) and os.path.isdir(where) else None
+    return None
+
+
 def label(ckpt: Path, local: Path | None) -> str:
     """``step_000000100`` or, for a copy in the local tier, ``step_000000100 (node-local
     copy in /dev/shm/run)``: how a listing or a skip names a checkpoint."""
-    if local is not None and _same_dir(ckpt.parent, local):
+    if in_local(ckpt, local):
         return f"{ckpt.name} (node-local copy in {local})"
     return ckpt.name
 
 
-def estimate_bytes(state: Mapping[str, Any], optimizer_states: list[Any]) -> int:
+def estimate_bytes(state: Mapping[str, Any], optimizers: list[Any]) -> int:
     """One checkpoint's bytes, roughly: the model's ``state`` (name -> tensor) and each
-    optimizer's state (``optimizer_states``, their ``state`` dicts), or, for an
-    optimizer with no state yet (before its first step), twice the model (Adam's two
-    moments: the common optimizer with the most state per parameter)."""
-    model_bytes = sum(_nbytes(t) for t in state.values())
-    total = model_bytes
-    for opt_state in optimizer_states:
-        held = sum(_nbytes(v) for s in opt_state.values() for v in s.values())
-        total += held if held else 2 * model_bytes
+    of ``optimizers``' state or, for one with no state yet (before its first step),
+    twice the parameters it trains (Adam's two moments: the common optimizer with the
+    most state per parameter)."""
+    total = sum(_nbytes(t) for t in state.values())
+    for opt in optimizers:
+        held = sum(_nbytes(v) for s in opt.state.values() for v in s.values())
+        params = sum(_nbytes(p) for group in opt.param_groups for p in group["params"])
+        total += held if held else 2 * params
     return total
+
+
+def size(nbytes: int) -> str:
+    """``"840 MB"``, ``"12.3 GB"``: a size in a message."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _nbytes(value: Any) -> int:

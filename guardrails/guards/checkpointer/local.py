@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from guardrails._errors import CheckpointError
 from guardrails.checkpoint import stage
 from guardrails.checkpoint.digest import Cancelled
-from guardrails.checkpoint.tier import LocalTier, estimate_bytes
+from guardrails.checkpoint.tier import LocalTier, estimate_bytes, size
 from guardrails.distributed import store as _store
 from guardrails.engine import model
 from guardrails.util import storage
@@ -77,9 +77,7 @@ def _check_room(guard: Guard, tier: LocalTier) -> CheckpointError | None:
     error to raise when it cannot hold one, a warning when it holds fewer than
     ``local_keep_last`` plus the one being written."""
     bare = model.unwrap(guard.model)
-    need = estimate_bytes(
-        bare.state_dict(), [stage.per_rank(o).state for o in guard.optimizers.values()]
-    )
+    need = estimate_bytes(bare.state_dict(), [stage.per_rank(o) for o in guard.optimizers.values()])
     try:
         room = tier.room(need)
         tier.refuse_if_too_small(room)
@@ -97,7 +95,7 @@ def _check_room(guard: Guard, tier: LocalTier) -> CheckpointError | None:
             "checkpoint_local_tier_small",
             level="warning",
             message=f"the checkpoint's local directory {tier.local} has room for "
-            f"{room.copies} checkpoint(s) of about {room.need_bytes / 1e9:.2f} GB, and "
+            f"{room.copies} checkpoint(s) of about {size(room.need_bytes)}, and "
             f"local_keep_last={tier.keep_last} needs {wanted} while a save is written: "
             "a save may fail there for want of space (training goes on, the previous "
             "checkpoint stays the latest). Lower local_keep_last or use a larger disk.",

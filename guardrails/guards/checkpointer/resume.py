@@ -244,7 +244,9 @@ class ResumeAtStart:
                     rank=guard.rank,
                     path=str(where),
                 )
-            return _on_this_node(Path(got["path"]), self.root, self.local), None
+            if not got["path"]:
+                return "", None  # a fresh run
+            return str(_on_this_node(Path(got["path"]), self.root, self.local)), None
         chosen: str | None = None
         plan: restore.Plan | None = None
         try:

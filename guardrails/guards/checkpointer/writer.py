@@ -127,6 +127,8 @@ class CheckpointWriter:
         #: Where saves commit: the local tier's directory when there is one.
         self.root = root if tier is None else tier.local
         self.tier = tier
+        if tier is not None:  # where `inspect` finds the local copies (manifest's run)
+            run["local_directory"] = str(tier.local)
         self._drain = None if tier is None else Drain(tier, token=token, grace_s=grace_s)
         self._rank, self._world = rank, world_size
         self._store = store
