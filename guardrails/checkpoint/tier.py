@@ -97,10 +97,15 @@ class LocalTier:
 
     def room(self, need_bytes: int) -> Room:
         """How many checkpoints of ``need_bytes`` the local directory has room for now
-        (created if missing; the copies already there count as room: retention retires
-        them). An ``OSError`` when it cannot be created or read."""
-        _perms.make_dirs(self.local)
-        free = shutil.disk_usage(self.local).free
+        (on the file system it will be created on, when missing; the copies already
+        there count as room: retention retires them). An ``OSError`` when it cannot be
+        read, or what is in its way is not a directory."""
+        where = self.local
+        while not os.path.lexists(where) and where.parent != where:
+            where = where.parent
+        if not where.is_dir():
+            raise NotADirectoryError(f"{where} is in the way of {self.local}: not a directory")
+        free = shutil.disk_usage(where).free
         held = sum(_tree_bytes(p) for _, p in list_checkpoints(self.local))
         return Room(free_bytes=free + held, need_bytes=need_bytes)
 
