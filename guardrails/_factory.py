@@ -353,6 +353,8 @@ class CheckpointKnobs(TypedDict, total=False):
     directory: str | PathLike[str] | None
     agree_every_s: float
     strict_cadence: bool
+    local_directory: str | PathLike[str] | None
+    local_keep_last: int
 
 
 class EfficiencyKnobs(TypedDict, total=False):

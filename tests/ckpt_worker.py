@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--ballast-mb", type=int, default=0, help="a buffer every save writes")
     p.add_argument("--lr", type=float, default=1e-2, help="also the guard's config")
+    p.add_argument("--local-dir", default=None, help="the checkpoint's local_directory")
     p.add_argument(
         "--slow-dcp-writes",
         action="store_true",
@@ -141,7 +142,7 @@ def main() -> None:
         config={"lr": a.lr},
         progress=False,
         gc=False,
-        checkpoint={"every_n_steps": a.every_n},
+        checkpoint={"every_n_steps": a.every_n, "local_directory": a.local_dir},
     ) as g:
         for c in g.components:  # background writes only when asked
             if isinstance(c, guardrails.SignalCheckpointer):

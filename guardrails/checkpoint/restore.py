@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from guardrails._errors import CheckpointError, ResumeError
 from guardrails.checkpoint import sharded as _sharded
+from guardrails.checkpoint import tier
 from guardrails.checkpoint.codec import decode
 from guardrails.checkpoint.common import (
     EXTRAS_TENSORS,
@@ -30,7 +31,6 @@ from guardrails.checkpoint.manifest import (
     STEP_RE,
     _contents,
     _rank_name,
-    list_checkpoints,
     resume_order,
 )
 from guardrails.checkpoint.read import (
@@ -609,14 +609,18 @@ def said_skipped(skipped: list[tuple[str, str]], root: Path) -> list[tuple[str |
     ]
 
 
-def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, str]]]:
+def pick(
+    path: Path, prepare: Any = None, *, local: Path | None = None
+) -> tuple[Path, Any, list[tuple[str, str]]]:
     """``(checkpoint, plan, skipped)``: ``path`` itself when it is a checkpoint, else the
-    newest valid ``step_*`` under it, and ``skipped``, each newer one passed over as
-    ``(name, why)``. Valid: :func:`_problem` finds nothing and, with ``prepare``,
-    ``prepare(ckpt)`` (its ``plan``) raises no ``CheckpointError``: a damaged file is
-    damage wherever it is found, so the resume falls back past it. A ``ResumeError``
-    (intact, but it does not fit this run, or a newer format) stops the search: an
-    older checkpoint would load the same mismatch, or silently lose the newest."""
+    newest valid ``step_*`` under it or, with ``local`` (the node-local tier's
+    directory), under either (the local copy first at the same step: ``tier.py``), and
+    ``skipped``, each newer one passed over as ``(name, why)``. Valid: :func:`_problem`
+    finds nothing and, with ``prepare``, ``prepare(ckpt)`` (its ``plan``) raises no
+    ``CheckpointError``: a damaged file is damage wherever it is found, so the resume
+    falls back past it. A ``ResumeError`` (intact, but it does not fit this run, or a
+    newer format) stops the search: an older checkpoint would load the same mismatch,
+    or silently lose the newest."""
     if os.path.lexists(path / MANIFEST) or (STEP_RE.match(path.name) and path.is_dir()):
         problem = _problem(path)
         if problem is not None:
@@ -625,7 +629,7 @@ def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, st
             return path, None if prepare is None else prepare(path), []
         except CheckpointError as e:  # the hint is computed once, here: it verifies
             raise e.rehint(skip_hint(path)) from None  # the older checkpoints
-    candidates = list_checkpoints(path)
+    candidates = tier.candidates(path, local)
     if not candidates:
         raise ResumeError(
             f"no checkpoint under {path}: {_listing(path)}",
@@ -637,12 +641,12 @@ def pick(path: Path, prepare: Any = None) -> tuple[Path, Any, list[tuple[str, st
     for _, ckpt in resume_order(candidates):
         problem = _problem(ckpt, entry=True)
         if problem is not None:
-            skipped.append((ckpt.name, problem[1]))
+            skipped.append((tier.label(ckpt, local), problem[1]))
             continue
         try:
             return ckpt, None if prepare is None else prepare(ckpt), skipped
         except CheckpointError as e:
-            skipped.append((ckpt.name, e.message))
+            skipped.append((tier.label(ckpt, local), e.message))
     reasons = "; ".join(f"{n}: {w}" for n, w in skipped[:SAID_ONE_BY_ONE])
     if len(skipped) > SAID_ONE_BY_ONE:
         reasons += f"; ... {len(skipped) - SAID_ONE_BY_ONE} more (guardrails inspect {path})"

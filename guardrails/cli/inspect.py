@@ -10,6 +10,12 @@ reads: the checks are the ones resume runs (:mod:`guardrails.checkpoint.manifest
 which need no torch, so the command starts without it. ``--verify`` verifies every
 checkpoint (hashing 3,000 took minutes; listing them takes a second). Exit code 0 when
 resume would find a valid checkpoint, 1 when not, 2 when there is nothing there.
+
+A run saved with a node-local tier (``local_directory``) has copies there too: they are
+listed beside the durable ones, marked ``local``, and tried first at the same step as
+resume does (``checkpoint/tier.py``). The local directory is the one ``--local`` names,
+else the one the newest durable checkpoint's manifest records (when it exists on this
+host).
 """
 
 from __future__ import annotations
@@ -22,22 +28,26 @@ from pathlib import Path
 from typing import Any
 
 from guardrails.checkpoint import manifest as _manifest
+from guardrails.checkpoint import tier as _tier
 from guardrails.checkpoint.files import read_json
 from guardrails.checkpoint.schema import Bad
 
 
-def inspect_dir(path: Path, *, verify: bool = False) -> dict[str, Any]:
-    """Facts about every checkpoint under ``path`` (JSON-able). Each row is verified
-    (``"verified": True``, ``valid`` and ``problem`` said) when a resume would read it
-    (in resume's order up to the first valid one), or with ``verify`` every row; the
-    others are listed from their manifests (``"valid": None``)."""
+def inspect_dir(path: Path, *, verify: bool = False, local: Path | None = None) -> dict[str, Any]:
+    """Facts about every checkpoint under ``path`` (JSON-able) and, for a checkpoint
+    root, under its node-local tier (``local``, or the one its manifests record). Each
+    row is verified (``"verified": True``, ``valid`` and ``problem`` said) when a resume
+    would read it (in resume's order up to the first valid one), or with ``verify``
+    every row; the others are listed from their manifests (``"valid": None``)."""
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     named = _manifest.STEP_RE.match(path.name)
     if named and path.is_dir():
         found = [(int(named.group(1)), path)]
+        local = None
     else:
-        found = _manifest.list_checkpoints(path)
+        local = local if local is not None else _tier.recorded_local(path)
+        found = _tier.candidates(path, local)
     entry = not named
     # As resume picks: the newest valid one, in resume's order (the run that saved last
     # first, newest step first); a newer format on the way stops it (an error, not a
@@ -52,15 +62,20 @@ def inspect_dir(path: Path, *, verify: bool = False) -> dict[str, Any]:
             break
     rows = [
         checked.get(str(ckpt)) or _one(step, ckpt, entry=entry, verify=verify)
-        for step, ckpt in found
+        for step, ckpt in sorted(found, key=lambda sp: sp[0])  # stable: local first
     ]
+    for row in rows:
+        if local is not None:
+            row["tier"] = "local" if _tier.in_local(Path(row["path"]), local) else "durable"
     return {
         "root": str(path),
+        "local_root": None if local is None else str(local),
         "checkpoints": rows,
         "resume_would_use": use,
         "leftovers": sorted(
             p.name
-            for p in (path.iterdir() if path.is_dir() else [])
+            for root in (path, *([local] if local is not None else []))
+            for p in (root.iterdir() if root.is_dir() else [])
             if p.name.startswith((".tmp-", ".trash-"))
         ),
     }
@@ -168,6 +183,11 @@ def render(facts: dict[str, Any]) -> str:
     if not rows:
         return f"no checkpoint under {facts['root']}"
     lines = [f"{len(rows)} checkpoint(s) under {facts['root']}:"]
+    if facts.get("local_root"):
+        lines[0] = (
+            f"{len(rows)} checkpoint(s) under {facts['root']} and its node-local tier "
+            f"{facts['local_root']} (marked local):"
+        )
     for r in rows:
         when = (
             datetime.datetime.fromtimestamp(r["time"]).strftime("%Y-%m-%d %H:%M:%S")
@@ -180,7 +200,7 @@ def render(facts: dict[str, Any]) -> str:
             status = "too new"
         lines.append(
             f"  step {r['step']:>9}  {status:<7}  {size:>10}  {when}  "
-            f"world {r.get('world_size', '?')}"
+            f"world {r.get('world_size', '?')}" + ("  local" if r.get("tier") == "local" else "")
         )
         if r["problem"]:
             lines.append(f"      why: {r['problem']}")
@@ -218,6 +238,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("path", type=Path, help="a run_dir, a checkpoint root or one step_* dir")
     p.add_argument("--json", action="store_true", help="print the facts as JSON")
     p.add_argument(
+        "--local",
+        type=Path,
+        default=None,
+        help="the run's node-local checkpoint directory (local_directory), listed too; "
+        "by default the one its newest checkpoint records",
+    )
+    p.add_argument(
         "--verify",
         action="store_true",
         help="verify every checkpoint (sizes and sha256 of every file; by default only "
@@ -227,7 +254,8 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    facts = inspect_dir(args.path, verify=getattr(args, "verify", False))
+    local = getattr(args, "local", None)
+    facts = inspect_dir(args.path, verify=getattr(args, "verify", False), local=local)
     print(json.dumps(facts, indent=2) if args.json else render(facts))
     if not facts["checkpoints"]:
         return 2

@@ -35,7 +35,7 @@ def _other_value(field):
         return "raise"
     if field.name == "signals":
         return ("SIGTERM",)
-    if field.name in ("resume", "directory"):
+    if field.name in ("resume", "directory", "local_directory"):
         return None if field.name == "resume" else "ckpts"
     if field.name in ("replay_fn",):
         return lambda model, batch: model(*batch)
@@ -74,7 +74,7 @@ def test_every_component_knob_is_reachable_from_guard(tmp_path):
                 continue
             assert comp is not None, (section, field.name)
             got = getattr(comp.config, field.name)
-            if field.name == "directory":
+            if field.name in ("directory", "local_directory"):
                 assert str(got) == value
             else:
                 assert got == value or callable(value), (section, field.name, got)

@@ -64,8 +64,8 @@ What it does, and where the cost goes:
 * **Runs kept apart**: every checkpoint carries this run's id (new for a fresh start,
   the resumed checkpoint's after a resume). Retention counts only this run's
   checkpoints, and ``resume="auto"`` continues the run that saved last.
-* **Resume** (``resume="auto"``): at start, the newest valid checkpoint under
-  ``run_dir/checkpoints`` (rank 0 picks and verifies it; every rank loads the same one)
+* **Resume** (``resume="auto"``): at start, the newest valid checkpoint, in
+  ``run_dir/checkpoints`` or the node-local tier (``local.py``), picked by rank 0,
   restores model, optimizer, scheduler, scaler, ``g.state``, ``g.step``, every RNG,
   the components' own statistics and the data position.
 
@@ -97,13 +97,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import CheckpointError
-from guardrails.checkpoint import commit, stage
+from guardrails.checkpoint import commit, stage, tier
 from guardrails.engine import model, process
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
 from guardrails.guards.checkpointer import cadence, workers
 from guardrails.guards.checkpointer.agree import Agreement
 from guardrails.guards.checkpointer.failure import FailureSave
+from guardrails.guards.checkpointer.local import build_tier
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
@@ -198,6 +199,9 @@ class SignalCheckpointer(Component):
                 ``failure_saved`` event says what). Default True.
             failure_save_timeout_s: each rank's limit on that save (default 20: torchrun
                 SIGKILLs the other workers 30 s after one exits).
+            local_directory: a node-local directory (``/dev/shm/<run>``, a local NVMe):
+                saves commit there, then are copied to ``directory`` (``tier.py``).
+            local_keep_last: the copies the local directory keeps. Default 1.
         """
 
         every_n_steps: int | None = None
@@ -217,6 +221,8 @@ class SignalCheckpointer(Component):
         strict_cadence: bool = False
         save_on_failure: bool = True
         failure_save_timeout_s: float = 20.0
+        local_directory: str | PathLike[str] | None = None
+        local_keep_last: int = 1
 
         def __post_init__(self) -> None:
             if self.every_n_steps is not None:
@@ -275,6 +281,7 @@ class SignalCheckpointer(Component):
             if self.directory is not None:
                 path_like("directory", self.directory)
                 self.directory = Path(self.directory)
+            self.local_directory = tier.check_knobs(self.local_directory, self.local_keep_last)
 
         @property
         def does_anything(self) -> bool:
@@ -381,6 +388,7 @@ class SignalCheckpointer(Component):
         self.resumer = ResumeAtStart(
             resume=self.resume,
             root=self.root,
+            local=self.writer.tier and self.writer.tier.local,
             directory=self.directory,
             allow_world_size_change=self.allow_world_size_change,
             allow_config_change=self.allow_config_change,
@@ -446,6 +454,7 @@ class SignalCheckpointer(Component):
             grace_s=self.grace_s,
             save_times_s=self.save_times_s,
             blocking_times_s=self.blocking_times_s,
+            tier=build_tier(guard, self.local_directory, self.local_keep_last, self, store),
         )
 
     @property

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
-from guardrails.checkpoint import commit, manifest, read, restore
+from guardrails.checkpoint import commit, manifest, read, restore, tier
 from guardrails.engine import data as _data
 from guardrails.engine import model
 from guardrails.metrics.events import EVENTS_FILE, to_console
@@ -91,7 +91,8 @@ class ResumeAtStart:
     ``resume``, ``allow_world_size_change``, ``allow_config_change``: the knobs (see
     :class:`SignalCheckpointer.Config`). ``root``: the checkpoint directory;
     ``directory``: the knob it came from (``None``: ``run_dir/checkpoints``), for the
-    way out a message names.
+    way out a message names. ``local``: the node-local tier's directory (``None``:
+    none); ``resume="auto"`` looks in both (``tier.candidates``).
     """
 
     def __init__(
@@ -99,12 +100,14 @@ class ResumeAtStart:
         *,
         resume: str | PathLike[str] | None,
         root: Path,
+        local: Path | None = None,
         directory: Path | None,
         allow_world_size_change: bool,
         allow_config_change: bool | Sequence[str],
     ) -> None:
         self.resume = resume
         self.root = root
+        self.local = local
         self.directory = directory
         self.allow_world_size_change = allow_world_size_change
         self.allow_config_change = allow_config_change
@@ -245,18 +248,22 @@ class ResumeAtStart:
                     rank=guard.rank,
                     path=str(where),
                 )
-            return got["path"], None
+            if not got["path"]:
+                return "", None  # a fresh run
+            return str(_on_this_node(Path(got["path"]), self.root, self.local)), None
         chosen: str | None = None
         plan: restore.Plan | None = None
         try:
-            if auto and not manifest.list_checkpoints(where):
+            if auto and not tier.candidates(where, self.local):
                 chosen = ""  # nothing saved yet: a fresh run
                 self._warn_finished_unsaved(guard)
             else:
                 # Rank 0 reads and checks each candidate, newest first, against this
                 # run (its model, optimizers, loader): a damaged one is skipped, said
                 # in an event, and the previous one is tried.
-                found, plan, skipped = restore.pick(where, lambda c: self._prepare(guard, c))
+                found, plan, skipped = restore.pick(
+                    where, lambda c: self._prepare(guard, c), local=self.local if auto else None
+                )
                 chosen = str(found)
                 _say_skipped(guard, where, found, skipped)
         except GuardrailsError as e:
@@ -399,11 +406,15 @@ class ResumeAtStart:
             guard.rank != 0
             or last is None
             or last.name != f"step_{guard.step:09d}"
-            or last.resolve().parent != self.root.resolve()  # not a checkpoint of another run
+            or last.resolve().parent  # not a checkpoint of another run
+            not in {self.root.resolve(), *([self.local.resolve()] if self.local else [])}
         ):
             return
         try:
-            commit.mark_finished(last, time.time())
+            now = time.time()
+            for copy in {last, self.root / last.name}:  # both tiers' copies (rank 0's node)
+                if copy.is_dir():
+                    commit.mark_finished(copy, now)
         except (OSError, GuardrailsError) as e:  # the run itself is done and saved
             guard.event(
                 "checkpoint_unmarked",
@@ -461,6 +472,15 @@ class ResumeAtStart:
             f"naming its checkpoint (resume='{newest}'). To keep the runs in separate "
             f"directories, {self._new_run(guard)} first.",
         )
+
+
+def _on_this_node(chosen: Path, root: Path, local: Path | None) -> Path:
+    """The copy of rank 0's ``chosen`` checkpoint this rank reads: a copy in the
+    local tier that this rank's node lacks is read from the durable directory (the
+    same bytes: the drain copies them unchanged, and this rank verifies its files)."""
+    if local is not None and chosen.parent == local and not chosen.is_dir():
+        return root / chosen.name
+    return chosen
 
 
 def _say_skipped(guard: Guard, where: Path, found: Path, skipped: list[tuple[str, str]]) -> None:

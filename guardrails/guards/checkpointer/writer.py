@@ -27,8 +27,10 @@ from guardrails._errors import CheckpointError, GuardrailsError
 from guardrails.checkpoint import commit, digest, sharded, stage
 from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.manifest import highest_seq
+from guardrails.checkpoint.tier import LocalTier
 from guardrails.distributed import store as _store
 from guardrails.engine import model
+from guardrails.guards.checkpointer.local import Drain
 from guardrails.util import files as _perms
 from guardrails.util import storage
 
@@ -98,7 +100,10 @@ class CheckpointWriter:
     the optimizers whose state differs per rank (every rank saves its own).
     ``model_sharded``: the model is sharded (FSDP2 / DTensor), written in DCP's format.
     ``keep_last``, ``grace_s``: the knobs. ``save_times_s``, ``blocking_times_s``:
-    the lists each save appends its seconds to (the component's, public).
+    the lists each save appends its seconds to (the component's, public). ``tier``:
+    the node-local tier (``local_directory``): saves commit there (``root`` is then its
+    directory, ``tier.durable`` the checkpoint directory) and rank 0 drains each commit
+    into the durable one.
     """
 
     def __init__(
@@ -117,15 +122,21 @@ class CheckpointWriter:
         grace_s: float,
         save_times_s: list[float],
         blocking_times_s: list[float],
+        tier: LocalTier | None = None,
     ) -> None:
-        self.root = root
+        #: Where saves commit: the local tier's directory when there is one.
+        self.root = root if tier is None else tier.local
+        self.tier = tier
+        if tier is not None:  # where `inspect` finds the local copies (manifest's run)
+            run["local_directory"] = str(tier.local)
+        self._drain = None if tier is None else Drain(tier, token=token, grace_s=grace_s)
         self._rank, self._world = rank, world_size
         self._store = store
         self._token = token
         self.run = run
         self._contents = contents
         self._per_rank = per_rank
-        self._keep_last = keep_last
+        self._keep_last = keep_last if tier is None else tier.keep_last
         self._grace_s = grace_s
         self.save_times_s = save_times_s
         self.blocking_times_s = blocking_times_s
@@ -162,7 +173,9 @@ class CheckpointWriter:
         self._dcp_stats: dict[str, Any] = {}  # its timings, told in checkpoint events
         # Deleting retired checkpoints (.trash-*) off the writer's path: what a stop
         # left in the trash (the save it abandoned...), at start.
-        self._emptying = commit.empty_trash(root) if rank == 0 else None
+        self._emptying = commit.empty_trash(self.root) if rank == 0 else None
+        if tier is not None and rank == 0:
+            commit.empty_trash(tier.durable)  # a stop's drain left its retired copies
 
     def continue_from(self, path: Path, step: int, run_id: str | None) -> None:
         """A resume restored ``path`` (``step``): it is the latest checkpoint, and this
@@ -194,7 +207,7 @@ class CheckpointWriter:
         at this guard's first save, then one more per save. Rank 0 commits alone, and
         one run holds a run_dir at a time (its lock), so no other writer interleaves."""
         if self._seq is None:
-            self._seq = highest_seq(self.root)
+            self._seq = highest_seq(self.root) if self.tier is None else self.tier.next_seq()
         self._seq += 1
         return self._seq
 
@@ -478,7 +491,22 @@ class CheckpointWriter:
         self.last_path = final
         self._committed_step = step
         self._report(guard, step, final, part, took, commit_s=time.perf_counter() - t_commit)
+        if self._drain is not None and self._rank == 0:
+            # A signal's save drains for what is left of the grace period's share.
+            left = _GRACE_SHARE * self._grace_s - (time.perf_counter() - t0)
+            self.drain(
+                guard, step, final, cancel=part.cancel, within_s=left if final_save else None
+            )
         return final
+
+    def drain(self, guard: Guard, step: int, final: Path, **when: Any) -> None:
+        """Rank 0: copy ``final``, committed in the local tier, to the durable directory
+        (``local.Drain.after_commit``'s ``cancel``, ``within_s``); also for a save
+        committed outside :meth:`save` (a failure save). Nothing without a local tier."""
+        if self._drain is not None and self._rank == 0:
+            when.setdefault("cancel", threading.Event())
+            run, adopt = self.run, self._adopt_unlabelled
+            self._drain.after_commit(guard, step, final, run=run, adopt_unlabelled=adopt, **when)
 
     def _write_files(
         self, step: int, part: stage.Part, *, final_save: bool
@@ -649,6 +677,7 @@ class CheckpointWriter:
             commit_s=round(commit_s, 3),
             background=threading.current_thread() is not threading.main_thread(),
             sharded=bool(part.sealed),
+            **({"tier": "local"} if self.tier is not None else {}),
             **({"dcp_staging": dict(self._dcp_stats)} if part.sealed and self._dcp_stats else {}),
         )
         if took > _GRACE_SHARE * self._grace_s and not self._warned_grace:
