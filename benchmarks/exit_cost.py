@@ -56,6 +56,11 @@ def child(mode: str, pinned_gb: int, device_gb: int) -> None:
         fresh.copy_(dev[: n * GB])
         out[f"d2h_plain_touched_{n}gb_s"] = time.perf_counter() - t
         t = time.perf_counter()
+        zeroed = torch.zeros(n * GB, dtype=torch.uint8)  # pages faulted by torch's threads
+        zeroed.copy_(dev[: n * GB])
+        out[f"d2h_plain_zeroed_{n}gb_s"] = time.perf_counter() - t
+        del zeroed
+        t = time.perf_counter()
         del fresh
         out[f"free_plain_{n}gb_s"] = time.perf_counter() - t
     if mode == "free":

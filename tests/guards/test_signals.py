@@ -752,6 +752,7 @@ def test_a_signal_save_before_the_staging_is_grown_waits_for_nothing_and_resumes
             seen["after"] = staging.nbytes
             seen["allocated in save"] = staging.allocated_in_save
             seen["stopped"] = staging.stopped
+        seen["closed"] = staging.nbytes  # a stop lets its memory go at the guard's end
         return model, opt, seen
 
     straight, _, _ = run()
@@ -760,6 +761,7 @@ def test_a_signal_save_before_the_staging_is_grown_waits_for_nothing_and_resumes
     state_bytes = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     assert seen["stopped"] and seen["allocated in save"] == 0
     assert seen["after"] == seen["before"]  # grown neither by the save nor after it
+    assert seen["before"] > 0 and seen["closed"] == 0
     [saved] = [e for e in read_events(tmp_path) if e["kind"] == "checkpoint"]
     # Adam's step counts are host scalars (cloned, not staged): the moments went to
     # plain memory.
