@@ -70,3 +70,4 @@ for s in ${SECTIONS//,/ }; do
   echo "=== $s $(date -u +%T)"
   $s
 done
+cat "$OUT/ckpt_show.txt" 2>/dev/null
