@@ -287,7 +287,10 @@ class CheckpointWriter:
         """What can make the stop's save fail before it writes a byte, checked before
         the save still being written is given up for it: a value in g.state no
         checkpoint stores would otherwise cost both saves. Then that older write is
-        abandoned."""
+        abandoned. The staging memory still being pinned ahead stops growing: the stop's
+        save copies what its blocks do not hold yet into plain memory rather than wait
+        (the process ends after it)."""
+        self.staging.stop_preparing()
         try:
             if self._rank == 0:
                 encode(dict(guard.state), "g.state", {}, devices=True)
@@ -778,6 +781,8 @@ class CheckpointWriter:
                 self._dcp_prepared.join()
                 self._dcp_prepared = None
             self._shard_writer = None  # its pinned staging memory goes with it
+            if stopped:  # the process ends now: its pinned pages are unpinned faster here
+                self.staging.release()
             if self._emptying is not None and not stopped:
                 self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
                 self._emptying = None
