@@ -303,15 +303,16 @@ def analyse(a, arm: str, job: Job, injected, start: float, end: float) -> dict:
     for r, (_, offset, t) in zip(recoveries, injected, strict=True):
         r["scheduled_s"], r["injected_s"] = offset, t
     done = [e for e in events if e["ev"] == "done" and e["rank"] == 0]
+    final_step = done[-1]["step"] if done else None
     mismatches = [e for e in events if e["ev"] == "step_mismatch"]
     return {
         "arm": arm,
         "restart": a.restart,
         "launches": len(job.launches),
         "requeues": len(job.exits),
-        "final_step": done[-1]["step"] if done else None,
+        "final_step": final_step,
         "recoveries": recoveries,
-        "goodput": measure.goodput(events, start_t=start, end_t=end),
+        "goodput": measure.goodput(events, start_t=start, end_t=end, final_step=final_step),
         "notes": job.notes
         + [f"g.step differed from the loop's count {len(mismatches)} times"] * bool(mismatches),
         "run_dir": str(job.run_dir),

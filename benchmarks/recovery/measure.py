@@ -80,7 +80,9 @@ def recovery(
     ``exits`` are the clock times the driver saw the job (every agent) end, ``error_lines``
     those of the agents' output lines that name an error (torchrun's, the ranks' stderr)."""
     before = [e["step"] for e in events if e["ev"] == "step" and e["t"] < fault_t]
-    last = max(before, default=0)
+    last = (
+        before[-1] if before else 0
+    )  # the newest in time: an earlier attempt may have gone further
     ends = [e["t"] for e in _first(events, fault_t, "error", until_t)]
     ends += [t for t in error_lines + exits if fault_t < t < until_t]
     detect = min(ends, default=None)
@@ -124,9 +126,16 @@ def final_history(events: list[dict], rank: int = 0) -> dict[int, dict]:
     return history
 
 
-def goodput(events: list[dict], *, start_t: float, end_t: float) -> dict:
-    """Useful step time (each unique step's own seconds, once) over the wall time."""
+def goodput(
+    events: list[dict], *, start_t: float, end_t: float, final_step: int | None = None
+) -> dict:
+    """Useful step time (each unique step's own seconds, once) over the wall time.
+
+    Only the steps up to ``final_step`` count: those past it, trained by an attempt that died
+    before any save, made none of the final weights."""
     history = final_history(events)
+    if final_step is not None:
+        history = {s: e for s, e in history.items() if s <= final_step}
     useful = sum(e["dt"] for e in history.values())
     all_steps = [e for e in events if e["ev"] == "step" and e["rank"] == 0]
     wall = end_t - start_t
