@@ -144,7 +144,7 @@ def _gpt_run(a: argparse.Namespace, every: int | None) -> dict:
                 out["through_device"] = [getattr(s, "through_device", None) for s in slots]
             out["rss_gb"] = round(_rss_gb(), 2)
     ms = {i + 1: marks[i].elapsed_time(marks[i + 1]) for i in range(len(marks) - 1)}
-    profiled = range(profile_at, profile_at + 3)  # the profiler's own cost: left out
+    profiled = range(profile_at, profile_at + 4)  # the profiler's own cost (its exit too)
     out["step_ms"] = {i: round(v, 2) for i, v in ms.items() if i > a.warmup and i not in profiled}
     del model, opt, data, g
     torch.cuda.empty_cache()
