@@ -57,7 +57,8 @@ def number() -> int | None:
         return None
     agents = os.environ.get("GROUP_WORLD_SIZE")
     if agents is None:  # an older launcher: one agent when it launched every rank
-        one_agent = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+        world = os.environ.get("WORLD_SIZE")
+        one_agent = world is not None and os.environ.get("LOCAL_WORLD_SIZE") == world
     else:
         one_agent = agents == "1"
     return int(count) if one_agent else None

@@ -293,3 +293,17 @@ def test_a_restartable_failure_does_not_hide_the_unfixable_one(tmp_path, monkeyp
     _job(monkeypatch, "job1", 2)
     last_failure.check_at_start(tmp_path, 0)
     last_failure.forget()
+
+
+def test_a_main_that_returns_clears_the_record(tmp_path, monkeypatch):
+    from guardrails.engine.record import record
+
+    _job(monkeypatch, "job1", 0)
+    last_failure.write(_desync(), exit_code=82, run_dir=tmp_path)
+
+    @record
+    def main() -> None:
+        last_failure.check_at_start(tmp_path, 0)  # what a guard's start does
+
+    main()
+    assert not (tmp_path / last_failure.FILE_NAME).exists()
