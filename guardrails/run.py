@@ -11,6 +11,10 @@ MODULE ARGS``) would run it (``sys.argv``, ``sys.path[0]``), and ends as a decor
 ``main()`` does: a :class:`~guardrails.GuardrailsError` writes torchrun's error file,
 prints one summary and exits with its class's code; a signal stop says "pre-empted by
 SIGTERM at step N ..." in the error file; a guard the script left open is closed first.
+Under a single-node ``torchrun --max-restarts``, the script's ``init_process_group``,
+at module level too, connects through a store of the attempt's own (see
+:mod:`guardrails.distributed.attempt`), and a restart after a failure no restart can fix
+is refused before the script runs.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Two fixes, independent of each other:
   (``distributed/store.side_store``), whoever created the process group.
 * :func:`namespaced_rendezvous`: while ``@guardrails.record``'s ``main`` runs, the
   ``env://`` and ``tcp://`` rendezvous (what ``init_process_group`` uses) yield a
-  ``PrefixStore("guardrails-attempt<K>/", store)``, so the process group of attempt K
+  ``PrefixStore("guardrails-attempt<K>", store)``, so the process group of attempt K
   shares no key with attempt K-1's.
 
 **Only where one agent launched every rank** (``GROUP_WORLD_SIZE`` 1: a single-node
@@ -57,7 +57,8 @@ def number() -> int | None:
         return None
     agents = os.environ.get("GROUP_WORLD_SIZE")
     if agents is None:  # an older launcher: one agent when it launched every rank
-        one_agent = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+        world = os.environ.get("WORLD_SIZE")
+        one_agent = world is not None and os.environ.get("LOCAL_WORLD_SIZE") == world
     else:
         one_agent = agents == "1"
     return int(count) if one_agent else None
@@ -78,7 +79,7 @@ def _namespaced(original: Callable[..., Iterator[Any]]) -> Callable[..., Iterato
         store, rank, world_size = next(rendezvous)
         k = number()
         if k is not None:
-            store = dist.PrefixStore(f"guardrails-attempt{k}/", store)
+            store = dist.PrefixStore(f"guardrails-attempt{k}", store)  # + "/" + key
         yield store, rank, world_size
         yield from rendezvous  # a re-rendezvous: torch's own answer (it raises)
 

@@ -32,7 +32,8 @@ starts again at 0), only warned about, once, by rank 0: a person or a scheduler 
 launches again has usually changed something the fingerprint cannot see (a module the
 script imports, the data, the environment), and refusing a fix would be worse than one
 more failed attempt. ``GUARDRAILS_RETRY_UNFIXABLE=1`` or deleting the file lets a
-restart try anyway.
+restart try anyway. A ``main`` that returns (``@guardrails.record``) removes the file:
+the run that ended well is the last one.
 """
 
 from __future__ import annotations
@@ -214,6 +215,14 @@ def check_at_start(run_dir: Path, rank: int) -> None:
             str(previous.get("message", "")).splitlines()[0][:300],
             why,
         )
+
+
+def clear() -> None:
+    """The run ended well (``main`` returned): the failure recorded before in the
+    guard's run directory is history, and a later launch is not warned about it."""
+    if _run_dir is not None:
+        with contextlib.suppress(OSError):  # another rank of the job removed it first
+            os.unlink(_run_dir / FILE_NAME)
 
 
 def forget() -> None:

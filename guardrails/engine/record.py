@@ -92,6 +92,7 @@ def record(fn: F) -> F:
             # keys the attempt before left in the agent's store (distributed/attempt.py).
             with attempt.namespaced_rendezvous():
                 result = fn(*args, **kwargs)
+            last_failure.clear()  # main returned: an old failure is no longer the last
         except SystemExit as exc:
             if _ended_by_exit(exc):  # like torch's record: a clean sys.exit returns
                 return None

@@ -85,17 +85,7 @@ def rank_failed(
     ``waiting`` (where it waits in a collective, or ``None``): what dates a death."""
     rec = records.get(r)
     if rec is None:
-        return _spec(
-            "RankFailedError",
-            f"rank {r} never reported to the watchdog: it died or hung before its guard "
-            "started (check its log for an error at startup)",
-            failed_rank=r,
-            last_step=None,
-            last_phase=None,
-            reason="never_started",
-            hint=f"read rank {r}'s log (stderr; torchrun: --log-dir DIR --tee 3 keeps "
-            "one file per rank) for the first error.",
-        )
+        return _never_started(r)
     where = _where(rec)
     logs = f"its events in {rec['events']}" if rec.get("events") else "its log"
     if dead:
@@ -152,6 +142,20 @@ def rank_failed(
         reason=reason,
         log=rec.get("events"),
         hint=hint,
+    )
+
+
+def _never_started(r: int) -> dict[str, Any]:
+    return _spec(
+        "RankFailedError",
+        f"rank {r} never reported to the watchdog: it died or hung before its guard "
+        "started (check its log for an error at startup)",
+        failed_rank=r,
+        last_step=None,
+        last_phase=None,
+        reason="never_started",
+        hint=f"read rank {r}'s log (stderr; torchrun: --log-dir DIR --tee 3 keeps "
+        "one file per rank) for the first error.",
     )
 
 
