@@ -45,11 +45,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guardrails._errors import CheckpointError
 from guardrails.checkpoint import commit
 from guardrails.checkpoint.manifest import (
     ManifestError,
@@ -97,11 +99,14 @@ class FailureSave:
 
     def wanted(self, guard: Guard, error: BaseException | None, *, stop: int | None) -> bool:
         """Whether ``error`` ending the run calls for a failure save: an ``Exception``
-        (not a stop: ``SystemExit``, ``KeyboardInterrupt``), after at least one step, not
-        one already saved, and not when a signal ended the run (``stop``: the step a
-        signal's stop was decided at; a signal that came after a verdict, torchrun's
-        teardown once the stuck rank exited, does not count)."""
+        (not a stop: ``SystemExit``, ``KeyboardInterrupt``; not a save's own
+        ``CheckpointError``), after at least one step, not one already saved, and not
+        when a signal ended the run (``stop``: the step a signal's stop was decided at;
+        a signal that came after a verdict, torchrun's teardown once the stuck rank
+        exited, does not count)."""
         if self.outcome is not None or not isinstance(error, Exception) or stop is not None:
+            return False
+        if isinstance(error, CheckpointError):  # a save failed: another would fail alike
             return False
         if guard.step == 0 or guard.step == self._writer.last_saved_step:
             return False  # a failure at start (nothing trained), or a step saved already
@@ -204,9 +209,13 @@ class FailureSave:
             _perms.make_dirs(writer.root)
         tmp = commit.begin(writer.root, step, f"{writer.token}-failure")
         files: dict[str, Any] = {}
-        part.write(tmp, files)
-        if self._store is None:
-            return self._commit(step, tmp, files, cause, missing=[]), []
+        try:
+            part.write(tmp, files)
+            if self._store is None:
+                return self._commit(step, tmp, files, cause, missing=[]), []
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing was committed: no trace left
+            raise
         self._store.set(f"{key}/files/{self._rank}", json.dumps(files))
         if self._rank != 0:
             return self._await_commit(key, deadline, dead), []
@@ -216,6 +225,7 @@ class FailureSave:
             final = self._commit(step, tmp, merged, cause, missing=missing)
         except BaseException as e:
             self._store.set(f"{key}/commit", json.dumps({"error": repr(e)}))
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._store.set(f"{key}/commit", json.dumps({"path": str(final)}))
         return final, missing
