@@ -11,6 +11,7 @@ periodic save, and for a signal's save for as long as the grace period leaves.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -27,6 +28,8 @@ from guardrails.util import storage
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
+
+log = logging.getLogger("guardrails.checkpoint")
 
 
 def build_tier(
@@ -182,13 +185,8 @@ class Drain:
                 cancel=cancel,
                 delete_old=delete_old,
             )
-        except Cancelled:
-            guard.event(
-                "checkpoint_drain_abandoned",
-                step=step,
-                message=f"the copy of step {step} to {self.tier.durable} was abandoned for "
-                f"a newer save; it stays in {final}.",
-            )
+        except Cancelled:  # a newer save's, or the grace period's end: said by them
+            log.info("guardrails: the copy of %s to %s was abandoned", final, self.tier.durable)
             return
         except Exception as e:  # the local commit stands: said, not raised
             self._failed += 1
