@@ -289,3 +289,30 @@ def test_ranks_on_two_hosts_save_straight_to_the_run_dir(tmp_path):
     [off] = [e for e in read_events(run) if e["kind"] == "checkpoint_local_tier_off"]
     assert "several hosts" in off["message"]
     assert not local.exists() and names(run / "checkpoints") == steps(4, 8)
+
+
+@pytest.mark.slow(reason="3 runs of 2 FSDP2 ranks: straight, stopped, resumed")
+def test_fsdp2_shards_are_drained_whole_and_resumed_bitwise(tmp_path):
+    def job(run_dir: Path, out: Path, *args: object) -> list[int]:
+        cmd = [sys.executable, WORKER, run_dir, out, "--steps", 10, "--every-n", 4, "--fsdp"]
+        cmd += ["--background", *args, "--rank", "{rank}", "--world", "{world}"]
+        got = run_ranks([*cmd, "--port", "{port}"], 2, out=f"{out}.logs", timeout_s=240)
+        return [r.code for r in got]
+
+    assert job(tmp_path / "straight", tmp_path / "a") == [0, 0]
+    run, local = tmp_path / "stopped", tmp_path / "local"
+    args = ("--local-dir", local, "--sigterm-at", 6, "--kill-ranks", 0)
+    assert job(run, tmp_path / "b", *args) == [143, 143]
+    [at] = {e["step"] for e in read_events(run) if e["kind"] == "stopped"}
+    durable = run / "checkpoints" / f"step_{at:09d}"
+    assert problem(durable) is None  # DCP's shards and metadata, in dcp/, checked
+    assert (durable / "dcp" / ".metadata").is_file()
+    assert job(run, tmp_path / "b", *args) == [0, 0]
+    assert resumed_from(run) == [str(local / durable.name)] * 2  # each rank says it
+    for rank in (0, 1):
+        a = torch.load(f"{tmp_path / 'a'}.rank{rank}.pt", weights_only=False)
+        b = torch.load(f"{tmp_path / 'b'}.rank{rank}.pt", weights_only=False)
+        assert_state_equal(
+            {k: a[k] for k in ("step", "model", "opt", "rng")},
+            {k: b[k] for k in ("step", "model", "opt", "rng")},
+        )
