@@ -50,7 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- parent
 
 
-def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path) -> dict:
+def run_variant(
+    args: argparse.Namespace, name: str, pythonpath: str, work: Path, *, at: int
+) -> dict:
+    """One run of the child, SIGTERM at step ``at``."""
     run_dir = work / f"run-{name}"
     shutil.rmtree(run_dir, ignore_errors=True)
     child = [
@@ -105,7 +108,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         if line.startswith("STEP ") and len(line.split()) == 3:  # not a line two ranks interleaved
             _, step, ms = line.split()
             steps[int(step)] = float(ms)
-            if int(step) == args.sigterm_at and t_signal is None:
+            if int(step) == at and t_signal is None:
                 t_signal = time.perf_counter()
                 wall_signal = time.time()
                 proc.send_signal(signal.SIGTERM)
@@ -136,12 +139,12 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
     median = statistics.median(steps.values()) if steps else float("nan")
     # The boundary after step s (where a save of step s is staged, or skipped) is timed
     # in step s+1: every due save, committed, skipped or later abandoned.
-    due = range(args.every, args.sigterm_at, args.every) if args.every else range(0)
+    due = range(args.every, at, args.every) if args.every else range(0)
     stalls = {s: steps[s + 1] - median for s in due if s + 1 in steps}
     # The steps after each due save (or --noise), over the median: a stall can be one
     # long step or many slower ones while the write goes on.
     after = {s: [round(steps[k] - median) for k in range(s + 1, s + 26) if k in steps] for s in due}
-    last = [e for e in saves if e["step"] >= args.sigterm_at]
+    last = [e for e in saves if e["step"] >= at]
     # Where the time from SIGTERM to the launcher's exit goes, per rank (seconds after
     # the signal): the signal save committed (its event), the guard closed (its end
     # event), the interpreter reached atexit (after the with-block and SystemExit), and
@@ -152,6 +155,12 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         rank: {
             # an older save still being written, abandoned by the stop (its event)
             "abandoned": dropped[rank] - wall_signal if rank in dropped else None,
+            # the signal's save began (its event's time less its seconds): the step in
+            # flight and the boundary came first
+            "save_began": next(
+                (e["time"] - e["seconds"] - wall_signal for e in last if e["rank"] == rank),
+                None,
+            ),
             "saved": next((e["time"] - wall_signal for e in last if e["rank"] == rank), None),
             "guard_closed": ends[rank] - wall_signal if rank in ends else None,
             "atexit": at_exit[rank] - wall_signal if rank in at_exit else None,
@@ -166,6 +175,7 @@ def run_variant(args: argparse.Namespace, name: str, pythonpath: str, work: Path
         raise SystemExit(f"the {name} run imported guardrails from {ran}, not {expected}")
     return {
         "variant": name,
+        "sigterm_at": at,
         "guardrails": ran,
         "exit_code": code,
         "sigterm_to_exit_s": None if t_signal is None else t_exit - t_signal,
@@ -210,8 +220,11 @@ def parent(args: argparse.Namespace) -> None:
         variants = [("new", str(ROOT))]
         if args.old_guardrails:
             variants.insert(0, ("old", str(Path(args.old_guardrails).resolve())))
+        # Every SIGTERM step of --sigterm-at (2,5,10,45), each variant in turn, against
+        # one disk floor measured after them.
         runs = [
-            run_variant(args, name if args.repeat == 1 else f"{name}#{i + 1}", path, work)
+            run_variant(args, name if args.repeat == 1 else f"{name}#{i + 1}", path, work, at=at)
+            for at in args.sigterm_at
             for i in range(args.repeat)
             for name, path in variants
         ]
@@ -251,7 +264,8 @@ def show(path: str) -> None:
                 f" ({to_exit / d['floor_1x']['total_s']:.2f}x the floor)" if "floor_1x" in d else ""
             )
             print(
-                f"  {r['variant']}: exit {r['exit_code']}, SIGTERM -> exit "
+                f"  {r['variant']} (SIGTERM at {r.get('sigterm_at', d['sigterm_at'])}): "
+                f"exit {r['exit_code']}, SIGTERM -> exit "
                 f"{to_exit:.2f} s{ratio}, median step {r['median_step_ms']:.1f} ms, "
                 f"stall of each periodic save (ms over the median) {stalls}, "
                 f"skipped {r['skipped']}, {r['bytes_per_save'] / 1e9:.2f} GB per save"
@@ -609,7 +623,12 @@ def main() -> None:
         "--every", type=int, default=20, help="checkpoint_every_n_steps (0: no periodic saves)"
     )
     p.add_argument("--repeat", type=int, default=1, help="run each variant this many times")
-    p.add_argument("--sigterm-at", type=int, default=75)
+    p.add_argument(
+        "--sigterm-at",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[75],
+        help="the step(s) to send SIGTERM at, comma-separated: one run each (2,5,10,45)",
+    )
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--width", type=int, default=1536)
     p.add_argument("--batch", type=int, default=4)

@@ -4,7 +4,7 @@ Every error guardrails raises on purpose derives from :class:`GuardrailsError`, 
 ``except guardrails.GuardrailsError`` catches them all, and each subclass names one
 failure family from the debugging guides::
 
-    GuardrailsError                 rank, step, hint
+    GuardrailsError                 rank, step, hint, restartable (class attribute)
     ├── NonFiniteError              + cause        loss / grad went NaN or Inf
     ├── CollectiveMismatchError     + per_rank     ranks issued different collectives
     ├── HangError                   + stuck_ranks  no progress within hang_timeout_s
@@ -26,6 +26,11 @@ The contract, for code that catches them:
 * The structured fields (``rank``, ``step`` and the specifics of each subclass) are what
   programs should read; never parse the message.
 * ``hint`` is the "what to do" part alone, also included in the message.
+* ``restartable`` (a class attribute) says whether restarting the job can fix it: the
+  same code on the same data gets past a dead rank, a hang or a pre-emption, but a
+  desync, a config mismatch, uneven data or a checkpoint that does not fit fail the
+  same way on every restart. ``@guardrails.record`` says which in its report, and a
+  torchrun restart after an unfixable one is refused at once (``engine/last_failure.py``).
 * Errors pickle with their fields, so they survive ``torch.multiprocessing`` and the
   torchelastic error file.
 
@@ -35,7 +40,7 @@ training failure and raises the ordinary ``TypeError`` / ``ValueError`` instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,6 +54,11 @@ class GuardrailsError(Exception):
         step: the optimizer step at which it was observed (``None`` before the first).
         hint: what to do about it; appended to the message.
     """
+
+    #: Whether a restart of the same job can get past this failure. False for a
+    #: failure guardrails cannot classify: assume it recurs rather than loop through
+    #: every restart (``guard(...)``'s own misuse reports, like DDP's unused parameters).
+    restartable: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -103,6 +113,10 @@ class NonFiniteError(GuardrailsError):
     (``optimization_blowup``, ``bad_data``, ``numerics``, ``fp16_overflow``,
     ``not_reproducible``)."""
 
+    #: A restart resumes from the last checkpoint and replays the same batches with the
+    #: same learning rate schedule: a blow-up or a bad batch comes back at that step.
+    restartable: ClassVar[bool] = False
+
     cause: str | None
 
     def __init__(self, message: str, *, cause: str | None = None, **kw: Any) -> None:
@@ -115,6 +129,9 @@ class CollectiveMismatchError(GuardrailsError):
     ``group`` (``op``, ``shape``, ``dtype``, ``reduce_op``, ``root``, ``step``,
     ``site`` as ``file:line``), or ``{"seq": None, "issued": n}`` for a rank that had
     not issued that many yet. Raised by the :class:`~guardrails.CollectiveAuditor`."""
+
+    #: Ranks that took different code paths take them again on the same code and data.
+    restartable: ClassVar[bool] = False
 
     per_rank: dict[int, Any] | None
     #: The first collective number (1-based, per group) where the ranks differ.
@@ -138,6 +155,11 @@ class HangError(GuardrailsError):
     """No rank-wide progress within ``hang_timeout_s``. ``stuck_ranks`` names the ranks
     that stopped advancing."""
 
+    #: Most hangs are the machine's (a stalled filesystem, a wedged GPU or NIC, a
+    #: stuck loader worker): fresh processes get past them. A code path that waits
+    #: forever recurs, but costs each restart one timeout, bounded by --max-restarts.
+    restartable: ClassVar[bool] = True
+
     stuck_ranks: list[int] | None
 
     def __init__(self, message: str, *, stuck_ranks: list[int] | None = None, **kw: Any) -> None:
@@ -146,6 +168,10 @@ class HangError(GuardrailsError):
 
 class RankFailedError(GuardrailsError):
     """Another rank died; ``failed_rank`` is the one that did."""
+
+    #: A killed or crashed peer (the OOM killer, a lost node, a pre-emption) is the
+    #: failure torchrun's restarts exist for.
+    restartable: ClassVar[bool] = True
 
     failed_rank: int | None
 
@@ -156,6 +182,9 @@ class RankFailedError(GuardrailsError):
 class UnevenDataError(GuardrailsError):
     """Ranks ran out of data at different steps; ``lengths`` maps rank to batches seen."""
 
+    #: The same data gives the same lengths on the next attempt.
+    restartable: ClassVar[bool] = False
+
     lengths: dict[int, int] | None
 
     def __init__(self, message: str, *, lengths: dict[int, int] | None = None, **kw: Any) -> None:
@@ -165,6 +194,9 @@ class UnevenDataError(GuardrailsError):
 class ConfigMismatchError(GuardrailsError):
     """Ranks disagree on something that must match; ``fields`` maps each differing
     field to its value per rank."""
+
+    #: The ranks are given the same (mismatched) code, config and versions again.
+    restartable: ClassVar[bool] = False
 
     fields: dict[str, Any] | None
 
@@ -179,6 +211,10 @@ class LaunchError(GuardrailsError):
     ``"local_rank"``, ``"master_addr"``, ``"world_size"``, ``"cuda_visible_devices"``,
     ``"duplicate_device"``, ...)."""
 
+    #: A restart launches the same way (same environment, world size and devices); a
+    #: port another process holds is the exception, not the rule.
+    restartable: ClassVar[bool] = False
+
     check: str | None
 
     def __init__(self, message: str, *, check: str | None = None, **kw: Any) -> None:
@@ -189,6 +225,9 @@ class CheckpointError(GuardrailsError):
     """A checkpoint could not be written or read back intact; ``path`` names the file,
     ``field`` the field of it that is wrong (``"step"``, ``'files["model.safetensors"]
     .bytes'``, ``"data.batch_in_epoch"``; ``None`` for the file as a whole)."""
+
+    #: The same checkpoint is missing or corrupt on the next attempt too.
+    restartable: ClassVar[bool] = False
 
     path: str | None
     field: str | None
@@ -205,6 +244,9 @@ class ResumeError(GuardrailsError):
     with, each differing key (nested keys joined with ``.``) mapped to ``(saved, given)``
     (``"(absent)"`` for a key one side lacks); else ``None``. ``field``: the field of the
     file at ``path`` that does not fit, where one does (``"data.batch_in_epoch"``)."""
+
+    #: The checkpoint and the model or config are the same on the next attempt.
+    restartable: ClassVar[bool] = False
 
     path: str | None
     changed: dict[str, tuple[Any, Any]] | None
@@ -231,6 +273,12 @@ class OutOfMemoryError(GuardrailsError, torch.OutOfMemoryError):
 
     Also a ``torch.OutOfMemoryError`` (so a ``RuntimeError``): code that catches torch's
     error keeps working. The error torch raised is its ``__cause__``."""
+
+    #: An out-of-memory error mid-run mostly comes from fragmentation, a leak or a rare
+    #: long batch, and a fresh process starts with an empty allocator. One at the first
+    #: step (the model does not fit) recurs, costing each restart one startup, bounded
+    #: by --max-restarts.
+    restartable: ClassVar[bool] = True
 
     phase: str | None
     memory: dict[str, Any] | None

@@ -36,6 +36,7 @@ from guardrails.checkpoint.common import (
 # The manifest and the checks of a checkpoint's files, torch-free (`inspect` uses them).
 from guardrails.checkpoint.manifest import (
     ASIDE_RE,
+    FAILURE,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
@@ -82,13 +83,14 @@ def commit(
     run: Mapping[str, Any] | None = None,
     adopt_unlabelled: bool = False,
     seq: int | None = None,
+    failure: Mapping[str, Any] | None = None,
 ) -> Path:
     """Seal ``tmp`` as ``root/step_<N>``: manifest last, fsync, one atomic rename.
 
     ``seq``: the save's sequence number (``manifest.SEQ``), from a writer that counts
-    its saves; ``None``: one more than the highest under ``root`` (read now).
-
-    Called by rank 0 once every rank's files are in ``tmp`` (``files`` lists them all).
+    its saves; ``None``: one more than the highest under ``root`` (read now);
+    ``failure``: a failure save's record (``manifest.FAILURE``). Called by rank 0 once
+    every rank's files are in ``tmp`` (``files`` lists them all).
     ``contents``: which optimizers and schedulers the checkpoint holds, and where (see
     :func:`contents_of`); ``run``: the run's config and settings (:func:`run_record`)
     and its id: retention then counts only that run's checkpoints (and, with
@@ -117,6 +119,7 @@ def commit(
         SEQ: highest_seq(root) + 1 if seq is None else seq,
         "contents": dict(contents or {}),
         **({"run": dict(run)} if run else {}),
+        **({FAILURE: dict(failure)} if failure is not None else {}),
         "files": files,
     }
     # The manifest is the commit record of the files: written last, so its presence

@@ -95,6 +95,12 @@ SEQ = "seq"
 #: checksum and it matches (a flipped bit turns format_version 4 into 5: that is
 #: damage, to fall back from, not a reason to stop); later formats must keep it.
 SELF_HASH = "manifest_sha256"
+#: A failure save's record (``guards/checkpointer/failure.py``): ``cause`` (the error's
+#: class and first line), ``state`` (``"live"``: the last finished step's), ``missing``
+#: (the ranks whose own files, RNG streams and data position, could not be written: a
+#: dead or stuck rank). Absent from every other checkpoint. A failure save with missing
+#: ranks is *incomplete*: intact on disk, readable by ``inspect``, never resumed from.
+FAILURE = "failure"
 STEP_RE = re.compile(r"^step_(\d+)$")
 #: A checkpoint a same-step re-save renamed aside, before renaming the new one in (see
 #: ``commit._replace``): while ``step_<N>`` itself is missing, it is that checkpoint.
@@ -204,6 +210,12 @@ def check_manifest(m: Any) -> None:
                 _mapping(run[key], f"run.{key}")
         if run.get("finished_at") is not None:
             _number(run["finished_at"], "run.finished_at")
+    if m.get(FAILURE) is not None:
+        failure = _mapping(m[FAILURE], FAILURE)
+        for key in ("cause", "state"):
+            _str(failure.get(key), f"{FAILURE}.{key}")
+        for i, r in enumerate(_list(failure.get("missing", []), f"{FAILURE}.missing")):
+            _int(r, f"{FAILURE}.missing[{i}]", high=world - 1)
 
 
 def read_manifest(ckpt: Path) -> dict[str, Any]:
@@ -295,6 +307,9 @@ def problem(
         if e.too_new:
             raise
         return e.path, e.message
+    found = incomplete(ckpt, manifest)
+    if found is not None:
+        return found
     files = manifest["files"]
     world = int(manifest.get("world_size", 1))
     contents = _contents(manifest)
@@ -336,6 +351,21 @@ def problem(
         if why is not None:
             found = str(ckpt / "dcp" / ".metadata"), why
     return found
+
+
+def incomplete(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(manifest, why)`` when ``ckpt`` is a failure save that not every rank could
+    write (:data:`FAILURE`'s ``missing``), else ``None``: its files are intact, but the
+    missing ranks' RNG streams and data position are not there to resume."""
+    failure = manifest.get(FAILURE) or {}
+    missing = failure.get("missing") or []
+    if not missing:
+        return None
+    return str(ckpt / MANIFEST), (
+        f"{ckpt.name} is an incomplete failure save (after {failure.get('cause')}): "
+        f"rank(s) [{shorten(missing, 5)}] died or were stuck and could not write their "
+        "RNG streams and data position"
+    )
 
 
 def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] | None:

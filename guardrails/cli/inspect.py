@@ -169,6 +169,11 @@ def _facts(row: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     ranks = [n for n in files if n.startswith("rank") and n.endswith(".json")]
     if ranks or "rng.json" in files:
         held.append(f"rng ({len(ranks) or 1} rank{'s' if len(ranks) > 1 else ''})")
+    failure = manifest.get("failure")
+    if failure:  # a failure save (guards/checkpointer/failure.py): its cause, and if whole
+        missing = failure.get("missing") or []
+        gaps = f", incomplete: rank(s) {missing} missing" if missing else ""
+        held.append(f"failure save after {failure.get('cause')}{gaps}")
     row["holds"] = held
     return held
 

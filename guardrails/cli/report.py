@@ -13,7 +13,8 @@ A run_dir can hold several runs (restarts, resumes): runs are told apart by thei
 ``start`` events (one per rank) and the ``started_at`` column. The newest is reported
 unless ``--all``. A run killed mid-way has no ``end`` event and maybe no metrics part
 yet (parts are written every ``metrics_write_every_s`` and at close): the story says so
-and tells what it can from what is there.
+and tells what it can from what is there. A run that continued another after a failure
+(a restart) ends with the job's restarts and goodput (:mod:`~guardrails.cli.report_restarts`).
 
 The command in parts, each its own module: :mod:`~guardrails.cli.report_runs` (the runs
 in a run_dir, the one streaming pass), :mod:`~guardrails.cli.report_summary` (the facts,
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from guardrails.cli.report_plot import PLOT_HINT, plot
+from guardrails.cli.report_restarts import Restarts
 from guardrails.cli.report_runs import _metrics_keys, gather, logger, read_events, split_runs
 from guardrails.cli.report_story import story
 from guardrails.cli.report_summary import summarize
@@ -41,6 +43,11 @@ def add_parser(sub: Any) -> None:
         "report",
         help="a run's story from metrics.parquet and events.jsonl, and a PNG",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="A run that continued another after a failure also shows each restart (its "
+        "cause, the time from the fault to training again, the steps redone) and the job's "
+        "goodput: useful step time / wall time over its attempts, where useful leaves out "
+        "the steps a later attempt redid and each attempt's first step (its start-up). "
+        "See docs/cli.md, 'Restarts and goodput'.",
     )
     p.add_argument("run_dir", type=Path, help="the guard's run_dir")
     p.add_argument("--png", type=Path, help="where to write the plot (default RUN_DIR/report.png)")
@@ -62,18 +69,22 @@ def main(args: argparse.Namespace) -> int:
         return 2
     runs = split_runs(events, keys)
     chosen = runs if args.all else runs[-1:]
+    restarts = [Restarts(run, runs) for run in chosen]
     try:
-        gather(run_dir, chosen, runs, plots=not args.no_png)
+        extra = [r.feeds() for r in restarts]
+        gather(run_dir, chosen, runs, plots=not args.no_png, extra=extra)
     except Exception as exc:  # a part damaged after the scan read it: tell the events
         logger.warning(
             "guardrails report: %s unreadable: %s: %s", METRICS_DIR, type(exc).__name__, exc
         )
         for run in chosen:
             run.keys, run.stats, run.curves = {}, None, None
+        for r in restarts:
+            r.streamed = False
     facts = []
     texts = []
     for i, run in enumerate(chosen):
-        s = summarize(run, run_dir, runs)
+        s = summarize(run, run_dir, runs, restarts[i])
         s["run"] = runs.index(run) + 1
         s["runs_in_dir"] = len(runs)
         if not args.no_png:

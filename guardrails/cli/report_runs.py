@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from guardrails.cli.report_stats import (
     Counter,
     Curves,
+    Feed,
     Key,
     KeyInfo,
     RunStats,
@@ -164,10 +166,18 @@ def split_runs(events: list[dict[str, Any]], keys: dict[Key, KeyInfo]) -> list[R
     return runs
 
 
-def gather(run_dir: Path, chosen: list[Run], runs: list[Run], plots: bool) -> int:
+def gather(
+    run_dir: Path,
+    chosen: list[Run],
+    runs: list[Run],
+    plots: bool,
+    *,
+    extra: Iterable[dict[Key, list[Feed]]] = (),
+) -> int:
     """Stream the metrics once into what ``chosen`` runs need: each one's
     :class:`RunStats`, the count of earlier runs' rows its plot starts with and, with
-    ``plots``, its :class:`Curves`. Returns the most rows held at once (one batch).
+    ``plots``, its :class:`Curves`; and the ``extra`` feeds (a job's useful step time,
+    ``report_restarts``). Returns the most rows held at once (one batch).
 
     Each key takes rows up to the last step the first pass saw: a live run's parts
     written since add nothing, so the facts and the plot are of one moment."""
@@ -192,6 +202,9 @@ def gather(run_dir: Path, chosen: list[Run], runs: list[Run], plots: bool) -> in
             run.curves = Curves(int(lo), int(max(hi, lo)), lead=run.lead()[0])
             for other, bound in chain:
                 feed(other, run.curves.add, bound)
+    for more in extra:
+        for key, fns in more.items():
+            feeds.setdefault(key, []).extend(fns)
     return stream(run_dir, feeds) if any(r.keys for r in runs) else 0
 
 

@@ -5,9 +5,10 @@ Every row of every rank loaded into numpy (``read_metrics``) would be ~15 GB for
 rank's month at 10 steps/s, so the report reads in two passes, a batch (``BATCH_ROWS``
 rows) at a time (``metrics/file.iter_metrics``):
 
-1. :func:`scan_keys`: the columns ``rank``, ``started_at``, ``step``, kept only as one
-   :class:`KeyInfo` per (rank, started_at) pair (rows, first and last step): what splits
-   rows into runs;
+1. :func:`scan_keys`: the columns ``rank``, ``started_at``, ``step``, ``time`` and
+   ``step_time_s``, kept only as one :class:`KeyInfo` per (rank, started_at) pair (rows,
+   first and last step, and when they ended): what splits rows into runs, and what
+   times a restart;
 2. :func:`stream`: every column, each batch handed to the aggregators of the runs it
    belongs to: :class:`RunStats` (counts, sums, minima and maxima, the first and last
    ten losses, medians) and :class:`Curves` (the plot's lines, binned by step).
@@ -76,28 +77,46 @@ def anatomy(sums: dict[int, np.ndarray]) -> dict[str, Any] | None:
 
 @dataclass
 class KeyInfo:
+    """One rank of one run in the metrics: its rows and step range; when its first
+    row's step ended (``first_time``); its last finished step and when it ended
+    (``done_step``, ``done_time``: the rank's last progress). A row without a step time
+    is not a finished step: the open row a failed run ends with (``Guard.open_row``)."""
+
     rows: int
     step_min: int
     step_max: int
+    first_time: float = math.nan
+    done_step: int = 0
+    done_time: float = math.nan
+
+    def add(self, step: np.ndarray, time: np.ndarray, step_time: np.ndarray) -> None:
+        """A batch of this key's rows (the first batch too: built empty, then added)."""
+        self.rows += len(step)
+        self.step_max = max(self.step_max, int(step.max()))
+        i = int(step.argmin())
+        if step[i] < self.step_min or self.first_time != self.first_time:
+            self.step_min, self.first_time = int(step[i]), float(time[i])
+        done = np.isfinite(step_time)
+        if done.any():
+            j = int(np.where(done, step, np.iinfo(np.int64).min).argmax())
+            if step[j] > self.done_step:
+                self.done_step, self.done_time = int(step[j]), float(time[j])
 
 
 def scan_keys(run_dir: Path) -> dict[Key, KeyInfo]:
-    """Pass 1: each (rank, started_at) with its row count and step range."""
+    """Pass 1: each (rank, started_at) with its row count, step range and times."""
     keys: dict[Key, KeyInfo] = {}
-    for batch in iter_metrics(run_dir, columns=["rank", "started_at", "step"]):
-        rank = batch.column(0).to_numpy(zero_copy_only=False)
-        started = batch.column(1).to_numpy(zero_copy_only=False)
-        step = batch.column(2).to_numpy(zero_copy_only=False)
+    names = ["rank", "started_at", "step", "time", "step_time_s"]
+    for batch in iter_metrics(run_dir, columns=names):
+        rank, started, step, time, step_time = (
+            c.to_numpy(zero_copy_only=False) for c in batch.columns
+        )
         for key, idx in _groups(rank, started):
-            s = step if idx is None else step[idx]
+            cols = [c if idx is None else c[idx] for c in (step, time, step_time)]
             info = keys.get(key)
-            lo, hi = int(s.min()), int(s.max())
             if info is None:
-                keys[key] = KeyInfo(len(s), lo, hi)
-            else:
-                info.rows += len(s)
-                info.step_min = min(info.step_min, lo)
-                info.step_max = max(info.step_max, hi)
+                info = keys[key] = KeyInfo(0, int(cols[0].min()), int(cols[0].max()))
+            info.add(*cols)
     return keys
 
 

@@ -15,6 +15,8 @@ from guardrails.cli.report_summary import _ADVICE, _FAILURES, _WARNINGS
 from guardrails.util.text import shorten, si
 
 _FIRST_LAST = FIRST_LAST  # loss "first" and "last": mean of this many steps
+#: A restart's cause in its line: the head of the error, at most this many characters.
+_CAUSE_CHARS = 160
 
 
 def story(s: dict[str, Any]) -> str:
@@ -27,6 +29,7 @@ def story(s: dict[str, Any]) -> str:
         *_time_lines(s),
         *_trouble_lines(s),
         *_end_lines(s),
+        *_restart_lines(s),
     ]
     return "\n".join(lines)
 
@@ -222,6 +225,74 @@ def _end_lines(s: dict[str, Any]) -> list[str]:
             "(SIGKILL / OOM killer / node failure)"
         )
     return lines
+
+
+def _restart_lines(s: dict[str, Any]) -> list[str]:
+    """The job's restarts up to this run, one line each, after the job's goodput;
+    nothing for a run that is no restart."""
+    job = s.get("job")
+    if not job:
+        return []
+    runs = job["runs"]  # consecutive: each attempt is the run after the one it continued
+    useful = job["useful_step_s"]
+    head = f"  restarts     {len(s['restarts'])} in {job['attempts']} attempts "
+    head += f"(runs {runs[0]}-{runs[-1]}); "
+    if job["goodput"] is not None:
+        head += (
+            f"goodput {job['goodput']:.1%} (useful step time {_dur(useful)} of "
+            f"{_dur(job['wall_s'])} wall time; {job['steps_redone']} step(s) redone)"
+        )
+    else:
+        head += f"goodput unknown (no metric rows); {job['steps_redone']} step(s) redone"
+    lines = [head]
+    if job.get("runs_without_rows"):
+        lines.append(
+            f"               run(s) {', '.join(map(str, job['runs_without_rows']))} wrote no "
+            "metric rows: their steps count as not useful"
+        )
+    lines += [_restart_line(r) for r in s["restarts"]]
+    return lines
+
+
+def _restart_line(r: dict[str, Any]) -> str:
+    """One restart: its cause, the time from the fault to training again, by phase,
+    and the steps redone."""
+    c = r["cause"]
+    where = [f"rank {c['rank']}"] if c.get("rank") is not None else []
+    where += [f"step {c['step']}"] if c.get("step") is not None else []
+    # A verdict's head line can run to several hundred characters (a hang's names both
+    # ranks' places): cut in the line, whole in --json and in the run's own report.
+    message = c["message"]
+    if len(message) > _CAUSE_CHARS:
+        message = message[: _CAUSE_CHARS - 3].rstrip() + "..."
+    text = f"    run {r['from_run']} -> {r['to_run']}: {message}"
+    text += f" ({', '.join(where)})" if where else ""
+    if c.get("restartable") is not None:
+        text += "; a restart can fix this" if c["restartable"] else "; a restart cannot fix this"
+    if r.get("failure_saved"):
+        f = r["failure_saved"]
+        text += f"; failure save at step {f.get('step')}" + (
+            f" in {_dur(float(f['seconds']))}" if f.get("seconds") is not None else ""
+        )
+    back = r.get("to_training_s")
+    text += (
+        f"; training again {_dur(back)} after the fault ({r['fault_is']})"
+        if back is not None
+        else "; time to training again unknown"
+    )
+    phases = []
+    for name in ("detection", "exit", "restart", "load", "first_step"):
+        v = r.get(f"{name}_s")
+        label = name.replace("_", " ")
+        part = f"{label} {_dur(v)}" if v is not None else f"{label} unknown"
+        if name == "load" and r.get("checkpoint_load_s") is not None:
+            part += f" (checkpoint {_dur(r['checkpoint_load_s'])})"
+        phases.append(part)
+    text += ": " + ", ".join(phases)
+    return text + (
+        f"; {r['steps_redone']} step(s) redone (step {r['last_step']} reached, resumed at "
+        f"{r['resumed_step']})"
+    )
 
 
 def _preempted_line(p: dict[str, Any]) -> str:

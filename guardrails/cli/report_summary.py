@@ -11,9 +11,12 @@ import math
 import re
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guardrails.cli.report_runs import Run, _same_path, _source
+
+if TYPE_CHECKING:
+    from guardrails.cli.report_restarts import Restarts
 
 #: Events shown as warnings in the story (each: kind -> short label).
 _WARNINGS = {
@@ -67,10 +70,13 @@ _TOLD = {
 }
 
 
-def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[str, Any]:
+def summarize(
+    run: Run, run_dir: Path, runs: list[Run] | None = None, restarts: Restarts | None = None
+) -> dict[str, Any]:
     """The facts of one run, JSON-able: what ``--json`` prints and the text is made of.
     ``runs``: every run in ``run_dir``, oldest first, to say which run a resume
-    continued and which one continued a stopped run. The keys come in the order the
+    continued and which one continued a stopped run; ``restarts``: the job's restarts
+    up to this run, streamed (``report_restarts``). The keys come in the order the
     story tells them (``--json`` prints them so)."""
     runs = runs if runs is not None else [run]
     by_kind: dict[str, list[dict[str, Any]]] = {}
@@ -96,6 +102,7 @@ def summarize(run: Run, run_dir: Path, runs: list[Run] | None = None) -> dict[st
     s["ended"] = _ended(run, by_kind, runs, run_dir)
     s["last_seen"] = _iso(last_time)
     s["failure_counts"] = _failure_counts(s)
+    s["restarts"], s["job"] = restarts.facts() if restarts is not None else ([], None)
     return s
 
 

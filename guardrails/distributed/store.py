@@ -12,9 +12,12 @@ both opened once per guard:
   store (the ``TCPStore`` torchrun's agent or ``init_process_group`` already runs).
   For asynchronous traffic: one rank writes, others read when they like; a background
   thread may use it while the main thread is stuck in a collective (``TCPStore``
-  serialises its client calls with a lock). Keys are namespaced per guard generation
-  (``guardrails/g<N>/<name>/``) so two guards in one process, one after the other,
-  never read each other's keys.
+  serialises its client calls with a lock). Keys are namespaced per launch attempt and
+  guard generation (``guardrails/attempt<K>/g<N>/<name>/``): two guards in one
+  process, one after the other, never read each other's keys, and neither does the
+  attempt a torchrun restart started (its workers share the agent's store with the
+  attempt before: a verdict left there was read as news, issue 50). See
+  ``distributed/attempt.py`` for when ``attempt<K>/`` is known.
 * :func:`open_side_group`: a gloo process group over the same ranks, created by every
   rank at guard start (``new_group`` is collective), for the rare synchronous
   agreement (every rank calls the same collective at the same step): a CPU
@@ -55,6 +58,8 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from guardrails.distributed import attempt
 
 log = logging.getLogger("guardrails.guard")
 
@@ -212,8 +217,9 @@ def next_generation() -> int:
 
 
 def side_store(generation: int, name: str) -> dist.Store | None:
-    """A store whose keys live under ``guardrails/g<generation>/<name>/``, or ``None``
-    when not distributed.
+    """A store whose keys live under ``guardrails/attempt<K>/g<generation>/<name>/``
+    (``attempt<K>/`` under a single-agent torchrun, see :mod:`.attempt`; absent
+    elsewhere), or ``None`` when not distributed.
 
     Uses ``distributed_c10d._get_default_store()``, private but present since torch 1.x
     and what torch's own store-based barrier uses; the public alternative (a TCPStore of
@@ -223,9 +229,11 @@ def side_store(generation: int, name: str) -> dist.Store | None:
         return None
     from torch.distributed import distributed_c10d
 
-    return dist.PrefixStore(
-        f"guardrails/g{generation}/{name}/", distributed_c10d._get_default_store()
-    )
+    # The attempt here and not only in the rendezvous (attempt.namespaced_rendezvous):
+    # a process group made outside @guardrails.record still shares the agent's store
+    # with the previous attempt.
+    prefix = f"guardrails/{attempt.key_prefix()}g{generation}/{name}/"
+    return dist.PrefixStore(prefix, distributed_c10d._get_default_store())
 
 
 def publish_run_id(generation: int) -> str | None:

@@ -109,6 +109,9 @@ class Component:
     essential: ClassVar[bool] = False
     #: It saves checkpoints: :meth:`Guard.save_checkpoint` calls its :meth:`save`.
     saves_checkpoints: ClassVar[bool] = False
+    #: Seconds its :meth:`on_abort` may need beyond the metrics' flush (a failure save:
+    #: its time limit); :meth:`Guard.die` gives the process's last words that much more.
+    abort_s: float = 0.0
     #: Only useful with other ranks: ``guard()`` leaves it out of a single process.
     distributed_only: ClassVar[bool] = False
 

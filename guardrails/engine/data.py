@@ -167,7 +167,7 @@ class DataPosition:
         """Whether the next pass continues a resumed one (set by :meth:`load`)."""
         return self._resumed is not None
 
-    def trained(self) -> tuple[int, int, dict[str, Tensor] | None]:
+    def trained(self, at: Any = None) -> tuple[int, int, dict[str, Tensor] | None]:
         """``(epoch, batch_in_epoch, epoch-start RNG states)`` after the batches the
         completed steps trained on: the position at the last step's last training forward
         (:attr:`trained_at`), not the batches fetched, which in a loop that prefetches
@@ -175,13 +175,15 @@ class DataPosition:
         (the prefetched batch was that pass's first) is the next pass's start. Resumed and
         not iterated yet: the resumed position (a save right after a resume, such as
         ``g.save_checkpoint()`` before the loop, wrote batch 0 of the pass, and the next
-        resume trained the pass's first batches again)."""
+        resume trained the pass's first batches again). ``at``: another ``trained_at``
+        (the one of the last step boundary, for a failure save)."""
+        trained_at = self.trained_at if at is None else at
         resumed = self._resumed
-        if self.trained_at is None and resumed is not None:
+        if trained_at is None and resumed is not None:
             start = resumed.get("epoch_start") or None
             return int(resumed["epoch"]), int(resumed["batch_in_epoch"]), start
         guard = self._guard
-        epoch, batch, start = self.trained_at or (
+        epoch, batch, start = trained_at or (
             guard.epoch,
             guard.batch_in_epoch,
             self.epoch_start,
@@ -266,21 +268,26 @@ class DataPosition:
             line=line,
         )
 
-    def save(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    def save(
+        self, *, boundary: tuple[Any, list[Any]] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Tensor]]:
         """``(position, tensors)`` of the guard's loader at a step boundary: the JSON part
         (with the loader's own ``state_dict()`` when it has one that works) and its
         tensors: the epoch-start RNG states under ``epoch_start.*``, the loader's and
         sampler's own generators as they are now under ``current.*`` (the next pass draws
-        from them)."""
+        from them). ``boundary``: ``(trained_at, batches fetched since)`` of the last step
+        boundary, when the loop has moved past it (a failure save inside a step): the
+        batches that step fetched are handed out first on resume, as a prefetch's are."""
         loader = self._guard.loader
-        own = self._own_state(loader)
+        own = self._own_state(loader, held=None if boundary is None else boundary[1])
         if own is not None:
             kind = "state_dict"
         elif _replayable(loader):
             kind = "replay"
         else:
             kind = "fast_forward"
-        epoch, batch, start = self.trained()
+        epoch, batch, start = self.trained(None if boundary is None else boundary[0])
+        held = self._held() if boundary is None else boundary[1]
         position: dict[str, Any] = {
             "kind": kind,
             "epoch": epoch,
@@ -297,12 +304,10 @@ class DataPosition:
         if own is not None:
             position.update(own[0])
             tensors.update(own[1])
-        elif kind == "fast_forward":
-            held = self._held()
+        elif kind == "fast_forward" and held and _plain(held):
             # Fetching it again would draw it afresh (see the module docstring); a batch
             # that would not come back as the same types is fetched again.
-            if held and _plain(held):
-                position.update(_encode_held(held, tensors))
+            position.update(_encode_held(held, tensors))
         return position, tensors
 
     def _held(self) -> list[Any]:
@@ -313,7 +318,9 @@ class DataPosition:
             return list(resumed.get("held") or [])
         return list(self.fetched)
 
-    def _own_state(self, loader: Any) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+    def _own_state(
+        self, loader: Any, *, held: list[Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
         """The loader's own ``state_dict()`` and the batches fetched past the trained
         position, encoded (``(position entries, tensors)``); ``None`` when the loader has no
         ``state_dict()``, or when it raised or cannot be stored: then the position is kept
@@ -329,7 +336,7 @@ class DataPosition:
                 "loader": encode(loader.state_dict(), "loader", tensors),
                 # The loader's own state is past the batches a prefetching loop fetched for
                 # the next step; they are saved and handed out first on resume (no rewind).
-                **_encode_held(self._held(), tensors),
+                **_encode_held(self._held() if held is None else held, tensors),
             }
         except Exception as exc:  # the user's / a library's loader: any failure, same fallback
             self._loader_state_error = f"{type(exc).__name__}: {exc}"

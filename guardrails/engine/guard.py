@@ -66,6 +66,7 @@ from torch import Tensor, nn
 from guardrails.distributed import dist, store
 from guardrails.engine import lifecycle, process, rundir, setup, where
 from guardrails.engine.anatomy import StepAnatomy
+from guardrails.engine.boundary import EVERY_N, BoundaryCapture
 from guardrails.engine.buffers import BufferShadows
 from guardrails.engine.component import (
     HOOKS,
@@ -86,6 +87,10 @@ from guardrails.metrics.events import EventLog, logger_of
 from guardrails.util.checks import check_scaler, flag, named
 
 logger = logging.getLogger("guardrails.guard")
+
+# The boundary capture's per-step pieces, bound once (engine/boundary.py).
+_get_state = torch.Generator.get_state
+_CHECK_MASK = EVERY_N - 1
 
 #: What ``optimizer`` may be: one optimizer, or several as a list or a dict by name.
 Optimizers = (
@@ -282,6 +287,9 @@ class Guard(StepState):
         )
         self._wrappers = UserWrappers(self, hooks, self._losses, self._norm)
         self._at_boundary = False
+        #: The RNG streams and data position the last step boundary left
+        #: (``engine/boundary.py``): what a failure save inside the next step writes.
+        self.boundary_capture = BoundaryCapture()
         self._forward_seen = False  # a training forward since the last step
         # Fire the boundary at the next training forward too, not only at the next
         # fetch: set at each step from what the loop does (see the module docstring).
@@ -421,9 +429,10 @@ class Guard(StepState):
         collective, a C call, a loader): end the process now with ``error`` reported,
         after the components' last words (:meth:`Component.on_abort`: the metrics the
         host holds) and the ``end`` event, so a run guardrails ends never looks like
-        one the OOM killer took."""
-
-        process.die(error, exit_code=exit_code, last_words=self._last_words)
+        one the OOM killer took. The last words get the longest ``abort_s`` a
+        component declares on top of their own deadline (a failure save's limit)."""
+        extra_s = max((c.abort_s for c in self.components), default=0.0)
+        process.die(error, exit_code=exit_code, last_words=self._last_words, extra_s=extra_s)
 
     def _last_words(self, error: BaseException) -> None:
         lifecycle.last_words(self, error)
@@ -631,6 +640,13 @@ class Guard(StepState):
         while True:
             if self._at_boundary:  # _boundary() inline: the common place it fires
                 self._at_boundary = False
+                self.update_began = False
+                cap = self.boundary_capture  # what a failure save inside the next step writes
+                cap.torch = tuple(map(_get_state, cap.generators))
+                cap.trained_at, cap.epoch = pos.trained_at, self.epoch
+                cap.count += 1
+                if cap.count & _CHECK_MASK == 1 or cap.drawing:
+                    cap.check()
                 for fn in self._live["on_boundary"]:
                     fn(self)
                 if self.stopping is not None:
@@ -723,8 +739,17 @@ class Guard(StepState):
 
     def _boundary(self) -> None:
         """The last step's loop body is done and the next step has not started: run
-        the components' ``on_boundary`` (checkpoints, stop agreement)."""
+        the components' ``on_boundary`` (checkpoints, stop agreement). What the
+        boundary leaves of the RNG and the data position is captured first (inline in
+        ``_batches`` too): a failure inside the next step saves it (engine/boundary.py)."""
         self._at_boundary = False
+        self.update_began = False
+        cap = self.boundary_capture
+        cap.torch = tuple(map(_get_state, cap.generators))
+        cap.trained_at, cap.epoch = self.data_position.trained_at, self.epoch
+        cap.count += 1
+        if cap.count & _CHECK_MASK == 1 or cap.drawing:
+            cap.check()
         for fn in self._live["on_boundary"]:
             fn(self)
 
@@ -1023,6 +1048,7 @@ class Guard(StepState):
             # steps per batch, or a model called around the guard's wrapper): the
             # boundary is due now at the latest, before this update.
             self._boundary()
+        self.update_began = True  # the live state leaves the last finished step's
         if self._shadow.pending:
             self._shadow.settle()  # the run's first optimizer step, once
         if not self._forward_seen:  # no forward observed: the fetch position it is
@@ -1165,6 +1191,7 @@ class Guard(StepState):
 
     def _before_extra_step(self, name: str) -> None:
         self.phase = "optimizer"
+        self.update_began = True
         if self._shadow.pending:
             self._shadow.settle()  # the run's first optimizer step, once
         if self._pending is not None:

@@ -8,8 +8,10 @@ the guard they start or close; none runs per step.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError
@@ -21,6 +23,17 @@ if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.guard")
+
+#: When this module was imported: the process start where /proc cannot say (not Linux).
+#: Later than the real start by the interpreter's and torch's imports (~2-3 s).
+_IMPORTED_AT = time.time()
+#: The launchers' variables a start event records: which attempt of which job this is.
+_LAUNCHER_ENV = {
+    "torchelastic_run_id": "TORCHELASTIC_RUN_ID",
+    "torchelastic_restart_count": "TORCHELASTIC_RESTART_COUNT",
+    "slurm_job_id": "SLURM_JOB_ID",
+    "slurm_restart_count": "SLURM_RESTART_COUNT",
+}
 
 
 def join_job(guard: Guard) -> None:
@@ -79,6 +92,8 @@ def install(guard: Guard) -> None:
         world_size=guard.world_size,
         device=str(guard.device),
         components=[c.name for c in guard.components],
+        launcher=launcher(),
+        **process_started(),
     )
     guard._anatomy.start(guard.step, cuda=guard._device_type == "cuda")
     for c in guard.components:
@@ -146,6 +161,14 @@ def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:
     text = None
     if error is not None:
         text = getattr(error, "guardrails_message", None) or f"{type(error).__name__}: {error}"
+        fields["error_type"] = type(error).__name__
+        restartable = getattr(error, "restartable", None)  # a launcher's restart can fix it
+        if restartable is not None:
+            fields["restartable"] = bool(restartable)
+    # How long the close or abort took before this event (the components' on_end: a
+    # save, the last metrics): the failure's time is this event's less this.
+    if guard._ending_at == guard._ending_at:  # not NaN: set by close() and last_words()
+        fields["closing_s"] = round(max(0.0, time.time() - guard._ending_at), 6)
     events.emit("end", step=guard.step, error=text, **fields)
     events.close()
 
@@ -174,3 +197,30 @@ def close_at_exit(guard: Guard) -> None:
         guard.close(exc)
     except BaseException as err:  # the process is ending; say so, do not raise
         logger.warning("guardrails: closing the guard at exit raised %r", err)
+
+
+def launcher() -> dict[str, str | int] | None:
+    """Which attempt of which job this process is, as its launcher numbers them:
+    torchrun's run id and restart count, SLURM's job id and restart count (a requeue);
+    only those set, ``None`` under neither. ``report`` tells a restart by them."""
+    found: dict[str, str | int] = {}
+    for key, name in _LAUNCHER_ENV.items():
+        value = os.environ.get(name)
+        if value:
+            found[key] = int(value) if key.endswith("_count") and value.isdigit() else value
+    return found or None
+
+
+def process_started() -> dict[str, Any]:
+    """When this process started (unix time), and from what: ``/proc/self/stat``'s
+    start time (10 ms ticks after boot, set against ``/proc/uptime``), or where /proc
+    cannot say, the import of this module (later than the real start by the imports)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        # Field 22, starttime; the fields after the command's ")" begin at field 3.
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+        return {"process_started": time.time() - age, "process_started_from": "/proc/self/stat"}
+    except (OSError, ValueError, IndexError):
+        return {"process_started": _IMPORTED_AT, "process_started_from": "guardrails import"}

@@ -14,17 +14,21 @@ Exit codes (``EXIT_CODES``), one per error class so a launcher script or a sched
 tell a hang from a NaN without parsing logs. They sit in 80-99, clear of the codes that
 already mean something: 1 (an uncaught Python exception), 2 (usage / argparse), 124
 (``timeout``), 126/127 (the shell), 128+N (killed by signal N: 130 Ctrl+C, 137 SIGKILL,
-143 SIGTERM)::
+143 SIGTERM). R: a restart can fix it (the class's ``restartable``, reasons in
+``_errors.py``); the others fail the same way on every restart::
 
-    80  GuardrailsError (any other)     85  UnevenDataError
-    81  NonFiniteError                  86  ConfigMismatchError
-    82  CollectiveMismatchError         87  CheckpointError
-    83  HangError                       88  ResumeError
-    84  RankFailedError                 89  OutOfMemoryError
-                                        90  LaunchError
+    80    GuardrailsError (any other)   85    UnevenDataError
+    81    NonFiniteError                86    ConfigMismatchError
+    82    CollectiveMismatchError       87    CheckpointError
+    83 R  HangError                     88    ResumeError
+    84 R  RankFailedError               89 R  OutOfMemoryError
+                                        90    LaunchError
+    128+N R  a signal stop (pre-empted: 143 for SIGTERM), after its save
 
 A new error class gets the next free code here (a test checks that every class has its
-own).
+own). The summary and the error file say which kind a failure is
+(:func:`restart_advice`, ``extraInfo.restartable``), and an unfixable one is refused
+at once on the restart that follows it (``engine/last_failure.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from guardrails._errors import (
     ResumeError,
     UnevenDataError,
 )
+from guardrails.engine import last_failure
 
 log = logging.getLogger("guardrails.record")
 
@@ -120,6 +125,25 @@ def code_for(error: BaseException) -> int:
     return 1
 
 
+def restartable(error: BaseException) -> bool:
+    """Whether a restart of the same job can get past ``error``: its class's
+    ``restartable``; a signal stop (pre-empted, saved) can; anything else (an uncaught
+    exception guardrails did not classify) is not known to recur, so it can too."""
+    if isinstance(error, GuardrailsError):
+        return type(error).restartable
+    return True
+
+
+def restart_advice(error: BaseException) -> str:
+    """One line for the report: can a restart fix it, or what comes first."""
+    if restartable(error):
+        return "a restart can fix this: torchrun --max-restarts or a requeue resumes it"
+    return (
+        "a restart will fail the same way: fix the cause above first (a torchrun "
+        "restart after it is refused at once)"
+    )
+
+
 def summary(error: BaseException) -> str:
     """The one block printed on stderr for a failing rank: rank, error class, exit code
     and the whole actionable message."""
@@ -133,7 +157,7 @@ def summary(error: BaseException) -> str:
         return f"{bar}\nguardrails: {who} exited with code {code_for(error)}: {planned}\n{bar}\n"
     return (
         f"{bar}\nguardrails: {who} failed with {type(error).__name__} "
-        f"(exit code {code_for(error)})\n{error}\n{bar}\n"
+        f"(exit code {code_for(error)})\n{error}\n  restart: {restart_advice(error)}\n{bar}\n"
     )
 
 
@@ -187,11 +211,19 @@ def write_error_file(error: BaseException, *, with_traceback: bool = True) -> st
                 "time": time.time(),  # ours, to time fault-to-error precisely
                 "error_class": type(error).__name__,
                 "exit_code": code_for(error),
+                "restartable": restartable(error),
                 "rank": getattr(error, "rank", None),
                 "step": getattr(error, "step", None),
                 # The structured fields (stuck_ranks, failed_rank, lengths...), for
                 # tools that read the file: never parse the message.
                 "fields": getattr(error, "_fields", {}),
+                # What a restart reads to refuse a failure no restart can fix
+                # (engine/last_failure.py): the class, its words, the job and attempt.
+                "failure": (
+                    last_failure.describe(error, exit_code=code_for(error))
+                    if isinstance(error, GuardrailsError)
+                    else None
+                ),
             },
         }
     }
@@ -312,6 +344,7 @@ def die(
     *,
     exit_code: int | None = None,
     last_words: Callable[[BaseException], None] | None = None,
+    extra_s: float = 0.0,
 ) -> NoReturn:
     """Report ``error`` and end this process at once, whatever the main thread is doing.
 
@@ -321,13 +354,16 @@ def die(
     aborts the process groups (bounded, see :func:`release_process_group`) and
     ``os._exit``\\ s with the error's code. ``os._exit`` and not ``sys.exit``: the main
     thread may be inside a C++ collective, and interpreter shutdown would wait for it.
+    ``extra_s``: seconds the last words may take beyond :data:`_LAST_WORDS_S` (a
+    failure save, bounded by its own limit: ``Component.abort_s``).
     """
     code = code_for(error) if exit_code is None else exit_code
-    if not _lock.acquire(timeout=_TEARDOWN_S + _LAST_WORDS_S + 5):
+    if not _lock.acquire(timeout=_TEARDOWN_S + _LAST_WORDS_S + extra_s + 5):
         os._exit(code)  # another thread is already reporting and stuck doing it
     try:
         if last_words is not None:
-            _bounded(lambda: last_words(error), _LAST_WORDS_S, "saying its last words")
+            _bounded(lambda: last_words(error), _LAST_WORDS_S + extra_s, "saying its last words")
+        last_failure.write(error, exit_code=code)
         write_error_file(error, with_traceback=False)
         text = summary(error)
         log.debug("guardrails: ending the process: %s", type(error).__name__)

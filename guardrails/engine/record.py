@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from guardrails._errors import GuardrailsError
-from guardrails.distributed import launch
-from guardrails.engine import process
+from guardrails.distributed import attempt, launch
+from guardrails.engine import last_failure, process
 
 log = logging.getLogger("guardrails.record")
 
@@ -47,6 +47,13 @@ def record(fn: F) -> F:
     ``LOCAL_WORLD_SIZE`` consistent, ``MASTER_ADDR`` resolvable and reachable; see
     :mod:`guardrails.distributed.launch`): a problem is a :class:`~guardrails.LaunchError`,
     reported as below, and ``main`` does not start.
+
+    While ``main`` runs under a single-node ``torchrun``, ``init_process_group``
+    (``env://``, ``tcp://``) connects through a store namespaced by the restart
+    (``TORCHELASTIC_RESTART_COUNT``): a restarted attempt never reads the keys the
+    attempt before left in the agent's store (see
+    :mod:`guardrails.distributed.attempt`). torch's rendezvous handlers are back when
+    ``main`` returns.
 
     While ``main`` runs, ``faulthandler`` is on for all threads (a segfault or a fatal
     error prints every thread's Python stack; the previous state is restored after).
@@ -79,7 +86,12 @@ def record(fn: F) -> F:
         try:
             # A launch that cannot work fails here, before main waits at a rendezvous.
             launch.check_before_main()
-            result = fn(*args, **kwargs)
+            # A torchrun restart after a failure no restart can fix ends here, at once.
+            last_failure.check_before_main()
+            # Under a torchrun restart, main's init_process_group must not meet the
+            # keys the attempt before left in the agent's store (distributed/attempt.py).
+            with attempt.namespaced_rendezvous():
+                result = fn(*args, **kwargs)
         except SystemExit as exc:
             if _ended_by_exit(exc):  # like torch's record: a clean sys.exit returns
                 return None
@@ -91,6 +103,7 @@ def record(fn: F) -> F:
             raise
         finally:
             process.recording -= 1
+            last_failure.forget()
             process.release_signals(deliver=False, all_holds=True)
             if not was_enabled:
                 faulthandler.disable()
@@ -122,6 +135,8 @@ def _ended_by_guardrails_error(exc: GuardrailsError) -> int:
     group aborted; the class's exit code."""
     process.hold_signals()
     _close_running_guard(exc)
+    # A restart after a failure no restart can fix is refused at once: recorded here.
+    last_failure.write(exc, exit_code=process.code_for(exc))
     process.write_error_file(exc)
     sys.stderr.write(process.summary(exc))
     sys.stderr.flush()

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from guardrails._errors import LaunchError
+from guardrails.engine import last_failure
 from guardrails.util import files
 from guardrails.util.checks import path_like
 
@@ -64,7 +65,9 @@ def check_arg(run_dir: Any) -> None:
 def check(run_dir: Path, rank: int) -> None:
     """Make ``run_dir`` (``mkdir -p``) and prove this process can create a file in it;
     a :class:`LaunchError` (``check="run_dir"``) when its shape or permissions make
-    that impossible. A disk that is full or read-only passes: the writes degrade."""
+    that impossible. A disk that is full or read-only passes: the writes degrade.
+    Then the failure the run before recorded there, raised again when a restart cannot
+    fix it (``engine/last_failure.py``)."""
     try:
         if os.path.lexists(run_dir) and not run_dir.is_dir():
             raise NotADirectoryError(errno.EEXIST, "exists and is not a directory")
@@ -85,6 +88,8 @@ def check(run_dir: Path, rank: int) -> None:
             check="run_dir",
             hint="pass guard(run_dir=...) a directory this user can create files in",
         ) from err
+    # A torchrun restart after a failure no restart can fix ends here, before training.
+    last_failure.check_at_start(run_dir, rank)
 
 
 def _why(run_dir: Path, code: int | None) -> str:

@@ -100,6 +100,12 @@ class StepState:
         #: watchdog or auditor verdict, :meth:`~guardrails.Guard.fail_from_thread`), or
         #: ``None``. A verdict taken before a signal is the error the rank reports.
         self.verdict_at: float | None = None
+        #: Whether an ``optimizer.step()`` (of any optimizer: a GAN has two) has begun
+        #: since the last step boundary: set where a wrapped step is entered, cleared at
+        #: the boundary (one attribute store each). While it is ``False`` the live
+        #: model, optimizers, scheduler and scaler are exactly those of the last finished
+        #: step (``step``), so a failure save may write them (``guards/checkpointer``).
+        self.update_began = False
 
         # What the current step did; reset after every optimizer step.
         #: The forward calls of the current step, as ``(module, args, kwargs)`` (by

@@ -417,3 +417,33 @@ def test_damage_in_a_snapshot_steps_own_update_rewinds_to_an_older_snapshot(tmp_
     assert [(e["start"], e["to_step"]) for e in events] == [(41, 40), (40, 30)], events
     assert all(torch.isfinite(p).all() for p in net.parameters())
     assert abs(_tail(losses, 10) - _tail(clean, 10)) < 0.15 * _tail(clean, 10), (losses, clean)
+
+
+def test_a_snapshot_puts_a_grad_scalers_state_back_exactly(tmp_path):
+    """A snapshot keeps a GradScaler's scale and growth tracker as the tensors the
+    scaler holds (its state_dict() reads them on the host: a sync on a GPU at every
+    snapshot step); a restore gives the scaler back exactly the state it had."""
+    torch.manual_seed(0)
+    net = rewind_worker.Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    data = rewind_worker.data(0, 8, "none", 0, 0)
+    with guardrails.guard(
+        net, opt, data, scaler=scaler, run_dir=tmp_path, progress=False, rewind=KNOBS
+    ) as g:
+        for i, (x, y) in enumerate(g):
+            scaler.scale(net(x, y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if i == 4:
+                break
+        rw = g.component("rewind")
+        slot = min(rw._slots, key=lambda s: s.step)
+        held = scaler.state_dict()
+        assert held["_growth_tracker"] in (0, 1) and held["scale"] > 2.0**10  # it grew
+        slot.take(g, (0, 0))
+        scaler.update(new_scale=3.0)
+        scaler._growth_tracker.fill_(7)
+        slot.restore(g)
+        assert scaler.state_dict() == held

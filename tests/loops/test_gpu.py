@@ -409,6 +409,8 @@ def test_rewind_snapshots_keep_the_loop_sync_free(tmp_path):
     _, model, slots = _rewind_run(tmp_path, range(0), 50, sync_debug=True)
     assert sorted(s.step for s in slots) == [25, 50]
     assert all(s.staging.pinned and s.staging.nbytes for s in slots)
+    # Through a device buffer and the side stream (the device has room for it).
+    assert all(s.through_device for s in slots)
     assert _kinds(tmp_path, "rewind") == []
     # Taken at the boundary after step 50, the last step: it holds these weights.
     torch.cuda.synchronize()
@@ -416,6 +418,40 @@ def test_rewind_snapshots_keep_the_loop_sync_free(tmp_path):
     held = _drop(snap._layout["model"], snap._copies, fresh=False)
     for k, v in model.state_dict().items():
         assert torch.equal(held[k], v.cpu()), k
+
+
+def test_a_snapshot_with_a_grad_scaler_takes_no_host_sync_and_restores_it(tmp_path):
+    """A GradScaler's state_dict() reads its scale on the host: a snapshot keeps the
+    scaler's own device tensors instead (no sync, under sync debug mode "error"), and a
+    restore gives back the state the scaler had."""
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=2)
+    batches = data(device, 4)
+    with guardrails.guard(
+        model, opt, batches * 4, run_dir=tmp_path, progress=False, scaler=scaler, rewind=True
+    ) as g:
+        for i, (x, y) in enumerate(g):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x, y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if i == 5:
+                break
+        slot = min(g.component("rewind")._slots, key=lambda s: s.step)
+        torch.cuda.synchronize()
+        held = scaler.state_dict()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            slot.take(g, (0, 0))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        scaler.update(new_scale=3.0)
+        slot.restore(g)
+        assert scaler.state_dict() == held
 
 
 def test_rewind_on_the_lagged_cuda_path_goes_back_before_the_streak(tmp_path):

@@ -96,20 +96,19 @@ from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
 from guardrails._errors import CheckpointError
 from guardrails.checkpoint import commit, stage, tier
 from guardrails.engine import model, process
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
+from guardrails.guards.checkpointer import cadence, workers
 from guardrails.guards.checkpointer.agree import Agreement
+from guardrails.guards.checkpointer.failure import FailureSave
 from guardrails.guards.checkpointer.local import build_tier
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
-from guardrails.guards.checkpointer.workers import NOT_A_BOUNDARY, WorkerShield, worker_died
+from guardrails.guards.checkpointer.workers import WorkerShield, worker_died
 from guardrails.guards.checkpointer.writer import CheckpointWriter, agree_token
 from guardrails.util.checks import config_dict, path_like, positive_int
 
@@ -194,6 +193,12 @@ class SignalCheckpointer(Component):
                 Default False: it is skipped (``every_n_steps``) or delayed
                 until the writer is done (``every_s``), with an event that
                 says so, and training goes on.
+            save_on_failure: a run ending on an error (an exception, a NaN streak, a
+                desync, a hang, a peer's death) saves the last finished step first, if
+                no ``optimizer.step()`` had begun since (``failure.py``; the
+                ``failure_saved`` event says what). Default True.
+            failure_save_timeout_s: each rank's limit on that save (default 20: torchrun
+                SIGKILLs the other workers 30 s after one exits).
             local_directory: a node-local directory (``/dev/shm/<run>``, a local NVMe):
                 saves commit there, then are copied to ``directory`` (``tier.py``).
             local_keep_last: the copies the local directory keeps. Default 1.
@@ -214,6 +219,8 @@ class SignalCheckpointer(Component):
         directory: str | PathLike[str] | None = None
         agree_every_s: float = 1.0
         strict_cadence: bool = False
+        save_on_failure: bool = True
+        failure_save_timeout_s: float = 20.0
         local_directory: str | PathLike[str] | None = None
         local_keep_last: int = 1
 
@@ -222,7 +229,11 @@ class SignalCheckpointer(Component):
                 positive_int("every_n_steps", self.every_n_steps)
             if self.keep_last is not None:
                 positive_int("keep_last", self.keep_last)
-            for value, what in ((self.every_s, "every_s"), (self.grace_s, "grace_s")):
+            for value, what in (
+                (self.every_s, "every_s"),
+                (self.grace_s, "grace_s"),
+                (self.failure_save_timeout_s, "failure_save_timeout_s"),
+            ):
                 if value is not None and not (isinstance(value, (int, float)) and value > 0):
                     raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
             agree = self.agree_every_s
@@ -277,7 +288,11 @@ class SignalCheckpointer(Component):
             """Whether it has anything to do (``guard()`` leaves it out if not): a
             signal to handle, a periodic save or a resume to look for."""
             return bool(
-                self.signals or self.every_n_steps or self.every_s or self.resume is not None
+                self.signals
+                or self.every_n_steps
+                or self.every_s
+                or self.resume is not None
+                or self.save_on_failure
             )
 
     name = "checkpoint"
@@ -309,6 +324,10 @@ class SignalCheckpointer(Component):
             stop_decided=lambda: self._stop_at is not None,
         )
         self.writer: CheckpointWriter | None = None
+        #: The failure save (failure.py), built at start with ``save_on_failure``.
+        self.failure: FailureSave | None = None
+        # Its time limit extends the process's last words when a thread ends it.
+        self.abort_s = self.failure_save_timeout_s + 2.0 if self.save_on_failure else 0.0
         self.resumer: ResumeAtStart | None = None
         self._agreement: Agreement | None = None
         # What the manifest's "run" records (the config and the optimizer settings as
@@ -362,6 +381,10 @@ class SignalCheckpointer(Component):
             with contextlib.suppress(OSError):
                 commit.settle_asides(self.root)
         self.writer = self._build_writer(guard)
+        if self.save_on_failure:
+            self.failure = FailureSave(
+                guard, self.writer, self.capture, timeout_s=self.failure_save_timeout_s
+            )
         self.resumer = ResumeAtStart(
             resume=self.resume,
             root=self.root,
@@ -452,10 +475,19 @@ class SignalCheckpointer(Component):
                 self._preempted_then_failed(guard, signum, exc)
             if exc is None and guard.stopping is None:
                 self._close_normally(guard)
+            elif self.failure is not None and self.failure.wanted(guard, exc, stop=self._stop_at):
+                with guard.pause_watchdog("checkpoint"):
+                    self.failure.run(guard, exc, from_thread=False)  # type: ignore[arg-type]
         finally:
             self.capture.restore()
             self._shield.restore()
             self.writer.close(raise_error=exc is None, stopped=self._stop_at is not None)
+
+    def on_abort(self, guard: Guard, error: BaseException) -> None:
+        """A thread ends the process (a hang verdict, a peer's death) while the main
+        thread is stuck: the failure save, from here (``failure.py``)."""
+        if self.failure is not None and self.failure.wanted(guard, error, stop=self._stop_at):
+            self.failure.run(guard, error, from_thread=True)
 
     def _preempted_then_failed(self, guard: Guard, signum: int, exc: Exception) -> None:
         """The loop failed after a stop signal, before a stop was agreed. A verdict this
@@ -479,7 +511,7 @@ class SignalCheckpointer(Component):
                 f"checkpoint; {self._last_checkpoint()}.",
             )
         )
-        self._say_nothing_saved(guard, name, exc)
+        workers.say_nothing_saved(guard, name, exc, latest=self.writer.latest_text())  # type: ignore[union-attr]
 
     def _close_normally(self, guard: Guard) -> None:
         """The loop ended without an error or a stop: a signal that came after the last
@@ -519,32 +551,6 @@ class SignalCheckpointer(Component):
             return
         self.writer.settle(guard)
         self.resumer.mark_finished(guard, self.writer.last_path)
-
-    def _say_nothing_saved(self, guard: Guard, name: str, exc: BaseException) -> None:
-        """A signal's stop that ended without a checkpoint, said on the console (a
-        warning event: stderr), with why and what to do: a re-run must not start over
-        from step 0 (or an old checkpoint) without a word."""
-        assert self.writer is not None
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        why = (
-            NOT_A_BOUNDARY
-            if worker_died(exc)
-            else (
-                "a peer that could not save left, or this rank failed on its own before a "
-                "step boundary; the other ranks' reports say which"
-            )
-        )
-        guard.event(
-            "stopped",
-            level="warning",
-            message=f"{name} received at step {guard.step}, but this rank failed before the "
-            f"ranks could stop at a step boundary ({type(exc).__name__}: {first}): NOTHING "
-            f"was saved; {self.writer.latest_text()}. Why: {why}. To lose less next time, "
-            "save periodically too: guard(checkpoint=dict(every_s=1800)).",
-            signal=name,
-            path=None,
-            saved=False,
-        )
 
     # ------------------------------------------------------------------ per step
 
@@ -627,19 +633,10 @@ class SignalCheckpointer(Component):
             self._replan = not self.writer.staging_planned  # type: ignore[union-attr]
 
     def _still_writing(self, guard: Guard) -> bool:
-        """Whether the previous background save is still being written on any rank (the
-        ranks must agree: a save is a collective commit). One all-reduce, only at a step
-        where a periodic save is due."""
+        """Whether the previous background save is still being written on any rank."""
         if self.strict_cadence or not self.background:
             return False
-        assert self.writer is not None
-        busy = self.writer.busy
-        if guard.side_group is None:
-            return busy
-        flag = torch.tensor([float(busy)])
-        with guard.in_phase("agree"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=guard.side_group)
-        return bool(flag[0])
+        return cadence.still_writing(guard, busy=self.writer.busy)  # type: ignore[union-attr]
 
     def _skip(self, guard: Guard, *, delayed: bool) -> None:
         """A periodic save came due while the previous one is still writing: training
@@ -649,27 +646,12 @@ class SignalCheckpointer(Component):
         assert self.writer is not None
         self._delayed = delayed
         self.skipped_saves += 1
-        first = self.skipped_saves == 1
-        what = "delayed until it is written" if delayed else "skipped"
-        writing = self.writer.last_saved_step
-        message = (
-            f"checkpoint at step {guard.step} {what}: the save of step {writing} is still "
-            f"being written ({time.monotonic() - self.writer.last_save_t:.1f} s so far), "
-            "and waiting would stall training."
-        )
-        if first:
-            message += (
-                " Saves come due faster than the disk writes them: save less often "
-                "(checkpoint_every_n_steps / checkpoint_every_s), write to a faster disk, "
-                "or pass guard(checkpoint=dict(strict_cadence=True)) to wait instead."
-            )
-        guard.event(
-            "checkpoint_skipped",
-            level="warning" if first else "info",
-            message=message,
-            step=guard.step,
-            writing_step=writing,
+        cadence.say_skipped(
+            guard,
+            writing=self.writer.last_saved_step,
+            for_s=time.monotonic() - self.writer.last_save_t,
             delayed=delayed,
+            first=self.skipped_saves == 1,
         )
 
     # ------------------------------------------------------------------ the stop

@@ -75,12 +75,14 @@ def _ago(when: float) -> str:
 @dataclass(frozen=True)
 class Resumed:
     """The checkpoint a resume restored: its directory and step, the id of the run
-    that saved it (``None``: saved before run ids), when that run had finished."""
+    that saved it (``None``: saved before run ids), when that run had finished, and the
+    seconds the resume took (picked, checked, applied: ``report``'s restart load)."""
 
     path: Path
     step: int
     run_id: str | None
     finished_at: float | None
+    load_s: float = 0.0
 
 
 class ResumeAtStart:
@@ -191,6 +193,7 @@ class ResumeAtStart:
         record, config and optimizer settings as the code built them) and its own files,
         then everything is applied (``guard.resume_from``) and the resume announced.
         ``None`` when there is nothing to resume."""
+        began = time.monotonic()
         chosen, plan = self._choose(guard)
         if not chosen:
             return None
@@ -224,6 +227,7 @@ class ResumeAtStart:
             step=out["step"],
             run_id=saved["id"] if isinstance(saved.get("id"), str) else None,
             finished_at=saved.get("finished_at"),
+            load_s=time.monotonic() - began,
         )
         self._announce(guard, saved, changed, settings, out.get("recreated_groups") or [])
         return self.resumed
@@ -349,6 +353,7 @@ class ResumeAtStart:
             finished_at=finished,
             config_changed=list(changed) or None,
             recreated_groups=recreated or None,
+            load_s=round(self.resumed.load_s, 6),
         )
         if guard.rank == 0:
             to_console(f"guardrails: {text}")

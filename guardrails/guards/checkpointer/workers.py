@@ -28,12 +28,15 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.multiprocessing
 from torch.utils.data import DataLoader
 
 from guardrails.distributed import dist
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
 
 
 class IgnoreStopSignals:
@@ -138,3 +141,30 @@ def worker_died(error: BaseException) -> bool:
     """Whether ``error`` is a DataLoader's for one of its workers gone ("DataLoader
     worker (pid N) is killed by signal: ...", "... exited unexpectedly")."""
     return isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
+
+
+def say_nothing_saved(guard: Guard, name: str, exc: BaseException, *, latest: str) -> None:
+    """A signal's stop that ended without a checkpoint, said on the console (a warning
+    event: stderr), with why and what to do: a re-run must not start over from step 0
+    (or an old checkpoint) without a word. ``latest``: which checkpoint stays the
+    latest, in words."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    why = (
+        NOT_A_BOUNDARY
+        if worker_died(exc)
+        else (
+            "a peer that could not save left, or this rank failed on its own before a "
+            "step boundary; the other ranks' reports say which"
+        )
+    )
+    guard.event(
+        "stopped",
+        level="warning",
+        message=f"{name} received at step {guard.step}, but this rank failed before the "
+        f"ranks could stop at a step boundary ({type(exc).__name__}: {first}): NOTHING "
+        f"was saved; {latest}. Why: {why}. To lose less next time, "
+        "save periodically too: guard(checkpoint=dict(every_s=1800)).",
+        signal=name,
+        path=None,
+        saved=False,
+    )

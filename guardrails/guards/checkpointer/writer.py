@@ -287,7 +287,10 @@ class CheckpointWriter:
         """What can make the stop's save fail before it writes a byte, checked before
         the save still being written is given up for it: a value in g.state no
         checkpoint stores would otherwise cost both saves. Then that older write is
-        abandoned."""
+        abandoned. The staging memory still being pinned ahead stops growing: the stop's
+        save copies what its blocks do not hold yet into plain memory rather than wait
+        (the process ends after it)."""
+        self.staging.stop_preparing()
         try:
             if self._rank == 0:
                 encode(dict(guard.state), "g.state", {}, devices=True)
@@ -320,13 +323,22 @@ class CheckpointWriter:
                 raise error from e
             raise
 
-    def _stage(self, guard: Guard, part: stage.Part, *, measure: bool = False) -> None:
+    def _stage(
+        self,
+        guard: Guard,
+        part: stage.Part,
+        *,
+        measure: bool = False,
+        boundary: tuple[dict[str, Any], tuple[Any, list[Any]]] | None = None,
+    ) -> None:
         """Stage what this rank writes into ``part``: rank 0 the replicated state (model,
         optimizers, schedulers, scaler, ``g.state``), every rank its own (data position,
         RNG, the components' state, optimizer state that differs per rank). With
         ``measure``, only what lives on the device is looked at (its sizes, in the same
         order a save stages it: :meth:`plan_staging`; host tensors too where the
-        staging takes them, a CPU run's)."""
+        staging takes them, a CPU run's). ``boundary``: ``(RNG streams, (trained_at,
+        batches fetched since))`` of the last step boundary, for a failure save inside
+        the next step (:meth:`stage_boundary`)."""
         bare = model.unwrap(guard.model)
         is_sharded = self._sharded
         stems = stage.stems("optimizer", list(guard.optimizers))
@@ -353,7 +365,9 @@ class CheckpointWriter:
                 part=part,
                 extras_name="g.state",
             )
-        position, tensors = guard.data_position.save()
+        position, tensors = guard.data_position.save(
+            boundary=None if boundary is None else boundary[1]
+        )
         states = guard.generator_states  # the loop's own (guard(generators=)), as the
         for name, gen in guard.generators.items():  # last step left them
             tensors[f"generator.{name}"] = gen.get_state() if states is None else states[name]
@@ -367,8 +381,42 @@ class CheckpointWriter:
         }
         names = stage.param_names(bare) if per_rank and not is_sharded else None
         stage.stage_rank(
-            self._rank, state=state, tensors=tensors, optimizers=per_rank, part=part, names=names
+            self._rank,
+            state=state,
+            tensors=tensors,
+            optimizers=per_rank,
+            part=part,
+            names=names,
+            rng=None if boundary is None else boundary[0],
         )
+
+    def stage_boundary(
+        self, guard: Guard, *, rng: dict[str, Any], position: tuple[Any, list[Any]]
+    ) -> stage.Part:
+        """A failure save's part (``failure.py``): the live state of the last finished
+        step, with the RNG streams and data ``position`` its boundary left (the loop
+        had moved past it), staged into fresh memory (the staging blocks may belong to a
+        background save still being written)."""
+        part = stage.Part()
+        self._stage(guard, part, boundary=(rng, position))
+        part.ready()
+        return part
+
+    @property
+    def commit_args(self) -> dict[str, Any]:
+        """What a commit of this writer's saves passes to ``commit.commit`` besides the
+        step and the files (a failure save commits on its own: ``failure.py``)."""
+        return {
+            "contents": self._contents,
+            "run": self.run,
+            "adopt_unlabelled": self._adopt_unlabelled,
+            "seq": self._next_seq(),
+        }
+
+    @property
+    def token(self) -> str:
+        """This guard's name for its temp directories and store keys (every rank's)."""
+        return self._token
 
     def _tell_ranks(self, step: int, error: BaseException) -> None:
         """This rank's staging of ``step`` failed: say so where the other ranks wait for
@@ -733,6 +781,8 @@ class CheckpointWriter:
                 self._dcp_prepared.join()
                 self._dcp_prepared = None
             self._shard_writer = None  # its pinned staging memory goes with it
+            if stopped:  # the process ends now: its pinned pages are unpinned faster here
+                self.staging.release()
             if self._emptying is not None and not stopped:
                 self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
                 self._emptying = None

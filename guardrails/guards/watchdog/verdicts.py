@@ -71,11 +71,18 @@ def build(spec: dict[str, Any], guard: Guard) -> GuardrailsError:
 
 
 def rank_failed(
-    records: dict[int, dict[str, Any]], r: int, *, dead: bool, pid_gone: bool, stale_s: float
+    records: dict[int, dict[str, Any]],
+    r: int,
+    *,
+    dead: bool,
+    pid_gone: bool,
+    stale_s: float,
+    mine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank ``r`` failed: never started (no record), died (``dead``: its pid gone on
     this machine, ``pid_gone``, or no heartbeat for ``stale_s``), raised, or left the
-    loop while others wait for it."""
+    loop while others wait for it. ``mine``: this rank's own record now, with
+    ``waiting`` (where it waits in a collective, or ``None``): what dates a death."""
     rec = records.get(r)
     if rec is None:
         return _spec(
@@ -99,14 +106,27 @@ def rank_failed(
             else f"it stopped sending heartbeats for over {stale_s:.0f} s: the process or "
             "its machine died, or it is frozen holding the GIL"
         )
-        what = f"rank {r} died (last heartbeat: step {rec['step']}, {where}): {how}."
+        what, last_step = _died(r, rec, where, mine)
+        what += f": {how}."
         reason = "killed" if pid_gone else "no_heartbeat"
         hint = (
             f"read rank {r}'s log and {logs}; on Linux `dmesg | grep -i -e oom -e killed` "
             "tells an OOM kill (host memory: fewer DataLoader workers, smaller "
             "prefetch). Then restart from the last checkpoint."
         )
-    elif rec.get("state") == "failed":
+        return _spec(
+            "RankFailedError",
+            what,
+            failed_rank=r,
+            last_step=last_step,
+            last_phase=rec.get("phase") if last_step == rec.get("step") else None,
+            heartbeat_step=rec.get("step"),
+            heartbeat_age_s=_age(rec, mine),
+            reason=reason,
+            log=rec.get("events"),
+            hint=hint,
+        )
+    if rec.get("state") == "failed":
         what = (
             f"rank {r} failed at step {rec['step']} ({where}) with "
             f"{rec.get('error', 'an exception')}; this rank would wait for it forever."
@@ -133,6 +153,39 @@ def rank_failed(
         log=rec.get("events"),
         hint=hint,
     )
+
+
+def _age(rec: dict[str, Any], mine: dict[str, Any] | None) -> float | None:
+    """How old ``rec`` is (s) on this rank's clock, or ``None`` without a time."""
+    if mine is None or not isinstance(rec.get("time"), (int, float)):
+        return None
+    return round(max(0.0, float(mine["time"]) - float(rec["time"])), 1)
+
+
+def _died(
+    r: int, rec: dict[str, Any], where: str, mine: dict[str, Any] | None
+) -> tuple[str, int | None]:
+    """When rank ``r`` died, in words, and the step it was at (``last_step``).
+
+    Heartbeats are published only while some rank is suspect (watchdog.py: nothing per
+    period on a healthy run), so a dead rank's record is often its first, from before
+    the first batch: "last heartbeat: step 0" for a rank that ran 150 steps. What dates
+    the death is this rank: waiting for ``r`` in a collective at step N, it is in the
+    step ``r`` was in (under DDP every step's gradients are all-reduced by every rank),
+    and the record is told with its own step and age."""
+    age = _age(rec, mine)
+    said = f"{age:.0f} s ago, " if age is not None else ""
+    heard = f"its last heartbeat, {said}was at step {rec['step']} ({where})"
+    if mine is None:
+        return f"rank {r} died ({heard})", rec.get("step")
+    step = mine.get("step")
+    if mine.get("waiting") and isinstance(step, int) and step >= int(rec.get("step") or 0):
+        return (
+            f"rank {r} died during step {step} (this rank was waiting for it, "
+            f"{mine['waiting']}); {heard}",
+            step,
+        )
+    return f"rank {r} died; this rank is at step {step}; {heard}", rec.get("step")
 
 
 def uneven(records: dict[int, dict[str, Any]]) -> dict[str, Any]:

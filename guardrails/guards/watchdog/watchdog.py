@@ -89,6 +89,7 @@ from guardrails.guards.watchdog.records import (
     _jsonable,
     _past,
     _position,
+    _where,
     read_records,
     read_stacks,
 )
@@ -297,7 +298,8 @@ class Watchdog(Component):
                     if r in finished:
                         continue
                     if rec.get("host") == self._host and not _dist.pid_alive(int(rec["pid"])):
-                        return self._rank_failed(guard, records, r, dead=True)
+                        # This rank's collective failed of it: it was waiting for r.
+                        return self._rank_failed(guard, records, r, dead=True, waited=True)
                 if finished:
                     return self._rank_failed(guard, finished, min(finished), dead=False)
             except Exception as exc:  # the store is gone: its host died
@@ -565,8 +567,16 @@ class Watchdog(Component):
     # ------------------------------------------------------------------ verdicts
 
     def _rank_failed(
-        self, guard: Guard, records: dict[int, dict[str, Any]], r: int, *, dead: bool
+        self,
+        guard: Guard,
+        records: dict[int, dict[str, Any]],
+        r: int,
+        *,
+        dead: bool,
+        waited: bool = False,
     ) -> GuardrailsError:
+        """Rank ``r`` failed (verdicts.rank_failed); ``waited``: this rank's collective
+        failed because of it (it was waiting for ``r``, wherever its thread is now)."""
         rec = records.get(r)
         pid_gone = (
             dead
@@ -575,9 +585,25 @@ class Watchdog(Component):
             and not _dist.pid_alive(int(rec["pid"]))
         )
         spec = verdicts.rank_failed(
-            records, r, dead=dead, pid_gone=pid_gone, stale_s=STALE_PERIODS * self._period
+            records,
+            r,
+            dead=dead,
+            pid_gone=pid_gone,
+            stale_s=STALE_PERIODS * self._period,
+            mine=self._dating(guard, waited=waited),
         )
         return self._claim(guard, spec)
+
+    def _dating(self, guard: Guard, *, waited: bool) -> dict[str, Any]:
+        """This rank's record now, with where it waits for the others (``None``: it
+        does not): what dates a dead peer's death (verdicts.rank_failed). ``waited``:
+        its collective already failed, so its phase says where (its thread is in the
+        error's handling now), not its stack."""
+        mine = self._record(guard, time.monotonic())
+        if not waited:
+            mine["_stack"] = thread_stack(self._main_ident)
+        mine["waiting"] = _where(mine) if waited or self._waiting(guard) else None
+        return mine
 
     def _uneven(self, guard: Guard, records: dict[int, dict[str, Any]]) -> GuardrailsError:
         return self._claim(guard, verdicts.uneven(records))

@@ -1,0 +1,141 @@
+"""One rank (or a single process) of a small training run with a planted failure, for the
+failure-save tests (tests/checkpoint/test_failure_save.py).
+
+    python tests/failsave_worker.py --run-dir DIR --steps 12 --fault raise --at 7
+    RANK=.. WORLD_SIZE=2 MASTER_ADDR=.. MASTER_PORT=.. python tests/failsave_worker.py ...
+
+The model has dropout (the forward draws from torch's RNG) and the loop draws from
+python's ``random`` every step (the input's scale), over a shuffled DataLoader: a
+resumed run is bitwise the uninterrupted one only if the RNG streams and the data
+position saved are the last finished step's. Under several ranks the model is DDP
+(gloo) and the sampler a DistributedSampler. Faults, on rank ``--rank`` (every rank
+with ``--rank -1``), after ``--at`` finished steps, once the next batch is fetched (or
+inside ``optimizer.step()`` for ``instep``):
+
+``raise`` (a ValueError before the forward), ``forward`` (a ValueError after the
+forward and the backward), ``instep`` (``optimizer.step()`` updates the first half of
+the parameters, then raises), ``sleep`` (stuck in Python: the watchdog's hang), ``kill``
+(SIGKILL), ``start`` (a ValueError before the first step). ``none``: no fault.
+At the end (a run that finishes) the weights and optimizer state go to
+``DIR/final<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import guardrails
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.body(x), y)
+
+
+def half_then_raise(opt: torch.optim.Optimizer) -> None:
+    """Inside ``opt.step()``: the first half of the parameters updated, then an error
+    (a step that fails midway)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    with torch.no_grad():
+        for p in params[: len(params) // 2]:
+            p -= 0.05 * p.grad
+    raise RuntimeError("boom inside optimizer.step()")
+
+
+@guardrails.record
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--fault", default="none")
+    p.add_argument("--at", type=int, default=7)
+    p.add_argument("--rank", type=int, default=-1)
+    p.add_argument("--every", type=int, default=None)
+    p.add_argument("--hang-timeout-s", type=float, default=60.0)
+    p.add_argument("--save-timeout-s", type=float, default=20.0)
+    p.add_argument("--rewind", action="store_true")
+    args = p.parse_args()
+    run_dir = Path(args.run_dir)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    torch.manual_seed(0)
+    random.seed(0)
+    model: nn.Module = Net()
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=1) if world > 1 else None
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=8, shuffle=sampler is None, sampler=sampler
+    )
+    faulty = args.rank in (-1, rank)
+    checkpoint = {"failure_save_timeout_s": args.save_timeout_s}
+    if args.every:  # written before training goes on: committed before any fault
+        checkpoint.update(every_n_steps=args.every, background=False)
+    with guardrails.guard(
+        model,
+        opt,
+        loader,
+        run_dir=run_dir,
+        checkpoint=checkpoint,
+        watchdog={"hang_timeout_s": args.hang_timeout_s},
+        progress=False,
+        **({"rewind": True} if args.rewind else {}),
+    ) as g:
+        if faulty and args.fault == "start":
+            raise ValueError("boom before the first step")
+        while g.step < args.steps:
+            if sampler is not None:
+                sampler.set_epoch(g.epoch)
+            for x, y in g:
+                if faulty and g.step == args.at:
+                    fault(args.fault, opt)
+                scale = 1.0 + 0.1 * random.random()  # python's stream, drawn every step
+                model(x * scale, y).backward()
+                if faulty and g.step == args.at and args.fault == "forward":
+                    raise ValueError("boom after the backward")
+                opt.step()
+                opt.zero_grad()
+                if g.step >= args.steps:
+                    break
+    bare = model.module if world > 1 else model
+    torch.save(
+        {"model": bare.state_dict(), "opt": opt.state_dict(), "step": g.step},
+        run_dir / f"final{rank}.pt",
+    )
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def fault(kind: str, opt: torch.optim.Optimizer) -> None:
+    """The planted fault, before the step's forward (``instep``: armed for its
+    ``optimizer.step()``)."""
+    if kind == "raise":
+        raise ValueError("boom: a bad batch")
+    if kind == "sleep":
+        time.sleep(3600)
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "instep":  # torch's pre-hook runs inside step(), inside the guard's wrapper
+        opt.register_step_pre_hook(lambda o, args, kwargs: half_then_raise(o))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
