@@ -43,11 +43,13 @@ def train(
     local_keep_last: int = 1,
     sigterm_at: int = 0,
     grace_s: float = 30.0,
+    fail_at: int = 0,
 ) -> dict:
     """A seeded Regressor trained with AdamW to step ``n`` under a guard whose saves
     (every ``every`` steps) go through the local tier ``local``: its state at the end.
     ``sigterm_at``: a real SIGTERM after that step (the loop then ends after the
-    stop's save). Also run in a child process (:func:`_train_in_child`)."""
+    stop's save); ``fail_at``: a ``ValueError`` at the top of the step after that one
+    (the failure save's case). Also run in a child process (:func:`_train_in_child`)."""
     torch.manual_seed(0)
     model = Regressor(width=width)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -64,6 +66,8 @@ def train(
         model, opt, batches(n), run_dir=run_dir, checkpoint=knobs, progress=False, gc=False
     ) as g:
         for x, y in g:
+            if fail_at and g.step == fail_at:
+                raise ValueError(f"boom after step {fail_at}")
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
@@ -266,7 +270,7 @@ def test_a_signal_save_whose_copy_outlasts_the_grace_period_says_where_it_lives(
     assert names(local) == steps(3) and problem(local / "step_000000003") is None
     [only] = [e for e in read_events(run) if e["kind"] == "checkpoint_local_only"]
     assert only["host"] == socket.gethostname() and only["path"] == str(local / "step_000000003")
-    assert "on this node only" in only["message"] and "grace period" in only["message"]
+    assert "on this node only" in only["message"] and "the grace period" in only["message"]
     assert names(run / "checkpoints") == []  # the copy, cut, left nothing complete
     train(run, local, 8, every=None)
     assert resumed_from(run) == [str(local / "step_000000003")]
@@ -316,3 +320,17 @@ def test_fsdp2_shards_are_drained_whole_and_resumed_bitwise(tmp_path):
             {k: a[k] for k in ("step", "model", "opt", "rng")},
             {k: b[k] for k in ("step", "model", "opt", "rng")},
         )
+
+
+def test_a_failure_save_commits_locally_and_is_copied_to_the_run_dir(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with pytest.raises(ValueError, match="boom after step 5"):
+        train(run, local, 8, every=None, fail_at=5)
+    [saved] = [e for e in read_events(run) if e["kind"] == "failure_saved"]
+    assert saved["path"] == str(local / "step_000000005"), saved
+    for root in (local, run / "checkpoints"):
+        assert names(root) == steps(5) and problem(root / "step_000000005") is None
+    resumed = train(run, local, 8, every=None)
+    assert resumed_from(run) == [str(local / "step_000000005")]
+    straight = train(tmp_path / "straight", tmp_path / "straight_local", 8, every=None)
+    assert_state_equal(resumed, straight)

@@ -158,10 +158,11 @@ class Drain:
                 host=socket.gethostname(),
                 message=f"the checkpoint of step {step} is committed on this node only "
                 f"({socket.gethostname()}: {final}): its copy to {self.tier.durable} did "
-                f"not finish within the grace period ({within_s:.1f} s left for it). A "
-                "restart on this node resumes it; a restart on another node resumes the "
-                "newest checkpoint in the durable directory. Raise grace_s and ask the "
-                "scheduler for an earlier warning (SLURM: --signal=USR1@120) to copy it.",
+                f"not finish in the {max(0.0, within_s):.1f} s left for it before the "
+                "process ends (the grace period, or failure_save_timeout_s). A restart on "
+                "this node resumes it; a restart on another node resumes the newest "
+                "checkpoint in the durable directory. To copy it in time: raise grace_s "
+                "and ask the scheduler for an earlier warning (SLURM: --signal=USR1@120).",
             )
 
     def _drain(
