@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import run_ranks, run_script
-from conftest import Regressor, assert_state_equal, batches, read_events, train_loop
+from conftest import Regressor, assert_state_equal, batches, read_events
 
 import guardrails
 from guardrails.checkpoint.common import CRASH_ENV
@@ -37,13 +38,18 @@ def train(
     local: str | Path,
     n: int,
     *,
-    every: int,
+    every: int | None,
     width: int = 8,
     local_keep_last: int = 1,
+    sigterm_at: int = 0,
+    grace_s: float = 30.0,
+    fail_at: int = 0,
 ) -> dict:
     """A seeded Regressor trained with AdamW to step ``n`` under a guard whose saves
     (every ``every`` steps) go through the local tier ``local``: its state at the end.
-    Also run in a child process (:func:`_train_in_child`)."""
+    ``sigterm_at``: a real SIGTERM after that step (the loop then ends after the
+    stop's save); ``fail_at``: a ``ValueError`` at the top of the step after that one
+    (the failure save's case). Also run in a child process (:func:`_train_in_child`)."""
     torch.manual_seed(0)
     model = Regressor(width=width)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -53,11 +59,20 @@ def train(
         "strict_cadence": True,  # every save is made: the tiers' contents are known
         "local_directory": local,
         "local_keep_last": local_keep_last,
+        "grace_s": grace_s,
+        "exit_on_signal": False,
     }
     with guardrails.guard(
         model, opt, batches(n), run_dir=run_dir, checkpoint=knobs, progress=False, gc=False
     ) as g:
-        train_loop(g, model, opt)
+        for x, y in g:
+            if fail_at and g.step == fail_at:
+                raise ValueError(f"boom after step {fail_at}")
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if g.step == sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
     return {"step": g.step, "model": model.state_dict(), "opt": opt.state_dict()["state"]}
 
 
@@ -245,3 +260,77 @@ def test_two_ranks_commit_locally_and_a_sigterm_resumes_bitwise(tmp_path):
             {k: a[k] for k in ("step", "model", "opt", "sched", "rng")},
             {k: b[k] for k in ("step", "model", "opt", "sched", "rng")},
         )
+
+
+def test_a_signal_save_whose_copy_outlasts_the_grace_period_says_where_it_lives(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    # A grace period too short for any copy: the stop's save commits locally and says
+    # that the checkpoint lives on this node only, and where.
+    train(run, local, 8, every=None, sigterm_at=3, grace_s=0.001)
+    assert names(local) == steps(3) and problem(local / "step_000000003") is None
+    [only] = [e for e in read_events(run) if e["kind"] == "checkpoint_local_only"]
+    assert only["host"] == socket.gethostname() and only["path"] == str(local / "step_000000003")
+    assert "on this node only" in only["message"] and "the grace period" in only["message"]
+    assert names(run / "checkpoints") == []  # the copy, cut, left nothing complete
+    train(run, local, 8, every=None)
+    assert resumed_from(run) == [str(local / "step_000000003")]
+
+
+def test_ranks_on_two_hosts_save_straight_to_the_run_dir(tmp_path):
+    # Rank 1 in a UTS namespace of its own: another host name, as on a second node.
+    other = ("unshare", "-u", "sh", "-c", 'hostname other-node && exec "$@"', "sh")
+    if subprocess.run([*other, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no UTS namespace here (unshare -u needs CAP_SYS_ADMIN)")
+    run, local = tmp_path / "run", tmp_path / "local"
+
+    def argv(rank: int) -> list:
+        cmd = [sys.executable, WORKER, run, tmp_path / "out", "--steps", 8, "--every-n", 4]
+        cmd += ["--local-dir", local, "--rank", "{rank}", "--world", "{world}", "--port", "{port}"]
+        return [*(other if rank == 1 else ()), *cmd]
+
+    got = run_ranks(argv, 2, out=tmp_path / "logs", timeout_s=240)
+    assert [r.code for r in got] == [0, 0], [r.out for r in got]
+    [off] = [e for e in read_events(run) if e["kind"] == "checkpoint_local_tier_off"]
+    assert "several hosts" in off["message"]
+    assert not local.exists() and names(run / "checkpoints") == steps(4, 8)
+
+
+@pytest.mark.slow(reason="3 runs of 2 FSDP2 ranks: straight, stopped, resumed")
+def test_fsdp2_shards_are_drained_whole_and_resumed_bitwise(tmp_path):
+    def job(run_dir: Path, out: Path, *args: object) -> list[int]:
+        cmd = [sys.executable, WORKER, run_dir, out, "--steps", 10, "--every-n", 4, "--fsdp"]
+        cmd += ["--background", *args, "--rank", "{rank}", "--world", "{world}"]
+        got = run_ranks([*cmd, "--port", "{port}"], 2, out=f"{out}.logs", timeout_s=240)
+        return [r.code for r in got]
+
+    assert job(tmp_path / "straight", tmp_path / "a") == [0, 0]
+    run, local = tmp_path / "stopped", tmp_path / "local"
+    args = ("--local-dir", local, "--sigterm-at", 6, "--kill-ranks", 0)
+    assert job(run, tmp_path / "b", *args) == [143, 143]
+    [at] = {e["step"] for e in read_events(run) if e["kind"] == "stopped"}
+    durable = run / "checkpoints" / f"step_{at:09d}"
+    assert problem(durable) is None  # DCP's shards and metadata, in dcp/, checked
+    assert (durable / "dcp" / ".metadata").is_file()
+    assert job(run, tmp_path / "b", *args) == [0, 0]
+    assert resumed_from(run) == [str(local / durable.name)] * 2  # each rank says it
+    for rank in (0, 1):
+        a = torch.load(f"{tmp_path / 'a'}.rank{rank}.pt", weights_only=False)
+        b = torch.load(f"{tmp_path / 'b'}.rank{rank}.pt", weights_only=False)
+        assert_state_equal(
+            {k: a[k] for k in ("step", "model", "opt", "rng")},
+            {k: b[k] for k in ("step", "model", "opt", "rng")},
+        )
+
+
+def test_a_failure_save_commits_locally_and_is_copied_to_the_run_dir(tmp_path):
+    run, local = tmp_path / "run", tmp_path / "local"
+    with pytest.raises(ValueError, match="boom after step 5"):
+        train(run, local, 8, every=None, fail_at=5)
+    [saved] = [e for e in read_events(run) if e["kind"] == "failure_saved"]
+    assert saved["path"] == str(local / "step_000000005"), saved
+    for root in (local, run / "checkpoints"):
+        assert names(root) == steps(5) and problem(root / "step_000000005") is None
+    resumed = train(run, local, 8, every=None)
+    assert resumed_from(run) == [str(local / "step_000000005")]
+    straight = train(tmp_path / "straight", tmp_path / "straight_local", 8, every=None)
+    assert_state_equal(resumed, straight)

@@ -141,6 +141,9 @@ class FailureSave:
                 path, missing, why = result.get("path"), result.get("missing", []), result["why"]
                 if not why and path is None and not self.part_only:
                     why = "rank 0 did not commit it"
+        if path is not None:  # committed in the local tier (local_directory): copied now
+            left = self.timeout_s - (time.perf_counter() - t0)
+            self._writer.drain(guard, guard.step, path, within_s=left)
         self._said(guard, cause, path, missing, why, time.perf_counter() - t0)
 
     def _state(self, guard: Guard, *, from_thread: bool) -> tuple[Any, str]:

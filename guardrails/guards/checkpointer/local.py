@@ -11,6 +11,7 @@ periodic save, and for a signal's save for as long as the grace period leaves.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -27,6 +28,8 @@ from guardrails.util import storage
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
+
+log = logging.getLogger("guardrails.checkpoint")
 
 
 def build_tier(
@@ -155,10 +158,11 @@ class Drain:
                 host=socket.gethostname(),
                 message=f"the checkpoint of step {step} is committed on this node only "
                 f"({socket.gethostname()}: {final}): its copy to {self.tier.durable} did "
-                f"not finish within the grace period ({within_s:.1f} s left for it). A "
-                "restart on this node resumes it; a restart on another node resumes the "
-                "newest checkpoint in the durable directory. Raise grace_s and ask the "
-                "scheduler for an earlier warning (SLURM: --signal=USR1@120) to copy it.",
+                f"not finish in the {max(0.0, within_s):.1f} s left for it before the "
+                "process ends (the grace period, or failure_save_timeout_s). A restart on "
+                "this node resumes it; a restart on another node resumes the newest "
+                "checkpoint in the durable directory. To copy it in time: raise grace_s "
+                "and ask the scheduler for an earlier warning (SLURM: --signal=USR1@120).",
             )
 
     def _drain(
@@ -182,13 +186,8 @@ class Drain:
                 cancel=cancel,
                 delete_old=delete_old,
             )
-        except Cancelled:
-            guard.event(
-                "checkpoint_drain_abandoned",
-                step=step,
-                message=f"the copy of step {step} to {self.tier.durable} was abandoned for "
-                f"a newer save; it stays in {final}.",
-            )
+        except Cancelled:  # a newer save's, or the grace period's end: said by them
+            log.info("guardrails: the copy of %s to %s was abandoned", final, self.tier.durable)
             return
         except Exception as e:  # the local commit stands: said, not raised
             self._failed += 1
