@@ -97,10 +97,11 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1].sin()
 
 
-def one_step(a, ddp, opt, step, rank, faults, log, skip: bool) -> bool:
+def one_step(a, ddp, opt, step, rank, faults, log) -> tuple[bool, bool, float]:
     """Forward, mean loss across ranks, backward, update; paced to ``--step-s``.
 
-    Returns whether the driver asked the job to stop after this step."""
+    Returns whether the driver asked the job to stop after this step, whether its loss was
+    made NaN, and its seconds."""
     t0 = time.time()
     x, y = batch(step, rank)
     nan = faults.loss_is_nan()
@@ -120,12 +121,9 @@ def one_step(a, ddp, opt, step, rank, faults, log, skip: bool) -> bool:
         raise FloatingPointError(f"loss is {both[0].item()} at step {step}")
     loss.backward()
     time.sleep(max(0.0, a.step_s - (time.time() - t0)))  # the rest of a GPU-bound step
-    if not skip:
-        opt.step()
+    opt.step()  # under guardrails, a non-finite step is skipped here (g.step stays)
     opt.zero_grad(set_to_none=True)
-    dt = time.time() - t0
-    log.write("step", step=step + 1, dt=dt, nan=nan)
-    return bool(both[1] > 0)
+    return bool(both[1] > 0), nan, time.time() - t0
 
 
 def plain_resume(a, model, opt, log) -> int:
@@ -156,8 +154,9 @@ def run_plain(a, model, ddp, opt, rank, faults, log) -> int:
     step = plain_resume(a, model, opt, log)
     last_save = time.time()
     while step < a.steps:
-        stop = one_step(a, ddp, opt, step, rank, faults, log, skip=step + 1 in a.skip)
+        stop, nan, dt = one_step(a, ddp, opt, step, rank, faults, log)
         step += 1
+        log.write("step", step=step, dt=dt, nan=nan)
         if stop:
             break
         if rank == 0 and time.time() - last_save >= a.ckpt_every_s:
@@ -181,10 +180,13 @@ def run_guarded(a, model, ddp, opt, rank, faults, log) -> int:
         step = g.step
         log.write("resumed", step=step)
         while step < a.steps:
-            stop = one_step(a, ddp, opt, step, rank, faults, log, skip=False)
-            step += 1
-            if g.step != step:
-                log.write("step_mismatch", step=step, guard_step=g.step)
+            # The batch is the step's: a skipped step (its update never made) leaves g.step
+            # as it was, and the next iteration trains the same batch, as a loader resumed
+            # from g.step would give it. A skipped step changes no state at all, so the
+            # weights are those of the plain loop's steps 1..g.step, bitwise.
+            stop, nan, dt = one_step(a, ddp, opt, step, rank, faults, log)
+            step = g.step
+            log.write("step", step=step, dt=dt, nan=nan)
             if stop:
                 break
     return step
@@ -199,12 +201,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-every-s", type=float, default=200.0)
     p.add_argument("--hang-timeout-s", type=float, default=30.0)
     p.add_argument("--nan-steps", type=int, default=10)
-    p.add_argument(
-        "--skip",
-        type=lambda s: {int(v) for v in s.split(",") if v},
-        default=set(),
-        help="(reference runs) steps, 1-based, whose update is skipped",
-    )
     p.add_argument("--final", default=None, help="rank 0 saves the final weights here")
     return p.parse_args()
 
