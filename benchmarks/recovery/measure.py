@@ -118,10 +118,11 @@ def recovery(
 
 
 def final_history(events: list[dict], rank: int = 0) -> dict[int, dict]:
-    """Each step index's last run on ``rank``: the steps the final weights are made of."""
+    """Each step's last run on ``rank``: the steps the final weights are made of (a step whose
+    update was skipped, its loss NaN, made nothing)."""
     history: dict[int, dict] = {}
     for e in events:
-        if e["ev"] == "step" and e["rank"] == rank:
+        if e["ev"] == "step" and e["rank"] == rank and not e.get("nan"):
             history[e["step"]] = e
     return history
 
@@ -146,5 +147,5 @@ def goodput(
         "unique_steps": len(history),
         "steps_run": len(all_steps),
         "steps_redone": len(all_steps) - len(history),
-        "skipped_steps": sorted(s for s, e in history.items() if e.get("nan")),
+        "nan_steps": sum(1 for e in all_steps if e.get("nan")),
     }

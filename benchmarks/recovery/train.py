@@ -1,4 +1,4 @@
-"""The loop under test: a deterministic DDP job on gloo, plain or guarded, that logs its own clock.
+"""The loop under test: a deterministic data-parallel job on gloo, plain or guarded, clock-logged.
 
     torchrun ... benchmarks/recovery/train.py --arm plain|guardrails --run-dir DIR --steps N
 
@@ -14,7 +14,8 @@ same per-step collectives, and differ only in how they save, resume and fail:
 
 Faults come from outside (the driver): SIGUSR2 makes this rank sleep forever inside its next
 step (a hang); the file ``RUN_DIR/nan`` makes rank 0's loss NaN for ``--nan-steps`` steps
-(DDP carries the NaN to every rank's gradients); SIGKILL and SIGTERM are themselves.
+(the gradient all-reduce carries it to every rank's gradients); SIGKILL and SIGTERM are
+themselves.
 
 Each rank appends its clock (``time.time()``) to ``RUN_DIR/log/rankR.jsonl``: ``start`` (the
 process began), ``resumed`` (state loaded, at step S), ``step`` (step S finished, its own
@@ -97,17 +98,29 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1].sin()
 
 
-def one_step(a, ddp, opt, step, rank, faults, log, skip: bool) -> bool:
+def average_grads(model: nn.Module) -> None:
+    """Every gradient summed across ranks, one all-reduce each, in parameter order: the same
+    sums in the same order at every step of every attempt. DDP's buckets are rebuilt after an
+    attempt's first step, so a resumed DDP run sums some gradients in another order than an
+    uninterrupted one at the same step, and is not bitwise equal to it (plain or guarded)."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
+def one_step(a, net, opt, step, rank, faults, log) -> tuple[bool, bool, float]:
     """Forward, mean loss across ranks, backward, update; paced to ``--step-s``.
 
-    Returns whether the driver asked the job to stop after this step."""
+    Returns whether the driver asked the job to stop after this step, whether its loss was
+    made NaN, and its seconds."""
     t0 = time.time()
     x, y = batch(step, rank)
     nan = faults.loss_is_nan()
-    loss = nn.functional.mse_loss(ddp(x), y)
+    loss = nn.functional.mse_loss(net(x), y)
     if nan:
         loss = loss * float("nan")
-    if faults.hang:  # a rank stuck inside its step: its peers wait in backward's all-reduce
+    if faults.hang:  # a rank stuck inside its step: its peers wait in the next all-reduce
         log.write("hang", step=step)
         while True:
             time.sleep(1.0)
@@ -119,13 +132,12 @@ def one_step(a, ddp, opt, step, rank, faults, log, skip: bool) -> bool:
     if a.arm == "plain" and not torch.isfinite(both[0]):
         raise FloatingPointError(f"loss is {both[0].item()} at step {step}")
     loss.backward()
+    if a.sync == "allreduce":
+        average_grads(net)
     time.sleep(max(0.0, a.step_s - (time.time() - t0)))  # the rest of a GPU-bound step
-    if not skip:
-        opt.step()
+    opt.step()  # under guardrails, a non-finite step is skipped here (g.step stays)
     opt.zero_grad(set_to_none=True)
-    dt = time.time() - t0
-    log.write("step", step=step + 1, dt=dt, nan=nan)
-    return bool(both[1] > 0)
+    return bool(both[1] > 0), nan, time.time() - t0
 
 
 def plain_resume(a, model, opt, log) -> int:
@@ -152,12 +164,13 @@ def plain_save(a, model, opt, step: int, log) -> None:
     log.write("saved", step=step, save_s=time.time() - t0)
 
 
-def run_plain(a, model, ddp, opt, rank, faults, log) -> int:
+def run_plain(a, model, net, opt, rank, faults, log) -> int:
     step = plain_resume(a, model, opt, log)
     last_save = time.time()
     while step < a.steps:
-        stop = one_step(a, ddp, opt, step, rank, faults, log, skip=step + 1 in a.skip)
+        stop, nan, dt = one_step(a, net, opt, step, rank, faults, log)
         step += 1
+        log.write("step", step=step, dt=dt, nan=nan)
         if stop:
             break
         if rank == 0 and time.time() - last_save >= a.ckpt_every_s:
@@ -166,11 +179,11 @@ def run_plain(a, model, ddp, opt, rank, faults, log) -> int:
     return step
 
 
-def run_guarded(a, model, ddp, opt, rank, faults, log) -> int:
+def run_guarded(a, model, net, opt, rank, faults, log) -> int:
     import guardrails
 
     with guardrails.guard(
-        ddp,
+        net,
         opt,
         run_dir=a.run_dir,
         resume="auto",
@@ -181,10 +194,13 @@ def run_guarded(a, model, ddp, opt, rank, faults, log) -> int:
         step = g.step
         log.write("resumed", step=step)
         while step < a.steps:
-            stop = one_step(a, ddp, opt, step, rank, faults, log, skip=False)
-            step += 1
-            if g.step != step:
-                log.write("step_mismatch", step=step, guard_step=g.step)
+            # The batch is the step's: a skipped step (its update never made) leaves g.step
+            # as it was, and the next iteration trains the same batch, as a loader resumed
+            # from g.step would give it. A skipped step changes no state at all, so the
+            # weights are those of the plain loop's steps 1..g.step, bitwise.
+            stop, nan, dt = one_step(a, net, opt, step, rank, faults, log)
+            step = g.step
+            log.write("step", step=step, dt=dt, nan=nan)
             if stop:
                 break
     return step
@@ -200,10 +216,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hang-timeout-s", type=float, default=30.0)
     p.add_argument("--nan-steps", type=int, default=10)
     p.add_argument(
-        "--skip",
-        type=lambda s: {int(v) for v in s.split(",") if v},
-        default=set(),
-        help="(reference runs) steps, 1-based, whose update is skipped",
+        "--sync",
+        choices=["allreduce", "ddp"],
+        default="allreduce",
+        help="how gradients are averaged: one all-reduce a parameter (deterministic across "
+        "resumes), or DistributedDataParallel (its bucket rebuild is not)",
     )
     p.add_argument("--final", default=None, help="rank 0 saves the final weights here")
     return p.parse_args()
@@ -219,13 +236,13 @@ def main(a: argparse.Namespace) -> None:
     faults = Faults(run_dir, rank, a.nan_steps)
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.hang_timeout_s))
     model = make_model()
-    ddp = DistributedDataParallel(model)
+    net = DistributedDataParallel(model) if a.sync == "ddp" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     try:
         if a.arm == "plain":
-            step = run_plain(a, model, ddp, opt, rank, faults, log)
+            step = run_plain(a, model, net, opt, rank, faults, log)
         else:
-            step = run_guarded(a, model, ddp, opt, rank, faults, log)
+            step = run_guarded(a, model, net, opt, rank, faults, log)
     except BaseException as e:
         log.write("error", kind=type(e).__name__, msg=str(e)[:300])
         raise
