@@ -368,6 +368,23 @@ def incomplete(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] | Non
     )
 
 
+def only_incomplete(ckpts: list[Path]) -> bool:
+    """Whether ``ckpts`` holds at least one checkpoint and every one is an incomplete
+    failure save (:func:`incomplete`): ``resume="auto"`` then starts fresh, as it would
+    have before that save, instead of calling the directory invalid. A checkpoint whose
+    manifest cannot be read is not one of them: it is left to the full check, which
+    names the damage."""
+    if not ckpts:
+        return False
+    for ckpt in ckpts:
+        try:
+            if incomplete(ckpt, read_manifest(ckpt)) is None:
+                return False
+        except (ManifestError, OSError, ValueError, KeyError, TypeError):
+            return False
+    return True
+
+
 def content_problem(ckpt: Path, manifest: Mapping[str, Any]) -> tuple[str, str] | None:
     """``(file, why)`` for the first listed file whose content does not fit what
     guardrails writes there (the sizes and hashes already checked: this is damage that

@@ -254,9 +254,16 @@ class ResumeAtStart:
         chosen: str | None = None
         plan: restore.Plan | None = None
         try:
+            found_ckpts = [c for _, c in tier.candidates(where, self.local)] if auto else []
             if auto and not tier.candidates(where, self.local):
                 chosen = ""  # nothing saved yet: a fresh run
                 self._warn_finished_unsaved(guard)
+            elif auto and manifest.only_incomplete(found_ckpts):
+                # A rank died before the run's first complete checkpoint: the survivors'
+                # failure save lacks its RNG streams and data position. Nothing else
+                # was ever saved, so the run starts over, as it would have without it.
+                chosen = ""
+                self._say_only_incomplete(guard, found_ckpts)
             else:
                 # Rank 0 reads and checks each candidate, newest first, against this
                 # run (its model, optimizers, loader): a damaged one is skipped, said
@@ -422,6 +429,19 @@ class ResumeAtStart:
                 message=f"could not record in {last} that the run finished ({e}): a re-run "
                 "of this command resumes it without saying that the run had finished.",
             )
+
+    def _say_only_incomplete(self, guard: Guard, ckpts: list[Path]) -> None:
+        """``resume="auto"`` found only incomplete failure saves: a fresh start, said."""
+        names = ", ".join(c.name for c in ckpts[-3:])
+        guard.event(
+            "resume_skipped_incomplete",
+            level="warning",
+            message=f"the only checkpoint(s) in {ckpts[0].parent} ({names}) "
+            "are incomplete failure saves (a rank died or was stuck and could not write its RNG "
+            "streams and data position): this run starts from step 0. To lose less when a "
+            "rank dies, save periodically too: guard(checkpoint={'every_s': 1800}).",
+            paths=[str(c) for c in ckpts],
+        )
 
     def _warn_finished_unsaved(self, guard: Guard) -> None:
         """``resume="auto"`` finds no checkpoint, but the run directory's events say the
