@@ -424,7 +424,7 @@ def main() -> None:
         results["arms"].append(result)
         print(report.markdown(results), flush=True)
     day = results["date"][:10]
-    tag = "-smoke" if a.smoke else ""
+    tag = ("-smoke" if a.smoke else "") + ("-torchrun" if a.restart == "torchrun" else "")
     out = Path(a.out) / f"recovery-{day}{tag}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
