@@ -116,6 +116,7 @@ class Job:
         self.notes: list[str] = []
         self.port = 0
         self.failed_launches = 0  # launches in a row that never trained a step
+        self.killed = False  # this attempt was ended by the driver, not by its agents
 
     def agent_cmd(self, node: int) -> list[str]:
         a = self.a
@@ -136,6 +137,7 @@ class Job:
     def launch(self) -> None:
         """The same command again (a fresh rendezvous port: the last one may be in TIME_WAIT)."""
         self.port = free_port()
+        self.killed = False
         self.launches.append(time.time())
         self.agents = []
         for node in range(self.a.nodes):
@@ -148,6 +150,7 @@ class Job:
         self.agents[node] = Agent(self.agent_cmd(node), log, self.error_lines)
 
     def kill_all(self) -> None:
+        self.killed = True
         for agent in self.agents:
             agent.kill()
 
@@ -192,7 +195,7 @@ class Job:
             self.failed_launches = 0 if trained else self.failed_launches + 1
             if self.failed_launches >= MAX_FAILED_LAUNCHES:
                 return
-            if self.a.restart == "torchrun":
+            if self.a.restart == "torchrun" and not self.killed:
                 self.notes.append(f"{time.time():.1f}: every agent gave up: requeued")
             self.launch()
             return
@@ -424,7 +427,7 @@ def main() -> None:
         results["arms"].append(result)
         print(report.markdown(results), flush=True)
     day = results["date"][:10]
-    tag = "-smoke" if a.smoke else ""
+    tag = ("-smoke" if a.smoke else "") + ("-torchrun" if a.restart == "torchrun" else "")
     out = Path(a.out) / f"recovery-{day}{tag}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
