@@ -16,9 +16,9 @@ checkpoint (weights and AdamW's two moments) trains on CPU:
   signal to the loop's end (the agreement, the stop's save, its commit, and with the
   tier the drain within the grace period).
 
-Each figure is the median of ``--repeats`` runs; the directories are emptied between
-runs. The disk floor (the same bytes written by one thread to ``--durable``, then
-fsync) is printed beside them.
+Each figure is the median of ``--repeats`` runs, the modes interleaved; the
+directories are emptied between runs. The disk floor (the same bytes written by one
+thread to ``--durable``, then fsync) is printed beside them.
 """
 
 from __future__ import annotations
@@ -123,11 +123,19 @@ def main() -> None:
     print(
         f"checkpoint ~{nbytes / 1e6:.0f} MB; durable disk floor {statistics.median(floors):.3f} s"
     )
-    for mode, local in (("durable", None), ("local", Path(args.local))):
-        for sigterm in (False, True):
-            rows = [one_run(args, local, sigterm=sigterm) for _ in range(args.repeats)]
-            med = {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
-            print(f"{mode:8} {'sigterm' if sigterm else 'periodic':9} {json.dumps(med)}")
+    # The modes interleaved, repeat by repeat: a shared machine's load falls on both.
+    modes = [
+        (m, loc, sig)
+        for m, loc in (("durable", None), ("local", Path(args.local)))
+        for sig in (False, True)
+    ]
+    rows: dict[tuple[str, bool], list[dict[str, float]]] = {(m, sig): [] for m, _, sig in modes}
+    for _ in range(args.repeats):
+        for mode, local, sigterm in modes:
+            rows[mode, sigterm].append(one_run(args, local, sigterm=sigterm))
+    for (mode, sigterm), got in rows.items():
+        med = {k: round(statistics.median(r[k] for r in got), 3) for k in got[0]}
+        print(f"{mode:8} {'sigterm' if sigterm else 'periodic':9} {json.dumps(med)}")
     for d in (Path(args.durable), Path(args.local)):
         shutil.rmtree(d, ignore_errors=True)
 
