@@ -81,6 +81,7 @@ def test_exception_in_the_loop_saves_the_last_finished_step(tmp_path, uninterrup
     [said] = events(tmp_path, "failure_saved")
     assert said["path"] == str(ckpt) and said["state"] == "live" and said["complete"]
     assert said["step"] == 7 and said["seconds"] < 10
+    assert said["cause"] == "ValueError: boom after the backward"
     resumed = single(tmp_path)
     assert "resumed from" in resumed and "step 7" in resumed, resumed
     assert_same_final(tmp_path, uninterrupted)

@@ -307,17 +307,19 @@ class FailureSave:
         why: str,
         took_s: float,
     ) -> None:
-        """The ``failure_saved`` event (a warning: the console says it)."""
-        step = guard.step
+        """The ``failure_saved`` event (a warning: the console says it). Its message
+        names the error's class only: the error's own report follows, and its headline
+        said twice would be noise (the ``cause`` field has its first line)."""
+        step, kind = guard.step, cause.split(":", 1)[0]
         if path is not None and not missing:
             message = (
-                f"the run failed in step {step + 1} ({cause}); the state of step {step}, the "
+                f"the run failed in step {step + 1} ({kind}); the state of step {step}, the "
                 f"last finished step, was saved to {path} in {took_s:.1f} s: run the same "
                 "command to continue from it (resume='auto')."
             )
         elif path is not None:
             message = (
-                f"the run failed in step {step + 1} ({cause}); step {step} was saved to {path} "
+                f"the run failed in step {step + 1} ({kind}); step {step} was saved to {path} "
                 f"without rank(s) {missing} (dead or stuck: their RNG streams and data "
                 "position are missing), so it is incomplete and resume='auto' will not "
                 f"use it; {self._latest_text(path)}."
@@ -325,16 +327,17 @@ class FailureSave:
         elif self.part_only:
             why = "rank 0 had not begun its failure save"
             message = (
-                f"the run failed in step {step + 1} ({cause}); this rank wrote its part of the "
+                f"the run failed in step {step + 1} ({kind}); this rank wrote its part of the "
                 f"failure save of step {step} (its RNG streams and data position), which rank "
                 "0 commits once it fails too."
             )
         else:
             message = (
-                f"the run failed in step {step + 1} ({cause}); nothing was saved: {why}; "
+                f"the run failed in step {step + 1} ({kind}); nothing was saved: {why}; "
                 f"{self._latest_text(path)}."
             )
         self.outcome = {
+            "cause": cause,
             "path": None if path is None else str(path),
             "step": step,
             "seconds": round(took_s, 3),
