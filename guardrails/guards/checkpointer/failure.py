@@ -72,9 +72,11 @@ log = logging.getLogger("guardrails.checkpoint")
 #: How often a rank polls the store for the others' records and rank 0's commit.
 _POLL_S = 0.05
 
-#: How long a rank other than 0 waits for rank 0 to begin its failure save: ranks that
-#: fail together (a hang's verdict, a NaN streak, a desync) begin within ~1 s of each
-#: other; a rank that failed alone leaves, and rank 0 commits its part later.
+#: How long one rank waits for another to begin its failure save: ranks that fail
+#: together (a hang's verdict, a NaN streak, a desync, a peer's death) begin within ~1 s
+#: of each other. Rank 0 stops waiting for a rank that has not begun by then (dead:
+#: a SIGKILLed peer cost the whole 20 s limit before); a rank other than 0 that failed
+#: alone leaves, and rank 0 commits its part once it fails in turn.
 _BEGUN_WAIT_S = 3.0
 
 
@@ -201,8 +203,8 @@ class FailureSave:
         writer, step = self._writer, guard.step
         key = f"{writer.token}/failure/{step}"
         rng, position = state
-        if self._rank == 0 and self._store is not None:  # the others wait for it from now
-            self._store.set(f"{key}/begun", "1")
+        if self._store is not None:  # rank 0 waits for this rank's part from now on
+            self._store.set(f"{key}/begun/{self._rank}", "1")
         part = writer.stage_boundary(guard, rng=rng, position=position)
         part.cancel = cancel
         if self._rank == 0:
@@ -234,17 +236,25 @@ class FailureSave:
         self, key: str, deadline: float, dead: int | None
     ) -> tuple[dict[str, Any], list[int]]:
         """Rank 0: the other ranks' records in by ``deadline`` (``dead``: not waited
-        for), merged, and the ranks without one (or with nothing to save)."""
+        for; nor a rank that has not begun its failure save within
+        :data:`_BEGUN_WAIT_S`), merged, and the ranks without one (or with nothing to
+        save)."""
         store, pending = self._store, set(range(1, self._world)) - {dead}
         merged: dict[str, Any] = {}
         missing = [] if dead is None or dead == 0 else [dead]
+        begun_by = time.monotonic() + _BEGUN_WAIT_S
         while pending:
+            late = time.monotonic() > begun_by
             for r in sorted(pending):
                 if store.check([f"{key}/files/{r}"]):
                     got = json.loads(store.get(f"{key}/files/{r}"))
                     if "none" in got:
                         missing.append(r)
                     merged.update({k: v for k, v in got.items() if k != "none"})
+                    pending.discard(r)
+                elif late and not store.check([f"{key}/begun/{r}"]):
+                    # Not begun by now: dead, or waiting in a collective for this rank.
+                    missing.append(r)
                     pending.discard(r)
             if not pending or time.monotonic() >= deadline:
                 break
@@ -262,7 +272,7 @@ class FailureSave:
             if store.check([f"{key}/commit"]):
                 said = json.loads(store.get(f"{key}/commit"))
                 return Path(said["path"]) if "path" in said else None
-            if time.monotonic() > begun_by and not store.check([f"{key}/begun"]):
+            if time.monotonic() > begun_by and not store.check([f"{key}/begun/0"]):
                 self.part_only = True
                 return None
             time.sleep(_POLL_S)
