@@ -24,7 +24,8 @@ Without it every failure but a signal ended each rank with an error and saved no
   cancelled within a piece). With several ranks the save is the usual multi-rank commit
   under keys of its own: each rank writes its files (RNG streams, data position) into the
   step's temp directory and publishes their records; rank 0, which holds the replicated
-  model and optimizer, commits with the records it has by the limit. A rank whose files
+  model and optimizer, commits with the records it has by the limit (a rank that has not
+  begun within 3 s, a dead one, is not waited for). A rank whose files
   are missing (dead, stuck with no thread able to write, or past the step) makes the
   checkpoint **incomplete**: committed with ``failure.missing`` naming those ranks, and
   never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why). If
