@@ -353,6 +353,8 @@ class CheckpointKnobs(TypedDict, total=False):
     directory: str | PathLike[str] | None
     agree_every_s: float
     strict_cadence: bool
+    save_on_failure: bool
+    failure_save_timeout_s: float
 
 
 class EfficiencyKnobs(TypedDict, total=False):
