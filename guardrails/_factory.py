@@ -355,6 +355,8 @@ class CheckpointKnobs(TypedDict, total=False):
     strict_cadence: bool
     local_directory: str | PathLike[str] | None
     local_keep_last: int
+    save_on_failure: bool
+    failure_save_timeout_s: float
 
 
 class EfficiencyKnobs(TypedDict, total=False):

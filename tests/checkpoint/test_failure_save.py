@@ -81,6 +81,7 @@ def test_exception_in_the_loop_saves_the_last_finished_step(tmp_path, uninterrup
     [said] = events(tmp_path, "failure_saved")
     assert said["path"] == str(ckpt) and said["state"] == "live" and said["complete"]
     assert said["step"] == 7 and said["seconds"] < 10
+    assert said["cause"] == "ValueError: boom after the backward"
     resumed = single(tmp_path)
     assert "resumed from" in resumed and "step 7" in resumed, resumed
     assert_same_final(tmp_path, uninterrupted)
@@ -167,9 +168,9 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
     """(4) Rank 1 SIGKILLed in the step after step 7 (periodic saves every 5 steps):
     rank 0 writes step 7 without rank 1's files, marked incomplete; resume='auto'
     takes step 5, says why it skipped step 7, and ends bitwise the clean run. (5) The
-    save never waits past its limit for the rank that never writes."""
+    save does not wait out its limit for a rank that never began to write: 3 s."""
     args = ("--fault", "kill", "--at", 7, "--rank", 1, "--every", 5, "--hang-timeout-s", 3)
-    ranks = ddp(tmp_path, *args, "--save-timeout-s", 2)
+    ranks = ddp(tmp_path, *args, "--save-timeout-s", 15)
     assert ranks[1].code == -9
     found = dict(list_checkpoints(tmp_path / "checkpoints"))
     assert sorted(found) == [5, 7], [r.out for r in ranks]
@@ -182,7 +183,7 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
         [sys.executable, "-m", "guardrails", "inspect", tmp_path / "checkpoints"], timeout_s=30
     ).stdout
     assert "step_000000007 is an incomplete failure save" in shown and "rank(s) [1]" in shown
-    assert said["seconds"] < 2 + 2  # the limit, and the commit
+    assert said["seconds"] < 3 + 2  # failure.py's _BEGUN_WAIT_S, and the commit
     ranks = ddp(tmp_path)
     assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
     assert "skipped checkpoint step_000000007" in ranks[0].out

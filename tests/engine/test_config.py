@@ -106,9 +106,17 @@ def test_a_section_takes_true_false_a_config_or_a_dict(tmp_path):
         _guard(tmp_path, checkpoint={"evry_n_steps": 5})
     with pytest.raises(ValueError, match="policy must be one of"):
         _guard(tmp_path, nan={"policy": "explode"})
-    # A section with nothing to do is left out, as before.
-    assert "checkpoint" not in _names(
+    # A section with nothing to do is left out, as before (saving on a failure is
+    # something to do: on by default).
+    assert "checkpoint" in _names(
         _guard(tmp_path, resume=None, checkpoint={"save_on_signal": False})
+    )
+    assert "checkpoint" not in _names(
+        _guard(
+            tmp_path,
+            resume=None,
+            checkpoint={"save_on_signal": False, "save_on_failure": False},
+        )
     )
     assert "memory" not in _names(
         _guard(

@@ -24,7 +24,8 @@ Without it every failure but a signal ended each rank with an error and saved no
   cancelled within a piece). With several ranks the save is the usual multi-rank commit
   under keys of its own: each rank writes its files (RNG streams, data position) into the
   step's temp directory and publishes their records; rank 0, which holds the replicated
-  model and optimizer, commits with the records it has by the limit. A rank whose files
+  model and optimizer, commits with the records it has by the limit (a rank that has not
+  begun within 3 s, a dead one, is not waited for). A rank whose files
   are missing (dead, stuck with no thread able to write, or past the step) makes the
   checkpoint **incomplete**: committed with ``failure.missing`` naming those ranks, and
   never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why). If
@@ -72,9 +73,11 @@ log = logging.getLogger("guardrails.checkpoint")
 #: How often a rank polls the store for the others' records and rank 0's commit.
 _POLL_S = 0.05
 
-#: How long a rank other than 0 waits for rank 0 to begin its failure save: ranks that
-#: fail together (a hang's verdict, a NaN streak, a desync) begin within ~1 s of each
-#: other; a rank that failed alone leaves, and rank 0 commits its part later.
+#: How long one rank waits for another to begin its failure save: ranks that fail
+#: together (a hang's verdict, a NaN streak, a desync, a peer's death) begin within ~1 s
+#: of each other. Rank 0 stops waiting for a rank that has not begun by then (dead:
+#: a SIGKILLed peer cost the whole 20 s limit before); a rank other than 0 that failed
+#: alone leaves, and rank 0 commits its part once it fails in turn.
 _BEGUN_WAIT_S = 3.0
 
 
@@ -204,8 +207,8 @@ class FailureSave:
         writer, step = self._writer, guard.step
         key = f"{writer.token}/failure/{step}"
         rng, position = state
-        if self._rank == 0 and self._store is not None:  # the others wait for it from now
-            self._store.set(f"{key}/begun", "1")
+        if self._store is not None:  # rank 0 waits for this rank's part from now on
+            self._store.set(f"{key}/begun/{self._rank}", "1")
         part = writer.stage_boundary(guard, rng=rng, position=position)
         part.cancel = cancel
         if self._rank == 0:
@@ -237,17 +240,25 @@ class FailureSave:
         self, key: str, deadline: float, dead: int | None
     ) -> tuple[dict[str, Any], list[int]]:
         """Rank 0: the other ranks' records in by ``deadline`` (``dead``: not waited
-        for), merged, and the ranks without one (or with nothing to save)."""
+        for; nor a rank that has not begun its failure save within
+        :data:`_BEGUN_WAIT_S`), merged, and the ranks without one (or with nothing to
+        save)."""
         store, pending = self._store, set(range(1, self._world)) - {dead}
         merged: dict[str, Any] = {}
         missing = [] if dead is None or dead == 0 else [dead]
+        begun_by = time.monotonic() + _BEGUN_WAIT_S
         while pending:
+            late = time.monotonic() > begun_by
             for r in sorted(pending):
                 if store.check([f"{key}/files/{r}"]):
                     got = json.loads(store.get(f"{key}/files/{r}"))
                     if "none" in got:
                         missing.append(r)
                     merged.update({k: v for k, v in got.items() if k != "none"})
+                    pending.discard(r)
+                elif late and not store.check([f"{key}/begun/{r}"]):
+                    # Not begun by now: dead, or waiting in a collective for this rank.
+                    missing.append(r)
                     pending.discard(r)
             if not pending or time.monotonic() >= deadline:
                 break
@@ -265,7 +276,7 @@ class FailureSave:
             if store.check([f"{key}/commit"]):
                 said = json.loads(store.get(f"{key}/commit"))
                 return Path(said["path"]) if "path" in said else None
-            if time.monotonic() > begun_by and not store.check([f"{key}/begun"]):
+            if time.monotonic() > begun_by and not store.check([f"{key}/begun/0"]):
                 self.part_only = True
                 return None
             time.sleep(_POLL_S)
@@ -310,17 +321,19 @@ class FailureSave:
         why: str,
         took_s: float,
     ) -> None:
-        """The ``failure_saved`` event (a warning: the console says it)."""
-        step = guard.step
+        """The ``failure_saved`` event (a warning: the console says it). Its message
+        names the error's class only: the error's own report follows, and its headline
+        said twice would be noise (the ``cause`` field has its first line)."""
+        step, kind = guard.step, cause.split(":", 1)[0]
         if path is not None and not missing:
             message = (
-                f"the run failed in step {step + 1} ({cause}); the state of step {step}, the "
+                f"the run failed in step {step + 1} ({kind}); the state of step {step}, the "
                 f"last finished step, was saved to {path} in {took_s:.1f} s: run the same "
                 "command to continue from it (resume='auto')."
             )
         elif path is not None:
             message = (
-                f"the run failed in step {step + 1} ({cause}); step {step} was saved to {path} "
+                f"the run failed in step {step + 1} ({kind}); step {step} was saved to {path} "
                 f"without rank(s) {missing} (dead or stuck: their RNG streams and data "
                 "position are missing), so it is incomplete and resume='auto' will not "
                 f"use it; {self._latest_text(path)}."
@@ -328,16 +341,17 @@ class FailureSave:
         elif self.part_only:
             why = "rank 0 had not begun its failure save"
             message = (
-                f"the run failed in step {step + 1} ({cause}); this rank wrote its part of the "
+                f"the run failed in step {step + 1} ({kind}); this rank wrote its part of the "
                 f"failure save of step {step} (its RNG streams and data position), which rank "
                 "0 commits once it fails too."
             )
         else:
             message = (
-                f"the run failed in step {step + 1} ({cause}); nothing was saved: {why}; "
+                f"the run failed in step {step + 1} ({kind}); nothing was saved: {why}; "
                 f"{self._latest_text(path)}."
             )
         self.outcome = {
+            "cause": cause,
             "path": None if path is None else str(path),
             "step": step,
             "seconds": round(took_s, 3),
