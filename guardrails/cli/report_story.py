@@ -269,11 +269,7 @@ def _restart_line(r: dict[str, Any]) -> str:
     text += f" ({', '.join(where)})" if where else ""
     if c.get("restartable") is not None:
         text += "; a restart can fix this" if c["restartable"] else "; a restart cannot fix this"
-    if r.get("failure_saved"):
-        f = r["failure_saved"]
-        text += f"; failure save at step {f.get('step')}" + (
-            f" in {_dur(float(f['seconds']))}" if f.get("seconds") is not None else ""
-        )
+    text += _failure_save_text(r.get("failure_saved"))
     back = r.get("to_training_s")
     text += (
         f"; training again {_dur(back)} after the fault ({r['fault_is']})"
@@ -374,3 +370,18 @@ def _dur(s: float) -> str:
     if s < 172_800:
         return f"{s / 3600:.1f} h"
     return f"{s / 86_400:.1f} days"
+
+
+def _failure_save_text(f: dict[str, Any] | None) -> str:
+    """The restart line's clause on the failed attempt's failure save: written whole,
+    written without some ranks (never resumed from), or not written (and why)."""
+    if not f:
+        return ""
+    took = f" in {_dur(float(f['seconds']))}" if f.get("seconds") is not None else ""
+    if f.get("path") is None:
+        why = f.get("why")
+        return "; no failure save" + (f" ({why})" if why else "")
+    if f.get("missing"):
+        missing = f"rank(s) {f['missing']} missing"
+        return f"; incomplete failure save at step {f.get('step')}{took} ({missing})"
+    return f"; failure save at step {f.get('step')}{took}"
