@@ -192,6 +192,27 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
         assert_same_final(tmp_path, uninterrupted_ddp, rank)
 
 
+def test_only_an_incomplete_save_means_a_fresh_start_not_an_invalid_directory(
+    tmp_path, uninterrupted_ddp
+):
+    """Rank 1 SIGKILLed with no periodic saves: the only checkpoint is rank 0's incomplete
+    failure save. The re-run (a requeue, or torchrun's restart) starts from step 0 with a
+    warning that says why, instead of refusing the directory as all invalid, and ends
+    bitwise the clean run."""
+    args = ("--fault", "kill", "--at", 7, "--rank", 1, "--hang-timeout-s", 3)
+    ranks = ddp(tmp_path, *args, "--save-timeout-s", 15)
+    assert ranks[1].code == -9
+    [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
+    assert step == 7 and manifest(ckpt)["failure"]["missing"] == [1]
+    ranks = ddp(tmp_path)
+    assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
+    [said] = events(tmp_path, "resume_skipped_incomplete")
+    assert "incomplete failure saves" in said["message"] and "step 0" in said["message"]
+    assert said["paths"] == [str(ckpt)]
+    for rank in (0, 1):
+        assert_same_final(tmp_path, uninterrupted_ddp, rank)
+
+
 def test_error_on_one_rank_is_saved_whole(tmp_path, uninterrupted_ddp):
     """A bad batch on rank 1 only: rank 1 writes its part and leaves (rank 0, waiting
     for it in DDP's all-reduce, has not begun); rank 0's collective then fails, and it
