@@ -84,6 +84,13 @@ def child(a: argparse.Namespace) -> None:
         mark("resumed", step=g.step)
         first = g.step
         for x, y in g:
+            # Stuck at the top of the step after step --hang-at (a loader, a lock, a
+            # collective the other rank never joins): the weights are still those of
+            # the last finished step, which the failure save keeps. A hang after
+            # optimizer.step() and before the next batch saves nothing yet.
+            if a.hang_at and g.step == a.hang_at and rank == 1:
+                mark("fault", step=g.step)
+                time.sleep(3600)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 loss = model(x, y)
             loss.backward()
@@ -93,9 +100,6 @@ def child(a: argparse.Namespace) -> None:
                 if cuda:
                     torch.cuda.synchronize()
                 mark("first_step", step=g.step)
-            if a.hang_at and g.step == a.hang_at and rank == 1:
-                mark("fault", step=g.step)
-                time.sleep(3600)
             if not a.hang_at and g.step >= first + a.steps_after:
                 break
 

@@ -1048,7 +1048,6 @@ class Guard(StepState):
             # steps per batch, or a model called around the guard's wrapper): the
             # boundary is due now at the latest, before this update.
             self._boundary()
-        self.update_began = True  # the live state leaves the last finished step's
         if self._shadow.pending:
             self._shadow.settle()  # the run's first optimizer step, once
         if not self._forward_seen:  # no forward observed: the fetch position it is
@@ -1074,6 +1073,10 @@ class Guard(StepState):
         self.lr = lr if type(lr) is float else current_lr(self.optimizer)  # a float: no call
         for fn in self._live["before_step"]:
             fn(self)
+        # After the components' hooks (the ranks' agreement on a bad step waits in a
+        # collective there, the weights untouched): the optimizer's own update is next,
+        # and from here the live state leaves the last finished step's.
+        self.update_began = True
 
     def _after_step(self) -> None:
         self.step += 1
@@ -1191,13 +1194,13 @@ class Guard(StepState):
 
     def _before_extra_step(self, name: str) -> None:
         self.phase = "optimizer"
-        self.update_began = True
         if self._shadow.pending:
             self._shadow.settle()  # the run's first optimizer step, once
         if self._pending is not None:
             self._raise_pending()
         for fn in self._live["before_extra_step"]:
             fn(self, name)
+        self.update_began = True  # as in _before_step: after the hooks, before the update
 
     def _after_extra_step(self, name: str) -> None:
         for fn in self._live["after_extra_step"]:
