@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guardrails.checkpoint.files import read_bytes
 from guardrails.checkpoint.manifest import MANIFEST, highest_seq, list_checkpoints
 from guardrails.util import files as _perms
 from guardrails.util.checks import path_like, positive_int
@@ -237,7 +238,7 @@ def recorded_local(durable: Path) -> Path | None:
     manifest's ``run.local_directory``), when that directory exists on this host."""
     for _, ckpt in reversed(list_checkpoints(durable)):
         try:
-            run = json.loads((ckpt / MANIFEST).read_bytes()).get("run") or {}
+            run = json.loads(read_bytes(ckpt / MANIFEST)).get("run") or {}
         except (OSError, ValueError, AttributeError):
             continue
         where = run.get("local_directory") if isinstance(run, dict) else None

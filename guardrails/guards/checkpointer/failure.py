@@ -157,7 +157,12 @@ class FailureSave:
                 "the failure came inside optimizer.step() or after it, before the next "
                 "step boundary: the live weights are no longer those of a finished step"
             )
-        if from_thread and guard.device is not None and guard.device.type == "cuda":
+        if (
+            from_thread
+            and guard.device is not None
+            and guard.device.type == "cuda"
+            and self._writer.stages_weights
+        ):  # the other ranks' parts are host-side: the boundary's RNG and data position
             return None, (
                 "the main thread is stuck and the weights are on a GPU whose stream may be "
                 "stuck with it (a copy would wait for it)"

@@ -414,6 +414,13 @@ class CheckpointWriter:
         }
 
     @property
+    def stages_weights(self) -> bool:
+        """Whether this rank's part of a save holds device state it must copy: rank 0's
+        replicated state, or state that differs per rank (sharded, per-rank optimizer
+        state). A rank without it writes only host-side captures (RNG, data position)."""
+        return self._rank == 0 or bool(self._per_rank) or self._sharded
+
+    @property
     def token(self) -> str:
         """This guard's name for its temp directories and store keys (every rank's)."""
         return self._token
