@@ -25,7 +25,7 @@ Without it every failure but a signal ended each rank with an error and saved no
   under keys of its own: each rank writes its files (RNG streams, data position) into the
   step's temp directory and publishes their records; rank 0, which holds the replicated
   model and optimizer, commits with the records it has by the limit (a rank that has not
-  begun within 3 s, a dead one, is not waited for). A rank whose files
+  begun within 10 s, a dead one, is not waited for). A rank whose files
   are missing (dead, stuck with no thread able to write, or past the step) makes the
   checkpoint **incomplete**: committed with ``failure.missing`` naming those ranks, and
   never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why). If
@@ -73,12 +73,15 @@ log = logging.getLogger("guardrails.checkpoint")
 #: How often a rank polls the store for the others' records and rank 0's commit.
 _POLL_S = 0.05
 
-#: How long one rank waits for another to begin its failure save: ranks that fail
-#: together (a hang's verdict, a NaN streak, a desync, a peer's death) begin within ~1 s
-#: of each other. Rank 0 stops waiting for a rank that has not begun by then (dead:
-#: a SIGKILLed peer cost the whole 20 s limit before); a rank other than 0 that failed
-#: alone leaves, and rank 0 commits its part once it fails in turn.
-_BEGUN_WAIT_S = 3.0
+#: How long one rank waits for another to begin its failure save. Ranks that fail
+#: together on one verdict begin within ~1 s of each other, but a rank stuck in a sleep
+#: or a C call learns of a peer's failure only at its watchdog's next poll (1 s), gives a
+#: failure raised everywhere a beat (3 s) and its main thread ``abort_after_s`` (2 s)
+#: before its thread saves: 6.7 s was seen on a loaded 2-core host with 4 ranks, where 3 s
+#: left the hang's save incomplete. Rank 0 stops waiting for a rank that has not begun by
+#: then (dead: a SIGKILLed peer cost the whole 20 s limit before); a rank other than 0
+#: that failed alone leaves, and rank 0 commits its part once it fails in turn.
+_BEGUN_WAIT_S = 10.0
 
 
 class FailureSave:
