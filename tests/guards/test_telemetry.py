@@ -238,7 +238,7 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
             "data_starvation_window_steps": None,
             "explain_oom": False,
         },
-        checkpoint={"save_on_signal": False},
+        checkpoint={"save_on_signal": False, "save_on_failure": False},
         preflight=False,
         pace=False,
         efficiency={"advise": False, "count_flops": False, "host_syncs": False},

@@ -49,6 +49,7 @@ import logging
 import shutil
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ from guardrails.checkpoint.manifest import (
     read_manifest,
     resume_order,
 )
+from guardrails.distributed.store import stretched, wait_keys
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util import files as _perms
@@ -70,7 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("guardrails.checkpoint")
 
-#: How often a rank polls the store for the others' records and rank 0's commit.
+#: How often rank 0 reads the counters of the other ranks' records (stretched with N).
 _POLL_S = 0.05
 
 #: How long one rank waits for another to begin its failure save. Ranks that fail
@@ -205,6 +207,8 @@ class FailureSave:
         self._store.set(f"{key}/files/{self._rank}", said)
         if self._rank == 0:
             self._store.set(f"{key}/commit", said)
+        else:
+            self._store.add(f"{key}/filed", 1)
 
     def _save(
         self, guard: Guard, state: Any, cause: str, cancel: threading.Event, dead: int | None
@@ -217,6 +221,8 @@ class FailureSave:
         rng, position = state
         if self._store is not None:  # rank 0 waits for this rank's part from now on
             self._store.set(f"{key}/begun/{self._rank}", "1")
+            if self._rank != 0:
+                self._store.add(f"{key}/begun", 1)
         part = writer.stage_boundary(guard, rng=rng, position=position)
         part.cancel = cancel
         if self._rank == 0:
@@ -232,6 +238,7 @@ class FailureSave:
             raise
         self._store.set(f"{key}/files/{self._rank}", json.dumps(files))
         if self._rank != 0:
+            self._store.add(f"{key}/filed", 1)
             return self._await_commit(key, deadline, dead), []
         merged, missing = self._gather(key, deadline, dead)
         merged.update(files)  # rank 0's own
@@ -250,45 +257,57 @@ class FailureSave:
         """Rank 0: the other ranks' records in by ``deadline`` (``dead``: not waited
         for; nor a rank that has not begun its failure save within
         :data:`_BEGUN_WAIT_S`), merged, and the ranks without one (or with nothing to
-        save)."""
-        store, pending = self._store, set(range(1, self._world)) - {dead}
+        save). While it waits it reads two counters a poll, not a key per rank (the poll
+        stretched with N: 10,000 ranks' records polled every 50 ms would be 200,000
+        calls a second, twice what one store serves); the records are read once."""
+        store, world = self._store, self._world
+        others = [r for r in range(1, world) if r != dead]
+        begun_by = time.monotonic() + _BEGUN_WAIT_S
+        poll_s = stretched(_POLL_S, world)
+        while time.monotonic() < deadline:
+            filed = int(store.add(f"{key}/filed", 0))
+            if filed >= len(others):
+                break
+            # Past the wait for beginners: stop once everyone who began has filed.
+            if time.monotonic() > begun_by and int(store.add(f"{key}/begun", 0)) <= filed:
+                break
+            time.sleep(poll_s)
         merged: dict[str, Any] = {}
         missing = [] if dead is None or dead == 0 else [dead]
-        begun_by = time.monotonic() + _BEGUN_WAIT_S
-        while pending:
-            late = time.monotonic() > begun_by
-            for r in sorted(pending):
-                if store.check([f"{key}/files/{r}"]):
-                    got = json.loads(store.get(f"{key}/files/{r}"))
-                    if "none" in got:
-                        missing.append(r)
-                    merged.update({k: v for k, v in got.items() if k != "none"})
-                    pending.discard(r)
-                elif late and not store.check([f"{key}/begun/{r}"]):
-                    # Not begun by now: dead, or waiting in a collective for this rank.
-                    missing.append(r)
-                    pending.discard(r)
-            if not pending or time.monotonic() >= deadline:
-                break
-            time.sleep(_POLL_S)
-        return merged, sorted([*missing, *pending])
+        for r in others:
+            if not store.check([f"{key}/files/{r}"]):
+                missing.append(r)  # dead, stuck, or waiting in a collective for rank 0
+                continue
+            got = json.loads(store.get(f"{key}/files/{r}"))
+            if "none" in got:
+                missing.append(r)
+            merged.update({k: v for k, v in got.items() if k != "none"})
+        return merged, sorted(missing)
 
     def _await_commit(self, key: str, deadline: float, dead: int | None) -> Path | None:
         """A rank other than 0: rank 0's commit, waited for until ``deadline`` once rank
         0 has begun its failure save (this rank's exit would get it SIGTERMed by torchrun
         mid-commit); not when rank 0 is the ``dead`` one, nor when it has not begun
         within :data:`_BEGUN_WAIT_S` (it may be waiting in a collective for this rank,
-        and will commit this rank's part when this rank's exit fails it)."""
-        store, begun_by = self._store, time.monotonic() + _BEGUN_WAIT_S
-        while dead != 0 and time.monotonic() < deadline:
-            if store.check([f"{key}/commit"]):
-                said = json.loads(store.get(f"{key}/commit"))
-                return Path(said["path"]) if "path" in said else None
-            if time.monotonic() > begun_by and not store.check([f"{key}/begun/0"]):
+        and will commit this rank's part when this rank's exit fails it). Blocking waits
+        on a store client of their own (``wait_keys``): no poll, whatever N."""
+        if dead == 0:
+            return None
+        store, commit_key = self._store, f"{key}/commit"
+        first_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic()))
+        try:
+            wait_keys(store, [commit_key], timedelta(seconds=first_s), world=self._world)
+        except TimeoutError:
+            if not store.check([f"{key}/begun/0"]):
                 self.part_only = True
                 return None
-            time.sleep(_POLL_S)
-        return None
+            left_s = max(0.0, deadline - time.monotonic())
+            try:
+                wait_keys(store, [commit_key], timedelta(seconds=left_s), world=self._world)
+            except TimeoutError:
+                return None
+        said = json.loads(store.get(commit_key))
+        return Path(said["path"]) if "path" in said else None
 
     def _commit(
         self, step: int, tmp: Path, files: dict[str, Any], cause: str, *, missing: list[int]

@@ -1,13 +1,10 @@
-"""The write pipeline of :class:`SignalCheckpointer`: staging off the live objects, the
-background writer thread, the multi-rank commit, and what a failed save costs.
+"""The write pipeline of :class:`SignalCheckpointer`: staging, the writer thread, the
+multi-rank commit, and what a failed save costs.
 
-:class:`CheckpointWriter` is built at the guard's start with what every save needs
-(the directory, this rank and the job's size, the store the ranks commit through, the
-run's record for the manifest) and owns what the saves share: the staging memory, the
-writer thread and its error, the last committed checkpoint. One save reads top to
-bottom: :meth:`~CheckpointWriter.save` (stage, then write here or in the thread),
-:meth:`~CheckpointWriter._write` (files, commit, report).
-"""
+:class:`CheckpointWriter` is built at start with what every save needs (the directory,
+the ranks, their store, the manifest's run record) and owns what saves share (staging
+memory, the writer thread, the last checkpoint). A save: :meth:`~CheckpointWriter.save`
+(stage, write here or in the thread), :meth:`~CheckpointWriter._write` (commit, report)."""
 
 from __future__ import annotations
 
@@ -415,9 +412,7 @@ class CheckpointWriter:
 
     @property
     def stages_weights(self) -> bool:
-        """Whether this rank's part of a save holds device state it must copy: rank 0's
-        replicated state, or state that differs per rank (sharded, per-rank optimizer
-        state). A rank without it writes only host-side captures (RNG, data position)."""
+        """Whether this rank's part holds device state (else only RNG, data position)."""
         return self._rank == 0 or bool(self._per_rank) or self._sharded
 
     @property
