@@ -255,7 +255,7 @@ class ResumeAtStart:
         plan: restore.Plan | None = None
         try:
             found_ckpts = [c for _, c in tier.candidates(where, self.local)] if auto else []
-            if auto and not tier.candidates(where, self.local):
+            if auto and not found_ckpts:
                 chosen = ""  # nothing saved yet: a fresh run
                 self._warn_finished_unsaved(guard)
             elif auto and manifest.only_incomplete(found_ckpts):
