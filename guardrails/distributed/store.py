@@ -263,22 +263,28 @@ def read_run_id(generation: int, published: str | None) -> str:
     return bytes(store.get("id")).decode()
 
 
-def publish_refusal(generation: int, message: str) -> None:
-    """Rank 0's reason not to start (its run_dir is another job's), for the other
-    ranks to raise too: like :func:`publish_run_id`, set *before* the side group's
-    creation and read by :func:`read_refusal` after it, so no rank waits for it."""
+def publish_refusal(generation: int, message: str | None) -> None:
+    """Rank 0's verdict on its run_dir lock: the reason not to start (the run_dir is
+    another job's), or ``None`` to go on. Always published, so the other ranks'
+    :func:`read_refusal` can wait for it: the side group's creation is no barrier
+    (torch skips its store barrier unless ``TORCH_DIST_INIT_BARRIER=1``), and a rank that
+    only checked for a refusal could look before rank 0 had written it, start alone,
+    and die later of rank 0's departure instead of the refusal."""
     run = side_store(generation, "run")
     if run is not None:
-        run.set("refused", message)
+        run.set("refused", message or "")
 
 
 def read_refusal(generation: int) -> str | None:
-    """Rank 0's published refusal, or ``None`` (one store call, once per guard). A rank
-    that read one says so (:func:`wait_refusal_read`)."""
+    """Rank 0's published refusal, or ``None``: one blocking ``get`` (rank 0 publishes
+    a verdict either way), once per guard. A rank that read one says so
+    (:func:`wait_refusal_read`)."""
     run = side_store(generation, "run")
-    if run is None or not run.check(["refused"]):
+    if run is None:
         return None
     message = bytes(run.get("refused")).decode()
+    if not message:
+        return None
     run.add("refused_read", 1)
     return message
 

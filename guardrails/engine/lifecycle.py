@@ -48,7 +48,7 @@ def join_job(guard: Guard) -> None:
         refusal = guard._run_lock.acquire(published or "")
         if refusal is not None:
             guard._run_lock = None
-            store.publish_refusal(guard.generation, refusal)  # before the collective
+        store.publish_refusal(guard.generation, refusal)  # the others wait for it
     news_store = store.side_store(guard.generation, "news")
     guard.news = None if news_store is None else store.News(news_store, world=guard.world_size)
     guard.side_group = store.open_side_group()

@@ -157,6 +157,11 @@ sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import torch, torch.distributed as dist, guardrails
 from conftest import Regressor, batches
 dist.init_process_group("gloo")
+if dist.get_rank() == 0:  # rank 0 slow to take the lock: rank 1 must wait for its verdict
+    import time
+    from guardrails.engine import rundir
+    _acquire = rundir.RunLock.acquire
+    rundir.RunLock.acquire = lambda self, *a: (time.sleep(2), _acquire(self, *a))[1]
 model = Regressor(); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 try:
     with guardrails.guard(model, opt, batches(2), run_dir={run_dir!r}, progress=False) as g:

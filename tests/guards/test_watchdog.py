@@ -11,6 +11,7 @@ speed claim; measured times are in the notes and RESULTS).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -252,6 +253,10 @@ def test_dead_store_host(runs):
     extra = info(r1)
     assert extra["error_class"] == "RankFailedError"
     assert extra["fields"]["failed_rank"] == 0
+    message = r1.out
+    assert "rank 0 (it hosts the TCPStore)" in message
+    # How long it was down, when said, is a real duration: never a placeholder's 1e9 s.
+    assert not re.search(r"for \d{4,} s", message), message
 
 
 @jobs_test

@@ -682,21 +682,27 @@ class Watchdog(Component):
             timer.daemon = True
             timer.start()
 
-    def _store_down(self, guard: Guard, exc: Exception) -> GuardrailsError | None:
+    def _store_down(
+        self, guard: Guard, exc: Exception, *, at_once: bool = False
+    ) -> GuardrailsError | None:
+        """The verdict on a store call that failed: ``None`` until it has failed for as
+        long as a hang would take (``at_once``: now, the connection itself is gone)."""
         now = time.monotonic()
         if self._store_down_since is None:
             self._store_down_since = now
             log.debug("guardrails: watchdog store call failed: %s", exc)
         # Unreachable for as long as a hang would take: its host is gone. With torchrun
         # the store lives in the agent (TORCHELASTIC_USE_AGENT_STORE), else on rank 0.
-        if now - self._store_down_since < min(self._timeout(guard), 30.0):
+        down_s = now - self._store_down_since
+        if not at_once and down_s < min(self._timeout(guard), 30.0):
             return None
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
         host = "the torchrun agent" if agent else "rank 0 (it hosts the TCPStore)"
         failed = None if agent else 0
+        how_long = f" for {down_s:.0f} s" if down_s >= 1 else ""
         error = RankFailedError(
             f"the job's key-value store stopped answering ({type(exc).__name__}: "
-            f"{_first_line(exc)}) for {now - self._store_down_since:.0f} s: {host} has "
+            f"{_first_line(exc)}){how_long}: {host} has "
             "died or lost the network. This rank cannot reach the others any more.",
             rank=self._rank,
             step=guard.step,
@@ -780,8 +786,7 @@ class Watchdog(Component):
         return self._clock.idle_s(time.monotonic())
 
     def _store_down_now(self, guard: Guard, exc: Exception) -> GuardrailsError:
-        self._store_down_since = time.monotonic() - 1e9
-        error = self._store_down(guard, exc)
+        error = self._store_down(guard, exc, at_once=True)
         assert error is not None
         return error
 
