@@ -4,7 +4,8 @@
         SCENARIO --out DIR [--steps N] [--step-sleep-s S] [--ranks-per-node K]
 
 Scenarios: ``healthy`` (trains ``--steps`` steps of ``--step-sleep-s`` each), ``stuck``
-(after FAULT_STEP steps rank 0 waits in an ``all_reduce`` nobody else joins, rank 1
+(after FAULT_STEP steps rank 0, and every rank from 4 on, waits in an ``all_reduce``
+ranks 1-3 never join, rank 1
 sleeps in ``time.sleep``, rank 2 in libc's ``sleep`` through ctypes (a C call), rank 3
 computes in a Python loop: a straggler; each writes ``DIR/stuck<R>`` once there),
 ``raise`` (rank 1 raises at FAULT_STEP: a crashed run). ``--ranks-per-node K`` makes
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import sys
 import time
@@ -36,8 +38,8 @@ FAULT_STEP = 3
 def stuck(rank: int, out: Path) -> None:
     """Where each rank stays, for the stacks test (the line numbers are what it reads)."""
     (out / f"stuck{rank}").write_text(str(os.getpid()))
-    if rank == 0:
-        dist.all_reduce(torch.ones(3))  # LIVE-ALLREDUCE: nobody joins
+    if rank == 0 or rank >= 4:
+        dist.all_reduce(torch.ones(3))  # LIVE-ALLREDUCE: ranks 1-3 never join
     elif rank == 1:
         time.sleep(3600)  # LIVE-SLEEP
     elif rank == 2:
@@ -78,7 +80,9 @@ def main() -> None:
         tokens_per_batch=32,
         progress=False,
     ) as g:
+        times = []
         for x, y in g:
+            t0 = time.perf_counter()
             if g.step == FAULT_STEP and args.scenario == "stuck":
                 stuck(rank, out)
             if g.step == FAULT_STEP and args.scenario == "raise" and rank == 1:
@@ -87,6 +91,10 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
             time.sleep(args.step_sleep_s)
+            times.append(time.perf_counter() - t0)
+    # The loop's own step times (the guard's start-up step left out), for the cost of
+    # being watched (benchmarks/live_cost.py).
+    (out / f"steps{rank}.json").write_text(json.dumps(times[1:]))
     print(f"rank {rank}: done at step {g.step}", flush=True)
 
 

@@ -104,6 +104,7 @@ def _row(rec: dict[str, Any], event: dict[str, Any] | None, now: float) -> dict[
     since = now - rec["last_step_at"] if running and rec.get("last_step_at") else None
     return {
         "rank": rec["rank"],
+        "run_id": rec.get("run_id"),
         "node": rec.get("node"),
         "host": str(rec.get("host", "")).split("|")[0],
         "state": rec.get("state"),
@@ -138,7 +139,8 @@ def _job(rows: list[dict[str, Any]], now: float) -> dict[str, Any]:
         "step": max(steps) if steps else None,
         "tokens_per_s": round(sum(tokens), 1) if tokens else None,
         "goodput": round(min(goodput), 3) if goodput else None,
-        "eta_s": max(eta) if eta else None,  # the slowest rank ends the pass
+        # The slowest rank ends the pass; a job that ended has none.
+        "eta_s": max(eta) if eta and any(r["state"] == "running" for r in rows) else None,
         "age_s": max((r["age_s"] for r in rows), default=None),
     }
 
@@ -213,7 +215,10 @@ def _line(label: str, r: dict[str, Any], *, count: int = 0) -> str:
     state = r.get("state")
     tail = r.get("where") or ""
     if state != "running":
-        tail = state + (f": {r['error']}" if r.get("error") else "")
+        error = str(r.get("error") or "")
+        tail = state + (
+            f": {error[:120]}..." if len(error) > 120 else f": {error}" if error else ""
+        )
     if r.get("last_event"):
         tail += f"; last event {r['last_event']}"
     if count:

@@ -222,10 +222,10 @@ class Watchdog(Component):
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10 * self.heartbeat_every_s + 5)
         self._thread = None
-        self._live.close(guard, self._clock.cpu, exc)
         try:
             self._finish(guard, exc)
         finally:
+            self._live.close(guard, self._clock.cpu, self.error or exc)  # the diagnosis
             self._closed.set()
             self._guard = None
             self._store = None
