@@ -60,7 +60,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     if args.ranks_per_node:  # simulated nodes, as torchrun --nnodes numbers them
         k = args.ranks_per_node
         os.environ.update(

@@ -93,7 +93,8 @@ def test_stacks_names_each_stuck_rank_and_its_line_grouped(tmp_path):
     run = tmp_path / "run"
     job = start("stuck", 5, tmp_path)
     try:
-        wait_for("every rank stuck", lambda: all((tmp_path / f"stuck{r}").exists() for r in range(5)))
+        stuck = [tmp_path / f"stuck{r}" for r in range(5)]
+        wait_for("every rank stuck", lambda: all(p.exists() for p in stuck))
         time.sleep(2.5)  # a CPU share measured over the stuck span (the clock's 0.5 s+)
         asked = time.monotonic()
         answer = cli("stacks", run, "--json")
@@ -162,7 +163,7 @@ def test_a_watched_job_makes_no_store_call_for_the_live_view(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())[0]
-    for r, data in res["ranks"].items():
+    for data in res["ranks"].values():
         table = data["phases"]["steady"]
         t0 = data["t0"]
         later = [t for p, t in t0.items() if t > t0["steady"]]
