@@ -7,7 +7,8 @@
    ``tests/live_worker.py healthy`` on simulated nodes of ``--ranks-per-node`` ranks
    (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK as torchrun sets them with ``--nnodes``),
    each rank's counters from its last record: writes to the shared run_dir, ``stat``
-   calls of it, writes to the node's shared memory. The store calls of the live view
+   calls of it, writes to the node's shared memory, and the watchdog thread's
+   milliseconds in the live view's tick. The store calls of the live view
    are none (it holds no store); ``benchmarks/store_calls.py`` counts the rest.
 2. The step time of a 4-rank job with and without ``guardrails top --once`` run every
    second against it, alternated twice (the loop's own step times, median).
@@ -53,7 +54,7 @@ def run_job(out: Path, world: int, *, steps: int, per_node: int, watch: bool) ->
     for node in (out / "run" / "live").glob("node*.json"):
         records.update(json.loads(node.read_text())["ranks"])
     per_min = {}
-    for key in ("shared_writes", "shared_stats", "local_writes"):
+    for key in ("shared_writes", "shared_stats", "local_writes", "busy_ms"):
         rates = [
             60 * rec["counts"][key] / (rec["time"] - rec["started"]) for rec in records.values()
         ]

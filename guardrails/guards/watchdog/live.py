@@ -91,8 +91,14 @@ class LivePublisher:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self._shm = Path(shm) / f"guardrails-live-{guard.run_id}-node{self.node}"
         #: What this rank cost the filesystem: writes to the shared run_dir, stats of
-        #: it, writes to the node's shared memory. Published in its record.
-        self.counts = {"shared_writes": 0, "shared_stats": 0, "local_writes": 0}
+        #: it, writes to the node's shared memory; published in its record.
+        #: And the watchdog thread's time in :meth:`tick`, in ms.
+        self.counts: dict[str, float] = {
+            "shared_writes": 0,
+            "shared_stats": 0,
+            "local_writes": 0,
+            "busy_ms": 0.0,
+        }
         self._started = time.time()
         self._start_step = guard.step
         self._written_at = -math.inf
@@ -114,6 +120,7 @@ class LivePublisher:
     # ------------------------------------------------------------------ each tick
 
     def tick(self, guard: Guard, cpu: float | None) -> None:
+        began = time.perf_counter()
         try:
             self._sample(guard)
             # Its own record every tick (shared memory: no disk, no network), so the
@@ -129,6 +136,7 @@ class LivePublisher:
             if not self._trouble:
                 self._trouble = True
                 log.warning("guardrails: the live view could not publish: %s", exc)
+        self.counts["busy_ms"] += round(1e3 * (time.perf_counter() - began), 3)
 
     def _sample(self, guard: Guard) -> None:
         """A new step since the last tick: its phases into the window."""
