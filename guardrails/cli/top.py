@@ -296,7 +296,17 @@ def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "trend": med("trend"),
         "phases": shares,
         "cpu": med("cpu"),
-        "gpu": None,
+        "gpu": _median_gpu([r["gpu"] for r in rows if r.get("gpu")]),
         "since_step_s": med("since_step_s"),
         "state": "running",
+    }
+
+
+def _median_gpu(gpus: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not gpus:
+        return None
+    utils = [g["util"] for g in gpus if g.get("util") is not None]
+    return {
+        "util": statistics.median(utils) if utils else None,
+        "memory_gb": statistics.median(g.get("memory_gb", 0.0) for g in gpus),
     }

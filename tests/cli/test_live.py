@@ -61,7 +61,9 @@ def line_of(tag: str) -> int:
 @pytest.mark.slow(reason="a real 4-rank gloo job for ~15 s, top run three times")
 def test_top_once_shows_every_rank_of_a_healthy_job_advancing(tmp_path):
     run = tmp_path / "run"
-    job = start("healthy", 4, tmp_path, "--steps", "400", "--step-sleep-s", "0.05")
+    # Two simulated nodes of two ranks: two node files, each by its node's lowest rank.
+    args = ("--steps", "400", "--step-sleep-s", "0.05", "--ranks-per-node", "2")
+    job = start("healthy", 4, tmp_path, *args)
     try:
         wait_for("snapshot of 4 ranks", lambda: len(live.read_snapshot(run)) == 4)
         first = cli("top", run, "--once", "--json")
@@ -69,6 +71,7 @@ def test_top_once_shows_every_rank_of_a_healthy_job_advancing(tmp_path):
         time.sleep(3.0)  # more than a node file's period (2 s)
         second = cli("top", run, "--once", "--json")
         text = cli("top", run, "--once")
+        nodes = cli("top", run, "--once", "--per-rank-up-to", "2")
     finally:
         job.kill()
         remove_shared_memory(live.read_snapshot(run))
@@ -80,11 +83,16 @@ def test_top_once_shows_every_rank_of_a_healthy_job_advancing(tmp_path):
         assert after["gpu"] is None  # on CPU: skipped cleanly
         assert after["step_time_s"] > 0.05 and set(after["phases"]) >= {"data", "other"}
     job_line = b["job"]
-    assert job_line["ranks"] == 4 and job_line["running"] == 4
+    assert job_line["ranks"] == 4 and job_line["running"] == 4 and job_line["nodes"] == 2
+    assert sorted(p.name for p in live.node_files(run)) == ["node0.json", "node1.json"]
     # 32 tokens a batch on each rank, steps of ~0.05-0.1 s; a list of 400 batches: an ETA.
     assert job_line["tokens_per_s"] > 4 * 32 and job_line["eta_s"] > 0
     assert text.returncode == 0
-    assert "job: 4 ranks on 1 node(s), 4 running" in text.stdout, text.stdout
+    assert "job: 4 ranks on 2 node(s), 4 running" in text.stdout, text.stdout
+    # Above --per-rank-up-to ranks: a row per node, the medians of its two ranks.
+    rows = [ln.split() for ln in nodes.stdout.splitlines()[2:]]
+    assert [r[:2] for r in rows[:2]] == [["node", "0"], ["node", "1"]], nodes.stdout
+    assert nodes.stdout.count("2 ranks (median)") == 2, nodes.stdout
     assert len([ln for ln in text.stdout.splitlines() if "in the loop body" in ln]) >= 1
 
 

@@ -116,6 +116,8 @@ class LivePublisher:
         self._trouble = False
         with contextlib.suppress(OSError):
             self._shm.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.leader:
+            _remove_abandoned(self._shm.parent)
 
     # ------------------------------------------------------------------ each tick
 
@@ -380,3 +382,17 @@ def _gpu(guard: Guard) -> dict[str, Any] | None:
     with contextlib.suppress(Exception):
         out["total_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
     return out
+
+
+#: A node folder in shared memory untouched this long belongs to a job that was killed
+#: (a live one renames a file into it every tick): removed by the next job's start.
+ABANDONED_AFTER_S = 3600.0
+
+
+def _remove_abandoned(shm: Path) -> None:
+    """The shared-memory folders that killed jobs left (no rank closed to remove them)."""
+    with contextlib.suppress(OSError):
+        for path in shm.glob("guardrails-live-*"):
+            with contextlib.suppress(OSError):
+                if time.time() - path.stat().st_mtime > ABANDONED_AFTER_S:
+                    shutil.rmtree(path, ignore_errors=True)
