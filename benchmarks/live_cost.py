@@ -1,7 +1,7 @@
 """What the live view (``guardrails top`` / ``stacks``, issue 51) costs a job.
 
     python benchmarks/live_cost.py [--worlds 2,4,8] [--ranks-per-node 2] [--steps 300]
-                                   [--out DIR]
+                                   [--watch-steps 1000] [--out DIR]
 
 1. Files per rank per minute at each world size: real gloo jobs of
    ``tests/live_worker.py healthy`` on simulated nodes of ``--ranks-per-node`` ranks
@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4,8")
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--watch-steps", type=int, default=1000, help="steps of the watched jobs")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="live_cost-"))
@@ -91,7 +92,7 @@ def main() -> None:
         print(f"{world} ranks: per rank per minute {res['per_rank_per_minute']}", flush=True)
     steps = []
     for i, watch in enumerate([False, True, False, True]):
-        res = run_job(out / f"watch-{i}", 4, steps=args.steps, per_node=4, watch=watch)
+        res = run_job(out / f"watch-{i}", 4, steps=args.watch_steps, per_node=4, watch=watch)
         steps.append(res)
         print(
             f"4 ranks, watched={watch} ({res['top_polls']} top calls): "
