@@ -36,6 +36,14 @@ COMMANDS = {
         "a run's story from metrics.parquet and events.jsonl, and a PNG",
     ),
     "run": ("guardrails.run", "run a training script (no main() needed) under @guardrails.record"),
+    "stacks": (
+        "guardrails.cli.stacks",
+        "every rank's Python stacks now, grouped by identical stacks",
+    ),
+    "top": (
+        "guardrails.cli.top",
+        "a running job's ranks live: step, step time, phases, CPU, GPU, last event",
+    ),
 }
 
 
@@ -48,8 +56,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         # `guardrails ...` (the console script) or `python -m guardrails ...`.
         prog="python -m guardrails" if sys.argv[0].endswith("__main__.py") else "guardrails",
         description="guardrails: diagnose the environment (doctor), summarise runs (report), "
-        "list checkpoints (inspect), measure the guards' cost (bench) and run a script with "
-        "no main() under @guardrails.record (run).",
+        "list checkpoints (inspect), measure the guards' cost (bench), run a script with "
+        "no main() under @guardrails.record (run), and look at a running job: its ranks "
+        "(top) and their stacks (stacks).",
     )
     sub = parser.add_subparsers(
         dest="command", metavar="{" + ",".join(COMMANDS) + "}", required=True

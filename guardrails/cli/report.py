@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from guardrails.cli.report_restarts import Restarts
 from guardrails.cli.report_runs import _metrics_keys, gather, logger, read_events, split_runs
 from guardrails.cli.report_story import story
 from guardrails.cli.report_summary import summarize
+from guardrails.cli.top import render, snapshot
 from guardrails.metrics.events import EVENTS_FILE, json_safe
 from guardrails.metrics.file import METRICS_DIR
 
@@ -99,6 +101,9 @@ def main(args: argparse.Namespace) -> int:
             else:
                 s["png"] = None
                 s["png_note"] = PLOT_HINT
+        last = last_snapshot(run_dir, run.run_id)
+        if last is not None:
+            s["last_snapshot"] = last
         facts.append(s)
         head = f"run {s['run']} of {s['runs_in_dir']}"
         if len(runs) > 1 and not args.all and i == 0:
@@ -117,6 +122,10 @@ def main(args: argparse.Namespace) -> int:
             text += f"\n  plot         {s['png']}{note}"
         elif s.get("png_note"):
             text += f"\n  plot         {s['png_note']}"
+        if last is not None:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["time"]))
+            text += f"\n\nlast snapshot of each rank (as `guardrails top` showed it at {when}):\n"
+            text += render(last)
         texts.append(text)
     if args.json:
         out = facts if args.all else facts[0]
@@ -124,3 +133,11 @@ def main(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(texts))
     return 0
+
+
+def last_snapshot(run_dir: Path, run_id: str | None) -> dict[str, Any] | None:
+    """The last live snapshot of run ``run_id`` (``guardrails top``'s rows, at the time
+    its newest rank record was written), or ``None`` when it left none (a single
+    process, or a guardrails from before the live view)."""
+    snap = snapshot(run_dir, run_id=run_id, as_of_last=True)
+    return snap if snap["ranks"] else None

@@ -74,12 +74,10 @@ from guardrails.distributed import store as _store
 from guardrails.distributed.store import claim_verdict, read_verdict
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
-from guardrails.engine.where import (
-    data_position,
-    thread_stack,
-)
+from guardrails.engine.where import data_position, thread_stack
 from guardrails.guards.watchdog import verdicts
 from guardrails.guards.watchdog.clock import ProgressClock
+from guardrails.guards.watchdog.live import LivePublisher
 from guardrails.guards.watchdog.records import (
     STALE_PERIODS,
     _first_line,
@@ -210,6 +208,8 @@ class Watchdog(Component):
         self._stop.clear()
         self._closed = threading.Event()
         self._publish(self._record(guard, time.monotonic()))  # visible before any read
+        # `guardrails top` / `stacks` (issue 51): files, from this thread; no store call.
+        self._live = LivePublisher(guard, host=self._host, tick_s=self.heartbeat_every_s)
         self._thread = threading.Thread(
             target=self._run, name=f"guardrails-watchdog-rank{self._rank}", daemon=True
         )
@@ -225,6 +225,7 @@ class Watchdog(Component):
         try:
             self._finish(guard, exc)
         finally:
+            self._live.close(guard, self._clock.cpu, self.error or exc)  # the diagnosis
             self._closed.set()
             self._guard = None
             self._store = None
@@ -345,6 +346,7 @@ class Watchdog(Component):
                 return
             try:
                 verdict = self._tick(guard)
+                self._live.tick(guard, self._clock.cpu)
                 self._store_down_since = None
             except Exception as exc:  # the store host (rank 0 / the agent) is gone?
                 verdict = self._store_down(guard, exc)
