@@ -9,16 +9,21 @@ Without it every failure but a signal ended each rank with an error and saved no
   a verdict that ends the process from the watchdog's or auditor's thread while the main
   thread is stuck (a hang on the ranks that are not stuck, a peer's death seen by the
   survivors: ``on_abort``, the thread's last words). Not a signal's stop (it saves
-  already), not ``KeyboardInterrupt`` (a Ctrl+C is a stop the user asked for), not a
-  failure before the first step (nothing trained), not a step already saved.
+  already; but torchrun's SIGTERM after a peer's death, which the survivors waiting for
+  it in a collective never reach a boundary to stop at, is no stop), not
+  ``KeyboardInterrupt`` (a Ctrl+C is a stop the user asked for), not a failure before
+  the first step (nothing trained), not a step already saved.
 * **Which state**: the live model, optimizers, schedulers and scaler are those of the last
   finished step as long as no ``optimizer.step()`` began since its boundary
   (``guard.update_began``); the RNG streams and the data position are the boundary's
   (``guard.boundary_capture``, ``engine/boundary.py``), since the failing step may have
-  drawn from them and fetched its batch. Otherwise nothing is saved, said in the
-  ``failure_saved`` event. (The rewind guard's in-memory snapshot is not used: it holds
-  no RNG streams nor the full data position, so a checkpoint of it would not resume
-  bitwise.)
+  drawn from them and fetched its batch. When the failing step's update is over (a
+  hang in a logging all-reduce after ``optimizer.step()``: ``phase`` is no longer
+  ``"optimizer"``, one optimizer), the weights are the new step's: saved as that step,
+  with the RNG streams and data position as they are then (``state: after_update``).
+  Inside ``optimizer.step()`` nothing is saved, said in the ``failure_saved`` event.
+  (The rewind guard's in-memory snapshot is not used: it holds no RNG streams nor the
+  full data position, so a checkpoint of it would not resume bitwise.)
 * **Never long, never a hang**: every rank's part is bounded by ``timeout_s`` (the
   whole save runs in a daemon thread joined with that limit; past it the write is
   cancelled within a piece). With several ranks the save is the usual multi-rank commit
@@ -28,9 +33,12 @@ Without it every failure but a signal ended each rank with an error and saved no
   begun within 10 s, a dead one, is not waited for). A rank whose files
   are missing (dead, stuck with no thread able to write, or past the step) makes the
   checkpoint **incomplete**: committed with ``failure.missing`` naming those ranks, and
-  never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why). If
-  rank 0 is the dead or stuck one, nothing is committed (its state is the replicated
-  copy written here).
+  never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why),
+  unless the committer's host holds the rank's part as published at its last
+  boundary (``peer.py``: under DDP, a rank on the same host): then the committer writes
+  it (``failure.from_peers``). If rank 0 is the dead one and the store outlives it
+  (torchrun's agent holds it), rank 1 commits, with the replicated state from its own
+  copy; else nothing is committed.
 * Under torchrun a worker's exit makes the agent SIGTERM the others and SIGKILL them
   30 s later; guardrails holds SIGTERM while a failing rank reports, so the ranks other
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
@@ -109,10 +117,7 @@ class FailureSave:
         local = writer.tier.local if writer.tier is not None else None
         self._slots = peer.slot_directory(local)
         if self._store is not None and self._slots is not None and peer.publishable(guard):
-            try:
-                self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
-            except OSError as e:  # a full /dev/shm: the save is as without it
-                log.debug("guardrails: no published copy of this rank's part: %s", e)
+            self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
         self.outcome: dict[str, Any] | None = None
         #: This rank (not 0) wrote its part and left before rank 0 began to commit.
@@ -281,6 +286,9 @@ class FailureSave:
             self._store.set(f"{key}/begun/{self._rank}", "1")
             if self._rank != committer:
                 self._store.add(f"{key}/begun", 1)
+            # Late: the committer wrote this rank's part from its published copy already.
+            if self.slot is not None and self._rank != committer and not self._claim(key, "self"):
+                return self._await_commit(key, deadline, dead), []
         part = writer.stage_boundary(guard, rng=rng, position=position)
         part.cancel = cancel
         if self._rank == committer:
@@ -303,7 +311,7 @@ class FailureSave:
             return self._await_commit(key, deadline, dead), []
         merged, missing, after = self._gather(key, deadline, dead)
         merged.update(files)  # the committer's own
-        peers = self._write_peers(guard, tmp, merged, missing, cancel)
+        peers = self._write_peers(guard, key, tmp, merged, missing, cancel)
         missing = [r for r in missing if r not in peers]
         try:
             final = self._commit(
@@ -318,6 +326,15 @@ class FailureSave:
             with contextlib.suppress(OSError):
                 os.unlink(peer.slot_path(self._slots, writer.token, r))  # type: ignore[arg-type]
         return final, missing
+
+    def _claim(self, key: str, by: str, rank: int | None = None) -> bool:
+        """Whether ``by`` (``"self"``: the rank itself; ``"peer"``: the committer, from
+        its published copy) writes ``rank``'s part: the first to ask, one
+        ``compare_set``. A rank that is late (its watchdog's verdict came after the
+        committer stopped waiting) and the committer never write the same files."""
+        rank = self._rank if rank is None else rank
+        won = self._store.compare_set(f"{key}/writer/{rank}", "", by)
+        return bytes(won).decode() == by
 
     def _stage_replicated(self, guard: Guard, cancel: threading.Event) -> stage.Part:
         """The committer other than rank 0 (dead): the state every rank holds the same
@@ -337,6 +354,7 @@ class FailureSave:
     def _write_peers(
         self,
         guard: Guard,
+        key: str,
         tmp: Path,
         files: dict[str, Any],
         missing: list[int],
@@ -364,6 +382,8 @@ class FailureSave:
                     None,
                     "python's or numpy's stream in its published copy is not the last step's",
                 )
+            if got is not None and not self._claim(key, "peer", r):
+                got, why = None, "it began to write its own part after the wait for it"
             if got is None:
                 self.peer_notes[r] = why
                 continue
