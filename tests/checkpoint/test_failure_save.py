@@ -260,6 +260,7 @@ def test_error_on_one_rank_is_saved_whole(tmp_path, uninterrupted_ddp):
         assert_same_final(tmp_path, uninterrupted_ddp, rank)
 
 
+@pytest.mark.slow(reason="2 ranks, 170 steps, three times: clean, a hang, the resume")
 def test_hang_after_the_update_saves_the_step_it_made(tmp_path, tmp_path_factory):
     """Rank 1 stuck in a sleep after the update that made step 150 (a logging
     all-reduce, an eval), rank 0 past step 150's boundary, blocked in step 151's

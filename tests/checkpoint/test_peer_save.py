@@ -1,7 +1,8 @@
 """A dead rank's part of a failure save, written by a live rank from the copy the dead
 rank published at every step boundary (``guards/checkpointer/peer.py``; issue 50: a peer's
-death under DDP must not cost the steps since the last checkpoint). Real torchrun jobs
-(``--nnodes 1``, gloo, DDP), a real SIGKILL mid-run with periodic saves every 50 steps:
+death under DDP must not cost the steps since the last checkpoint). Real jobs (gloo, DDP:
+each rank its own process, or under torchrun ``--nnodes 1``, in the slow tier), a real
+SIGKILL mid-run with periodic saves every 50 steps:
 the survivors' save is whole, ``resume="auto"`` continues from it, redoing no step, and
 every rank ends bitwise the uninterrupted run: weights, optimizer state, RNG streams, and
 the batch of every step trained after the resume."""
@@ -9,6 +10,7 @@ the batch of every step trained after the resume."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import sys
 from pathlib import Path
@@ -91,8 +93,30 @@ def clean(tmp_path_factory) -> dict[int, Path]:
     return runs
 
 
-@pytest.mark.parametrize(("world", "killed"), [(2, 1), (4, 2), (4, 0)])
-def test_a_killed_rank_costs_no_step(tmp_path, clean, world, killed):
+def job(run_dir: Path, world: int, launcher: str, out: str, *more: object) -> tuple[int, str]:
+    """The worker's ranks, by ``launcher``: each rank its own process with rank 0 hosting
+    the store (``ranks``), or under torchrun, whose agent hosts it: the exit code
+    (rank 0's, or torchrun's) and what they printed."""
+    if launcher == "ranks":
+        argv = [sys.executable, *args(run_dir, *more)]
+        ranks = run_ranks(argv, world, out=run_dir / out, timeout_s=120)
+        return ranks[0].code or max(abs(r.code) for r in ranks), ranks[0].out
+    done = torchrun(args(run_dir, *more), world, out=run_dir / out)
+    return done.code, done.out + (run_dir / out / "rank0.err").read_text()
+
+
+TORCHRUN = pytest.mark.slow(reason="a real torchrun job, twice")
+
+
+@pytest.mark.parametrize(
+    ("launcher", "world", "killed"),
+    [
+        ("ranks", 4, 2),
+        pytest.param("torchrun", 2, 1, marks=TORCHRUN),
+        pytest.param("torchrun", 4, 0, marks=TORCHRUN),
+    ],
+)
+def test_a_killed_rank_costs_no_step(tmp_path, clean, launcher, world, killed):
     """Rank ``killed`` SIGKILLed in the step after step 67 (the last periodic save: step
     50): a live rank writes its part from its published copy, and the failure save of
     step 67 is whole, bitwise the uninterrupted run's save of step 67; the same command
@@ -100,10 +124,10 @@ def test_a_killed_rank_costs_no_step(tmp_path, clean, world, killed):
     store, so rank 1, the lowest live rank, commits (with the replicated state, its own
     copy, and rank 0's part from its published copy). No copy is left behind."""
     more = ("--fault", "kill", "--at", AT, "--rank", killed, "--every", EVERY)
-    done = torchrun(args(tmp_path, *more, "--hang-timeout-s", 3), world, out=tmp_path / "a")
-    assert done.code != 0
+    code, out = job(tmp_path, world, launcher, "a", *more, "--hang-timeout-s", 3)
+    assert code != 0
     found = dict(list_checkpoints(tmp_path / "checkpoints"))
-    assert sorted(found) == [EVERY, AT], done.out[-4000:]
+    assert sorted(found) == [EVERY, AT], out[-4000:]
     m = json.loads((found[AT] / "manifest.json").read_text())
     assert m["failure"]["missing"] == [] and m["ranks"] == list(range(world)), m["failure"]
     assert m["failure"]["from_peers"] == [killed]
@@ -111,8 +135,46 @@ def test_a_killed_rank_costs_no_step(tmp_path, clean, world, killed):
     assert problem(found[AT]) is None
     assert_same_checkpoint(found[AT], clean[world] / "checkpoints" / f"step_{AT:09d}", world)
     assert not any(p.exists() for p in published(tmp_path / "a"))
-    again = torchrun(args(tmp_path), world, out=tmp_path / "b")
-    assert again.code == 0, again.out[-4000:]
-    said = (tmp_path / "b" / "rank0.err").read_text()
-    assert f"resumed from {found[AT]} (step {AT}," in said  # no step redone
+    code, out = job(tmp_path, world, launcher, "b")
+    assert code == 0, out[-4000:]
+    assert f"resumed from {found[AT]} (step {AT}," in out  # no step redone
     assert_same_end(tmp_path, clean[world], world, since=AT)
+
+
+def test_a_copy_is_read_only_whole_and_only_by_its_job(tmp_path):
+    """A rank's published copy (one process here: a real guard's boundary) is read back
+    as the part it published; never under another job's token (a stale file a dead
+    earlier job left), never torn (its rank died in the middle of a write: the boundary
+    counts framing it differ), and removed at close."""
+    import guardrails
+    from guardrails.guards.checkpointer import peer
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Dropout(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.randn(32, 8), batch_size=4, shuffle=True)
+    with guardrails.guard(model, opt, loader, run_dir=tmp_path / "run", progress=False) as g:
+        slot = peer.PeerSlot(tmp_path, "job1", 3)
+        for x in g:
+            if g.step == 5:  # at the boundary of step 5 (the checkpointer's hook's place)
+                slot.publish(g)
+                break
+            model(x * random.random()).sum().backward()  # python's stream drawn each step
+            opt.step()
+            opt.zero_grad()
+        got, why = peer.read_peer(tmp_path, "job1", 3)
+        assert got is not None, why
+        assert (got.rank, got.step, got.position) == (3, 5, (0, 5)), got
+        assert torch.equal(got.torch["torch.cpu"], g.boundary_capture.torch[0])
+        assert got.python == g.boundary_capture.python and got.streams_fresh
+        assert set(got.tensors) == {f"epoch_start.{k}" for k in g.data_position.epoch_start}
+    assert peer.read_peer(tmp_path, "job2", 3) == (None, "its published copy is not on this host")
+    stale = peer.slot_path(tmp_path, "job2", 3)
+    stale.write_bytes(slot.path.read_bytes())  # job1's copy under job2's name
+    assert peer.read_peer(tmp_path, "job2", 3)[1] == "its published copy belongs to another job"
+    torn = bytearray(slot.path.read_bytes())
+    begin = peer.INTS_AT + 8 * peer.BEGIN
+    torn[begin : begin + 8] = (got.step + 100).to_bytes(8, "little")
+    slot.path.write_bytes(bytes(torn))
+    assert "being written when it died" in peer.read_peer(tmp_path, "job1", 3)[1]
+    slot.close()
+    assert not slot.path.exists()

@@ -64,8 +64,8 @@ if TYPE_CHECKING:
 SLOT_BYTES = 64 * 1024
 _MAGIC = b"GRPEER01"
 _TOKEN_BYTES = 32
-_INTS_AT, _N_INTS = 64, 16
-_FLOATS_AT = _INTS_AT + 8 * _N_INTS
+INTS_AT, _N_INTS = 64, 16
+_FLOATS_AT = INTS_AT + 8 * _N_INTS
 _PY_AT, _PY_N = 256, 625  # random.getstate()[1]: 624 words and the index
 _NP_AT, _NP_N = _PY_AT + 4 * _PY_N + 12, 624  # np.random.get_state()[1]
 _TORCH_AT, _TORCH_BYTES = 8 * 1024, 16 * 1024
@@ -135,7 +135,7 @@ class PeerSlot:
             os.close(fd)
         self._map[:8] = _MAGIC
         self._map[8 : 8 + _TOKEN_BYTES] = self._token.encode().ljust(_TOKEN_BYTES, b"\0")
-        self._ints = np.frombuffer(self._map, np.int64, _N_INTS, _INTS_AT)
+        self._ints = np.frombuffer(self._map, np.int64, _N_INTS, INTS_AT)
         self._ints[BEGIN] = -1  # nothing published yet: never equal to END's 0
         self._floats = np.frombuffer(self._map, np.float64, 2, _FLOATS_AT)
         self._np = np.frombuffer(self._map, np.uint32, _NP_N, _NP_AT)
@@ -170,7 +170,7 @@ class PeerSlot:
             self._write_streams(cap.python, cap.numpy)
             ints[RNG_AT] = count
         _STEP_INTS.pack_into(
-            self._map, _INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch, batch
+            self._map, INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch, batch
         )
         ints[END] = count
 
@@ -261,7 +261,7 @@ def read_peer(directory: Path, token: str, rank: int) -> tuple[PeerPart | None, 
         return None, "its published copy is not one guardrails wrote"
     if data[8 : 8 + _TOKEN_BYTES].rstrip(b"\0").decode(errors="replace") != token:
         return None, "its published copy belongs to another job"
-    ints = np.frombuffer(data, np.int64, _N_INTS, _INTS_AT)
+    ints = np.frombuffer(data, np.int64, _N_INTS, INTS_AT)
     if ints[BEGIN] != ints[END] or ints[COUNT] != ints[END] or ints[END] <= 0:
         return None, "its published copy was being written when it died"
     size = int.from_bytes(data[_COLD_AT : _COLD_AT + 8], "little")
