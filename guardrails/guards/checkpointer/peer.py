@@ -23,8 +23,9 @@ set): a rank on the same host reads it after the rank is gone.
   dead earlier job left is never this job's) and holds it, with its rank; its step must
   be the step the failure save saves.
 * **What the copy cannot hold**: a loader with its own ``state_dict()`` (per-rank state
-  of any size) or one that is fast-forwarded (the batch a rank fetched past its
-  boundary), a sharded model or an optimizer whose state differs per rank. A rank's
+  of any size), the batches a fast-forwarded loader's rank prefetched before its
+  boundary (a periodic save there holds them: fetched anew, they would be drawn anew),
+  a sharded model or an optimizer whose state differs per rank. A rank's
   part is then unreachable, and a failure save without it is incomplete, as before.
   The components' own state (NanGuard's statistics) in the written part is the
   writing rank's, at the same step.
@@ -73,11 +74,11 @@ _COLD_AT = _TORCH_AT + _TORCH_BYTES
 _COLD_BYTES = SLOT_BYTES - _COLD_AT
 
 # The integers, by index. BEGIN and END frame every write with the boundary count.
-BEGIN, STEP, COUNT, EPOCH, POS_EPOCH, POS_BATCH, RNG_AT, PY_VERSION = range(8)
-PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END = range(8, 13)
-# One call writes the step's integers, STEP to POS_BATCH (a numpy item store each was
+BEGIN, STEP, COUNT, EPOCH, POS_EPOCH, POS_BATCH, HELD, RNG_AT, PY_VERSION = range(9)
+PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END = range(9, 14)
+# One call writes the step's integers, STEP to HELD (a numpy item store each was
 # ~0.1 us), and python's stream (2x faster than a numpy array's store from its tuple).
-_STEP_INTS = struct.Struct("<5q")
+_STEP_INTS = struct.Struct("<6q")
 _PY_WORDS = struct.Struct(f"<{_PY_N}I")
 
 
@@ -169,8 +170,9 @@ class PeerSlot:
         if cap.captured_at == count:  # python's and numpy's, read at this boundary
             self._write_streams(cap.python, cap.numpy)
             ints[RNG_AT] = count
+        held = len(guard.data_position.fetched)  # a prefetch's batches, past the boundary
         _STEP_INTS.pack_into(
-            self._map, INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch, batch
+            self._map, INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch, batch, held
         )
         ints[END] = count
 
@@ -198,10 +200,10 @@ class PeerSlot:
         blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}) if tensors else b""
         head = json.dumps({"kind": position["kind"], "names": names, "sizes": sizes}).encode()
         self.unusable = ""
-        if position["kind"] != "replay":
+        if position["kind"] == "state_dict":
             self.unusable = (
-                f"its loader is restored by {position['kind'].replace('_', '-')}, whose "
-                "per-rank position the published copy does not hold"
+                "its loader is restored by its own state_dict(), which the published copy "
+                "does not hold"
             )
         elif sum(sizes) > _TORCH_BYTES or 16 + len(head) + len(blob) > _COLD_BYTES:
             self.unusable = "its RNG states are larger than the published copy's room"
@@ -268,6 +270,12 @@ def read_peer(directory: Path, token: str, rank: int) -> tuple[PeerPart | None, 
     head = json.loads(data[_COLD_AT + 8 : _COLD_AT + 8 + size])
     if "unusable" in head:
         return None, head["unusable"]
+    if head["kind"] == "fast_forward" and ints[HELD]:
+        # A replayed loader hands them out again; a fast-forwarded one would draw anew.
+        return None, (
+            "it had fetched a batch past its last step boundary (a prefetch), which the "
+            "published copy does not hold"
+        )
     blob = data[_COLD_AT + 8 + size : _COLD_AT + int(ints[COLD_LEN])]
     streams: dict[str, Tensor] = {}
     at = _TORCH_AT
