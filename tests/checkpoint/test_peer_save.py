@@ -130,7 +130,9 @@ def test_a_killed_rank_costs_no_step(tmp_path, clean, launcher, world, killed):
     assert sorted(found) == [EVERY, AT], out[-4000:]
     m = json.loads((found[AT] / "manifest.json").read_text())
     assert m["failure"]["missing"] == [] and m["ranks"] == list(range(world)), m["failure"]
-    assert m["failure"]["from_peers"] == [killed]
+    # (A survivor whose verdict came after the committer's wait, on a loaded machine, is
+    # written from its copy too.)
+    assert killed in m["failure"]["from_peers"]
     assert m["failure"].get("committed_by", 0) == (1 if killed == 0 else 0)
     assert problem(found[AT]) is None
     assert_same_checkpoint(found[AT], clean[world] / "checkpoints" / f"step_{AT:09d}", world)

@@ -200,6 +200,11 @@ class FailureSave:
         self._said(guard, cause, path, missing, why, time.perf_counter() - t0)
         if self.slot is not None and (path is not None or state is not None):
             self.slot.close()  # this rank's part is in, or in rank 0's hands: not needed
+        if dead is not None and self._slots is not None and path is not None:
+            # The dead rank's copy, used or not (one step old: it died after its step's
+            # last collective, before its boundary), once the save is committed.
+            with contextlib.suppress(OSError):
+                os.unlink(peer.slot_path(self._slots, self._writer.token, dead))
 
     def _state(self, guard: Guard, *, from_thread: bool) -> tuple[Any, str]:
         """``((rng, position), "")``: the boundary's RNG streams and data position, when
