@@ -15,9 +15,12 @@ inside ``optimizer.step()`` for ``instep``):
 ``raise`` (a ValueError before the forward), ``forward`` (a ValueError after the
 forward and the backward), ``instep`` (``optimizer.step()`` updates the first half of
 the parameters, then raises), ``sleep`` (stuck in Python: the watchdog's hang), ``kill``
-(SIGKILL), ``start`` (a ValueError before the first step). ``none``: no fault.
-At the end (a run that finishes) the weights and optimizer state go to
-``DIR/final<rank>.pt``.
+(SIGKILL), ``kill_unpublished`` (SIGKILL with its published part removed first, as a
+rank on another host: ``checkpointer/peer.py``), ``start`` (a ValueError before the
+first step). After the update that finished step ``--at`` (the loop's logging, an
+eval): ``after`` (a ValueError), ``sleep_after`` (stuck in Python). ``none``: no fault.
+At the end (a run that finishes) the weights, optimizer state, RNG streams and the
+batches trained since the start (their sums, by step) go to ``DIR/final<rank>.pt``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -76,6 +80,7 @@ def main() -> None:
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(0)
     random.seed(0)
+    np.random.seed(rank)  # unseeded, a process's stream is the OS's entropy: never equal
     model: nn.Module = Net()
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
@@ -86,6 +91,7 @@ def main() -> None:
         data, batch_size=8, shuffle=sampler is None, sampler=sampler
     )
     faulty = args.rank in (-1, rank)
+    seen: dict[int, float] = {}  # the batch each step trained on, by the step it made
     checkpoint = {"failure_save_timeout_s": args.save_timeout_s}
     if args.every:  # written before training goes on: committed before any fault
         checkpoint.update(every_n_steps=args.every, background=False)
@@ -99,6 +105,9 @@ def main() -> None:
         progress=False,
         **({"rewind": True} if args.rewind else {}),
     ) as g:
+        slot = g.component("checkpoint").failure.slot
+        if slot is not None:  # the tests check that it is gone at the end
+            print(f"rank {rank}: published part at {slot.path}", flush=True)
         if faulty and args.fault == "start":
             raise ValueError("boom before the first step")
         while g.step < args.steps:
@@ -106,27 +115,41 @@ def main() -> None:
                 sampler.set_epoch(g.epoch)
             for x, y in g:
                 if faulty and g.step == args.at:
-                    fault(args.fault, opt)
+                    fault(args.fault, opt, g)
                 scale = 1.0 + 0.1 * random.random()  # python's stream, drawn every step
                 model(x * scale, y).backward()
                 if faulty and g.step == args.at and args.fault == "forward":
                     raise ValueError("boom after the backward")
                 opt.step()
+                seen[g.step] = float(x.sum() + y.sum())
+                if faulty and g.step == args.at and args.fault == "after":
+                    raise ValueError("boom after the update")
+                if faulty and g.step == args.at and args.fault == "sleep_after":
+                    time.sleep(3600)
                 opt.zero_grad()
                 if g.step >= args.steps:
                     break
     bare = model.module if world > 1 else model
     torch.save(
-        {"model": bare.state_dict(), "opt": opt.state_dict(), "step": g.step},
+        {
+            "model": bare.state_dict(),
+            "opt": opt.state_dict(),
+            "step": g.step,
+            "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1]),
+            "seen": seen,
+        },
         run_dir / f"final{rank}.pt",
     )
     if world > 1:
         dist.destroy_process_group()
 
 
-def fault(kind: str, opt: torch.optim.Optimizer) -> None:
+def fault(kind: str, opt: torch.optim.Optimizer, g: guardrails.Guard) -> None:
     """The planted fault, before the step's forward (``instep``: armed for its
     ``optimizer.step()``)."""
+    if kind == "kill_unpublished":
+        g.component("checkpoint").failure.slot.path.unlink()
+        kind = "kill"
     if kind == "raise":
         raise ValueError("boom: a bad batch")
     if kind == "sleep":

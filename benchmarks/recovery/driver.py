@@ -132,6 +132,7 @@ class Job:
             f"--steps={self.steps}", f"--step-s={a.step_s}",
             f"--ckpt-every-s={every_s}",
             f"--hang-timeout-s={a.hang_timeout_s}", f"--final={self.run_dir / 'final.pt'}",
+            f"--sync={a.sync}",
         ]  # fmt: skip
 
     def launch(self) -> None:
@@ -333,7 +334,7 @@ def bitwise(a: argparse.Namespace, result: dict, work: Path) -> dict:
         TORCHRUN, "--nnodes=1", f"--nproc-per-node={a.ranks}", "--rdzv-backend=c10d",
         f"--rdzv-endpoint=localhost:{free_port()}", str(HERE / "train.py"), "--arm=plain",
         f"--run-dir={ref_dir}", f"--steps={result['final_step']}", "--step-s=0",
-        "--ckpt-every-s=1e9",
+        "--ckpt-every-s=1e9", f"--sync={a.sync}",
         f"--final={ref_dir / 'final.pt'}",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -376,6 +377,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=30.0,
         help="the process group's timeout (both arms) and the watchdog's",
+    )
+    p.add_argument(
+        "--sync",
+        choices=["allreduce", "ddp"],
+        default="allreduce",
+        help="train.py's --sync: under DDP guardrails knows every rank holds the same "
+        "optimizer state, so a dead rank's part of a failure save is written by a live "
+        "one (its published copy); under the per-parameter all-reduce it cannot tell",
     )
     p.add_argument("--restart", choices=["requeue", "torchrun"], default="requeue")
     p.add_argument("--max-restarts", type=int, default=100)

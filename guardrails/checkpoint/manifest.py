@@ -96,10 +96,13 @@ SEQ = "seq"
 #: damage, to fall back from, not a reason to stop); later formats must keep it.
 SELF_HASH = "manifest_sha256"
 #: A failure save's record (``guards/checkpointer/failure.py``): ``cause`` (the error's
-#: class and first line), ``state`` (``"live"``: the last finished step's), ``missing``
-#: (the ranks whose own files, RNG streams and data position, could not be written: a
-#: dead or stuck rank). Absent from every other checkpoint. A failure save with missing
-#: ranks is *incomplete*: intact on disk, readable by ``inspect``, never resumed from.
+#: class and first line), ``state`` (``"live"``: the last finished step's;
+#: ``"after_update"``: the failing step's update was over, ``after_update`` naming the
+#: ranks saved then), ``missing`` (the ranks whose own files, RNG streams and data
+#: position, could not be written: a dead or stuck rank), ``from_peers`` (the ranks whose
+#: files a live rank wrote from their published copy), ``committed_by`` (when not 0).
+#: Absent from every other checkpoint. A failure save with missing ranks is
+#: *incomplete*: intact on disk, readable by ``inspect``, never resumed from.
 FAILURE = "failure"
 STEP_RE = re.compile(r"^step_(\d+)$")
 #: A checkpoint a same-step re-save renamed aside, before renaming the new one in (see

@@ -63,9 +63,12 @@ class BoundaryCapture:
         #: captured at every boundary. True until the second boundary shows whether
         #: the loop draws from them.
         self.drawing = True
-        self._python: Any = None
-        self._numpy: Any = None
-        self._at = 0  # the boundary count of that capture
+        #: Python's and numpy's streams as :meth:`check` last read them, and the
+        #: boundary count it read them at (the peer copy, ``checkpointer/peer.py``,
+        #: takes them when that is the last boundary).
+        self.python: Any = None
+        self.numpy: Any = None
+        self.captured_at = 0
         self._changed = False  # a change seen since the last periodic check
 
     def check(self) -> None:
@@ -76,13 +79,13 @@ class BoundaryCapture:
             self.generators = (torch.default_generator, *torch.cuda.default_generators)
             self.torch = tuple(g.get_state() for g in self.generators)
         python, numpy = random.getstate(), np.random.get_state(legacy=True)
-        if self._python is not None:
+        if self.python is not None:
             self._changed = (
-                self._changed or python != self._python or not _same_numpy(numpy, self._numpy)
+                self._changed or python != self.python or not _same_numpy(numpy, self.numpy)
             )
             if self.count & (EVERY_N - 1) == 1 or self.count == 2:  # drew since the last?
                 self.drawing, self._changed = self._changed, False
-        self._python, self._numpy, self._at = python, numpy, self.count
+        self.python, self.numpy, self.captured_at = python, numpy, self.count
 
     def rng_at_boundary(self) -> tuple[dict[str, Any] | None, str]:
         """The streams at the last boundary, as ``stage.stage_rank``'s ``rng`` takes
@@ -90,8 +93,8 @@ class BoundaryCapture:
         since a capture that is not the last boundary's."""
         if not self.torch:
             return None, "no step boundary was reached"
-        python, numpy = self._python, self._numpy
-        if self._at != self.count:  # a capture older than the last boundary
+        python, numpy = self.python, self.numpy
+        if self.captured_at != self.count:  # a capture older than the last boundary
             now_py, now_np = random.getstate(), np.random.get_state(legacy=True)
             if now_py != python:
                 return None, "python's random stream was drawn from since the last step boundary"
@@ -99,10 +102,14 @@ class BoundaryCapture:
                 return None, (
                     "numpy's global random stream was drawn from since the last step boundary"
                 )
-        states: dict[str, Any] = {"python": python, "numpy": numpy, "torch.cpu": self.torch[0]}
-        for i, state in enumerate(self.torch[1:]):
-            states[f"torch.cuda.{i}"] = state
+        states: dict[str, Any] = {"python": python, "numpy": numpy}
+        states.update(zip(self.torch_names, self.torch, strict=True))
         return states, ""
+
+    @property
+    def torch_names(self) -> list[str]:
+        """The checkpoint's names of :attr:`generators`' streams, in their order."""
+        return ["torch.cpu", *(f"torch.cuda.{i}" for i in range(len(self.generators) - 1))]
 
 
 def _same_numpy(a: Any, b: Any) -> bool:

@@ -42,16 +42,20 @@ def manifest(ckpt: Path) -> dict:
     return json.loads((ckpt / "manifest.json").read_text())
 
 
-def assert_same_final(a: Path, b: Path, rank: int = 0) -> None:
-    """The two runs ended with bitwise the same weights and optimizer state."""
-    x = torch.load(a / f"final{rank}.pt", weights_only=True)
-    y = torch.load(b / f"final{rank}.pt", weights_only=True)
-    assert x["step"] == y["step"] == STEPS
+def assert_same_final(a: Path, b: Path, rank: int = 0, *, steps: int = STEPS) -> None:
+    """The two runs ended with bitwise the same weights and optimizer state, RNG streams
+    (torch's, python's, numpy's) and batches in the steps both trained."""
+    x = torch.load(a / f"final{rank}.pt", weights_only=False)
+    y = torch.load(b / f"final{rank}.pt", weights_only=False)
+    assert x["step"] == y["step"] == steps
     for k in x["model"]:
         assert torch.equal(x["model"][k], y["model"][k]), k
     for i, s in x["opt"]["state"].items():
         for k, v in s.items():
             assert torch.equal(v, y["opt"]["state"][i][k]), (i, k)
+    assert torch.equal(x["rng"][0], y["rng"][0]) and x["rng"][1] == y["rng"][1]
+    assert (x["rng"][2] == y["rng"][2]).all()
+    assert x["seen"] == {s: y["seen"][s] for s in x["seen"]}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +101,29 @@ def test_failure_inside_optimizer_step_saves_nothing(tmp_path):
     assert said["state"] == "none" and said["path"] is None
     assert "inside optimizer.step()" in said["why"]
     assert "nothing was saved" in out
+
+
+def test_failure_after_the_update_saves_the_step_it_made(tmp_path, uninterrupted):
+    """(8) An error after the update that made step 7 (the loop's logging): the live
+    weights are step 7's, so step 7 is saved with the RNG streams and data position as
+    they are then, said in the manifest (``state: after_update``), and the resume is
+    bitwise the clean run."""
+    out = single(tmp_path, "--fault", "after", "--at", 7)
+    assert "boom after the update" in out
+    [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
+    assert step == 7
+    assert manifest(ckpt)["failure"] == {
+        "cause": "ValueError: boom after the update",
+        "state": "after_update",
+        "missing": [],
+        "after_update": [0],
+    }
+    [said] = events(tmp_path, "failure_saved")
+    assert said["state"] == "after_update" and said["complete"]
+    assert "after the update of step 7" in said["message"]
+    resumed = single(tmp_path)
+    assert "resumed from" in resumed and "step 7" in resumed, resumed
+    assert_same_final(tmp_path, uninterrupted)
 
 
 def test_healthy_run_and_failure_at_start_save_nothing(tmp_path):
@@ -165,12 +192,14 @@ def test_hang_saves_from_the_watchdog_thread(tmp_path, uninterrupted_ddp):
 
 
 def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninterrupted_ddp):
-    """(4) Rank 1 SIGKILLed in the step after step 7 (periodic saves every 5 steps):
-    rank 0 writes step 7 without rank 1's files, marked incomplete; resume='auto'
-    takes step 5, says why it skipped step 7, and ends bitwise the clean run. (5) The
-    save does not wait out its limit (15 s here) for a rank that never began to write:
-    10 s."""
-    args = ("--fault", "kill", "--at", 7, "--rank", 1, "--every", 5, "--hang-timeout-s", 3)
+    """(4) Rank 1 SIGKILLed in the step after step 7 (periodic saves every 5 steps),
+    its published part gone with it (as on another host: ``test_peer_save.py`` has the
+    same host): rank 0 writes step 7 without rank 1's files, marked incomplete;
+    resume='auto' takes step 5, says why it skipped step 7, and ends bitwise the clean
+    run. (5) The save does not wait out its limit (15 s here) for a rank that never
+    began to write: 10 s."""
+    args = ("--fault", "kill_unpublished", "--at", 7, "--rank", 1, "--every", 5)
+    args += ("--hang-timeout-s", 3)
     ranks = ddp(tmp_path, *args, "--save-timeout-s", 15)
     assert ranks[1].code == -9
     found = dict(list_checkpoints(tmp_path / "checkpoints"))
@@ -180,6 +209,7 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
     assert "incomplete failure save" in problem(found[7])[1]
     [said] = events(tmp_path, "failure_saved")
     assert not said["complete"] and said["missing"] == [1]
+    assert "rank 1: its published copy is not on this host" in said["message"]
     shown = run_script(
         [sys.executable, "-m", "guardrails", "inspect", tmp_path / "checkpoints"], timeout_s=30
     ).stdout
@@ -196,11 +226,11 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
 def test_only_an_incomplete_save_means_a_fresh_start_not_an_invalid_directory(
     tmp_path, uninterrupted_ddp
 ):
-    """Rank 1 SIGKILLed with no periodic saves: the only checkpoint is rank 0's incomplete
-    failure save. The re-run (a requeue, or torchrun's restart) starts from step 0 with a
-    warning that says why, instead of refusing the directory as all invalid, and ends
-    bitwise the clean run."""
-    args = ("--fault", "kill", "--at", 7, "--rank", 1, "--hang-timeout-s", 3)
+    """Rank 1 SIGKILLed with no periodic saves, its published part gone with it: the only
+    checkpoint is rank 0's incomplete failure save. The re-run (a requeue, or torchrun's
+    restart) starts from step 0 with a warning that says why, instead of refusing the
+    directory as all invalid, and ends bitwise the clean run."""
+    args = ("--fault", "kill_unpublished", "--at", 7, "--rank", 1, "--hang-timeout-s", 3)
     ranks = ddp(tmp_path, *args, "--save-timeout-s", 15)
     assert ranks[1].code == -9
     [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
@@ -228,3 +258,33 @@ def test_error_on_one_rank_is_saved_whole(tmp_path, uninterrupted_ddp):
     assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
     for rank in (0, 1):
         assert_same_final(tmp_path, uninterrupted_ddp, rank)
+
+
+@pytest.mark.slow(reason="2 ranks, 170 steps, three times: clean, a hang, the resume")
+def test_hang_after_the_update_saves_the_step_it_made(tmp_path, tmp_path_factory):
+    """Rank 1 stuck in a sleep after the update that made step 150 (a logging
+    all-reduce, an eval), rank 0 past step 150's boundary, blocked in step 151's
+    all-reduce: the hang's verdict, and both save step 150: rank 1 from the watchdog's
+    thread with its streams and position as they are after the update (nothing drew
+    since), rank 0 with its boundary's. The save is whole, says ``after_update: [1]``,
+    and the resume ends bitwise the uninterrupted run on both ranks: weights, optimizer
+    state, RNG streams, and the batch of every step after 150 (with 2 ranks DDP's sums
+    are the same in any order: ``test_peer_save.py`` says why 4 are not)."""
+    steps = 170
+    clean = tmp_path_factory.mktemp("clean_170")
+    assert all(r.code == 0 for r in ddp(clean, "--steps", steps))
+    ranks = ddp(
+        tmp_path, "--steps", steps, "--fault", "sleep_after", "--at", 150, "--rank", 1,
+        "--hang-timeout-s", 3,
+    )  # fmt: skip
+    assert all(r.code != 0 for r in ranks)
+    [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
+    assert step == 150, [r.out for r in ranks]
+    failure = manifest(ckpt)["failure"]
+    assert failure["state"] == "after_update" and failure["after_update"] == [1], failure
+    assert failure["missing"] == [] and problem(ckpt) is None
+    ranks = ddp(tmp_path, "--steps", steps)
+    assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
+    assert "resumed from" in ranks[0].out and "(step 150," in ranks[0].out
+    for rank in (0, 1):
+        assert_same_final(tmp_path, clean, rank, steps=steps)

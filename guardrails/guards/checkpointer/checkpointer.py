@@ -105,6 +105,7 @@ from guardrails.guards.checkpointer import cadence, workers
 from guardrails.guards.checkpointer.agree import Agreement
 from guardrails.guards.checkpointer.failure import FailureSave
 from guardrails.guards.checkpointer.local import build_tier
+from guardrails.guards.checkpointer.peer import PeerSlot
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
@@ -326,6 +327,7 @@ class SignalCheckpointer(Component):
         self.writer: CheckpointWriter | None = None
         #: The failure save (failure.py), built at start with ``save_on_failure``.
         self.failure: FailureSave | None = None
+        self._peer_slot: PeerSlot | None = None
         # Its time limit extends the process's last words when a thread ends it.
         self.abort_s = self.failure_save_timeout_s + 2.0 if self.save_on_failure else 0.0
         self.resumer: ResumeAtStart | None = None
@@ -385,6 +387,7 @@ class SignalCheckpointer(Component):
             self.failure = FailureSave(
                 guard, self.writer, self.capture, timeout_s=self.failure_save_timeout_s
             )
+            self._peer_slot = self.failure.slot  # published at every boundary (peer.py)
         self.resumer = ResumeAtStart(
             resume=self.resume,
             root=self.root,
@@ -479,6 +482,8 @@ class SignalCheckpointer(Component):
                 with guard.pause_watchdog("checkpoint"):
                     self.failure.run(guard, exc, from_thread=False)  # type: ignore[arg-type]
         finally:
+            if self._peer_slot is not None:
+                self._peer_slot.close()
             self.capture.restore()
             self._shield.restore()
             self.writer.close(raise_error=exc is None, stopped=self._stop_at is not None)
@@ -486,8 +491,11 @@ class SignalCheckpointer(Component):
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         """A thread ends the process (a hang verdict, a peer's death) while the main
         thread is stuck: the failure save, from here (``failure.py``)."""
-        if self.failure is not None and self.failure.wanted(guard, error, stop=self._stop_at):
-            self.failure.run(guard, error, from_thread=True)
+        failure = self.failure
+        if failure is not None and failure.wanted(
+            guard, error, stop=self._stop_at, from_thread=True
+        ):
+            failure.run(guard, error, from_thread=True)
 
     def _preempted_then_failed(self, guard: Guard, signum: int, exc: Exception) -> None:
         """The loop failed after a stop signal, before a stop was agreed. A verdict this
@@ -596,6 +604,8 @@ class SignalCheckpointer(Component):
         self._save_due = self._save_due or decision.save_due
 
     def on_boundary(self, guard: Guard) -> None:
+        if self._peer_slot is not None:
+            self._peer_slot.publish(guard)
         if not self._unsaved.checked:
             self._unsaved.at_step(guard)
         # Where a loader that fails on the next fetch leaves the run (_stop_at_dead_loader).

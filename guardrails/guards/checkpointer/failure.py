@@ -9,16 +9,21 @@ Without it every failure but a signal ended each rank with an error and saved no
   a verdict that ends the process from the watchdog's or auditor's thread while the main
   thread is stuck (a hang on the ranks that are not stuck, a peer's death seen by the
   survivors: ``on_abort``, the thread's last words). Not a signal's stop (it saves
-  already), not ``KeyboardInterrupt`` (a Ctrl+C is a stop the user asked for), not a
-  failure before the first step (nothing trained), not a step already saved.
+  already; but torchrun's SIGTERM after a peer's death, which the survivors waiting for
+  it in a collective never reach a boundary to stop at, is no stop), not
+  ``KeyboardInterrupt`` (a Ctrl+C is a stop the user asked for), not a failure before
+  the first step (nothing trained), not a step already saved.
 * **Which state**: the live model, optimizers, schedulers and scaler are those of the last
   finished step as long as no ``optimizer.step()`` began since its boundary
   (``guard.update_began``); the RNG streams and the data position are the boundary's
   (``guard.boundary_capture``, ``engine/boundary.py``), since the failing step may have
-  drawn from them and fetched its batch. Otherwise nothing is saved, said in the
-  ``failure_saved`` event. (The rewind guard's in-memory snapshot is not used: it holds
-  no RNG streams nor the full data position, so a checkpoint of it would not resume
-  bitwise.)
+  drawn from them and fetched its batch. When the failing step's update is over (a
+  hang in a logging all-reduce after ``optimizer.step()``: ``phase`` is no longer
+  ``"optimizer"``, one optimizer), the weights are the new step's: saved as that step,
+  with the RNG streams and data position as they are then (``state: after_update``).
+  Inside ``optimizer.step()`` nothing is saved, said in the ``failure_saved`` event.
+  (The rewind guard's in-memory snapshot is not used: it holds no RNG streams nor the
+  full data position, so a checkpoint of it would not resume bitwise.)
 * **Never long, never a hang**: every rank's part is bounded by ``timeout_s`` (the
   whole save runs in a daemon thread joined with that limit; past it the write is
   cancelled within a piece). With several ranks the save is the usual multi-rank commit
@@ -28,9 +33,12 @@ Without it every failure but a signal ended each rank with an error and saved no
   begun within 10 s, a dead one, is not waited for). A rank whose files
   are missing (dead, stuck with no thread able to write, or past the step) makes the
   checkpoint **incomplete**: committed with ``failure.missing`` naming those ranks, and
-  never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why). If
-  rank 0 is the dead or stuck one, nothing is committed (its state is the replicated
-  copy written here).
+  never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why),
+  unless the committer's host holds the rank's part as published at its last
+  boundary (``peer.py``: under DDP, a rank on the same host): then the committer writes
+  it (``failure.from_peers``). If rank 0 is the dead one and the store outlives it
+  (torchrun's agent holds it), rank 1 commits, with the replicated state from its own
+  copy; else nothing is committed.
 * Under torchrun a worker's exit makes the agent SIGTERM the others and SIGKILL them
   30 s later; guardrails holds SIGTERM while a failing rank reports, so the ranks other
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
@@ -46,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -53,8 +62,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guardrails._errors import CheckpointError
-from guardrails.checkpoint import commit
+from guardrails._errors import CheckpointError, RankFailedError
+from guardrails.checkpoint import commit, stage
 from guardrails.checkpoint.manifest import (
     ManifestError,
     incomplete,
@@ -63,6 +72,8 @@ from guardrails.checkpoint.manifest import (
     resume_order,
 )
 from guardrails.distributed.store import stretched, wait_keys
+from guardrails.engine import model
+from guardrails.guards.checkpointer import peer
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util import files as _perms
@@ -100,31 +111,67 @@ class FailureSave:
         self._store = guard.side_store("checkpoint")  # None in a single process
         self._rank, self._world = guard.rank, guard.world_size
         self.timeout_s = timeout_s
+        #: This rank's part published at every boundary for a live peer's use (``peer.py``):
+        #: under DDP, on a host with ``/dev/shm`` or the node-local tier.
+        self.slot: peer.PeerSlot | None = None
+        local = writer.tier.local if writer.tier is not None else None
+        self._slots = peer.slot_directory(local)
+        if self._store is not None and self._slots is not None and peer.publishable(guard):
+            self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
         self.outcome: dict[str, Any] | None = None
         #: This rank (not 0) wrote its part and left before rank 0 began to commit.
         self.part_only = False
+        #: The rank that commits: 0, or the lowest live one when rank 0 is the dead one
+        #: and the store outlives it (:func:`_committer`). Set when the save runs.
+        self._committer = 0
+        #: Whether the state saved is the one after the failing step's update (set by
+        #: :meth:`_state`).
+        self._after_update = False
+        #: The missing ranks whose part the committer could not write from their
+        #: published copy, and why (said in the event).
+        self.peer_notes: dict[int, str] = {}
 
-    def wanted(self, guard: Guard, error: BaseException | None, *, stop: int | None) -> bool:
+    def wanted(
+        self,
+        guard: Guard,
+        error: BaseException | None,
+        *,
+        stop: int | None,
+        from_thread: bool = False,
+    ) -> bool:
         """Whether ``error`` ending the run calls for a failure save: an ``Exception``
         (not a stop: ``SystemExit``, ``KeyboardInterrupt``; not a save's own
         ``CheckpointError``), after at least one step, not one already saved, and not
         when a signal ended the run (``stop``: the step a signal's stop was decided at;
         a signal that came after a verdict, torchrun's teardown once the stuck rank
-        exited, does not count)."""
+        exited, does not count; nor, ``from_thread``, one before a peer's death verdict
+        while the main thread was stuck)."""
         if self.outcome is not None or not isinstance(error, Exception) or stop is not None:
             return False
         if isinstance(error, CheckpointError):  # a save failed: another would fail alike
             return False
         if guard.step == 0 or guard.step == self._writer.last_saved_step:
             return False  # a failure at start (nothing trained), or a step saved already
-        return not self._capture.received or self._capture.verdict_first(guard)
+        # A peer's death seen from the watchdog's thread, a signal before its verdict
+        # and no stop decided: torchrun's teardown once the peer died (it SIGTERMs the
+        # others at once; they wait for the dead one in a collective and never reach
+        # the boundary a stop saves at, and the verdict takes the hang timeout), so the
+        # failure save is the only save there is. 4 gloo ranks, one SIGKILLed: the
+        # SIGTERM came ~4 s before the verdict, and nothing was saved.
+        dead_peer = (
+            from_thread and isinstance(error, RankFailedError) and error.failed_rank != self._rank
+        )
+        return not self._capture.received or dead_peer or self._capture.verdict_first(guard)
 
     def run(self, guard: Guard, error: BaseException, *, from_thread: bool) -> None:
         """Save, bounded by ``timeout_s``, then the ``failure_saved`` event. Never raises:
         the run's own error is what the process reports."""
         t0 = time.perf_counter()
         cause = _cause(error)
+        # A dead rank the error names (RankFailedError) is not waited for.
+        dead = getattr(error, "failed_rank", None)
+        self._committer = _committer(dead, self._world)
         state, why = self._state(guard, from_thread=from_thread)
         path: Path | None = None
         missing: list[int] = []
@@ -132,8 +179,6 @@ class FailureSave:
         if state is not None or self._store is not None:
             result: dict[str, Any] = {"why": why}
             cancel = threading.Event()
-            # A dead rank the error names (RankFailedError) is not waited for.
-            dead = getattr(error, "failed_rank", None)
             worker = threading.Thread(
                 target=self._save_safely,
                 args=(guard, state, cause, cancel, result, dead),
@@ -148,30 +193,45 @@ class FailureSave:
             else:
                 path, missing, why = result.get("path"), result.get("missing", []), result["why"]
                 if not why and path is None and not self.part_only:
-                    why = "rank 0 did not commit it"
+                    why = f"rank {self._committer} did not commit it"
         if path is not None:  # committed in the local tier (local_directory): copied now
             left = self.timeout_s - (time.perf_counter() - t0)
             self._writer.drain(guard, guard.step, path, within_s=left)
         self._said(guard, cause, path, missing, why, time.perf_counter() - t0)
+        if self.slot is not None and (path is not None or state is not None):
+            self.slot.close()  # this rank's part is in, or in rank 0's hands: not needed
+        if dead is not None and self._slots is not None and path is not None:
+            # The dead rank's copy, used or not (one step old: it died after its step's
+            # last collective, before its boundary), once the save is committed.
+            with contextlib.suppress(OSError):
+                os.unlink(peer.slot_path(self._slots, self._writer.token, dead))
 
     def _state(self, guard: Guard, *, from_thread: bool) -> tuple[Any, str]:
         """``((rng, position), "")``: the boundary's RNG streams and data position, when
-        the live state is the last finished step's; else ``(None, why not)``."""
-        if guard.update_began:
+        the live state is the last finished step's; the streams and position now, when
+        the step's update is over (:meth:`_after_the_update`); else ``(None, why not)``."""
+        if guard.update_began and not self._after_the_update(guard):
             return None, (
-                "the failure came inside optimizer.step() or after it, before the next "
-                "step boundary: the live weights are no longer those of a finished step"
+                "the failure came inside optimizer.step(): the live weights are neither "
+                "those of the step before nor those of the step after"
             )
         if (
             from_thread
             and guard.device is not None
             and guard.device.type == "cuda"
-            and self._writer.stages_weights
+            and (self._writer.stages_weights or self._rank == self._committer)
         ):  # the other ranks' parts are host-side: the boundary's RNG and data position
             return None, (
                 "the main thread is stuck and the weights are on a GPU whose stream may be "
                 "stuck with it (a copy would wait for it)"
             )
+        if guard.update_began:  # after the update: the step it made, streams as they are
+            self._after_update = True
+            pos = guard.data_position
+            return (
+                peer.current_streams(),
+                (pos.trained_at, [*guard.step_batches, *pos.fetched]),
+            ), ""
         capture = guard.boundary_capture
         rng, why = capture.rng_at_boundary()
         if rng is None:
@@ -180,6 +240,14 @@ class FailureSave:
             return None, "the failing step began a new pass over the loader"
         pos = guard.data_position
         return (rng, (capture.trained_at, [*guard.step_batches, *pos.fetched])), ""
+
+    @staticmethod
+    def _after_the_update(guard: Guard) -> bool:
+        """Whether the failing step's update is over (its ``optimizer.step()`` returned,
+        the step count moved on: ``phase`` is no longer ``"optimizer"``) and the live
+        weights are the new step's: a hang in a logging all-reduce or an eval after the
+        update. With several optimizers one may not have stepped yet: not then."""
+        return guard.phase != "optimizer" and len(guard.optimizers) == 1
 
     def _save_safely(
         self,
@@ -205,7 +273,7 @@ class FailureSave:
         said = json.dumps({"none": why})
         key = f"{self._writer.token}/failure/{step}"
         self._store.set(f"{key}/files/{self._rank}", said)
-        if self._rank == 0:
+        if self._rank == self._committer:
             self._store.set(f"{key}/commit", said)
         else:
             self._store.add(f"{key}/filed", 1)
@@ -216,52 +284,132 @@ class FailureSave:
         """This rank's files, then (rank 0) the commit with every record in by the
         limit: ``(path or None, the ranks missing)``."""
         deadline = time.monotonic() + self.timeout_s
-        writer, step = self._writer, guard.step
+        writer, step, committer = self._writer, guard.step, self._committer
         key = f"{writer.token}/failure/{step}"
         rng, position = state
-        if self._store is not None:  # rank 0 waits for this rank's part from now on
+        if self._store is not None:  # the committer waits for this rank's part from now on
             self._store.set(f"{key}/begun/{self._rank}", "1")
-            if self._rank != 0:
+            if self._rank != committer:
                 self._store.add(f"{key}/begun", 1)
+            # Late: the committer wrote this rank's part from its published copy already.
+            if self.slot is not None and self._rank != committer and not self._claim(key, "self"):
+                return self._await_commit(key, deadline, dead), []
         part = writer.stage_boundary(guard, rng=rng, position=position)
         part.cancel = cancel
-        if self._rank == 0:
+        if self._rank == committer:
             _perms.make_dirs(writer.root)
         tmp = commit.begin(writer.root, step, f"{writer.token}-failure")
         files: dict[str, Any] = {}
         try:
             part.write(tmp, files)
+            if self._rank == committer != 0:  # rank 0 is dead: its replicated state, ours
+                self._stage_replicated(guard, cancel).write(tmp, files)
             if self._store is None:
                 return self._commit(step, tmp, files, cause, missing=[]), []
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing was committed: no trace left
             raise
-        self._store.set(f"{key}/files/{self._rank}", json.dumps(files))
-        if self._rank != 0:
+        said = {**files, _AFTER_UPDATE: True} if self._after_update else files
+        self._store.set(f"{key}/files/{self._rank}", json.dumps(said))
+        if self._rank != committer:
             self._store.add(f"{key}/filed", 1)
             return self._await_commit(key, deadline, dead), []
-        merged, missing = self._gather(key, deadline, dead)
-        merged.update(files)  # rank 0's own
+        merged, missing, after = self._gather(key, deadline, dead)
+        merged.update(files)  # the committer's own
+        peers = self._write_peers(guard, key, tmp, merged, missing, cancel)
+        missing = [r for r in missing if r not in peers]
         try:
-            final = self._commit(step, tmp, merged, cause, missing=missing)
+            final = self._commit(
+                step, tmp, merged, cause, missing=missing, peers=peers, after=after
+            )
         except BaseException as e:
             self._store.set(f"{key}/commit", json.dumps({"error": repr(e)}))
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._store.set(f"{key}/commit", json.dumps({"path": str(final)}))
+        for r in peers:  # their ranks are gone: their copies are done with
+            with contextlib.suppress(OSError):
+                os.unlink(peer.slot_path(self._slots, writer.token, r))  # type: ignore[arg-type]
         return final, missing
+
+    def _claim(self, key: str, by: str, rank: int | None = None) -> bool:
+        """Whether ``by`` (``"self"``: the rank itself; ``"peer"``: the committer, from
+        its published copy) writes ``rank``'s part: the first to ask, one
+        ``compare_set``. A rank that is late (its watchdog's verdict came after the
+        committer stopped waiting) and the committer never write the same files."""
+        rank = self._rank if rank is None else rank
+        won = self._store.compare_set(f"{key}/writer/{rank}", "", by)
+        return bytes(won).decode() == by
+
+    def _stage_replicated(self, guard: Guard, cancel: threading.Event) -> stage.Part:
+        """The committer other than rank 0 (dead): the state every rank holds the same
+        copy of under DDP, staged from this rank's, as rank 0 would have."""
+        part = stage.stage_replicated(
+            model=model.unwrap(guard.model),
+            optimizers=guard.optimizers,
+            schedulers=guard.schedulers,
+            scaler=guard.scaler,
+            extras=guard.state,
+            extras_name="g.state",
+        )
+        part.ready()
+        part.cancel = cancel
+        return part
+
+    def _write_peers(
+        self,
+        guard: Guard,
+        key: str,
+        tmp: Path,
+        files: dict[str, Any],
+        missing: list[int],
+        cancel: threading.Event,
+    ) -> dict[int, str]:
+        """The committer: the parts of the ``missing`` ranks whose copies this host
+        holds (``peer.py``), written into ``tmp`` (``files`` gets their records): the
+        ranks written, and why each other one was not (``self.peer_notes``)."""
+        written: dict[int, str] = {}
+        self.peer_notes = {}
+        if self._slots is None or self.slot is None:
+            return written
+        capture = guard.boundary_capture
+        for r in missing:
+            got, why = peer.read_peer(self._slots, self._writer.token, r)
+            if got is not None and got.step != guard.step:
+                got, why = None, f"its published copy is of step {got.step}, not {guard.step}"
+            elif got is not None and got.epoch != capture.epoch and not self._after_update:
+                got, why = None, "its published copy is of another pass over the loader"
+            elif got is not None and not got.streams_fresh and capture.drawing:
+                # The copy's python / numpy streams are an older boundary's: they are
+                # the last one's when no rank draws from them between checks, which
+                # this rank, running the same loop, tells (engine/boundary.py).
+                got, why = (
+                    None,
+                    "python's or numpy's stream in its published copy is not the last step's",
+                )
+            if got is not None and not self._claim(key, "peer", r):
+                got, why = None, "it began to write its own part after the wait for it"
+            if got is None:
+                self.peer_notes[r] = why
+                continue
+            part = peer.stage_peer(guard, got)
+            part.cancel = cancel
+            part.write(tmp, files)
+            written[r] = "published copy"
+        return written
 
     def _gather(
         self, key: str, deadline: float, dead: int | None
-    ) -> tuple[dict[str, Any], list[int]]:
-        """Rank 0: the other ranks' records in by ``deadline`` (``dead``: not waited
-        for; nor a rank that has not begun its failure save within
-        :data:`_BEGUN_WAIT_S`), merged, and the ranks without one (or with nothing to
-        save). While it waits it reads two counters a poll, not a key per rank (the poll
-        stretched with N: 10,000 ranks' records polled every 50 ms would be 200,000
-        calls a second, twice what one store serves); the records are read once."""
+    ) -> tuple[dict[str, Any], list[int], list[int]]:
+        """The committer: the other ranks' records in by ``deadline`` (``dead``: not
+        waited for; nor a rank that has not begun its failure save within
+        :data:`_BEGUN_WAIT_S`), merged, the ranks without one (or with nothing to
+        save), and those that saved the state after the update. While it waits it
+        reads two counters a poll, not a key per rank (the poll stretched with N:
+        10,000 ranks' records polled every 50 ms would be 200,000 calls a second,
+        twice what one store serves); the records are read once."""
         store, world = self._store, self._world
-        others = [r for r in range(1, world) if r != dead]
+        others = [r for r in range(world) if r not in (dead, self._committer)]
         begun_by = time.monotonic() + _BEGUN_WAIT_S
         poll_s = stretched(_POLL_S, world)
         while time.monotonic() < deadline:
@@ -273,7 +421,8 @@ class FailureSave:
                 break
             time.sleep(poll_s)
         merged: dict[str, Any] = {}
-        missing = [] if dead is None or dead == 0 else [dead]
+        missing = [] if dead is None or dead == self._committer else [dead]
+        after = [self._rank] if self._after_update else []
         for r in others:
             if not store.check([f"{key}/files/{r}"]):
                 missing.append(r)  # dead, stuck, or waiting in a collective for rank 0
@@ -281,8 +430,10 @@ class FailureSave:
             got = json.loads(store.get(f"{key}/files/{r}"))
             if "none" in got:
                 missing.append(r)
+            if got.pop(_AFTER_UPDATE, False):
+                after.append(r)
             merged.update({k: v for k, v in got.items() if k != "none"})
-        return merged, sorted(missing)
+        return merged, sorted(missing), sorted(after)
 
     def _await_commit(self, key: str, deadline: float, dead: int | None) -> Path | None:
         """A rank other than 0: rank 0's commit, waited for until ``deadline`` once rank
@@ -291,14 +442,14 @@ class FailureSave:
         within :data:`_BEGUN_WAIT_S` (it may be waiting in a collective for this rank,
         and will commit this rank's part when this rank's exit fails it). Blocking waits
         on a store client of their own (``wait_keys``): no poll, whatever N."""
-        if dead == 0:
+        if dead == self._committer:
             return None
         store, commit_key = self._store, f"{key}/commit"
         first_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic()))
         try:
             wait_keys(store, [commit_key], timedelta(seconds=first_s), world=self._world)
         except TimeoutError:
-            if not store.check([f"{key}/begun/0"]):
+            if not store.check([f"{key}/begun/{self._committer}"]):
                 self.part_only = True
                 return None
             left_s = max(0.0, deadline - time.monotonic())
@@ -310,11 +461,35 @@ class FailureSave:
         return Path(said["path"]) if "path" in said else None
 
     def _commit(
-        self, step: int, tmp: Path, files: dict[str, Any], cause: str, *, missing: list[int]
+        self,
+        step: int,
+        tmp: Path,
+        files: dict[str, Any],
+        cause: str,
+        *,
+        missing: list[int],
+        peers: dict[int, str] | None = None,
+        after: list[int] | None = None,
     ) -> Path:
-        """Rank 0's commit of the failure save: never counted by retention (an
-        incomplete one must not retire a complete checkpoint)."""
+        """The committer's commit of the failure save: never counted by retention (an
+        incomplete one must not retire a complete checkpoint). The manifest's
+        ``failure`` says which state (``"live"``: the last finished step's;
+        ``"after_update"``: the failing step's update was over, ``after_update`` names
+        the ranks whose streams and position are those after it), the ranks missing,
+        those whose part a live rank wrote from their published copy (``from_peers``),
+        and the committer when it is not rank 0."""
         ranks = [r for r in range(self._world) if r not in missing]
+        failure: dict[str, Any] = {
+            "cause": cause,
+            "state": "after_update" if after or self._after_update else "live",
+            "missing": missing,
+        }
+        if after or self._after_update:
+            failure["after_update"] = after if after is not None else [self._rank]
+        if peers:
+            failure["from_peers"] = sorted(peers)
+        if self._committer != 0:
+            failure["committed_by"] = self._committer
         return commit.commit(
             self._writer.root,
             step,
@@ -323,7 +498,7 @@ class FailureSave:
             world_size=self._world,
             ranks=ranks,
             keep_last=None,
-            failure={"cause": cause, "state": "live", "missing": missing},
+            failure=failure,
             **self._writer.commit_args,
         )
 
@@ -351,30 +526,33 @@ class FailureSave:
         """The ``failure_saved`` event (a warning: the console says it). Its message
         names the error's class only: the error's own report follows, and its headline
         said twice would be noise (the ``cause`` field has its first line)."""
-        step, kind = guard.step, cause.split(":", 1)[0]
+        step, kind, committer = guard.step, cause.split(":", 1)[0], self._committer
+        when = f"after the update of step {step}" if self._after_update else f"in step {step + 1}"
+        notes = self.peer_notes
         if path is not None and not missing:
             message = (
-                f"the run failed in step {step + 1} ({kind}); the state of step {step}, the "
+                f"the run failed {when} ({kind}); the state of step {step}, the "
                 f"last finished step, was saved to {path} in {took_s:.1f} s: run the same "
                 "command to continue from it (resume='auto')."
             )
         elif path is not None:
+            unreached = "; ".join(f"rank {r}: {why}" for r, why in notes.items())
             message = (
-                f"the run failed in step {step + 1} ({kind}); step {step} was saved to {path} "
+                f"the run failed {when} ({kind}); step {step} was saved to {path} "
                 f"without rank(s) {missing} (dead or stuck: their RNG streams and data "
-                "position are missing), so it is incomplete and resume='auto' will not "
-                f"use it; {self._latest_text(path)}."
+                f"position are missing{f'; {unreached}' if unreached else ''}), so it is "
+                f"incomplete and resume='auto' will not use it; {self._latest_text(path)}."
             )
         elif self.part_only:
-            why = "rank 0 had not begun its failure save"
+            why = f"rank {committer} had not begun its failure save"
             message = (
-                f"the run failed in step {step + 1} ({kind}); this rank wrote its part of the "
-                f"failure save of step {step} (its RNG streams and data position), which rank "
-                "0 commits once it fails too."
+                f"the run failed {when} ({kind}); this rank wrote its part of the "
+                f"failure save of step {step} (its RNG streams and data position), which "
+                f"rank {committer} commits once it fails too."
             )
         else:
             message = (
-                f"the run failed in step {step + 1} ({kind}); nothing was saved: {why}; "
+                f"the run failed {when} ({kind}); nothing was saved: {why}; "
                 f"{self._latest_text(path)}."
             )
         self.outcome = {
@@ -382,13 +560,31 @@ class FailureSave:
             "path": None if path is None else str(path),
             "step": step,
             "seconds": round(took_s, 3),
-            "state": "live" if path is not None or self.part_only else "none",
+            "state": (
+                ("after_update" if self._after_update else "live")
+                if path is not None or self.part_only
+                else "none"
+            ),
             "why": why,
             "complete": path is not None and not missing,
             "missing": missing,
         }
         with contextlib.suppress(Exception):  # the events file gone: the error goes on
             guard.event("failure_saved", level="warning", message=message, **self.outcome)
+
+
+#: The key of a rank's record that says it saved the state after the failing step's update.
+_AFTER_UPDATE = "_after_update"
+
+
+def _committer(dead: int | None, world: int) -> int:
+    """The rank that commits a failure save: rank 0 (it holds the replicated state
+    every DDP rank holds too), or, when rank 0 is the dead one and the store is
+    torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``: it outlives rank 0), rank 1,
+    the lowest live rank. With the store on rank 0, its death takes the store too:
+    nobody can commit."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return 1 if dead == 0 and agent and world > 1 else 0
 
 
 #: The most of an error's first line the manifest and the event keep (gloo's run to 300).

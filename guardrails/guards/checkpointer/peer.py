@@ -1,0 +1,332 @@
+"""Each rank's part of a checkpoint, published node-locally at every step boundary, so
+that a live rank can write a dead rank's part of a failure save (``failure.py``).
+
+Under DDP every rank holds the whole model and optimizer; what only a rank holds is
+small: its RNG streams and its data position (what ``stage.stage_rank`` writes as
+``rank<R>.json`` / ``rank<R>.safetensors``). A SIGKILLed rank's boundary capture
+(``engine/boundary.py``) died with it, so the survivors' failure save was incomplete and
+the restart went back to the last periodic checkpoint (the recovery benchmark's kill -9
+redid 189-251 steps). Here each rank keeps a copy of that part in a file mapped into its
+memory, :data:`SLOT_BYTES` in ``/dev/shm`` (or the node-local tier's directory when it is
+set): a rank on the same host reads it after the rank is gone.
+
+* **Per boundary** (:meth:`PeerSlot.publish`, from the checkpointer's ``on_boundary``):
+  a memcpy of the torch generators' states (5 KB for the CPU one, 16 B a CUDA device)
+  and a few integers into the mapped pages: no system call (the pages are the page
+  cache's; the kernel writes nothing to disk for ``/dev/shm``). Python's and numpy's
+  streams (5 KB) only at the boundaries the capture read them at. What changes once a
+  pass (the pass's RNG states, the loader's generators, the data position's kind) is
+  written when the pass changes. Measured: ``benchmarks/peer_publish.py``.
+* **Torn or stale copies are never read as a rank's part**: a write is framed by the
+  boundary count at its start and end (a rank killed mid-write leaves them unequal);
+  the file is named by the job's token (agreed by the ranks at each start, so a file a
+  dead earlier job left is never this job's) and holds it, with its rank; its step must
+  be the step the failure save saves.
+* **What the copy cannot hold**: a loader with its own ``state_dict()`` (per-rank state
+  of any size), the batches a fast-forwarded loader's rank prefetched before its
+  boundary (a periodic save there holds them: fetched anew, they would be drawn anew),
+  a sharded model or an optimizer whose state differs per rank. A rank's
+  part is then unreachable, and a failure save without it is incomplete, as before.
+  The components' own state (NanGuard's statistics) in the written part is the
+  writing rank's, at the same step.
+* **Other hosts**: a dead rank on another host (or a lost host) has no copy here;
+  its part is missing and the save incomplete. Replicating the copies across hosts
+  (a ring neighbour's memory) is not done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import random
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+from torch import Tensor
+
+from guardrails.checkpoint import stage
+from guardrails.checkpoint.common import log
+from guardrails.engine import model
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
+
+#: The file: a header, the integers, python's and numpy's streams, torch's generators,
+#: then what changes once a pass. 64 KB: the CPU generator's 5 KB, a CUDA device's
+#: 16 B, a pass's RNG states (5-10 KB) with room to spare.
+SLOT_BYTES = 64 * 1024
+_MAGIC = b"GRPEER01"
+_TOKEN_BYTES = 32
+INTS_AT, _N_INTS = 64, 16
+_FLOATS_AT = INTS_AT + 8 * _N_INTS
+_PY_AT, _PY_N = 256, 625  # random.getstate()[1]: 624 words and the index
+_NP_AT, _NP_N = _PY_AT + 4 * _PY_N + 12, 624  # np.random.get_state()[1]
+_TORCH_AT, _TORCH_BYTES = 8 * 1024, 16 * 1024
+_COLD_AT = _TORCH_AT + _TORCH_BYTES
+_COLD_BYTES = SLOT_BYTES - _COLD_AT
+
+# The integers, by index. BEGIN and END frame every write with the boundary count.
+BEGIN, STEP, COUNT, EPOCH, POS_EPOCH, POS_BATCH, HELD, RNG_AT, PY_VERSION = range(9)
+PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END = range(9, 14)
+# One call writes the step's integers, STEP to HELD (a numpy item store each was
+# ~0.1 us), and python's stream (2x faster than a numpy array's store from its tuple).
+_STEP_INTS = struct.Struct("<6q")
+_PY_WORDS = struct.Struct(f"<{_PY_N}I")
+
+
+def slot_path(directory: Path, token: str, rank: int) -> Path:
+    """Where ``rank``'s copy lives for the job named ``token``."""
+    return directory / f"guardrails-peer-{token}-rank{rank}"
+
+
+def slot_directory(local: Path | None) -> Path | None:
+    """The node-local tier's directory when it is set, else ``/dev/shm`` when it is
+    there and writable; ``None``: no copy is kept."""
+    for place in (local, Path("/dev/shm")):
+        if place is not None and place.is_dir() and os.access(place, os.W_OK):
+            return place
+    return None
+
+
+def publishable(guard: Guard) -> bool:
+    """Whether a rank's part is all the copy holds: several ranks, every rank holding
+    the whole model and the same optimizer state (DDP, not sharded, no per-rank
+    optimizer). The loader's kind is checked once a pass (:meth:`PeerSlot.publish`)."""
+    if guard.world_size < 2 or model.holds_shards(model.unwrap(guard.model)):
+        return False
+    if not all(model.grads_agree(m) for m in guard.models.values()):
+        return False
+    return all(stage.per_rank(opt) is opt for opt in guard.optimizers.values())
+
+
+class PeerSlot:
+    """This rank's copy of its part (see the module docstring), mapped from
+    ``directory`` for the job ``token``: made at the first :meth:`publish` (a guard
+    whose start fails leaves no file), published at every boundary, removed by
+    :meth:`close`."""
+
+    def __init__(self, directory: Path, token: str, rank: int) -> None:
+        self.path = slot_path(directory, token, rank)
+        self._token = token
+        self._map: mmap.mmap | None = None
+        self._ints: Any = None
+        self._floats: Any = None
+        self._np: Any = None
+        self._views: list[Tensor] = []  # the generators' states, in the mapped pages
+        self._start: Any = None  # the pass's RNG states the cold part was written for
+        self._closed = False
+        #: Why the copy cannot stand for this rank's part (the loader's kind, a state
+        #: too large), or ``""``.
+        self.unusable = ""
+
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, SLOT_BYTES)
+            self._map = mmap.mmap(fd, SLOT_BYTES)
+        finally:
+            os.close(fd)
+        self._map[:8] = _MAGIC
+        self._map[8 : 8 + _TOKEN_BYTES] = self._token.encode().ljust(_TOKEN_BYTES, b"\0")
+        self._ints = np.frombuffer(self._map, np.int64, _N_INTS, INTS_AT)
+        self._ints[BEGIN] = -1  # nothing published yet: never equal to END's 0
+        self._floats = np.frombuffer(self._map, np.float64, 2, _FLOATS_AT)
+        self._np = np.frombuffer(self._map, np.uint32, _NP_N, _NP_AT)
+
+    def publish(self, guard: Guard) -> None:
+        """At a step boundary, after the engine's capture: this rank's part as that
+        boundary left it."""
+        ints = self._ints
+        if ints is None:  # the first boundary, or closed (the failure save ran)
+            if self._closed:
+                return
+            try:
+                self._open()
+            except OSError as e:  # a full /dev/shm: the failure save is as without it
+                self._closed = True
+                log.debug("guardrails: no published copy of this rank's part: %s", e)
+                return
+            ints = self._ints
+        cap = guard.boundary_capture
+        count = ints[BEGIN] = cap.count
+        states = cap.torch
+        if guard.generators:  # the loop's own (guard(generators=)), as a save takes them
+            saved = guard.generator_states
+            states = states + tuple(
+                g.get_state() if saved is None else saved[n] for n, g in guard.generators.items()
+            )
+        epoch, batch, start = guard.data_position.trained(cap.trained_at)
+        if start is not self._start or len(states) != len(self._views):
+            self._write_cold(guard, states, start)  # once a pass (and when CUDA starts)
+        torch._foreach_copy_(self._views, states)
+        if cap.captured_at == count:  # python's and numpy's, read at this boundary
+            self._write_streams(cap.python, cap.numpy)
+            ints[RNG_AT] = count
+        held = len(guard.data_position.fetched)  # a prefetch's batches, past the boundary
+        _STEP_INTS.pack_into(
+            self._map, INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch, batch, held
+        )
+        ints[END] = count
+
+    def _write_streams(self, python: Any, numpy: Any) -> None:
+        version, internal, gauss = python
+        _PY_WORDS.pack_into(self._map, _PY_AT, *internal)
+        ints = self._ints
+        ints[PY_VERSION], ints[PY_HAS_GAUSS] = version, gauss is not None
+        _, keys, pos, has_gauss, cached = numpy
+        self._np[:] = keys
+        ints[NP_POS], ints[NP_HAS_GAUSS] = pos, has_gauss
+        self._floats[:] = (0.0 if gauss is None else gauss, cached)
+
+    def _write_cold(self, guard: Guard, states: tuple[Tensor, ...], start: Any) -> None:
+        """What changes once a pass: the generators' layout, the pass's RNG states and
+        the loader's generators (the tensors a save's data position holds), the
+        position's kind."""
+        self._start = start
+        position, tensors = guard.data_position.save(
+            boundary=(guard.boundary_capture.trained_at, [])
+        )
+        names = list(guard.boundary_capture.torch_names)
+        names += [f"generator.{n}" for n in guard.generators]
+        sizes = [s.numel() for s in states]
+        blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}) if tensors else b""
+        head = json.dumps({"kind": position["kind"], "names": names, "sizes": sizes}).encode()
+        self.unusable = ""
+        if position["kind"] == "state_dict":
+            self.unusable = (
+                "its loader is restored by its own state_dict(), which the published copy "
+                "does not hold"
+            )
+        elif sum(sizes) > _TORCH_BYTES or 16 + len(head) + len(blob) > _COLD_BYTES:
+            self.unusable = "its RNG states are larger than the published copy's room"
+        if self.unusable:
+            head = json.dumps({"unusable": self.unusable}).encode()
+            blob, sizes = b"", []
+        cold = len(head).to_bytes(8, "little") + head + blob
+        self._map[_COLD_AT : _COLD_AT + len(cold)] = cold
+        self._ints[COLD_LEN] = len(cold)
+        offsets = np.cumsum([0, *sizes])
+        self._views = [
+            torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=_TORCH_AT + int(o))
+            for n, o in zip(sizes, offsets, strict=False)
+        ]
+        if not sizes:  # unusable: the generators are not copied
+            self._views = [torch.empty(s.numel(), dtype=torch.uint8) for s in states]
+
+    def close(self) -> None:
+        """Removed and unmapped: a run that ends leaves nothing in ``/dev/shm``. (A
+        publish running in another thread keeps the mapping until it is done.)"""
+        self._closed = True
+        if self._map is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        self._views = []
+        self._ints = self._floats = self._np = None
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+
+
+@dataclass
+class PeerPart:
+    """A rank's part as its copy holds it (:func:`read_peer`)."""
+
+    rank: int
+    step: int
+    epoch: int
+    position: tuple[int, int]
+    #: python's and numpy's streams, and whether they are the last boundary's.
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...]
+    streams_fresh: bool
+    torch: dict[str, Tensor]
+    tensors: dict[str, Tensor]
+
+
+def read_peer(directory: Path, token: str, rank: int) -> tuple[PeerPart | None, str]:
+    """``rank``'s part from its copy, or ``(None, why not)``: no copy on this host, a
+    copy of another job, torn by a write its rank died in, or one it could not hold."""
+    path = slot_path(directory, token, rank)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None, "its published copy is not on this host"
+    if len(data) != SLOT_BYTES or data[:8] != _MAGIC:
+        return None, "its published copy is not one guardrails wrote"
+    if data[8 : 8 + _TOKEN_BYTES].rstrip(b"\0").decode(errors="replace") != token:
+        return None, "its published copy belongs to another job"
+    ints = np.frombuffer(data, np.int64, _N_INTS, INTS_AT)
+    if ints[BEGIN] != ints[END] or ints[COUNT] != ints[END] or ints[END] <= 0:
+        return None, "its published copy was being written when it died"
+    size = int.from_bytes(data[_COLD_AT : _COLD_AT + 8], "little")
+    head = json.loads(data[_COLD_AT + 8 : _COLD_AT + 8 + size])
+    if "unusable" in head:
+        return None, head["unusable"]
+    if head["kind"] == "fast_forward" and ints[HELD]:
+        # A replayed loader hands them out again; a fast-forwarded one would draw anew.
+        return None, (
+            "it had fetched a batch past its last step boundary (a prefetch), which the "
+            "published copy does not hold"
+        )
+    blob = data[_COLD_AT + 8 + size : _COLD_AT + int(ints[COLD_LEN])]
+    streams: dict[str, Tensor] = {}
+    at = _TORCH_AT
+    for name, n in zip(head["names"], head["sizes"], strict=True):
+        streams[name] = torch.frombuffer(bytearray(data[at : at + n]), dtype=torch.uint8)
+        at += n
+    floats = np.frombuffer(data, np.float64, 2, _FLOATS_AT)
+    py = np.frombuffer(data, np.uint32, _PY_N, _PY_AT)
+    gauss = float(floats[0]) if ints[PY_HAS_GAUSS] else None
+    python = (int(ints[PY_VERSION]), tuple(int(v) for v in py), gauss)
+    keys = np.frombuffer(data, np.uint32, _NP_N, _NP_AT).copy()
+    numpy = ("MT19937", keys, int(ints[NP_POS]), int(ints[NP_HAS_GAUSS]), float(floats[1]))
+    return PeerPart(
+        rank=rank,
+        step=int(ints[STEP]),
+        epoch=int(ints[EPOCH]),
+        position=(int(ints[POS_EPOCH]), int(ints[POS_BATCH])),
+        python=python,
+        numpy=numpy,
+        streams_fresh=bool(ints[RNG_AT] == ints[COUNT]),
+        torch=streams,
+        tensors=load_tensors(blob) if blob else {},
+    ), ""
+
+
+def stage_peer(guard: Guard, peer: PeerPart) -> stage.Part:
+    """The part ``peer``'s rank would have written, staged by this rank: its RNG streams,
+    its data position (this rank's, the job's, with the peer's place in the pass and
+    its pass's RNG states), this rank's components' state at the same step."""
+    position, _ = guard.data_position.save(boundary=(guard.boundary_capture.trained_at, []))
+    position["epoch"], position["batch_in_epoch"] = peer.position
+    tensors = dict(peer.tensors)
+    tensors.update({k: v for k, v in peer.torch.items() if k.startswith("generator.")})
+    rng: dict[str, Any] = {"python": peer.python, "numpy": peer.numpy}
+    rng.update({k: v for k, v in peer.torch.items() if k.startswith("torch.")})
+    components = {c.name: s for c in guard.components if (s := c.state_dict()) is not None}
+    state = {"step": guard.step, "data": position, "components": components}
+    part = stage.stage_rank(peer.rank, state=state, tensors=tensors, rng=rng)
+    part.ready()
+    return part
+
+
+def current_streams() -> dict[str, Any]:
+    """Every RNG stream as it is now, as ``stage.stage_rank``'s ``rng`` takes them: what
+    a failure save after the update writes (``failure.py``)."""
+    streams: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=True),
+        "torch.cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            streams[f"torch.cuda.{i}"] = s
+    return streams

@@ -1,0 +1,182 @@
+"""A dead rank's part of a failure save, written by a live rank from the copy the dead
+rank published at every step boundary (``guards/checkpointer/peer.py``; issue 50: a peer's
+death under DDP must not cost the steps since the last checkpoint). Real jobs (gloo, DDP:
+each rank its own process, or under torchrun ``--nnodes 1``, in the slow tier), a real
+SIGKILL mid-run with periodic saves every 50 steps:
+the survivors' save is whole, ``resume="auto"`` continues from it, redoing no step, and
+every rank ends bitwise the uninterrupted run: weights, optimizer state, RNG streams, and
+the batch of every step trained after the resume."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _ranks import TESTS, run_ranks, torchrun
+from safetensors.torch import load_file
+
+from guardrails.checkpoint.manifest import list_checkpoints, problem
+
+WORKER = TESTS / "failsave_worker.py"
+STEPS, EVERY, AT = 80, 50, 67
+
+
+def args(run_dir: Path, *more: object) -> list[str]:
+    return [str(WORKER), "--run-dir", str(run_dir), "--steps", str(STEPS)] + [str(a) for a in more]
+
+
+def final(run_dir: Path, rank: int) -> dict:
+    return torch.load(run_dir / f"final{rank}.pt", weights_only=False)
+
+
+def assert_same_checkpoint(a: Path, b: Path, world: int) -> None:
+    """Two checkpoints of the same step hold bitwise the same weights and optimizer
+    state, and every rank's RNG streams and data position."""
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        x, y = load_file(a / name), load_file(b / name)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
+    for rank in range(world):
+        x, y = (json.loads((c / f"rank{rank:05d}.json").read_text()) for c in (a, b))
+        assert (x["rng"], x["data"], x["step"]) == (y["rng"], y["data"], y["step"]), rank
+        x, y = (load_file(c / f"rank{rank:05d}.safetensors") for c in (a, b))
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), rank
+
+
+def assert_same_end(run: Path, clean: Path, world: int, *, since: int) -> None:
+    """Every rank of ``run`` ended as ``clean``'s did: torch's and python's RNG streams
+    bitwise, the same batch at every step after ``since`` (the data position each rank
+    resumed at), and the same weights and optimizer state: bitwise with 2 ranks; with 4,
+    within float rounding (a DDP built at the resume all-reduces its first step in
+    buckets laid out in parameter order, the uninterrupted one in the order the
+    gradients came: gloo's ring then sums an element's 4 values in another order. Two
+    uninterrupted 4-rank runs are bitwise equal; the resumed checkpoint is compared
+    bitwise by ``assert_same_checkpoint``)."""
+    for rank in range(world):
+        x, y = final(run, rank), final(clean, rank)
+        assert x["step"] == y["step"] == STEPS
+        same = torch.equal if world == 2 else lambda a, b: torch.allclose(a, b, atol=1e-6)
+        for k in x["model"]:
+            assert same(x["model"][k], y["model"][k]), (rank, k)
+        for i, s in x["opt"]["state"].items():
+            for k, v in s.items():
+                assert same(v, y["opt"]["state"][i][k]), (rank, i, k)
+        assert torch.equal(x["rng"][0], y["rng"][0]) and x["rng"][1] == y["rng"][1], rank
+        assert (x["rng"][2] == y["rng"][2]).all(), rank
+        assert sorted(x["seen"]) == list(range(since + 1, STEPS + 1)), rank
+        assert x["seen"] == {s: y["seen"][s] for s in x["seen"]}, rank
+
+
+def published(out: Path) -> list[Path]:
+    """The copies a job's ranks published (each rank prints its path at start)."""
+    text = "".join(f.read_text() for f in out.glob("*.out"))
+    return [Path(p) for p in re.findall(r"published part at (\S+)", text)]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict[int, Path]:
+    """The uninterrupted runs, 2 and 4 ranks, with a periodic save at step 67."""
+    runs = {}
+    for world in (2, 4):
+        run_dir = tmp_path_factory.mktemp(f"clean{world}")
+        argv = [sys.executable, *args(run_dir, "--every", AT)]
+        ranks = run_ranks(argv, world, out=run_dir / "out", timeout_s=120)
+        assert all(r.code == 0 for r in ranks), [r.out[-2000:] for r in ranks]
+        # A run that ends leaves no copy behind.
+        assert len(published(run_dir / "out")) == world
+        assert not any(p.exists() for p in published(run_dir / "out"))
+        runs[world] = run_dir
+    return runs
+
+
+def job(run_dir: Path, world: int, launcher: str, out: str, *more: object) -> tuple[int, str]:
+    """The worker's ranks, by ``launcher``: each rank its own process with rank 0 hosting
+    the store (``ranks``), or under torchrun, whose agent hosts it: the exit code
+    (rank 0's, or torchrun's) and what they printed."""
+    if launcher == "ranks":
+        argv = [sys.executable, *args(run_dir, *more)]
+        ranks = run_ranks(argv, world, out=run_dir / out, timeout_s=120)
+        return ranks[0].code or max(abs(r.code) for r in ranks), ranks[0].out
+    done = torchrun(args(run_dir, *more), world, out=run_dir / out)
+    return done.code, done.out + (run_dir / out / "rank0.err").read_text()
+
+
+TORCHRUN = pytest.mark.slow(reason="a real torchrun job, twice")
+
+
+@pytest.mark.parametrize(
+    ("launcher", "world", "killed"),
+    [
+        ("ranks", 4, 2),
+        pytest.param("torchrun", 2, 1, marks=TORCHRUN),
+        pytest.param("torchrun", 4, 0, marks=TORCHRUN),
+    ],
+)
+def test_a_killed_rank_costs_no_step(tmp_path, clean, launcher, world, killed):
+    """Rank ``killed`` SIGKILLed in the step after step 67 (the last periodic save: step
+    50): a live rank writes its part from its published copy, and the failure save of
+    step 67 is whole, bitwise the uninterrupted run's save of step 67; the same command
+    again resumes it and redoes no step. Rank 0 killed: torchrun's agent hosts the
+    store, so rank 1, the lowest live rank, commits (with the replicated state, its own
+    copy, and rank 0's part from its published copy). No copy is left behind."""
+    more = ("--fault", "kill", "--at", AT, "--rank", killed, "--every", EVERY)
+    code, out = job(tmp_path, world, launcher, "a", *more, "--hang-timeout-s", 3)
+    assert code != 0
+    found = dict(list_checkpoints(tmp_path / "checkpoints"))
+    assert sorted(found) == [EVERY, AT], out[-4000:]
+    m = json.loads((found[AT] / "manifest.json").read_text())
+    assert m["failure"]["missing"] == [] and m["ranks"] == list(range(world)), m["failure"]
+    # (A survivor whose verdict came after the committer's wait, on a loaded machine, is
+    # written from its copy too.)
+    assert killed in m["failure"]["from_peers"]
+    assert m["failure"].get("committed_by", 0) == (1 if killed == 0 else 0)
+    assert problem(found[AT]) is None
+    assert_same_checkpoint(found[AT], clean[world] / "checkpoints" / f"step_{AT:09d}", world)
+    assert not any(p.exists() for p in published(tmp_path / "a"))
+    code, out = job(tmp_path, world, launcher, "b")
+    assert code == 0, out[-4000:]
+    assert f"resumed from {found[AT]} (step {AT}," in out  # no step redone
+    assert_same_end(tmp_path, clean[world], world, since=AT)
+
+
+def test_a_copy_is_read_only_whole_and_only_by_its_job(tmp_path):
+    """A rank's published copy (one process here: a real guard's boundary) is read back
+    as the part it published; never under another job's token (a stale file a dead
+    earlier job left), never torn (its rank died in the middle of a write: the boundary
+    counts framing it differ), and removed at close."""
+    import guardrails
+    from guardrails.guards.checkpointer import peer
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Dropout(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.randn(32, 8), batch_size=4, shuffle=True)
+    with guardrails.guard(model, opt, loader, run_dir=tmp_path / "run", progress=False) as g:
+        slot = peer.PeerSlot(tmp_path, "job1", 3)
+        for x in g:
+            if g.step == 5:  # at the boundary of step 5 (the checkpointer's hook's place)
+                slot.publish(g)
+                break
+            model(x * random.random()).sum().backward()  # python's stream drawn each step
+            opt.step()
+            opt.zero_grad()
+        got, why = peer.read_peer(tmp_path, "job1", 3)
+        assert got is not None, why
+        assert (got.rank, got.step, got.position) == (3, 5, (0, 5)), got
+        assert torch.equal(got.torch["torch.cpu"], g.boundary_capture.torch[0])
+        assert got.python == g.boundary_capture.python and got.streams_fresh
+        assert set(got.tensors) == {f"epoch_start.{k}" for k in g.data_position.epoch_start}
+    assert peer.read_peer(tmp_path, "job2", 3) == (None, "its published copy is not on this host")
+    stale = peer.slot_path(tmp_path, "job2", 3)
+    stale.write_bytes(slot.path.read_bytes())  # job1's copy under job2's name
+    assert peer.read_peer(tmp_path, "job2", 3)[1] == "its published copy belongs to another job"
+    torn = bytearray(slot.path.read_bytes())
+    begin = peer.INTS_AT + 8 * peer.BEGIN
+    torn[begin : begin + 8] = (got.step + 100).to_bytes(8, "little")
+    slot.path.write_bytes(bytes(torn))
+    assert "being written when it died" in peer.read_peer(tmp_path, "job1", 3)[1]
+    slot.close()
+    assert not slot.path.exists()
