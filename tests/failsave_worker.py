@@ -16,11 +16,14 @@ inside ``optimizer.step()`` for ``instep``):
 forward and the backward), ``instep`` (``optimizer.step()`` updates the first half of
 the parameters, then raises), ``sleep`` (stuck in Python: the watchdog's hang), ``kill``
 (SIGKILL), ``kill_unpublished`` (SIGKILL with its published part removed first, as a
-rank on another host: ``checkpointer/peer.py``), ``start`` (a ValueError before the
-first step). After the update that finished step ``--at`` (the loop's logging, an
-eval): ``after`` (a ValueError), ``sleep_after`` (stuck in Python). ``none``: no fault.
-At the end (a run that finishes) the weights, optimizer state, RNG streams and the
-batches trained since the start (their sums, by step) go to ``DIR/final<rank>.pt``.
+rank on another host: ``checkpointer/peer.py``), ``term_then_kill`` (once the others
+wait for it in the all-reduce: SIGTERM to every other rank, then SIGKILL, the way a
+launcher's teardown can reach the survivors before their collective fails), ``start``
+(a ValueError before the first step). After the update that finished step ``--at``
+(the loop's logging, an eval): ``after`` (a ValueError), ``sleep_after`` (stuck in
+Python). ``none``: no fault. At the end (a run that finishes) the weights, optimizer
+state, RNG streams and the batches trained since the start (their sums, by step) go to
+``DIR/final<rank>.pt``.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def main() -> None:
         data, batch_size=8, shuffle=sampler is None, sampler=sampler
     )
     faulty = args.rank in (-1, rank)
+    (run_dir / f"pid{rank}").write_text(str(os.getpid()))  # for term_then_kill
     seen: dict[int, float] = {}  # the batch each step trained on, by the step it made
     checkpoint = {"failure_save_timeout_s": args.save_timeout_s}
     if args.every:  # written before training goes on: committed before any fault
@@ -154,6 +158,13 @@ def fault(kind: str, opt: torch.optim.Optimizer, g: guardrails.Guard) -> None:
         raise ValueError("boom: a bad batch")
     if kind == "sleep":
         time.sleep(3600)
+    if kind == "term_then_kill":
+        time.sleep(1.0)  # the others are in the step's all-reduce, waiting for this rank
+        for r in range(g.world_size):
+            if r != g.rank:
+                os.kill(int((g.run_dir / f"pid{r}").read_text()), signal.SIGTERM)
+        time.sleep(0.5)  # delivered: each runs its handler when its collective fails
+        kind = "kill"
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "instep":  # torch's pre-hook runs inside step(), inside the guard's wrapper

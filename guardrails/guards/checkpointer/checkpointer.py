@@ -502,24 +502,32 @@ class SignalCheckpointer(Component):
         rank had taken before the signal came (a hang another rank diagnosed, then
         torchrun's SIGTERM once a rank exited) is what happened: the signal only ended
         it; a loader whose worker died of the signal at a step boundary is the stop
-        (:meth:`_stop_at_dead_loader`). Otherwise the signal is what happened: under a
-        launcher's SIGTERM to every rank, a peer that could not save left, and this
-        rank's collective failed for it; a "rank 1 died" report would be a false
-        alarm."""
+        (:meth:`_stop_at_dead_loader`). Otherwise the signal is what happened (a peer
+        left, and this rank's collective failed for it): not a "rank 1 died" alarm."""
         if self.capture.verdict_first(guard) or self._stop_at_dead_loader(guard, signum, exc):
             return
-        name = signal.Signals(signum).name
+        # No boundary a stop saves at came, but the state may be the last finished step's
+        # (the collective failed before the update): the failure save. torchrun SIGTERMs
+        # every rank once one dies: 4 gloo ranks, one SIGKILLed, nothing was saved.
+        failure, saved = self.failure, None
+        if failure is not None and failure.wanted(guard, exc, stop=None, despite_signal=True):
+            with guard.pause_watchdog("checkpoint"):
+                failure.run(guard, exc, from_thread=False)
+            saved = failure.outcome["path"] if failure.outcome["complete"] else None  # type: ignore[index]
+        name, first = signal.Signals(signum).name, (str(exc).splitlines() or [""])[0]
+        ended = f"saved step {guard.step} to {saved} first" if saved else "exited without a"
+        ended += "." if saved else f" checkpoint; {self._last_checkpoint()}."
         guard.replace_error(
             process.stop_exit(
                 128 + signum,
-                f"{name} received at step {guard.step}; before the ranks could "
-                f"agree to stop and save, this rank failed with "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                f" (another rank ending on the same signal): exited without a "
-                f"checkpoint; {self._last_checkpoint()}.",
+                f"{name} received at step {guard.step}; before the ranks could agree to "
+                f"stop and save, this rank failed with {type(exc).__name__}: {first} "
+                f"(another rank ending on the same signal, or a peer's death the launcher "
+                f"answered with it): {ended}",
             )
         )
-        workers.say_nothing_saved(guard, name, exc, latest=self.writer.latest_text())  # type: ignore[union-attr]
+        if saved is None:
+            workers.say_nothing_saved(guard, name, exc, latest=self.writer.latest_text())  # type: ignore[union-attr]
 
     def _close_normally(self, guard: Guard) -> None:
         """The loop ended without an error or a stop: a signal that came after the last

@@ -139,6 +139,7 @@ class FailureSave:
         *,
         stop: int | None,
         from_thread: bool = False,
+        despite_signal: bool = False,
     ) -> bool:
         """Whether ``error`` ending the run calls for a failure save: an ``Exception``
         (not a stop: ``SystemExit``, ``KeyboardInterrupt``; not a save's own
@@ -146,7 +147,8 @@ class FailureSave:
         when a signal ended the run (``stop``: the step a signal's stop was decided at;
         a signal that came after a verdict, torchrun's teardown once the stuck rank
         exited, does not count; nor, ``from_thread``, one before a peer's death verdict
-        while the main thread was stuck)."""
+        while the main thread was stuck; ``despite_signal``: the loop failed after a
+        signal, before any stop was agreed, so no signal's save will come)."""
         if self.outcome is not None or not isinstance(error, Exception) or stop is not None:
             return False
         if isinstance(error, CheckpointError):  # a save failed: another would fail alike
@@ -162,7 +164,12 @@ class FailureSave:
         dead_peer = (
             from_thread and isinstance(error, RankFailedError) and error.failed_rank != self._rank
         )
-        return not self._capture.received or dead_peer or self._capture.verdict_first(guard)
+        return (
+            despite_signal
+            or not self._capture.received
+            or dead_peer
+            or self._capture.verdict_first(guard)
+        )
 
     def run(self, guard: Guard, error: BaseException, *, from_thread: bool) -> None:
         """Save, bounded by ``timeout_s``, then the ``failure_saved`` event. Never raises:
