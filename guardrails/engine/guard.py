@@ -973,8 +973,8 @@ class Guard(StepState):
         ends_run: bool = False,
         **fields: Any,
     ) -> None:
-        """Append an event to ``run_dir/events.jsonl`` (and the logger of the module
-        that calls this: ``guardrails.<part>``). ``step`` defaults to the steps
+        """Append an event to this node's ``run_dir/events.<host>.jsonl`` (and the
+        logger of the module that calls this: ``guardrails.<part>``). ``step`` defaults to the steps
         completed so far. ``ends_run``: the message is the error about to end the run,
         printed whole by its report: the log gets its head line only, and only where
         logging is configured (:meth:`EventLog.emit`)."""

@@ -42,26 +42,28 @@ def join_job(guard: Guard) -> None:
     group. A run_dir another run holds is refused on every rank, before step one."""
     guard.generation = store.next_generation()
     published = store.publish_run_id(guard.generation)  # before the collective
-    refusal = None
+    refusal: rundir.Refusal | None = None
     if guard.rank == 0:  # one holder per job: the other ranks share its run_dir
         guard._run_lock = rundir.RunLock(guard.run_dir)
         refusal = guard._run_lock.acquire(published or "")
         if refusal is not None:
             guard._run_lock = None
-        store.publish_refusal(guard.generation, refusal)  # the others wait for it
+        # Published either way: the others wait for it.
+        store.publish_refusal(guard.generation, None if refusal is None else refusal.encode())
     news_store = store.side_store(guard.generation, "news")
     guard.news = None if news_store is None else store.News(news_store, world=guard.world_size)
     guard.side_group = store.open_side_group()
     guard.run_id = store.read_run_id(guard.generation, published)
     if guard.rank != 0:
-        refusal = store.read_refusal(guard.generation)
+        text = store.read_refusal(guard.generation)
+        refusal = None if text is None else rundir.Refusal.decode(text)
     if refusal is not None:
         # Not a word into the other run's events.jsonl: this run never began.
         events, guard.events = guard.events, None
         events.close()
         if guard.rank == 0:
             store.wait_refusal_read(guard.generation, guard.world_size)
-        raise rundir.refused(refusal, guard.rank)
+        raise refusal.error(guard.rank)
 
 
 def install(guard: Guard) -> None:

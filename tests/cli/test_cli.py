@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import patience
+from conftest import events_path, read_events
 
 import guardrails
 
@@ -436,14 +437,13 @@ def test_report_all_splits_a_one_rank_run_from_the_two_rank_run_after_it(tmp_pat
 
     check(json.loads(cli("report", str(run_dir), "--all", "--json", "--no-png").stdout))
     # Logs written before start events carried the id: the same split, by world size.
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    stripped = [{k: v for k, v in json.loads(ln).items() if k != "run"} for ln in lines]
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in stripped))
+    stripped = [{k: v for k, v in e.items() if k != "run"} for e in read_events(run_dir)]
+    events_path(run_dir).write_text("".join(json.dumps(e) + "\n" for e in stripped))
     check(json.loads(cli("report", str(run_dir), "--all", "--json", "--no-png").stdout))
 
 
 def _events(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    return read_events(run_dir)
 
 
 # ------------------------------------------------------ pre-emption and resume
