@@ -38,6 +38,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from guardrails.util import files
 from guardrails.util.storage import Trouble
 
 logger = logging.getLogger("guardrails.guard")
@@ -69,6 +70,7 @@ class EventLog:
         self._pending: deque[bytes] = deque()
         self.dropped = 0
         self._step = 0  # the last event's, for the record of a gap
+        self._deleted_said = False  # the file was deleted under the run: said once
         self._lock = threading.Lock()
         self._trouble = Trouble(str(self.path), run_dir, logger)
         try:
@@ -133,7 +135,7 @@ class EventLog:
                 self._fd = None
 
     def _open(self) -> int:
-        self.path.parent.mkdir(parents=True, exist_ok=True)  # (once it could not be made)
+        files.make_dirs(self.path.parent)  # (once it could not be made, or was deleted)
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         return os.open(self.path, flags, 0o644)
 
@@ -160,6 +162,8 @@ class EventLog:
             self._trouble.failed(e, f"{len(pending)} event(s) kept in memory{dropped}")
             return
         pending.clear()
+        if not self._deleted_said and os.fstat(self._fd).st_nlink == 0:
+            self._deleted()
         if self._trouble.failing:
             dropped, self.dropped = self.dropped, 0
             self._trouble.recovered(
@@ -171,6 +175,28 @@ class EventLog:
                 gap["message"] = f"{dropped} events were lost: {self.path} could not be written"
                 with contextlib.suppress(OSError):
                     os.write(self._fd, (json.dumps(gap) + "\n").encode())
+
+    def _deleted(self) -> None:
+        """The file was deleted under the run (its run_dir, or a parent, removed while it
+        trains): said once, in the log and in a new file where the run_dir was (made
+        again), so that the events from here on are kept. The run's lock went with the
+        directory: nothing keeps a second run out any more."""
+        self._deleted_said = True
+        message = (
+            f"{self.path} was deleted while the run trains (its run_dir or a directory "
+            "above it was removed): the events before are lost, and the run.lock that "
+            "kept other runs out of this run_dir is gone with it. The run goes on; "
+            "events from here on go to a new file there"
+        )
+        logger.warning("guardrails: %s", message)
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(OSError):
+            if fd is not None:
+                os.close(fd)
+            self._fd = self._open()
+            gap = {"time": time.time(), "rank": self.rank, "step": self._step}
+            gap.update(kind="run_dir_deleted", level="warning", message=message)
+            os.write(self._fd, (json.dumps(gap) + "\n").encode())
 
 
 def events_path(run_dir: Path, host: str | None = None) -> Path:

@@ -360,3 +360,36 @@ def test_a_live_holder_forking_still_holds_the_run_dir(tmp_path):
         assert f"process {os.getpid()} on host" in refusal.message
     finally:
         lock.release()
+
+
+# ------------------------------------------------------------------ a run_dir deleted mid-run
+
+
+def test_a_run_dir_deleted_mid_run_is_said_once_and_its_events_go_on(tmp_path, caplog):
+    # Issue 52: the run trained on while its events and its lock silently vanished.
+    run_dir = tmp_path / "parent" / "run"
+    caplog.set_level("WARNING", logger="guardrails")
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(
+        model, opt, batches(6), run_dir=run_dir, progress=False, checkpoint=False
+    ) as g:
+        for i, (x, y) in enumerate(g):
+            if i == 2:
+                shutil.rmtree(tmp_path / "parent")
+            if i >= 2:
+                g.event("custom", message=f"after the deletion {i}")
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert g.step == 6
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if "was deleted while the run trains" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    assert "run.lock that kept other runs out of this run_dir is gone" in said[0]
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert kinds[0] == "run_dir_deleted" and kinds.count("custom") == 3 and kinds[-1] == "end"
