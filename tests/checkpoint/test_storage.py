@@ -445,6 +445,24 @@ def test_save_checkpoint_without_a_model_is_refused_before_anything_is_written(t
     assert not (tmp_path / "c").exists()
 
 
+def test_saving_a_model_on_the_meta_device_says_to_materialize_it_first(tmp_path):
+    # Issue 52: g.save_checkpoint() gave torch's NotImplementedError ("Cannot copy out
+    # of meta tensor") from deep in the staging.
+    model = Regressor()
+    model.register_buffer("table", torch.empty(4, device="meta"))  # never materialized
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path / "run", progress=False) as g:
+        with pytest.raises(guardrails.CheckpointError) as caught:
+            g.save_checkpoint()  # before the first step: the loop never reads it
+        assert "1 tensor(s) on the meta device (table)" in str(caught.value)
+        assert "model.to_empty(device=...)" in caught.value.hint
+    with torch.device("meta"):
+        empty = Regressor()
+    with pytest.raises(guardrails.CheckpointError, match="on the meta device"):
+        guardrails.save_checkpoint(tmp_path / "c", 1, model=empty, optimizer=None)
+    assert not list((tmp_path / "c").glob("step_*"))
+
+
 def test_a_checkpoint_without_model_state_is_a_resume_error(tmp_path):
     # One written before save_checkpoint(model=None) was refused: its manifest lists
     # no model file.
