@@ -92,3 +92,36 @@ def test_a_state_of_another_kind_than_the_live_optimizers_is_refused_at_resume(t
         guardrails.resume(ckpt, model, opt)
     assert "state.0.exp_avg_sq" in str(caught.value)
     assert "MyAdam keeps 'exp_avg_sq' as torch.float32" in str(caught.value)
+
+
+def test_report_marks_the_checkpoints_resume_would_refuse(tmp_path):
+    # Issue 52: report listed checkpoints that resume would refuse, unmarked.
+    run_dir = tmp_path / "run"
+    ckpt, _, _ = _saved(run_dir)
+    _retype(ckpt, "optimizer.safetensors", "0.exp_avg", "I32")
+
+    def report() -> tuple[dict, str]:
+        got = subprocess.run(
+            [sys.executable, "-m", "guardrails", "report", str(run_dir), "--no-png"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert got.returncode == 0, got.stderr
+        facts = subprocess.run(
+            [sys.executable, "-m", "guardrails", "report", str(run_dir), "--json", "--no-png"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        (row,) = json.loads(facts.stdout)["checkpoints"]
+        return row, got.stdout
+
+    row, text = report()
+    assert 'state["0"].exp_avg is a tensor of I32' in row["refused"], row
+    assert f"step 3: resume would refuse it: {ckpt}/optimizer.json is corrupt" in text, text
+    # A link in its place: refused too, as resume skips it.
+    ckpt.rename(tmp_path / "elsewhere")
+    ckpt.symlink_to(tmp_path / "elsewhere")
+    row, _ = report()
+    assert f"{ckpt} is a link" in row["refused"], row
