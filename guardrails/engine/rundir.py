@@ -153,6 +153,21 @@ def _why(run_dir: Path, code: int | None) -> str:
     return os.strerror(code) if code else "it is not a usable directory"
 
 
+def inside(directory: Path, run_dir: Path) -> bool:
+    """Whether ``directory`` is ``run_dir`` or below it (``run_dir``'s lock covers it)."""
+    return Path(os.path.realpath(directory)).is_relative_to(os.path.realpath(run_dir))
+
+
+def prepare(directory: Path) -> bool:
+    """``mkdir -p directory`` for its lock; ``False`` when it cannot be made (its
+    writer's own errors say why, at its first write)."""
+    try:
+        files.make_dirs(directory)
+    except OSError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why rank 0 will not start in a directory: the :class:`LaunchError` every rank

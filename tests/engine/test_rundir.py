@@ -134,14 +134,16 @@ import torch, guardrails
 from conftest import Regressor, batches
 model = Regressor(); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 with guardrails.guard(model, opt, batches(2), run_dir={run_dir!r}, progress=False,
-                      checkpoint=False) as g:
+                      checkpoint={checkpoint!r}) as g:
     print("holding", flush=True)
     time.sleep(600)
 """
 
 
-def _hold(run_dir: Path) -> subprocess.Popen:
-    script = _HOLDER.format(root=str(ROOT), tests=str(ROOT / "tests"), run_dir=str(run_dir))
+def _hold(run_dir: Path, checkpoint: dict | bool = False) -> subprocess.Popen:
+    script = _HOLDER.format(
+        root=str(ROOT), tests=str(ROOT / "tests"), run_dir=str(run_dir), checkpoint=checkpoint
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -214,6 +216,33 @@ def test_a_second_run_on_a_held_run_dir_is_refused_and_a_killed_holder_leaves_no
     # ...and released its own at close: one more run in the same process starts too.
     assert _guarded(run_dir, n=1).step == 1
     assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == os.getpid()
+
+
+@pytest.mark.slow(reason="a holding process, a second run refused, a SIGKILL, then a run")
+def test_two_runs_sharing_a_checkpoint_directory_are_refused(tmp_path):
+    # Issue 52: two run_dirs with one checkpoint={"directory": ...} both trained, left
+    # broken step_* directories, and the next resume continued whichever saved last.
+    shared = tmp_path / "shared_ckpts"
+    holder = _hold(tmp_path / "a", {"directory": str(shared)})
+    try:
+        with pytest.raises(guardrails.LaunchError) as caught:
+            _guarded(tmp_path / "b", checkpoint={"directory": str(shared)})
+        err = caught.value
+        assert err.check == "run_dir_in_use"
+        assert f"checkpoint directory {str(shared)!r} is in use by another run" in str(err)
+        assert f"process {holder.pid} on host" in str(err)
+        assert "another checkpoint directory" in err.hint
+        assert not list(shared.glob("step_*"))  # the refused run saved nothing
+        # ...and it left run_dir b free: its own lock was released with the refusal.
+        assert _guarded(tmp_path / "b", n=1).step == 1
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    g = _guarded(tmp_path / "b", n=2, checkpoint={"directory": str(shared), "every_n_steps": 2})
+    assert g.step == 2 and list(shared.glob("step_*"))
+    # A checkpoint directory inside run_dir is run_dir's lock's: no second lock file.
+    _guarded(tmp_path / "c", n=1, checkpoint={"directory": str(tmp_path / "c" / "ck")})
+    assert not (tmp_path / "c" / "ck" / LOCK_NAME).exists()
 
 
 def test_the_ranks_of_one_job_share_its_run_dir_and_sequential_runs_take_turns(tmp_path):
