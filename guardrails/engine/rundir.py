@@ -331,6 +331,7 @@ class RunLock:
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "run": run_id,
             "command": " ".join(sys.argv)[:500],
+            "pid_namespace": _pid_namespace(),
         }
         with contextlib.suppress(OSError):  # a full disk: held all the same, unnamed
             os.ftruncate(fd, 0)
@@ -351,10 +352,22 @@ class RunLock:
 os.register_at_fork(after_in_child=RunLock._close_in_child)
 
 
+def _pid_namespace() -> int | None:
+    """This process's pid namespace (Linux): two containers with one host name count
+    their pids apart, so a pid is only looked up in the namespace that recorded it."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def _dead_here(holder: dict[str, Any]) -> bool:
-    """Whether the recorded holder is a process of this host that no longer exists."""
+    """Whether the recorded holder is a process of this host (and pid namespace) that
+    no longer exists."""
     pid = holder.get("pid")
     if not isinstance(pid, int) or pid <= 0 or holder.get("host") != socket.gethostname():
+        return False
+    if holder.get("pid_namespace") != _pid_namespace():
         return False
     try:
         os.kill(pid, 0)
