@@ -303,6 +303,21 @@ def test_the_lock_is_never_opened_through_a_link_placed_after_the_check(tmp_path
     assert target.read_text() == "keep me\n"
 
 
+def test_files_guardrails_creates_are_never_written_through_a_link(tmp_path):
+    # Checkpoint files, last_failure.json, the write probe: util/files.open_new.
+    import errno
+
+    from guardrails.util import files
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (tmp_path / "made.json").symlink_to(target)
+    with pytest.raises(OSError) as caught:
+        files.write_text(tmp_path / "made.json", "{}")
+    assert caught.value.errno == errno.ELOOP
+    assert target.read_text() == "keep me\n"
+
+
 # ------------------------------------------------------------------ forks and dead holders
 
 _FORKING_HOLDER = """
