@@ -122,7 +122,9 @@ def run_variant(
     code = proc.wait()
     t_exit = time.perf_counter()
     wall_exit = time.time()
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    from guardrails.metrics.events import read_events
+
+    events = read_events(run_dir)
     saves = [e for e in events if e["kind"] == "checkpoint"]
     for e in saves:  # each save's own figures, periodic ones too
         print(

@@ -73,7 +73,9 @@ def main() -> int:
             opt.zero_grad(set_to_none=True)
             if a.item:
                 loss.item()  # the sync the sampling should report
-    events = [json.loads(line) for line in (a.out / "events.jsonl").read_text().splitlines()]
+    from guardrails.metrics.events import read_events
+
+    events = read_events(a.out)
     hand = 6 * b * t * (12 * layers * d * d + d * vocab) + 14 * layers * b * t * t * d
     counted = next((e for e in events if e["kind"] == "flops"), {})
     print(f"device {torch.cuda.get_device_name() if fused else 'cpu'}, torch {torch.__version__}")

@@ -227,8 +227,9 @@ def one_run(args, device, model, step_model, opt, data, variant: str) -> float:
             per_step = loop(g, g)
             KERNEL_NORM_STEPS[variant] = KERNEL_NORM_STEPS.get(variant, 0) + g._norm.kernel_steps
         gradnorm.USE_KERNEL = True
-        for line in (Path(d) / "events.jsonl").read_text().splitlines():
-            event = json.loads(line)
+        from guardrails.metrics.events import read_events
+
+        for event in read_events(Path(d)):
             if event["kind"] == "grad_norm_graph":  # replays/eager/captures of this run
                 GRAPH_RUNS.append({k: event[k] for k in ("replays", "eager", "captures")})
             if event["kind"] == "grad_norm_shared":  # the norm came from a clip / buckets

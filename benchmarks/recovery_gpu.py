@@ -147,7 +147,9 @@ def main() -> None:
     shutil.rmtree(a.run_dir, ignore_errors=True)
     first = attempt(a, hang=True)
     second = attempt(a, hang=False)
-    events = [json.loads(x) for x in (a.run_dir / "events.jsonl").read_text().splitlines()]
+    from guardrails.metrics.events import read_events
+
+    events = read_events(a.run_dir)
     hangs = [e for e in events if e["kind"] == "hang"]
     fault = first["marks"].get("fault", {}).get(1, {}).get("t")
     seen = min((e["time"] for e in hangs), default=None)

@@ -108,7 +108,7 @@ def main() -> None:
     run_dir = tmp / "deliver"
     run_dir.mkdir()
     log = EventLog(run_dir, rank=0)
-    tail = EventTail(run_dir / "events.jsonl", 0)
+    tail = EventTail(log.path, 0)
     runner = SinkRunner([lambda rows: None], run_dir)
     part = table.slice(0, 50)
     times = []

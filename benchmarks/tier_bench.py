@@ -94,7 +94,9 @@ def one_run(args, local: Path | None, *, sigterm: bool) -> dict[str, float]:
                 os.kill(os.getpid(), signal.SIGTERM)
         ended = time.perf_counter()
         ck = g.component("checkpoint")
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    from guardrails.metrics.events import read_events
+
+    events = read_events(run_dir)
     drained = [e["seconds"] for e in events if e["kind"] == "checkpoint_drained"]
     only_local = [e for e in events if e["kind"] == "checkpoint_local_only"]
     out = {

@@ -21,7 +21,7 @@ and ``python -m guardrails report`` / ``inspect`` / ``--help`` start without it.
 Logging: the library installs no handler. Each part logs to its own child of the
 ``guardrails`` logger, so one part can be quieted or raised without the others
 (``logging.getLogger("guardrails.watchdog").setLevel(logging.ERROR)``); a part's events
-(``run_dir/events.jsonl``) are logged to its logger too, and stay in the file whatever
+(``run_dir/events.<host>.jsonl``) are logged to its logger too, and stay in the file whatever
 the level:
 
     ==========================  ====================================================

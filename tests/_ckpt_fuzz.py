@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from conftest import Regressor
+from conftest import Regressor, read_events
 
 import guardrails
 from guardrails.checkpoint.manifest import _self_hash
@@ -1208,7 +1208,7 @@ def way_guard(
     if got != wanted:
         problems.append(f"guard: resumed {got} (step {start}), expected {wanted}")
     if got == "previous" and case.warns:
-        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+        events = read_events(run_dir)
         skips = [e for e in events if e.get("kind") == "checkpoint_invalid"]
         text = " ".join(e.get("message", "") for e in skips)
         if not skips or NEWEST_DIR not in text:

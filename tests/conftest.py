@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ import torch
 from _ranks import cpu_now, free_port, patience, run_script, spawn  # noqa: F401  (tests import them)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from guardrails.metrics import events as events_file
 
 # The tests live in folders that mirror the package (tests/engine, tests/guards...), and
 # a few share a helper by module name (test_storage runs test_nan's poisoned loop): every
@@ -108,7 +109,14 @@ def run_worker(worker: Path, run_dir: Path, out: Path, *args: object):
 
 
 def read_events(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "events.jsonl").read_text().splitlines()]
+    """Every event of ``run_dir``, its nodes' files merged by time: the one place the
+    tests read events (the files' names are guardrails' business)."""
+    return events_file.read_events(Path(run_dir))
+
+
+def events_path(run_dir) -> Path:
+    """The events file this host's ranks write (a test that tears or edits it)."""
+    return events_file.events_path(Path(run_dir))
 
 
 def assert_state_equal(a, b, path="state") -> None:

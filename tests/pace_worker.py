@@ -12,7 +12,7 @@ a checkpoint every 50, batches of varying size; with several ranks, the loss
 all-reduced every step for logging and the step paced by a sleep), ``comms`` (a model
 with 32 MiB of gradients and almost no compute: the all-reduce is the step), ``slower``
 (every rank's loop sleeps 100 ms between steps: all slow, no straggler). The run's
-events go to ``DIR/events.jsonl``; each rank writes its Pace component's ``reported``
+events go to ``DIR/events.<host>.jsonl``; each rank writes its Pace component's ``reported``
 and its windows to ``DIR/pace<rank>.json``.
 """
 

@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import Regressor, batches
 
 import guardrails
+from guardrails.metrics import events as events_file
 
 
 class Disk:
@@ -75,7 +76,7 @@ class Disk:
         elif self.how == "ro":
             for d in self._read_only():
                 # A remount read-only is refused while a file is open for writing
-                # (events.jsonl is); a read-only bind mount of a directory is not.
+                # (the events file is); a read-only bind mount of a directory is not.
                 _mount("--bind", d, d)
                 _mount("-o", "remount,bind,ro", d)
 
@@ -92,7 +93,7 @@ class Disk:
     def _read_only(self) -> list[Path]:
         """Before the guard: all of RUN_DIR (then nothing under it can be created);
         during the run: the checkpoints and the metrics."""
-        if not (self.run_dir / "events.jsonl").exists():
+        if not events_file.event_files(self.run_dir):
             return [self.run_dir]
         return [self.run_dir / "checkpoints", self.run_dir / "metrics.parquet"]
 
@@ -118,10 +119,7 @@ def summary(run_dir: Path, g: guardrails.Guard | None, error: BaseException | No
     parts = sorted(metrics.glob("*.parquet")) if metrics.is_dir() else []
     out["metric_steps"] = sorted(pq.read_table(parts).column("step").to_pylist()) if parts else []
     out["metric_leftovers"] = sorted(p.name for p in metrics.glob(".*")) if parts else []
-    events = run_dir / "events.jsonl"
-    out["events"] = (
-        [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
-    )
+    out["events"] = events_file.read_events(run_dir)
     if out["committed"]:
         torch.manual_seed(1)
         try:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import json
 import os
 import pickle
 import re
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _ranks import patience
+from conftest import read_events
 
 import guardrails
 
@@ -238,7 +238,7 @@ def test_each_part_logs_to_its_own_logger_so_one_can_be_quieted(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr
         seen[quiet] = (nan_says in proc.stderr, ckpt_says in proc.stderr)
-        kinds = {json.loads(ln)["kind"] for ln in (run_dir / "events.jsonl").open()}
+        kinds = {e["kind"] for e in read_events(run_dir)}
         assert {"nonfinite", "checkpoint_slow"} <= kinds  # the file keeps both
         named, bad = proc.stdout.strip().rsplit("] ", 1)
         assert bad == "[]", proc.stdout

@@ -116,8 +116,9 @@ def train(tree: Path, work: Path, name: str, gr: Path, guarded: bool, nan_at: in
         import guardrails
 
         rows = guardrails.read_metrics(work / name).to_pydict()
-        lines = (work / name / "events.jsonl").read_text().splitlines()
-        events = [json.loads(line) for line in lines]
+        from guardrails.metrics.events import read_events
+
+        events = read_events(work / name)
         run["steps"] = len(rows["step"])
         run["skipped"] = [s for s, k in zip(rows["step"], rows["skipped"], strict=True) if k]
         run["finite_norms"] = sum(1 for v in rows["grad_norm"] if v == v and v != float("inf"))

@@ -122,8 +122,10 @@ def write_files(
                 for path, buffers in files:
                     views = [memoryview(b).cast("B") for b in buffers]
                     size = sum(v.nbytes for v in views)
-                    # 0o644, not 0o666: never group/other-writable, even under umask 000.
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    # 0o644, not 0o666: never group/other-writable, even under umask 000;
+                    # never through a link planted in its place (issue 52).
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                    fd = os.open(path, flags, 0o644)
                     fds.append(fd)
                     if size:  # the file's length first: the pieces land anywhere in it
                         os.ftruncate(fd, size)

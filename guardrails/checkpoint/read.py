@@ -306,6 +306,20 @@ def _check_optimizer_state(
         if not isinstance(st, Mapping):
             raise reader.bad(name, f"state.{idx}", f"is {_show(st)}, not an object")
         for k, v in st.items():
+            was = live.get(k)
+            # Issue 52: an F32 state saved as I32 (the manifest re-hashed) loaded.
+            if (
+                isinstance(v, Tensor)
+                and isinstance(was, Tensor)
+                and k != "step"
+                and _kind(v.dtype) != _kind(was.dtype)
+            ):
+                raise reader.bad(
+                    name,
+                    f"state.{idx}.{k}",
+                    f"is a {v.dtype} tensor, where this run's "
+                    f"{type(per_rank(optimizer)).__name__} keeps {k!r} as {was.dtype}",
+                )
             # `step` is a number in older torch and in capturable=False loads: fine.
             if k in tensor_keys and k != "step" and not isinstance(v, Tensor) and v is not None:
                 raise reader.bad(

@@ -609,6 +609,14 @@ def said_skipped(skipped: list[tuple[str, str]], root: Path) -> list[tuple[str |
     ]
 
 
+def problem(ckpt: Path) -> str | None:
+    """Why ``ckpt``, found under a checkpoint root, would be skipped by a resume (a
+    link, a byte that does not hash, a file's content), or ``None``: the one check
+    every reader applies (resume, rewind's fallback, ``inspect``, ``report``)."""
+    found = _problem(ckpt, entry=True)
+    return None if found is None else found[1]
+
+
 def pick(
     path: Path, prepare: Any = None, *, local: Path | None = None
 ) -> tuple[Path, Any, list[tuple[str, str]]]:

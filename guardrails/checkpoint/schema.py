@@ -193,22 +193,37 @@ def check_optimizer_state(
                 ok = v is None or (not isinstance(v, bool) and isinstance(v, (int, float)))
                 if not (ok or (isinstance(v, dict) and set(v) == {"__tensor__"})):
                     raise Bad(f"{field}.{name}", f"is {_show(v)}, not a tensor or a number")
-                if (
-                    name in ELEMENTWISE_STATE
-                    and isinstance(v, dict)
-                    and shapes is not None
-                    and header is not None
-                    and v["__tensor__"] in header
-                ):
-                    saved = list(header[v["__tensor__"]]["shape"])
-                    want = list(shapes[position[int(key)]])
-                    if saved != want:
-                        raise Bad(
-                            f"{field}.{name}",
-                            f"has shape {saved}, but its parameter was saved with {want}",
-                        )
+                if name in ELEMENTWISE_STATE and isinstance(v, dict) and header is not None:
+                    want = None if shapes is None else list(shapes[position[int(key)]])
+                    _check_elementwise(f"{field}.{name}", v["__tensor__"], header, want)
     _refs_held(doc, header, "the .safetensors file")
 
+
+def _check_elementwise(
+    field: str, ref: Any, header: Mapping[str, Any], want: list[Any] | None
+) -> None:
+    """An elementwise state tensor (``exp_avg``...) in the header: a float, of its
+    parameter's saved shape ``want`` (where saved)."""
+    entry = header.get(ref) if isinstance(ref, str) else None
+    if not isinstance(entry, Mapping):
+        return  # said by _refs_held
+    dtype = str(entry.get("dtype"))
+    # Issue 52: an F32 state rewritten as I32 (same bytes, manifest re-hashed) loaded;
+    # a moment of a float parameter is never an integer.
+    if not dtype.startswith(_FLOAT_DTYPES):
+        raise Bad(
+            field,
+            f"is a tensor of {dtype}, where the optimizer keeps a float per element of its "
+            "parameter",
+        )
+    if want is not None and list(entry.get("shape", [])) != want:
+        raise Bad(
+            field, f"has shape {list(entry['shape'])}, but its parameter was saved with {want}"
+        )
+
+
+#: safetensors' float and complex dtypes (F16, BF16, F32, F64, F8_*, C64).
+_FLOAT_DTYPES = ("F", "BF", "C")
 
 #: The number-valued settings of the plain torch.optim classes' param groups.
 _PLAIN_NUMBERS = frozenset(

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from guardrails._errors import CheckpointError
 from guardrails.checkpoint import digest
 from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.common import (
@@ -522,6 +523,22 @@ def stage_optimizer(
     part.add_json(f"{stem}.json", doc)
 
 
+def _refuse_meta(model: nn.Module) -> None:
+    """A model with tensors on the meta device has no values to save: torch's copy
+    raised ``NotImplementedError`` ("Cannot copy out of meta tensor") from deep in the
+    staging (issue 52). Said before anything is written, with the fix."""
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        raise CheckpointError(
+            f"the model has {len(meta)} tensor(s) on the meta device ({shown}): they hold "
+            "no values, so there is nothing to save; nothing was written",
+            hint="materialize the model first: model.to_empty(device=...) allocates every "
+            "tensor, then load its weights (model.load_state_dict(...), or "
+            "guardrails.resume) before training and saving",
+        )
+
+
 def stage_replicated(
     *,
     model: nn.Module | None,
@@ -548,6 +565,7 @@ def stage_replicated(
         "extras.json", encode(dict(extras or {}), extras_name, extras_tensors, devices=True)
     )
     if model is not None:
+        _refuse_meta(model)
         part.add_tensors("model.safetensors", model.state_dict(), copy=copy)
     optimizers = dict(optimizers or {})
     names = param_names(model) if optimizers else {}

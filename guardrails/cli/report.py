@@ -36,7 +36,7 @@ from guardrails.cli.report_runs import _metrics_keys, gather, logger, read_event
 from guardrails.cli.report_story import story
 from guardrails.cli.report_summary import summarize
 from guardrails.cli.top import render, snapshot
-from guardrails.metrics.events import EVENTS_FILE, json_safe
+from guardrails.metrics.events import EVENTS_GLOB, json_safe
 from guardrails.metrics.file import METRICS_DIR
 
 
@@ -65,8 +65,8 @@ def main(args: argparse.Namespace) -> int:
     keys, why = _metrics_keys(run_dir)
     if not events and not keys:
         print(
-            f"guardrails report: nothing to report in {run_dir}: no {EVENTS_FILE} and "
-            f"{why}. Pass the run_dir given to guardrails.guard(run_dir=...)."
+            f"guardrails report: nothing to report in {run_dir}: no events file "
+            f"({EVENTS_GLOB}) and {why}. Pass the run_dir given to guardrails.guard(run_dir=...)."
         )
         return 2
     runs = split_runs(events, keys)

@@ -8,7 +8,6 @@ rank, sharing the run's id) and the ``started_at`` column. Torch-free.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable
@@ -25,27 +24,18 @@ from guardrails.cli.report_stats import (
     scan_keys,
     stream,
 )
-from guardrails.metrics.events import EVENTS_FILE
+from guardrails.metrics import events as events_file
 from guardrails.metrics.file import METRICS_DIR
 
 logger = logging.getLogger("guardrails.report")
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    """Every event in ``run_dir/events.jsonl``; a torn last line (a crash mid-write on a
-    filesystem without atomic appends) is skipped, with a log line."""
-    path = run_dir / EVENTS_FILE
-    if not path.exists():
-        return []
-    events = []
-    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            logger.warning("guardrails report: %s line %d is not JSON; skipped", path, n)
-    return events
+    """Every event of ``run_dir``: each node's ``events.<host>.jsonl`` (and the one
+    ``events.jsonl`` of a run_dir from before them), merged ordered by time; a torn line
+    (a crash mid-write on a filesystem without atomic appends) is skipped, with a log
+    line. The live view reads through this too."""
+    return events_file.read_events(run_dir)
 
 
 def _metrics_keys(run_dir: Path) -> tuple[dict[Key, KeyInfo], str | None]:

@@ -193,6 +193,9 @@ def _trouble_lines(s: dict[str, Any]) -> list[str]:
     if s["checkpoints"]:
         c = s["checkpoints"]
         lines.append(f"  checkpoints  {len(c)}: steps {shorten([x['step'] for x in c], 12)}")
+        for x in c:
+            if x.get("refused"):  # listed as saved, yet a resume would pass it over
+                lines.append(f"    step {x['step']}: resume would refuse it: {x['refused']}")
     if s["other_events"]:
         lines.append(
             "  other events " + ", ".join(f"{k} x{n}" for k, n in s["other_events"].items())

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import re
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guardrails.checkpoint import manifest
 from guardrails.cli.report_runs import Run, _same_path, _source
 
 if TYPE_CHECKING:
@@ -227,9 +229,31 @@ def _checkpoints(by_kind: dict[str, list[dict[str, Any]]], run_dir: Path) -> lis
                 if not _is_warning(e):  # an invalid or skipped one is a warning, not a save
                     saved.setdefault((int(e["step"]), k), e)
     return [
-        {"step": e["step"], "kind": e["kind"], "path": _rel(e.get("path"), run_dir)}
+        {
+            "step": e["step"],
+            "kind": e["kind"],
+            "path": _rel(e.get("path"), run_dir),
+            "refused": _refused(e.get("path")),
+        }
         for _, e in sorted(saved.items(), key=lambda kv: kv[0])
     ]
+
+
+def _refused(path: str | None) -> str | None:
+    """Why a resume would refuse the checkpoint at ``path`` (a link, a file missing or
+    of another size, a field it cannot load: the checks resume applies, all but the
+    bytes' sha256, which ``inspect`` hashes), or ``None``: it would be taken, or it is
+    gone (retention deletes the older ones)."""
+    if not path or not os.path.lexists(path):
+        return None
+    ckpt = Path(path)
+    try:
+        found = manifest.problem(ckpt, entry=True, hash_bytes=False)
+    except manifest.ManifestError as e:  # a newer format: resume stops there
+        return f"{e.message}: {e.hint}"
+    except OSError as e:
+        return f"{ckpt} cannot be read: {e}"
+    return None if found is None else found[1]
 
 
 def _ended(

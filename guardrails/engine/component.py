@@ -59,6 +59,8 @@ the guard is built):
   other rank to wait for or compare with).
 * ``state_dict()`` / ``load_state_dict()``: what it keeps across a resume (statistics,
   counters), saved in every checkpoint under its ``name``; ``None``: nothing.
+* ``writes_into()``: directories outside ``run_dir`` it writes into, locked like
+  ``run_dir`` for the guard's life (two runs sharing a checkpoint directory).
 
 A component never writes the guard's state: it reads ``guard.step``, ``guard.phase``
 and the rest (``engine/state.py`` declares them, each with its one writer) and asks the
@@ -160,6 +162,13 @@ class Component:
     def save(self, guard: Guard) -> Path:
         """With ``saves_checkpoints``: save a checkpoint now; returns its directory."""
         raise NotImplementedError(f"{type(self).__name__} does not save checkpoints")
+
+    def writes_into(self) -> dict[str, Path]:
+        """Directories outside ``run_dir`` it writes into, by the user's name for each
+        (``{"checkpoint directory": ...}``): rank 0 holds each with run_dir's lock
+        (``engine/rundir.py``), so two runs sharing one are refused at start. Called
+        before ``on_start``."""
+        return {}
 
 
 def overrides(component: Component, hook: str) -> bool:

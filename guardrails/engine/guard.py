@@ -310,8 +310,9 @@ class Guard(StepState):
         self.world_size = 1
         self.events: EventLog | None = None
         self._state = "new"  # new -> started -> closed
-        # Held by rank 0 from start to close: one run per run_dir (rundir.py).
-        self._run_lock: rundir.RunLock | None = None
+        # Held by rank 0 from start to close: one run per run_dir, and per directory
+        # outside it a component writes into (rundir.py).
+        self._run_locks: list[rundir.RunLock] = []
         self._handles: list[Any] = []
         self._dispatch: dict[str, list[Callable[..., Any]]] = {h: [] for h in HOOKS}
         # The per-step hooks this step runs: the same table as _dispatch, except on the
@@ -415,9 +416,9 @@ class Guard(StepState):
         try:
             lifecycle.close(self, exc)
         finally:
-            if self._run_lock is not None:  # after the last save: the run_dir is free
-                self._run_lock.release()
-                self._run_lock = None
+            locks, self._run_locks = self._run_locks, []
+            for held in locks:  # after the last save: the run_dir is free
+                held.release()
             if failing and not process.recording:  # else @record releases, after its report
                 # A SIGTERM that came meanwhile is dropped, not raised again: the error
                 # is on its way out to the loop's code (its handler, then the process's
@@ -973,8 +974,8 @@ class Guard(StepState):
         ends_run: bool = False,
         **fields: Any,
     ) -> None:
-        """Append an event to ``run_dir/events.jsonl`` (and the logger of the module
-        that calls this: ``guardrails.<part>``). ``step`` defaults to the steps
+        """Append an event to this node's ``run_dir/events.<host>.jsonl`` (and the
+        logger of the module that calls this: ``guardrails.<part>``). ``step`` defaults to the steps
         completed so far. ``ends_run``: the message is the error about to end the run,
         printed whole by its report: the log gets its head line only, and only where
         logging is configured (:meth:`EventLog.emit`)."""

@@ -42,26 +42,48 @@ def join_job(guard: Guard) -> None:
     group. A run_dir another run holds is refused on every rank, before step one."""
     guard.generation = store.next_generation()
     published = store.publish_run_id(guard.generation)  # before the collective
-    refusal = None
+    refusal: rundir.Refusal | None = None
     if guard.rank == 0:  # one holder per job: the other ranks share its run_dir
-        guard._run_lock = rundir.RunLock(guard.run_dir)
-        refusal = guard._run_lock.acquire(published or "")
-        if refusal is not None:
-            guard._run_lock = None
-        store.publish_refusal(guard.generation, refusal)  # the others wait for it
+        refusal = _hold_directories(guard, published or "")
+        # Published either way: the others wait for it.
+        store.publish_refusal(guard.generation, None if refusal is None else refusal.encode())
     news_store = store.side_store(guard.generation, "news")
     guard.news = None if news_store is None else store.News(news_store, world=guard.world_size)
     guard.side_group = store.open_side_group()
     guard.run_id = store.read_run_id(guard.generation, published)
     if guard.rank != 0:
-        refusal = store.read_refusal(guard.generation)
+        text = store.read_refusal(guard.generation)
+        refusal = None if text is None else rundir.Refusal.decode(text)
     if refusal is not None:
         # Not a word into the other run's events.jsonl: this run never began.
         events, guard.events = guard.events, None
         events.close()
         if guard.rank == 0:
             store.wait_refusal_read(guard.generation, guard.world_size)
-        raise rundir.refused(refusal, guard.rank)
+        raise refusal.error(guard.rank)
+
+
+def _hold_directories(guard: Guard, run_id: str) -> rundir.Refusal | None:
+    """Rank 0's locks: run_dir's, then each directory outside it a component writes
+    into (``Component.writes_into``: a checkpoint directory of its own); the first
+    refusal, with the locks taken before it released."""
+    wanted = {"run_dir": guard.run_dir}
+    for c in guard.components:
+        for knob, directory in c.writes_into().items():
+            if not rundir.inside(directory, guard.run_dir):
+                wanted.setdefault(knob, directory)
+    for knob, directory in wanted.items():
+        if not rundir.prepare(directory):
+            continue  # it cannot be made: its writer says so at its first write
+        lock = rundir.RunLock(directory, knob=knob)
+        refusal = lock.acquire(run_id)
+        if refusal is not None:
+            for held in guard._run_locks:
+                held.release()
+            guard._run_locks = []
+            return refusal
+        guard._run_locks.append(lock)
+    return None
 
 
 def install(guard: Guard) -> None:

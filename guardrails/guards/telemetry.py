@@ -59,7 +59,7 @@ from guardrails.engine.component import Component
 from guardrails.engine.config import configure
 from guardrails.engine.lagged import Copy
 from guardrails.metrics.compact import Compactor
-from guardrails.metrics.events import EVENTS_FILE
+from guardrails.metrics.events import events_path
 from guardrails.metrics.file import METRICS_DIR, SCHEMA
 from guardrails.metrics.sinks import (
     ABORT_WAIT_S,
@@ -245,7 +245,7 @@ class Telemetry(Component):
         self._want_bar = bool(show) and guard.rank == 0
         self._bar_epoch: int | None = None  # the pass the bar's total was computed for
         if self.sinks and guard.rank == 0:
-            self._tail = EventTail(guard.run_dir / EVENTS_FILE, guard.rank)
+            self._tail = EventTail(events_path(guard.run_dir), guard.rank)
             self._sinks = SinkRunner(build(self.sinks), guard.run_dir)
 
     def after_step(self, guard: Guard) -> None:

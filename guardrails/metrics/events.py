@@ -1,10 +1,16 @@
-"""The events log: one JSON object per line in ``run_dir/events.jsonl``.
+"""The events log: one JSON object per line, one file per node:
+``run_dir/events.<host>.jsonl``.
 
 Events are rare (start, end, warnings, skips, saves), so each is written at once with
 a single ``os.write`` on an ``O_APPEND`` descriptor: a crash loses nothing already
-logged, and lines from several ranks sharing the file do not interleave (appends of
-one small buffer are atomic on local filesystems; on NFS, give each run its own dir).
-Read it with ``pandas.read_json(path, lines=True)`` or ``pyarrow.json.read_json``.
+logged, and lines from the ranks of one node sharing their file do not interleave
+(appends of one small buffer are atomic on a local filesystem, and one NFS client
+serialises its own appends). Appends from *different* hosts to one file on NFS are not
+atomic: lines interleaved or were lost at scale (issue 52), so each node has its file,
+and every reader merges them ordered by time (:func:`read_events`, :func:`tail_events`).
+A run_dir from before keeps one ``events.jsonl``: read the same way. The file is opened
+without following a link (``O_NOFOLLOW``). Read them all with :func:`read_events`, or
+one with ``pandas.read_json(path, lines=True)``.
 
 A file that cannot be written (a full disk, a read-only remount: any ``OSError``) does
 not end the run: the events are kept in memory (at most :data:`MAX_PENDING`, the oldest
@@ -16,10 +22,14 @@ the guard from starting before this: the ``start`` event could not be written.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import logging
 import math
 import os
+import re
+import socket
+import stat
 import sys
 import threading
 import time
@@ -28,11 +38,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from guardrails.util import files
 from guardrails.util.storage import Trouble
 
 logger = logging.getLogger("guardrails.guard")
 
+#: The one events file of a run_dir written before issue 52 (every node appended to
+#: it); still read, never written.
 EVENTS_FILE = "events.jsonl"
+#: Every events file of a run_dir: the nodes' and the old shared one.
+EVENTS_GLOB = "events*.jsonl"
 #: Events kept in memory while events.jsonl cannot be written (362 bytes a line on
 #: average in a test run's file, so ~4 MB at most); beyond it the oldest are dropped,
 #: and counted.
@@ -40,13 +55,13 @@ MAX_PENDING = 10_000
 
 
 class EventLog:
-    """Appends events to ``run_dir/events.jsonl`` and mirrors them to a logger: the
-    emitting part's (``guardrails.nan``, ``guardrails.watchdog``...: see
+    """Appends events to this node's ``run_dir/events.<host>.jsonl`` and mirrors them
+    to a logger: the emitting part's (``guardrails.nan``, ``guardrails.watchdog``...: see
     :func:`logger_of`), else ``guardrails.guard``; INFO, or WARNING for
     ``level="warning"``."""
 
     def __init__(self, run_dir: Path, *, rank: int) -> None:
-        self.path = run_dir / EVENTS_FILE
+        self.path = events_path(run_dir)
         self.rank = rank
         self._fd: int | None = None
         self._closed = False
@@ -55,6 +70,7 @@ class EventLog:
         self._pending: deque[bytes] = deque()
         self.dropped = 0
         self._step = 0  # the last event's, for the record of a gap
+        self._deleted_said = False  # the file was deleted under the run: said once
         self._lock = threading.Lock()
         self._trouble = Trouble(str(self.path), run_dir, logger)
         try:
@@ -119,8 +135,9 @@ class EventLog:
                 self._fd = None
 
     def _open(self) -> int:
-        self.path.parent.mkdir(parents=True, exist_ok=True)  # (once it could not be made)
-        return os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        files.make_dirs(self.path.parent)  # (once it could not be made, or was deleted)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(self.path, flags, 0o644)
 
     def _append(self, line: bytes) -> None:
         """Write ``line`` after the lines kept from failed writes; on an ``OSError``
@@ -145,6 +162,8 @@ class EventLog:
             self._trouble.failed(e, f"{len(pending)} event(s) kept in memory{dropped}")
             return
         pending.clear()
+        if not self._deleted_said and os.fstat(self._fd).st_nlink == 0:
+            self._deleted()
         if self._trouble.failing:
             dropped, self.dropped = self.dropped, 0
             self._trouble.recovered(
@@ -156,6 +175,84 @@ class EventLog:
                 gap["message"] = f"{dropped} events were lost: {self.path} could not be written"
                 with contextlib.suppress(OSError):
                     os.write(self._fd, (json.dumps(gap) + "\n").encode())
+
+    def _deleted(self) -> None:
+        """The file was deleted under the run (its run_dir, or a parent, removed while it
+        trains): said once, in the log and in a new file where the run_dir was (made
+        again), so that the events from here on are kept. The run's lock went with the
+        directory: nothing keeps a second run out any more."""
+        self._deleted_said = True
+        message = (
+            f"{self.path} was deleted while the run trains (its run_dir or a directory "
+            "above it was removed): the events before are lost, and the run.lock that "
+            "kept other runs out of this run_dir is gone with it. The run goes on; "
+            "events from here on go to a new file there"
+        )
+        logger.warning("guardrails: %s", message)
+        fd, self._fd = self._fd, None
+        with contextlib.suppress(OSError):
+            if fd is not None:
+                os.close(fd)
+            self._fd = self._open()
+            gap = {"time": time.time(), "rank": self.rank, "step": self._step}
+            gap.update(kind="run_dir_deleted", level="warning", message=message)
+            os.write(self._fd, (json.dumps(gap) + "\n").encode())
+
+
+def events_path(run_dir: Path, host: str | None = None) -> Path:
+    """This node's events file (``host``'s): ``run_dir/events.<host>.jsonl``, the host
+    name kept to letters, digits, ``.``, ``_`` and ``-``."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", host or socket.gethostname())[:200] or "host"
+    return run_dir / f"events.{name}.jsonl"
+
+
+def event_files(run_dir: Path) -> list[Path]:
+    """Every events file of ``run_dir`` (the nodes', the old shared one), regular files
+    only: a link is never followed, a FIFO never opened."""
+    found = []
+    for path in sorted(run_dir.glob(EVENTS_GLOB)):
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                found.append(path)
+    return found
+
+
+def read_events(run_dir: Path, *, tail_bytes: int | None = None) -> list[dict[str, Any]]:
+    """Every event of ``run_dir``, the nodes' files merged ordered by time (each file's
+    own order kept). ``tail_bytes``: only each file's last bytes (its first, cut line
+    dropped). A line that is not a JSON object (a torn write) is skipped, with a log
+    line when whole files are read."""
+    per_file = [_parse(path, tail_bytes) for path in event_files(run_dir)]
+    return list(heapq.merge(*per_file, key=_time_of))
+
+
+def _parse(path: Path, tail_bytes: int | None) -> list[dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            if tail_bytes is not None:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError as err:
+        logger.warning("guardrails: %s could not be read (%s); its events are left out", path, err)
+        return []
+    events = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:  # a torn line; with tail_bytes, the cut first one
+            if tail_bytes is None:
+                logger.warning("guardrails: %s line %d is not JSON; skipped", path, n)
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def _time_of(event: dict[str, Any]) -> float:
+    t = event.get("time")
+    return float(t) if isinstance(t, (int, float)) and math.isfinite(t) else 0.0
 
 
 def logger_of(frame: FrameType | None) -> logging.Logger | None:

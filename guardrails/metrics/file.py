@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -30,6 +31,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from guardrails.util.checks import path_like
+
+logger = logging.getLogger("guardrails.telemetry")
+#: The unreadable parts already named (path, size, mtime): a report reads twice.
+_said_unreadable: set[tuple[str, int, float]] = set()
 
 try:
     import fcntl
@@ -101,7 +106,9 @@ def iter_metrics(
     """Every row of ``run_dir/metrics.parquet`` once, ``batch_rows`` at most at a time,
     in no particular order, as record batches of ``columns`` (default all) typed as in
     :data:`SCHEMA` (a column a file lacks comes back null). Memory is one batch, however
-    long the run. Compactions wait until the generator is exhausted or closed."""
+    long the run. Compactions wait until the generator is exhausted or closed. A file
+    that cannot be read (a torn part, another user's) is skipped, named in a warning:
+    one such part hid every row of the run ("no metric rows were written")."""
     path = metrics_dir(run_dir)
     names = list(SCHEMA.names if columns is None else columns)
     unknown = [n for n in names if n not in SCHEMA.names]
@@ -110,13 +117,37 @@ def iter_metrics(
     schema = pa.schema([SCHEMA.field(n) for n in names])
     with lock(path, exclusive=False):
         for file in snapshot(path):
-            pf = pq.ParquetFile(file)
+            try:
+                pf = pq.ParquetFile(file)
+            except (OSError, pa.ArrowException) as err:
+                _skipped(file, err)
+                continue
             try:
                 have = [n for n in names if n in pf.schema_arrow.names]
                 for batch in pf.iter_batches(batch_size=batch_rows, columns=have):
                     yield _conform(batch, schema)
+            except (OSError, pa.ArrowException) as err:  # torn past its footer
+                _skipped(file, err)
             finally:
                 pf.close()
+
+
+def _skipped(file: Path, err: Exception) -> None:
+    """Say once per process that ``file`` was left out, and why."""
+    try:
+        st = file.stat()
+        key = (str(file), st.st_size, st.st_mtime)
+    except OSError:
+        key = (str(file), -1, 0.0)
+    if key in _said_unreadable:
+        return
+    _said_unreadable.add(key)
+    logger.warning(
+        "guardrails: %s cannot be read (%s: %s); its rows are left out, the other files' are read",
+        file,
+        type(err).__name__,
+        err,
+    )
 
 
 def snapshot(directory: Path) -> list[Path]:
@@ -130,7 +161,8 @@ def snapshot(directory: Path) -> list[Path]:
     held: set[str] = set()
     for name in names:
         if name.startswith(COMPACT_PREFIX):
-            held.update(sources(directory / name))
+            with contextlib.suppress(OSError, pa.ArrowException):  # skipped when read
+                held.update(sources(directory / name))
     return [directory / n for n in sorted(names - held)]
 
 
@@ -153,10 +185,10 @@ def lock(directory: Path, *, exclusive: bool, timeout_s: float | None = None) ->
         return
     path = directory / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError:
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             if exclusive:
                 raise

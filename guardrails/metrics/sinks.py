@@ -6,7 +6,7 @@ Telemetry already brings every step's row to the host without a sync
 and at close. A sink receives exactly those parts, as the same ``pyarrow.Table``, so it
 costs the training step nothing: no per-step call, no host read of a device value.
 Between the rows come the events of the same rank (skips, spikes, saves, a stop, the
-end), read from ``events.jsonl``, each placed after the rows of the steps it follows, so
+end), read from this node's events file, each placed after the rows of the steps it follows, so
 a sink sees one stream in step order.
 
 Sinks run on rank 0 only (one dashboard curve per run; every rank's rows stay in
@@ -315,8 +315,9 @@ def _step_of(event: dict[str, Any]) -> int:
 
 
 class EventTail:
-    """The lines ``events.jsonl`` gained since this guard started, of one rank: read
-    at each part (one ``read`` of the new bytes; events are rare), not per step."""
+    """The lines this node's events file (``path``: ``events.<host>.jsonl``, where
+    this rank writes) gained since this guard started, of one rank: read at each part
+    (one ``read`` of the new bytes; events are rare), not per step."""
 
     def __init__(self, path: Path, rank: int) -> None:
         self.rank = rank
@@ -325,7 +326,7 @@ class EventTail:
         try:
             self._file = open(path, "rb")  # noqa: SIM115 (kept open for the run)
             self._file.seek(0, os.SEEK_END)  # this run's start event is already there
-        except OSError as err:  # no events.jsonl (a read-only run_dir): the rows still go
+        except OSError as err:  # no events file (a read-only run_dir): the rows still go
             logger.debug("guardrails: the sinks get no events: %r", err)
 
     def read(self) -> list[dict[str, Any]]:

@@ -46,8 +46,11 @@ def make_dirs(path: str | os.PathLike[str]) -> Path:
 
 
 def open_new(path: str | os.PathLike[str], flags: int = 0) -> int:
-    """``os.open`` for writing a file guardrails creates, mode ``0o644``."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, FILE_MODE)
+    """``os.open`` for writing a file guardrails creates, mode ``0o644``, never through
+    a symbolic link in its place (``O_NOFOLLOW``: a link planted there would have the
+    write truncate whatever it points to)."""
+    flags |= os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    return os.open(path, flags, FILE_MODE)
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import TESTS, run_ranks, run_script
+from conftest import read_events
 
 from guardrails.checkpoint.manifest import list_checkpoints, problem
 
@@ -34,8 +35,7 @@ def single(run_dir: Path, *args: object) -> str:
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e.get("kind") == kind]
+    return [e for e in read_events(run_dir) if e.get("kind") == kind]
 
 
 def manifest(ckpt: Path) -> dict:

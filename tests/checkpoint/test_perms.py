@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _ranks import run_script
+from conftest import events_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +67,7 @@ def test_nothing_is_group_or_world_writable_under_umask_000(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run = tmp_path / "a" / "b" / "run"
     # What the run wrote is all there, so the walk below checked real files.
-    assert (run / "events.jsonl").is_file()
+    assert events_path(run).is_file()
     assert list((run / "metrics.parquet").glob("part-r00000-*.parquet"))
     assert list((run / "checkpoints").glob("step_*/manifest.json"))
     assert list((run / "checkpoints").glob("step_*/*.safetensors"))
@@ -75,5 +76,5 @@ def test_nothing_is_group_or_world_writable_under_umask_000(tmp_path):
     assert _writable_by_others(tmp_path / "a") == []  # the parents guard() made too
     assert _writable_by_others(tmp_path / "ckpts") == []
     # Only bits are taken away: files stay readable (a resume by another process).
-    mode = os.stat(run / "events.jsonl").st_mode
+    mode = os.stat(events_path(run)).st_mode
     assert stat.S_IMODE(mode) == 0o644, oct(mode)

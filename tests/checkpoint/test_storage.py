@@ -11,7 +11,7 @@ How a disk fails here, without root:
   unprivileged user may create where the kernel allows it; skipped, with the reason,
   where it does not.
 * ``ro``: the same tmpfs, its directories bind-mounted read-only: EROFS.
-* ``/dev/full`` (ENOSPC on every write) as ``events.jsonl``.
+* ``/dev/full`` linked as ``events.jsonl``: refused, no link in a run_dir is followed.
 * a directory without write permission (chmod 0o555): root ignores modes, so as root
   the process runs without CAP_DAC_OVERRIDE (``setpriv``); skipped when neither works.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import run_script
-from conftest import Regressor, batches, patience, read_events, train_loop
+from conftest import Regressor, batches, events_path, patience, read_events, train_loop
 from test_nan import poisoned, run_until_raise
 
 import guardrails
@@ -125,7 +125,7 @@ def test_a_disk_that_fails_mid_run_costs_warnings_not_the_run(tmp_path, how):
     assert err.count("still cannot write") == 0, err
     assert "metrics.parquet written again after 8 failed write(s); nothing was lost" in err
     if how == "fsize":  # events.jsonl failed too: kept, then written in order
-        assert err.count("events.jsonl (") == 1, err
+        assert err.count(f"{events_path(tmp_path / 'run').name} (") == 1, err
         kinds = [e["kind"] for e in s["events"]]
         assert kinds[0] == "start" and kinds[-1] == "end"
         assert [e["step"] for e in s["events"] if e["kind"] == "checkpoint"] == [
@@ -186,25 +186,16 @@ def test_metric_rows_kept_while_the_disk_is_full_are_bounded_and_the_loss_is_sai
 # ------------------------------------------------------------------ a full disk at start
 
 
-def test_a_full_events_file_does_not_stop_the_guard_from_starting(tmp_path, caplog):
-    # /dev/full: every write is ENOSPC. Before, the guard's `start` event raised it.
+def test_an_events_file_linked_to_a_full_device_is_refused_not_written_through(tmp_path):
+    # This was the full disk at start (/dev/full linked as events.jsonl). Since issue 52
+    # no link in a run_dir is followed: the run is refused before a write goes through
+    # it. A disk full from the start still lets the guard start: fsize and ro below.
     (tmp_path / "events.jsonl").symlink_to("/dev/full")
-    caplog.set_level("WARNING", logger="guardrails")
-    torch.manual_seed(0)
     model = Regressor()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with guardrails.guard(
-        model, opt, batches(6), run_dir=tmp_path, progress=False, checkpoint=False
-    ) as g:
-        train_loop(g, model, opt)
-    assert g.step == 6
-    said = [r.getMessage() for r in caplog.records if "events.jsonl" in r.getMessage()]
-    # One warning while it fails, one at the end for what never got out; no more.
-    assert len(said) == 2, said
-    assert "could not write" in said[0] and "the disk holding" in said[0]
-    assert "free space" in said[0]
-    assert "never reached" in said[1]
-    assert (tmp_path / "metrics.parquet").is_dir()  # the rest of run_dir still works
+    with pytest.raises(guardrails.LaunchError) as caught:
+        guardrails.guard(model, opt, batches(6), run_dir=tmp_path, progress=False).start()
+    assert caught.value.check == "run_dir_link" and "/dev/full" in str(caught.value)
 
 
 def test_events_kept_while_the_disk_fails_are_bounded_and_the_gap_is_recorded(tmp_path):
@@ -253,7 +244,7 @@ def test_a_disk_full_from_the_start_lets_the_guard_start_and_the_first_save_says
     assert "no checkpoint yet to fall back on" in s["error"]
     assert ("ulimit -f" if how == "fsize" else "read-only") in s["error"]
     assert s["committed"] == [] and s["entries"] == []
-    assert "could not write" in err and "events.jsonl" in err  # said, not raised
+    assert "could not write" in err and events_path(tmp_path / "run").name in err  # said
 
 
 # ------------------------------------------------------------------ the signal save
@@ -452,6 +443,24 @@ def test_save_checkpoint_without_a_model_is_refused_before_anything_is_written(t
     with pytest.raises(TypeError, match=r"needs the model .* could not be resumed"):
         guardrails.save_checkpoint(tmp_path / "c", 1, model=None, optimizer=opt)
     assert not (tmp_path / "c").exists()
+
+
+def test_saving_a_model_on_the_meta_device_says_to_materialize_it_first(tmp_path):
+    # Issue 52: g.save_checkpoint() gave torch's NotImplementedError ("Cannot copy out
+    # of meta tensor") from deep in the staging.
+    model = Regressor()
+    model.register_buffer("table", torch.empty(4, device="meta"))  # never materialized
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(model, opt, batches(2), run_dir=tmp_path / "run", progress=False) as g:
+        with pytest.raises(guardrails.CheckpointError) as caught:
+            g.save_checkpoint()  # before the first step: the loop never reads it
+        assert "1 tensor(s) on the meta device (table)" in str(caught.value)
+        assert "model.to_empty(device=...)" in caught.value.hint
+    with torch.device("meta"):
+        empty = Regressor()
+    with pytest.raises(guardrails.CheckpointError, match="on the meta device"):
+        guardrails.save_checkpoint(tmp_path / "c", 1, model=empty, optimizer=None)
+    assert not list((tmp_path / "c").glob("step_*"))
 
 
 def test_a_checkpoint_without_model_state_is_a_resume_error(tmp_path):

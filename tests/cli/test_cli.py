@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import patience
+from conftest import events_path, read_events
 
 import guardrails
 
@@ -334,6 +335,30 @@ def test_report_on_a_run_killed_mid_way(tmp_path):
     assert not (run_dir / "report-run1.png").exists()  # --no-png
 
 
+def test_report_skips_an_unreadable_metrics_part_and_names_it(tmp_path):
+    # Issue 52: one torn part-*.parquet hid every row ("no metric rows were written").
+    from conftest import Regressor, batches, train_loop
+
+    run_dir = tmp_path / "run"
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    knobs = {"every_n_steps": 1, "write_every_s": 0}
+    with guardrails.guard(
+        model, opt, batches(8), run_dir=run_dir, progress=False, checkpoint=False, metrics=knobs
+    ) as g:
+        train_loop(g, model, opt)
+    parts = sorted((run_dir / "metrics.parquet").glob("part-*.parquet"))
+    assert len(parts) >= 2, parts
+    torn = parts[0]
+    rows = len(guardrails.read_metrics(run_dir))
+    torn.write_bytes(b"PAR1 not a parquet file PAR1")
+    proc = cli("report", str(run_dir), "--json", "--no-png")
+    facts = json.loads(proc.stdout)
+    assert 0 < facts["metrics_rows"] < rows, facts
+    assert proc.stderr.count(f"{torn} cannot be read") == 1, proc.stderr
+    assert "the other files' are read" in proc.stderr
+
+
 @pytest.mark.slow(reason="a training process, SIGKILLed")
 def test_report_on_a_run_killed_before_its_first_metrics_part(tmp_path):
     run_dir = crashed_run(tmp_path, write_every_s=3600)
@@ -436,14 +461,13 @@ def test_report_all_splits_a_one_rank_run_from_the_two_rank_run_after_it(tmp_pat
 
     check(json.loads(cli("report", str(run_dir), "--all", "--json", "--no-png").stdout))
     # Logs written before start events carried the id: the same split, by world size.
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    stripped = [{k: v for k, v in json.loads(ln).items() if k != "run"} for ln in lines]
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in stripped))
+    stripped = [{k: v for k, v in e.items() if k != "run"} for e in read_events(run_dir)]
+    events_path(run_dir).write_text("".join(json.dumps(e) + "\n" for e in stripped))
     check(json.loads(cli("report", str(run_dir), "--all", "--json", "--no-png").stdout))
 
 
 def _events(run_dir: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run_dir / "events.jsonl").read_text().splitlines()]
+    return read_events(run_dir)
 
 
 # ------------------------------------------------------ pre-emption and resume

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _ranks import patience
+from conftest import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,7 +190,7 @@ def test_a_two_rank_torchrun_job_requeued_after_a_rank_failed(tmp_path):
     again = torchrun([script, run_dir, 0], out=tmp_path / "b", env={"OMP_NUM_THREADS": "1"})
     assert again.code == 0, again.text
 
-    starts = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    starts = read_events(run_dir)
     starts = [e for e in starts if e["kind"] == "start"]
     assert len(starts) == 4 and all(
         e["launcher"]["torchelastic_restart_count"] == 0 for e in starts

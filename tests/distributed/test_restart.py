@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from _ranks import free_port, launch, launch_torchrun
+from conftest import read_events
 
 from guardrails import CollectiveMismatchError, RankFailedError
 from guardrails.distributed import attempt
@@ -66,7 +67,7 @@ def test_a_dead_rank_is_dated_by_the_survivors_step(tmp_path):
     # The survivor's report says the step rank 1 died in, not its first heartbeat's.
     assert "rank 1 died during step 20 (this rank was waiting for it" in text, text[-4000:]
     assert "was at step 0" in text  # the heartbeat it last heard, told as such
-    events = (tmp_path / "run" / "events.jsonl").read_text()
+    events = json.dumps(read_events(tmp_path / "run"))
     assert "rank 1 died during step 20" in events  # the end event of rank 0's run
 
 

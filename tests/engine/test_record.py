@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, patience, run_script
+from conftest import free_port, patience, read_events, run_script
 
 import guardrails
 from guardrails import _errors
@@ -219,7 +219,7 @@ def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
     assert "Traceback" not in proc.stderr
     extra = json.loads(error_file.read_text())["message"]["extraInfo"]
     assert (extra["error_class"], extra["exit_code"]) == ("NonFiniteError", 81)
-    events = [json.loads(x) for x in (tmp_path / "run/events.jsonl").read_text().splitlines()]
+    events = read_events(tmp_path / "run")
     (end,) = [e for e in events if e["kind"] == "end"]
     assert end["error"].startswith("NonFiniteError")
 

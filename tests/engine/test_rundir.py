@@ -4,6 +4,7 @@ when its process dies). Real files, real processes, real SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from _ranks import launch, patience
-from conftest import Regressor, batches, train_loop
+from conftest import Regressor, batches, events_path, read_events, train_loop
 
 import guardrails
 from guardrails.engine.rundir import LOCK_NAME
@@ -133,14 +134,16 @@ import torch, guardrails
 from conftest import Regressor, batches
 model = Regressor(); opt = torch.optim.SGD(model.parameters(), lr=0.1)
 with guardrails.guard(model, opt, batches(2), run_dir={run_dir!r}, progress=False,
-                      checkpoint=False) as g:
+                      checkpoint={checkpoint!r}) as g:
     print("holding", flush=True)
     time.sleep(600)
 """
 
 
-def _hold(run_dir: Path) -> subprocess.Popen:
-    script = _HOLDER.format(root=str(ROOT), tests=str(ROOT / "tests"), run_dir=str(run_dir))
+def _hold(run_dir: Path, checkpoint: dict | bool = False) -> subprocess.Popen:
+    script = _HOLDER.format(
+        root=str(ROOT), tests=str(ROOT / "tests"), run_dir=str(run_dir), checkpoint=checkpoint
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -190,7 +193,7 @@ def test_a_second_run_on_a_held_run_dir_is_refused_and_a_killed_holder_leaves_no
         assert f"process {holder.pid} on host {info['host']}, since {info['since']}" in str(err)
         assert "another run_dir" in err.hint and "stop the other job" in err.hint
         # Not a word of the refused run in the holder's events.
-        kinds = [json.loads(x)["kind"] for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        kinds = [e["kind"] for e in read_events(run_dir)]
         assert kinds == ["start"], kinds
         # A second job of 2 ranks: every rank refused with the same error (rank 1 hears
         # it from rank 0, which holds the job's lock), none hangs.
@@ -215,17 +218,224 @@ def test_a_second_run_on_a_held_run_dir_is_refused_and_a_killed_holder_leaves_no
     assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == os.getpid()
 
 
+@pytest.mark.slow(reason="a holding process, a second run refused, a SIGKILL, then a run")
+def test_two_runs_sharing_a_checkpoint_directory_are_refused(tmp_path):
+    # Issue 52: two run_dirs with one checkpoint={"directory": ...} both trained, left
+    # broken step_* directories, and the next resume continued whichever saved last.
+    shared = tmp_path / "shared_ckpts"
+    holder = _hold(tmp_path / "a", {"directory": str(shared)})
+    try:
+        with pytest.raises(guardrails.LaunchError) as caught:
+            _guarded(tmp_path / "b", checkpoint={"directory": str(shared)})
+        err = caught.value
+        assert err.check == "run_dir_in_use"
+        assert f"checkpoint directory {str(shared)!r} is in use by another run" in str(err)
+        assert f"process {holder.pid} on host" in str(err)
+        assert "another checkpoint directory" in err.hint
+        assert not list(shared.glob("step_*"))  # the refused run saved nothing
+        # ...and it left run_dir b free: its own lock was released with the refusal.
+        assert _guarded(tmp_path / "b", n=1).step == 1
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    g = _guarded(tmp_path / "b", n=2, checkpoint={"directory": str(shared), "every_n_steps": 2})
+    assert g.step == 2 and list(shared.glob("step_*"))
+    # A checkpoint directory inside run_dir is run_dir's lock's: no second lock file.
+    _guarded(tmp_path / "c", n=1, checkpoint={"directory": str(tmp_path / "c" / "ck")})
+    assert not (tmp_path / "c" / "ck" / LOCK_NAME).exists()
+
+
 def test_the_ranks_of_one_job_share_its_run_dir_and_sequential_runs_take_turns(tmp_path):
     # One process: guards one after another on one run_dir (a resume after a run).
     assert _guarded(tmp_path, n=2).step == 2
     assert _guarded(tmp_path, n=2).step == 2
 
 
-def test_a_lock_file_that_cannot_be_opened_is_a_warning_not_a_refusal(tmp_path, caplog):
-    # The lock protects; it never stops a run by itself failing: a lock path that is a
-    # directory cannot be opened, and the run goes on, warned once.
+def test_a_lock_file_that_cannot_be_opened_is_a_refusal_that_says_what_to_do(tmp_path):
+    # Issue 52: as a warning, two jobs trained at once on a run.lock that was a
+    # directory. Now nothing trains, and the error names the file and the fix.
     (tmp_path / LOCK_NAME).mkdir()
-    caplog.set_level("WARNING", logger="guardrails")
+    with pytest.raises(guardrails.LaunchError) as caught:
+        _guarded(tmp_path, n=2)
+    err = caught.value
+    assert err.check == "run_dir_lock"
+    assert f"{tmp_path / LOCK_NAME} cannot be opened (it is a directory)" in str(err)
+    assert "two jobs would train at once" in str(err)
+    assert f"remove or rename {tmp_path / LOCK_NAME}" in err.hint
+    assert read_events(tmp_path) == []  # not a word of the refused run
+    (tmp_path / LOCK_NAME).rmdir()
     assert _guarded(tmp_path, n=2).step == 2
-    said = [r.getMessage() for r in caplog.records if LOCK_NAME in r.getMessage()]
-    assert len(said) == 1 and "goes on without that protection" in said[0], said
+
+
+# ------------------------------------------------------------------ no link followed
+
+
+@pytest.mark.parametrize("name", [LOCK_NAME, "events.jsonl", "node"])
+def test_a_run_dir_whose_own_files_are_links_is_refused_and_the_target_untouched(tmp_path, name):
+    # Issue 52: run.lock followed a symlink and truncated its target (as root: any file
+    # on the machine); events appended through one.
+    if name == "node":
+        name = events_path(tmp_path / "run").name
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / name).symlink_to(target)
+    with pytest.raises(guardrails.LaunchError) as caught:
+        _guarded(run_dir)
+    err = caught.value
+    assert err.check == "run_dir_link"
+    assert f"{str(run_dir / name)!r} -> {str(target)!r}" in str(err)
+    assert f"rm {run_dir / name}" in err.hint
+    assert target.read_text() == "keep me\n"
+
+
+def test_the_lock_is_never_opened_through_a_link_placed_after_the_check(tmp_path):
+    # The check at start and the open are two moments: a link placed in between (a
+    # race, or a run_dir another user can write) is refused by the open itself.
+    from guardrails.engine.rundir import RunLock
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (tmp_path / LOCK_NAME).symlink_to(target)
+    refusal = RunLock(tmp_path).acquire("r")
+    assert refusal is not None and refusal.check == "run_dir_link"
+    assert target.read_text() == "keep me\n"
+
+
+def test_files_guardrails_creates_are_never_written_through_a_link(tmp_path):
+    # Checkpoint files, last_failure.json, the write probe: util/files.open_new.
+    import errno
+
+    from guardrails.util import files
+
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (tmp_path / "made.json").symlink_to(target)
+    with pytest.raises(OSError) as caught:
+        files.write_text(tmp_path / "made.json", "{}")
+    assert caught.value.errno == errno.ELOOP
+    assert target.read_text() == "keep me\n"
+
+
+# ------------------------------------------------------------------ forks and dead holders
+
+_FORKING_HOLDER = """
+import os, sys, time
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import torch, guardrails
+from conftest import Regressor, batches
+model = Regressor(); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with guardrails.guard(model, opt, batches(2), run_dir={run_dir!r}, progress=False,
+                      checkpoint=False) as g:
+    lock = os.path.realpath({lock!r})
+    def holds():
+        return any(os.path.realpath(f"/proc/self/fd/" + fd) == lock
+                   for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/" + fd))
+    assert holds()
+    if {how!r} == "fork":  # a DataLoader worker, multiprocessing's fork
+        child = os.fork()
+        if child == 0:
+            print("child holds" if holds() else "child free", flush=True)
+            time.sleep(600)
+            os._exit(0)
+    else:  # a user's subprocess handed the descriptor past O_CLOEXEC
+        import subprocess
+        fd = next(int(fd) for fd in os.listdir("/proc/self/fd")
+                  if os.path.realpath("/proc/self/fd/" + fd) == lock)
+        child = subprocess.Popen(["sleep", "600"], pass_fds=(fd,)).pid
+        print("child holds", flush=True)
+    print("child", child, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow(reason="a holding process forks, is SIGKILLed, then a run")
+@pytest.mark.parametrize("how", ["fork", "inherited"])
+def test_a_child_of_a_killed_holder_does_not_keep_the_run_dir(tmp_path, how):
+    # Issue 52: a child forked after the guard started kept the lock once its parent
+    # was SIGKILLed: the relaunch was refused naming a dead process.
+    run_dir = tmp_path / "run"
+    script = _FORKING_HOLDER.format(
+        root=str(ROOT),
+        tests=str(ROOT / "tests"),
+        run_dir=str(run_dir),
+        lock=str(run_dir / LOCK_NAME),
+        how=how,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    # Two lines, from the parent and (forked) the child, in either order.
+    lines = [proc.stdout.readline().strip() for _ in range(2)]
+    pids = [ln.split()[1] for ln in lines if ln.startswith("child ") and ln.split()[1].isdigit()]
+    said = [ln for ln in lines if ln in ("child holds", "child free")]
+    if len(pids) != 1 or len(said) != 1:
+        proc.kill()
+        pytest.fail(f"the holder did not fork: {lines!r} {proc.stderr.read()}")
+    child = int(pids[0])
+    try:
+        # A forked child closed its copy at fork; a child handed it still holds it.
+        assert said == ["child free" if how == "fork" else "child holds"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        os.kill(child, 0)  # the child outlived its parent
+        g = _guarded(run_dir, n=2)
+        assert g.step == 2
+        assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == os.getpid()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_live_holder_forking_still_holds_the_run_dir(tmp_path):
+    # The fork hook closes only the child's copy: the parent keeps the lock.
+    from guardrails.engine.rundir import RunLock
+
+    lock = RunLock(tmp_path)
+    assert lock.acquire("r") is None
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)
+    try:
+        refusal = RunLock(tmp_path).acquire("s")
+        assert refusal is not None and refusal.check == "run_dir_in_use"
+        assert f"process {os.getpid()} on host" in refusal.message
+    finally:
+        lock.release()
+
+
+# ------------------------------------------------------------------ a run_dir deleted mid-run
+
+
+def test_a_run_dir_deleted_mid_run_is_said_once_and_its_events_go_on(tmp_path, caplog):
+    # Issue 52: the run trained on while its events and its lock silently vanished.
+    run_dir = tmp_path / "parent" / "run"
+    caplog.set_level("WARNING", logger="guardrails")
+    torch.manual_seed(0)
+    model = Regressor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with guardrails.guard(
+        model, opt, batches(6), run_dir=run_dir, progress=False, checkpoint=False
+    ) as g:
+        for i, (x, y) in enumerate(g):
+            if i == 2:
+                shutil.rmtree(tmp_path / "parent")
+            if i >= 2:
+                g.event("custom", message=f"after the deletion {i}")
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert g.step == 6
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if "was deleted while the run trains" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    assert "run.lock that kept other runs out of this run_dir is gone" in said[0]
+    kinds = [e["kind"] for e in read_events(run_dir)]
+    assert kinds[0] == "run_dir_deleted" and kinds.count("custom") == 3 and kinds[-1] == "end"

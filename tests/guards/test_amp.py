@@ -9,11 +9,9 @@ too-high loss scale does to fp16 gradients.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from conftest import Regressor, assert_state_equal, batches
+from conftest import Regressor, assert_state_equal, batches, read_events
 
 import guardrails
 
@@ -47,7 +45,7 @@ def _setup():
 
 
 def _events(run_dir):
-    return [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    return read_events(run_dir)
 
 
 def test_scaler_skipped_steps_are_skipped_rows_and_info_events(tmp_path):

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _ranks import launch, torchrun
-from conftest import Regressor, batches, free_port, spawn
+from conftest import Regressor, batches, free_port, read_events, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import guardrails
@@ -339,7 +339,7 @@ def test_a_stray_flag_sized_all_reduce_is_a_mismatch_not_a_false_skip(tmp_path):
         runs, sites=["stray_flag", "step"], ops=["all_reduce(SUM)"], all_ranks=True
     )
     assert all("guardrails NaN-flag agreement" in text for text in reports)
-    events = [json.loads(line) for line in (tmp_path / "run/events.jsonl").read_text().splitlines()]
+    events = read_events(tmp_path / "run")
     assert [e for e in events if e["kind"].startswith("nonfinite")] == []
 
 

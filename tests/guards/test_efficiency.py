@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_state_equal, read_events, train_loop
+from conftest import assert_state_equal, events_path, read_events, train_loop
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -112,11 +112,11 @@ def test_report_lists_the_advice_in_one_line(counted, tmp_path, capsys):
 
     run_dir = tmp_path / "advised"
     shutil.copytree(counted[0], run_dir)
-    events = (run_dir / "events.jsonl").read_text().splitlines()
+    events = events_path(run_dir).read_text().splitlines()
     base = json.loads(events[1])
     for kind in ("tf32_off", "loader_no_workers"):
         events.insert(2, json.dumps({**base, "kind": kind, "level": "info", "message": "fix"}))
-    (run_dir / "events.jsonl").write_text("\n".join(events) + "\n")
+    events_path(run_dir).write_text("\n".join(events) + "\n")
     args = argparse.Namespace(run_dir=run_dir, png=None, no_png=True, all=False, json=False)
     assert report.main(args) == 0
     out = capsys.readouterr().out

@@ -18,6 +18,7 @@ from conftest import (
     Regressor,
     assert_state_equal,
     batches,
+    events_path,
     free_port,
     read_events,
     spawn,
@@ -158,7 +159,7 @@ def test_bad_sample_is_named_and_its_batch_saved(tmp_path):
         raise AssertionError(f"{token} is not JSON: jq and JavaScript cannot read it")
 
     info_json = json.loads((saved / "info.json").read_text(), parse_constant=strict)
-    for line in (tmp_path / "events.jsonl").read_text().splitlines():
+    for line in events_path(tmp_path).read_text().splitlines():
         json.loads(line, parse_constant=strict)
     assert info_json["grad_norm"] in ("nan", "inf")
     assert info_json["cause"] == "bad_data" and info_json["samples"] == [3]

@@ -307,6 +307,48 @@ def test_without_a_snapshot_old_enough_a_checkpoint_from_before_the_trouble_is_u
     assert _kinds(tmp_path / "none", "rewind") == []
 
 
+@pytest.mark.slow(reason="a 120-step run with periodic saves in this process (~3 s)")
+def test_the_checkpoint_fallback_follows_no_link_and_never_goes_back_into_one_twice(tmp_path):
+    # Issue 52: rewind's fallback followed a symlinked step directory that resume skips.
+    # At step 65 the checkpoint of step 60 is swapped for a link to a copy elsewhere:
+    # the rewind (the streak of steps 61-70) refuses it, says why, and takes step 50.
+    import shutil
+
+    root = tmp_path / "run" / "checkpoints"
+
+    def swap(g, opt, when):
+        if when == "after" and g.step == 65 and not (tmp_path / "elsewhere").exists():
+            shutil.copytree(root / "step_000000060", tmp_path / "elsewhere")
+            shutil.rmtree(root / "step_000000060")
+            (root / "step_000000060").symlink_to(tmp_path / "elsewhere")
+
+    ckpt = {"every_n_steps": 10, "background": False}
+    knobs = {"snapshot_every_steps": 4}
+    _local_run(
+        tmp_path / "run", "nan", knobs, steps=120, at=60, length=12, checkpoint=ckpt, hook=swap
+    )
+    (refused,) = _kinds(tmp_path / "run", "rewind_checkpoint_invalid")
+    assert "step_000000060 is a link" in refused["message"], refused
+    (e,) = _kinds(tmp_path / "run", "rewind")
+    assert (e["from_step"], e["to_step"]) == (70, 50)
+    assert e["source"].endswith("step_000000050")
+    # Bad batches right after the checkpoint it went back to: the same streak again,
+    # which no snapshot reaches. The checkpoint already gone back into once is not
+    # used again (a forged one that loads diverges again, and the rewinds went back
+    # into it until max_rewinds): the next one back is.
+    _local_run(
+        tmp_path / "two",
+        "nan",
+        {**knobs, "max_rewinds": 5},
+        steps=120,
+        at=60,
+        length=24,
+        checkpoint=ckpt,
+    )
+    back = [(e["to_step"], Path(e["source"]).name) for e in _kinds(tmp_path / "two", "rewind")]
+    assert back[:2] == [(60, "step_000000060"), (50, "step_000000050")], back
+
+
 @pytest.mark.slow(reason="three 200-step runs in this process (~5 s)")
 def test_a_stop_at_the_rewinds_step_saves_the_drop_still_to_come_and_resumes_bitwise(tmp_path):
     # SIGTERM during step 110, the streak's tenth: at that boundary the rewind goes

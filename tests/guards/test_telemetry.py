@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -365,5 +364,5 @@ def test_an_event_that_ends_the_run_is_not_printed_twice(tmp_path, capsys):
         log.removeHandler(handler)
     assert seen == ["[rank 1 step 7] hang: [rank 1, step 6] collective mismatch"]
     events.close()
-    written = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    written = read_events(tmp_path)
     assert written[0]["message"] == text and written[2]["message"] == text

@@ -520,7 +520,7 @@ def test_a_non_fused_optimizer_pays_one_sync_per_step(tmp_path):
                 loop(model, opt, batches)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    events = (tmp_path / "events.jsonl").read_text()
+    events = json.dumps(read_events(tmp_path))
     assert "nan_guard_syncs" in events and "fused=True" in events
     # The guard's own cost, with its fix: advice, never a warning of a healthy run.
     (told,) = [e for e in read_events(tmp_path) if e["kind"] == "nan_guard_syncs"]
@@ -561,8 +561,7 @@ def test_real_cuda_oom_is_explained(tmp_path):
     assert top["device"] == "cuda:0" and top["bytes"] >= total // 5
     assert {"activation_checkpointing", "smaller_micro_batch"} & set(err.remedies[:2])
     assert "activation checkpointing" in err.hint
-    events = (tmp_path / "events.jsonl").read_text()
-    assert '"kind":"oom"' in events
+    assert [e for e in read_events(tmp_path) if e["kind"] == "oom"]
     assert g.step == 2
     del err, info, big, batches
     gc.collect()

@@ -370,6 +370,12 @@ class SignalCheckpointer(Component):
 
     # ------------------------------------------------------------------ lifecycle
 
+    def writes_into(self) -> dict[str, Path]:
+        """A ``directory`` of its own (outside run_dir) is locked like run_dir: two runs
+        sharing one broke each other's saves, and a resume continued whichever run saved
+        last (issue 52)."""
+        return {} if self.directory is None else {"checkpoint directory": self.directory}
+
     def on_start(self, guard: Guard) -> None:
         self.root = self.directory or guard.run_dir / "checkpoints"
         self._unsaved.on_start(guard)

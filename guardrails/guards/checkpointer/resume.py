@@ -22,7 +22,7 @@ from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
 from guardrails.checkpoint import commit, manifest, read, restore, tier
 from guardrails.engine import data as _data
 from guardrails.engine import model
-from guardrails.metrics.events import EVENTS_FILE, to_console
+from guardrails.metrics.events import read_events, to_console
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -448,8 +448,8 @@ class ResumeAtStart:
         last run in it ended cleanly: it finished without saving (no periodic saves, so
         nothing saved its end), and this run trains again from step 0 beside it. Said at
         once, naming the finished run's step and how to make a re-run resume as
-        finished. Reads the last 64 KiB of ``events.jsonl``, once."""
-        last = _last_run_end(guard.run_dir / EVENTS_FILE, guard.run_id)
+        finished. Reads the last 64 KiB of each events file, once."""
+        last = _last_run_end(guard.run_dir, guard.run_id)
         if last is None or last.get("error") is not None or not last.get("step"):
             return
         guard.event(
@@ -553,23 +553,13 @@ def _check_generators(guard: Guard, ckpt: Path, tensors: Mapping[str, Tensor]) -
             )
 
 
-def _last_run_end(path: Path, run_id: str) -> dict[str, Any] | None:
-    """The ``end`` event of the last run in the events file at ``path`` (rank 0's),
-    before this run (``run_id``); ``None`` when that run has none (killed, or its
-    start is all that is left in the last 64 KiB) or the file cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            event = json.loads(line)
-        except ValueError:  # the chunk's cut first line, or a torn one
-            continue
-        if not isinstance(event, dict) or event.get("rank") != 0:
+def _last_run_end(run_dir: Path, run_id: str) -> dict[str, Any] | None:
+    """The ``end`` event of the last run in ``run_dir`` (rank 0's, whichever node it
+    ran on: the last 64 KiB of each node's events file, merged by time), before this
+    run (``run_id``); ``None`` when that run has none (killed, or its start is all that
+    is left in those bytes) or nothing can be read."""
+    for event in reversed(read_events(run_dir, tail_bytes=65536)):
+        if event.get("rank") != 0:
             continue
         if event.get("kind") == "end":
             return event

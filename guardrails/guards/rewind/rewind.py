@@ -165,7 +165,9 @@ class Rewind(Component):
         self._wanted: tuple[str, int, dict[str, Any], int] | None = None
         # The job's store for the posts (side_store("rewind")), None in one process.
         self._store: Any = None
-        # Checkpoints a rewind could not use (damaged, another model): not tried again.
+        # Checkpoints a rewind could not use (damaged, another model), and those it
+        # went back to once: not tried again. Issue 52: a forged checkpoint that loads
+        # diverges again, and the next rewind went back into it.
         self._refused: set[str] = set()
         # The snapshot step the last rewind went back to (-1: none): trouble seen again
         # before a newer snapshot is taken means that one holds it (see _limit).
@@ -360,8 +362,9 @@ class Rewind(Component):
 
     def _on_disk(self, start: int) -> Path | None:
         """The fallback when no snapshot is older than step ``start``: the newest of
-        this run's checkpoints (the checkpointer's periodic saves) from before it,
-        committed and readable, not refused already; ``None`` if none."""
+        this run's checkpoints (the checkpointer's periodic saves) from before it that
+        passes the checks a resume applies (``restore.problem``: no link, every byte
+        hashed, every file's content), not refused or used already; ``None`` if none."""
         ck = self._guard.component("checkpoint")
         run = getattr(ck, "run_id", None)
         if ck is None or not run:
@@ -371,10 +374,15 @@ class Rewind(Component):
             if step >= start or str(path) in self._refused or not path.name.startswith("step_"):
                 continue
             try:
-                if restore.saved_run(path).get("id") == run:
-                    return path
-            except Exception:  # an unreadable manifest: not this one
+                if restore.saved_run(path).get("id") != run:
+                    continue
+                problem = restore.problem(path)
+            except Exception:  # an unreadable manifest, a newer format: not this one
                 continue
+            if problem is None:
+                return path
+            self._refused.add(str(path))
+            self._guard.event("rewind_checkpoint_invalid", level="warning", message=problem)
         return None
 
     def _agreed_checkpoint(self, guard: Guard, start: int) -> Path | None:
@@ -447,11 +455,11 @@ class Rewind(Component):
             why = "no checkpoint of this run from before it either"
             to_step = -1
             if path is not None:
+                self._refused.add(str(path))  # used once: never twice (see _refused)
                 try:
                     to_step, position = self._restore_checkpoint(guard, path)
                     source = str(path)
                 except GuardrailsError as e:  # checked before anything was touched
-                    self._refused.add(str(path))
                     why = f"the checkpoint from before it, {path}, could not be used: {e}"
             if to_step < 0:
                 oldest = min(s.step for s in self._slots)
