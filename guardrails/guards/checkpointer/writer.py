@@ -26,7 +26,7 @@ from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.manifest import highest_seq
 from guardrails.checkpoint.tier import LocalTier
 from guardrails.distributed import store as _store
-from guardrails.engine import model
+from guardrails.engine import ddp_buckets, model
 from guardrails.guards.checkpointer.local import Drain
 from guardrails.util import files as _perms
 from guardrails.util import storage
@@ -371,11 +371,9 @@ class CheckpointWriter:
         components = {
             c.name: state for c in guard.components if (state := c.state_dict()) is not None
         }
-        state = {
-            "step": guard.step,
-            "data": position,
-            "components": components,
-        }
+        state = {"step": guard.step, "data": position, "components": components}
+        if (buckets := ddp_buckets.saved_layout(guard.model)) is not None:
+            state["ddp_buckets"] = buckets  # a DDP resume's first step reduces with them
         names = stage.param_names(bare) if per_rank and not is_sharded else None
         stage.stage_rank(
             self._rank,
