@@ -18,14 +18,21 @@ big bucket (``bucket_cap_mb=1000``: the rebuild still reorders it) and with
 
 **What.** :func:`saved_layout` reads the buckets DDP reduces with (the parameter
 indices of each, in DDP's reducer order) from DDP's own logging data
-(``_get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]``, a few strings copied;
-only at a save). :func:`restore_layout` gives a resumed DDP a fresh reducer whose buckets
-are those, before its first step: DDP's own ``_ddp_init_helper`` is run again (as DDP's
+(``_get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]``, a few strings
+copied), once per reducer: the writer asks between steps until it is known
+(:func:`read_ahead`, from the boundary of step 1 to that of step 3, where DDP has logged
+its rebuild), since the read takes the reducer's lock, which a loop stuck in DDP's
+backward holds (its ``finalize_backward`` waits for the all-reduce under it): a
+failure save from the watchdog's thread then finds it known, where reading it cost
+that save a second and found nothing. Every save writes it in each rank's
+``rankNNNNN.json`` (``ddp_buckets``). At resume, :func:`restore_everywhere` gives every
+rank rank 0's, and :func:`restore_layout` gives DDP a fresh reducer whose buckets are
+those, before its first step: DDP's own ``_ddp_init_helper`` run again (as DDP's
 ``__setstate__`` does to rebuild its reducer) with its bucket assignment replaced for
 that one call by the saved one, then the comm hooks and ``static_graph`` of the old
-reducer are put on the new one. Nothing changes for an uninterrupted run: it never
-gets here. The new reducer rebuilds after its first backward, as every reducer does,
-into the same buckets (the same gradients become ready in the same order).
+reducer put on the new one. Nothing changes for an uninterrupted run: it never gets
+here. The new reducer rebuilds after its first backward, as every reducer does, into
+the same buckets (the same gradients become ready in the same order).
 
 Both lean on DDP's private API; where this torch lacks a piece (:data:`_NEEDS`), or a
 DDP uses what a second reducer would not carry over (a built-in comm hook, mixed
@@ -104,6 +111,14 @@ def saved_layout(model: nn.Module) -> list[list[int]] | None:
     if layout is not None:
         _known[ddp] = (reducer, layout)
     return layout
+
+
+def read_ahead(model: nn.Module) -> bool:
+    """Read the buckets of the DDP in ``model`` now, on the loop's thread between steps,
+    so that a save from another thread later (a failure save while the loop is stuck in
+    DDP's backward, holding the lock the read takes) has them. Whether there is nothing
+    left to read: no DDP, or its buckets are known."""
+    return find_ddp(model) is None or saved_layout(model) is not None
 
 
 def _read(ddp: nn.parallel.DistributedDataParallel) -> str | None:

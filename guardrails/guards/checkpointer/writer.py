@@ -218,8 +218,9 @@ class CheckpointWriter:
         first save paid for pinning its whole state (5.9 s of stall at 10 GB, H200; 4.1 to
         4.6 s of a SIGTERM's 12.4-12.9 s to exit with no periodic saves, H100).
         ``background_saves``: periodic saves written in the thread are on."""
-        if guard.step >= 1:
-            self.staging_planned = True  # the optimizer's state appears at its first step
+        if guard.step >= 1:  # the optimizer's state appears at its first step; DDP logs its
+            # rebuilt buckets in its third (read here, on the loop's thread: ddp_buckets.py)
+            self.staging_planned = ddp_buckets.read_ahead(guard.model) or guard.step >= 3
         bare = model.unwrap(guard.model)
         if self._sharded:
             # A signal's sharded save writes from the live shards (no staging); a
