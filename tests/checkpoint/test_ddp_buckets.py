@@ -7,12 +7,16 @@ uninterrupted run (``benchmarks/ddp_resume_bits.py``: 14 of 14 tensors differed)
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _ranks import launch_torchrun
+from _ranks import free_port, launch_torchrun, patience
 from conftest import read_events
+
+from guardrails.checkpoint.schema import Bad, check_rank_state
 
 WORKER = Path(__file__).resolve().parents[1] / "ddpbits_worker.py"
 RANKS = 4
@@ -69,3 +73,76 @@ def test_a_sigterm_resume_at_4_ranks_is_bitwise_the_uninterrupted_run(tmp_path, 
     assert [e["step"] for e in read_events(run_dir) if e["kind"] == "resumed"] == [step] * RANKS
     assert _differ(tmp_path / "straight.pt", tmp_path / "stopped.pt") == []
     assert _differ(tmp_path / "plain.pt", tmp_path / "stopped.pt") == []
+
+
+ONE_RANK = """
+import logging, os, sys
+import torch, torch.distributed as dist
+from torch import nn
+sys.path.insert(0, {root!r})
+from ddpbits_worker import build
+from guardrails.engine import ddp_buckets
+
+logging.basicConfig(level=logging.DEBUG, format="%(message)s")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+dist.init_process_group("gloo", rank=0, world_size=1)
+
+def layout(ddp):
+    params = ddp._build_params_for_reducer()[0]
+    index = {{id(p): i for i, p in enumerate(params)}}
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    return [[index[id(p)] for p in b.parameters()] for b in buckets]
+
+def step(ddp):
+    ddp(torch.ones(8, 64)).sum().backward()
+
+_, ddp, _ = build(hook=False)
+assert ddp_buckets.saved_layout(ddp) is None  # not rebuilt yet
+for _ in range(3):
+    step(ddp)
+saved = ddp_buckets.saved_layout(ddp)
+assert saved == layout(ddp) and len(saved) == 3, saved
+print("read", saved)
+
+_, fresh, _ = build(hook=True)
+assert len(layout(fresh)) == 1  # construction's one bucket
+assert not ddp_buckets.restore_layout(fresh, [[0, 1], [1]])  # an index twice: refused
+assert ddp_buckets.restore_layout(fresh, saved)
+assert layout(fresh) == saved and ddp_buckets.saved_layout(fresh) == saved
+assert fresh._get_ddp_logging_data()["comm_hook"] == "allreduce_hook"
+step(fresh)
+step(fresh)  # the new reducer rebuilt into the same buckets; the hook still reduces
+assert layout(fresh) == saved
+print("restored")
+
+_, builtin, _ = build(hook=False)
+builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+assert not ddp_buckets.restore_layout(builtin, saved)
+print("builtin left alone")
+dist.destroy_process_group()
+"""
+
+
+def test_the_buckets_read_and_given_back_on_one_rank(tmp_path):
+    """A real 1-rank gloo DDP: its rebuilt buckets read once its third forward logged
+    them; a fresh DDP given them reduces in them from its first step, keeps its comm
+    hook, and rebuilds into the same; a layout naming an index twice, or a DDP with a
+    built-in comm hook (a new reducer would drop it), is left alone, with a debug line."""
+    code = ONE_RANK.format(root=str(WORKER.parent), port=str(free_port()))
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=patience(120)
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "restored" in run.stdout and "builtin left alone" in run.stdout, run.stdout
+    assert "does not cover this DDP's 14 parameters once each" in run.stderr, run.stderr
+    assert "a built-in comm hook" in run.stderr, run.stderr
+
+
+def test_the_schema_refuses_a_parameter_in_two_buckets():
+    """``ddp_buckets`` in a rank's JSON: lists of parameter indices, each index once."""
+    check_rank_state({"rng": {}, "ddp_buckets": [[2, 1], [0]]}, 0, None)
+    check_rank_state({"rng": {}, "ddp_buckets": None}, 0, None)
+    with pytest.raises(Bad, match=r"ddp_buckets\[1\]\[0\].*in an earlier bucket too"):
+        check_rank_state({"rng": {}, "ddp_buckets": [[0, 1], [1]]}, 0, None)
+    with pytest.raises(Bad, match=r"ddp_buckets\[0\]\[0\].*not an integer"):
+        check_rank_state({"rng": {}, "ddp_buckets": [["0"]]}, 0, None)
