@@ -4,10 +4,11 @@ steps; rank 0 can SIGTERM itself after step ``--sigterm-at``. Rank 0 writes the 
 weights to OUT (``torch.save`` of the bare model's state dict).
 
     torchrun --nproc-per-node 4 tests/ddpbits_worker.py RUN_DIR OUT [--plain]
-        [--steps N] [--every K] [--sigterm-at S] [--hook]
+        [--steps N] [--every K] [--sigterm-at S] [--hook] [--static-graph]
 
 ``--hook`` registers DDP's own ``allreduce_hook`` before the guard (a reducer given back
-its buckets at resume must carry the hook over).
+its buckets at resume must carry the hook over); ``--static-graph`` builds DDP with
+``static_graph=True`` (its first iteration reduces every bucket at the end).
 """
 
 from __future__ import annotations
@@ -32,13 +33,17 @@ WIDTH = 64
 BUCKET_CAP_MB = 0.02
 
 
-def build(hook: bool) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+def build(
+    hook: bool, static_graph: bool = False
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(6):
         layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
     bare = nn.Sequential(*layers, nn.Linear(WIDTH, 1))
-    model = nn.parallel.DistributedDataParallel(bare, bucket_cap_mb=BUCKET_CAP_MB)
+    model = nn.parallel.DistributedDataParallel(
+        bare, bucket_cap_mb=BUCKET_CAP_MB, static_graph=static_graph
+    )
     if hook:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -63,10 +68,11 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--sigterm-at", type=int, default=-1)
     p.add_argument("--hook", action="store_true")
+    p.add_argument("--static-graph", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    bare, model, opt = build(args.hook)
+    bare, model, opt = build(args.hook, args.static_graph)
     data = loader(args.steps)
     if args.plain:
         for x, y in data:
