@@ -1,10 +1,12 @@
 """A DDP loop with several gradient buckets, for tests/checkpoint/test_ddp_buckets.py,
 run by torchrun (4 gloo ranks): plain, or guarded with a checkpoint every ``--every``
-steps; rank 0 can SIGTERM itself after step ``--sigterm-at``. Rank 0 writes the final
+steps; rank 0 can SIGTERM itself after step ``--sigterm-at``, the last rank can sleep
+after step ``--hang-at`` (the others then wait in DDP's all-reduce: a hang, each rank's
+failure save written from the watchdog's thread). Rank 0 writes the final
 weights to OUT (``torch.save`` of the bare model's state dict).
 
     torchrun --nproc-per-node 4 tests/ddpbits_worker.py RUN_DIR OUT [--plain]
-        [--steps N] [--every K] [--sigterm-at S] [--hook] [--static-graph]
+        [--steps N] [--every K] [--sigterm-at S] [--hang-at S] [--hook] [--static-graph]
 
 ``--hook`` registers DDP's own ``allreduce_hook`` before the guard (a reducer given back
 its buckets at resume must carry the hook over); ``--static-graph`` builds DDP with
@@ -17,6 +19,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +70,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--sigterm-at", type=int, default=-1)
+    p.add_argument("--hang-at", type=int, default=-1)
     p.add_argument("--hook", action="store_true")
     p.add_argument("--static-graph", action="store_true")
     args = p.parse_args()
@@ -83,8 +87,13 @@ def main() -> None:
         # The ranks agree on the stop at the step after the signal, not a second later
         # (past the run's end: its steps take milliseconds).
         checkpoint = {"every_n_steps": args.every, "agree_every_s": 1e-6}
-        with guardrails.guard(model, opt, data, run_dir=args.run_dir, checkpoint=checkpoint) as g:
+        watchdog = {"hang_timeout_s": 5}
+        with guardrails.guard(
+            model, opt, data, run_dir=args.run_dir, checkpoint=checkpoint, watchdog=watchdog
+        ) as g:
             for x, y in g:
+                if g.step == args.hang_at and rank == dist.get_world_size() - 1:
+                    time.sleep(3600)
                 opt.zero_grad()
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()

@@ -76,6 +76,32 @@ def test_a_sigterm_resume_at_4_ranks_is_bitwise_the_uninterrupted_run(tmp_path, 
     assert _differ(tmp_path / "plain.pt", tmp_path / "stopped.pt") == []
 
 
+@pytest.mark.slow(reason="4 gloo ranks under torchrun, three times, one of them a hang")
+def test_a_hangs_failure_save_at_4_ranks_resumes_bitwise(tmp_path):
+    """Issue 50's recovery at 4 ranks: the last rank stuck after step 7, the others
+    blocked in DDP's all-reduce (inside its backward, holding the reducer's lock). Each
+    rank's failure save, from the watchdog's thread, holds the buckets read ahead (not
+    waited for: the lock is held); the same command again ends bitwise the uninterrupted
+    run."""
+    flags = ["--steps", 12, "--every", 100]  # no periodic save: the failure save alone
+    code, text = _torchrun(tmp_path, "straight", *flags)
+    assert code == 0, text[-3000:]
+    code, text = _torchrun(tmp_path, "failed", *flags, "--hang-at", 7)
+    assert code != 0
+    run_dir = tmp_path / "failed.run"
+    saved = [e for e in read_events(run_dir) if e["kind"] == "failure_saved"]
+    assert len(saved) == RANKS and all(e["complete"] for e in saved), (saved, text[-3000:])
+    assert {e["step"] for e in saved} == {7}
+    assert all(e["seconds"] < 1 for e in saved if e["rank"] == 0), saved  # no read waited out
+    ckpt = run_dir / "checkpoints" / f"step_{7:09d}"
+    ranks = [json.loads((ckpt / f"rank{r:05d}.json").read_text()) for r in range(RANKS)]
+    layouts = [state.get("ddp_buckets") for state in ranks]
+    assert layouts[0] is not None and layouts == [layouts[0]] * RANKS, layouts
+    code, text = _torchrun(tmp_path, "failed", *flags)
+    assert code == 0, text[-3000:]
+    assert _differ(tmp_path / "straight.pt", tmp_path / "failed.pt") == []
+
+
 ONE_RANK = """
 import logging, os, sys
 import torch, torch.distributed as dist
