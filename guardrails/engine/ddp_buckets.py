@@ -34,7 +34,8 @@ reducer put on the new one. Nothing changes for an uninterrupted run: it never g
 here. The new reducer rebuilds after its first backward, as every reducer does, into
 the same buckets (the same gradients become ready in the same order).
 
-Both lean on DDP's private API; where this torch lacks a piece (:data:`_NEEDS`), or a
+Both lean on DDP's private API (written against torch 2.13; its pieces are checked by
+name and signature, not by version number); where this torch lacks one (:data:`_NEEDS`), or a
 DDP uses what a second reducer would not carry over (a built-in comm hook, mixed
 precision, the Python reducer, an optimizer in backward), nothing is done and one
 debug line says why: the resume is then exactly what it was before.
