@@ -41,7 +41,9 @@ committed step::
                                 "cuda:0"} (the device when not the CPU)
         extras.safetensors      the extras' tensors, when they hold any
         rank00000.json          each rank's own state: python and numpy RNG, the data
-        rank00000.safetensors   position, the guard's state; torch CPU and CUDA RNG
+        rank00000.safetensors   position, the guard's state, DDP's rebuilt buckets
+                                ("ddp_buckets", given back at resume:
+                                engine/ddp_buckets.py); torch CPU and CUDA RNG
         rank00001.* ...         (one pair per rank)
         rank00000.optimizer.*   optimizer state that differs per rank (a
                                 ZeroRedundancyOptimizer's shard), one set per rank

@@ -275,8 +275,8 @@ def _rank_check(doc: Any, *, rank: int, header: Mapping[str, Any] | None) -> Non
 def check_rank_state(doc: Any, rank: int, header: Mapping[str, Any] | None) -> None:
     """A ``rank<R>.json``: ``rank``, the RNG streams, the guard's ``step``, the data
     position (``data``: kind, epoch, batch_in_epoch, sampler_epoch; the tensors it
-    references in ``rank<R>.safetensors``, ``header``) and the components' state (an
-    object each)."""
+    references in ``rank<R>.safetensors``, ``header``), the components' state (an
+    object each) and DDP's buckets (``ddp_buckets``: lists of parameter indices)."""
     doc = _mapping(doc, "")
     if "rank" in doc:
         got = _int(doc["rank"], "rank", high=2**31)
@@ -317,6 +317,13 @@ def check_rank_state(doc: Any, rank: int, header: Mapping[str, Any] | None) -> N
         for name, state in _mapping(doc["components"], "components").items():
             if state is not None:
                 _mapping(state, _key("components", name))
+    if doc.get("ddp_buckets") is not None:  # DDP's buckets: parameter indices, each once
+        seen: set[int] = set()
+        for b, bucket in enumerate(_list(doc["ddp_buckets"], "ddp_buckets")):
+            for i, index in enumerate(_list(bucket, f"ddp_buckets[{b}]")):
+                if _int(index, f"ddp_buckets[{b}][{i}]", high=2**31) in seen:
+                    raise Bad(f"ddp_buckets[{b}][{i}]", f"is {index}, in an earlier bucket too")
+                seen.add(index)
 
 
 def check_rng(rng: Any, field: str) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from guardrails._errors import CheckpointError, GuardrailsError, ResumeError
 from guardrails.checkpoint import commit, manifest, read, restore, tier
 from guardrails.engine import data as _data
-from guardrails.engine import model
+from guardrails.engine import ddp_buckets, model
 from guardrails.metrics.events import read_events, to_console
 
 if TYPE_CHECKING:
@@ -216,6 +216,11 @@ class ResumeAtStart:
         with guard.quiet():  # a sharded load may step the optimizer to create its state
             out = restore.apply(plan)
         rank_state, tensors = out["rank_state"], out["rank_tensors"]
+        # DDP reduces the next step in the buckets the saved run had: bitwise, as that run
+        ddp_buckets.restore_everywhere(
+            guard.model, rank_state.get("ddp_buckets"), store=guard.side_store("checkpoint"),
+            rank=guard.rank, world=guard.world_size,
+        )  # fmt: skip
         position = rank_state.get("data")
         if position is not None and "loader" in rank_state:  # format 2 kept it beside
             position = {**position, "loader": rank_state["loader"]}

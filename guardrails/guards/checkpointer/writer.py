@@ -26,7 +26,7 @@ from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.manifest import highest_seq
 from guardrails.checkpoint.tier import LocalTier
 from guardrails.distributed import store as _store
-from guardrails.engine import model
+from guardrails.engine import ddp_buckets, model
 from guardrails.guards.checkpointer.local import Drain
 from guardrails.util import files as _perms
 from guardrails.util import storage
@@ -218,8 +218,9 @@ class CheckpointWriter:
         first save paid for pinning its whole state (5.9 s of stall at 10 GB, H200; 4.1 to
         4.6 s of a SIGTERM's 12.4-12.9 s to exit with no periodic saves, H100).
         ``background_saves``: periodic saves written in the thread are on."""
-        if guard.step >= 1:
-            self.staging_planned = True  # the optimizer's state appears at its first step
+        if guard.step >= 1:  # the optimizer's state appears at its first step; DDP logs its
+            # rebuilt buckets in its third (read here, on the loop's thread: ddp_buckets.py)
+            self.staging_planned = ddp_buckets.read_ahead(guard.model) or guard.step >= 3
         bare = model.unwrap(guard.model)
         if self._sharded:
             # A signal's sharded save writes from the live shards (no staging); a
@@ -371,11 +372,9 @@ class CheckpointWriter:
         components = {
             c.name: state for c in guard.components if (state := c.state_dict()) is not None
         }
-        state = {
-            "step": guard.step,
-            "data": position,
-            "components": components,
-        }
+        state = {"step": guard.step, "data": position, "components": components}
+        if (buckets := ddp_buckets.saved_layout(guard.model)) is not None:
+            state["ddp_buckets"] = buckets  # a DDP resume's first step reduces with them
         names = stage.param_names(bare) if per_rank and not is_sharded else None
         stage.stage_rank(
             self._rank,
