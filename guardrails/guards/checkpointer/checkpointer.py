@@ -520,18 +520,9 @@ class SignalCheckpointer(Component):
             with guard.pause_watchdog("checkpoint"):
                 failure.run(guard, exc, from_thread=False)
             saved = failure.outcome["path"] if failure.outcome["complete"] else None  # type: ignore[index]
-        name, first = signal.Signals(signum).name, (str(exc).splitlines() or [""])[0]
-        ended = f"saved step {guard.step} to {saved} first" if saved else "exited without a"
-        ended += "." if saved else f" checkpoint; {self._last_checkpoint()}."
-        guard.replace_error(
-            process.stop_exit(
-                128 + signum,
-                f"{name} received at step {guard.step}; before the ranks could agree to "
-                f"stop and save, this rank failed with {type(exc).__name__}: {first} "
-                f"(another rank ending on the same signal, or a peer's death the launcher "
-                f"answered with it): {ended}",
-            )
-        )
+        name = signal.Signals(signum).name
+        last = self._last_checkpoint()
+        guard.replace_error(workers.teardown_exit(guard.step, signum, exc, saved=saved, last=last))
         if saved is None:
             workers.say_nothing_saved(guard, name, exc, latest=self.writer.latest_text())  # type: ignore[union-attr]
 

@@ -34,6 +34,7 @@ import torch.multiprocessing
 from torch.utils.data import DataLoader
 
 from guardrails.distributed import dist
+from guardrails.engine import process
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -141,6 +142,25 @@ def worker_died(error: BaseException) -> bool:
     """Whether ``error`` is a DataLoader's for one of its workers gone ("DataLoader
     worker (pid N) is killed by signal: ...", "... exited unexpectedly")."""
     return isinstance(error, RuntimeError) and "DataLoader worker" in str(error)
+
+
+def teardown_exit(
+    step: int, signum: int, exc: BaseException, *, saved: str | None, last: str
+) -> SystemExit:
+    """The exit of a rank that failed after a stop signal, before the ranks agreed to
+    stop: the signal's code, what failed, and where its failure save went (``saved``)
+    or which checkpoint stays the latest (``last``)."""
+    first = (str(exc).splitlines() or [""])[0]
+    ended = (
+        f"saved step {step} to {saved} first." if saved else f"exited without a checkpoint; {last}."
+    )
+    return process.stop_exit(
+        128 + signum,
+        f"{signal.Signals(signum).name} received at step {step}; before the ranks could agree "
+        f"to stop and save, this rank failed with {type(exc).__name__}: {first} (another "
+        f"rank ending on the same signal, or a peer's death the launcher answered with it): "
+        f"{ended}",
+    )
 
 
 def say_nothing_saved(guard: Guard, name: str, exc: BaseException, *, latest: str) -> None:
