@@ -33,7 +33,7 @@ COMMANDS = {
     ),
     "report": (
         "guardrails.cli.report",
-        "a run's story from metrics.parquet and events.jsonl, and a PNG",
+        "a run's story from metrics.parquet and the events files, and a PNG",
     ),
     "run": ("guardrails.run", "run a training script (no main() needed) under @guardrails.record"),
     "stacks": (

@@ -2,7 +2,7 @@
 
 Loss, grad-norm, LR and tokens/sec tell which family of failure a run is in before you
 dig. After a run (or a crash) the answers are in ``run_dir/metrics.parquet`` and
-``run_dir/events.jsonl``, spread over parquet parts and JSON lines; this command reads
+``run_dir/events.<host>.jsonl``, spread over parquet parts and JSON lines; this command reads
 both and prints what happened, in order of what a post-mortem asks first: how far it
 got and how it ended, how fast, did it learn, what was skipped and why (the NaN
 diagnoses), where time went (GC, data wait) and what was warned about. It also draws
@@ -43,7 +43,7 @@ from guardrails.metrics.file import METRICS_DIR
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "report",
-        help="a run's story from metrics.parquet and events.jsonl, and a PNG",
+        help="a run's story from metrics.parquet and the events files, and a PNG",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         epilog="A run that continued another after a failure also shows each restart (its "
         "cause, the time from the fault to training again, the steps redone) and the job's "

@@ -100,7 +100,7 @@ def _speed_lines(s: dict[str, Any]) -> list[str]:
         lines.append(
             "  fast path    "
             + "; ".join(_ADVICE[k] for k in s["advice"])
-            + " (each with its fix in events.jsonl)"
+            + " (each with its fix in the events files, events.*.jsonl)"
         )
     return lines
 
