@@ -100,9 +100,10 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def average_grads(model: nn.Module) -> None:
     """Every gradient summed across ranks, one all-reduce each, in parameter order: the same
-    sums in the same order at every step of every attempt. DDP's buckets are rebuilt after an
-    attempt's first step, so a resumed DDP run sums some gradients in another order than an
-    uninterrupted one at the same step, and is not bitwise equal to it (plain or guarded)."""
+    sums in the same order at every step of every attempt, in both arms. DDP's buckets are
+    rebuilt after an attempt's first step, so the plain arm's resumed DDP run would sum some
+    gradients in another order than an uninterrupted one (guardrails' resume gives the
+    saved buckets back)."""
     world = dist.get_world_size()
     for p in model.parameters():
         dist.all_reduce(p.grad)
@@ -131,10 +132,15 @@ def one_step(a, net, opt, step, rank, faults, log) -> tuple[bool, bool, float]:
     dist.all_reduce(both)
     if a.arm == "plain" and not torch.isfinite(both[0]):
         raise FloatingPointError(f"loss is {both[0].item()} at step {step}")
+    # The rest of a GPU-bound step, before the gradients' all-reduce: a real step's time
+    # is its forward and backward, the all-reduce ends with the backward (DDP overlaps
+    # them), and the update is a few percent. Paced after the all-reduce instead, most
+    # kills landed between a rank's last collective and its step boundary, a window a
+    # real step barely has.
+    time.sleep(max(0.0, a.step_s - (time.time() - t0)))
     loss.backward()
     if a.sync == "allreduce":
         average_grads(net)
-    time.sleep(max(0.0, a.step_s - (time.time() - t0)))  # the rest of a GPU-bound step
     opt.step()  # under guardrails, a non-finite step is skipped here (g.step stays)
     opt.zero_grad(set_to_none=True)
     return bool(both[1] > 0), nan, time.time() - t0
