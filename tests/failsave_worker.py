@@ -94,7 +94,9 @@ def main() -> None:
         data, batch_size=8, shuffle=sampler is None, sampler=sampler
     )
     faulty = args.rank in (-1, rank)
-    (run_dir / f"pid{rank}").write_text(str(os.getpid()))  # for term_then_kill
+    if args.fault == "term_then_kill":  # the faulty rank signals the others by pid
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / f"pid{rank}").write_text(str(os.getpid()))
     seen: dict[int, float] = {}  # the batch each step trained on, by the step it made
     checkpoint = {"failure_save_timeout_s": args.save_timeout_s}
     if args.every:  # written before training goes on: committed before any fault

@@ -269,7 +269,9 @@ def restart(prev: Attempt, new: Attempt) -> dict[str, Any]:
         "steps_redone": max(0, prev.last_step - new.resumed_step),
         "failure_saved": None
         if saved is None
-        else {k: saved.get(k) for k in ("path", "step", "seconds", "rank", "missing", "why")},
+        else {
+            k: saved.get(k) for k in ("path", "step", "state", "seconds", "rank", "missing", "why")
+        },
         "process_started_from": next(
             (e.get("process_started_from") for e in new.starts if e.get("process_started_from")),
             "start event",

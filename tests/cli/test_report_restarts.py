@@ -89,7 +89,8 @@ def test_an_exception_then_a_resume_is_one_restart_with_its_times(tmp_path):
     assert (r["from_run"], r["to_run"]) == (1, 2)
     assert r["cause"]["kind"] == "error" and r["cause"]["error_type"] == "RuntimeError"
     assert r["cause"]["message"] == "RuntimeError: injected fault at step 30"
-    assert (r["last_step"], r["resumed_step"], r["steps_redone"]) == (30, 20, 10)
+    # Raised after step 30's update: the failure save keeps step 30, nothing is redone.
+    assert (r["last_step"], r["resumed_step"], r["steps_redone"]) == (30, 30, 0)
     for phase in PHASES:
         assert r[phase] is not None and r[phase] >= 0, (phase, r)
     assert r["detection_s"] == 0  # an exception is its own verdict
@@ -97,10 +98,10 @@ def test_an_exception_then_a_resume_is_one_restart_with_its_times(tmp_path):
     assert r["to_training_s"] == pytest.approx(sum(r[p] for p in PHASES), abs=1e-6)
     assert r["process_started_from"] == "/proc/self/stat"
     job = facts["job"]
-    assert job["attempts"] == 2 and job["runs"] == [1, 2] and job["steps_redone"] == 10
-    # Useful: steps 2-20 of run 1 (21-30 were redone) and 22-50 of run 2 (each
-    # attempt's first step holds its start-up).
-    assert job["useful_steps"] == 19 + 29
+    assert job["attempts"] == 2 and job["runs"] == [1, 2] and job["steps_redone"] == 0
+    # Useful: steps 2-30 of run 1 and 32-50 of run 2 (each attempt's first step holds
+    # its start-up).
+    assert job["useful_steps"] == 29 + 19
     assert 0 < job["goodput"] < 1
     assert job["useful_step_s"] == pytest.approx(job["goodput"] * job["wall_s"])
 
@@ -108,10 +109,10 @@ def test_an_exception_then_a_resume_is_one_restart_with_its_times(tmp_path):
     assert "  restarts     1 in 2 attempts (runs 1-2); goodput " in text, text
     assert (
         "    run 1 -> 2: RuntimeError: injected fault at step 30 (rank 0, step 30); "
-        "no failure save (the failure came inside optimizer.step() or after it" in text
-    )  # raised after opt.step(): the live weights are past the last finished step
-    assert r["failure_saved"]["path"] is None
-    assert "; 10 step(s) redone (step 30 reached, resumed at 20)" in text
+        "failure save at step 30 in " in text
+    ), text
+    assert r["failure_saved"]["path"].endswith("step_000000030")
+    assert r["failure_saved"]["state"] == "after_update"
 
 
 @pytest.mark.slow(reason="two training processes: a clean run, then one extending it")
@@ -178,8 +179,9 @@ DDP_WORKER = textwrap.dedent(
 
 @pytest.mark.slow(reason="two torchrun jobs of 2 gloo ranks: a failing rank, then a requeue")
 def test_a_two_rank_torchrun_job_requeued_after_a_rank_failed(tmp_path):
-    """Rank 1 raises after step 30; rank 0 sees it fail. The same torchrun command
-    again (a requeue) resumes both ranks at step 20."""
+    """Rank 1 raises after step 30's update; rank 0 sees it fail, waiting in step 31's
+    all-reduce. Both save step 30 (rank 1 after its update, rank 0 before its next one),
+    and the same torchrun command again (a requeue) resumes both ranks there."""
     from _ranks import torchrun
 
     script = tmp_path / "ddp.py"
@@ -199,7 +201,7 @@ def test_a_two_rank_torchrun_job_requeued_after_a_rank_failed(tmp_path):
     (r,) = facts["restarts"]
     assert r["cause"]["message"] == "RuntimeError: injected fault on rank 1 at step 30"
     assert (r["cause"]["rank"], r["fault_is"]) == (1, "error")
-    assert (r["last_step"], r["resumed_step"], r["steps_redone"]) == (30, 20, 10)
+    assert (r["last_step"], r["resumed_step"], r["steps_redone"]) == (30, 30, 0)
     for phase in PHASES:
         assert r[phase] is not None and r[phase] >= 0, (phase, r)
     assert 0 < facts["job"]["goodput"] < 1

@@ -64,9 +64,11 @@ def test_a_healthy_rank_makes_the_same_store_calls_at_2_and_6_ranks(tmp_path):
             assert calls <= 1.0 + 1.0 / 3 + 0.1, (world, r, calls)
         for r, (calls, _) in _per_rank(res, "steady", "watchdog").items():
             assert calls < 0.2, (world, r, calls)
-        # The stop/save agreement: one compare_set a check (about one a second).
+        # The stop/save agreement: one compare_set a check (about one a second, at a
+        # step boundary: a window of ~3 s holds up to 5 by where it starts and how the
+        # steps fall; 1.51 a second seen on a loaded 2-core machine).
         for r, (calls, _) in _per_rank(res, "steady", "agree").items():
-            assert calls <= 1.5, (world, r, calls)
+            assert calls <= 1.0 + 2.0 / 3 + 0.1, (world, r, calls)
     # Flat: the busiest rank makes the same calls and moves the same bytes at 6 ranks
     # as at 2 (the auditor reads one neighbour's record whatever N, and no key is read
     # by every rank). The busiest, not the mean: the group's first rank has no

@@ -527,12 +527,13 @@ def test_tensorboard_every_n_steps_keeps_the_skipped_steps(tmp_path):
 
 def test_tensorboard_continues_the_step_axis_across_a_resume(tmp_path):
     """A run that fails at step 8 after a checkpoint at step 5, then resumed: its
-    steps 6-8 are logged twice, and TensorBoard shows the resumed run's (purge_step)."""
+    steps 6-8 are logged twice, and TensorBoard shows the resumed run's (purge_step).
+    (No failure save, which would keep step 8 and leave nothing to log twice.)"""
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
     knobs = {
         "log_to": "tensorboard",
         "metrics": {"every_n_steps": 2, "write_every_s": 0},
-        "checkpoint": {"every_n_steps": 5, "exit_on_signal": False},
+        "checkpoint": {"every_n_steps": 5, "exit_on_signal": False, "save_on_failure": False},
     }
     with pytest.raises(RuntimeError):
         train(tmp_path, 13, fail_at=8, **knobs)
