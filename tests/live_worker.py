@@ -3,6 +3,9 @@
     RANK=.. WORLD_SIZE=4 MASTER_ADDR=.. MASTER_PORT=.. python tests/live_worker.py \
         SCENARIO --out DIR [--steps N] [--step-sleep-s S] [--ranks-per-node K]
 
+Without torchrun's variables it is a single process (``python train.py``: no process
+group, no DDP), whose ``stuck`` sleeps in ``time.sleep`` as rank 1 does.
+
 Scenarios: ``healthy`` (trains ``--steps`` steps of ``--step-sleep-s`` each), ``stuck``
 (after FAULT_STEP steps rank 0, and every rank from 4 on, waits in an ``all_reduce``
 ranks 1-3 never join, rank 1
@@ -38,9 +41,10 @@ FAULT_STEP = 3
 def stuck(rank: int, out: Path) -> None:
     """Where each rank stays, for the stacks test (the line numbers are what it reads)."""
     (out / f"stuck{rank}").write_text(str(os.getpid()))
-    if rank == 0 or rank >= 4:
+    single = not dist.is_initialized()
+    if not single and (rank == 0 or rank >= 4):
         dist.all_reduce(torch.ones(3))  # LIVE-ALLREDUCE: ranks 1-3 never join
-    elif rank == 1:
+    elif single or rank == 1:
         time.sleep(3600)  # LIVE-SLEEP
     elif rank == 2:
         ctypes.CDLL(None).sleep(3600)  # LIVE-CCALL
@@ -60,15 +64,17 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", 0))
     if args.ranks_per_node:  # simulated nodes, as torchrun --nnodes numbers them
         k = args.ranks_per_node
         os.environ.update(
             LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k), GROUP_RANK=str(rank // k)
         )
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(Regressor())
+    model: nn.Module = Regressor()
+    if "WORLD_SIZE" in os.environ:  # launched as a rank; else a single process
+        dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = batches(args.steps, seed=rank)  # a list: the loader has a length (the ETA)
     with guardrails.guard(
