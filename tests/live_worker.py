@@ -4,7 +4,8 @@
         SCENARIO --out DIR [--steps N] [--step-sleep-s S] [--ranks-per-node K]
 
 Without torchrun's variables it is a single process (``python train.py``: no process
-group, no DDP), whose ``stuck`` sleeps in ``time.sleep`` as rank 1 does.
+group, no DDP), whose ``stuck`` sleeps as rank 1 does (``--alone-in sleep``) or as rank
+2 does (``--alone-in ccall``).
 
 Scenarios: ``healthy`` (trains ``--steps`` steps of ``--step-sleep-s`` each), ``stuck``
 (after FAULT_STEP steps rank 0, and every rank from 4 on, waits in an ``all_reduce``
@@ -38,15 +39,15 @@ import guardrails
 FAULT_STEP = 3
 
 
-def stuck(rank: int, out: Path) -> None:
+def stuck(rank: int, out: Path, *, alone_in: str) -> None:
     """Where each rank stays, for the stacks test (the line numbers are what it reads)."""
     (out / f"stuck{rank}").write_text(str(os.getpid()))
     single = not dist.is_initialized()
     if not single and (rank == 0 or rank >= 4):
         dist.all_reduce(torch.ones(3))  # LIVE-ALLREDUCE: ranks 1-3 never join
-    elif single or rank == 1:
+    elif rank == 1 or (single and alone_in == "sleep"):
         time.sleep(3600)  # LIVE-SLEEP
-    elif rank == 2:
+    elif rank == 2 or single:
         ctypes.CDLL(None).sleep(3600)  # LIVE-CCALL
     else:
         end = time.monotonic() + 3600
@@ -61,6 +62,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--step-sleep-s", type=float, default=0.1)
     p.add_argument("--ranks-per-node", type=int, default=0)
+    p.add_argument("--alone-in", choices=["sleep", "ccall"], default="sleep")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +92,7 @@ def main() -> None:
         for x, y in g:
             t0 = time.perf_counter()
             if g.step == FAULT_STEP and args.scenario == "stuck":
-                stuck(rank, out)
+                stuck(rank, out, alone_in=args.alone_in)
             if g.step == FAULT_STEP and args.scenario == "raise" and rank == 1:
                 raise ValueError("boom: a bug on rank 1 only")
             model(x, y).backward()

@@ -220,11 +220,16 @@ def test_a_single_process_run_shows_in_top_then_in_its_report(tmp_path):
     assert not list(Path("/dev/shm").glob(f"guardrails-live-{a['run_id']}-node*"))
 
 
-@pytest.mark.slow(reason="a real single process stuck in time.sleep, then stacks")
-def test_stacks_names_the_line_a_single_process_sleeps_on(tmp_path):
-    """Answered by the watchdog's thread while the main thread sleeps."""
+@pytest.mark.slow(reason="a real single process stuck in a sleep, then stacks")
+@pytest.mark.parametrize(
+    ("alone_in", "tag", "call"),
+    [("sleep", "LIVE-SLEEP", "time.sleep"), ("ccall", "LIVE-CCALL", "ctypes")],
+)
+def test_stacks_names_the_line_a_single_process_is_stuck_on(tmp_path, alone_in, tag, call):
+    """Answered by the watchdog's thread while the main thread sleeps, in Python or in
+    a C call."""
     run = tmp_path / "run"
-    job = start("stuck", 1, tmp_path)
+    job = start("stuck", 1, tmp_path, "--alone-in", alone_in)
     try:
         wait_for("the process stuck", lambda: (tmp_path / "stuck0").exists())
         wait_for("a snapshot", lambda: live.read_snapshot(run))  # its first tick (1 s)
@@ -238,7 +243,7 @@ def test_stacks_names_the_line_a_single_process_sleeps_on(tmp_path):
     assert got["missing"] == [] and list(got["ranks"]) == ["0"]
     assert got["ranks"]["0"]["threads"][0]["main"]
     assert text.returncode == 0, text.stdout
-    want = f"rank 0: at live_worker.py:{line_of('LIVE-SLEEP')} (stuck): time.sleep"
+    want = f"rank 0: at live_worker.py:{line_of(tag)} (stuck): {call}"
     assert want in text.stdout, text.stdout
 
 
