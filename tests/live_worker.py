@@ -3,6 +3,10 @@
     RANK=.. WORLD_SIZE=4 MASTER_ADDR=.. MASTER_PORT=.. python tests/live_worker.py \
         SCENARIO --out DIR [--steps N] [--step-sleep-s S] [--ranks-per-node K]
 
+Without torchrun's variables it is a single process (``python train.py``: no process
+group, no DDP), whose ``stuck`` sleeps as rank 1 does (``--alone-in sleep``) or as rank
+2 does (``--alone-in ccall``).
+
 Scenarios: ``healthy`` (trains ``--steps`` steps of ``--step-sleep-s`` each), ``stuck``
 (after FAULT_STEP steps rank 0, and every rank from 4 on, waits in an ``all_reduce``
 ranks 1-3 never join, rank 1
@@ -35,14 +39,15 @@ import guardrails
 FAULT_STEP = 3
 
 
-def stuck(rank: int, out: Path) -> None:
+def stuck(rank: int, out: Path, *, alone_in: str) -> None:
     """Where each rank stays, for the stacks test (the line numbers are what it reads)."""
     (out / f"stuck{rank}").write_text(str(os.getpid()))
-    if rank == 0 or rank >= 4:
+    single = not dist.is_initialized()
+    if not single and (rank == 0 or rank >= 4):
         dist.all_reduce(torch.ones(3))  # LIVE-ALLREDUCE: ranks 1-3 never join
-    elif rank == 1:
+    elif rank == 1 or (single and alone_in == "sleep"):
         time.sleep(3600)  # LIVE-SLEEP
-    elif rank == 2:
+    elif rank == 2 or single:
         ctypes.CDLL(None).sleep(3600)  # LIVE-CCALL
     else:
         end = time.monotonic() + 3600
@@ -57,18 +62,21 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--step-sleep-s", type=float, default=0.1)
     p.add_argument("--ranks-per-node", type=int, default=0)
+    p.add_argument("--alone-in", choices=["sleep", "ccall"], default="sleep")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", 0))
     if args.ranks_per_node:  # simulated nodes, as torchrun --nnodes numbers them
         k = args.ranks_per_node
         os.environ.update(
             LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k), GROUP_RANK=str(rank // k)
         )
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(Regressor())
+    model: nn.Module = Regressor()
+    if "WORLD_SIZE" in os.environ:  # launched as a rank; else a single process
+        dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = batches(args.steps, seed=rank)  # a list: the loader has a length (the ETA)
     with guardrails.guard(
@@ -84,7 +92,7 @@ def main() -> None:
         for x, y in g:
             t0 = time.perf_counter()
             if g.step == FAULT_STEP and args.scenario == "stuck":
-                stuck(rank, out)
+                stuck(rank, out, alone_in=args.alone_in)
             if g.step == FAULT_STEP and args.scenario == "raise" and rank == 1:
                 raise ValueError("boom: a bug on rank 1 only")
             model(x, y).backward()

@@ -55,8 +55,8 @@ def main(args: argparse.Namespace) -> int:
             + (
                 "every rank's last record says it ended."
                 if records
-                else f"no {live.LIVE_DIR}/node*.json (not started yet, a single process, or "
-                "not its run_dir)."
+                else f"no {live.LIVE_DIR}/node*.json (not started yet, run with "
+                "guard(watchdog=False), or not its run_dir)."
             )
         )
         return 2

@@ -7,8 +7,8 @@ shares, the main thread's CPU use (busy computing, or blocked: a collective, a s
 lock), the GPU's utilisation and memory where there is one, the rank's last event and
 the time since its last step; and a job line: tokens/s, goodput, the ETA to the end of
 the pass. It reads the files the ranks' watchdog threads write into ``RUN_DIR/live/``
-(``guards/watchdog/live.py``): reading them costs the job nothing. Distributed runs
-only (the watchdog section). No torch.
+(``guards/watchdog/live.py``): reading them costs the job nothing. A single process
+is a job of one rank; ``guard(watchdog=False)`` publishes nothing. No torch.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def main(args: argparse.Namespace) -> int:
     if not live.node_files(args.run_dir):
         print(
             f"guardrails top: no live snapshot in {args.run_dir} (no {live.LIVE_DIR}/node*.json): "
-            "the job has not started its guard yet, runs in a single process (the live view "
-            "comes with the watchdog, distributed runs only), or this is not its run_dir."
+            "the job has not started its guard yet, runs with guard(watchdog=False) (the "
+            "live view comes with the watchdog), or this is not its run_dir."
         )
         return 2
     tty = sys.stdout.isatty() and not (args.once or args.json)

@@ -5,7 +5,8 @@ The files (each written whole: a temporary name, then a rename, so a reader neve
 half of one):
 
 * ``live/node<K>.json``: node K's last snapshot, one record per rank of the node,
-  written by the node's lowest local rank (``guards/watchdog/live.py``);
+  written by the node's lowest local rank (``guards/watchdog/live.py``; a single
+  process: ``node0.json``, its one record);
 * ``live/stacks.request``: a request for every rank's stacks (``{"id", "time"}``),
   written by ``guardrails stacks``;
 * ``live/stacks/<id>/node<K>.json``: node K's answer, every thread's stack of every
@@ -62,7 +63,7 @@ def node_files(run_dir: str | os.PathLike[str]) -> list[Path]:
 def read_snapshot(run_dir: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     """Every rank's last published record, from every node's file: rank -> record,
     each with ``written`` (when its node file was written, ``time.time()``) and
-    ``node``. Empty when the job published nothing (not started, a single process, a
+    ``node``. Empty when the job published nothing (not started, its watchdog off, a
     guardrails without the live view). The newest run in ``run_dir`` wins a rank."""
     out: dict[int, dict[str, Any]] = {}
     for path in node_files(run_dir):

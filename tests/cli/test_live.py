@@ -1,6 +1,7 @@
 """The live view on real jobs (issue 51): ``guardrails top`` against a healthy job,
 ``guardrails stacks`` against ranks stuck in a collective, a sleep, a C call and a
-computing loop, ``report`` of a crashed run's last snapshot, and the store left alone.
+computing loop, ``report`` of a crashed run's last snapshot, and the store left alone;
+the same views of a single-process run.
 
 Each job is real processes (``tests/live_worker.py``), real gloo, real files; the
 commands run as a user runs them (``python -m guardrails ...``), from outside the job.
@@ -187,6 +188,63 @@ def test_a_watched_job_makes_no_store_call_for_the_live_view(tmp_path):
     assert nodes, "the live view published nothing"
     records = json.loads(nodes[0].read_text())["ranks"]
     assert sorted(map(int, records)) == [0, 1]
+
+
+@pytest.mark.slow(reason="a real single-process run for ~10 s, top twice, then report")
+def test_a_single_process_run_shows_in_top_then_in_its_report(tmp_path):
+    """The one-GPU run (``python train.py``: no torchrun, no process group) publishes
+    the live view from its watchdog thread: a node of one rank, advancing in ``top``,
+    and its last snapshot in the report once it finished."""
+    run = tmp_path / "run"
+    job = start("healthy", 1, tmp_path, "--steps", "150", "--step-sleep-s", "0.05")
+    try:
+        wait_for("a snapshot", lambda: live.read_snapshot(run))
+        first = cli("top", run, "--once", "--json")
+        time.sleep(3.0)  # more than the node file's period (2 s)
+        second = cli("top", run, "--once", "--json")
+        [result] = job.wait(timeout_s=120)
+    finally:
+        job.kill()
+    assert result.code == 0, result.text[-2000:]
+    assert first.returncode == second.returncode == 0, first.stdout + first.stderr
+    [a], [b] = json.loads(first.stdout)["ranks"], json.loads(second.stdout)["ranks"]
+    assert (a["rank"], a["node"], a["state"]) == (0, 0, "running"), a
+    assert b["step"] > a["step"] > 0, (a, b)
+    assert b["step_time_s"] > 0.05 and b["cpu"] is not None
+    assert json.loads(second.stdout)["job"]["ranks"] == 1
+    assert [p.name for p in live.node_files(run)] == ["node0.json"]
+    report = cli("report", run, "--no-png", "--json")
+    assert report.returncode == 0, report.stderr
+    snap = json.loads(report.stdout)["last_snapshot"]
+    assert [(r["state"], r["step"]) for r in snap["ranks"]] == [("closed", 150)], snap
+    assert not list(Path("/dev/shm").glob(f"guardrails-live-{a['run_id']}-node*"))
+
+
+@pytest.mark.slow(reason="a real single process stuck in a sleep, then stacks")
+@pytest.mark.parametrize(
+    ("alone_in", "tag", "call"),
+    [("sleep", "LIVE-SLEEP", "time.sleep"), ("ccall", "LIVE-CCALL", "ctypes")],
+)
+def test_stacks_names_the_line_a_single_process_is_stuck_on(tmp_path, alone_in, tag, call):
+    """Answered by the watchdog's thread while the main thread sleeps, in Python or in
+    a C call."""
+    run = tmp_path / "run"
+    job = start("stuck", 1, tmp_path, "--alone-in", alone_in)
+    try:
+        wait_for("the process stuck", lambda: (tmp_path / "stuck0").exists())
+        wait_for("a snapshot", lambda: live.read_snapshot(run))  # its first tick (1 s)
+        answer = cli("stacks", run, "--json")
+        text = cli("stacks", run)
+    finally:
+        job.kill()
+        remove_shared_memory(live.read_snapshot(run))
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    got = json.loads(answer.stdout)
+    assert got["missing"] == [] and list(got["ranks"]) == ["0"]
+    assert got["ranks"]["0"]["threads"][0]["main"]
+    assert text.returncode == 0, text.stdout
+    want = f"rank 0: at live_worker.py:{line_of(tag)} (stuck): {call}"
+    assert want in text.stdout, text.stdout
 
 
 def test_rank_lists_are_cut_into_runs():

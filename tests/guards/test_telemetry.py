@@ -202,6 +202,7 @@ def test_events_log(tmp_path):
         "gc",
         "memory",
         "nan",
+        "watchdog",  # a single process: its thread publishes the live view only
         "telemetry",
         "pace",
         "preflight",
@@ -241,6 +242,7 @@ def test_metrics_off_is_a_real_no_op(tmp_path):
         preflight=False,
         pace=False,
         efficiency={"advise": False, "count_flops": False, "host_syncs": False},
+        watchdog=False,  # a single process's live view
         resume=None,
     )
     assert g.components == []

@@ -10,16 +10,18 @@ speed claim; measured times are in the notes and RESULTS).
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from _ranks import Job, RankResult, launch, launch_torchrun, patience, wait_all
-from conftest import read_events
+from conftest import guarded_run, read_events
 
 import guardrails
 from guardrails.engine.process import EXIT_CODES
@@ -395,16 +397,45 @@ def test_torchrun_shows_our_message_as_root_cause(runs):
 # ---------------------------------------------------------------------- in process
 
 
-def test_not_installed_in_a_single_process(tmp_path):
-    model = torch.nn.Linear(4, 1)
-    g = guardrails.guard(model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path)
-    assert not any(isinstance(c, Watchdog) for c in g.components)
-    # Used alone in a single process it starts no thread and touches nothing.
-    wd = Watchdog(hang_timeout_s=1)
-    with guardrails.Guard(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), run_dir=tmp_path, components=[wd]
-    ):
-        assert wd._thread is None and wd.timeout_s is None
+def _watchdog_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("guardrails-watchdog")]
+
+
+def _shm_folders(run_id: str) -> list[Path]:
+    return list(Path("/dev/shm").glob(f"guardrails-live-{run_id}-node*"))
+
+
+def test_in_a_single_process_its_thread_runs_only_the_live_view(tmp_path):
+    """No peers to watch: no store, no timeout; its thread, started with the guard and
+    joined at its close, publishes the live view (rank 0 of 1, node 0)."""
+    seen: dict[str, object] = {}
+
+    def inside(g):
+        wd = g.component("watchdog")
+        seen.update(threads=_watchdog_threads(), timeout=wd.timeout_s, run_id=g.run_id)
+        seen["shm"] = _shm_folders(g.run_id)
+
+    guarded_run(tmp_path, 3, inside=inside)
+    assert [t.name for t in seen["threads"]] == ["guardrails-watchdog-rank0"]
+    assert seen["timeout"] is None and len(seen["shm"]) == 1
+    assert not any(t.is_alive() for t in seen["threads"])  # joined at close
+    assert not _shm_folders(seen["run_id"])  # the last (only) rank removed it
+    node = json.loads((tmp_path / "live" / "node0.json").read_text())
+    rec = node["ranks"]["0"]
+    assert rec["state"] == "closed" and rec["step"] == 3 and rec["world"] == 1
+
+
+def test_off_in_a_single_process_is_a_real_no_op(tmp_path):
+    """watchdog=False turns the live view off: no thread, no file, no shared memory."""
+    seen: dict[str, object] = {}
+
+    def inside(g):
+        seen.update(threads=_watchdog_threads(), shm=_shm_folders(g.run_id))
+
+    g = guarded_run(tmp_path, 3, inside=inside, watchdog=False)
+    assert g.component("watchdog") is None
+    assert seen == {"threads": [], "shm": []}
+    assert not (tmp_path / "live").exists()
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), "5", True])

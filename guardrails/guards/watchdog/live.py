@@ -1,5 +1,6 @@
 """The live view's publisher: what ``guardrails top`` and ``guardrails stacks`` read of a
-running job, written from the watchdog's thread (issue 51).
+running job, written from the watchdog's thread (issue 51); in a single process too,
+where that thread runs only this (rank 0 of 1: a node of one, its own gatherer).
 
 The training step pays nothing: the watchdog's thread, once a tick, reads the plain
 attributes the engine already publishes (``step``, the phases of the last step,
@@ -77,10 +78,13 @@ class LivePublisher:
     def __init__(self, guard: Guard, *, host: str, tick_s: float) -> None:
         rank, world = guard.rank, guard.world_size
         self.rank, self.world, self.host = rank, world, host
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % local_world) or 0)
+        # torchrun's numbering; a single process is its own node whatever its shell
+        # left in the environment (a LOCAL_RANK of a launcher it did not run under).
+        env = os.environ if world > 1 else {}
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world) or world)
+        local_rank = int(env.get("LOCAL_RANK", rank % local_world) or 0)
         first = rank - local_rank  # torchrun numbers a node's ranks in a row
-        self.node = int(os.environ.get("GROUP_RANK", first // max(1, local_world)) or 0)
+        self.node = int(env.get("GROUP_RANK", first // max(1, local_world)) or 0)
         self.node_ranks = range(first, min(world, first + local_world))
         self.leader = local_rank == 0
         nodes = math.ceil(world / max(1, local_world))

@@ -9,10 +9,17 @@ claims in the store (first writer wins) and every rank builds into its error
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError, HangError, RankFailedError, UnevenDataError
-from guardrails.guards.watchdog.records import _in_collective, _progress_key, _where, activity
+from guardrails.guards.watchdog.records import (
+    _first_line,
+    _in_collective,
+    _progress_key,
+    _where,
+    activity,
+)
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -303,4 +310,24 @@ def hang(
         stacks={r: records[r]["_stack"] for r in shown},
         timeout_s=timeout,
         hint=hint,
+    )
+
+
+def store_down(exc: Exception, down_s: float, *, rank: int, step: int) -> RankFailedError:
+    """The job's store stopped answering this rank for ``down_s``: its host is gone.
+    With torchrun the store lives in the agent (TORCHELASTIC_USE_AGENT_STORE), else on
+    rank 0."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    host = "the torchrun agent" if agent else "rank 0 (it hosts the TCPStore)"
+    how_long = f" for {down_s:.0f} s" if down_s >= 1 else ""
+    return RankFailedError(
+        f"the job's key-value store stopped answering ({type(exc).__name__}: "
+        f"{_first_line(exc)}){how_long}: {host} has "
+        "died or lost the network. This rank cannot reach the others any more.",
+        rank=rank,
+        step=step,
+        failed_rank=None if agent else 0,
+        hint="look at the log of "
+        + ("the launcher" if agent else "rank 0")
+        + " for why it ended (OOM killer, a crash, a node failure), and restart.",
     )

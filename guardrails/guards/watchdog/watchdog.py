@@ -5,7 +5,8 @@ One daemon thread per rank. Every ``heartbeat_every_s`` (1 s) it samples, withou
 touching the main thread, what the main thread advertises on the guard (``step``,
 ``phase``, ``collective`` set by the auditor, ``paused``, batches fetched, loader
 exhausted). The training loop pays nothing per step: no hook, no store call, no lock;
-the thread reads plain attributes.
+the thread reads plain attributes. In a single process there is no peer to watch: the
+thread only samples the main thread's CPU share and publishes the live view.
 
 The store (``guard.side_store("watchdog")``, see ``distributed/store.py``) sees one call
 per rank per period in a healthy run: the job's news counter (``guard.news``), which a
@@ -109,8 +110,9 @@ SUSPECT_AFTER_S = 30.0
 
 class Watchdog(Component):
     """Turns a hang, a dead rank or uneven data into ``HangError``, ``RankFailedError`` or
-    ``UnevenDataError`` on every rank, within ``hang_timeout_s``. Distributed runs only;
-    a real no-op in a single process. Knobs: :class:`Watchdog.Config`
+    ``UnevenDataError`` on every rank, within ``hang_timeout_s``. In a single process
+    (no peers to watch) its thread runs only the live view (``guardrails top`` /
+    ``stacks``); ``watchdog=False`` turns both off. Knobs: :class:`Watchdog.Config`
     (``guardrails.guard(watchdog=...)``)."""
 
     @dataclass(kw_only=True)
@@ -157,7 +159,6 @@ class Watchdog(Component):
             self.abort_after_s = float(self.abort_after_s)
 
     name = "watchdog"
-    distributed_only = True
 
     def __init__(self, config: Watchdog.Config | None = None, /, **knobs: Any) -> None:
         configure(self, config, knobs)
@@ -171,11 +172,9 @@ class Watchdog(Component):
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, guard: Guard) -> None:
-        store = guard.side_store("watchdog")
-        if store is None:  # single process: nothing to watch, no thread
-            return
         self._guard = guard
-        self._store = store
+        # None in a single process: no peers to watch, only the live view (issue 51).
+        self._store = guard.side_store("watchdog")
         self._main_ident = threading.get_ident()
         self._rank, self._world = guard.rank, guard.world_size
         self._host = _host_id()
@@ -188,6 +187,24 @@ class Watchdog(Component):
             step=guard.step,
             now=time.monotonic(),
         )
+        self._stop.clear()
+        self._closed = threading.Event()
+        # The thread's period: the heartbeat's; alone, the live view's, once a second at
+        # most (a short hang timeout shortens the heartbeat; one process has no hang).
+        self._tick_s = self.heartbeat_every_s
+        if self._store is not None:
+            self._start_watching(guard)
+        else:
+            self._tick_s = max(1.0, self.heartbeat_every_s)
+        # `guardrails top` / `stacks` (issue 51): files, from this thread; no store call.
+        self._live = LivePublisher(guard, host=self._host, tick_s=self._tick_s)
+        self._thread = threading.Thread(
+            target=self._run, name=f"guardrails-watchdog-rank{self._rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _start_watching(self, guard: Guard) -> None:
+        """The peers' side: the news, the suspicion, this rank's first heartbeat."""
         self._stacks_awaited_since: float | None = None
         self._ends_seen = 0
         # The counter starts at 0 with this guard's keys: anything a peer posts, even
@@ -205,15 +222,7 @@ class Watchdog(Component):
         self._exhausted_lock = threading.Lock()
         self._peer_seen: dict[int, tuple[int, float]] = {}  # rank -> (seq, first seen)
         self._store_down_since: float | None = None
-        self._stop.clear()
-        self._closed = threading.Event()
         self._publish(self._record(guard, time.monotonic()))  # visible before any read
-        # `guardrails top` / `stacks` (issue 51): files, from this thread; no store call.
-        self._live = LivePublisher(guard, host=self._host, tick_s=self.heartbeat_every_s)
-        self._thread = threading.Thread(
-            target=self._run, name=f"guardrails-watchdog-rank{self._rank}", daemon=True
-        )
-        self._thread.start()
 
     def on_end(self, guard: Guard, exc: BaseException | None) -> None:
         if self._guard is None:
@@ -223,7 +232,8 @@ class Watchdog(Component):
             self._thread.join(timeout=10 * self.heartbeat_every_s + 5)
         self._thread = None
         try:
-            self._finish(guard, exc)
+            if self._store is not None:
+                self._finish(guard, exc)
         finally:
             self._live.close(guard, self._clock.cpu, self.error or exc)  # the diagnosis
             self._closed.set()
@@ -339,11 +349,15 @@ class Watchdog(Component):
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        every = self.heartbeat_every_s
+        every = self._tick_s
         while not self._stop.wait(every):
             guard = self._guard
             if guard is None or self.error is not None:
                 return
+            if self._store is None:  # a single process: its CPU share and the live view
+                self._clock.sample(guard, time.monotonic())
+                self._live.tick(guard, self._clock.cpu)
+                continue
             try:
                 verdict = self._tick(guard)
                 self._live.tick(guard, self._clock.cpu)
@@ -510,8 +524,9 @@ class Watchdog(Component):
 
     @property
     def timeout_s(self) -> float | None:
-        """The hang timeout in force now (``None`` before the guard started)."""
-        return None if self._guard is None else self._timeout(self._guard)
+        """The hang timeout in force now (``None`` before the guard started, and in a
+        single process: no hang is timed there)."""
+        return None if self._guard is None or self._store is None else self._timeout(self._guard)
 
     # ------------------------------------------------------------------ records
 
@@ -693,27 +708,11 @@ class Watchdog(Component):
         if self._store_down_since is None:
             self._store_down_since = now
             log.debug("guardrails: watchdog store call failed: %s", exc)
-        # Unreachable for as long as a hang would take: its host is gone. With torchrun
-        # the store lives in the agent (TORCHELASTIC_USE_AGENT_STORE), else on rank 0.
+        # Unreachable for as long as a hang would take: its host is gone.
         down_s = now - self._store_down_since
         if not at_once and down_s < min(self._timeout(guard), 30.0):
             return None
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        host = "the torchrun agent" if agent else "rank 0 (it hosts the TCPStore)"
-        failed = None if agent else 0
-        how_long = f" for {down_s:.0f} s" if down_s >= 1 else ""
-        error = RankFailedError(
-            f"the job's key-value store stopped answering ({type(exc).__name__}: "
-            f"{_first_line(exc)}){how_long}: {host} has "
-            "died or lost the network. This rank cannot reach the others any more.",
-            rank=self._rank,
-            step=guard.step,
-            failed_rank=failed,
-            hint="look at the log of "
-            + ("the launcher" if agent else "rank 0")
-            + " for why it ended (OOM killer, a crash, a node failure), and restart.",
-        )
-        return error
+        return verdicts.store_down(exc, down_s, rank=self._rank, step=guard.step)
 
     def _check_ended_peers(
         self, guard: Guard, finished: dict[int, dict[str, Any]], idle: float
