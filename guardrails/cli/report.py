@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
 
 def last_snapshot(run_dir: Path, run_id: str | None) -> dict[str, Any] | None:
     """The last live snapshot of run ``run_id`` (``guardrails top``'s rows, at the time
-    its newest rank record was written), or ``None`` when it left none (a single
-    process, or a guardrails from before the live view)."""
+    its newest rank record was written), or ``None`` when it left none (the watchdog
+    off, or a guardrails from before the live view)."""
     snap = snapshot(run_dir, run_id=run_id, as_of_last=True)
     return snap if snap["ranks"] else None
