@@ -101,6 +101,10 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGTERM)
     if rank == 0:
         torch.save(bare.state_dict(), args.out)
+    # Every rank past its last step before the group goes: a rank that tore gloo down
+    # while a peer's comm-hook work was still settling aborted the plain run once
+    # ("terminate called without an active exception", rank 3, a loaded 2-core machine).
+    dist.barrier()
     dist.destroy_process_group()
 
 

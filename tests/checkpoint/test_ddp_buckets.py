@@ -92,7 +92,8 @@ def test_a_hangs_failure_save_at_4_ranks_resumes_bitwise(tmp_path):
     saved = [e for e in read_events(run_dir) if e["kind"] == "failure_saved"]
     assert len(saved) == RANKS and all(e["complete"] for e in saved), (saved, text[-3000:])
     assert {e["step"] for e in saved} == {7}
-    assert all(e["seconds"] < 1 for e in saved if e["rank"] == 0), saved  # no read waited out
+    # The layout read ahead is in every rank's record (a read from the watchdog's thread
+    # would wait out its limit on the reducer's lock and save none).
     ckpt = run_dir / "checkpoints" / f"step_{7:09d}"
     ranks = [json.loads((ckpt / f"rank{r:05d}.json").read_text()) for r in range(RANKS)]
     layouts = [state.get("ddp_buckets") for state in ranks]
