@@ -54,7 +54,7 @@ from torch import Tensor
 
 from guardrails.checkpoint import stage
 from guardrails.checkpoint.common import log
-from guardrails.engine import model
+from guardrails.engine import ddp_buckets, model
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
@@ -313,6 +313,8 @@ def stage_peer(guard: Guard, peer: PeerPart) -> stage.Part:
     rng.update({k: v for k, v in peer.torch.items() if k.startswith("torch.")})
     components = {c.name: s for c in guard.components if (s := c.state_dict()) is not None}
     state = {"step": guard.step, "data": position, "components": components}
+    if (buckets := ddp_buckets.saved_layout(guard.model)) is not None:
+        state["ddp_buckets"] = buckets  # the same on every rank (DDP broadcasts rank 0's)
     part = stage.stage_rank(peer.rank, state=state, tensors=tensors, rng=rng)
     part.ready()
     return part
