@@ -4,8 +4,9 @@ last periodic checkpoint, the first step; with the time of each part.
 
     python benchmarks/recovery_gpu.py --out OUT            # 2 ranks on one GPU, gloo
 
-The watchdog works across ranks (in a single process it only publishes the live view), and this machine
-lends one GPU: the job is 2 ranks under ``torchrun --standalone``, both on GPU 0, with
+The watchdog works across ranks (in a single process it only publishes the live view),
+and this machine lends one GPU: the job is 2 ranks under ``torchrun --standalone``, both
+on GPU 0, with
 a gloo group for guardrails' own traffic and no gradient all-reduce (each rank trains
 its own copy of ``examples/train_gpt.py``'s GPT, 27 x 1536, fused AdamW, bf16, 4 x 1024
 tokens; the preflight, which refuses two ranks on one GPU, is off). Rank 0 saves the
