@@ -610,10 +610,9 @@ def stage_rank(
     part = part if part is not None else Part()
     for stem, optimizer in (optimizers or {}).items():
         stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names)
-    version, internal, gauss = random.getstate() if rng is None else rng["python"]
-    kind, keys, pos, has_gauss, cached = (
-        np.random.get_state(legacy=True) if rng is None else rng["numpy"]
-    )
+    rng = current_streams() if rng is None else rng
+    version, internal, gauss = rng["python"]
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
     doc = {
         "rank": rank,
         "rng": {
@@ -622,16 +621,25 @@ def stage_rank(
         },
         **encode(dict(state or {}), f"rank{rank}"),
     }
-    streams = {"torch.cpu": torch.get_rng_state()} if rng is None else {}
-    # Only when CUDA is already initialized: reading the CUDA generators would otherwise
-    # create a context on every device (seconds, and memory on each GPU) just to save a
-    # state that nothing has drawn from.
-    if rng is None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            streams[f"torch.cuda.{i}"] = s
-    elif rng is not None:
-        streams = {k: v for k, v in rng.items() if k.startswith("torch.")}
+    streams = {k: v for k, v in rng.items() if k.startswith("torch.")}
     part.add_json(f"{_rank_name(rank)}.json", doc)
     rank_tensors = {**streams, **(tensors or {})}
     part.add_tensors(f"{_rank_name(rank)}.safetensors", rank_tensors, copy=True, sized=False)
     return part
+
+
+def current_streams() -> dict[str, Any]:
+    """Every RNG stream as it is now, as :func:`stage_rank`'s ``rng`` takes them (what it
+    saves without one; a failure save after the update passes them)."""
+    streams: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=True),
+        "torch.cpu": torch.get_rng_state(),
+    }
+    # Only when CUDA is already initialized: reading the CUDA generators would otherwise
+    # create a context on every device (seconds, and memory on each GPU) just to save a
+    # state that nothing has drawn from.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            streams[f"torch.cuda.{i}"] = s
+    return streams

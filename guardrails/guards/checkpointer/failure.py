@@ -236,7 +236,7 @@ class FailureSave:
             self._after_update = True
             pos = guard.data_position
             return (
-                peer.current_streams(),
+                stage.current_streams(),
                 (pos.trained_at, [*guard.step_batches, *pos.fetched]),
             ), ""
         capture = guard.boundary_capture

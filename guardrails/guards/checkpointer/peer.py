@@ -40,7 +40,6 @@ import contextlib
 import json
 import mmap
 import os
-import random
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,17 +317,3 @@ def stage_peer(guard: Guard, peer: PeerPart) -> stage.Part:
     part = stage.stage_rank(peer.rank, state=state, tensors=tensors, rng=rng)
     part.ready()
     return part
-
-
-def current_streams() -> dict[str, Any]:
-    """Every RNG stream as it is now, as ``stage.stage_rank``'s ``rng`` takes them: what
-    a failure save after the update writes (``failure.py``)."""
-    streams: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(legacy=True),
-        "torch.cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            streams[f"torch.cuda.{i}"] = s
-    return streams
