@@ -332,11 +332,13 @@ with guardrails.guard(model, opt, batches(2), run_dir={run_dir!r}, progress=Fals
     def holds():
         return any(os.path.realpath(f"/proc/self/fd/" + fd) == lock
                    for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/" + fd))
+    def say(line):  # one write(2) per line: parent and child share the pipe, and print()
+        os.write(1, (line + "\\n").encode())  # writes its pieces apart under PYTHONUNBUFFERED
     assert holds()
     if {how!r} == "fork":  # a DataLoader worker, multiprocessing's fork
         child = os.fork()
         if child == 0:
-            print("child holds" if holds() else "child free", flush=True)
+            say("child holds" if holds() else "child free")
             time.sleep(600)
             os._exit(0)
     else:  # a user's subprocess handed the descriptor past O_CLOEXEC
@@ -344,8 +346,8 @@ with guardrails.guard(model, opt, batches(2), run_dir={run_dir!r}, progress=Fals
         fd = next(int(fd) for fd in os.listdir("/proc/self/fd")
                   if os.path.realpath("/proc/self/fd/" + fd) == lock)
         child = subprocess.Popen(["sleep", "600"], pass_fds=(fd,)).pid
-        print("child holds", flush=True)
-    print("child", child, flush=True)
+        say("child holds")
+    say(f"child {{child}}")
     time.sleep(600)
 """
 
