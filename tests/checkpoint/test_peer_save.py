@@ -10,6 +10,7 @@ the batch of every step trained after the resume."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import sys
@@ -185,3 +186,94 @@ def test_a_copy_is_read_only_whole_and_only_by_its_job(tmp_path):
     assert "being written when it died" in peer.read_peer(tmp_path, "job1", 3)[1]
     slot.close()
     assert not slot.path.exists()
+
+
+_WRITE_COPIES_AND_DIE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from guardrails.guards.checkpointer import peer
+for token, rank in {copies!r}:
+    peer.PeerSlot(Path({directory!r}), token, rank)._open()
+if {die!r}:
+    os.kill(os.getpid(), signal.SIGKILL)
+print("written", flush=True)
+sys.stdin.read()  # alive until the test closes our stdin
+"""
+
+
+def _copies(directory: Path, copies: list[tuple[str, int]], *, die: bool):
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[2])
+    script = _WRITE_COPIES_AND_DIE.format(
+        root=root, copies=copies, directory=str(directory), die=die
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    if die:
+        assert proc.wait(timeout=60) == -9
+    else:
+        assert proc.stdout.readline() == "written\n"
+    return proc
+
+
+def test_copies_a_killed_job_left_are_swept_at_the_next_jobs_start(tmp_path):
+    """A job SIGKILLed whole leaves its ranks' copies in /dev/shm (memory). The next job's
+    first boundary removes them; it keeps every copy of a job one of whose writers is
+    alive (a rank of it may be writing a failure save from them), a copy whose pid now
+    names another process (a reused pid: not its writer), and files it cannot judge."""
+    import guardrails
+    from guardrails.guards.checkpointer import peer
+
+    _copies(tmp_path, [("dead", 0), ("dead", 1)], die=True)
+    _copies(tmp_path, [("half", 1)], die=True)
+    live = _copies(tmp_path, [("half", 0), ("live", 0)], die=False)
+    try:
+        # Written by this process, but its start time is not ours: the pid was reused.
+        _copies(tmp_path, [("reused", 0)], die=True)
+        reused = peer.slot_path(tmp_path, "reused", 0)
+        head = bytearray(reused.read_bytes())
+        peer._WRITER.pack_into(head, peer._WRITER_AT, os.getpid(), 1, peer._writer_id()[2])
+        reused.write_bytes(bytes(head))
+        # Another host's (a node-local directory someone shares): not ours to judge.
+        _copies(tmp_path, [("remote", 0)], die=True)
+        remote = peer.slot_path(tmp_path, "remote", 0)
+        head = bytearray(remote.read_bytes())
+        head[peer.INTS_AT + 8 * peer.HOST : peer.INTS_AT + 8 * peer.HOST + 8] = b"\1" * 8
+        remote.write_bytes(bytes(head))
+        junk = tmp_path / "guardrails-peer-junk-rank0"
+        junk.write_bytes(b"not a copy")
+
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with guardrails.guard(model, opt, torch.randn(4, 8), run_dir=tmp_path / "run") as g:
+            slot = peer.PeerSlot(tmp_path, "mine", 0)
+            for x in g:
+                if g.step == 1:  # the first boundary: the copy is made, the dead swept
+                    slot.publish(g)
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            left = sorted(
+                p.name.removeprefix("guardrails-peer-") for p in tmp_path.glob("guardrails-peer-*")
+            )
+            slot.close()
+        assert left == [
+            "half-rank0",
+            "half-rank1",
+            "junk-rank0",
+            "live-rank0",
+            "mine-rank0",
+            "remote-rank0",
+        ]
+    finally:
+        live.stdin.close()
+        live.wait(timeout=60)
+    # Once the last writer of "half" and "live" is gone, the next start sweeps them too.
+    assert sorted(p.name for p in peer.sweep(tmp_path, "next")) == [
+        "guardrails-peer-half-rank0",
+        "guardrails-peer-half-rank1",
+        "guardrails-peer-live-rank0",
+    ]

@@ -29,6 +29,12 @@ set): a rank on the same host reads it after the rank is gone.
   part is then unreachable, and a failure save without it is incomplete, as before.
   The components' own state (NanGuard's statistics) in the written part is the
   writing rank's, at the same step.
+* **A killed job's copies are swept**: a copy names its writer (pid, the process's start
+  time, its pid namespace, the host) in its header. A rank opening its own copy removes
+  those of another job none of whose writers on this host is alive (:func:`sweep`): a
+  job SIGKILLed whole, or on a lost node, left them in ``/dev/shm``, which is memory.
+  A job with one writer alive keeps all its copies (a live rank of it may be writing a
+  failure save from them); a copy of another user, pid namespace or host is left alone.
 * **Other hosts**: a dead rank on another host (or a lost host) has no copy here;
   its part is missing and the save incomplete. Replicating the copies across hosts
   (a ring neighbour's memory) is not done.
@@ -40,7 +46,9 @@ import contextlib
 import json
 import mmap
 import os
+import socket
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +72,11 @@ if TYPE_CHECKING:
 SLOT_BYTES = 64 * 1024
 _MAGIC = b"GRPEER01"
 _TOKEN_BYTES = 32
+#: After the token: the writer's pid, its start time (clock ticks after boot: a pid
+#: reused by another process is not the writer) and its pid namespace's inode.
+_WRITER = struct.Struct("<3q")
+_WRITER_AT = 8 + _TOKEN_BYTES
+_PREFIX = "guardrails-peer-"
 INTS_AT, _N_INTS = 64, 16
 _FLOATS_AT = INTS_AT + 8 * _N_INTS
 _PY_AT, _PY_N = 256, 625  # random.getstate()[1]: 624 words and the index
@@ -74,7 +87,7 @@ _COLD_BYTES = SLOT_BYTES - _COLD_AT
 
 # The integers, by index. BEGIN and END frame every write with the boundary count.
 BEGIN, STEP, COUNT, EPOCH, POS_EPOCH, POS_BATCH, HELD, RNG_AT, PY_VERSION = range(9)
-PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END = range(9, 14)
+PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END, HOST = range(9, 15)
 # One call writes the step's integers, STEP to HELD (a numpy item store each was
 # ~0.1 us), and python's stream (2x faster than a numpy array's store from its tuple).
 _STEP_INTS = struct.Struct("<6q")
@@ -83,7 +96,77 @@ _PY_WORDS = struct.Struct(f"<{_PY_N}I")
 
 def slot_path(directory: Path, token: str, rank: int) -> Path:
     """Where ``rank``'s copy lives for the job named ``token``."""
-    return directory / f"guardrails-peer-{token}-rank{rank}"
+    return directory / f"{_PREFIX}{token}-rank{rank}"
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (``/proc/<pid>/stat``'s field 22), ``None`` when
+    there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # The fields after the command's ")" begin at field 3.
+    return int(stat.rsplit(b")", 1)[1].split()[19])
+
+
+def _writer_id() -> tuple[int, int, int, int]:
+    """This process as a copy's header names it: pid, start time, pid namespace (0
+    where ``/proc`` cannot say: its copies are then never swept, nor does it sweep), host."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    host = zlib.crc32(socket.gethostname().encode())
+    return os.getpid(), _started(os.getpid()) or 0, namespace, host
+
+
+def sweep(directory: Path, token: str) -> list[Path]:
+    """Remove the copies in ``directory`` of jobs other than ``token`` none of whose
+    writers is alive (see the module docstring): the files removed. A copy this process
+    cannot judge (another user's, another pid namespace's or host's, no header) stays."""
+    _, _, namespace, host = _writer_id()
+    if not namespace:
+        return []
+    try:
+        names = [p for p in directory.iterdir() if p.name.startswith(_PREFIX)]
+    except OSError:
+        return []
+    jobs: dict[str, list[Path]] = {}
+    alive: set[str] = set()
+    for path in names:
+        job = path.name[len(_PREFIX) :].rpartition("-rank")[0]
+        if not job or job == token:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_uid != os.getuid():
+                    continue
+                head = os.pread(fd, INTS_AT + 8 * _N_INTS, 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            continue
+        if len(head) < INTS_AT + 8 * _N_INTS or head[:8] != _MAGIC:
+            continue
+        pid, started, their_namespace = _WRITER.unpack_from(head, _WRITER_AT)
+        their_host = struct.unpack_from("<q", head, INTS_AT + 8 * HOST)[0]
+        if their_namespace != namespace or their_host != host:
+            alive.add(job)  # not ours to judge: treated as a live job's
+            continue
+        jobs.setdefault(job, []).append(path)
+        if started and _started(pid) == started:
+            alive.add(job)
+    removed = []
+    for job, paths in jobs.items():
+        if job in alive:
+            continue
+        for path in paths:
+            with contextlib.suppress(OSError):  # another rank of ours removed it first
+                path.unlink()
+                removed.append(path)
+    return removed
 
 
 def slot_directory(local: Path | None) -> Path | None:
@@ -135,7 +218,10 @@ class PeerSlot:
             os.close(fd)
         self._map[:8] = _MAGIC
         self._map[8 : 8 + _TOKEN_BYTES] = self._token.encode().ljust(_TOKEN_BYTES, b"\0")
+        pid, started, namespace, host = _writer_id()
+        _WRITER.pack_into(self._map, _WRITER_AT, pid, started, namespace)
         self._ints = np.frombuffer(self._map, np.int64, _N_INTS, INTS_AT)
+        self._ints[HOST] = host
         self._ints[BEGIN] = -1  # nothing published yet: never equal to END's 0
         self._floats = np.frombuffer(self._map, np.float64, 2, _FLOATS_AT)
         self._np = np.frombuffer(self._map, np.uint32, _NP_N, _NP_AT)
@@ -149,6 +235,14 @@ class PeerSlot:
                 return
             try:
                 self._open()
+                swept = sweep(self.path.parent, self._token)
+                if swept:
+                    log.info(
+                        "guardrails: removed %d published cop%s that killed jobs left in %s",
+                        len(swept),
+                        "y" if len(swept) == 1 else "ies",
+                        self.path.parent,
+                    )
             except OSError as e:  # a full /dev/shm: the failure save is as without it
                 self._closed = True
                 log.debug("guardrails: no published copy of this rank's part: %s", e)
