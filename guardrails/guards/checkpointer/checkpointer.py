@@ -489,7 +489,10 @@ class SignalCheckpointer(Component):
                     self.failure.run(guard, exc, from_thread=False)  # type: ignore[arg-type]
         finally:
             if self._peer_slot is not None:
-                self._peer_slot.close()
+                # Kept when a failure save committed nothing here: a later committer
+                # writes this rank's part from it (peer.sweep removes what is left).
+                outcome = self.failure.outcome if self.failure is not None else None
+                self._peer_slot.close(keep=outcome is not None and outcome["path"] is None)
             self.capture.restore()
             self._shield.restore()
             self.writer.close(raise_error=exc is None, stopped=self._stop_at is not None)

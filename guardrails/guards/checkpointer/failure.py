@@ -38,7 +38,8 @@ Without it every failure but a signal ended each rank with an error and saved no
   boundary (``peer.py``: under DDP, a rank on the same host): then the committer writes
   it (``failure.from_peers``). If rank 0 is the dead one and the store outlives it
   (torchrun's agent holds it), rank 1 commits, with the replicated state from its own
-  copy; else nothing is committed.
+  copy; when the store died with rank 0 (outside torchrun rank 0 hosts it), the ranks
+  meet in files beside the checkpoint instead (``board.py``: under DDP).
 * Under torchrun a worker's exit makes the agent SIGTERM the others and SIGKILL them
   30 s later; guardrails holds SIGTERM while a failing rank reports, so the ranks other
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
@@ -58,6 +59,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +76,7 @@ from guardrails.checkpoint.manifest import (
 from guardrails.distributed.store import stretched, wait_keys
 from guardrails.engine import model
 from guardrails.guards.checkpointer import peer
+from guardrails.guards.checkpointer.board import FileBoard
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util import files as _perms
@@ -128,6 +131,14 @@ class FailureSave:
         #: Whether the state saved is the one after the failing step's update (set by
         #: :meth:`_state`).
         self._after_update = False
+        #: The job's store went with its host (rank 0 outside torchrun): the save meets
+        #: in files (``board.py``). Set when the save runs.
+        self.store_lost = False
+        self._one_at_a_time = threading.Lock()
+        self._news: int | None = None  # the dead rank any caller named
+        self._dead: int | None = None  # the dead rank the last save knew of
+        self._key: str | None = None  # the store's keys of the save running
+        self._t0 = 0.0
         #: The missing ranks whose part the committer could not write from their
         #: published copy, and why (said in the event).
         self.peer_notes: dict[int, str] = {}
@@ -173,12 +184,53 @@ class FailureSave:
 
     def run(self, guard: Guard, error: BaseException, *, from_thread: bool) -> None:
         """Save, bounded by ``timeout_s``, then the ``failure_saved`` event. Never raises:
-        the run's own error is what the process reports."""
+        the run's own error is what the process reports.
+
+        One save at a time in a process, with what any caller knows of the dead rank:
+        the loop's own error (gloo's, when a peer died) and the watchdog's verdict on that
+        death both come, and two saves at once wrote the same files (the record of one,
+        the bytes of the other: the commit refused the step). A caller that names a dead
+        rank the running save does not know tells it (and, when that rank was to commit,
+        ends its wait for the commit: :meth:`_wake`), and the save runs again with it
+        unless it saved the step whole: under torchrun with rank 0 dead, the loop's error
+        waits for rank 0's commit; the verdict names rank 0, and rank 1 commits. The
+        thread that holds the save holds the process until it is done."""
+        dead = getattr(error, "failed_rank", None)
+        if dead is not None:
+            self._news = dead
+            self._wake(dead)
+        with self._one_at_a_time:
+            self._t0 = time.perf_counter()  # the event's seconds: from the first try
+            while True:
+                done, news = self.outcome, self._news
+                if done is not None and (done["complete"] or news == self._dead):
+                    return
+                self._dead, self.outcome = news, None
+                self._run(guard, error, dead=news, from_thread=from_thread)
+
+    def _wake(self, dead: int) -> None:
+        """A save waiting for the commit of rank ``dead``, which is dead, stops waiting:
+        its commit key says so (every rank waiting on it wakes; nobody else writes it)."""
+        key = self._key
+        if key is None or dead != self._committer or self.store_lost:
+            return
+        with contextlib.suppress(Exception):  # the store gone too: the wait ends by itself
+            said = json.dumps({"error": f"rank {dead}, which was to commit, died", "dead": dead})
+            self._store.compare_set(f"{key}/commit", "", said)
+
+    def _run(
+        self, guard: Guard, error: BaseException, *, dead: int | None, from_thread: bool
+    ) -> None:
         t0 = time.perf_counter()
         cause = _cause(error)
-        # A dead rank the error names (RankFailedError) is not waited for.
-        dead = getattr(error, "failed_rank", None)
+        # A dead rank (the error's, or a verdict's: RankFailedError) is not waited for.
         self._committer = _committer(dead, self._world)
+        # The store's keys of this save, by its committer: a save run again with another
+        # committer never reads the first one's records.
+        self._key = f"{self._writer.token}/failure/{guard.step}/c{self._committer}"
+        # Rank 0 hosted the store (no torchrun agent) and is the dead one: the store is
+        # gone too (a call would fail, or wait out its timeout on a lost host).
+        self.store_lost = self._store is not None and dead == 0 and self._committer == 0
         state, why = self._state(guard, from_thread=from_thread)
         path: Path | None = None
         missing: list[int] = []
@@ -204,9 +256,9 @@ class FailureSave:
         if path is not None:  # committed in the local tier (local_directory): copied now
             left = self.timeout_s - (time.perf_counter() - t0)
             self._writer.drain(guard, guard.step, path, within_s=left)
-        self._said(guard, cause, path, missing, why, time.perf_counter() - t0)
-        if self.slot is not None and (path is not None or state is not None):
-            self.slot.close()  # this rank's part is in, or in rank 0's hands: not needed
+        self._said(guard, cause, path, missing, why, time.perf_counter() - self._t0)
+        if self.slot is not None and path is not None:
+            self.slot.close()  # this rank's part is in: not needed
         if dead is not None and self._slots is not None and path is not None:
             # The dead rank's copy, used or not (one step old: it died after its step's
             # last collective, before its boundary), once the save is committed.
@@ -278,7 +330,11 @@ class FailureSave:
         """This rank has no consistent state to save: its record says so (rank 0's
         commit too: nothing is committed without the replicated state)."""
         said = json.dumps({"none": why})
-        key = f"{self._writer.token}/failure/{step}"
+        if self.store_lost:  # the committer counts it and need not wait for it
+            board = FileBoard(self._writer.root, self._writer.token, step, self._world)
+            board.file(self._rank, {"none": why})
+            return
+        key = self._key
         self._store.set(f"{key}/files/{self._rank}", said)
         if self._rank == self._committer:
             self._store.set(f"{key}/commit", said)
@@ -292,15 +348,24 @@ class FailureSave:
         limit: ``(path or None, the ranks missing)``."""
         deadline = time.monotonic() + self.timeout_s
         writer, step, committer = self._writer, guard.step, self._committer
-        key = f"{writer.token}/failure/{step}"
+        key = self._key
         rng, position = state
-        if self._store is not None:  # the committer waits for this rank's part from now on
-            self._store.set(f"{key}/begun/{self._rank}", "1")
+        if self._store is not None and not self.store_lost:
+            # The committer waits for this rank's part from now on. An add, not a set: a
+            # set to a dead host is not answered, and succeeded once on its socket.
+            try:
+                self._store.add(f"{key}/begun/{self._rank}", 1)
+            except RuntimeError as e:  # DistNetworkError: its host is gone
+                log.debug("guardrails: the store is gone, the failure save meets in files: %s", e)
+                self.store_lost = True
+        if self.store_lost:
+            return self._save_on_board(guard, state, cause, cancel, dead, deadline)
+        if self._store is not None:
             if self._rank != committer:
                 self._store.add(f"{key}/begun", 1)
             # Late: the committer wrote this rank's part from its published copy already.
             if self.slot is not None and self._rank != committer and not self._claim(key, "self"):
-                return self._await_commit(key, deadline, dead), []
+                return self._await_commit(key, deadline, dead)
         part = writer.stage_boundary(guard, rng=rng, position=position)
         part.cancel = cancel
         if self._rank == committer:
@@ -320,21 +385,102 @@ class FailureSave:
         self._store.set(f"{key}/files/{self._rank}", json.dumps(said))
         if self._rank != committer:
             self._store.add(f"{key}/filed", 1)
-            return self._await_commit(key, deadline, dead), []
+            return self._await_commit(key, deadline, dead)
         merged, missing, after = self._gather(key, deadline, dead)
         merged.update(files)  # the committer's own
-        peers = self._write_peers(guard, key, tmp, merged, missing, cancel)
+        claim = lambda r: self._claim(key, "peer", r)  # noqa: E731
+        peers = self._write_peers(guard, claim, tmp, merged, missing, cancel)
         missing = [r for r in missing if r not in peers]
         try:
             final = self._commit(
-                step, tmp, merged, cause, missing=missing, peers=peers, after=after
+                step,
+                tmp,
+                merged,
+                cause,
+                missing=missing,
+                peers=peers,
+                after=after,
+                committer=committer,
             )
         except BaseException as e:
             self._store.set(f"{key}/commit", json.dumps({"error": repr(e)}))
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._store.set(f"{key}/commit", json.dumps({"path": str(final)}))
+        self._store.set(f"{key}/commit", json.dumps({"path": str(final), "missing": missing}))
         for r in peers:  # their ranks are gone: their copies are done with
+            with contextlib.suppress(OSError):
+                os.unlink(peer.slot_path(self._slots, writer.token, r))  # type: ignore[arg-type]
+        return final, missing
+
+    def _save_on_board(
+        self,
+        guard: Guard,
+        state: Any,
+        cause: str,
+        cancel: threading.Event,
+        dead: int | None,
+        deadline: float,
+    ) -> tuple[Path | None, list[int]]:
+        """:meth:`_save` when the job's store is gone with its host (rank 0 outside
+        torchrun): the ranks meet in files (``board.py``); under DDP only (the committer
+        must hold the replicated state, and the dead ranks' parts come from their copies)."""
+        if self.slot is None:
+            raise RuntimeError(
+                "the job's store is gone with rank 0, and without DDP's replicated state "
+                "on every rank no other rank can commit"
+            )
+        writer, step = self._writer, guard.step
+        board = FileBoard(writer.root, writer.token, step, self._world)
+        if not board.claim(f"writer{self._rank}", "self"):  # written from its copy already
+            return board.await_commit(deadline=deadline)
+        rng, position = state
+        part = writer.stage_boundary(guard, rng=rng, position=position)
+        part.cancel = cancel
+        tmp = commit.begin(writer.root, step, f"{writer.token}-failure")
+        files: dict[str, Any] = {}
+        part.write(tmp, files)
+        if not board.claim("committer", str(self._rank)):
+            board.file(self._rank, {**files, _AFTER_UPDATE: True} if self._after_update else files)
+            self._committer = board.committer()
+            return board.await_commit(deadline=deadline)
+        self._committer = self._rank
+        if self._rank != 0:  # rank 0's part holds the replicated state; ours, here
+            self._stage_replicated(guard, cancel).write(tmp, files)
+        # The others that fail with us file within a few seconds (_BEGUN_WAIT_S); 2 s of
+        # the limit are left to write the dead ranks' parts and commit.
+        expect = self._world - 1 - (dead is not None and dead != self._rank)
+        wait_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic() - 2.0))
+        records = board.gather(wait_s=wait_s, expect=expect)
+        merged, missing, after = {}, [], [self._rank] if self._after_update else []
+        for r in range(self._world):
+            got = records.get(r)
+            if r == self._rank:
+                continue
+            if got is None or "none" in got:
+                missing.append(r)
+                continue
+            if got.pop(_AFTER_UPDATE, False):
+                after.append(r)
+            merged.update(got)
+        merged.update(files)
+        claim = lambda r: board.claim(f"writer{r}", "peer")  # noqa: E731
+        peers = self._write_peers(guard, claim, tmp, merged, missing, cancel)
+        missing = [r for r in missing if r not in peers]
+        board.remove()  # a rank later than this finds no board: it waits for the commit
+        # The committer and the lost store passed, not read back: the main thread's
+        # failure and the watchdog's verdict can each run a save in this process.
+        final = self._commit(
+            step,
+            tmp,
+            merged,
+            cause,
+            missing=missing,
+            peers=peers,
+            after=after,
+            committer=self._rank,
+            store_lost=True,
+        )
+        for r in peers:
             with contextlib.suppress(OSError):
                 os.unlink(peer.slot_path(self._slots, writer.token, r))  # type: ignore[arg-type]
         return final, missing
@@ -366,7 +512,7 @@ class FailureSave:
     def _write_peers(
         self,
         guard: Guard,
-        key: str,
+        claim: Callable[[int], bool],
         tmp: Path,
         files: dict[str, Any],
         missing: list[int],
@@ -374,7 +520,8 @@ class FailureSave:
     ) -> dict[int, str]:
         """The committer: the parts of the ``missing`` ranks whose copies this host
         holds (``peer.py``), written into ``tmp`` (``files`` gets their records): the
-        ranks written, and why each other one was not (``self.peer_notes``)."""
+        ranks written, and why each other one was not (``self.peer_notes``). ``claim(r)``:
+        whether the committer, not rank ``r`` itself, writes ``r``'s part."""
         written: dict[int, str] = {}
         self.peer_notes = {}
         if self._slots is None or self.slot is None:
@@ -394,7 +541,7 @@ class FailureSave:
                     None,
                     "python's or numpy's stream in its published copy is not the last step's",
                 )
-            if got is not None and not self._claim(key, "peer", r):
+            if got is not None and not claim(r):
                 got, why = None, "it began to write its own part after the wait for it"
             if got is None:
                 self.peer_notes[r] = why
@@ -442,7 +589,9 @@ class FailureSave:
             merged.update({k: v for k, v in got.items() if k != "none"})
         return merged, sorted(missing), sorted(after)
 
-    def _await_commit(self, key: str, deadline: float, dead: int | None) -> Path | None:
+    def _await_commit(
+        self, key: str, deadline: float, dead: int | None
+    ) -> tuple[Path | None, list[int]]:
         """A rank other than 0: rank 0's commit, waited for until ``deadline`` once rank
         0 has begun its failure save (this rank's exit would get it SIGTERMed by torchrun
         mid-commit); not when rank 0 is the ``dead`` one, nor when it has not begun
@@ -450,7 +599,7 @@ class FailureSave:
         and will commit this rank's part when this rank's exit fails it). Blocking waits
         on a store client of their own (``wait_keys``): no poll, whatever N."""
         if dead == self._committer:
-            return None
+            return None, []
         store, commit_key = self._store, f"{key}/commit"
         first_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic()))
         try:
@@ -458,14 +607,16 @@ class FailureSave:
         except TimeoutError:
             if not store.check([f"{key}/begun/{self._committer}"]):
                 self.part_only = True
-                return None
+                return None, []
             left_s = max(0.0, deadline - time.monotonic())
             try:
                 wait_keys(store, [commit_key], timedelta(seconds=left_s), world=self._world)
             except TimeoutError:
-                return None
+                return None, []
         said = json.loads(store.get(commit_key))
-        return Path(said["path"]) if "path" in said else None
+        if "dead" in said:  # another rank's verdict: the committer is dead (:meth:`_wake`)
+            self._news = said["dead"]
+        return (Path(said["path"]), said["missing"]) if "path" in said else (None, [])
 
     def _commit(
         self,
@@ -477,6 +628,8 @@ class FailureSave:
         missing: list[int],
         peers: dict[int, str] | None = None,
         after: list[int] | None = None,
+        committer: int = 0,
+        store_lost: bool = False,
     ) -> Path:
         """The committer's commit of the failure save: never counted by retention (an
         incomplete one must not retire a complete checkpoint). The manifest's
@@ -495,8 +648,10 @@ class FailureSave:
             failure["after_update"] = after if after is not None else [self._rank]
         if peers:
             failure["from_peers"] = sorted(peers)
-        if self._committer != 0:
-            failure["committed_by"] = self._committer
+        if committer != 0:
+            failure["committed_by"] = committer
+        if store_lost:
+            failure["store"] = "lost"
         return commit.commit(
             self._writer.root,
             step,
@@ -576,6 +731,8 @@ class FailureSave:
             "complete": path is not None and not missing,
             "missing": missing,
         }
+        if path is None and self._news != self._dead:
+            return  # run again at once with the dead rank (:meth:`run`): that one is said
         with contextlib.suppress(Exception):  # the events file gone: the error goes on
             guard.event("failure_saved", level="warning", message=message, **self.outcome)
 
@@ -589,7 +746,7 @@ def _committer(dead: int | None, world: int) -> int:
     every DDP rank holds too), or, when rank 0 is the dead one and the store is
     torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``: it outlives rank 0), rank 1,
     the lowest live rank. With the store on rank 0, its death takes the store too:
-    nobody can commit."""
+    the save meets in files, and the first rank done commits (``board.py``)."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     return 1 if dead == 0 and agent and world > 1 else 0
 

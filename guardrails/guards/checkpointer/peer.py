@@ -314,14 +314,17 @@ class PeerSlot:
         if not sizes:  # unusable: the generators are not copied
             self._views = [torch.empty(s.numel(), dtype=torch.uint8) for s in states]
 
-    def close(self) -> None:
-        """Removed and unmapped: a run that ends leaves nothing in ``/dev/shm``. (A
-        publish running in another thread keeps the mapping until it is done.)"""
+    def close(self, *, keep: bool = False) -> None:
+        """Removed and unmapped: a run that ends leaves nothing in ``/dev/shm`` (``keep``:
+        unmapped only, for a live rank's later failure save; :func:`sweep` removes it
+        once no rank of its job is alive). (A publish running in another thread keeps
+        the mapping until it is done.)"""
         self._closed = True
         if self._map is None:
             return
         with contextlib.suppress(OSError):
-            self.path.unlink()
+            if not keep:
+                self.path.unlink()
         self._views = []
         self._ints = self._floats = self._np = None
         with contextlib.suppress(BufferError, ValueError):
