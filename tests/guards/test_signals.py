@@ -889,7 +889,10 @@ def test_workers_started_before_the_guard_dying_of_the_signal_is_still_the_stop(
         os.kill(job.procs[0].pid, signal.SIGTERM)
         [first] = job.wait(120)
     stopped = [e for e in read_events(run_dir) if e["kind"] == "stopped"]
-    assert len(stopped) == 2 and all(e["saved"] for e in stopped), (stopped, first.text)
+    # A string, not a tuple: pytest shortens a tuple's repr, and CI's one failure (rank
+    # 0's event missing, a loaded machine) left no rank's output to read.
+    said = f"{stopped}\n{read_events(run_dir)[-8:]}\n{first.text[-6000:]}"
+    assert len(stopped) == 2 and all(e["saved"] for e in stopped), said
     assert all("A DataLoader worker had died of the signal" in e["message"] for e in stopped)
     [step] = {e["step"] for e in stopped}
     [ckpt] = (run_dir / "checkpoints").iterdir()
