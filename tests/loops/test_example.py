@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _ranks import patience
+from _ranks import patience, run_script
 
 import guardrails
 
@@ -34,14 +34,13 @@ def run(args, tmp_path, timeout=600, torchrun=False, ok=True):
         if torchrun
         else [sys.executable]
     )
-    proc = subprocess.run(
-        [*launcher, str(EXAMPLE), "--run-dir", str(tmp_path / "run"), *args],
-        capture_output=True,
-        text=True,
-        timeout=patience(timeout),
-        env=env,
-        cwd=tmp_path,
-    )
+    argv = [*launcher, str(EXAMPLE), "--run-dir", str(tmp_path / "run"), *args]
+    if torchrun:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=patience(timeout), env=env, cwd=tmp_path
+        )
+    else:  # forked from the fork server: torch imported once, not per run
+        proc = run_script(argv, timeout_s=timeout, env=env, cwd=tmp_path)
     assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
     return proc, guardrails.read_metrics(tmp_path / "run").to_pydict()
 
