@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from guardrails.checkpoint.common import _TMP_PREFIX
+from guardrails.checkpoint import commit
 from guardrails.distributed.store import stretched
 from guardrails.util import files as _perms
 
@@ -46,10 +46,10 @@ class FileBoard:
     """The meeting place of one failure save (``token``, ``step``) under ``root``."""
 
     def __init__(self, root: Path, token: str, step: int, world: int) -> None:
-        self.path = root / f"{_TMP_PREFIX}board-step_{step}-{token}"
+        # A temp directory of the save's own (the next save's clean-up removes a left one).
+        self.path = commit.begin(root, step, f"{token}-board")
         self.final = root / f"step_{step:09d}"
         self.world = world
-        _perms.make_dirs(self.path)
 
     def claim(self, name: str, by: str) -> bool:
         """Whether ``by`` is the first to claim ``name`` (one ``O_EXCL`` create)."""
