@@ -118,7 +118,9 @@ TERM_FIRST = pytest.mark.slow(reason="two 2-rank jobs, one waiting out a signal'
         # (torchrun's teardown on a loaded machine): no stop was agreed, and nothing was
         # saved; the failure save runs all the same, and the exit stays the signal's.
         pytest.param("ranks", 2, 1, "term_then_kill", marks=TERM_FIRST),
-        pytest.param("torchrun", 2, 1, "kill", marks=TORCHRUN),
+        # Under torchrun (its agent hosts the store) with rank 0 the dead one: the hardest
+        # case of the launcher's (a 2-rank torchrun job with rank 1 killed added nothing
+        # that this and ranks-4-2 do not check, for 44 s of CI's 14 minutes).
         pytest.param("torchrun", 4, 0, "kill", marks=TORCHRUN),
     ],
 )
