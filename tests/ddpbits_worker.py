@@ -101,19 +101,23 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGTERM)
     if rank == 0:
         torch.save(bare.state_dict(), args.out)
-    # Every rank past its last step before the group goes: a rank that tore gloo down
-    # while a peer's comm-hook work was still settling aborted the plain run once
-    # ("terminate called without an active exception", rank 3, a loaded 2-core machine).
+    # Every rank past its last step before any leaves: a rank that tore gloo down while a
+    # peer's comm-hook work was still settling aborted the plain run once.
     dist.barrier()
-    dist.destroy_process_group()
+    # Then out, past torch's teardown: torch 2.13 aborted a plain static_graph run there 3
+    # times in 20 on 2 cores ("terminate called without an active exception": a C++
+    # thread destroyed at exit) and hung one comm-hook run's destroy_process_group for
+    # minutes. Rank 0's process hosts the store: it leaves last.
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        store.add("left", 1)
+    else:
+        while store.add("left", 0) < dist.get_world_size() - 1:
+            time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Past main, not through the interpreter's teardown: torch 2.13 aborted a plain
-    # static_graph run there 3 times in 20 on 2 cores ("terminate called without an
-    # active exception", no Python frame: a C++ thread destroyed at exit), after the
-    # weights were written and the group destroyed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

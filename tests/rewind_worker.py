@@ -95,7 +95,11 @@ def main() -> None:
     batches = data(rank, a.steps, fault, a.fault_at, a.fault_len)
     held_out = data(7, 1, "none", 0, 0)[0]
     knobs = {"rewind": json.loads(a.rewind)} if a.rewind else {}
-    ckpt = {"every_n_steps": a.ckpt_every} if a.ckpt_every else True
+    ckpt: dict | bool = {"every_n_steps": a.ckpt_every} if a.ckpt_every else True
+    if a.sigterm_at and isinstance(ckpt, dict):
+        # The ranks agree on the stop at the step after the signal, not a second later (past
+        # the pass's end at these millisecond steps: when is then the machine's speed).
+        ckpt["agree_every_s"] = 1e-6
     losses: list[float] = []
     with guardrails.guard(
         model,

@@ -188,7 +188,9 @@ def _burners(model: nn.Module, core: int) -> list[subprocess.Popen]:
 
 
 def _more_work(model: nn.Module, core: int) -> list[subprocess.Popen]:
-    model.times = 3
+    # 6x, against the 2x factor: the step's wall time is what is judged, and CI's other
+    # worker sharing the core left a 3x loop under 2x its best once.
+    model.times = 6
     return []
 
 
@@ -210,8 +212,8 @@ def test_a_machine_made_busy_is_not_blamed_on_the_loop(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists(Usage.PATH), reason="needs the kernel's schedstat")
-@pytest.mark.slow(reason="54 steps, 20 of them 3x longer (~2 s)")
-def test_a_loop_that_does_3x_the_work_a_step_is_named(tmp_path):
+@pytest.mark.slow(reason="54 steps, 20 of them 6x longer (~5 s)")
+def test_a_loop_that_does_6x_the_work_a_step_is_named(tmp_path):
     events, _ = _slowed_run(tmp_path, _more_work)
     (e,) = events
     assert e["cause"] == "loop" and e["level"] == "warning" and e["phase"] == "forward", e

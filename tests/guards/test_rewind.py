@@ -196,7 +196,8 @@ def test_a_checkpoint_saved_after_a_rewind_resumes_bitwise(ddp):
     again = {
         (e["rank"], e["from_step"], e["to_step"]) for e in _kinds(root / "stop" / "run", "rewind")
     }
-    assert first == again
+    said = f"{_kinds(root / 'stop' / 'run', 'stopped')}\n{_kinds(root / 'stop' / 'run', 'resumed')}"
+    assert first == again, said
     # ...and, stopped after it and resumed from the checkpoint, ends bitwise the same.
     for rank in (0, 1):
         a, b = _final(root, "nan", rank), _final(root, "stop", rank)
