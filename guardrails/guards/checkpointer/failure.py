@@ -389,27 +389,15 @@ class FailureSave:
         merged, missing, after = self._gather(key, deadline, dead)
         merged.update(files)  # the committer's own
         claim = lambda r: self._claim(key, "peer", r)  # noqa: E731
-        peers = self._write_peers(guard, claim, tmp, merged, missing, cancel)
-        missing = [r for r in missing if r not in peers]
         try:
-            final = self._commit(
-                step,
-                tmp,
-                merged,
-                cause,
-                missing=missing,
-                peers=peers,
-                after=after,
-                committer=committer,
+            final, missing = self._complete(
+                guard, claim, tmp, merged, cause, cancel, missing, after, committer
             )
         except BaseException as e:
             self._store.set(f"{key}/commit", json.dumps({"error": repr(e)}))
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._store.set(f"{key}/commit", json.dumps({"path": str(final), "missing": missing}))
-        for r in peers:  # their ranks are gone: their copies are done with
-            with contextlib.suppress(OSError):
-                os.unlink(peer.slot_path(self._slots, writer.token, r))  # type: ignore[arg-type]
         return final, missing
 
     def _save_on_board(
@@ -464,25 +452,44 @@ class FailureSave:
             merged.update(got)
         merged.update(files)
         claim = lambda r: board.claim(f"writer{r}", "peer")  # noqa: E731
-        peers = self._write_peers(guard, claim, tmp, merged, missing, cancel)
+        try:
+            return self._complete(
+                guard, claim, tmp, merged, cause, cancel, missing, after, self._rank, lost=True
+            )
+        finally:
+            board.remove()  # a rank later than this finds no board: it waits for the commit
+
+    def _complete(
+        self,
+        guard: Guard,
+        claim: Callable[[int], bool],
+        tmp: Path,
+        files: dict[str, Any],
+        cause: str,
+        cancel: threading.Event,
+        missing: list[int],
+        after: list[int],
+        committer: int,
+        *,
+        lost: bool = False,
+    ) -> tuple[Path, list[int]]:
+        """The committer, once the others' records are in: the missing ranks' parts it
+        holds copies of (:meth:`_write_peers`), then the commit; the checkpoint and the
+        ranks still missing. The committer and the lost store are passed, not read back:
+        the main thread's failure and the watchdog's verdict can each run a save here."""
+        peers = self._write_peers(guard, claim, tmp, files, missing, cancel)
         missing = [r for r in missing if r not in peers]
-        board.remove()  # a rank later than this finds no board: it waits for the commit
-        # The committer and the lost store passed, not read back: the main thread's
-        # failure and the watchdog's verdict can each run a save in this process.
         final = self._commit(
-            step,
+            guard.step,
             tmp,
-            merged,
+            files,
             cause,
             missing=missing,
             peers=peers,
             after=after,
-            committer=self._rank,
-            store_lost=True,
+            committer=committer,
+            store_lost=lost,
         )
-        for r in peers:
-            with contextlib.suppress(OSError):
-                os.unlink(peer.slot_path(self._slots, writer.token, r))  # type: ignore[arg-type]
         return final, missing
 
     def _claim(self, key: str, by: str, rank: int | None = None) -> bool:
@@ -637,7 +644,7 @@ class FailureSave:
         ``"after_update"``: the failing step's update was over, ``after_update`` names
         the ranks whose streams and position are those after it), the ranks missing,
         those whose part a live rank wrote from their published copy (``from_peers``),
-        and the committer when it is not rank 0."""
+        and the committer when it is not rank 0. The copies written from are removed."""
         ranks = [r for r in range(self._world) if r not in missing]
         failure: dict[str, Any] = {
             "cause": cause,
@@ -652,7 +659,7 @@ class FailureSave:
             failure["committed_by"] = committer
         if store_lost:
             failure["store"] = "lost"
-        return commit.commit(
+        final = commit.commit(
             self._writer.root,
             step,
             tmp,
@@ -663,6 +670,10 @@ class FailureSave:
             failure=failure,
             **self._writer.commit_args,
         )
+        for r in peers or ():  # their ranks are gone: their copies are done with
+            with contextlib.suppress(OSError):
+                os.unlink(peer.slot_path(self._slots, self._writer.token, r))  # type: ignore[arg-type]
+        return final
 
     def _latest_text(self, ours: Path | None) -> str:
         """Which checkpoint a re-run resumes, in words: the newest complete one on disk
