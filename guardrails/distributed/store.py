@@ -295,11 +295,35 @@ def wait_refusal_read(generation: int, world: int, timeout_s: float = 30.0) -> N
     store with it while another rank was still reading the refusal, which then died
     of a lost connection instead of the refusal. The refusal path only."""
     run = side_store(generation, "run")
-    if run is None:
+    if run is not None:
+        _wait_count(run, "refused_read", world - 1, timeout_s)
+
+
+def leave(generation: int, *, rank: int, world: int, wait: bool, timeout_s: float = 10.0) -> None:
+    """At a guard's close, after its last store call: every rank but 0 says it is done
+    with the store; rank 0 (``wait``: its run ended cleanly), whose process hosts the
+    store outside torchrun, waits at most ``timeout_s`` for them. A script may exit as
+    soon as its guard closes, and rank 0's took the store with it while a slower rank
+    still made its last calls (the close's stop decision, the watchdog's word): that
+    rank died of "DistNetworkError: Broken pipe" at the end of a clean 2-rank run.
+    One ``add`` per rank; rank 0 reads one counter."""
+    run = side_store(generation, "run")
+    if run is None or world < 2:
         return
+    try:
+        if rank != 0:
+            run.add("left", 1)
+        elif wait and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+            _wait_count(run, "left", world - 1, timeout_s)
+    except Exception as e:  # the store is gone already: nobody is left to wait for
+        log.debug("guardrails: the store was gone at close: %s", e)
+
+
+def _wait_count(run: dist.Store, key: str, count: int, timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the counter ``key`` reaches ``count``."""
     deadline = time.monotonic() + timeout_s
     pause = 0.01
-    while run.add("refused_read", 0) < world - 1 and time.monotonic() < deadline:
+    while run.add(key, 0) < count and time.monotonic() < deadline:
         time.sleep(pause)
         pause = min(pause * 2, 0.5)
 

@@ -161,8 +161,10 @@ def close(guard: Guard, exc: BaseException | None) -> None:
     store.close_side_group(guard.side_group)
     guard.side_group = None
     final = ending.final_error(exc, guard._replacement, errors)
-    end_event(guard, final)
     clean = final is None or (isinstance(final, SystemExit) and guard.exit_code is not None)
+    # The guard's last store call is behind it: rank 0 (it may host the store) leaves last.
+    store.leave(guard.generation, rank=guard.rank, world=guard.world_size, wait=clean)
+    end_event(guard, final)
     if clean and guard.rank == 0:
         ending.point_to_report(guard.run_dir)
     if final is not None and exc is None:

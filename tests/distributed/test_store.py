@@ -5,6 +5,7 @@ store barrier and agreement, the job's news counter."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -122,3 +123,47 @@ def test_news_reads_the_store_at_most_once_per_period():
     News(store, world=8).post()  # another rank posts
     assert news.current() == 0  # not seen until the period has passed...
     assert news.current(max_age_s=0) == 1  # ...or a caller asks for a fresh read
+
+
+_SLOW_CLOSE = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import torch, torch.distributed as dist
+import guardrails
+from guardrails.engine.component import Component
+from conftest import Regressor, batches
+
+class SlowClose(Component):
+    # Run first at close (extra components end first): rank 1 makes its last store
+    # calls (the stop decision at the end, the watchdog's word) a second after rank 0.
+    name = "slow_close"
+    def on_end(self, guard, exc):
+        if guard.rank == 1:
+            time.sleep(1.0)
+
+dist.init_process_group("gloo")
+model = torch.nn.parallel.DistributedDataParallel(Regressor())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with guardrails.guard(model, opt, batches(5), run_dir={run_dir!r}, progress=False,
+                      components=[SlowClose()]) as g:
+    for x, y in g:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+print("closed", g.step, flush=True)
+os._exit(0)  # rank 0's process, and the store it hosts, gone at once, as a script ends
+"""
+
+
+def test_rank_0_hosting_the_store_leaves_a_clean_close_last(tmp_path):
+    """Outside torchrun rank 0's process hosts the store. A clean 2-rank run whose rank 1
+    closes a second later than rank 0: rank 0's close waits for rank 1's last store
+    call, so rank 1 does not die of "DistNetworkError: Broken pipe" at the end of a
+    healthy run (it did: twice in CI, ~1 run in 8)."""
+    from _ranks import TESTS, run_ranks
+
+    script = _SLOW_CLOSE.format(tests=str(TESTS), run_dir=str(tmp_path / "run"))
+    ranks = run_ranks([sys.executable, "-c", script], 2, out=tmp_path / "out", timeout_s=120)
+    assert [r.code for r in ranks] == [0, 0], [r.text[-2000:] for r in ranks]
+    assert all("closed 5" in r.out for r in ranks), [r.text[-2000:] for r in ranks]
+    assert not any("DistNetworkError" in r.text for r in ranks)
