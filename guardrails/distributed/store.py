@@ -299,6 +299,13 @@ def wait_refusal_read(generation: int, world: int, timeout_s: float = 30.0) -> N
         _wait_count(run, "refused_read", world - 1, timeout_s)
 
 
+def agent_holds_store() -> bool:
+    """Whether torchrun's agent hosts the job's store (``TORCHELASTIC_USE_AGENT_STORE``,
+    the default of its static and c10d rendezvous): it outlives any rank. Else rank 0's
+    process hosts it (``MASTER_ADDR``, ``srun``), and the store dies with rank 0."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def leave(generation: int, *, rank: int, world: int, wait: bool, timeout_s: float = 10.0) -> None:
     """At a guard's close, after its last store call: every rank but 0 says it is done
     with the store; rank 0 (``wait``: its run ended cleanly), whose process hosts the
@@ -313,7 +320,7 @@ def leave(generation: int, *, rank: int, world: int, wait: bool, timeout_s: floa
     try:
         if rank != 0:
             run.add("left", 1)
-        elif wait and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        elif wait and not agent_holds_store():
             _wait_count(run, "left", world - 1, timeout_s)
     except Exception as e:  # the store is gone already: nobody is left to wait for
         log.debug("guardrails: the store was gone at close: %s", e)

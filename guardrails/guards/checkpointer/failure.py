@@ -73,7 +73,7 @@ from guardrails.checkpoint.manifest import (
     read_manifest,
     resume_order,
 )
-from guardrails.distributed.store import stretched, wait_keys
+from guardrails.distributed.store import agent_holds_store, stretched, wait_keys
 from guardrails.engine import model
 from guardrails.guards.checkpointer import peer
 from guardrails.guards.checkpointer.board import FileBoard
@@ -439,17 +439,8 @@ class FailureSave:
         expect = self._world - 1 - (dead is not None and dead != self._rank)
         wait_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic() - 2.0))
         records = board.gather(wait_s=wait_s, expect=expect)
-        merged, missing, after = {}, [], [self._rank] if self._after_update else []
-        for r in range(self._world):
-            got = records.get(r)
-            if r == self._rank:
-                continue
-            if got is None or "none" in got:
-                missing.append(r)
-                continue
-            if got.pop(_AFTER_UPDATE, False):
-                after.append(r)
-            merged.update(got)
+        others = [r for r in range(self._world) if r != self._rank]
+        merged, missing, after = self._merge(records, others, [])
         merged.update(files)
         claim = lambda r: board.claim(f"writer{r}", "peer")  # noqa: E731
         try:
@@ -581,19 +572,31 @@ class FailureSave:
             if time.monotonic() > begun_by and int(store.add(f"{key}/begun", 0)) <= filed:
                 break
             time.sleep(poll_s)
-        merged: dict[str, Any] = {}
+        # A rank without a record is dead, stuck, or waiting in a collective for rank 0.
+        records = {
+            r: json.loads(store.get(f"{key}/files/{r}"))
+            for r in others
+            if store.check([f"{key}/files/{r}"])
+        }
         missing = [] if dead is None or dead == self._committer else [dead]
+        return self._merge(records, others, missing)
+
+    def _merge(
+        self, records: dict[int, dict[str, Any]], others: list[int], missing: list[int]
+    ) -> tuple[dict[str, Any], list[int], list[int]]:
+        """The committer: the ``others``' records (each rank's files) merged, the ranks
+        without one or with nothing to save added to ``missing``, and the ranks whose
+        part is the state after the failing step's update (this rank too, if so)."""
+        merged: dict[str, Any] = {}
         after = [self._rank] if self._after_update else []
         for r in others:
-            if not store.check([f"{key}/files/{r}"]):
-                missing.append(r)  # dead, stuck, or waiting in a collective for rank 0
-                continue
-            got = json.loads(store.get(f"{key}/files/{r}"))
-            if "none" in got:
+            got = records.get(r)
+            if got is None or "none" in got:
                 missing.append(r)
+                continue
             if got.pop(_AFTER_UPDATE, False):
                 after.append(r)
-            merged.update({k: v for k, v in got.items() if k != "none"})
+            merged.update(got)
         return merged, sorted(missing), sorted(after)
 
     def _await_commit(
@@ -758,8 +761,7 @@ def _committer(dead: int | None, world: int) -> int:
     torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``: it outlives rank 0), rank 1,
     the lowest live rank. With the store on rank 0, its death takes the store too:
     the save meets in files, and the first rank done commits (``board.py``)."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    return 1 if dead == 0 and agent and world > 1 else 0
+    return 1 if dead == 0 and agent_holds_store() and world > 1 else 0
 
 
 #: The most of an error's first line the manifest and the event keep (gloo's run to 300).

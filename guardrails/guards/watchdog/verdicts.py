@@ -9,10 +9,10 @@ claims in the store (first writer wins) and every rank builds into its error
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError, HangError, RankFailedError, UnevenDataError
+from guardrails.distributed.store import agent_holds_store
 from guardrails.guards.watchdog.records import (
     _first_line,
     _in_collective,
@@ -317,7 +317,7 @@ def store_down(exc: Exception, down_s: float, *, rank: int, step: int) -> RankFa
     """The job's store stopped answering this rank for ``down_s``: its host is gone.
     With torchrun the store lives in the agent (TORCHELASTIC_USE_AGENT_STORE), else on
     rank 0."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    agent = agent_holds_store()
     host = "the torchrun agent" if agent else "rank 0 (it hosts the TCPStore)"
     how_long = f" for {down_s:.0f} s" if down_s >= 1 else ""
     return RankFailedError(
