@@ -109,7 +109,7 @@ from guardrails.guards.checkpointer.peer import PeerSlot
 from guardrails.guards.checkpointer.resume import ResumeAtStart
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.unsaved import Unsaved
-from guardrails.guards.checkpointer.workers import WorkerShield, worker_died
+from guardrails.guards.checkpointer.workers import LoaderStop, WorkerShield
 from guardrails.guards.checkpointer.writer import CheckpointWriter, agree_token
 from guardrails.util.checks import config_dict, path_like, positive_int
 
@@ -342,12 +342,10 @@ class SignalCheckpointer(Component):
         self._delayed = False  # an every_s save is waiting for the writer (told once)
         self._saves = False  # a signal's or periodic saves can come: staging is planned
         self._replan = False  # ...and planned again at a boundary, until after step 1
-        # The stop signals ignored by the loader's workers while the guard runs, and what
-        # the stop says when a worker died of the signal before the ranks stopped.
+        # The stop signals ignored by the loader's workers while the guard runs, and the
+        # stop at a boundary when a worker died of the signal all the same.
         self._shield = WorkerShield()
-        self._dead_loader: str | None = None
-        # (step, epoch, batch_in_epoch, training forwards) at the last step boundary.
-        self._boundary_mark: tuple[int, int, int, int] | None = None
+        self._loader_stop = LoaderStop()
         # What the loop keeps that no checkpoint saves (a scheduler, a generator, an
         # EMA, an epoch loop from 0): told at the first step.
         self._unsaved = Unsaved()
@@ -430,7 +428,7 @@ class SignalCheckpointer(Component):
                     "checkpoint. Start the guard in the main thread.",
                 )
             return
-        self.capture.install(guard)
+        self.capture.install(guard, first_fetch=lambda: self._loader_stop.first_fetch(guard))
         if self.signals and guard.loader is not None:
             self._shield.cover(guard.loader, self.capture.installed)
 
@@ -511,9 +509,15 @@ class SignalCheckpointer(Component):
         rank had taken before the signal came (a hang another rank diagnosed, then
         torchrun's SIGTERM once a rank exited) is what happened: the signal only ended
         it; a loader whose worker died of the signal at a step boundary is the stop
-        (:meth:`_stop_at_dead_loader`). Otherwise the signal is what happened (a peer
+        (``LoaderStop.fetch_failed``). Otherwise the signal is what happened (a peer
         left, and this rank's collective failed for it): not a "rank 1 died" alarm."""
-        if self.capture.verdict_first(guard) or self._stop_at_dead_loader(guard, signum, exc):
+        if self.capture.verdict_first(guard):
+            return
+        if self._loader_stop.fetch_failed(guard, exc, self._agreement, grace_s=self.grace_s):
+            self._stop_at, self._stop_signal = guard.step, signum
+            self._stop(guard, exit_now=False)
+            if self.exit_on_signal:
+                guard.replace_error(process.stop_exit(128 + signum, guard.stopping or ""))
             return
         # No boundary a stop saves at came, but the state may be the last finished step's
         # (the collective failed before the update): the failure save. torchrun SIGTERMs
@@ -616,14 +620,20 @@ class SignalCheckpointer(Component):
             self._peer_slot.publish(guard)
         if not self._unsaved.checked:
             self._unsaved.at_step(guard)
-        # Where a loader that fails on the next fetch leaves the run (_stop_at_dead_loader).
-        self._boundary_mark = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
-        capture = self.capture
-        if (capture.signal or capture.watched) and self._stop_at is None:
-            if self._agreement is None and capture.signal is not None:
+        self._loader_stop.at_boundary(guard)
+        capture, agreement, grace_s = self.capture, self._agreement, self.grace_s
+        signum = capture.received
+        if signum and self._stop_at is None:
+            if capture.children_held and self._loader_stop.died_in_step(
+                guard, capture.replay_child_deaths, agreement, grace_s=grace_s
+            ):
+                self._stop_at, self._stop_signal = guard.step, signum  # its loader died
+            elif agreement is None and capture.signal is not None:
                 self._stop_at, self._stop_signal = guard.step, capture.signal  # alone: stop now
-            else:
-                self._dead_loader_at_boundary(guard)  # a peer's loader died here: stop with it
+            elif agreement is not None and self._loader_stop.peer_died(
+                guard, agreement, grace_s=grace_s
+            ):
+                self._stop_at, self._stop_signal = guard.step, signum  # a peer's loader died
         if self.writer.error is not None:  # type: ignore[union-attr]  # built at start
             self.writer.settle(guard, stopping=self._stop_at is not None)  # type: ignore[union-attr]
         if self._stop_at is not None:
@@ -730,9 +740,9 @@ class SignalCheckpointer(Component):
                 f"{guard.step} and saved {path}. To resume, run the same command: "
                 "guard(..., resume='auto') continues from it."
             )
-        if self._dead_loader is not None:
+        if self._loader_stop.cause is not None:
             message += (
-                f" A DataLoader worker had died of the signal ({self._dead_loader}): the "
+                f" A DataLoader worker had died of the signal ({self._loader_stop.cause}): the "
                 "checkpoint is the step boundary the loader failed at."
             )
         if self.capture.late_sigints:
@@ -741,44 +751,6 @@ class SignalCheckpointer(Component):
                 f"code ({128 + self._stop_signal}); a second one ends the process at once."
             )
         return path, message
-
-    def _stop_at_dead_loader(self, guard: Guard, signum: int, error: BaseException) -> bool:
-        """From ``on_end``, the loop failed after ``signum``: whether that was its loader
-        failing for a worker gone while fetching the first batch after a step boundary
-        (no batch fetched, no training forward since: the state is that boundary's, the
-        data position too). Then the rank stops there, with every rank whose loader
-        failed at the same boundary (all of them, or nobody saves: a save is one commit
-        of every rank), and the loop's error becomes the stop's exit. Checked here, once,
-        not around every fetch: nothing is added to a step (see ``workers.py``)."""
-        at = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
-        if guard.phase != "data" or not worker_died(error) or at != self._boundary_mark:
-            return False
-        agreement = self._agreement
-        if agreement is not None and not agreement.join_dead_loaders(guard, grace_s=self.grace_s):
-            return False
-        self._dead_loader = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-        self._stop_at, self._stop_signal = guard.step, signum
-        self._stop(guard, exit_now=False)
-        if self.exit_on_signal:
-            guard.replace_error(process.stop_exit(128 + signum, guard.stopping or ""))
-        return True
-
-    def _dead_loader_at_boundary(self, guard: Guard) -> bool:
-        """At a step boundary after a stop signal (one store call per step, only then):
-        whether a peer's loader died at this boundary; then this rank stops here with it
-        (its own loader may still hold batches). Raises the stop's exit when every rank
-        joined."""
-        agreement = self._agreement
-        signum = self.capture.received
-        if agreement is None or not signum or self._stop_at is not None:
-            return False
-        if not agreement.dead_loader_posted(guard):
-            return False
-        if agreement.join_dead_loaders(guard, grace_s=self.grace_s):
-            self._dead_loader = "a peer's DataLoader worker died of the signal"
-            self._stop_at, self._stop_signal = guard.step, signum
-            self._stop(guard)
-        return True
 
     # ------------------------------------------------------------------ saving
 

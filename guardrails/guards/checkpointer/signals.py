@@ -3,8 +3,9 @@ thread that wakes on a signal's wakeup byte, and exact restoration of the previo
 handlers.
 
 :class:`SignalCapture` owns all of it: which signal came first and when, the SIGINTs
-after it, the handlers it replaced and the watcher thread. The checkpointer reads
-:attr:`SignalCapture.signal` at its step boundaries and turns it into a stop there.
+after it, the handlers it replaced, the watcher thread and the children's deaths held
+after the first signal. The checkpointer reads :attr:`SignalCapture.signal` at its step
+boundaries and turns it into a stop there.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ class SignalCapture:
         self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the wakeup fd
         self._previous_wakeup = -1
         self._watcher: threading.Thread | None = None
+        #: SIGCHLDs held since the first stop signal, not handled yet (see
+        #: :meth:`_hold_child_deaths`).
+        self.children_held = 0
+        self._on_child_installed: Callable[[int, Any], None] | None = None
+        self._child_previous: Any = None
+        self._first_fetch: Callable[[], bool] = lambda: False
 
     @property
     def received(self) -> int | None:
@@ -80,8 +87,12 @@ class SignalCapture:
         """The numbers of the signals whose handlers are installed now."""
         return tuple(self._previous)
 
-    def install(self, guard: Guard) -> None:
-        """The handlers, and the watcher thread (main thread only)."""
+    def install(self, guard: Guard, *, first_fetch: Callable[[], bool] | None = None) -> None:
+        """The handlers, and the watcher thread (main thread only). ``first_fetch``:
+        whether the rank is fetching the first batch after a step boundary (a child's
+        death is handled at once there, see :meth:`_hold_child_deaths`)."""
+        if first_fetch is not None:
+            self._first_fetch = first_fetch
         for name in self.names:
             num = getattr(signal, name)
             self._previous[num] = signal.signal(num, self._on_signal)
@@ -175,11 +186,58 @@ class SignalCapture:
         os.close(read_fd)
 
     def restore(self) -> None:
-        """The previous handlers back, exactly; the watcher ended."""
+        """The previous handlers back, exactly; the watcher ended. Children's deaths
+        still held are not handled: the loop is over and they were the signal's; a
+        loader used again finds its dead worker at its next fetch (its own check)."""
         self._unwatch_signals()
         for num, previous in self._previous.items():
             process.restore_handler(num, previous)  # after a failing close's hold, if any
         self._previous = {}
+        holder, self._on_child_installed = self._on_child_installed, None
+        if holder is not None and signal.getsignal(signal.SIGCHLD) is holder:
+            process.restore_handler(signal.SIGCHLD, self._child_previous)  # else: the loop's
+
+    def _hold_child_deaths(self) -> None:
+        """From the first stop signal to the guard's close, a child's death (SIGCHLD) is
+        held instead of handled wherever the main thread is. The launcher signalled the
+        rank's whole process group, so loader workers the shield could not cover die of
+        it too (``workers.py``), and torch's SIGCHLD handler raised "DataLoader worker
+        (pid N) is killed by signal" between two bytecodes of the step, even inside
+        ``optimizer.step()``: weights half updated, nothing to save, the run back to its
+        last checkpoint or to step 0. Held, the step finishes and the next boundary
+        runs the handler (:meth:`replay_child_deaths`); a death while the rank fetches
+        the first batch after a boundary is handled at once (the loader fails where the
+        state is complete). No I/O: this runs in the signal's handler."""
+        if self._on_child_installed is not None:
+            return
+        previous = signal.getsignal(signal.SIGCHLD)
+        if previous is None:  # a handler set outside Python: it could not be put back
+            return
+        holder = self._on_child
+        try:
+            signal.signal(signal.SIGCHLD, holder)
+        except (ValueError, OSError):  # not the main thread
+            return
+        self._child_previous, self._on_child_installed = previous, holder
+
+    def _on_child(self, signum: int, frame: Any) -> None:
+        if self._first_fetch():
+            self._handle_child(signum, frame)
+        else:
+            self.children_held += 1
+
+    def replay_child_deaths(self) -> None:
+        """At a step boundary: the SIGCHLD handler found at the first signal runs for
+        the children that died during the step (torch's raises ``RuntimeError`` for a
+        loader worker a signal killed)."""
+        if self.children_held:
+            self.children_held = 0
+            self._handle_child(signal.SIGCHLD, None)
+
+    def _handle_child(self, signum: int, frame: Any) -> None:
+        previous = self._child_previous
+        if callable(previous):
+            previous(signum, frame)
 
     def verdict_first(self, guard: Guard) -> bool:
         """Whether a verdict came before the signal: one this rank took, or one any
@@ -205,6 +263,7 @@ class SignalCapture:
             self.signal = signum
             if self.signal_at is None:  # a float set: no I/O, no lock
                 self.signal_at = time.monotonic()
+            self._hold_child_deaths()
             return
         if signum != signal.SIGINT:
             return  # a second SIGTERM / SIGUSR1: the stop is under way already

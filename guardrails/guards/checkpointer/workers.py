@@ -12,15 +12,17 @@ on a step to stop at: no checkpoint, and the same command trained again from ste
   the loader's own one; the loader's ``worker_init_fn`` is the user's object again at
   the guard's end. A worker still ends when the loader shuts it down or its parent ends
   (torch's workers watch their parent), and nothing about the data changes.
-* A loader stop (the checkpointer's ``_stop_at_dead_loader``, the ranks joined by
-  ``agree.Agreement.join_dead_loaders``): what the shield cannot cover (a worker killed before its
+* :class:`LoaderStop`: what the shield cannot cover (a worker killed before its
   ``worker_init_fn`` ran, a ``persistent_workers`` iterator made before the guard, a
-  loader the guard does not iterate, a kill from elsewhere): a loader that fails
-  because a worker died, after a stop signal, while fetching the first batch after a
-  step boundary, failed where the state is complete. That is the stop: the ranks whose
-  loaders failed at the same boundary save there and exit ``128 + signum``. A worker's
-  death raised inside a step (torch's SIGCHLD handler raises wherever the main thread
-  is) leaves no such state: the rank exits without a checkpoint, and says so.
+  loader the guard does not iterate, a kill from elsewhere). A worker that died of the
+  stop signal inside a step is not raised there: torch's SIGCHLD handler would raise
+  between two bytecodes of the step, even inside ``optimizer.step()`` with the weights
+  half updated, and the rank had nothing to save. The signal capture holds SIGCHLD from
+  the first stop signal on (``signals.py``) and the next step boundary runs torch's
+  handler; a loader that fails there, or while fetching the first batch after a
+  boundary, failed where the state is complete. That is the stop: the ranks whose
+  loaders failed at the same boundary (``agree.Agreement.join_dead_loaders``) save
+  there and exit ``128 + signum``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from guardrails.engine import process
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
+    from guardrails.guards.checkpointer.agree import Agreement
 
 
 class IgnoreStopSignals:
@@ -124,6 +127,88 @@ class WorkerShield:
             if dl.worker_init_fn is wrapper:
                 dl.worker_init_fn = own
         self._covered = []
+
+
+class LoaderStop:
+    """A loader whose worker died of the stop signal, as the stop at a step boundary
+    (see the module's docstring). It owns where the last boundary was and what the stop
+    says of the loader (:attr:`cause`); the checkpointer decides the stop from what its
+    methods return. Nothing here runs in a healthy step: only after a stop signal."""
+
+    def __init__(self) -> None:
+        #: (step, epoch, batch_in_epoch, training forwards) at the last step boundary.
+        self.mark: tuple[int, int, int, int] | None = None
+        #: What the stop's message says of the loader (``None``: no loader stop).
+        self.cause: str | None = None
+
+    @staticmethod
+    def _where(guard: Guard) -> tuple[int, int, int, int]:
+        return (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
+
+    def at_boundary(self, guard: Guard) -> None:
+        """A step boundary: where a loader failing on the next fetch leaves the run."""
+        self.mark = self._where(guard)
+
+    def first_fetch(self, guard: Guard) -> bool:
+        """Whether the rank is fetching the first batch after a step boundary (no batch
+        fetched, no training forward since): the state is that boundary's."""
+        return guard.phase == "data" and self._where(guard) == self.mark
+
+    def fetch_failed(
+        self, guard: Guard, error: BaseException, agreement: Agreement | None, *, grace_s: float
+    ) -> bool:
+        """From the close, the loop failed after a stop signal: whether that was its
+        loader failing for a worker gone on the first fetch after a boundary, every rank
+        whose loader failed there joined (all of them, or nobody saves: a save is one
+        commit of every rank). Then the rank stops at that boundary."""
+        if not worker_died(error) or not self.first_fetch(guard):
+            return False
+        return self._join(guard, error, agreement, grace_s=grace_s)
+
+    def died_in_step(
+        self,
+        guard: Guard,
+        replay: Callable[[], None],
+        agreement: Agreement | None,
+        *,
+        grace_s: float,
+    ) -> bool:
+        """At a step boundary, children having died in the step after the stop signal:
+        ``replay`` runs the SIGCHLD handler they were held from (torch's raises for a
+        loader worker killed by a signal). Whether that was the loader, every rank
+        joined: then the rank stops here. A loader's error that no peer joined is
+        raised, as the fetch would have (the failure save takes this boundary)."""
+        try:
+            replay()
+        except RuntimeError as e:
+            if not worker_died(e) or not self._join(guard, e, agreement, grace_s=grace_s):
+                raise
+            return True
+        return False
+
+    def peer_died(self, guard: Guard, agreement: Agreement, *, grace_s: float) -> bool:
+        """At a step boundary after a stop signal (one store call per step, only then):
+        whether a peer's loader died at this boundary and every rank joined it; then
+        this rank stops here with it (its own loader may still hold batches)."""
+        if not agreement.dead_loader_posted(guard):
+            return False
+        if not agreement.join_dead_loaders(guard, grace_s=grace_s):
+            return False
+        self.cause = "a peer's DataLoader worker died of the signal"
+        return True
+
+    def _join(
+        self,
+        guard: Guard,
+        error: BaseException,
+        agreement: Agreement | None,
+        *,
+        grace_s: float,
+    ) -> bool:
+        if agreement is not None and not agreement.join_dead_loaders(guard, grace_s=grace_s):
+            return False
+        self.cause = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        return True
 
 
 #: Why a stop saved nothing when a loader's worker died of the signal before the rank
