@@ -94,9 +94,14 @@ def grads_agree(model: nn.Module) -> bool:
     all-reduced them in the backward (wrapped outside or inside ``torch.compile``), or
     they are DTensors whose norm is global (FSDP2). Otherwise (a distributed optimizer
     that reduces inside its step, like nanochat's) they differ per rank."""
-    chain = wrappers(model)
+    return ddp_wrapped(model) or is_sharded(unwrap(model))
+
+
+def ddp_wrapped(model: nn.Module) -> bool:
+    """Whether DDP wraps ``model`` (outside or inside ``torch.compile``): its backward
+    all-reduces the gradients."""
     ddp = nn.parallel.DistributedDataParallel
-    return any(isinstance(m, ddp) for m in chain) or is_sharded(chain[-1])
+    return any(isinstance(m, ddp) for m in wrappers(model))
 
 
 # ---------------------------------------------------------------------- outputs

@@ -211,6 +211,9 @@ def test_a_single_process_run_shows_in_top_then_in_its_report(tmp_path):
     assert (a["rank"], a["node"], a["state"]) == (0, 0, "running"), a
     assert b["step"] > a["step"] > 0, (a, b)
     assert b["step_time_s"] > 0.05 and b["cpu"] is not None
+    # A rank's goodput is unknown until two ticks saw steps (the first record said 0%).
+    assert a["goodput"] is None or a["goodput"] > 0, a
+    assert 0.3 < b["goodput"] <= 1.0, b  # 50 ms steps, sleeping: most of the wall time
     assert json.loads(second.stdout)["job"]["ranks"] == 1
     assert [p.name for p in live.node_files(run)] == ["node0.json"]
     report = cli("report", run, "--no-png", "--json")
@@ -250,3 +253,13 @@ def test_stacks_names_the_line_a_single_process_is_stuck_on(tmp_path, alone_in, 
 def test_rank_lists_are_cut_into_runs():
     assert ranges([0, 2, 3, 4, 7]) == "0,2-4,7"
     assert ranges([5]) == "5" and ranges([]) == ""
+
+
+def test_a_rank_in_backward_is_in_ddps_all_reduce_only_under_ddp():
+    """Where ``top`` and a hang's report say a rank is: a rank in backward waits in the
+    gradients' all-reduce only when DDP wraps its model (a single GPU's run said so)."""
+    from guardrails.guards.watchdog.records import _where
+
+    plain = _where({"phase": "backward", "ddp": False})
+    assert plain == "in backward, between forward and optimizer.step()"
+    assert "DDP" in _where({"phase": "backward", "ddp": True})

@@ -122,7 +122,7 @@ def test_stuck_rank_is_named_with_every_stack(runs, scenario):
         head = next(ln for ln in text.splitlines() if "no progress for" in ln)
         assert "idle: its main thread ran 0% of a core" in head, text[:600]
         assert extra["fields"]["cpu"][str(1)] <= 0.05
-        assert "rank 0 waits for it" in text and "DDP's gradient all-reduce" in text
+        assert "rank 0 waits for it" in text and "where DDP all-reduces the gradients" in text
         # Every rank's own stack, captured by its own watchdog: rank 1's shows the fault.
         stacks = extra["fields"]["stacks"]
         fault_line = "time.sleep(3600)" if scenario == "sleep" else "os.read(r, 1)"

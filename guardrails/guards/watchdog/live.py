@@ -49,7 +49,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from guardrails.engine.where import STACK_FRAMES, data_position
-from guardrails.guards.watchdog.records import _first_line, _jsonable, _where
+from guardrails.guards.watchdog.records import (
+    _first_line,
+    _jsonable,
+    _where,
+    ddp_wrapped_models,
+)
 from guardrails.metrics import live as files
 
 if TYPE_CHECKING:
@@ -162,7 +167,11 @@ class LivePublisher:
         steps = list(self._steps)
         step_time = steps[-1][0] if steps else None
         coll = guard.shared.collective
-        here = {"collective": _jsonable(coll) if coll else None, "phase": guard.phase}
+        here = {
+            "collective": _jsonable(coll) if coll else None,
+            "phase": guard.phase,
+            "ddp": ddp_wrapped_models(guard),
+        }
         now = time.time()
         return {
             "rank": self.rank,
@@ -184,7 +193,10 @@ class LivePublisher:
             "paused": guard.paused,
             "where": _where(here),
             "last_step_at": self._last_step_time,
-            "goodput": round(min(1.0, self._busy_s / max(1e-9, now - self._started)), 3),
+            # Unknown (not 0%) until two ticks have seen steps: the first one only starts.
+            "goodput": round(min(1.0, self._busy_s / max(1e-9, now - self._started)), 3)
+            if self._busy_s > 0
+            else None,
             "eta_s": self._eta_s(guard, steps),
             "state": "running",
             "counts": dict(self.counts),

@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guardrails.engine.model import ddp_wrapped
 from guardrails.engine.where import (
     TORCH_DIR,
     is_user_file,
@@ -18,7 +19,7 @@ from guardrails.engine.where import (
 from guardrails.util.probes import stat_fields
 
 if TYPE_CHECKING:
-    pass
+    from guardrails.engine.guard import Guard
 
 # Heartbeats missed before a rank on another machine counts as gone: a thread that
 # wakes every period misses 3 only when the process is dead or frozen holding the GIL.
@@ -142,6 +143,12 @@ def _progress_key(rec: dict[str, Any]) -> tuple[int, int, int]:
     )
 
 
+def ddp_wrapped_models(guard: Guard) -> bool:
+    """Whether a model of the guard is DDP's: a rank in its backward is then in the
+    gradients' all-reduce (what a record's ``ddp`` says for :func:`_where`)."""
+    return any(ddp_wrapped(m) for m in guard.models.values())
+
+
 def _where(rec: dict[str, Any]) -> str:
     """Where a rank is, in words: the collective (op #seq at file:line), else the phase
     and the innermost frame of the user's code."""
@@ -165,8 +172,8 @@ def _where(rec: dict[str, Any]) -> str:
         text = {
             "data": "in the loader's next()",
             "forward": "in the model's forward",
-            "backward": "between forward and optimizer.step() (backward: DDP's gradient "
-            "all-reduce)",
+            "backward": "in backward, between forward and optimizer.step()"
+            + (" (where DDP all-reduces the gradients)" if rec.get("ddp") else ""),
             "optimizer": "in optimizer.step()",
             "loop": "in the loop body",
             "setup": "before the first batch",

@@ -89,6 +89,7 @@ from guardrails.guards.watchdog.records import (
     _past,
     _position,
     _where,
+    ddp_wrapped_models,
     read_records,
     read_stacks,
 )
@@ -542,6 +543,7 @@ class Watchdog(Component):
             "time": time.time(),
             "step": guard.step,
             "phase": guard.phase,
+            "ddp": ddp_wrapped_models(guard),
             "collective": _jsonable(coll) if coll is not None else None,
             "paused": guard.paused,
             "epoch": here[0],
