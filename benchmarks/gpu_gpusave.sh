@@ -61,7 +61,7 @@ tests() {
 }
 
 recovery() {
-  CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$NEW timeout 200 python3 benchmarks/recovery_gpu.py \
+  PYTHONPATH=$NEW timeout 200 python3 benchmarks/recovery_gpu.py \
     --out "$OUT" 2>&1 | tee "$OUT/recovery.txt"
   # What each rank's failure save did (or why not), for the steps redone.
   grep -h '"failure_saved"' /tmp/recovery_gpu/events*.jsonl | cut -c1-700 | tee "$OUT/failure_saved.txt"

@@ -2,19 +2,19 @@
 the processes' exit, the same command again (a requeue), ``resume="auto"`` from the
 last periodic checkpoint, the first step; with the time of each part.
 
-    python benchmarks/recovery_gpu.py --out OUT            # 2 ranks on one GPU, gloo
+    python benchmarks/recovery_gpu.py --out OUT            # 2 ranks, gloo
 
-The watchdog works across ranks (in a single process it only publishes the live view),
-and this machine lends one GPU: the job is 2 ranks under ``torchrun --standalone``, both
-on GPU 0, with
+The watchdog works across ranks (in a single process it only publishes the live view):
+the job is 2 ranks under ``torchrun --standalone``, each on its own GPU where the machine
+has two (``cuda:LOCAL_RANK``), both on GPU 0 where it has one, with
 a gloo group for guardrails' own traffic and no gradient all-reduce (each rank trains
 its own copy of ``examples/train_gpt.py``'s GPT, 27 x 1536, fused AdamW, bf16, 4 x 1024
 tokens; the preflight, which refuses two ranks on one GPU, is off). Rank 0 saves the
 model and optimizer (10 GB) every ``--every`` steps in the background. On the first
 attempt rank 1 sleeps in the loop at step ``--hang-at`` (``watchdog={"hang_timeout_s":
 --timeout-s}``); both ranks end with ``HangError``; the parent runs the same command
-again at once and lets it train ``--steps-after`` steps. Two ranks share the GPU, so
-each step takes about twice a lone rank's.
+again at once and lets it train ``--steps-after`` steps. Two ranks sharing one GPU take
+about twice a lone rank's step, and build their models one after the other.
 
 Reported (seconds): detection (the fault to the hang event), exit (the event to
 torchrun's end), restart (torchrun's start to CUDA ready in the ranks: Python, torch's
@@ -59,7 +59,8 @@ def child(a: argparse.Namespace) -> None:
 
     mark("imported")
     cuda = torch.cuda.is_available()  # a CPU run only checks this script (tiny sizes)
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cuda", local % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
         torch.ones(1, device=dev).sum().item()
@@ -176,6 +177,7 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpus": min(2, torch.cuda.device_count()),
         "torch": torch.__version__,
         "exit_codes": [first["code"], second["code"]],
         "hang_at": a.hang_at,

@@ -1195,3 +1195,51 @@ def test_a_gpu_straggler_is_named_from_the_devices_own_phase_times(tmp_path):
         pace = json.loads((run_dir / f"pace{rank}.json").read_text())
         assert pace["device_phases"] is not None
         assert all(w["device"] for w in pace["windows"][1:]), pace["windows"]
+
+
+def test_the_live_view_shows_the_gpu_and_adds_no_sync(tmp_path):
+    """What ``guardrails top`` shows of a running job on a GPU: the allocator's memory
+    and NVML's utilisation, read by the watchdog's thread while the loop runs under
+    CUDA's sync debug mode set to raise (a sync there, or in the loop, fails the run)."""
+    import importlib.util
+    import subprocess
+    import time
+
+    device = torch.device("cuda")
+    model = gpt(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    batches = data(device, 4)
+    loop(model, opt, batches * 2)  # warm-up
+    seen: list[dict] = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with guardrails.guard(model, opt, batches * 100_000, run_dir=tmp_path, progress=False) as g:
+            end = time.monotonic() + 3.5  # the live record is written at most once a second
+            asked = False
+            for x, y in g:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if not asked and time.monotonic() > end - 1.0:
+                    asked = True  # `top` from another process, the job still running
+                    cmd = [sys.executable, "-m", "guardrails", "top", "--once", "--json"]
+                    out = subprocess.run(
+                        [*cmd, str(tmp_path)], capture_output=True, text=True, timeout=60
+                    )
+                    assert out.returncode == 0, out.stderr
+                    seen.append(json.loads(out.stdout))
+                if time.monotonic() > end:
+                    break
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert g.step > 10
+    [row] = seen[0]["ranks"]
+    assert row["state"] == "running" and row["step"] > 0, row
+    gpu = row["gpu"]
+    assert gpu["memory_gb"] > 0 and gpu["reserved_gb"] >= gpu["memory_gb"], gpu
+    assert gpu["total_gb"] > 10, gpu
+    if importlib.util.find_spec("pynvml") is not None:  # torch reads utilisation through it
+        assert 0.0 <= gpu["util"] <= 1.0, gpu
+    print("LIVE_GPU_ROW", json.dumps(row))
