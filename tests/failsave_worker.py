@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--at", type=int, default=7)
     p.add_argument("--rank", type=int, default=-1)
     p.add_argument("--every", type=int, default=None)
+    p.add_argument("--background", action="store_true", help="periodic saves written behind")
     p.add_argument("--hang-timeout-s", type=float, default=60.0)
     p.add_argument("--save-timeout-s", type=float, default=20.0)
     p.add_argument("--rewind", action="store_true")
@@ -100,7 +101,7 @@ def main() -> None:
     seen: dict[int, float] = {}  # the batch each step trained on, by the step it made
     checkpoint = {"failure_save_timeout_s": args.save_timeout_s}
     if args.every:  # written before training goes on: committed before any fault
-        checkpoint.update(every_n_steps=args.every, background=False)
+        checkpoint.update(every_n_steps=args.every, background=args.background)
     with guardrails.guard(
         model,
         opt,

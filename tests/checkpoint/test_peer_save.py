@@ -160,6 +160,25 @@ def test_a_killed_rank_costs_no_step(tmp_path, clean, launcher, world, killed, k
     assert_same_end(tmp_path, clean[world], world, since=AT)
 
 
+def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path, clean):
+    """A periodic save of step 67 begun in the background, rank 1 SIGKILLed at the top of
+    the next step, before its part of that save is written: the save can never commit,
+    and the failure save of the same step must not count it as saved (it did: nothing
+    was saved, and the run went back to its previous checkpoint). Step 67 is whole,
+    bitwise the uninterrupted run's, and the same command resumes it."""
+    more = ("--fault", "kill", "--at", AT, "--rank", 1, "--every", AT, "--background")
+    code, out = job(tmp_path, 2, "ranks", "a", *more, "--hang-timeout-s", 3)
+    assert code != 0
+    found = dict(list_checkpoints(tmp_path / "checkpoints"))
+    assert sorted(found) == [AT], out[-4000:]
+    assert problem(found[AT]) is None
+    assert_same_checkpoint(found[AT], clean[2] / "checkpoints" / f"step_{AT:09d}", 2)
+    code, out = job(tmp_path, 2, "ranks", "b")
+    assert code == 0, out[-4000:]
+    assert f"resumed from {found[AT]} (step {AT}," in out
+    assert_same_end(tmp_path, clean[2], 2, since=AT)
+
+
 def test_a_copy_is_read_only_whole_and_only_by_its_job(tmp_path):
     """A rank's published copy (one process here: a real guard's boundary) is read back
     as the part it published; never under another job's token (a stale file a dead
@@ -256,6 +275,12 @@ def test_copies_a_killed_job_left_are_swept_at_the_next_jobs_start(tmp_path):
         remote.write_bytes(bytes(head))
         junk = tmp_path / "guardrails-peer-junk-rank0"
         junk.write_bytes(b"not a copy")
+        # What a committer reads not to wait for a rank of its host that is gone: the
+        # dead writer (and the reused pid's), never a live one or another host's.
+        assert peer.gone_ranks(tmp_path, "half") == {1}
+        assert peer.gone_ranks(tmp_path, "dead") == {0, 1}
+        assert peer.gone_ranks(tmp_path, "reused") == {0}
+        assert peer.gone_ranks(tmp_path, "remote") == set() == peer.gone_ranks(tmp_path, "live")
 
         model = torch.nn.Linear(8, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -534,3 +534,18 @@ def test_auto_timeout_follows_the_step_gaps(tmp_path):
     assert wd.timeout(g) == 150
     step(700.0)
     assert wd.timeout(g) == 300  # 5 x 199 s, capped
+
+
+def test_a_dead_ranks_first_heartbeat_is_not_told_as_its_step():
+    """Heartbeats are sent only while a rank seems stuck, so a dead rank's record is
+    often the one from its start: "its last heartbeat was at step 0" of a rank that
+    trained 8 steps beside this one misled (the issue's report said so of step 150)."""
+    from guardrails.guards.watchdog.verdicts import _died
+
+    first = {"phase": "setup", "step": 0, "time": 100.0}
+    text, step = _died(1, first, "before the first batch", {"step": 8, "time": 122.0})
+    assert "no heartbeat after its start" in text and "step 0" not in text, text
+    assert "this rank is at step 8" in text
+    later = {"phase": "forward", "step": 5, "time": 120.0}
+    text, step = _died(1, later, "in the model's forward", {"step": 8, "time": 122.0})
+    assert "its last heartbeat, 2 s ago, was at step 5" in text and step == 5

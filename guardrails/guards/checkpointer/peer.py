@@ -121,6 +121,49 @@ def _writer_id() -> tuple[int, int, int, int]:
     return os.getpid(), _started(os.getpid()) or 0, namespace, host
 
 
+def _header(path: Path) -> tuple[int, int, int, int] | None:
+    """A copy's writer as its header names it (pid, start time, pid namespace, host),
+    for a copy of this user's; ``None`` when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                return None
+            head = os.pread(fd, INTS_AT + 8 * _N_INTS, 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    if len(head) < INTS_AT + 8 * _N_INTS or head[:8] != _MAGIC:
+        return None
+    pid, started, namespace = _WRITER.unpack_from(head, _WRITER_AT)
+    return pid, started, namespace, struct.unpack_from("<q", head, INTS_AT + 8 * HOST)[0]
+
+
+def _gone(writer: tuple[int, int, int, int], namespace: int, host: int) -> bool | None:
+    """Whether a copy's writer process has ended: ``None`` when this process cannot
+    judge (another pid namespace or host, no start time)."""
+    pid, started, their_namespace, their_host = writer
+    if not namespace or their_namespace != namespace or their_host != host or not started:
+        return None
+    return _started(pid) != started
+
+
+def gone_ranks(directory: Path, token: str) -> set[int]:
+    """The ranks of job ``token`` whose copy is in ``directory`` (this host's) and
+    whose process has ended: a SIGKILLed rank the committer need not wait for. A few
+    header reads: only this host's ranks have a copy here."""
+    _, _, namespace, host = _writer_id()
+    gone: set[int] = set()
+    with contextlib.suppress(OSError):
+        for path in directory.glob(f"{_PREFIX}{token}-rank*"):
+            writer = _header(path)
+            rank = path.name.rpartition("-rank")[2]
+            if writer is not None and rank.isdigit() and _gone(writer, namespace, host):
+                gone.add(int(rank))
+    return gone
+
+
 def sweep(directory: Path, token: str) -> list[Path]:
     """Remove the copies in ``directory`` of jobs other than ``token`` none of whose
     writers is alive (see the module docstring): the files removed. A copy this process
@@ -138,20 +181,10 @@ def sweep(directory: Path, token: str) -> list[Path]:
         job = path.name[len(_PREFIX) :].rpartition("-rank")[0]
         if not job or job == token:
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                if os.fstat(fd).st_uid != os.getuid():
-                    continue
-                head = os.pread(fd, INTS_AT + 8 * _N_INTS, 0)
-            finally:
-                os.close(fd)
-        except OSError:
+        writer = _header(path)
+        if writer is None:
             continue
-        if len(head) < INTS_AT + 8 * _N_INTS or head[:8] != _MAGIC:
-            continue
-        pid, started, their_namespace = _WRITER.unpack_from(head, _WRITER_AT)
-        their_host = struct.unpack_from("<q", head, INTS_AT + 8 * HOST)[0]
+        pid, started, their_namespace, their_host = writer
         if their_namespace != namespace or their_host != host:
             alive.add(job)  # not ours to judge: treated as a live job's
             continue

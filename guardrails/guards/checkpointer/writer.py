@@ -142,9 +142,9 @@ class CheckpointWriter:
         #: The step of the last save begun, and when (``time.monotonic()``).
         self.last_saved_step = -1
         self.last_save_t = time.monotonic()
-        # The step of the last committed (or resumed) checkpoint: last_saved_step goes
-        # back to it when a save fails, so the next save (or the one at the end) retries.
-        self._committed_step = -1
+        #: The step of the last committed (or resumed) checkpoint: last_saved_step goes
+        #: back to it when a save fails, so the next save (or the one at the end) retries.
+        self.committed_step = -1
         #: Saves that failed to write (a full disk...) while training went on.
         self.failed_saves = 0
         self._failed_warned_t = -float("inf")
@@ -178,7 +178,7 @@ class CheckpointWriter:
         """A resume restored ``path`` (``step``): it is the latest checkpoint, and this
         run continues the one that saved it (its id; one saved before run ids: a new
         id, and those without one count as this run's too)."""
-        self.last_saved_step = self._committed_step = step
+        self.last_saved_step = self.committed_step = step
         if run_id is not None:
             self.run["id"] = run_id
         else:
@@ -195,7 +195,7 @@ class CheckpointWriter:
         if self.last_path is None:
             return "this run has no checkpoint, so a re-run starts from scratch"
         return (
-            f"the latest checkpoint is {self.last_path} (step {self._committed_step}), "
+            f"the latest checkpoint is {self.last_path} (step {self.committed_step}), "
             "which a re-run of the same command resumes"
         )
 
@@ -493,7 +493,7 @@ class CheckpointWriter:
             self._emptying = commit.empty_trash(self.root)
         self.save_times_s.append(took)
         self.last_path = final
-        self._committed_step = step
+        self.committed_step = step
         self._report(guard, step, final, part, took, commit_s=time.perf_counter() - t_commit)
         if self._drain is not None and self._rank == 0:
             # A signal's save drains for what is left of the grace period's share.
@@ -726,7 +726,7 @@ class CheckpointWriter:
         retries. Raised when this run has no checkpoint to fall back on (a run_dir that
         takes none at all is a setup mistake, best found now), unless ``stopping``: the
         stop's save is the retry, and it comes next."""
-        self.last_saved_step = self._committed_step  # the next save retries
+        self.last_saved_step = self.committed_step  # the next save retries
         if self._writing is not None and self._writing[0] == error.step:
             self._writing = None
         if self.last_path is None and not stopping:
