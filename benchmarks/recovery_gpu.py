@@ -3,6 +3,7 @@ the processes' exit, the same command again (a requeue), ``resume="auto"`` from 
 last periodic checkpoint, the first step; with the time of each part.
 
     python benchmarks/recovery_gpu.py --out OUT            # 2 ranks, gloo
+    python benchmarks/recovery_gpu.py --ddp --fault kill   # DDP over NCCL, 2 GPUs
 
 The watchdog works across ranks (in a single process it only publishes the live view):
 the job is 2 ranks under ``torchrun --standalone``, each on its own GPU where the machine
@@ -13,8 +14,12 @@ tokens; the preflight, which refuses two ranks on one GPU, is off). Rank 0 saves
 model and optimizer (10 GB) every ``--every`` steps in the background. On the first
 attempt rank 1 sleeps in the loop at step ``--hang-at`` (``watchdog={"hang_timeout_s":
 --timeout-s}``); both ranks end with ``HangError``; the parent runs the same command
-again at once and lets it train ``--steps-after`` steps. Two ranks sharing one GPU take
-about twice a lone rank's step, and build their models one after the other.
+again at once and lets it train ``--steps-after`` steps. ``--ddp``: the user's shape
+instead, DDP over NCCL with a GPU per rank (the gradients all-reduced, the model and
+optimizer replicated: rank 0 writes them, every rank its RNG streams and data
+position). ``--fault kill``: rank 1 SIGKILLs itself there instead of sleeping. Two
+ranks sharing one GPU take about twice a lone rank's step, and build their models one
+after the other.
 
 Reported (seconds): detection (the fault to the hang event), exit (the event to
 torchrun's end), restart (torchrun's start to CUDA ready in the ranks: Python, torch's
@@ -64,10 +69,15 @@ def child(a: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.set_device(dev)
         torch.ones(1, device=dev).sum().item()
-    dist.init_process_group("gloo")
+    if a.ddp and cuda:
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dist.init_process_group("gloo")
     mark("cuda")
     torch.manual_seed(0)
     model = GPT(50304, 1024, a.layers, a.width // 128, a.width).to(dev)
+    if a.ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     data = [(torch.randint(0, 50304, (a.batch, 1024), device=dev),) * 2 for _ in range(4)]
     if cuda:
@@ -92,6 +102,8 @@ def child(a: argparse.Namespace) -> None:
             # optimizer.step() and before the next batch saves nothing yet.
             if a.hang_at and g.step == a.hang_at and rank == 1:
                 mark("fault", step=g.step)
+                if a.fault == "kill":
+                    os.kill(os.getpid(), 9)
                 time.sleep(3600)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 loss = model(x, y)
@@ -112,7 +124,8 @@ def attempt(a: argparse.Namespace, *, hang: bool) -> dict:
     cmd += ["--every", str(a.every), "--timeout-s", str(a.timeout_s)]
     cmd += ["--layers", str(a.layers), "--width", str(a.width), "--batch", str(a.batch)]
     cmd += ["--steps-after", str(a.steps_after)]
-    cmd += ["--hang-at", str(a.hang_at if hang else 0)]
+    cmd += ["--hang-at", str(a.hang_at if hang else 0), "--fault", a.fault]
+    cmd += ["--ddp"] if a.ddp else []
     launched = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: dict[str, dict] = {}
@@ -140,6 +153,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--width", type=int, default=1536)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--ddp", action="store_true", help="DDP over NCCL, a GPU per rank")
+    p.add_argument("--fault", choices=("hang", "kill"), default="hang")
     a = p.parse_args()
     if a.child:
         child(a)
@@ -152,7 +167,7 @@ def main() -> None:
     from guardrails.metrics.events import read_events
 
     events = read_events(a.run_dir)
-    hangs = [e for e in events if e["kind"] == "hang"]
+    hangs = [e for e in events if e["kind"] in ("hang", "rank_failed")]
     fault = first["marks"].get("fault", {}).get(1, {}).get("t")
     seen = min((e["time"] for e in hangs), default=None)
     m2 = second["marks"]
@@ -180,6 +195,8 @@ def main() -> None:
         "gpus": min(2, torch.cuda.device_count()),
         "torch": torch.__version__,
         "exit_codes": [first["code"], second["code"]],
+        "fault": a.fault,
+        "ddp": a.ddp,
         "hang_at": a.hang_at,
         "resumed_at": resumed,
         "steps_redone": a.hang_at - min(resumed) if resumed else None,
