@@ -1243,3 +1243,35 @@ def test_the_live_view_shows_the_gpu_and_adds_no_sync(tmp_path):
     if importlib.util.find_spec("pynvml") is not None:  # torch reads utilisation through it
         assert 0.0 <= gpu["util"] <= 1.0, gpu
     print("LIVE_GPU_ROW", json.dumps(row))
+
+
+def test_a_failure_saves_copy_does_not_wait_for_a_stuck_training_stream():
+    """The watchdog's thread saves while the training stream is stuck (behind an
+    all-reduce whose peer is gone: here a spin kernel of ~10 s): its copies run on a
+    stream of their own and its wait is for that stream alone, so the weights reach the
+    host while the training stream is still busy (a device-wide sync waited forever)."""
+    import threading
+
+    from guardrails.checkpoint import stage
+
+    w = torch.randn(1024, 1024, device="cuda")
+    expected = w.cpu()
+    stream = stage.side_stream(w.device)  # made ahead, as the failure save makes it
+    torch.cuda._sleep(20_000_000_000)  # ~10 s of spinning on the default stream
+    got: dict[str, stage.Part] = {}
+
+    def save() -> None:
+        part = stage.Part()
+        with stage.own_stream(stream):
+            part.add_tensors("model.safetensors", {"w": w}, copy=True)
+            part.ready()
+        got["part"] = part
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    thread.join(timeout=60)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "the spin kernel ended before the copy: the test proves nothing"
+    [host] = got["part"].tensors["model.safetensors"][0].values()
+    assert host.device.type == "cpu" and torch.equal(host, expected)

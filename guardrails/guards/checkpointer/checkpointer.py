@@ -620,9 +620,15 @@ class SignalCheckpointer(Component):
             self._peer_slot.publish(guard)
         if not self._unsaved.checked:
             self._unsaved.at_step(guard)
-        self._loader_stop.at_boundary(guard)
+        # Where a loader failing on the next fetch leaves the run (inline: every step).
+        self._loader_stop.mark = (
+            guard.step,
+            guard.epoch,
+            guard.batch_in_epoch,
+            len(guard.step_calls),
+        )
         capture, agreement, grace_s = self.capture, self._agreement, self.grace_s
-        signum = capture.received
+        signum = capture.signal or capture.watched
         if signum and self._stop_at is None:
             if capture.children_held and self._loader_stop.died_in_step(
                 guard, capture.replay_child_deaths, agreement, grace_s=grace_s

@@ -45,9 +45,13 @@ Without it every failure but a signal ended each rank with an error and saved no
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
   limit, 20 s, ends inside that window.
 
-On CUDA, a save from the watchdog's thread would copy the weights off a device whose
-stream may be stuck in a collective (the copy would wait for it): it is not attempted
-there (said), only from the main thread.
+On CUDA, a save from the watchdog's thread (the main thread stuck: in backward, waiting
+for a dead or stuck peer's all-reduce) copies on a CUDA stream of its own: the training
+stream may be stuck behind that collective, and a copy queued there would wait for it.
+Before ``optimizer.step()`` nothing queued writes the weights or the optimizer's state,
+so those copies read the last finished step's (2 DDP ranks over NCCL on 2 H200s, one
+killed or stuck: nothing was saved before). After it the update itself may be queued
+behind the collective: nothing is saved from the thread then (said).
 """
 
 from __future__ import annotations
@@ -119,6 +123,7 @@ class FailureSave:
         self.slot: peer.PeerSlot | None = None
         local = writer.tier.local if writer.tier is not None else None
         self._slots = peer.slot_directory(local)
+        self._stream = stage.side_stream(guard.device)  # a save from a thread copies on it
         if self._store is not None and self._slots is not None and peer.publishable(guard):
             self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
@@ -244,7 +249,7 @@ class FailureSave:
             cancel = threading.Event()
             worker = threading.Thread(
                 target=self._save_safely,
-                args=(guard, state, cause, cancel, result, dead),
+                args=(guard, state, cause, cancel, result, dead, from_thread),
                 name="guardrails-failure-save",
                 daemon=True,
             )
@@ -280,13 +285,14 @@ class FailureSave:
             )
         if (
             from_thread
+            and guard.update_began
             and guard.device is not None
             and guard.device.type == "cuda"
             and (self._writer.stages_weights or self._rank == self._committer)
         ):  # the other ranks' parts are host-side: the boundary's RNG and data position
             return None, (
-                "the main thread is stuck and the weights are on a GPU whose stream may be "
-                "stuck with it (a copy would wait for it)"
+                "the main thread is stuck after optimizer.step() began, and the update "
+                "may still be queued on a GPU stream stuck with it"
             )
         if guard.update_began:  # after the update: the step it made, streams as they are
             self._after_update = True
@@ -320,12 +326,14 @@ class FailureSave:
         cancel: threading.Event,
         result: dict,
         dead: int | None,
+        from_thread: bool,
     ) -> None:
         try:
             if state is None:  # said where the others wait: nothing comes from this rank
                 self._say_none(guard.step, result["why"])
                 return
-            result["path"], result["missing"] = self._save(guard, state, cause, cancel, dead)
+            with stage.own_stream(self._stream if from_thread else None):
+                result["path"], result["missing"] = self._save(guard, state, cause, cancel, dead)
         except Exception as e:  # said in the event; the run's own error goes on
             log.debug("guardrails: the failure save failed", exc_info=True)
             result["why"] = f"the save failed: {type(e).__name__}: {e}"

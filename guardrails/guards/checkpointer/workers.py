@@ -141,18 +141,12 @@ class LoaderStop:
         #: What the stop's message says of the loader (``None``: no loader stop).
         self.cause: str | None = None
 
-    @staticmethod
-    def _where(guard: Guard) -> tuple[int, int, int, int]:
-        return (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
-
-    def at_boundary(self, guard: Guard) -> None:
-        """A step boundary: where a loader failing on the next fetch leaves the run."""
-        self.mark = self._where(guard)
-
     def first_fetch(self, guard: Guard) -> bool:
         """Whether the rank is fetching the first batch after a step boundary (no batch
-        fetched, no training forward since): the state is that boundary's."""
-        return guard.phase == "data" and self._where(guard) == self.mark
+        fetched, no training forward since): the state is that boundary's (:attr:`mark`,
+        which the checkpointer sets at every boundary)."""
+        at = (guard.step, guard.epoch, guard.batch_in_epoch, len(guard.step_calls))
+        return guard.phase == "data" and at == self.mark
 
     def fetch_failed(
         self, guard: Guard, error: BaseException, agreement: Agreement | None, *, grace_s: float
