@@ -649,6 +649,20 @@ def current_streams() -> dict[str, Any]:
     return streams
 
 
+def device_idle(device: torch.device, *, within_s: float = 1.0) -> bool:
+    """Whether ``device``'s default stream has finished all it was given (asked without
+    waiting, for up to ``within_s``). The host runs ahead of a GPU: a rank stuck in
+    step 72's backward had step 71's update still queued behind an all-reduce whose
+    peer hung (2 DDP ranks over NCCL, H200), so its weights were step 70's."""
+    stream = torch.cuda.default_stream(device)
+    deadline = time.monotonic() + within_s
+    while not stream.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def side_stream(device: torch.device | None) -> Any:
     """A CUDA stream of its own on ``device`` (``None`` elsewhere), made ahead: the
     process's first ``torch.cuda.Stream()`` waits for the device (torch's stream pool

@@ -45,13 +45,10 @@ Without it every failure but a signal ended each rank with an error and saved no
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
   limit, 20 s, ends inside that window.
 
-On CUDA, a save from the watchdog's thread (the main thread stuck: in backward, waiting
-for a dead or stuck peer's all-reduce) copies on a CUDA stream of its own: the training
-stream may be stuck behind that collective, and a copy queued there would wait for it.
-Before ``optimizer.step()`` nothing queued writes the weights or the optimizer's state,
-so those copies read the last finished step's (2 DDP ranks over NCCL on 2 H200s, one
-killed or stuck: nothing was saved before). After it the update itself may be queued
-behind the collective: nothing is saved from the thread then (said).
+On CUDA, a save from the watchdog's thread (the main thread stuck) needs the GPU idle:
+the host runs ahead, and its weights may be an older step's (``stage.device_idle``).
+Then it copies on a stream of its own (made at start), which waits for no work queued
+meanwhile; otherwise, or once ``optimizer.step()`` began, it saves nothing (said).
 """
 
 from __future__ import annotations
@@ -123,7 +120,7 @@ class FailureSave:
         self.slot: peer.PeerSlot | None = None
         local = writer.tier.local if writer.tier is not None else None
         self._slots = peer.slot_directory(local)
-        self._stream = stage.side_stream(guard.device)  # a save from a thread copies on it
+        self._stream = stage.side_stream(guard.device)  # a thread's save copies on it
         if self._store is not None and self._slots is not None and peer.publishable(guard):
             self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
@@ -285,15 +282,21 @@ class FailureSave:
             )
         if (
             from_thread
-            and guard.update_began
             and guard.device is not None
             and guard.device.type == "cuda"
             and (self._writer.stages_weights or self._rank == self._committer)
         ):  # the other ranks' parts are host-side: the boundary's RNG and data position
-            return None, (
-                "the main thread is stuck after optimizer.step() began, and the update "
-                "may still be queued on a GPU stream stuck with it"
-            )
+            if guard.update_began:
+                return None, (
+                    "the main thread is stuck after optimizer.step() began, and the "
+                    "update may still be queued on the GPU"
+                )
+            if not stage.device_idle(guard.device):
+                return None, (
+                    "the main thread is stuck and its GPU has not finished the work it "
+                    "was given (queued behind a collective whose peer is gone, say): "
+                    "the weights there may be an older step's"
+                )
         if guard.update_began:  # after the update: the step it made, streams as they are
             self._after_update = True
             pos = guard.data_position
@@ -594,10 +597,9 @@ class FailureSave:
         return self._merge(records, others, missing)
 
     def _gone_unfiled(self, key: str, others: list[int]) -> list[int]:
-        """The ranks of this host whose process has ended without filing a part (their
-        copy's writer is gone): never waited for. The watchdog that names a dead rank is
-        paused while this save runs, and a SIGKILLed peer cost the whole wait for
-        beginners (10 s of a 12 s recovery: 2 DDP ranks, rank 1 killed)."""
+        """The ranks of this host whose process ended without filing a part: not waited
+        for (the watchdog that names a dead rank is paused while this save runs, and a
+        SIGKILLed peer cost the whole wait for beginners: 10 s of a 22 s recovery)."""
         if self._slots is None or self.slot is None:
             return []
         gone = peer.gone_ranks(self._slots, self._writer.token) & set(others)
