@@ -649,12 +649,12 @@ def current_streams() -> dict[str, Any]:
     return streams
 
 
-def device_idle(device: torch.device, *, within_s: float = 1.0) -> bool:
-    """Whether ``device``'s default stream has finished all it was given (asked without
-    waiting, for up to ``within_s``). The host runs ahead of a GPU: a rank stuck in
-    step 72's backward had step 71's update still queued behind an all-reduce whose
-    peer hung (2 DDP ranks over NCCL, H200), so its weights were step 70's."""
-    stream = torch.cuda.default_stream(device)
+def device_idle(stream: Any, *, within_s: float = 1.0) -> bool:
+    """Whether the training ``stream`` (the main thread's at the guard's start) has
+    finished all it was given (asked without waiting, for up to ``within_s``). The host
+    runs ahead of a GPU: a rank stuck in step 72's backward had step 71's update still
+    queued behind an all-reduce whose peer hung (2 DDP ranks over NCCL, H200), so its
+    weights were step 70's."""
     deadline = time.monotonic() + within_s
     while not stream.query():
         if time.monotonic() >= deadline:
@@ -663,12 +663,15 @@ def device_idle(device: torch.device, *, within_s: float = 1.0) -> bool:
     return True
 
 
-def side_stream(device: torch.device | None) -> Any:
-    """A CUDA stream of its own on ``device`` (``None`` elsewhere), made ahead: the
-    process's first ``torch.cuda.Stream()`` waits for the device (torch's stream pool
-    starts; 3.06 s behind a 3 s kernel on an H200, 0.04 s once made), so one made
-    while the training stream is stuck would be stuck with it."""
-    return torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+def side_stream(device: torch.device | None) -> tuple[Any, Any]:
+    """``(a CUDA stream of its own on device, this thread's current stream there)``
+    (``(None, None)`` off CUDA), made ahead: the process's first ``torch.cuda.Stream()``
+    waits for the device (torch's stream pool starts; 3.06 s behind a 3 s kernel on an
+    H200, 0.04 s once made), so one made while the training stream is stuck would be
+    stuck with it."""
+    if device is None or device.type != "cuda":
+        return None, None
+    return torch.cuda.Stream(device), torch.cuda.current_stream(device)
 
 
 @contextlib.contextmanager

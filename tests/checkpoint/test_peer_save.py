@@ -313,3 +313,20 @@ def test_copies_a_killed_job_left_are_swept_at_the_next_jobs_start(tmp_path):
         "guardrails-peer-half-rank1",
         "guardrails-peer-live-rank0",
     ]
+
+
+def test_a_rank_that_finds_the_store_gone_keeps_a_step_committed_whole(tmp_path):
+    """Outside torchrun rank 0 hosts the store: once it committed a failure save whole it
+    exits, and a rank whose own save came later finds the store gone and meets on the
+    board. It must take the committed step, not commit over it with the others missing
+    (4 ranks, rank 2 killed: rank 3 committed with ranks 0-2 missing, seen in CI)."""
+    from guardrails.guards.checkpointer.board import FileBoard
+
+    board = FileBoard(tmp_path, "job", 7, 4)
+    assert board.committed_whole() is None  # nothing committed: the board's own save
+    final = tmp_path / "step_000000007"
+    final.mkdir()
+    (final / "manifest.json").write_text(json.dumps({"failure": {"missing": [2]}}))
+    assert board.committed_whole() is None  # an incomplete one: this rank may complete it
+    (final / "manifest.json").write_text(json.dumps({"failure": {"missing": []}}))
+    assert board.committed_whole() == final

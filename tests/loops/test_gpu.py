@@ -1256,12 +1256,12 @@ def test_a_failure_saves_copy_does_not_wait_for_a_stuck_training_stream():
 
     w = torch.randn(1024, 1024, device="cuda")
     expected = w.cpu()
-    stream = stage.side_stream(w.device)  # made ahead, as the failure save makes it
-    assert stage.device_idle(w.device)
+    stream, training = stage.side_stream(w.device)  # made ahead, as the failure save does
+    assert stage.device_idle(training)
     torch.cuda._sleep(20_000_000_000)  # ~10 s of spinning on the default stream
     # What a failure save from a thread asks first: a busy device may hold an older
     # step's weights, with updates queued (then it saves nothing).
-    assert not stage.device_idle(w.device, within_s=0.2)
+    assert not stage.device_idle(training, within_s=0.2)
     got: dict[str, stage.Part] = {}
 
     def save() -> None:

@@ -103,5 +103,16 @@ class FileBoard:
             time.sleep(_POLL_S)
         return None, []
 
+    def committed_whole(self) -> Path | None:
+        """The step's checkpoint when it is already committed with no rank missing: rank
+        0 committed it through the store, then exited with the store, and a rank whose
+        save came later found the store gone. It must not commit an incomplete save over
+        it (4 ranks, one killed: rank 3 did, with ranks 0-2 missing, seen in CI)."""
+        with contextlib.suppress(OSError, ValueError):
+            manifest = json.loads((self.final / "manifest.json").read_text())
+            if not (manifest.get("failure") or {}).get("missing"):
+                return self.final
+        return None
+
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -95,9 +95,8 @@ _POLL_S = 0.05
 #: or a C call learns of a peer's failure only at its watchdog's next poll (1 s), gives a
 #: failure raised everywhere a beat (3 s) and its main thread ``abort_after_s`` (2 s)
 #: before its thread saves: 6.7 s was seen on a loaded 2-core host with 4 ranks, where 3 s
-#: left the hang's save incomplete. Rank 0 stops waiting for a rank that has not begun by
-#: then (dead: a SIGKILLed peer cost the whole 20 s limit before); a rank other than 0
-#: that failed alone leaves, and rank 0 commits its part once it fails in turn.
+#: left the hang's save incomplete. Past it rank 0 waits no more for a rank not begun (a
+#: dead one; one that failed alone left, and rank 0 commits its part when it fails too).
 _BEGUN_WAIT_S = 10.0
 
 
@@ -120,7 +119,8 @@ class FailureSave:
         self.slot: peer.PeerSlot | None = None
         local = writer.tier.local if writer.tier is not None else None
         self._slots = peer.slot_directory(local)
-        self._stream = stage.side_stream(guard.device)  # a thread's save copies on it
+        # CUDA: a thread's save copies on the first, after the main thread's is idle.
+        self._stream, self._training = stage.side_stream(guard.device)
         if self._store is not None and self._slots is not None and peer.publishable(guard):
             self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
@@ -291,27 +291,24 @@ class FailureSave:
                     "the main thread is stuck after optimizer.step() began, and the "
                     "update may still be queued on the GPU"
                 )
-            if not stage.device_idle(guard.device):
+            if not stage.device_idle(self._training):
                 return None, (
                     "the main thread is stuck and its GPU has not finished the work it "
                     "was given (queued behind a collective whose peer is gone, say): "
                     "the weights there may be an older step's"
                 )
+        pos = guard.data_position
+        batches = [*guard.step_batches, *pos.fetched]
         if guard.update_began:  # after the update: the step it made, streams as they are
             self._after_update = True
-            pos = guard.data_position
-            return (
-                stage.current_streams(),
-                (pos.trained_at, [*guard.step_batches, *pos.fetched]),
-            ), ""
+            return (stage.current_streams(), (pos.trained_at, batches)), ""
         capture = guard.boundary_capture
         rng, why = capture.rng_at_boundary()
         if rng is None:
             return None, why
         if capture.epoch != guard.epoch:
             return None, "the failing step began a new pass over the loader"
-        pos = guard.data_position
-        return (rng, (capture.trained_at, [*guard.step_batches, *pos.fetched])), ""
+        return (rng, (capture.trained_at, batches)), ""
 
     @staticmethod
     def _after_the_update(guard: Guard) -> bool:
@@ -426,14 +423,17 @@ class FailureSave:
     ) -> tuple[Path | None, list[int]]:
         """:meth:`_save` when the job's store is gone with its host (rank 0 outside
         torchrun): the ranks meet in files (``board.py``); under DDP only (the committer
-        must hold the replicated state, and the dead ranks' parts come from their copies)."""
+        must hold the replicated state, and the dead ranks' parts come from their copies);
+        a step rank 0 committed whole before it left with the store is that save."""
         if self.slot is None:
             raise RuntimeError(
-                "the job's store is gone with rank 0, and without DDP's replicated state "
-                "on every rank no other rank can commit"
+                "the job's store is gone with rank 0; without DDP's replicated state on "
+                "every rank no other rank can commit"
             )
         writer, step = self._writer, guard.step
         board = FileBoard(writer.root, writer.token, step, self._world)
+        if (whole := board.committed_whole()) is not None:
+            return whole, []
         if not board.claim(f"writer{self._rank}", "self"):  # written from its copy already
             return board.await_commit(deadline=deadline)
         rng, position = state
