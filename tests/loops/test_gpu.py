@@ -43,13 +43,17 @@ def data(device, n):
     ]
 
 
+def step(model, opt, x, y):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def loop(model, opt, batches):
     for x, y in batches:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step(model, opt, x, y)
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "torchclip"])
@@ -1217,11 +1221,7 @@ def test_the_live_view_shows_the_gpu_and_adds_no_sync(tmp_path):
             end = time.monotonic() + 3.5  # the live record is written at most once a second
             asked = False
             for x, y in g:
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(x, y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                step(model, opt, x, y)
                 if not asked and time.monotonic() > end - 1.0:
                     asked = True  # `top` from another process, the job still running
                     cmd = [sys.executable, "-m", "guardrails", "top", "--once", "--json"]
