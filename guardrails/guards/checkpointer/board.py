@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from guardrails.checkpoint import commit
+from guardrails.checkpoint.manifest import incomplete
 from guardrails.distributed.store import stretched
 from guardrails.util import files as _perms
 
@@ -110,7 +111,7 @@ class FileBoard:
         it (4 ranks, one killed: rank 3 did, with ranks 0-2 missing, seen in CI)."""
         with contextlib.suppress(OSError, ValueError):
             manifest = json.loads((self.final / "manifest.json").read_text())
-            if not (manifest.get("failure") or {}).get("missing"):
+            if incomplete(self.final, manifest) is None:
                 return self.final
         return None
 

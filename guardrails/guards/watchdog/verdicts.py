@@ -186,13 +186,14 @@ def _died(
     and the record is told with its own step and age."""
     age = _age(rec, mine)
     said = f"{age:.0f} s ago, " if age is not None else ""
-    heard = f"its last heartbeat, {said}was at step {rec['step']} ({where})"
     if rec.get("phase") == "setup" and mine is not None and int(mine.get("step") or 0) > 0:
         # Its first record: saying "step 0" of a rank that trained with this one misled.
         heard = (
             "it sent no heartbeat after its start (ranks send them only while one seems "
             "stuck), so its own step is not known"
         )
+    else:
+        heard = f"its last heartbeat, {said}was at step {rec['step']} ({where})"
     if mine is None:
         return f"rank {r} died ({heard})", rec.get("step")
     step = mine.get("step")
