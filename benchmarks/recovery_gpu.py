@@ -17,7 +17,8 @@ attempt rank 1 sleeps in the loop at step ``--hang-at`` (``watchdog={"hang_timeo
 again at once and lets it train ``--steps-after`` steps. ``--ddp``: the user's shape
 instead, DDP over NCCL with a GPU per rank (the gradients all-reduced, the model and
 optimizer replicated: rank 0 writes them, every rank its RNG streams and data
-position). ``--fault kill``: rank 1 SIGKILLs itself there instead of sleeping. Two
+position). ``--fault kill``: rank 1 SIGKILLs itself there instead of sleeping.
+``--local-dir DIR``: saves go first to a node-local tier there (``/dev/shm/...``). Two
 ranks sharing one GPU take about twice a lone rank's step, and build their models one
 after the other.
 
@@ -90,7 +91,12 @@ def child(a: argparse.Namespace) -> None:
         run_dir=a.run_dir,
         progress=False,
         preflight=False,
-        checkpoint={"every_n_steps": a.every, "keep_last": 1},
+        checkpoint={
+            "every_n_steps": a.every,
+            "keep_last": 1,
+            "failure_save_timeout_s": a.save_timeout_s,
+            **({"local_directory": a.local_dir} if a.local_dir else {}),
+        },
         watchdog={"hang_timeout_s": a.timeout_s},
     ) as g:
         mark("resumed", step=g.step)
@@ -126,6 +132,8 @@ def attempt(a: argparse.Namespace, *, hang: bool) -> dict:
     cmd += ["--steps-after", str(a.steps_after)]
     cmd += ["--hang-at", str(a.hang_at if hang else 0), "--fault", a.fault]
     cmd += ["--ddp"] if a.ddp else []
+    cmd += ["--local-dir", a.local_dir] if a.local_dir else []
+    cmd += ["--save-timeout-s", str(a.save_timeout_s)]
     launched = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: dict[str, dict] = {}
@@ -155,6 +163,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--ddp", action="store_true", help="DDP over NCCL, a GPU per rank")
     p.add_argument("--fault", choices=("hang", "kill"), default="hang")
+    p.add_argument("--local-dir", help="checkpoint local_directory (node-local tier)")
+    p.add_argument("--save-timeout-s", type=float, default=20.0, help="failure_save_timeout_s")
     a = p.parse_args()
     if a.child:
         child(a)
@@ -162,6 +172,8 @@ def main() -> None:
     import torch
 
     shutil.rmtree(a.run_dir, ignore_errors=True)
+    if a.local_dir:
+        shutil.rmtree(a.local_dir, ignore_errors=True)
     first = attempt(a, hang=True)
     second = attempt(a, hang=False)
     from guardrails.metrics.events import read_events
@@ -197,6 +209,8 @@ def main() -> None:
         "exit_codes": [first["code"], second["code"]],
         "fault": a.fault,
         "ddp": a.ddp,
+        "local_dir": a.local_dir,
+        "save_timeout_s": a.save_timeout_s,
         "hang_at": a.hang_at,
         "resumed_at": resumed,
         "steps_redone": a.hang_at - min(resumed) if resumed else None,

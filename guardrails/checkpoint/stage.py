@@ -13,7 +13,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +249,12 @@ class Part:
     """
 
     def __init__(
-        self, staging: Staging | None = None, *, measure: bool = False, host: bool | None = None
+        self,
+        staging: Staging | None = None,
+        *,
+        measure: bool = False,
+        host: bool | None = None,
+        plain: bool = False,
     ) -> None:
         #: file name -> (tensors stored once each, alias key -> stored key)
         self.tensors: dict[str, tuple[dict[str, Tensor], dict[str, str]]] = {}
@@ -278,6 +283,11 @@ class Part:
         #: Host tensors to copy go into the staging too (plain memory: a CPU run's);
         #: ``host`` says so for a measuring part, which has no staging.
         self._host = (staging is not None and not staging.pinned) if host is None else host
+        #: Without staging, copy into plain host memory rather than fresh pinned memory
+        #: (a failure save): CUDA orders a page-locked allocation after all the work
+        #: queued on the device (its "implicit synchronization"), which a save from a
+        #: stuck rank must not wait for; and fresh pinning costs 0.2-0.6 s a GB.
+        self._plain = plain
         self.device_bytes: list[int] = []
         # Tensors waiting for ready()'s copy into staging: (file name, key, tensor)
         self._on_device: list[tuple[str, str, Tensor]] = []
@@ -354,6 +364,8 @@ class Part:
             self.fresh_bytes = self._staging.allocated_in_save - allocated
             for dst, src in zip(targets, sources, strict=True):
                 dst.copy_(src, non_blocking=True)
+        elif self._plain:
+            targets = self._into_plain(sources)
         else:  # into fresh pinned memory
             targets = [t.to("cpu", non_blocking=True) for t in sources]
             self.fresh_bytes = sum(t.numel() * t.element_size() for t in sources)
@@ -377,20 +389,25 @@ class Part:
             if dst is not None:  # queued first: the device copies these meanwhile
                 dst.copy_(src, non_blocking=True)
         missing = [src for dst, src in zip(targets, sources, strict=True) if dst is None]
-        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in missing]
+        plain = iter(self._into_plain(missing))
+        return [next(plain) if dst is None else dst for dst in targets]
+
+    def _into_plain(self, sources: list[Tensor]) -> list[Tensor]:
+        """``sources`` copied into plain host memory allocated now (:attr:`fresh_bytes`),
+        each copy waited for on the current stream."""
+        sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in sources]
         # One buffer, its pages faulted in by torch's threads at once (zeros): written
         # page by page by the copies instead, fresh memory took 0.67 s a GB (H200 host).
-        plain = torch.zeros(sum(sizes), dtype=torch.uint8) if missing else None
-        self.fresh_bytes += sum(t.numel() * t.element_size() for t in missing)
+        plain = torch.zeros(sum(sizes), dtype=torch.uint8) if sources else None
+        self.fresh_bytes += sum(t.numel() * t.element_size() for t in sources)
         placed: list[Tensor] = []
         offset = 0
-        for dst, src in zip(targets, sources, strict=True):
-            if dst is None:
-                assert plain is not None
-                n = src.numel() * src.element_size()
-                dst = plain[offset : offset + n].view(src.dtype).view(src.shape)
-                offset += -(-n // 64) * 64
-                dst.copy_(src)  # plain memory: the host waits for this copy
+        for src, size in zip(sources, sizes, strict=True):
+            assert plain is not None
+            n = src.numel() * src.element_size()
+            dst = plain[offset : offset + n].view(src.dtype).view(src.shape)
+            offset += size
+            dst.copy_(src)  # plain memory: the host waits for this copy
             placed.append(dst)
         return placed
 
@@ -504,15 +521,17 @@ def stage_optimizer(
     *,
     copy: bool = True,
     names: Mapping[int, str] | None = None,
+    state: Mapping[str, Any] | None = None,
 ) -> None:
     """Stage ``optimizer``'s state as ``<stem>.safetensors`` + ``<stem>.json``, with the
     shapes of the parameters it was saved for (the resume's check: a state tensor need
     not have its parameter's shape, like Muon's stacked momentum) and, by group, each
     parameter's name in the model (``names``: by ``id``) and whether it trains: a group
     added during the run (``add_param_group``: a layer unfrozen at step N) is
-    re-created from them by a resume whose optimizer was built without it."""
+    re-created from them by a resume whose optimizer was built without it. ``state``:
+    the state dict to stage instead of the optimizer's own."""
     opt = per_rank(optimizer)
-    sd = opt.state_dict()
+    sd = opt.state_dict() if state is None else state
     tensors: dict[str, Tensor] = {}
     state = {str(idx): encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
     groups = encode(list(sd["param_groups"]), "param_groups", tensors)
@@ -553,12 +572,16 @@ def stage_replicated(
     copy: bool = True,
     part: Part | None = None,
     extras_name: str = "extras",
+    optimizer_state: Callable[[Any], Mapping[str, Any] | None] | None = None,
+    scheduler_states: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Part:
     """Stage the state every rank holds the same copy of (written once, by rank 0).
     ``model`` ``None``: not here (absent, or sharded and saved by DCP); ``optimizers``:
     those whose state every rank holds the same copy of, by name; ``extras_name``: what
     the caller calls ``extras`` (``g.state``), in a message about a value in it that
-    cannot be stored."""
+    cannot be stored. ``optimizer_state(optimizer)``, ``scheduler_states``: the state
+    dicts to save instead of their own (``None``: their own), for a failure save whose
+    GPU is a step behind its host."""
     part = part if part is not None else Part()
     # Serialise the caller's values first: a TypeError for a bad extra must come before
     # any file is touched. Their tensors (a best loss kept on the GPU) are staged last,
@@ -574,10 +597,13 @@ def stage_replicated(
     optimizers = dict(optimizers or {})
     names = param_names(model) if optimizers else {}
     for name, stem in stems("optimizer", list(optimizers)).items():
-        stage_optimizer(part, stem, optimizers[name], copy=copy, names=names)
+        opt = optimizers[name]
+        sd = None if optimizer_state is None else optimizer_state(opt)
+        stage_optimizer(part, stem, opt, copy=copy, names=names, state=sd)
     schedulers = dict(schedulers or {})
     for name, stem in stems("scheduler", list(schedulers)).items():
-        sd = dict(schedulers[name].state_dict())
+        held = None if scheduler_states is None else scheduler_states.get(name)
+        sd = dict(schedulers[name].state_dict() if held is None else held)
         try:
             part.add_json(f"{stem}.json", encode(sd, stem))
         except TypeError as e:

@@ -25,16 +25,29 @@ each CUDA generator ~1 us host-only): too much for every step. So:
 The engine writes the public fields inline at each boundary (``engine/guard.py``); a
 failure save reads them, from the main thread or from the watchdog's while the main
 thread is stuck.
+
+On a GPU the host runs ahead of the device: a rank whose peer died had its host in step
+72's backward (its counters at 71) while its GPU still waited in step 71's all-reduce,
+step 71's update queued behind it, so the weights there were step 70's (2 DDP ranks over
+NCCL, H200). :class:`UpdateMarks` (CUDA, one optimizer; asked for by the failure save)
+records an event on the training stream before and after each ``optimizer.step()``, so a
+thread can tell which step's weights the device holds, and keeps what the host held
+before its last update (:class:`Before`: that boundary's capture, the step's batches, the
+optimizer's hyperparameters and the schedulers' state), so a save of that step is
+exact. Two event records and one small object a step, on CUDA only.
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from guardrails.engine.guard import Guard
 
 #: Python's and numpy's streams are compared every this many boundaries (a power of
 #: two: the engine tests ``count & (EVERY_N - 1)``): 13 us of python's and 33 us of
@@ -70,6 +83,13 @@ class BoundaryCapture:
         self.numpy: Any = None
         self.captured_at = 0
         self._changed = False  # a change seen since the last periodic check
+        #: CUDA: where the device is among the updates (:meth:`follow_device`).
+        self.updates: UpdateMarks | None = None
+
+    def follow_device(self, stream: Any) -> None:
+        """Record :class:`UpdateMarks` on ``stream`` (the training stream) from now on:
+        the failure save asks for them at its start, on CUDA with one optimizer."""
+        self.updates = UpdateMarks(stream)
 
     def check(self) -> None:
         """Capture python's and numpy's streams (and pick up the CUDA generators): at
@@ -93,23 +113,133 @@ class BoundaryCapture:
         since a capture that is not the last boundary's."""
         if not self.torch:
             return None, "no step boundary was reached"
-        python, numpy = self.python, self.numpy
-        if self.captured_at != self.count:  # a capture older than the last boundary
-            now_py, now_np = random.getstate(), np.random.get_state(legacy=True)
-            if now_py != python:
-                return None, "python's random stream was drawn from since the last step boundary"
-            if not _same_numpy(now_np, numpy):
-                return None, (
-                    "numpy's global random stream was drawn from since the last step boundary"
-                )
-        states: dict[str, Any] = {"python": python, "numpy": numpy}
-        states.update(zip(self.torch_names, self.torch, strict=True))
-        return states, ""
+        fresh = self.captured_at == self.count
+        return _streams(self.torch_names, self.torch, self.python, self.numpy, fresh=fresh)
 
     @property
     def torch_names(self) -> list[str]:
         """The checkpoint's names of :attr:`generators`' streams, in their order."""
-        return ["torch.cpu", *(f"torch.cuda.{i}" for i in range(len(self.generators) - 1))]
+        return _torch_names(len(self.generators))
+
+
+def _torch_names(n: int) -> list[str]:
+    """The checkpoint's names of ``n`` captured torch generators: the CPU one, then each
+    CUDA device's."""
+    return ["torch.cpu", *(f"torch.cuda.{i}" for i in range(n - 1))]
+
+
+class Before:
+    """What the host held just before an update began (:meth:`UpdateMarks.began`): the
+    last boundary's capture (the step the update starts from), the step's batches, the
+    optimizer's hyperparameters (its ``param_groups`` but ``params``: a scheduler sets
+    ``lr`` after the update) and each scheduler's ``state_dict()``. References, no copies:
+    the engine and torch replace these objects rather than change them."""
+
+    __slots__ = (
+        "batches",
+        "epoch",
+        "fresh",
+        "generator_states",
+        "groups",
+        "numpy",
+        "python",
+        "schedulers",
+        "step",
+        "torch",
+        "trained_at",
+    )  # fmt: skip
+
+    def __init__(self, guard: Guard) -> None:
+        cap = guard.boundary_capture
+        self.step = guard.step
+        self.torch = cap.torch
+        self.python, self.numpy = cap.python, cap.numpy
+        self.fresh = cap.captured_at == cap.count
+        self.trained_at, self.epoch = cap.trained_at, cap.epoch
+        self.batches: list[Any] = guard.step_batches
+        self.generator_states = guard.generator_states
+        self.groups = [
+            {k: v for k, v in group.items() if k != "params"}
+            for opt in guard.optimizers.values()
+            for group in opt.param_groups
+        ]
+        self.schedulers = {name: s.state_dict() for name, s in guard.schedulers.items()}
+
+    def rng(self) -> tuple[dict[str, Any] | None, str]:
+        """The streams at this boundary, or ``(None, why not)`` (as
+        :meth:`BoundaryCapture.rng_at_boundary`)."""
+        if not self.torch:
+            return None, "no step boundary was reached"
+        names = _torch_names(len(self.torch))
+        return _streams(names, self.torch, self.python, self.numpy, fresh=self.fresh)
+
+
+class UpdateMarks:
+    """CUDA events on the training stream before and after each ``optimizer.step()``
+    (the last three updates'), and what the host held before the last one began
+    (:attr:`before`): see the module docstring. The engine calls :meth:`began` and
+    :meth:`ended` around each update; a failure save asks :meth:`device_step`."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._began = [torch.cuda.Event() for _ in range(3)]  # update j's at j % 3
+        self._ended = [torch.cuda.Event() for _ in range(3)]
+        # The update each slot was last recorded for (an event never recorded reads
+        # as done, so a slot's update must be known before its event is asked).
+        self._began_for = [-1, -1, -1]
+        self._ended_for = [-1, -1, -1]
+        #: What the host held before the last update began (``None`` before the first).
+        self.before: Before | None = None
+
+    def began(self, guard: Guard) -> None:
+        """Update ``guard.step + 1`` is about to be queued."""
+        j = guard.step + 1
+        self.before = Before(guard)
+        self._began[j % 3].record(self._stream)
+        self._began_for[j % 3] = j
+
+    def ended(self, step: int) -> None:
+        """Update ``step`` was queued (the host's step count is ``step`` now)."""
+        self._ended[step % 3].record(self._stream)
+        self._ended_for[step % 3] = step
+
+    def device_step(self) -> int | None:
+        """The step whose weights the device holds now: its update is done there and
+        the next one has not begun. ``None``: the device is inside an update, or
+        further behind than the marks kept."""
+        for j in sorted(self._ended_for, reverse=True):
+            if j >= 0 and self.holds(j):
+                return j
+        return None
+
+    def holds(self, step: int) -> bool:
+        """Whether the device holds ``step``'s weights now (asked again after a copy:
+        still true, the copy is of that step)."""
+        i, n = step % 3, (step + 1) % 3
+        if self._ended_for[i] != step or not self._ended[i].query():
+            return False
+        if self._began_for[n] < step + 1:  # the next update was never queued
+            return True
+        # Queued: not begun while its mark is not reached (a slot recorded for a later
+        # update again means this one is long done).
+        return self._began_for[n] == step + 1 and not self._began[n].query()
+
+
+def _streams(
+    names: list[str], states: tuple[Tensor, ...], python: Any, numpy: Any, *, fresh: bool
+) -> tuple[dict[str, Any] | None, str]:
+    """A boundary's RNG streams as ``stage.stage_rank``'s ``rng`` takes them; python's
+    and numpy's from a capture that is not that boundary's (``fresh`` false) only if
+    nothing drew from them since (they equal the current state)."""
+    if not fresh:
+        now_py, now_np = random.getstate(), np.random.get_state(legacy=True)
+        if now_py != python:
+            return None, "python's random stream was drawn from since the last step boundary"
+        if not _same_numpy(now_np, numpy):
+            return None, "numpy's global random stream was drawn from since the last step boundary"
+    out: dict[str, Any] = {"python": python, "numpy": numpy}
+    out.update(zip(names, states, strict=True))
+    return out, ""
 
 
 def _same_numpy(a: Any, b: Any) -> bool:

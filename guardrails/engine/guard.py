@@ -1078,9 +1078,13 @@ class Guard(StepState):
         # collective there, the weights untouched): the optimizer's own update is next,
         # and from here the live state leaves the last finished step's.
         self.update_began = True
+        if self.boundary_capture.updates is not None:  # CUDA: where the device is
+            self.boundary_capture.updates.began(self)
 
     def _after_step(self) -> None:
         self.step += 1
+        if self.boundary_capture.updates is not None:  # CUDA: the update is queued
+            self.boundary_capture.updates.ended(self.step)
         if self.generators:
             # What a checkpoint saves of them: where the step left them, not where they
             # are at the boundary, which a loop without a loader reaches at the next

@@ -1279,3 +1279,100 @@ def test_a_failure_saves_copy_does_not_wait_for_a_stuck_training_stream():
     assert busy, "the spin kernel ended before the copy: the test proves nothing"
     [host] = got["part"].tensors["model.safetensors"][0].values()
     assert host.device.type == "cpu" and torch.equal(host, expected)
+
+
+# DDP over NCCL, a GPU per rank, the example GPT with a scheduler. MODE=reference: a
+# periodic save at step 5. MODE=fault: rank 1 stuck at the top of step 6; rank 0's GPU
+# waits in step 6's all-reduce with the update queued behind it while its host goes on.
+BEHIND_WORKER = (
+    NCCL_WORKER_START
+    + """
+import time
+model = torch.nn.parallel.DistributedDataParallel(GPT(65, 64, 2, 4, 128).to(device),
+                                                  device_ids=[device.index])
+fused = os.environ["FUSED"] == "1"
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+gen = torch.Generator(device=device).manual_seed(rank)
+data = [(torch.randint(0, 65, (8, 64), device=device, generator=gen),) * 2 for _ in range(12)]
+fault = os.environ["MODE"] == "fault"
+ckpt = {"failure_save_timeout_s": 60} if fault else {"every_n_steps": 5, "keep_last": 5}
+with guardrails.guard(model, opt, data, scheduler=sched, run_dir=os.environ["RUN_DIR"],
+                      progress=False, checkpoint=ckpt, watchdog={"hang_timeout_s": 5}) as g:
+    for x, y in g:
+        if fault and g.step == 5 and rank == 1:
+            time.sleep(3600)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+dist.destroy_process_group()
+"""
+)
+
+
+def _behind_run(tmp_path: Path, mode: str, fused: bool) -> Path:
+    from _ranks import torchrun
+
+    script = tmp_path / "behind_worker.py"
+    script.write_text(BEHIND_WORKER)
+    run_dir = tmp_path / f"{mode}-{int(fused)}"
+    env = {
+        "EXAMPLES": str(Path(__file__).resolve().parents[2] / "examples"),
+        "RUN_DIR": str(run_dir),
+        "MODE": mode,
+        "FUSED": str(int(fused)),
+    }
+    res = torchrun([script], 2, out=run_dir / "out", timeout_s=240, env=env)
+    assert res.code is not None and (res.code == 0) == (mode == "reference"), (
+        res.code,
+        res.err[-4000:],
+    )
+    return run_dir
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_a_gpu_a_step_behind_its_stuck_host_saves_the_step_it_holds(tmp_path, fused):
+    """Rank 1 stuck at the top of step 6: rank 0's GPU waits in step 6's all-reduce with
+    the update queued behind it, and with a fused AdamW its host goes on past that
+    update (no sync per step) until it stops in step 7. The watchdog's thread saves step
+    5, the step the GPU holds, equal bitwise to a periodic save of step 5 of the same
+    run (weights, optimizer state, the scheduler and hyperparameters as they were before
+    the host's step-6 update, each rank's RNG streams and data position). A non-fused
+    AdamW's step reads the host's flag (one sync a step): its host never gets ahead,
+    and the save is the same step 5."""
+    ref = _behind_run(tmp_path, "reference", fused) / "checkpoints" / "step_000000005"
+    run = _behind_run(tmp_path, "fault", fused)
+    saved = {e["rank"]: e for e in read_events(run) if e["kind"] == "failure_saved"}
+    assert set(saved) == {0, 1}, saved
+    assert saved[0]["step"] == 5 and saved[0]["complete"], saved[0]
+    behind = "its GPU a step behind at step 5" in saved[0]["message"]
+    assert behind == fused, saved[0]["message"]
+    got = Path(saved[0]["path"])
+    assert got.name == "step_000000005", got
+    for name in sorted(p.name for p in ref.glob("*.safetensors")):
+        want, have = _tensors(ref / name), _tensors(got / name)
+        # A rank's file also holds the batches fetched past the step (the failure save's
+        # data position): the state both hold is the same.
+        common = want.keys() & have.keys()
+        assert name.startswith("rank") or common == want.keys() == have.keys(), name
+        assert {"torch.cpu", "torch.cuda.0"} <= common or not name.startswith("rank"), common
+        for k in common:
+            assert torch.equal(want[k], have[k]), (name, k)
+    for name in ["optimizer.json", "scheduler.json"]:
+        want, have = json.loads((ref / name).read_text()), json.loads((got / name).read_text())
+        assert want == have, name
+    assert json.loads((ref / "scheduler.json").read_text())["last_epoch"] == 5
+    for r in (0, 1):
+        want = json.loads((ref / f"rank{r:05d}.json").read_text())["data"]
+        have = json.loads((got / f"rank{r:05d}.json").read_text())["data"]
+        assert (want["epoch"], want["batch_in_epoch"]) == (have["epoch"], have["batch_in_epoch"])

@@ -13,17 +13,14 @@ Without it every failure but a signal ended each rank with an error and saved no
   it in a collective never reach a boundary to stop at, is no stop), not
   ``KeyboardInterrupt`` (a Ctrl+C is a stop the user asked for), not a failure before
   the first step (nothing trained), not a step already saved.
-* **Which state**: the live model, optimizers, schedulers and scaler are those of the last
-  finished step as long as no ``optimizer.step()`` began since its boundary
-  (``guard.update_began``); the RNG streams and the data position are the boundary's
-  (``guard.boundary_capture``, ``engine/boundary.py``), since the failing step may have
-  drawn from them and fetched its batch. When the failing step's update is over (a
-  hang in a logging all-reduce after ``optimizer.step()``: ``phase`` is no longer
-  ``"optimizer"``, one optimizer), the weights are the new step's: saved as that step,
-  with the RNG streams and data position as they are then (``state: after_update``).
-  Inside ``optimizer.step()`` nothing is saved, said in the ``failure_saved`` event.
-  (The rewind guard's in-memory snapshot is not used: it holds no RNG streams nor the
-  full data position, so a checkpoint of it would not resume bitwise.)
+* **Which state** (``savepoint.py``): the last finished step's, with the RNG streams and
+  data position of its boundary (the failing step may have drawn from them and fetched
+  its batch); once the failing step's update is over, the new step's; inside
+  ``optimizer.step()`` nothing, said in the ``failure_saved`` event. On a GPU whose host
+  ran a step ahead (the watchdog's thread saves while the main thread is stuck) the step
+  the device holds, with what the host held before its last update. (The rewind guard's
+  in-memory snapshot is not used: it holds no RNG streams nor the full data position,
+  so a checkpoint of it would not resume bitwise.)
 * **Never long, never a hang**: every rank's part is bounded by ``timeout_s`` (the
   whole save runs in a daemon thread joined with that limit; past it the write is
   cancelled within a piece). With several ranks the save is the usual multi-rank commit
@@ -45,10 +42,8 @@ Without it every failure but a signal ended each rank with an error and saved no
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
   limit, 20 s, ends inside that window.
 
-On CUDA, a save from the watchdog's thread (the main thread stuck) needs the GPU idle:
-the host runs ahead, and its weights may be an older step's (``stage.device_idle``).
-Then it copies on a stream of its own (made at start), which waits for no work queued
-meanwhile; otherwise, or once ``optimizer.step()`` began, it saves nothing (said).
+On CUDA a save from the watchdog's thread copies on a stream of its own (made at start),
+which waits for no work queued on the stuck training stream.
 """
 
 from __future__ import annotations
@@ -78,6 +73,7 @@ from guardrails.distributed.store import agent_holds_store, stretched, wait_keys
 from guardrails.engine import model
 from guardrails.guards.checkpointer import peer
 from guardrails.guards.checkpointer.board import FileBoard
+from guardrails.guards.checkpointer.savepoint import SavePoint, choose
 from guardrails.guards.checkpointer.signals import SignalCapture
 from guardrails.guards.checkpointer.writer import CheckpointWriter
 from guardrails.util import files as _perms
@@ -121,6 +117,10 @@ class FailureSave:
         self._slots = peer.slot_directory(local)
         # CUDA: a thread's save copies on the first, after the main thread's is idle.
         self._stream, self._training = stage.side_stream(guard.device)
+        if self._training is not None and len(guard.optimizers) == 1 and self._world > 1:
+            # Which step's weights the GPU holds, for a save from the watchdog's thread
+            # (verdicts across ranks only) while its host is ahead.
+            guard.boundary_capture.follow_device(self._training)
         if self._store is not None and self._slots is not None and peer.publishable(guard):
             self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
@@ -130,8 +130,11 @@ class FailureSave:
         #: The rank that commits: 0, or the lowest live one when rank 0 is the dead one
         #: and the store outlives it (:func:`_committer`). Set when the save runs.
         self._committer = 0
-        #: Whether the state saved is the one after the failing step's update (set by
-        #: :meth:`_state`).
+        #: The state the save writes (``savepoint.py``), its step, and whether it is
+        #: the one after the failing step's update: set when the save runs.
+        self._point: SavePoint | None = None
+        self._step = 0
+        self._staged_s: float | None = None  # when this rank's part was in host memory
         self._after_update = False
         #: The job's store went with its host (rank 0 outside torchrun): the save meets
         #: in files (``board.py``). Set when the save runs.
@@ -231,13 +234,20 @@ class FailureSave:
         cause = _cause(error)
         # A dead rank (the error's, or a verdict's: RankFailedError) is not waited for.
         self._committer = _committer(dead, self._world)
+        weights = self._writer.stages_weights or self._rank == self._committer
+        state, why = choose(
+            guard, from_thread=from_thread, weights=weights, training=self._training
+        )
+        # The step saved: the host's, or the one before when its GPU is a step behind.
+        self._step = guard.step if state is None else state.step
+        self._point, self._staged_s = state, None
+        self._after_update = state is not None and state.after_update
         # The store's keys of this save, by its committer: a save run again with another
         # committer never reads the first one's records.
-        self._key = f"{self._writer.token}/failure/{guard.step}/c{self._committer}"
+        self._key = f"{self._writer.token}/failure/{self._step}/c{self._committer}"
         # Rank 0 hosted the store (no torchrun agent) and is the dead one: the store is
         # gone too (a call would fail, or wait out its timeout on a lost host).
         self.store_lost = self._store is not None and dead == 0 and self._committer == 0
-        state, why = self._state(guard, from_thread=from_thread)
         path: Path | None = None
         missing: list[int] = []
         # A rank with nothing to save still says so, or rank 0 would wait out the limit.
@@ -254,14 +264,18 @@ class FailureSave:
             worker.join(self.timeout_s + 1.0)  # its waits end by the limit; +1 s to commit
             if worker.is_alive():
                 cancel.set()
-                why = f"the save did not finish within failure_save_timeout_s={self.timeout_s:g} s"
+                doing = "writing" if self._staged_s is not None else "copying its state"
+                why = (
+                    f"the save did not finish within failure_save_timeout_s={self.timeout_s:g}"
+                    f" s (it was still {doing})"
+                )
             else:
                 path, missing, why = result.get("path"), result.get("missing", []), result["why"]
                 if not why and path is None and not self.part_only:
                     why = f"rank {self._committer} did not commit it"
         if path is not None:  # committed in the local tier (local_directory): copied now
             left = self.timeout_s - (time.perf_counter() - t0)
-            self._writer.drain(guard, guard.step, path, within_s=left)
+            self._writer.drain(guard, self._step, path, within_s=left)
         self._said(guard, cause, path, missing, why, time.perf_counter() - self._t0)
         if self.slot is not None and path is not None:
             self.slot.close()  # this rank's part is in: not needed
@@ -270,53 +284,6 @@ class FailureSave:
             # last collective, before its boundary), once the save is committed.
             with contextlib.suppress(OSError):
                 os.unlink(peer.slot_path(self._slots, self._writer.token, dead))
-
-    def _state(self, guard: Guard, *, from_thread: bool) -> tuple[Any, str]:
-        """``((rng, position), "")``: the boundary's RNG streams and data position, when
-        the live state is the last finished step's; the streams and position now, when
-        the step's update is over (:meth:`_after_the_update`); else ``(None, why not)``."""
-        if guard.update_began and not self._after_the_update(guard):
-            return None, (
-                "the failure came inside optimizer.step(): the live weights are neither "
-                "those of the step before nor those of the step after"
-            )
-        if (
-            from_thread
-            and guard.device is not None
-            and guard.device.type == "cuda"
-            and (self._writer.stages_weights or self._rank == self._committer)
-        ):  # the other ranks' parts are host-side: the boundary's RNG and data position
-            if guard.update_began:
-                return None, (
-                    "the main thread is stuck after optimizer.step() began, and the "
-                    "update may still be queued on the GPU"
-                )
-            if not stage.device_idle(self._training):
-                return None, (
-                    "the main thread is stuck and its GPU has not finished the work it "
-                    "was given (queued behind a collective whose peer is gone, say): "
-                    "the weights there may be an older step's"
-                )
-        pos = guard.data_position
-        batches = [*guard.step_batches, *pos.fetched]
-        if guard.update_began:  # after the update: the step it made, streams as they are
-            self._after_update = True
-            return (stage.current_streams(), (pos.trained_at, batches)), ""
-        capture = guard.boundary_capture
-        rng, why = capture.rng_at_boundary()
-        if rng is None:
-            return None, why
-        if capture.epoch != guard.epoch:
-            return None, "the failing step began a new pass over the loader"
-        return (rng, (capture.trained_at, batches)), ""
-
-    @staticmethod
-    def _after_the_update(guard: Guard) -> bool:
-        """Whether the failing step's update is over (its ``optimizer.step()`` returned,
-        the step count moved on: ``phase`` is no longer ``"optimizer"``) and the live
-        weights are the new step's: a hang in a logging all-reduce or an eval after the
-        update. With several optimizers one may not have stepped yet: not then."""
-        return guard.phase != "optimizer" and len(guard.optimizers) == 1
 
     def _save_safely(
         self,
@@ -330,7 +297,7 @@ class FailureSave:
     ) -> None:
         try:
             if state is None:  # said where the others wait: nothing comes from this rank
-                self._say_none(guard.step, result["why"])
+                self._say_none(self._step, result["why"])
                 return
             with stage.own_stream(self._stream if from_thread else None):
                 result["path"], result["missing"] = self._save(guard, state, cause, cancel, dead)
@@ -359,9 +326,8 @@ class FailureSave:
         """This rank's files, then (rank 0) the commit with every record in by the
         limit: ``(path or None, the ranks missing)``."""
         deadline = time.monotonic() + self.timeout_s
-        writer, step, committer = self._writer, guard.step, self._committer
+        writer, step, committer = self._writer, self._step, self._committer
         key = self._key
-        rng, position = state
         if self._store is not None and not self.store_lost:
             # The committer waits for this rank's part from now on. An add, not a set: a
             # set to a dead host is not answered, and succeeded once on its socket.
@@ -378,7 +344,7 @@ class FailureSave:
             # Late: the committer wrote this rank's part from its published copy already.
             if self.slot is not None and self._rank != committer and not self._claim(key, "self"):
                 return self._await_commit(key, deadline, dead)
-        part = writer.stage_boundary(guard, rng=rng, position=position)
+        part = self._stage_point(guard, state)
         part.cancel = cancel
         if self._rank == committer:
             _perms.make_dirs(writer.root)
@@ -387,7 +353,7 @@ class FailureSave:
         try:
             part.write(tmp, files)
             if self._rank == committer != 0:  # rank 0 is dead: its replicated state, ours
-                self._stage_replicated(guard, cancel).write(tmp, files)
+                self._stage_replicated(guard, state, cancel).write(tmp, files)
             if self._store is None:
                 return self._commit(step, tmp, files, cause, missing=[]), []
         except BaseException:
@@ -430,14 +396,13 @@ class FailureSave:
                 "the job's store is gone with rank 0; without DDP's replicated state on "
                 "every rank no other rank can commit"
             )
-        writer, step = self._writer, guard.step
+        writer, step = self._writer, self._step
         board = FileBoard(writer.root, writer.token, step, self._world)
         if (whole := board.committed_whole()) is not None:
             return whole, []
         if not board.claim(f"writer{self._rank}", "self"):  # written from its copy already
             return board.await_commit(deadline=deadline)
-        rng, position = state
-        part = writer.stage_boundary(guard, rng=rng, position=position)
+        part = self._stage_point(guard, state)
         part.cancel = cancel
         tmp = commit.begin(writer.root, step, f"{writer.token}-failure")
         files: dict[str, Any] = {}
@@ -448,7 +413,7 @@ class FailureSave:
             return board.await_commit(deadline=deadline)
         self._committer = self._rank
         if self._rank != 0:  # rank 0's part holds the replicated state; ours, here
-            self._stage_replicated(guard, cancel).write(tmp, files)
+            self._stage_replicated(guard, state, cancel).write(tmp, files)
         # The others that fail with us file within a few seconds (_BEGUN_WAIT_S); 2 s of
         # the limit are left to write the dead ranks' parts and commit.
         expect = self._world - 1 - (dead is not None and dead != self._rank)
@@ -486,7 +451,7 @@ class FailureSave:
         peers = self._write_peers(guard, claim, tmp, files, missing, cancel)
         missing = [r for r in missing if r not in peers]
         final = self._commit(
-            guard.step,
+            self._step,
             tmp,
             files,
             cause,
@@ -507,7 +472,19 @@ class FailureSave:
         won = self._store.compare_set(f"{key}/writer/{rank}", "", by)
         return bytes(won).decode() == by
 
-    def _stage_replicated(self, guard: Guard, cancel: threading.Event) -> stage.Part:
+    def _stage_point(self, guard: Guard, point: SavePoint) -> stage.Part:
+        """This rank's part of ``point``, staged and copied (the event's ``staged_s``:
+        from the save's start); refused when the GPU moved past the point's step during
+        the copy (the copy may mix two steps)."""
+        part = self._writer.stage_boundary(guard, point)
+        self._staged_s = round(time.perf_counter() - self._t0, 3)
+        if not point.still_held():
+            raise RuntimeError(f"the GPU moved past step {point.step} while it was copied")
+        return part
+
+    def _stage_replicated(
+        self, guard: Guard, point: SavePoint, cancel: threading.Event
+    ) -> stage.Part:
         """The committer other than rank 0 (dead): the state every rank holds the same
         copy of under DDP, staged from this rank's, as rank 0 would have."""
         part = stage.stage_replicated(
@@ -517,8 +494,13 @@ class FailureSave:
             scaler=guard.scaler,
             extras=guard.state,
             extras_name="g.state",
+            part=stage.Part(plain=True),  # not pinned: see Part's plain
+            optimizer_state=point.optimizer_state,
+            scheduler_states=point.scheduler_states,
         )
         part.ready()
+        if not point.still_held():
+            raise RuntimeError(f"the GPU moved past step {point.step} while it was copied")
         part.cancel = cancel
         return part
 
@@ -539,12 +521,13 @@ class FailureSave:
         self.peer_notes = {}
         if self._slots is None or self.slot is None:
             return written
-        capture = guard.boundary_capture
+        capture, step, point = guard.boundary_capture, self._step, self._point
+        assert point is not None  # a committer writing peers saved a point of its own
         for r in missing:
             got, why = peer.read_peer(self._slots, self._writer.token, r)
-            if got is not None and got.step != guard.step:
-                got, why = None, f"its published copy is of step {got.step}, not {guard.step}"
-            elif got is not None and got.epoch != capture.epoch and not self._after_update:
+            if got is not None and got.step != step:
+                got, why = None, f"its published copy is of step {got.step}, not {step}"
+            elif got is not None and got.epoch != point.epoch and not self._after_update:
                 got, why = None, "its published copy is of another pass over the loader"
             elif got is not None and not got.streams_fresh and capture.drawing:
                 # The copy's python / numpy streams are an older boundary's: they are
@@ -559,7 +542,7 @@ class FailureSave:
             if got is None:
                 self.peer_notes[r] = why
                 continue
-            part = peer.stage_peer(guard, got)
+            part = peer.stage_peer(guard, got, step=step, trained_at=point.position[0])
             part.cancel = cancel
             part.write(tmp, files)
             written[r] = "published copy"
@@ -726,8 +709,10 @@ class FailureSave:
         """The ``failure_saved`` event (a warning: the console says it). Its message
         names the error's class only: the error's own report follows, and its headline
         said twice would be noise (the ``cause`` field has its first line)."""
-        step, kind, committer = guard.step, cause.split(":", 1)[0], self._committer
+        step, kind, committer = self._step, cause.split(":", 1)[0], self._committer
         when = f"after the update of step {step}" if self._after_update else f"in step {step + 1}"
+        if self._point is not None and self._point.before is not None:
+            when = f"in step {guard.step + 1}, its GPU a step behind at step {step}"
         notes = self.peer_notes
         if path is not None and not missing:
             message = (
@@ -760,6 +745,7 @@ class FailureSave:
             "path": None if path is None else str(path),
             "step": step,
             "seconds": round(took_s, 3),
+            "staged_s": self._staged_s,
             "state": (
                 ("after_update" if self._after_update else "live")
                 if path is not None or self.part_only

@@ -430,18 +430,19 @@ def read_peer(directory: Path, token: str, rank: int) -> tuple[PeerPart | None, 
     ), ""
 
 
-def stage_peer(guard: Guard, peer: PeerPart) -> stage.Part:
-    """The part ``peer``'s rank would have written, staged by this rank: its RNG streams,
-    its data position (this rank's, the job's, with the peer's place in the pass and
-    its pass's RNG states), this rank's components' state at the same step."""
-    position, _ = guard.data_position.save(boundary=(guard.boundary_capture.trained_at, []))
+def stage_peer(guard: Guard, peer: PeerPart, *, step: int, trained_at: Any) -> stage.Part:
+    """The part ``peer``'s rank would have written at ``step``, staged by this rank: its
+    RNG streams, its data position (this rank's at the boundary it saves, ``trained_at``,
+    the job's, with the peer's place in the pass and its pass's RNG states), this rank's
+    components' state."""
+    position, _ = guard.data_position.save(boundary=(trained_at, []))
     position["epoch"], position["batch_in_epoch"] = peer.position
     tensors = dict(peer.tensors)
     tensors.update({k: v for k, v in peer.torch.items() if k.startswith("generator.")})
     rng: dict[str, Any] = {"python": peer.python, "numpy": peer.numpy}
     rng.update({k: v for k, v in peer.torch.items() if k.startswith("torch.")})
     components = {c.name: s for c in guard.components if (s := c.state_dict()) is not None}
-    state = {"step": guard.step, "data": position, "components": components}
+    state = {"step": step, "data": position, "components": components}
     if (buckets := ddp_buckets.saved_layout(guard.model)) is not None:
         state["ddp_buckets"] = buckets  # the same on every rank (DDP broadcasts rank 0's)
     part = stage.stage_rank(peer.rank, state=state, tensors=tensors, rng=rng)

@@ -33,6 +33,7 @@ from guardrails.util import storage
 
 if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
+    from guardrails.guards.checkpointer.savepoint import SavePoint
 
 log = logging.getLogger("guardrails.checkpoint")
 
@@ -327,16 +328,15 @@ class CheckpointWriter:
         part: stage.Part,
         *,
         measure: bool = False,
-        boundary: tuple[dict[str, Any], tuple[Any, list[Any]]] | None = None,
+        point: SavePoint | None = None,
     ) -> None:
         """Stage what this rank writes into ``part``: rank 0 the replicated state (model,
         optimizers, schedulers, scaler, ``g.state``), every rank its own (data position,
         RNG, the components' state, optimizer state that differs per rank). With
         ``measure``, only what lives on the device is looked at (its sizes, in the same
         order a save stages it: :meth:`plan_staging`; host tensors too where the
-        staging takes them, a CPU run's). ``boundary``: ``(RNG streams, (trained_at,
-        batches fetched since))`` of the last step boundary, for a failure save inside
-        the next step (:meth:`stage_boundary`)."""
+        staging takes them, a CPU run's). ``point``: a failure save's step, RNG streams,
+        data position and host state (``savepoint.py``: the loop had moved past it)."""
         bare = model.unwrap(guard.model)
         is_sharded = self._sharded
         stems = stage.stems("optimizer", list(guard.optimizers))
@@ -362,17 +362,19 @@ class CheckpointWriter:
                 extras=guard.state,
                 part=part,
                 extras_name="g.state",
+                optimizer_state=None if point is None else point.optimizer_state,
+                scheduler_states=None if point is None else point.scheduler_states,
             )
-        position, tensors = guard.data_position.save(
-            boundary=None if boundary is None else boundary[1]
-        )
-        states = guard.generator_states  # the loop's own (guard(generators=)), as the
-        for name, gen in guard.generators.items():  # last step left them
+        position, tensors = guard.data_position.save(boundary=point and point.position)
+        held = None if point is None else point.generator_states
+        states = guard.generator_states if held is None else held  # the loop's own
+        for name, gen in guard.generators.items():  # (generators=), as the step left them
             tensors[f"generator.{name}"] = gen.get_state() if states is None else states[name]
         components = {
             c.name: state for c in guard.components if (state := c.state_dict()) is not None
         }
-        state = {"step": guard.step, "data": position, "components": components}
+        step = guard.step if point is None else point.step
+        state = {"step": step, "data": position, "components": components}
         if (buckets := ddp_buckets.saved_layout(guard.model)) is not None:
             state["ddp_buckets"] = buckets  # a DDP resume's first step reduces with them
         names = stage.param_names(bare) if per_rank and not is_sharded else None
@@ -383,18 +385,16 @@ class CheckpointWriter:
             optimizers=per_rank,
             part=part,
             names=names,
-            rng=None if boundary is None else boundary[0],
+            rng=None if point is None else point.rng,
         )
 
-    def stage_boundary(
-        self, guard: Guard, *, rng: dict[str, Any], position: tuple[Any, list[Any]]
-    ) -> stage.Part:
-        """A failure save's part (``failure.py``): the live state of the last finished
-        step, with the RNG streams and data ``position`` its boundary left (the loop
-        had moved past it), staged into fresh memory (the staging blocks may belong to a
-        background save still being written)."""
-        part = stage.Part()
-        self._stage(guard, part, boundary=(rng, position))
+    def stage_boundary(self, guard: Guard, point: SavePoint) -> stage.Part:
+        """A failure save's part (``failure.py``): the state of ``point``'s step, with the
+        RNG streams and data position its boundary left (the loop had moved past it),
+        staged into fresh plain memory (the staging blocks may belong to a background
+        save still being written; fresh pinned memory waits for a stuck device)."""
+        part = stage.Part(plain=True)
+        self._stage(guard, part, point=point)
         part.ready()
         return part
 
