@@ -61,6 +61,16 @@ def main_thread_site() -> str:
     return "an unknown place"
 
 
+def thread_site(ident: int) -> str:
+    """Where thread ``ident`` is: ``file:line (function)`` of its innermost frame (a
+    C call blocks under it)."""
+    frames = parse_stack(thread_stack(ident))
+    if not frames:
+        return "an unknown place"
+    path, line, func = frames[-1]
+    return f"{os.path.basename(path)}:{line} ({func})"
+
+
 def data_position(guard: Guard) -> tuple[int, int]:
     """This rank's data position: where its loader ran out, else the current pass and
     batch. ``exhausted_at`` is read first: the engine sets it before it moves the epoch

@@ -12,7 +12,11 @@ step before.
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
+from conftest import read_events
 
 import guardrails
 from guardrails.engine.boundary import Before
@@ -82,3 +86,44 @@ def test_an_optimizer_that_keeps_state_on_the_host_cannot_go_back_a_step(tmp_pat
     point, why = _run(tmp_path, lambda p: torch.optim.AdamW(p, lr=0.1))["point"]
     assert point is None
     assert "a step behind its host" in why and "fused=True" in why and "step" in why
+
+
+class _SlowScheduler(torch.optim.lr_scheduler.LambdaLR):
+    """A scheduler whose state_dict() blocks (a custom one that reads a file on a slow
+    mount, say): the failure save's copy of the state cannot finish."""
+
+    def state_dict(self):
+        time.sleep(30)
+        return super().state_dict()
+
+
+def test_a_failure_save_past_its_limit_ends_and_says_where_it_was(tmp_path):
+    """The run's own error comes out once the save's limit has passed, while the save
+    is still blocked; the event says it ran out, what it was doing and where."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = _SlowScheduler(opt, lambda s: 1.0)
+    batches = [(torch.randn(2, 4),) for _ in range(4)]
+    with pytest.raises(ValueError, match="boom"):
+        with guardrails.guard(
+            model,
+            opt,
+            batches,
+            scheduler=sched,
+            run_dir=tmp_path,
+            progress=False,
+            checkpoint={"failure_save_timeout_s": 1.0},
+        ) as g:
+            for (x,) in g:
+                if g.step == 2:
+                    raise ValueError("boom")
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    # The error came out while the scheduler still blocked (it was not waited for).
+    [saved] = [e for e in read_events(tmp_path) if e["kind"] == "failure_saved"]
+    assert saved["path"] is None and saved["staged_s"] is None, saved
+    why = saved["why"]
+    assert "did not finish within failure_save_timeout_s=1 s" in why, why
+    assert "still copying its state" in why and "(state_dict)" in why, why
+    assert "test_savepoint.py" in why, why

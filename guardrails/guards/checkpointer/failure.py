@@ -70,7 +70,7 @@ from guardrails.checkpoint.manifest import (
     resume_order,
 )
 from guardrails.distributed.store import agent_holds_store, stretched, wait_keys
-from guardrails.engine import model
+from guardrails.engine import model, where
 from guardrails.guards.checkpointer import peer
 from guardrails.guards.checkpointer.board import FileBoard
 from guardrails.guards.checkpointer.savepoint import SavePoint, choose
@@ -267,7 +267,7 @@ class FailureSave:
                 doing = "writing" if self._staged_s is not None else "copying its state"
                 why = (
                     f"the save did not finish within failure_save_timeout_s={self.timeout_s:g}"
-                    f" s (it was still {doing})"
+                    f" s (it was still {doing}, at {where.thread_site(worker.ident or 0)})"
                 )
             else:
                 path, missing, why = result.get("path"), result.get("missing", []), result["why"]
