@@ -8,8 +8,10 @@ Scenarios (the fault is on rank 1 after FAULT_STEP optimizer steps, before its n
 forward): ``clean``, ``sleep`` (stuck in Python), ``pipe`` (blocked in a C read nobody
 writes to), ``spin`` (computing in Python, never done: a crawl, not a deadlock),
 ``kill`` (SIGKILLs itself; ``kill_rank0``: rank 0, the TCPStore's host,
-does), ``raise`` (a ValueError), ``uneven`` (rank 1
-has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside ``g.pause_watchdog``),
+does), ``killquiet`` (rank 1 SIGKILLs itself while rank 0 sleeps in Python, in no
+collective that would fail: only its watchdog can tell), ``raise`` (a ValueError),
+``uneven`` (rank 1 has 4 batches, rank 0 has 12), ``pause`` (a long sleep inside
+``g.pause_watchdog``),
 ``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation),
 ``firstbatch`` (rank 1's loader never yields its first batch), ``unevennext`` (as
 ``uneven``, with a loop that calls ``next()`` by hand),
@@ -67,7 +69,7 @@ def fault(
     elif kind == "pipe":
         r, _w = os.pipe()
         os.read(r, 1)  # nobody writes: blocked in the kernel, not in Python
-    elif kind == "kill":
+    elif kind in ("kill", "killquiet"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "raise":
         raise ValueError("boom: a bug on rank 1 only")
@@ -208,6 +210,8 @@ def main() -> None:
             if rank == fault_rank and g.step == at and kind not in ("workerstuck",):
                 stuck = "pipe" if kind in ("sigterm", "hangsigterm") else kind
                 fault(stuck, out, g, args.hang_timeout_s, device)
+            elif kind == "killquiet" and g.step == at:
+                time.sleep(3600)  # rank 0: waits for nobody while rank 1 dies
             elif kind == "swap" and g.step == at:
                 dist.all_reduce(torch.ones(4, device=device))
                 dist.all_reduce(torch.ones(7, device=device))

@@ -72,6 +72,11 @@ def runs(tmp_path_factory) -> dict[str, list[RankResult]]:
     # The same "sleep" job under torchrun itself, for its summary (one process: torchrun).
     args = [WORKER, "sleep", "--hang-timeout-s", TIMEOUT_S, "--out", base / "torchrun"]
     jobs["torchrun"] = launch_torchrun(args, out=base / "torchrun")
+    # A SIGKILL while rank 0 sleeps (no gloo error tells it), under a 60 s timeout (no
+    # rank is suspect before 30 s), 1 s steps (the live view has recorded some of them).
+    args = [sys.executable, WORKER, "killquiet", "--hang-timeout-s", 60, "--step-sleep-s", 1]
+    args += ["--out", base / "kill60"]
+    jobs["kill60"] = launch(args, out=base / "kill60", error_files=True)
     # Over the limit: the processes are killed and each test finds its ranks unended.
     wait_all(jobs, timeout_s=150.0, fail=False)
     return {name: job.results() for name, job in jobs.items()}
@@ -241,6 +246,27 @@ def test_dead_rank_sigkill(runs):
     assert extra["fields"]["heartbeat_step"] in (0, 1, 2, 3)
     assert Path(extra["fields"]["log"]).name.startswith("events.")  # this node's file
     assert "rank 1 died" in extra["report"] and "SIGKILL" in extra["report"]
+
+
+@jobs_test
+def test_a_rank_killed_on_the_same_machine_is_named_at_the_next_tick(runs):
+    """Rank 0 sleeps in Python (no collective fails to tell it) while rank 1 is
+    SIGKILLed. Rank 1's live record (the node's shared memory) says it runs and its pid
+    is gone: the verdict comes at rank 0's next tick, with the step the record saw, not
+    after the half timeout (30 s here) a rank must be stuck to read heartbeats."""
+    results = runs["kill60"]
+    assert results[1].code == -9
+    r0 = results[0]
+    assert r0.code == 84, r0.out[-3000:]
+    t0 = fault_time(results)
+    assert r0.ended is not None and r0.ended - t0 < patience(20.0), r0.ended - t0
+    extra = info(r0)
+    assert extra["fields"]["failed_rank"] == 1 and extra["fields"]["reason"] == "killed"
+    # The step its live record saw (its only heartbeat, from its start, said step 0).
+    assert extra["fields"]["heartbeat_step"] in (1, 2, 3), extra["fields"]
+    assert "no heartbeat after its start" not in extra["report"], extra["report"]
+    assert Path(extra["fields"]["log"]).name.startswith("events.")  # its first heartbeat's
+    assert "rank 1 died" in extra["report"] and "is gone" in extra["report"]
 
 
 @jobs_test

@@ -48,6 +48,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guardrails.distributed.dist import pid_alive
 from guardrails.engine.where import STACK_FRAMES, data_position
 from guardrails.guards.watchdog.records import (
     _first_line,
@@ -229,6 +230,25 @@ class LivePublisher:
         for r in self.node_ranks:
             rec = files.read_json(self._shm / f"rank{r}.json")
             if rec is not None:
+                out[r] = rec
+        return out
+
+    def gone_peers(self) -> dict[int, dict[str, Any]]:
+        """This node's other ranks whose record says they run but whose process is gone
+        (SIGKILL, the OOM killer), with those last records: read from the node's shared
+        memory, no store call, O(ranks per node)."""
+        out = {}
+        for r in self.node_ranks:
+            if r == self.rank:
+                continue
+            rec = files.read_json(self._shm / f"rank{r}.json")
+            if (
+                rec is not None
+                and rec.get("state") == "running"
+                and rec.get("host") == self.host  # the same machine and pid namespace
+                and isinstance(rec.get("pid"), int)
+                and not pid_alive(rec["pid"])
+            ):
                 out[r] = rec
         return out
 

@@ -238,3 +238,15 @@ def read_stacks(store: Any, ranks: list[int]) -> dict[int, str]:
     return {
         int(k.rsplit("/", 1)[1]): bytes(v).decode() for k, v in zip(present, values, strict=True)
     }
+
+
+def last_seen(store: Any, r: int, live: dict[str, Any]) -> dict[str, Any]:
+    """Rank ``r``'s record for a death its node's live record showed (``live.py``:
+    ``gone_peers``): its first heartbeat (its log, its host; one key) with where the
+    live record saw it last, a tick before it died. The collective is not in the live
+    record: its phase says where."""
+    key = f"hb/{r}"
+    rec = json.loads(store.get(key)) if store.check([key]) else {}
+    rec.update(rank=r, pid=live["pid"], host=live["host"], collective=None)
+    rec.update(step=live.get("step"), phase=live.get("phase"), time=live.get("time"))
+    return rec

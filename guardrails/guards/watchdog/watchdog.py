@@ -1,51 +1,51 @@
 """Watchdog: a hang, a dead rank or a rank out of data becomes an error naming the rank,
 instead of NCCL's 10-minute or gloo's 30-minute timeout with no rank, op or line.
 
-One daemon thread per rank. Every ``heartbeat_every_s`` (1 s) it samples, without
-touching the main thread, what the main thread advertises on the guard (``step``,
-``phase``, ``collective`` set by the auditor, ``paused``, batches fetched, loader
-exhausted). The training loop pays nothing per step: no hook, no store call, no lock;
-the thread reads plain attributes. In a single process there is no peer to watch: the
-thread only samples the main thread's CPU share and publishes the live view.
+One daemon thread per rank. Every ``heartbeat_every_s`` (1 s) it samples, without touching
+the main thread, what the main thread advertises on the guard (``step``, ``phase``,
+``collective`` set by the auditor, ``paused``, batches fetched, loader exhausted). The
+training loop pays nothing per step: no hook, no store call, no lock; the thread reads plain
+attributes. In a single process there is no peer to watch: the thread only samples the main
+thread's CPU share and publishes the live view.
 
-The store (``guard.side_store("watchdog")``, see ``distributed/store.py``) sees one call
-per rank per period in a healthy run: the job's news counter (``guard.news``), which a
-rank bumps after writing something the others must see (a verdict, the end of its
-loop, running out of data, a request for heartbeats); what is behind it is read only
-when it moved. The period stretches with the number of ranks (1 s up to 2,500 ranks, 4 s
-at 10,000), so the job's total stays a fixed share of one store server.
+The store (``guard.side_store("watchdog")``, see ``distributed/store.py``) sees one call per
+rank per period in a healthy run: the job's news counter (``guard.news``), which a rank
+bumps after writing something the others must see (a verdict, the end of its loop, running
+out of data, a request for heartbeats); what is behind it is read only when it moved. The
+period stretches with the number of ranks (1 s up to 2,500 ranks, 4 s at 10,000), so the
+job's total stays a fixed share of one store server.
 
-A rank that has not advanced (step, batch, collective, phase) for half the timeout (at
-most 30 s) is *suspect*: it counts itself in the job's ``wake`` counter, and while that
-count is above zero every rank publishes its heartbeat (its record above) each period;
-the suspect also publishes its main thread's Python stack (``sys._current_frames``).
-The first rank to become suspect (the one whose count made it 1) is the *diagnoser*:
-it alone reads every rank's records, each period, so a hang costs the others one write
-and one read a period and the store O(N) reads, not O(N²); another suspect takes over
-only if no verdict came half a timeout after its own (the diagnoser died, or its thread
-is starved). At the full timeout the diagnoser concludes from all ranks' records:
+A rank that has not advanced (step, batch, collective, phase) for half the timeout (at most
+30 s) is *suspect*: it counts itself in the job's ``wake`` counter, and while that count is
+above zero every rank publishes its heartbeat (its record above) each period; the suspect
+also publishes its main thread's Python stack (``sys._current_frames``). The first rank to
+become suspect (the one whose count made it 1) is the *diagnoser*: it alone reads every
+rank's records, each period, so a hang costs the others one write and one read a period and
+the store O(N) reads, not O(N²); another suspect takes over only if no verdict came half a
+timeout after its own (the diagnoser died, or its thread is starved). At the full timeout
+the diagnoser concludes from all ranks' records:
 
-* a rank whose process is gone (same machine: its pid no longer exists, seen at once;
-  elsewhere: no new heartbeat for 3 periods and half the timeout) or that ended with an
-  exception -> ``RankFailedError``;
+* a rank whose process is gone (on this machine its pid, on another no new heartbeat for 3
+  periods and half the timeout) or that ended with an exception -> ``RankFailedError``;
 * a rank whose loader ran out (the guard's iterator hit ``StopIteration``) while others
   have fetched more batches -> ``UnevenDataError`` (e.g. 201 data shards on one node, 4 on another);
 * otherwise -> ``HangError``: the ranks not inside a collective (or, without that
   information, the least advanced ones) are stuck; the others wait for them.
 
-The first rank to conclude claims the verdict in the store (``add`` returns 1 to exactly
-one caller) and posts it as news; every other rank adopts it within a period, so all
-ranks report the same diagnosis, each with its own rank in the message. Then
-``guard.fail_from_thread``: the main thread raises the error at its next step boundary
-if it gets there within ``abort_after_s``; if not (stuck in a collective or a C call
-that Python cannot interrupt) the process reports and exits (``engine/process.die``), so
-the launcher tears the job down. Death of a peer and the end of a peer's loop are
-announced at once (its end record, the first failure kept under one key, and news), so
-an exception on one rank ends the others in about a period, not after the timeout. A
-rank whose loader runs out puts its record under the pass's ``len`` key
-(``compare_set``: the first one stays); a rank still fetching past that length sees it
-with the news and claims ``UnevenDataError``; when every rank ran out of the same pass,
-nobody waits.
+The first rank to conclude claims the verdict in the store (``add`` returns 1 to exactly one
+caller) and posts it as news; every other rank adopts it within a period, so all ranks
+report the same diagnosis, each with its own rank in the message. Then
+``guard.fail_from_thread``: the main thread raises the error at its next step boundary if it
+gets there within ``abort_after_s``; if not (stuck in a collective or a C call that Python
+cannot interrupt) the process reports and exits (``engine/process.die``), so the launcher
+tears the job down. A peer on this machine that its live record says runs while its pid is
+gone (SIGKILL, the OOM killer) is dead at the next tick, no store call (``live.py``). Death
+of a peer and the end of a peer's loop are announced at once (its end record, the first
+failure kept under one key, and news), so an exception on one rank ends the others in about
+a period, not after the timeout. A rank whose loader runs out puts its record under the
+pass's ``len`` key (``compare_set``: the first one stays); a rank still fetching past that
+length sees it with the news and claims ``UnevenDataError``; when every rank ran out of the
+same pass, nobody waits.
 
 Not a hang: a rank inside ``g.pause_watchdog(...)`` (and everyone waiting for it); the
 first step (``torch.compile``, cuDNN autotuning, NCCL's lazy communicator setup take
@@ -90,6 +90,7 @@ from guardrails.guards.watchdog.records import (
     _position,
     _where,
     ddp_wrapped_models,
+    last_seen,
     read_records,
     read_stacks,
 )
@@ -103,9 +104,8 @@ log = logging.getLogger("guardrails.watchdog")
 # Until this rank completes its first optimizer step: compile / autotune / lazy NCCL
 # init. 600 s is NCCL's default collective timeout, so no slower than torch alone.
 FIRST_STEP_TIMEOUT_S = 600.0
-# Idle this long (or half the timeout, if shorter), a rank publishes its stack and reads
-# every heartbeat (dead peers, pauses): 30 s bounds how late a SIGKILLed peer is seen
-# during the 600 s first step, and keeps the all-heartbeat reads to stalls only.
+# Idle this long (or half the timeout), a rank publishes its stack and reads every heartbeat
+# (pauses; a peer dead on another machine: seen within 30 s even in the 600 s first step).
 SUSPECT_AFTER_S = 30.0
 
 
@@ -400,6 +400,10 @@ class Watchdog(Component):
             uneven = self._past_a_shorter_peer(guard)
             if uneven is not None:
                 return uneven
+        gone = self._live.gone_peers()  # same machine: a SIGKILL seen within a tick
+        if gone:
+            r, live = min(gone.items())
+            return self._rank_failed(guard, {r: last_seen(self._store, r, live)}, r, dead=True)
         if (self._awake or suspect) and now - self._published_at >= self._period:
             self._publish(self._record(guard, now, idle=idle))
         if guard.exhausted_at is not None:
@@ -763,11 +767,10 @@ class Watchdog(Component):
         finished: dict[int, dict[str, Any]],
         timeout: float,
     ) -> list[int]:
-        """Ranks whose process is gone: same machine, its pid no longer exists (exact,
-        at once); elsewhere, no new heartbeat for ``STALE_PERIODS`` periods and half the
-        timeout (a main thread holding the GIL in a long C call starves its watchdog:
-        only that long is it called dead). Plus ranks that never published during a
-        whole timeout (they died before their guard started)."""
+        """Ranks whose process is gone: same machine, its pid no longer exists (exact);
+        elsewhere, no new heartbeat for ``STALE_PERIODS`` periods and half the timeout (a
+        main thread holding the GIL in a long C call starves its watchdog: only that long
+        is it called dead). Plus ranks that never published during a whole timeout."""
         dead = []
         # Plus two periods: a peer publishes only once it has seen the news that some
         # rank is suspect, which takes up to a period (more on a starved host).
