@@ -432,7 +432,11 @@ def main() -> None:
     }
     for arm in a.arms:
         result = run_arm(a, arm, work)
-        result["bitwise"] = bitwise(a, result, work)
+        try:
+            result["bitwise"] = bitwise(a, result, work)
+        except subprocess.CalledProcessError as e:  # the reference run (plain torchrun) failed:
+            # its own launch ("connectFullMesh failed" on this torch), not the arm's figures
+            result["bitwise"] = {"error": f"the reference run failed (exit {e.returncode})"}
         results["arms"].append(result)
         print(report.markdown(results), flush=True)
     day = results["date"][:10]

@@ -21,7 +21,8 @@ def arm_table(arm: dict) -> str:
         f"{g['wall_s']:.0f} s wall; {g['unique_steps']} unique steps, {g['steps_redone']} "
         f"redone; final step {arm['final_step']}; final weights bitwise equal to an "
         f"uninterrupted run: **{bit.get('equal')}**"
-        + (f" (differ: {', '.join(bit['differing'])})" if bit.get("differing") else ""),
+        + (f" (differ: {', '.join(bit['differing'])})" if bit.get("differing") else "")
+        + (f" ({bit['error']})" if bit.get("error") else ""),
         "",
         "| at (s) | fault | detect | exit | restart | resumed | training | "
         "last step | resumed from | redone |",
