@@ -54,7 +54,7 @@ def main() -> None:
             model, opt, data * 10, scheduler=sched, run_dir=run_dir, progress=False
         ) as g:
             assert g.boundary_capture.updates is None, "one process asks for no marks"
-            g.boundary_capture.follow_device(torch.cuda.current_stream())
+            g.boundary_capture.follow_device()
             marks = g.boundary_capture.updates
             for i, (x, y) in enumerate(g):
                 if i == 5:

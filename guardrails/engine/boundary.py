@@ -30,7 +30,7 @@ On a GPU the host runs ahead of the device: a rank whose peer died had its host 
 72's backward (its counters at 71) while its GPU still waited in step 71's all-reduce,
 step 71's update queued behind it, so the weights there were step 70's (2 DDP ranks over
 NCCL, H200). :class:`UpdateMarks` (CUDA, one optimizer; asked for by the failure save)
-records an event on the training stream before and after each ``optimizer.step()``, so a
+records an event on the update's stream before and after each ``optimizer.step()``, so a
 thread can tell which step's weights the device holds, and keeps what the host held
 before its last update (:class:`Before`: that boundary's capture, the step's batches, the
 optimizer's hyperparameters and the schedulers' state), so a save of that step is
@@ -86,10 +86,10 @@ class BoundaryCapture:
         #: CUDA: where the device is among the updates (:meth:`follow_device`).
         self.updates: UpdateMarks | None = None
 
-    def follow_device(self, stream: Any) -> None:
-        """Record :class:`UpdateMarks` on ``stream`` (the training stream) from now on:
-        the failure save asks for them at its start, on CUDA with one optimizer."""
-        self.updates = UpdateMarks(stream)
+    def follow_device(self) -> None:
+        """Record :class:`UpdateMarks` from now on: the failure save asks for them at its
+        start, on CUDA with one optimizer."""
+        self.updates = UpdateMarks()
 
     def check(self) -> None:
         """Capture python's and numpy's streams (and pick up the CUDA generators): at
@@ -175,13 +175,14 @@ class Before:
 
 
 class UpdateMarks:
-    """CUDA events on the training stream before and after each ``optimizer.step()``
+    """CUDA events on the update's stream before and after each ``optimizer.step()``
     (the last three updates'), and what the host held before the last one began
     (:attr:`before`): see the module docstring. The engine calls :meth:`began` and
     :meth:`ended` around each update; a failure save asks :meth:`device_step`."""
 
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
+    def __init__(self) -> None:
+        # Each recorded on the stream current when the update is queued (the one its
+        # kernels go to: a loop may train on a stream of its own), not one fixed ahead.
         self._began = [torch.cuda.Event() for _ in range(3)]  # update j's at j % 3
         self._ended = [torch.cuda.Event() for _ in range(3)]
         # The update each slot was last recorded for (an event never recorded reads
@@ -195,12 +196,12 @@ class UpdateMarks:
         """Update ``guard.step + 1`` is about to be queued."""
         j = guard.step + 1
         self.before = Before(guard)
-        self._began[j % 3].record(self._stream)
+        self._began[j % 3].record()
         self._began_for[j % 3] = j
 
     def ended(self, step: int) -> None:
         """Update ``step`` was queued (the host's step count is ``step`` now)."""
-        self._ended[step % 3].record(self._stream)
+        self._ended[step % 3].record()
         self._ended_for[step % 3] = step
 
     def device_step(self) -> int | None:

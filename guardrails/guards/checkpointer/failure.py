@@ -120,7 +120,7 @@ class FailureSave:
         if self._training is not None and len(guard.optimizers) == 1 and self._world > 1:
             # Which step's weights the GPU holds, for a save from the watchdog's thread
             # (verdicts across ranks only) while its host is ahead.
-            guard.boundary_capture.follow_device(self._training)
+            guard.boundary_capture.follow_device()
         if self._store is not None and self._slots is not None and peer.publishable(guard):
             self.slot = peer.PeerSlot(self._slots, writer.token, self._rank)
         #: What the save did: ``None`` until it ran, then the ``failure_saved`` event's fields.
