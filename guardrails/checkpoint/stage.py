@@ -630,16 +630,19 @@ def stage_rank(
     part: Part | None = None,
     names: Mapping[int, str] | None = None,
     rng: Mapping[str, Any] | None = None,
+    optimizer_state: Callable[[Any], Mapping[str, Any] | None] | None = None,
 ) -> Part:
     """Stage one rank's own state: every RNG stream (``rng``: the streams as a step
     boundary left them, ``engine/boundary.py``'s, instead of the current ones), plus
     ``state`` (JSON: data position, guard state), ``tensors`` (e.g. the epoch-start RNG
     states) and the state of the ``optimizers`` whose state differs per rank
     (``rank<R>.<stem>.*``; ``optimizers`` maps their stem to the optimizer; ``names``:
-    their parameters' names in the model, by ``id``)."""
+    their parameters' names in the model, by ``id``; ``optimizer_state``: as
+    :func:`stage_replicated`'s)."""
     part = part if part is not None else Part()
     for stem, optimizer in (optimizers or {}).items():
-        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names)
+        sd = None if optimizer_state is None else optimizer_state(optimizer)
+        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names, state=sd)
     rng = current_streams() if rng is None else rng
     version, internal, gauss = rng["python"]
     kind, keys, pos, has_gauss, cached = rng["numpy"]

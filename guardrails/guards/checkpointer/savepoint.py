@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from guardrails.checkpoint import stage
+from guardrails.engine import model
 
 if TYPE_CHECKING:
     from guardrails.engine.boundary import Before, UpdateMarks
@@ -141,6 +142,11 @@ def _behind(guard: Guard, before: Before, marks: UpdateMarks) -> tuple[SavePoint
     """The device holds ``before.step``, the host is past it: that step, with the host's
     state from before its update."""
     step = before.step
+    if model.holds_shards(guard.model):  # saved through DCP, which reads its own state
+        return None, (
+            f"its GPU is still at step {step}, a step behind its host, and the model is "
+            "sharded (its state is saved as it is now, not as it was at that step)"
+        )
     for sd in [stage.per_rank(o).state_dict() for o in guard.optimizers.values()]:
         on_host = sorted(
             {k for s in sd["state"].values() for k, v in s.items() if _on_host(v)}

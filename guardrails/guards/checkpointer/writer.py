@@ -386,6 +386,7 @@ class CheckpointWriter:
             part=part,
             names=names,
             rng=None if point is None else point.rng,
+            optimizer_state=None if point is None else point.optimizer_state,
         )
 
     def stage_boundary(self, guard: Guard, point: SavePoint) -> stage.Part:
