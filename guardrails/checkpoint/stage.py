@@ -8,6 +8,7 @@ import contextlib
 import gc
 import io
 import json
+import os
 import random
 import re
 import struct
@@ -692,21 +693,48 @@ def device_idle(stream: Any, *, within_s: float = 1.0) -> bool:
     return True
 
 
-def side_stream(device: torch.device | None) -> tuple[Any, Any]:
-    """``(a CUDA stream of its own on device, this thread's current stream there)``
-    (``(None, None)`` off CUDA), made ahead: the process's first ``torch.cuda.Stream()``
-    waits for the device (torch's stream pool starts; 3.06 s behind a 3 s kernel on an
-    H200, 0.04 s once made), so one made while the training stream is stuck would be
-    stuck with it."""
-    if device is None or device.type != "cuda":
-        return None, None
-    return torch.cuda.Stream(device), torch.cuda.current_stream(device)
+class SideStreams:
+    """CUDA streams of the failure save's own on ``device``, made ahead (the process's
+    first ``torch.cuda.Stream()`` waits for the device: torch's stream pool starts; 3.06
+    s behind a 3 s kernel on an H200, 0.04 s once made), and :meth:`pick`, which finds
+    one whose queue moves. The driver maps streams onto a few hardware queues
+    (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default): a stream that shares one with the
+    stuck training stream waits behind it whatever its own work. Seen on two H200s: a
+    thread's copy on its own stream waited ~17 s for a spin kernel on the training
+    stream, and a 10 GB copy behind a stuck NCCL all-reduce never ran, while the same
+    copy elsewhere did not wait. One stream per queue, and a probe on each."""
+
+    def __init__(self, device: torch.device) -> None:
+        queues = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8") or 8)
+        #: The main thread's stream at start (the training stream).
+        self.training = torch.cuda.current_stream(device)
+        self._streams = [torch.cuda.Stream(device) for _ in range(max(1, min(queues, 32)))]
+        self._probes = [torch.cuda.Event() for _ in self._streams]
+        #: How many streams the last :meth:`pick` found stuck (``None``: none asked).
+        self.blocked: int | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self._streams)
+
+    def pick(self, *, within_s: float = 1.0) -> Any | None:
+        """A stream whose queue runs now: an event recorded on each, the first one done
+        (asked without waiting, for up to ``within_s``); ``None`` when none is."""
+        for stream, probe in zip(self._streams, self._probes, strict=True):
+            probe.record(stream)
+        deadline = time.monotonic() + within_s
+        while True:
+            done = [probe.query() for probe in self._probes]
+            if any(done) or time.monotonic() >= deadline:
+                self.blocked = done.count(False)
+                return self._streams[done.index(True)] if any(done) else None
+            time.sleep(0.01)
 
 
 @contextlib.contextmanager
 def own_stream(stream: Any) -> Iterator[None]:
     """This thread's copies (and :meth:`Part.ready`'s wait) on ``stream`` (from
-    :func:`side_stream`), which waits for no other: a failure save from the watchdog's
+    :meth:`SideStreams.pick`), which waits for no other: a failure save from the watchdog's
     thread while the training stream is stuck in a collective. ``None``: nothing."""
     if stream is None:
         yield

@@ -1247,25 +1247,28 @@ def test_the_live_view_shows_the_gpu_and_adds_no_sync(tmp_path):
 
 def test_a_failure_saves_copy_does_not_wait_for_a_stuck_training_stream():
     """The watchdog's thread saves while the training stream is stuck (behind an
-    all-reduce whose peer is gone: here a spin kernel of ~10 s): its copies run on a
-    stream of their own and its wait is for that stream alone, so the weights reach the
-    host while the training stream is still busy (a device-wide sync waited forever)."""
+    all-reduce whose peer is gone: here a spin kernel of ~10 s): it picks one of its own
+    streams whose hardware queue moves (a probe on each: a stream sharing the training
+    stream's queue waits behind it), copies on it into plain memory and waits for that
+    stream alone, so the weights reach the host while the training stream is still busy."""
     import threading
 
     from guardrails.checkpoint import stage
 
     w = torch.randn(1024, 1024, device="cuda")
     expected = w.cpu()
-    stream, training = stage.side_stream(w.device)  # made ahead, as the failure save does
-    assert stage.device_idle(training)
+    side = stage.SideStreams(w.device)  # made ahead, as the failure save does
+    assert stage.device_idle(side.training)
     torch.cuda._sleep(20_000_000_000)  # ~10 s of spinning on the default stream
-    # What a failure save from a thread asks first: a busy device may hold an older
-    # step's weights, with updates queued (then it saves nothing).
-    assert not stage.device_idle(training, within_s=0.2)
-    got: dict[str, stage.Part] = {}
+    # What a failure save from a thread asks when it has no marks (several optimizers):
+    # a busy device may hold an older step's weights, with updates queued.
+    assert not stage.device_idle(side.training, within_s=0.2)
+    got: dict[str, object] = {}
 
     def save() -> None:
-        part = stage.Part()
+        stream = side.pick()
+        got["stream"], got["blocked"] = stream, side.blocked
+        part = stage.Part(plain=True)
         with stage.own_stream(stream):
             part.add_tensors("model.safetensors", {"w": w}, copy=True)
             part.ready()
@@ -1277,6 +1280,8 @@ def test_a_failure_saves_copy_does_not_wait_for_a_stuck_training_stream():
     busy = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert busy, "the spin kernel ended before the copy: the test proves nothing"
+    assert got["stream"] is not None and got["blocked"] < side.count, got
+    print("COPY_STREAMS", side.count, "blocked", got["blocked"])
     [host] = got["part"].tensors["model.safetensors"][0].values()
     assert host.device.type == "cpu" and torch.equal(host, expected)
 

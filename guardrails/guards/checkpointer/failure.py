@@ -115,9 +115,11 @@ class FailureSave:
         self.slot: peer.PeerSlot | None = None
         local = writer.tier.local if writer.tier is not None else None
         self._slots = peer.slot_directory(local)
-        # CUDA: a thread's save copies on the first, after the main thread's is idle.
-        self._stream, self._training = stage.side_stream(guard.device)
-        if self._training is not None and len(guard.optimizers) == 1 and self._world > 1:
+        # CUDA: a thread's save copies on a stream of its own whose queue moves.
+        cuda = guard.device is not None and guard.device.type == "cuda"
+        self._side = stage.SideStreams(guard.device) if cuda else None
+        self._training = None if self._side is None else self._side.training
+        if self._side is not None and len(guard.optimizers) == 1 and self._world > 1:
             # Which step's weights the GPU holds, for a save from the watchdog's thread
             # (verdicts across ranks only) while its host is ahead.
             guard.boundary_capture.follow_device()
@@ -135,6 +137,7 @@ class FailureSave:
         self._point: SavePoint | None = None
         self._step = 0
         self._staged_s: float | None = None  # when this rank's part was in host memory
+        self._weights = False  # this save's part holds device state
         self._after_update = False
         #: The job's store went with its host (rank 0 outside torchrun): the save meets
         #: in files (``board.py``). Set when the save runs.
@@ -234,9 +237,9 @@ class FailureSave:
         cause = _cause(error)
         # A dead rank (the error's, or a verdict's: RankFailedError) is not waited for.
         self._committer = _committer(dead, self._world)
-        weights = self._writer.stages_weights or self._rank == self._committer
+        self._weights = self._writer.stages_weights or self._rank == self._committer
         state, why = choose(
-            guard, from_thread=from_thread, weights=weights, training=self._training
+            guard, from_thread=from_thread, weights=self._weights, training=self._training
         )
         # The step saved: the host's, or the one before when its GPU is a step behind.
         self._step = guard.step if state is None else state.step
@@ -296,10 +299,17 @@ class FailureSave:
         from_thread: bool,
     ) -> None:
         try:
+            stream = None
+            if from_thread and state is not None and self._side is not None and self._weights:
+                stream = self._side.pick()
+                if stream is None:
+                    n = self._side.count
+                    result["why"] = f"none of the GPU's {n} copy streams ran within 1 s"
+                    state = None
             if state is None:  # said where the others wait: nothing comes from this rank
                 self._say_none(self._step, result["why"])
                 return
-            with stage.own_stream(self._stream if from_thread else None):
+            with stage.own_stream(stream):
                 result["path"], result["missing"] = self._save(guard, state, cause, cancel, dead)
         except Exception as e:  # said in the event; the run's own error goes on
             log.debug("guardrails: the failure save failed", exc_info=True)
@@ -746,6 +756,7 @@ class FailureSave:
             "step": step,
             "seconds": round(took_s, 3),
             "staged_s": self._staged_s,
+            "copy_streams_blocked": None if self._side is None else self._side.blocked,
             "state": (
                 ("after_update" if self._after_update else "live")
                 if path is not None or self.part_only
