@@ -699,10 +699,11 @@ class SideStreams:
     s behind a 3 s kernel on an H200, 0.04 s once made), and :meth:`pick`, which finds
     one whose queue moves. The driver maps streams onto a few hardware queues
     (``CUDA_DEVICE_MAX_CONNECTIONS``, 8 by default): a stream that shares one with the
-    stuck training stream waits behind it whatever its own work. Seen on two H200s: a
-    thread's copy on its own stream waited ~17 s for a spin kernel on the training
-    stream, and a 10 GB copy behind a stuck NCCL all-reduce never ran, while the same
-    copy elsewhere did not wait. One stream per queue, and a probe on each."""
+    stuck training stream waits behind it whatever its own work: the likeliest cause of
+    what two H200s showed (a thread's copy on its own stream into fresh pinned memory
+    waited ~17 s for a spin kernel on the training stream; a 10 GB copy into plain
+    memory behind a stuck NCCL all-reduce never ran; the same copy in another process
+    did not wait). One stream per queue, and a probe on each."""
 
     def __init__(self, device: torch.device) -> None:
         queues = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8") or 8)
