@@ -243,6 +243,8 @@ class FailureSave:
         )
         # The step saved: the host's, or the one before when its GPU is a step behind.
         self._step = guard.step if state is None else state.step
+        if state is not None and self._step == self._writer.committed_step:  # GPU behind
+            state, why = None, f"step {self._step}, the step its GPU holds, is saved already"
         self._point, self._staged_s = state, None
         self._after_update = state is not None and state.after_update
         # The store's keys of this save, by its committer: a save run again with another
