@@ -522,17 +522,17 @@ def stage_optimizer(
     *,
     copy: bool = True,
     names: Mapping[int, str] | None = None,
-    state: Mapping[str, Any] | None = None,
+    state_dict: Mapping[str, Any] | None = None,
 ) -> None:
     """Stage ``optimizer``'s state as ``<stem>.safetensors`` + ``<stem>.json``, with the
     shapes of the parameters it was saved for (the resume's check: a state tensor need
     not have its parameter's shape, like Muon's stacked momentum) and, by group, each
     parameter's name in the model (``names``: by ``id``) and whether it trains: a group
     added during the run (``add_param_group``: a layer unfrozen at step N) is
-    re-created from them by a resume whose optimizer was built without it. ``state``:
-    the state dict to stage instead of the optimizer's own."""
+    re-created from them by a resume whose optimizer was built without it.
+    ``state_dict``: the one to stage instead of the optimizer's own."""
     opt = per_rank(optimizer)
-    sd = opt.state_dict() if state is None else state
+    sd = opt.state_dict() if state_dict is None else state_dict
     tensors: dict[str, Tensor] = {}
     state = {str(idx): encode(s, str(idx), tensors) for idx, s in sd["state"].items()}
     groups = encode(list(sd["param_groups"]), "param_groups", tensors)
@@ -600,7 +600,7 @@ def stage_replicated(
     for name, stem in stems("optimizer", list(optimizers)).items():
         opt = optimizers[name]
         sd = None if optimizer_state is None else optimizer_state(opt)
-        stage_optimizer(part, stem, opt, copy=copy, names=names, state=sd)
+        stage_optimizer(part, stem, opt, copy=copy, names=names, state_dict=sd)
     schedulers = dict(schedulers or {})
     for name, stem in stems("scheduler", list(schedulers)).items():
         held = None if scheduler_states is None else scheduler_states.get(name)
@@ -643,7 +643,7 @@ def stage_rank(
     part = part if part is not None else Part()
     for stem, optimizer in (optimizers or {}).items():
         sd = None if optimizer_state is None else optimizer_state(optimizer)
-        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names, state=sd)
+        stage_optimizer(part, f"{_rank_name(rank)}.{stem}", optimizer, names=names, state_dict=sd)
     rng = current_streams() if rng is None else rng
     version, internal, gauss = rng["python"]
     kind, keys, pos, has_gauss, cached = rng["numpy"]
@@ -726,9 +726,9 @@ class SideStreams:
         deadline = time.monotonic() + within_s
         while True:
             done = [probe.query() for probe in self._probes]
-            if any(done) or time.monotonic() >= deadline:
+            if True in done or time.monotonic() >= deadline:
                 self.blocked = done.count(False)
-                return self._streams[done.index(True)] if any(done) else None
+                return self._streams[done.index(True)] if True in done else None
             time.sleep(0.01)
 
 

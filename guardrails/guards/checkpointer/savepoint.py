@@ -119,7 +119,7 @@ def choose(
 
 def _host(guard: Guard) -> tuple[SavePoint | None, str]:
     """The host's last finished step (or, past the failing step's update, the new one)."""
-    if guard.update_began and not after_the_update(guard):
+    if guard.update_began and not _after_the_update(guard):
         return None, (
             "the failure came inside optimizer.step(): the live weights are neither "
             "those of the step before nor those of the step after"
@@ -175,7 +175,7 @@ def _on_host(value: Any) -> bool:
     return not isinstance(value, Tensor) or value.device.type == "cpu"
 
 
-def after_the_update(guard: Guard) -> bool:
+def _after_the_update(guard: Guard) -> bool:
     """Whether the failing step's update is over (its ``optimizer.step()`` returned,
     the step count moved on: ``phase`` is no longer ``"optimizer"``) and the live
     weights are the new step's: a hang in a logging all-reduce or an eval after the

@@ -48,13 +48,13 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guardrails.distributed.dist import pid_alive
 from guardrails.engine.where import STACK_FRAMES, data_position
 from guardrails.guards.watchdog.records import (
     _first_line,
     _jsonable,
     _where,
     ddp_wrapped_models,
+    gone_here,
 )
 from guardrails.metrics import live as files
 
@@ -237,20 +237,11 @@ class LivePublisher:
         """This node's other ranks whose record says they run but whose process is gone
         (SIGKILL, the OOM killer), with those last records: read from the node's shared
         memory, no store call, O(ranks per node)."""
-        out = {}
-        for r in self.node_ranks:
-            if r == self.rank:
-                continue
-            rec = files.read_json(self._shm / f"rank{r}.json")
-            if (
-                rec is not None
-                and rec.get("state") == "running"
-                and rec.get("host") == self.host  # the same machine and pid namespace
-                and isinstance(rec.get("pid"), int)
-                and not pid_alive(rec["pid"])
-            ):
-                out[r] = rec
-        return out
+        return {
+            r: rec
+            for r, rec in self._node_records().items()
+            if r != self.rank and rec.get("state") == "running" and gone_here(rec, self.host)
+        }
 
     def _write_node(self, records: dict[int, dict[str, Any]] | None = None) -> None:
         records = self._node_records() if records is None else records

@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guardrails.distributed.dist import pid_alive
 from guardrails.engine.model import ddp_wrapped
 from guardrails.engine.where import (
     TORCH_DIR,
@@ -238,6 +239,15 @@ def read_stacks(store: Any, ranks: list[int]) -> dict[int, str]:
     return {
         int(k.rsplit("/", 1)[1]): bytes(v).decode() for k, v in zip(present, values, strict=True)
     }
+
+
+def gone_here(rec: dict[str, Any] | None, host: str) -> bool:
+    """Whether the process of the rank behind ``rec`` (a heartbeat or a live record) ran
+    on this machine and pid namespace (``host``: :func:`_host_id`) and is gone: exact, at
+    once; a rank elsewhere is judged by its heartbeats instead."""
+    if rec is None or rec.get("host") != host or not isinstance(rec.get("pid"), int):
+        return False
+    return not pid_alive(rec["pid"])
 
 
 def last_seen(store: Any, r: int, live: dict[str, Any]) -> dict[str, Any]:

@@ -70,7 +70,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError, HangError, RankFailedError
-from guardrails.distributed import dist as _dist
 from guardrails.distributed import store as _store
 from guardrails.distributed.store import claim_verdict, read_verdict
 from guardrails.engine.component import Component
@@ -90,6 +89,7 @@ from guardrails.guards.watchdog.records import (
     _position,
     _where,
     ddp_wrapped_models,
+    gone_here,
     last_seen,
     read_records,
     read_stacks,
@@ -309,7 +309,7 @@ class Watchdog(Component):
                 for r, rec in sorted(records.items()):
                     if r in finished:
                         continue
-                    if rec.get("host") == self._host and not _dist.pid_alive(int(rec["pid"])):
+                    if gone_here(rec, self._host):
                         # This rank's collective failed of it: it was waiting for r.
                         return self._rank_failed(guard, records, r, dead=True, waited=True)
                 if finished:
@@ -601,12 +601,7 @@ class Watchdog(Component):
         """Rank ``r`` failed (verdicts.rank_failed); ``waited``: this rank's collective
         failed because of it (it was waiting for ``r``, wherever its thread is now)."""
         rec = records.get(r)
-        pid_gone = (
-            dead
-            and rec is not None
-            and rec.get("host") == self._host
-            and not _dist.pid_alive(int(rec["pid"]))
-        )
+        pid_gone = dead and gone_here(rec, self._host)
         spec = verdicts.rank_failed(
             records,
             r,
@@ -781,8 +776,7 @@ class Watchdog(Component):
             seen = self._peer_seen.get(r)
             if seen is None or seen[0] != rec["seq"]:
                 self._peer_seen[r] = seen = (rec["seq"], now)
-            gone = rec.get("host") == self._host and not _dist.pid_alive(int(rec["pid"]))
-            if gone or now - seen[1] > stale_after:
+            if gone_here(rec, self._host) or now - seen[1] > stale_after:
                 dead.append(r)
         if self._idle() >= timeout:
             dead += [r for r in range(self._world) if r not in records and r not in finished]
