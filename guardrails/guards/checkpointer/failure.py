@@ -27,13 +27,13 @@ Without it every failure but a signal ended each rank with an error and saved no
   under keys of its own: each rank writes its files (RNG streams, data position) into the
   step's temp directory and publishes their records; rank 0, which holds the replicated
   model and optimizer, commits with the records it has by the limit (a rank that has not
-  begun within 10 s, a dead one, is not waited for). A rank whose files
-  are missing (dead, stuck with no thread able to write, or past the step) makes the
-  checkpoint **incomplete**: committed with ``failure.missing`` naming those ranks, and
-  never resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why),
-  unless the committer's host holds the rank's part as published at its last
-  boundary (``peer.py``: under DDP, a rank on the same host): then the committer writes
-  it (``failure.from_peers``). If rank 0 is the dead one and the store outlives it
+  begun within 10 s, a dead one, is not waited for). A rank whose files are missing
+  (dead, stuck with no thread able to write, or past the step) makes the checkpoint
+  **incomplete**: committed with ``failure.missing`` naming those ranks, and never
+  resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why), unless
+  the committer's host holds the rank's part as published at its last boundary
+  (``peer.py``: under DDP, a rank on the same host): then it writes it
+  (``failure.from_peers``). If rank 0 is the dead one and the store outlives it
   (torchrun's agent holds it), rank 1 commits, with the replicated state from its own
   copy; when the store died with rank 0 (outside torchrun rank 0 hosts it), the ranks
   meet in files beside the checkpoint instead (``board.py``: under DDP).
@@ -42,8 +42,7 @@ Without it every failure but a signal ended each rank with an error and saved no
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
   limit, 20 s, ends inside that window.
 
-On CUDA a save from the watchdog's thread copies on a stream of its own (made at start),
-which waits for no work queued on the stuck training stream.
+On CUDA a thread's save copies on a stream of its own, behind no stuck work (``SideStreams``).
 """
 
 from __future__ import annotations
@@ -204,9 +203,10 @@ class FailureSave:
         the bytes of the other: the commit refused the step). A caller that names a dead
         rank the running save does not know tells it (and, when that rank was to commit,
         ends its wait for the commit: :meth:`_wake`), and the save runs again with it
-        unless it saved the step whole: under torchrun with rank 0 dead, the loop's error
-        waits for rank 0's commit; the verdict names rank 0, and rank 1 commits. The
-        thread that holds the save holds the process until it is done."""
+        unless it saved the step whole or without that rank (gloo's error, then the
+        verdict on the same death: the same step twice): under torchrun with rank 0 dead,
+        the loop's error waits for rank 0's commit; the verdict names rank 0, and rank 1
+        commits. The thread that holds the save holds the process until it is done."""
         dead = getattr(error, "failed_rank", None)
         if dead is not None:
             self._news = dead
@@ -215,7 +215,8 @@ class FailureSave:
             self._t0 = time.perf_counter()  # the event's seconds: from the first try
             while True:
                 done, news = self.outcome, self._news
-                if done is not None and (done["complete"] or news == self._dead):
+                over = done is not None and (done["complete"] or news in done["missing"])
+                if over or (done is not None and news == self._dead):
                     return
                 self._dead, self.outcome = news, None
                 self._run(guard, error, dead=news, from_thread=from_thread)
