@@ -2,12 +2,19 @@
 peer.py``): the time of one ``PeerSlot.publish`` and the system calls it makes.
 
     python benchmarks/peer_publish.py [--n 20000]
+    python benchmarks/peer_publish.py --partner [--n 5000]
 
 A real guard (one process, a CPU model) trained a few steps, then its boundary's part
 published ``--n`` times into a copy in ``/dev/shm``: per call, for a loop that draws from
 python's or numpy's stream every step (they are copied at every boundary then) and for
 one that does not (only torch's generators: the common case). Then the same under
 ``strace -f -c``, twice as many publishes against as many: the system calls per publish.
+
+``--partner``: the copy also sent to a partner on another node (``partner.py``; here two
+links in this process over loopback, through a real TCPStore): the main thread's time
+per publish with and without the link's wake, back to back (the sender thread takes the
+GIL for its copy), at steps of 0 and 1 ms (a step's compute releases the GIL), and how
+many boundaries' copies reached the partner's mirror.
 """
 
 from __future__ import annotations
@@ -50,6 +57,59 @@ def measure(n: int) -> dict[str, float]:
     return {"us_per_publish": quiet * 1e6, "us_per_publish_drawing": drawing * 1e6}
 
 
+def measure_partner(n: int) -> dict[str, float]:
+    import time
+
+    import guardrails
+    from guardrails.guards.checkpointer.partner import PartnerLink
+    from guardrails.guards.checkpointer.peer import PeerSlot
+
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [torch.randn(4, 8) for _ in range(8)]
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory() as other:
+        with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False) as g:
+            for x in g:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            slot = PeerSlot(Path("/dev/shm"), "bench", 0)
+            theirs = PeerSlot(Path(other), "bench", 1)
+            sender = PartnerLink(store, slot, Path("/dev/shm"), "bench", 0, (1, 1))
+            keeper = PartnerLink(store, theirs, Path(other), "bench", 1, (0, 0))
+            try:
+                slot.publish(g)
+                sender.sent()
+                time.sleep(0.5)  # connected
+                for step_s in (0.0, 0.001):
+                    alone = lambda: slot.publish(g)  # noqa: E731
+                    linked = lambda: (slot.publish(g), sender.sent())  # noqa: E731
+                    for name, fn in (("alone", alone), ("linked", linked)):
+                        took = 0.0
+                        kept0 = keeper.frames_kept
+                        for _ in range(n):
+                            t0 = time.perf_counter()
+                            fn()
+                            took += time.perf_counter() - t0
+                            if step_s:
+                                time.sleep(step_s)
+                        time.sleep(0.2)
+                        key = f"us_per_publish_{name}_{int(step_s * 1000)}ms"
+                        out[key] = took / n * 1e6
+                        if name == "linked":
+                            out[f"kept_share_{int(step_s * 1000)}ms"] = (
+                                keeper.frames_kept - kept0
+                            ) / n
+            finally:
+                sender.close()
+                keeper.close()
+                slot.close()
+                theirs.close()
+    return out
+
+
 def syscalls(n: int) -> float:
     """System calls a publish makes: ``strace -c`` of a run of ``2n`` publishes against
     one of ``n`` (each run's two timings publish ``n`` times each)."""
@@ -72,7 +132,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=20000)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--partner", action="store_true", help="the copy sent to a partner too")
     a = p.parse_args()
+    if a.partner:
+        print(json.dumps({k: round(v, 3) for k, v in measure_partner(a.n).items()}))
+        return
     if a.child is not None:
         measure(a.child)
         return

@@ -143,16 +143,18 @@ def rank_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     plain process (``python train.py``): none of them."""
     if world == 1:
         return base_env(**extra)
-    return base_env(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        **extra,
-    )
+    ours = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    if "LOCAL_WORLD_SIZE" in extra:  # simulated nodes, as torchrun numbers them
+        ours["LOCAL_RANK"] = str(rank % int(extra["LOCAL_WORLD_SIZE"]))
+    return base_env(**{**ours, **extra})  # ``extra`` wins
 
 
 @dataclass

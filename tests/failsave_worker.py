@@ -12,18 +12,20 @@ position saved are the last finished step's. Under several ranks the model is DD
 with ``--rank -1``), after ``--at`` finished steps, once the next batch is fetched (or
 inside ``optimizer.step()`` for ``instep``):
 
-``raise`` (a ValueError before the forward), ``forward`` (a ValueError after the
-forward and the backward), ``instep`` (``optimizer.step()`` updates the first half of
-the parameters, then raises), ``sleep`` (stuck in Python: the watchdog's hang), ``kill``
+``raise`` (a ValueError before the forward), ``forward`` (a ValueError after the forward
+and the backward), ``instep`` (``optimizer.step()`` updates the first half of the
+parameters, then raises), ``sleep`` (stuck in Python: the watchdog's hang), ``kill``
 (SIGKILL), ``kill_unpublished`` (SIGKILL with its published part removed first, as a
-rank on another host: ``checkpointer/peer.py``), ``term_then_kill`` (once the others
-wait for it in the all-reduce: SIGTERM to every other rank, then SIGKILL, the way a
-launcher's teardown can reach the survivors before their collective fails), ``start``
-(a ValueError before the first step). After the update that finished step ``--at``
-(the loop's logging, an eval): ``after`` (a ValueError), ``sleep_after`` (stuck in
-Python). ``none``: no fault. At the end (a run that finishes) the weights, optimizer
-state, RNG streams and the batches trained since the start (their sums, by step) go to
-``DIR/final<rank>.pt``.
+rank on another host: ``checkpointer/peer.py``), ``node_lost`` (as ``kill_unpublished``,
+0.3 s into the step, the copy it kept of its partner gone too: ``--rank 2,3`` and
+``LOCAL_WORLD_SIZE=2``, a node lost whole: ``checkpointer/partner.py``),
+``term_then_kill`` (once the others wait for it in the all-reduce: SIGTERM to every
+other rank, then SIGKILL, the way a launcher's teardown can reach the survivors before
+their collective fails), ``start`` (a ValueError before the first step). After the
+update that finished step ``--at`` (the loop's logging, an eval): ``after`` (a
+ValueError), ``sleep_after`` (stuck in Python). ``none``: no fault. At the end (a run
+that finishes) the weights, optimizer state, RNG streams and the batches trained since
+the start (their sums, by step) go to ``DIR/final<rank>.pt``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--fault", default="none")
     p.add_argument("--at", type=int, default=7)
-    p.add_argument("--rank", type=int, default=-1)
+    p.add_argument("--rank", default="-1", help="the faulty rank(s): 2, or 2,3; -1: every rank")
     p.add_argument("--every", type=int, default=None)
     p.add_argument("--background", action="store_true", help="periodic saves written behind")
     p.add_argument("--hang-timeout-s", type=float, default=60.0)
@@ -94,7 +96,8 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(
         data, batch_size=8, shuffle=sampler is None, sampler=sampler
     )
-    faulty = args.rank in (-1, rank)
+    chosen = {int(r) for r in args.rank.split(",")}
+    faulty = -1 in chosen or rank in chosen
     if args.fault == "term_then_kill":  # the faulty rank signals the others by pid
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / f"pid{rank}").write_text(str(os.getpid()))
@@ -154,6 +157,15 @@ def main() -> None:
 def fault(kind: str, opt: torch.optim.Optimizer, g: guardrails.Guard) -> None:
     """The planted fault, before the step's forward (``instep``: armed for its
     ``optimizer.step()``)."""
+    if kind == "node_lost":
+        # The node dies mid-step, its memory with it: its copy, and the copy it kept
+        # of its partner (0.3 s: the forward that the node died in).
+        time.sleep(0.3)
+        link = g.component("checkpoint")._partner
+        if link is not None:
+            print(f"rank {g.rank}: {link.frames_sent} copies sent to rank {link.to}", flush=True)
+            link.mirror.path.unlink(missing_ok=True)
+        kind = "kill_unpublished"
     if kind == "kill_unpublished":
         g.component("checkpoint").failure.slot.path.unlink()
         kind = "kill"

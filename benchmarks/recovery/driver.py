@@ -176,7 +176,25 @@ class Job:
             for rank in range(a.ranks):
                 self._signal(rank, signal.SIGTERM)
         elif kind == "node":
+            node = len(self.agents) - 1
             self.agents[-1].kill()
+            self.forget_node(node)
+
+    def forget_node(self, node: int) -> None:
+        """A lost node's memory goes with it: the copies its ranks published in
+        ``/dev/shm`` and the copies they kept of their partners on the other node (the
+        simulated nodes share this host's ``/dev/shm``; a survivor must not read there
+        what a real lost node would take with it). Removed at once, before the survivors'
+        save, which waits 10 s for a rank that never begins."""
+        local = self.a.ranks // self.a.nodes
+        ranks = range(node * local, (node + 1) * local)
+        kept = [(r - local) % self.a.ranks for r in ranks]
+        names = [f"guardrails-peer-*-rank{r}" for r in ranks]
+        names += [f"guardrails-peer-*-rank{k}-mirror" for k in kept]
+        for name in names:
+            for path in Path("/dev/shm").glob(name):
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def _signal(self, rank: int, sig: int) -> None:
         pid = self.rank_pid(rank)

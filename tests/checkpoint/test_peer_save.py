@@ -14,11 +14,13 @@ import os
 import random
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from _ranks import TESTS, run_ranks, torchrun
+from conftest import read_events
 from safetensors.torch import load_file
 
 from guardrails.checkpoint.manifest import list_checkpoints, problem
@@ -160,6 +162,45 @@ def test_a_killed_rank_costs_no_step(tmp_path, clean, launcher, world, killed, k
     assert_same_end(tmp_path, clean[world], world, since=AT)
 
 
+@pytest.mark.parametrize("nodes", [2, 1])
+def test_a_node_lost_whole_costs_no_step(tmp_path, clean, nodes):
+    """Four ranks on two simulated nodes (``LOCAL_WORLD_SIZE=2``: ranks 0-1 and 2-3), the
+    second lost whole 0.3 s into the step after step 67: ranks 2 and 3 SIGKILLed, their
+    own copies and the copies they kept of ranks 0 and 1 gone with the node's memory.
+    Each rank's copy went to a rank on the other node at every boundary (``partner.py``):
+    the failure save of step 67 is whole, bitwise the uninterrupted run's save, and the
+    same command resumes it, redoes no step and ends bitwise. The control, ``nodes=1``
+    (``LOCAL_WORLD_SIZE=4``: one node as far as guardrails knows, so no copy leaves it):
+    the same loss leaves the save incomplete, without ranks 2 and 3."""
+    more = ("--fault", "node_lost", "--at", AT, "--rank", "2,3", "--every", EVERY)
+    env = {"LOCAL_WORLD_SIZE": str(4 // nodes)}
+    argv = [sys.executable, *args(tmp_path, *more, "--hang-timeout-s", 3)]
+    ranks = run_ranks(argv, 4, out=tmp_path / "a", env=env, timeout_s=120)
+    assert [r.code for r in ranks][2:] == [-9, -9]
+    found = dict(list_checkpoints(tmp_path / "checkpoints"))
+    assert sorted(found) == [EVERY, AT], [r.out[-3000:] for r in ranks]
+    failure = json.loads((found[AT] / "manifest.json").read_text())["failure"]
+    if nodes == 1:
+        assert failure["missing"] == [2, 3] and "from_peers" not in failure, failure
+        assert "incomplete failure save" in problem(found[AT])[1]
+        return
+    assert failure["missing"] == [] and failure["from_peers"] == [2, 3], failure
+    assert problem(found[AT]) is None
+    # Their partners saw their connections end without a goodbye: not waited for (the
+    # wait for a rank that never begins its part is 10 s).
+    [said] = [e for e in read_events(tmp_path) if e["kind"] == "failure_saved" and not e["rank"]]
+    assert said["seconds"] < 10, said
+    assert "copies sent to rank" in ranks[2].out and "copies sent to rank" in ranks[3].out
+    assert_same_checkpoint(found[AT], clean[4] / "checkpoints" / f"step_{AT:09d}", 4)
+    # Nothing left in /dev/shm: no copy, no partner's copy.
+    assert not any(p.exists() for p in published(tmp_path / "a"))
+    assert not list(Path(published(tmp_path / "a")[0].parent).glob("*-mirror"))
+    ranks = run_ranks([sys.executable, *args(tmp_path)], 4, out=tmp_path / "b", env=env)
+    assert all(r.code == 0 for r in ranks), [r.out[-3000:] for r in ranks]
+    assert f"resumed from {found[AT]} (step {AT}," in ranks[0].out  # no step redone
+    assert_same_end(tmp_path, clean[4], 4, since=AT)
+
+
 def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path, clean):
     """A periodic save of step 67 begun in the background, rank 1 SIGKILLed at the top of
     the next step, before its part of that save is written: the save can never commit,
@@ -216,6 +257,68 @@ def test_a_copy_is_read_only_whole_and_only_by_its_job(tmp_path):
     assert "being written when it died" in peer.read_peer(tmp_path, "job1", 3)[1]
     slot.close()
     assert not slot.path.exists()
+
+
+def test_a_partner_keeps_the_copy_of_the_rank_on_the_node_before(tmp_path):
+    """The link between two ranks on different nodes (two in one process here, real
+    sockets through a real TCPStore): a stranger that connects first with another job's
+    token is turned away; the partner's mirror is then read back (``read_peer``, its own
+    copy gone: another host's) as the part the rank published, at the boundary of step
+    5, and is removed at close, the link's threads ended."""
+    import socket
+
+    import guardrails
+    from guardrails.guards.checkpointer import partner, peer
+
+    assert partner.partner_ranks(5, 8, 4) == (1, 1)
+    assert partner.partner_ranks(1, 12, 4) == (5, 9)
+    assert partner.partner_ranks(0, 4, 4) is None  # one node: nothing to send
+    assert partner.partner_ranks(0, 6, 4) is None  # unequal nodes: no layout to trust
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mine, theirs = tmp_path / "node0", tmp_path / "node1"
+    mine.mkdir(), theirs.mkdir()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.Dropout(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.randn(32, 8), batch_size=4, shuffle=True)
+    with guardrails.guard(model, opt, loader, run_dir=tmp_path / "run", progress=False) as g:
+        slot, other = peer.PeerSlot(mine, "job1", 2), peer.PeerSlot(theirs, "job1", 0)
+        keeper = partner.PartnerLink(store, other, theirs, "job1", 0, (2, 2))
+        host, _, port = store.get("job1/partner/0").decode().rpartition(":")
+        with socket.create_connection((host, int(port))) as stranger:
+            stranger.sendall(partner._HELLO.pack(b"job9", 2))
+            assert stranger.recv(1) == b""  # closed on it
+        sender = partner.PartnerLink(store, slot, mine, "job1", 2, (0, 0))
+        for x in g:
+            if g.step:  # the checkpointer's boundary, then the link's
+                slot.publish(g)
+                sender.sent()
+            if g.step == 5:
+                break
+            model(x * random.random()).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        slot.path.unlink()  # rank 2's host is gone with its copy
+        deadline = time.monotonic() + 30  # the last boundary's copy on its way
+        while time.monotonic() < deadline:
+            got, why = peer.read_peer(theirs, "job1", 2)
+            if got is not None and got.step == 5:
+                break
+            time.sleep(0.01)
+        assert got is not None, why
+        assert (got.rank, got.step, got.position, got.source) == (
+            2, 5, (0, 5), "its partner's copy"
+        ), got  # fmt: skip
+        assert torch.equal(got.torch["torch.cpu"], g.boundary_capture.torch[0])
+        assert got.python == g.boundary_capture.python and got.streams_fresh
+    mirror = peer.mirror_path(theirs, "job1", 2)
+    assert mirror.exists() and keeper.frames_kept >= 1
+    sender.close()  # a goodbye: rank 2 is not dead
+    keeper._threads[0].join(timeout=10)
+    assert peer.gone_ranks(theirs, "job1") == set()
+    keeper.close()
+    other.close()
+    assert not mirror.exists()
+    assert not any(t.is_alive() for t in keeper._threads + sender._threads)
 
 
 _WRITE_COPIES_AND_DIE = """

@@ -101,7 +101,7 @@ from guardrails.checkpoint import commit, stage, tier
 from guardrails.engine import model, process
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
-from guardrails.guards.checkpointer import cadence, workers
+from guardrails.guards.checkpointer import cadence, partner, workers
 from guardrails.guards.checkpointer.agree import Agreement
 from guardrails.guards.checkpointer.failure import FailureSave
 from guardrails.guards.checkpointer.local import build_tier
@@ -328,6 +328,7 @@ class SignalCheckpointer(Component):
         #: The failure save (failure.py), built at start with ``save_on_failure``.
         self.failure: FailureSave | None = None
         self._peer_slot: PeerSlot | None = None
+        self._partner: partner.PartnerLink | None = None
         # Its time limit extends the process's last words when a thread ends it.
         self.abort_s = self.failure_save_timeout_s + 2.0 if self.save_on_failure else 0.0
         self.resumer: ResumeAtStart | None = None
@@ -392,6 +393,8 @@ class SignalCheckpointer(Component):
                 guard, self.writer, self.capture, timeout_s=self.failure_save_timeout_s
             )
             self._peer_slot = self.failure.slot  # published at every boundary (peer.py)
+            # ... and sent to a rank on another node (partner.py).
+            self._partner = partner.link(guard, self._peer_slot, self.writer.token)
         self.resumer = ResumeAtStart(
             resume=self.resume,
             root=self.root,
@@ -490,7 +493,10 @@ class SignalCheckpointer(Component):
                 # Kept when a failure save committed nothing here: a later committer
                 # writes this rank's part from it (peer.sweep removes what is left).
                 outcome = self.failure.outcome if self.failure is not None else None
-                self._peer_slot.close(keep=outcome is not None and outcome["path"] is None)
+                keep = outcome is not None and outcome["path"] is None
+                self._peer_slot.close(keep=keep)
+                if self._partner is not None:
+                    self._partner.close(keep=keep)
             self.capture.restore()
             self._shield.restore()
             self.writer.close(raise_error=exc is None, stopped=self._stop_at is not None)
@@ -618,6 +624,8 @@ class SignalCheckpointer(Component):
     def on_boundary(self, guard: Guard) -> None:
         if self._peer_slot is not None:
             self._peer_slot.publish(guard)
+            if self._partner is not None:
+                self._partner.sent()
         if not self._unsaved.checked:
             self._unsaved.at_step(guard)
         # Where a loader failing on the next fetch leaves the run (inline: every step).

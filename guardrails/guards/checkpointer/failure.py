@@ -21,22 +21,22 @@ Without it every failure but a signal ended each rank with an error and saved no
   the device holds, with what the host held before its last update. (The rewind guard's
   in-memory snapshot is not used: it holds no RNG streams nor the full data position,
   so a checkpoint of it would not resume bitwise.)
-* **Never long, never a hang**: every rank's part is bounded by ``timeout_s`` (the
-  whole save runs in a daemon thread joined with that limit; past it the write is
-  cancelled within a piece). With several ranks the save is the usual multi-rank commit
-  under keys of its own: each rank writes its files (RNG streams, data position) into the
-  step's temp directory and publishes their records; rank 0, which holds the replicated
-  model and optimizer, commits with the records it has by the limit (a rank that has not
-  begun within 10 s, a dead one, is not waited for). A rank whose files are missing
-  (dead, stuck with no thread able to write, or past the step) makes the checkpoint
-  **incomplete**: committed with ``failure.missing`` naming those ranks, and never
-  resumed from (``manifest.incomplete``: ``resume="auto"`` skips it, saying why), unless
-  the committer's host holds the rank's part as published at its last boundary
-  (``peer.py``: under DDP, a rank on the same host): then it writes it
-  (``failure.from_peers``). If rank 0 is the dead one and the store outlives it
-  (torchrun's agent holds it), rank 1 commits, with the replicated state from its own
-  copy; when the store died with rank 0 (outside torchrun rank 0 hosts it), the ranks
-  meet in files beside the checkpoint instead (``board.py``: under DDP).
+* **Never long, never a hang**: every rank's part is bounded by ``timeout_s`` (the whole
+  save runs in a daemon thread joined with that limit; past it the write is cancelled
+  within a piece). With several ranks the save is the usual multi-rank commit under keys
+  of its own: each rank writes its files (RNG streams, data position) into the step's
+  temp directory and publishes their records; rank 0, which holds the replicated model
+  and optimizer, commits with the records it has by the limit (a dead rank, one not
+  begun within 10 s, is not waited for). A rank whose files are missing (dead, stuck
+  with no thread able to write, or past the step) makes the checkpoint **incomplete**:
+  committed with ``failure.missing`` naming those ranks, and never resumed from
+  (``manifest.incomplete``: ``resume="auto"`` skips it, saying why), unless the
+  committer's host holds the rank's part as published at its last boundary (``peer.py``:
+  under DDP, by a rank on that host or sent there from another node, ``partner.py``):
+  then it writes it (``failure.from_peers``). If rank 0 is the dead one and the store
+  outlives it (torchrun's agent holds it), rank 1 commits, with the replicated state
+  from its own copy; when the store died with rank 0 (outside torchrun rank 0 hosts it),
+  the ranks meet in files beside the checkpoint instead (``board.py``: under DDP).
 * Under torchrun a worker's exit makes the agent SIGTERM the others and SIGKILL them
   30 s later; guardrails holds SIGTERM while a failing rank reports, so the ranks other
   than 0 wait for rank 0's commit (up to the limit) before they exit, and the default
@@ -558,7 +558,7 @@ class FailureSave:
             part = peer.stage_peer(guard, got, step=step, trained_at=point.position[0])
             part.cancel = cancel
             part.write(tmp, files)
-            written[r] = "published copy"
+            written[r] = got.source
         return written
 
     def _gather(

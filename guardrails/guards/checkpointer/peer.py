@@ -35,9 +35,9 @@ set): a rank on the same host reads it after the rank is gone.
   job SIGKILLed whole, or on a lost node, left them in ``/dev/shm``, which is memory.
   A job with one writer alive keeps all its copies (a live rank of it may be writing a
   failure save from them); a copy of another user, pid namespace or host is left alone.
-* **Other hosts**: a dead rank on another host (or a lost host) has no copy here;
-  its part is missing and the save incomplete. Replicating the copies across hosts
-  (a ring neighbour's memory) is not done.
+* **Other hosts**: a rank's copy is also sent to a rank on another node, which keeps it
+  beside its own as a *mirror* (``partner.py``: a node lost whole, its memory with it):
+  :func:`read_peer` reads a rank's own copy, else the mirror this host holds of it.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ _COLD_BYTES = SLOT_BYTES - _COLD_AT
 
 # The integers, by index. BEGIN and END frame every write with the boundary count.
 BEGIN, STEP, COUNT, EPOCH, POS_EPOCH, POS_BATCH, HELD, RNG_AT, PY_VERSION = range(9)
-PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END, HOST = range(9, 15)
+PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END, HOST, GONE = range(9, 16)
 # One call writes the step's integers, STEP to HELD (a numpy item store each was
 # ~0.1 us), and python's stream (2x faster than a numpy array's store from its tuple).
 _STEP_INTS = struct.Struct("<6q")
@@ -97,6 +97,12 @@ _PY_WORDS = struct.Struct(f"<{_PY_N}I")
 def slot_path(directory: Path, token: str, rank: int) -> Path:
     """Where ``rank``'s copy lives for the job named ``token``."""
     return directory / f"{_PREFIX}{token}-rank{rank}"
+
+
+def mirror_path(directory: Path, token: str, rank: int) -> Path:
+    """Where a partner on another node keeps ``rank``'s copy (:class:`Mirror`). Not a
+    rank's own copy to :func:`gone_ranks` (its name is no rank's); swept as its job's."""
+    return directory / f"{_PREFIX}{token}-rank{rank}-mirror"
 
 
 def _started(pid: int) -> int | None:
@@ -151,17 +157,34 @@ def _gone(writer: tuple[int, int, int, int], namespace: int, host: int) -> bool 
 
 def gone_ranks(directory: Path, token: str) -> set[int]:
     """The ranks of job ``token`` whose copy is in ``directory`` (this host's) and
-    whose process has ended: a SIGKILLed rank the committer need not wait for. A few
-    header reads: only this host's ranks have a copy here."""
+    whose process has ended, or whose partner here saw its connection end without a
+    goodbye (:meth:`Mirror.gone`: a rank on another node, killed): a rank the committer
+    need not wait for. A few header reads: only this host's ranks and their partners
+    have a copy here."""
     _, _, namespace, host = _writer_id()
     gone: set[int] = set()
     with contextlib.suppress(OSError):
         for path in directory.glob(f"{_PREFIX}{token}-rank*"):
-            writer = _header(path)
             rank = path.name.rpartition("-rank")[2]
+            if rank.endswith("-mirror") and rank[: -len("-mirror")].isdigit():
+                if _flag(path, GONE) == 1:
+                    gone.add(int(rank[: -len("-mirror")]))
+                continue
+            writer = _header(path)
             if writer is not None and rank.isdigit() and _gone(writer, namespace, host):
                 gone.add(int(rank))
     return gone
+
+
+def _flag(path: Path, index: int) -> int | None:
+    """One of a copy's integers, or ``None`` when it cannot be read."""
+    try:
+        raw = path.open("rb").read(INTS_AT + 8 * _N_INTS)
+    except OSError:
+        return None
+    if len(raw) < INTS_AT + 8 * _N_INTS or raw[:8] != _MAGIC:
+        return None
+    return struct.unpack_from("<q", raw, INTS_AT + 8 * index)[0]
 
 
 def sweep(directory: Path, token: str) -> list[Path]:
@@ -347,6 +370,22 @@ class PeerSlot:
         if not sizes:  # unusable: the generators are not copied
             self._views = [torch.empty(s.numel(), dtype=torch.uint8) for s in states]
 
+    def snapshot(self) -> bytes | None:
+        """The copy as the last boundary left it, for a partner on another node
+        (``partner.py``, from its thread), or ``None`` when none is published or the
+        next boundary's write is under way (that boundary sends it). A write is framed
+        by the boundary count, BEGIN first and END last: END read before the copy and
+        BEGIN after it are equal only when no write overlapped it."""
+        ints, mapped = self._ints, self._map
+        if ints is None or mapped is None:
+            return None
+        with contextlib.suppress(ValueError, TypeError):  # closed meanwhile
+            end = int(ints[END])
+            data = mapped[: _COLD_AT + int(ints[COLD_LEN])]
+            if int(ints[BEGIN]) == end > 0:
+                return data
+        return None
+
     def close(self, *, keep: bool = False) -> None:
         """Removed and unmapped: a run that ends leaves nothing in ``/dev/shm`` (``keep``:
         unmapped only, for a live rank's later failure save; :func:`sweep` removes it
@@ -364,6 +403,61 @@ class PeerSlot:
             self._map.close()
 
 
+class Mirror:
+    """The copy of a rank on another node, kept on this host by its partner
+    (``partner.py``), as :meth:`PeerSlot.snapshot` sent it: a file like the rank's own
+    (:func:`read_peer` reads both alike) whose header names this process, so that
+    :func:`sweep` judges it by this host's ranks. A write is framed as the rank's own
+    are: BEGIN is -1 until the copy is whole."""
+
+    def __init__(self, directory: Path, token: str, rank: int) -> None:
+        self.path = mirror_path(directory, token, rank)
+        self._token = token
+        self._map: mmap.mmap | None = None
+        self._ints: Any = None
+        self._host = 0
+
+    def write(self, data: bytes) -> None:
+        """Keep ``data`` (one snapshot: at most :data:`SLOT_BYTES`)."""
+        if self._map is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, SLOT_BYTES)
+                self._map = mmap.mmap(fd, SLOT_BYTES)
+            finally:
+                os.close(fd)
+            self._map[:8] = _MAGIC
+            self._map[8 : 8 + _TOKEN_BYTES] = self._token.encode().ljust(_TOKEN_BYTES, b"\0")
+            pid, started, namespace, host = _writer_id()
+            _WRITER.pack_into(self._map, _WRITER_AT, pid, started, namespace)
+            self._ints = np.frombuffer(self._map, np.int64, _N_INTS, INTS_AT)
+            self._host = host
+        ints, after_begin = self._ints, INTS_AT + 8 * (BEGIN + 1)
+        ints[BEGIN] = -1
+        self._map[after_begin : len(data)] = data[after_begin:]
+        ints[HOST] = self._host
+        ints[BEGIN] = ints[END]
+
+    def gone(self) -> None:
+        """The rank's connection ended without its goodbye: its process is gone (a
+        SIGKILL, a node's processes killed; a host that lost power says nothing, and
+        the committer waits for it as for any rank that has not begun)."""
+        if self._ints is not None:
+            self._ints[GONE] = 1
+
+    def close(self, *, keep: bool = False) -> None:
+        """Unmapped, and removed unless ``keep`` (as :meth:`PeerSlot.close`)."""
+        if self._map is None:
+            return
+        if not keep:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        self._ints = None
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+        self._map = None
+
+
 @dataclass
 class PeerPart:
     """A rank's part as its copy holds it (:func:`read_peer`)."""
@@ -378,16 +472,31 @@ class PeerPart:
     streams_fresh: bool
     torch: dict[str, Tensor]
     tensors: dict[str, Tensor]
+    #: Which copy: the rank's own, or the mirror its partner on another node keeps.
+    source: str = "published copy"
+
+
+_NOT_HERE = "its published copy is not on this host"
 
 
 def read_peer(directory: Path, token: str, rank: int) -> tuple[PeerPart | None, str]:
-    """``rank``'s part from its copy, or ``(None, why not)``: no copy on this host, a
-    copy of another job, torn by a write its rank died in, or one it could not hold."""
-    path = slot_path(directory, token, rank)
+    """``rank``'s part from its copy (the rank's own, else the mirror its partner on
+    another node sent here), or ``(None, why not)``: no copy on this host, a copy of
+    another job, torn by a write its rank died in, or one it could not hold."""
+    got, why = _read(slot_path(directory, token, rank), token, rank)
+    if why != _NOT_HERE:
+        return got, why
+    got, why = _read(mirror_path(directory, token, rank), token, rank)
+    if got is not None:
+        got.source = "its partner's copy"
+    return got, (_NOT_HERE if why == _NOT_HERE else f"its partner's copy: {why}")
+
+
+def _read(path: Path, token: str, rank: int) -> tuple[PeerPart | None, str]:
     try:
         data = path.read_bytes()
     except OSError:
-        return None, "its published copy is not on this host"
+        return None, _NOT_HERE
     if len(data) != SLOT_BYTES or data[:8] != _MAGIC:
         return None, "its published copy is not one guardrails wrote"
     if data[8 : 8 + _TOKEN_BYTES].rstrip(b"\0").decode(errors="replace") != token:
