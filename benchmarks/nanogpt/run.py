@@ -59,6 +59,8 @@ SCENARIOS = (
     "ddp_clean",
     "ddp_sigterm",
     "ddp_nan_sample",
+    "nodes_clean",
+    "nodes_lost",
 )
 EXIT_SIGTERM = 143  # 128 + SIGTERM: a guarded rank after its signal save
 EXIT_NONFINITE = 81  # guardrails/_exit.py: NonFiniteError (through guardrails.run)
@@ -136,6 +138,15 @@ def prepare_trees(work: Path, nanogpt: Path | None) -> tuple[dict[str, Path], st
 # ---------------------------------------------------------------------- one run
 
 
+def free_port() -> int:
+    """A port nothing listens on now (each multi-node run's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, trees: dict[str, Path]) -> None:
         self.trees = trees
@@ -169,10 +180,12 @@ class Bench:
         eval_interval: int = 100_000,
         log: str = "",
         rewind: dict[str, Any] | None = None,
+        nodes: int = 1,
     ) -> dict[str, Any]:
-        """One run of train.py (``world`` 1: python; 2: torchrun), its outputs saved to
+        """One run of train.py (``world`` 1: python; more: torchrun), its outputs saved to
         OUT/<log or tag>.*; ``rewind``: ``guard(rewind=...)``'s knobs (hooks.patch's
-        ``GR_REWIND``)."""
+        ``GR_REWIND``); ``nodes``: simulated nodes, a torchrun agent each (static
+        rendezvous: node ``n`` runs ranks ``n * world / nodes`` on)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("GR_")}
         env.update(
             OMP_NUM_THREADS="1",  # the same kernels in every run; 2 ranks share 2 cores
@@ -189,8 +202,13 @@ class Bench:
         script = ["-m", "guardrails.run", "train.py"] if guarded else ["train.py"]
         if world == 1:
             launcher = [sys.executable]
-        else:
+        elif nodes == 1:
             launcher = [str(self.torchrun), "--standalone", f"--nproc-per-node={world}"]
+        else:
+            port = free_port()
+            launcher = [str(self.torchrun), f"--nnodes={nodes}", "--node-rank={node}"]
+            launcher += [f"--nproc-per-node={world // nodes}", "--master-addr=127.0.0.1"]
+            launcher += [f"--master-port={port}"]
         flags = train_flags(self.steps, eval_interval)
         cmd = [*launcher, *script, *flags, f"--out_dir={self.out_dir(tag)}"]
         name = log or tag
@@ -202,15 +220,32 @@ class Bench:
         t0, t_start = time.monotonic(), time.time()
         with open(stdout, "w") as fo, open(stderr, "w") as fe:
             # Own session: on a timeout the whole group (torchrun and its ranks) is killed.
-            proc = subprocess.Popen(
-                cmd, cwd=tree, env=env, stdout=fo, stderr=fe, start_new_session=True
-            )
-            try:
-                rc: int | None = proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                rc = None
+            procs = [
+                subprocess.Popen(
+                    [a.replace("{node}", str(n)) for a in cmd],
+                    cwd=tree,
+                    env=env,
+                    stdout=fo,
+                    stderr=fe,
+                    start_new_session=True,
+                )
+                for n in range(nodes)
+            ]
+            deadline = time.monotonic() + self.timeout
+            rc: int | None = 0
+            for proc in procs:
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    rc = rc or code  # the first agent's failure is the run's
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    rc = None
+                    break
+            for proc in procs:  # the others, when one timed out
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         wall = time.monotonic() - t0
         err = stderr.read_text(errors="replace")
         # This run's events only (a resumed run shares its run dir with the first one).
@@ -222,6 +257,7 @@ class Bench:
             "tag": tag,
             "name": name,
             "world": world,
+            "nodes": nodes,
             "command": " ".join(
                 [f"{k}={env[k]!r}" for k in ("GR_INJECT", "GR_REWIND") if k in env]
                 + [Path(cmd[0]).name, *cmd[1:]]
@@ -262,15 +298,17 @@ class Bench:
         path = self.runs / f"{tag}.rank{rank}.pt"
         return torch.load(path, map_location="cpu") if path.exists() else None
 
-    def reference(self, world: int, eval_interval: int = 100_000) -> dict[str, Any]:
+    def reference(self, world: int, eval_interval: int = 100_000, nodes: int = 1) -> dict[str, Any]:
         """The uninterrupted guarded run (clean's guarded half), run once per shape."""
-        key = (world, eval_interval)
+        key = (world, eval_interval, nodes)
         if key not in self._refs:
-            prefix = "" if world == 1 else "ddp_"
+            prefix = "" if world == 1 else "ddp_" if nodes == 1 else "nodes_"
             suffix = "" if eval_interval == 100_000 else "_eval"
             tag = f"{prefix}clean{suffix}-guarded"
             self.fresh(tag)
-            self._refs[key] = self.run(tag, guarded=True, world=world, eval_interval=eval_interval)
+            self._refs[key] = self.run(
+                tag, guarded=True, world=world, eval_interval=eval_interval, nodes=nodes
+            )
         return self._refs[key]
 
 
@@ -392,12 +430,12 @@ def exits(run: dict, code: int, ranks_done: set[int], what: str) -> tuple[bool, 
     return _exits(run["rank_exit_codes"], code, ranks_done, what, run["world"])
 
 
-def _clean(b: Bench, world: int) -> dict:
-    prefix = "" if world == 1 else "ddp_"
+def _clean(b: Bench, world: int, nodes: int = 1) -> dict:
+    prefix = "" if world == 1 else "ddp_" if nodes == 1 else "nodes_"
     tag = f"{prefix}clean-unguarded"
     b.fresh(tag)
-    plain = b.run(tag, guarded=False, world=world)
-    ref = b.reference(world)
+    plain = b.run(tag, guarded=False, world=world, nodes=nodes)
+    ref = b.reference(world, nodes=nodes)
     steps = b.steps + 1
     reasons, ok = [], plain["rc"] == 0 and ref["rc"] == 0
     for rank in range(world):
@@ -427,6 +465,55 @@ def clean(b: Bench) -> dict:
 def ddp_clean(b: Bench) -> dict:
     """The same under torchrun, 2 ranks, gloo (nanoGPT's DDP path)."""
     return _clean(b, 2)
+
+
+def nodes_clean(b: Bench) -> dict:
+    """4 ranks on 2 simulated nodes (a torchrun agent each): each rank's part also goes
+    to a rank on the other node at every step (checkpointer/partner.py). Unguarded vs
+    guarded bitwise, no warning."""
+    return _clean(b, 4, nodes=2)
+
+
+def nodes_lost(b: Bench) -> dict:
+    """The second of 2 simulated nodes lost whole at iter fault_iter: ranks 2 and 3
+    SIGKILLed 0.3 s into the step, the copies they held in /dev/shm removed (the node's
+    memory). The survivors' failure save is whole (ranks 2 and 3's parts from the copies
+    their partners on node 0 kept); the same command again resumes it, redoing no step,
+    and every rank ends bitwise the uninterrupted guarded run."""
+    import json as _json
+
+    world, nodes = 4, 2
+    ref = b.reference(world, nodes=nodes)
+    tag = "nodes_lost-guarded"
+    b.fresh(tag)
+    inject = f"node_lost@{b.fault}:2,3"
+    first = b.run(tag, guarded=True, world=world, inject=inject, log=tag + "-1", nodes=nodes)
+    second = b.run(tag, guarded=True, world=world, log=tag + "-2", nodes=nodes)
+    reasons = [f"ranks 2,3 (node 1) lost at iter {b.fault}: exit codes {first['rank_exit_codes']}"]
+    saves = [p for p in sorted((b.run_dir(tag) / "checkpoints").glob("step_*")) if p.is_dir()]
+    failure = {}
+    if saves:
+        failure = _json.loads((saves[-1] / "manifest.json").read_text()).get("failure") or {}
+    whole = bool(failure) and failure.get("missing") == [] and failure.get("from_peers") == [2, 3]
+    reasons.append(
+        f"failure save {saves[-1].name if saves else 'none'}: missing "
+        f"{failure.get('missing')}, from_peers {failure.get('from_peers')}"
+    )
+    saved_step = int(saves[-1].name.split("_")[1]) if saves else -1
+    resumed = sorted({(e["rank"], e["step"]) for e in second["resumed"]})
+    resumed_ok = resumed == [(r, saved_step) for r in range(world)]
+    reasons.append(f"resumed (rank, step): {resumed or 'NOT resumed'}")
+    ok = whole and resumed_ok and second["rc"] == 0 and ref["rc"] == 0
+    for r in range(world):
+        same, why = compare(b.dump(ref["tag"], r), b.dump(tag, r))
+        ok &= same
+        reasons.append(
+            f"rank {r} {'' if same else 'NOT '}bitwise equal to the uninterrupted run: {why}"
+        )
+    quiet, why = unwarned(second)
+    ok &= quiet
+    reasons.append("resumed run: " + why)
+    return {"passed": ok, "reason": "; ".join(reasons), "runs": [first, second]}
 
 
 def _sigterm(b: Bench, world: int, eval_interval: int = 100_000) -> dict:

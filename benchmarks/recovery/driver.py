@@ -8,7 +8,9 @@ torchrun agent on this host, c10d rendezvous on localhost) once per arm (``plain
 ``guardrails``), injects from outside, at fixed wall times, the faults in turn: ``kill9``
 (SIGKILL of rank 1), ``hang`` (SIGUSR2: rank N-1 sleeps inside its step), ``nan`` (rank 0's
 loss NaN for 10 steps), ``sigterm`` (every rank: a pre-emption), ``node`` (SIGKILL of every
-process of the last node's agent). The job comes back by ``--restart requeue`` (the same
+process of the last node's agent, or the first's with ``--lost-node first``: it hosts the
+rendezvous store; the copies the node's ranks held in ``/dev/shm`` are removed with
+it). The job comes back by ``--restart requeue`` (the same
 command again once every agent has exited, as SLURM's requeue) or ``--restart torchrun``
 (``--max-restarts``; a lost node's agent is started again; if every agent gives up, the job
 is requeued and the report says so). At ``--minutes`` the driver asks the job to stop (a
@@ -176,18 +178,22 @@ class Job:
             for rank in range(a.ranks):
                 self._signal(rank, signal.SIGTERM)
         elif kind == "node":
-            node = len(self.agents) - 1
-            self.agents[-1].kill()
-            self.forget_node(node)
+            agent = self.agents[0 if a.lost_node == "first" else -1]
+            # The c10d rendezvous numbers the nodes in the order they joined: the ranks
+            # are those whose processes run under this agent.
+            under = set(descendants(agent.proc.pid))
+            ranks = [r for r in range(a.ranks) if self.rank_pid(r) in under]
+            agent.kill()
+            self.forget_ranks(ranks)
+            self.notes.append(f"{time.time():.1f}: node of ranks {ranks} lost")
 
-    def forget_node(self, node: int) -> None:
+    def forget_ranks(self, ranks: list[int]) -> None:
         """A lost node's memory goes with it: the copies its ranks published in
         ``/dev/shm`` and the copies they kept of their partners on the other node (the
         simulated nodes share this host's ``/dev/shm``; a survivor must not read there
         what a real lost node would take with it). Removed at once, before the survivors'
         save, which waits 10 s for a rank that never begins."""
         local = self.a.ranks // self.a.nodes
-        ranks = range(node * local, (node + 1) * local)
         kept = [(r - local) % self.a.ranks for r in ranks]
         names = [f"guardrails-peer-*-rank{r}" for r in ranks]
         names += [f"guardrails-peer-*-rank{k}-mirror" for k in kept]
@@ -377,6 +383,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes: torchrun agents")
+    p.add_argument(
+        "--lost-node",
+        choices=["last", "first"],
+        default="last",
+        help="which node the node fault takes: the first hosts the rendezvous store",
+    )
     p.add_argument("--step-s", type=float, default=0.2, help="each step is paced to this")
     p.add_argument(
         "--plain-ckpt-every-s",

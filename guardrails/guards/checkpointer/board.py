@@ -77,14 +77,14 @@ class FileBoard:
         _perms.write_text(tmp, json.dumps(record))
         os.replace(tmp, self.path / f"record{rank}.json")
 
-    def gather(self, *, wait_s: float, expect: int) -> dict[int, dict[str, Any]]:
-        """The committer: the records filed within ``wait_s`` (sooner when ``expect`` are
-        in), by rank."""
+    def gather(self, *, wait_s: float, ranks: set[int]) -> dict[int, dict[str, Any]]:
+        """The committer: the records filed within ``wait_s`` (sooner when every rank of
+        ``ranks`` filed), by rank."""
         end = time.monotonic() + wait_s
         poll_s = stretched(_POLL_S, self.world)
         while True:
             names = [n for n in os.listdir(self.path) if n.startswith("record")]
-            if len(names) >= expect or time.monotonic() >= end:
+            if ranks <= {int(n[6:-5]) for n in names} or time.monotonic() >= end:
                 break
             time.sleep(poll_s)
         records = {}

@@ -400,10 +400,9 @@ class FailureSave:
         dead: int | None,
         deadline: float,
     ) -> tuple[Path | None, list[int]]:
-        """:meth:`_save` when the job's store is gone with its host (rank 0 outside
-        torchrun): the ranks meet in files (``board.py``); under DDP only (the committer
-        must hold the replicated state, and the dead ranks' parts come from their copies);
-        a step rank 0 committed whole before it left with the store is that save."""
+        """:meth:`_save` when the job's store went with its host: the ranks meet in files
+        (``board.py``); under DDP only (the committer holds the replicated state, the dead
+        ranks' parts come from their copies); a step rank 0 committed whole is that save."""
         if self.slot is None:
             raise RuntimeError(
                 "the job's store is gone with rank 0; without DDP's replicated state on "
@@ -427,11 +426,11 @@ class FailureSave:
         self._committer = self._rank
         if self._rank != 0:  # rank 0's part holds the replicated state; ours, here
             self._stage_replicated(guard, state, cancel).write(tmp, files)
-        # The others that fail with us file within a few seconds (_BEGUN_WAIT_S); 2 s of
-        # the limit are left to write the dead ranks' parts and commit.
-        expect = self._world - 1 - (dead is not None and dead != self._rank)
+        # The others file within a few seconds (_BEGUN_WAIT_S), the dead and the gone
+        # (partner.py) aside; 2 s of the limit are left to write their parts and commit.
+        gone = peer.gone_ranks(self.slot.path.parent, writer.token) | {dead, self._rank}
         wait_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic() - 2.0))
-        records = board.gather(wait_s=wait_s, expect=expect)
+        records = board.gather(wait_s=wait_s, ranks=set(range(self._world)) - gone)
         others = [r for r in range(self._world) if r != self._rank]
         merged, missing, after = self._merge(records, others, [])
         merged.update(files)
