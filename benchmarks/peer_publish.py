@@ -51,6 +51,7 @@ def measure(n: int) -> dict[str, float]:
                 cap.captured_at = cap.count - 1  # not drawing: torch's generators only
                 quiet = timeit.timeit(lambda: slot.publish(g), number=n) / n
                 cap.captured_at = cap.count  # drawing: python's and numpy's too
+                cap.drawing = True  # (into the boundary's half only: each has its own)
                 drawing = timeit.timeit(lambda: slot.publish(g), number=n) / n
             finally:
                 slot.close()

@@ -205,10 +205,14 @@ class Bench:
         elif nodes == 1:
             launcher = [str(self.torchrun), "--standalone", f"--nproc-per-node={world}"]
         else:
-            port = free_port()
+            # Not loopback: guardrails' launch check refuses a loopback MASTER_ADDR on a
+            # node other than the first, as it should on real nodes.
+            addr = (
+                subprocess.check_output(["hostname", "-I"], text=True).split() or ["localhost"]
+            )[0]
             launcher = [str(self.torchrun), f"--nnodes={nodes}", "--node-rank={node}"]
-            launcher += [f"--nproc-per-node={world // nodes}", "--master-addr=127.0.0.1"]
-            launcher += [f"--master-port={port}"]
+            launcher += [f"--nproc-per-node={world // nodes}", f"--master-addr={addr}"]
+            launcher += [f"--master-port={free_port()}", f"--local-addr={addr}"]
         flags = train_flags(self.steps, eval_interval)
         cmd = [*launcher, *script, *flags, f"--out_dir={self.out_dir(tag)}"]
         name = log or tag

@@ -264,11 +264,17 @@ def test_a_copy_is_read_only_whole_and_only_by_its_job(tmp_path):
     stale = peer.slot_path(tmp_path, "job2", 3)
     stale.write_bytes(slot.path.read_bytes())  # job1's copy under job2's name
     assert peer.read_peer(tmp_path, "job2", 3)[1] == "its published copy belongs to another job"
+    # Torn: the half the next boundary writes (the other half, by the count's parity)
+    # has its start's count and not its end's. The half before it is still whole, and
+    # read when asked for its step; the newest is not (it died writing it).
     torn = bytearray(slot.path.read_bytes())
-    begin = peer.INTS_AT + 8 * peer.BEGIN
-    torn[begin : begin + 8] = (got.step + 100).to_bytes(8, "little")
+    count = g.boundary_capture.count
+    begin = ((count + 1) % 2) * peer.SLOT_BYTES + peer.INTS_AT + 8 * peer.BEGIN
+    torn[begin : begin + 8] = (count + 1).to_bytes(8, "little")
     slot.path.write_bytes(bytes(torn))
     assert "being written when it died" in peer.read_peer(tmp_path, "job1", 3)[1]
+    assert "being written when it died" in peer.read_peer(tmp_path, "job1", 3, step=6)[1]
+    assert peer.read_peer(tmp_path, "job1", 3, step=5)[0].step == 5
     slot.close()
     assert not slot.path.exists()
 
@@ -302,10 +308,12 @@ def test_a_partner_keeps_the_copy_of_the_rank_on_the_node_before(tmp_path):
             stranger.sendall(partner._HELLO.pack(b"job9", 2))
             assert stranger.recv(1) == b""  # closed on it
         sender = partner.PartnerLink(store, slot, mine, "job1", 2, (0, 0))
+        states = {}  # torch's generator at each boundary, as the copy must hold it
         for x in g:
             if g.step:  # the checkpointer's boundary, then the link's
                 slot.publish(g)
                 sender.sent()
+                states[g.step] = g.boundary_capture.torch[0].clone()
             if g.step == 5:
                 break
             model(x * random.random()).sum().backward()
@@ -324,6 +332,11 @@ def test_a_partner_keeps_the_copy_of_the_rank_on_the_node_before(tmp_path):
         ), got  # fmt: skip
         assert torch.equal(got.torch["torch.cpu"], g.boundary_capture.torch[0])
         assert got.python == g.boundary_capture.python and got.streams_fresh
+        # The boundary before is kept too (a rank a step ahead of the committer's save).
+        before, why = peer.read_peer(theirs, "job1", 2, step=4)
+        assert before is not None and (before.step, before.position) == (4, (0, 4)), why
+        assert torch.equal(before.torch["torch.cpu"], states[4])
+        assert not torch.equal(states[4], states[5])  # dropout drew between them
     mirror = peer.mirror_path(theirs, "job1", 2)
     assert mirror.exists() and keeper.frames_kept >= 1
     sender.close()  # a goodbye: rank 2 is not dead

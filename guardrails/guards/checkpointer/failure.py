@@ -536,7 +536,7 @@ class FailureSave:
         capture, step, point = guard.boundary_capture, self._step, self._point
         assert point is not None  # a committer writing peers saved a point of its own
         for r in missing:
-            got, why = peer.read_peer(self._slots, self._writer.token, r)
+            got, why = peer.read_peer(self._slots, self._writer.token, r, step=step)
             if got is not None and got.step != step:
                 got, why = None, f"its published copy is of step {got.step}, not {step}"
             elif got is not None and got.epoch != point.epoch and not self._after_update:

@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 #: then what changes once a pass. 64 KB: the CPU generator's 5 KB, a CUDA device's
 #: 16 B, a pass's RNG states (5-10 KB) with room to spare.
 SLOT_BYTES = 64 * 1024
+#: The file: two of them, the last two boundaries' (by the boundary count's parity): a
+#: live rank whose collective finished where the committer's failed is a step ahead,
+#: and its part of the committer's step is the one before its last.
+FILE_BYTES = 2 * SLOT_BYTES
 _MAGIC = b"GRPEER01"
 _TOKEN_BYTES = 32
 #: After the token: the writer's pid, its start time (clock ticks after boot: a pid
@@ -245,48 +249,65 @@ def publishable(guard: Guard) -> bool:
     return all(stage.per_rank(opt) is opt for opt in guard.optimizers.values())
 
 
+class _Half:
+    """One boundary's copy inside the file (see :data:`FILE_BYTES`): views of its
+    integers, floats and numpy stream at ``base``, and what its cold part was written
+    for."""
+
+    def __init__(self, mapped: mmap.mmap, base: int) -> None:
+        self.base = base
+        self.ints = np.frombuffer(mapped, np.int64, _N_INTS, base + INTS_AT)
+        self.floats = np.frombuffer(mapped, np.float64, 2, base + _FLOATS_AT)
+        self.np = np.frombuffer(mapped, np.uint32, _NP_N, base + _NP_AT)
+        self.views: list[Tensor] = []  # the generators' states, in the mapped pages
+        self.start: Any = None  # the pass's RNG states the cold part was written for
+
+
+def _map_file(path: Path, token: str) -> mmap.mmap:
+    """A new copy file of :data:`FILE_BYTES`, each half's header naming this process."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, FILE_BYTES)
+        mapped = mmap.mmap(fd, FILE_BYTES)
+    finally:
+        os.close(fd)
+    pid, started, namespace, host = _writer_id()
+    for base in range(0, FILE_BYTES, SLOT_BYTES):
+        mapped[base : base + 8] = _MAGIC
+        mapped[base + 8 : base + 8 + _TOKEN_BYTES] = token.encode().ljust(_TOKEN_BYTES, b"\0")
+        _WRITER.pack_into(mapped, base + _WRITER_AT, pid, started, namespace)
+        ints = np.frombuffer(mapped, np.int64, _N_INTS, base + INTS_AT)
+        ints[HOST] = host
+        ints[BEGIN] = -1  # nothing published yet: never equal to END's 0
+        del ints  # no view may outlive a close
+    return mapped
+
+
 class PeerSlot:
     """This rank's copy of its part (see the module docstring), mapped from
     ``directory`` for the job ``token``: made at the first :meth:`publish` (a guard
-    whose start fails leaves no file), published at every boundary, removed by
-    :meth:`close`."""
+    whose start fails leaves no file), published at every boundary into the half of
+    its count's parity (the last two boundaries are kept), removed by :meth:`close`."""
 
     def __init__(self, directory: Path, token: str, rank: int) -> None:
         self.path = slot_path(directory, token, rank)
         self._token = token
         self._map: mmap.mmap | None = None
-        self._ints: Any = None
-        self._floats: Any = None
-        self._np: Any = None
-        self._views: list[Tensor] = []  # the generators' states, in the mapped pages
-        self._start: Any = None  # the pass's RNG states the cold part was written for
+        self._halves: list[_Half] = []
+        self._last: _Half | None = None  # the half the last boundary was published in
         self._closed = False
         #: Why the copy cannot stand for this rank's part (the loader's kind, a state
         #: too large), or ``""``.
         self.unusable = ""
 
     def _open(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, SLOT_BYTES)
-            self._map = mmap.mmap(fd, SLOT_BYTES)
-        finally:
-            os.close(fd)
-        self._map[:8] = _MAGIC
-        self._map[8 : 8 + _TOKEN_BYTES] = self._token.encode().ljust(_TOKEN_BYTES, b"\0")
-        pid, started, namespace, host = _writer_id()
-        _WRITER.pack_into(self._map, _WRITER_AT, pid, started, namespace)
-        self._ints = np.frombuffer(self._map, np.int64, _N_INTS, INTS_AT)
-        self._ints[HOST] = host
-        self._ints[BEGIN] = -1  # nothing published yet: never equal to END's 0
-        self._floats = np.frombuffer(self._map, np.float64, 2, _FLOATS_AT)
-        self._np = np.frombuffer(self._map, np.uint32, _NP_N, _NP_AT)
+        self._map = _map_file(self.path, self._token)
+        self._halves = [_Half(self._map, base) for base in range(0, FILE_BYTES, SLOT_BYTES)]
 
     def publish(self, guard: Guard) -> None:
         """At a step boundary, after the engine's capture: this rank's part as that
         boundary left it."""
-        ints = self._ints
-        if ints is None:  # the first boundary, or closed (the failure save ran)
+        if not self._halves:  # the first boundary, or closed (the failure save ran)
             if self._closed:
                 return
             try:
@@ -303,9 +324,11 @@ class PeerSlot:
                 self._closed = True
                 log.debug("guardrails: no published copy of this rank's part: %s", e)
                 return
-            ints = self._ints
         cap = guard.boundary_capture
-        count = ints[BEGIN] = cap.count
+        count = cap.count
+        half = self._halves[count % 2]
+        ints = half.ints
+        ints[BEGIN] = count
         states = cap.torch
         if guard.generators:  # the loop's own (guard(generators=)), as a save takes them
             saved = guard.generator_states
@@ -313,33 +336,40 @@ class PeerSlot:
                 g.get_state() if saved is None else saved[n] for n, g in guard.generators.items()
             )
         epoch, batch, start = guard.data_position.trained(cap.trained_at)
-        if start is not self._start or len(states) != len(self._views):
-            self._write_cold(guard, states, start)  # once a pass (and when CUDA starts)
-        torch._foreach_copy_(self._views, states)
+        if start is not half.start or len(states) != len(half.views):
+            self._write_cold(half, guard, states, start)  # once a pass (and when CUDA starts)
+        torch._foreach_copy_(half.views, states)
         if cap.captured_at == count:  # python's and numpy's, read at this boundary
-            self._write_streams(cap.python, cap.numpy)
-            ints[RNG_AT] = count
+            # Into the other half too while nothing draws from them between checks: the
+            # boundary before holds the same streams, and its own may be older still.
+            for other in self._halves if not cap.drawing else (half,):
+                self._write_streams(other, cap.python, cap.numpy, count)
         held = len(guard.data_position.fetched)  # a prefetch's batches, past the boundary
         _STEP_INTS.pack_into(
-            self._map, INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch, batch, held
-        )
+            self._map, half.base + INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch,
+            batch, held,
+        )  # fmt: skip
         ints[END] = count
+        self._last = half
 
-    def _write_streams(self, python: Any, numpy: Any) -> None:
+    def _write_streams(self, half: _Half, python: Any, numpy: Any, count: int) -> None:
         version, internal, gauss = python
-        _PY_WORDS.pack_into(self._map, _PY_AT, *internal)
-        ints = self._ints
+        _PY_WORDS.pack_into(self._map, half.base + _PY_AT, *internal)
+        ints = half.ints
         ints[PY_VERSION], ints[PY_HAS_GAUSS] = version, gauss is not None
         _, keys, pos, has_gauss, cached = numpy
-        self._np[:] = keys
+        half.np[:] = keys
         ints[NP_POS], ints[NP_HAS_GAUSS] = pos, has_gauss
-        self._floats[:] = (0.0 if gauss is None else gauss, cached)
+        half.floats[:] = (0.0 if gauss is None else gauss, cached)
+        ints[RNG_AT] = count
 
-    def _write_cold(self, guard: Guard, states: tuple[Tensor, ...], start: Any) -> None:
+    def _write_cold(
+        self, half: _Half, guard: Guard, states: tuple[Tensor, ...], start: Any
+    ) -> None:
         """What changes once a pass: the generators' layout, the pass's RNG states and
         the loader's generators (the tensors a save's data position holds), the
         position's kind."""
-        self._start = start
+        half.start = start
         position, tensors = guard.data_position.save(
             boundary=(guard.boundary_capture.trained_at, [])
         )
@@ -360,28 +390,33 @@ class PeerSlot:
             head = json.dumps({"unusable": self.unusable}).encode()
             blob, sizes = b"", []
         cold = len(head).to_bytes(8, "little") + head + blob
-        self._map[_COLD_AT : _COLD_AT + len(cold)] = cold
-        self._ints[COLD_LEN] = len(cold)
+        at = half.base + _COLD_AT
+        self._map[at : at + len(cold)] = cold  # type: ignore[index]
+        half.ints[COLD_LEN] = len(cold)
         offsets = np.cumsum([0, *sizes])
-        self._views = [
-            torch.frombuffer(self._map, dtype=torch.uint8, count=n, offset=_TORCH_AT + int(o))
+        half.views = [
+            torch.frombuffer(
+                self._map, dtype=torch.uint8, count=n, offset=half.base + _TORCH_AT + int(o)
+            )
             for n, o in zip(sizes, offsets, strict=False)
         ]
         if not sizes:  # unusable: the generators are not copied
-            self._views = [torch.empty(s.numel(), dtype=torch.uint8) for s in states]
+            half.views = [torch.empty(s.numel(), dtype=torch.uint8) for s in states]
 
     def snapshot(self) -> bytes | None:
-        """The copy as the last boundary left it, for a partner on another node
+        """The last boundary's half of the copy, for a partner on another node
         (``partner.py``, from its thread), or ``None`` when none is published or the
-        next boundary's write is under way (that boundary sends it). A write is framed
-        by the boundary count, BEGIN first and END last: END read before the copy and
-        BEGIN after it are equal only when no write overlapped it."""
-        ints, mapped = self._ints, self._map
-        if ints is None or mapped is None:
+        next boundary's write into that half is under way (that boundary sends its
+        own). A write is framed by the boundary count, BEGIN first and END last: END
+        read before the copy and BEGIN after it are equal only when no write overlapped
+        it."""
+        half, mapped = self._last, self._map
+        if half is None or mapped is None:
             return None
         with contextlib.suppress(ValueError, TypeError):  # closed meanwhile
+            ints = half.ints
             end = int(ints[END])
-            data = mapped[: _COLD_AT + int(ints[COLD_LEN])]
+            data = mapped[half.base : half.base + _COLD_AT + int(ints[COLD_LEN])]
             if int(ints[BEGIN]) == end > 0:
                 return data
         return None
@@ -397,8 +432,7 @@ class PeerSlot:
         with contextlib.suppress(OSError):
             if not keep:
                 self.path.unlink()
-        self._views = []
-        self._ints = self._floats = self._np = None
+        self._halves, self._last = [], None
         with contextlib.suppress(BufferError, ValueError):
             self._map.close()
 
@@ -406,44 +440,36 @@ class PeerSlot:
 class Mirror:
     """The copy of a rank on another node, kept on this host by its partner
     (``partner.py``), as :meth:`PeerSlot.snapshot` sent it: a file like the rank's own
-    (:func:`read_peer` reads both alike) whose header names this process, so that
-    :func:`sweep` judges it by this host's ranks. A write is framed as the rank's own
-    are: BEGIN is -1 until the copy is whole."""
+    (:func:`read_peer` reads both alike; each boundary into the half of its count's
+    parity) whose header names this process, so that :func:`sweep` judges it by this
+    host's ranks. A write is framed as the rank's own are: BEGIN is -1 until the copy
+    is whole."""
 
     def __init__(self, directory: Path, token: str, rank: int) -> None:
         self.path = mirror_path(directory, token, rank)
         self._token = token
         self._map: mmap.mmap | None = None
-        self._ints: Any = None
-        self._host = 0
+        self._halves: list[_Half] = []
 
     def write(self, data: bytes) -> None:
-        """Keep ``data`` (one snapshot: at most :data:`SLOT_BYTES`)."""
+        """Keep ``data`` (one boundary's half: at most :data:`SLOT_BYTES`)."""
         if self._map is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, SLOT_BYTES)
-                self._map = mmap.mmap(fd, SLOT_BYTES)
-            finally:
-                os.close(fd)
-            self._map[:8] = _MAGIC
-            self._map[8 : 8 + _TOKEN_BYTES] = self._token.encode().ljust(_TOKEN_BYTES, b"\0")
-            pid, started, namespace, host = _writer_id()
-            _WRITER.pack_into(self._map, _WRITER_AT, pid, started, namespace)
-            self._ints = np.frombuffer(self._map, np.int64, _N_INTS, INTS_AT)
-            self._host = host
-        ints, after_begin = self._ints, INTS_AT + 8 * (BEGIN + 1)
+            self._map = _map_file(self.path, self._token)
+            self._halves = [_Half(self._map, b) for b in range(0, FILE_BYTES, SLOT_BYTES)]
+        sent = np.frombuffer(data, np.int64, _N_INTS, INTS_AT)
+        half = self._halves[int(sent[COUNT]) % 2]
+        ints, host, after_begin = half.ints, half.ints[HOST], INTS_AT + 8 * (BEGIN + 1)
         ints[BEGIN] = -1
-        self._map[after_begin : len(data)] = data[after_begin:]
-        ints[HOST] = self._host
+        self._map[half.base + after_begin : half.base + len(data)] = data[after_begin:]
+        ints[HOST], ints[GONE] = host, 0
         ints[BEGIN] = ints[END]
 
     def gone(self) -> None:
         """The rank's connection ended without its goodbye: its process is gone (a
         SIGKILL, a node's processes killed; a host that lost power says nothing, and
         the committer waits for it as for any rank that has not begun)."""
-        if self._ints is not None:
-            self._ints[GONE] = 1
+        if self._halves:
+            self._halves[0].ints[GONE] = 1
 
     def close(self, *, keep: bool = False) -> None:
         """Unmapped, and removed unless ``keep`` (as :meth:`PeerSlot.close`)."""
@@ -452,7 +478,7 @@ class Mirror:
         if not keep:
             with contextlib.suppress(OSError):
                 self.path.unlink()
-        self._ints = None
+        self._halves = []
         with contextlib.suppress(BufferError, ValueError):
             self._map.close()
         self._map = None
@@ -479,31 +505,47 @@ class PeerPart:
 _NOT_HERE = "its published copy is not on this host"
 
 
-def read_peer(directory: Path, token: str, rank: int) -> tuple[PeerPart | None, str]:
+def read_peer(
+    directory: Path, token: str, rank: int, *, step: int | None = None
+) -> tuple[PeerPart | None, str]:
     """``rank``'s part from its copy (the rank's own, else the mirror its partner on
     another node sent here), or ``(None, why not)``: no copy on this host, a copy of
-    another job, torn by a write its rank died in, or one it could not hold."""
-    got, why = _read(slot_path(directory, token, rank), token, rank)
+    another job, torn by a write its rank died in, or one it could not hold. Of the
+    copy's two boundaries, the one of ``step`` when it holds it (a live rank a step
+    ahead of the save: its collective finished where the committer's failed), else
+    the newest."""
+    got, why = _read(slot_path(directory, token, rank), token, rank, step)
     if why != _NOT_HERE:
         return got, why
-    got, why = _read(mirror_path(directory, token, rank), token, rank)
+    got, why = _read(mirror_path(directory, token, rank), token, rank, step)
     if got is not None:
         got.source = "its partner's copy"
     return got, (_NOT_HERE if why == _NOT_HERE else f"its partner's copy: {why}")
 
 
-def _read(path: Path, token: str, rank: int) -> tuple[PeerPart | None, str]:
+def _read(path: Path, token: str, rank: int, step: int | None) -> tuple[PeerPart | None, str]:
     try:
         data = path.read_bytes()
     except OSError:
         return None, _NOT_HERE
-    if len(data) != SLOT_BYTES or data[:8] != _MAGIC:
+    if len(data) != FILE_BYTES or data[:8] != _MAGIC:
         return None, "its published copy is not one guardrails wrote"
     if data[8 : 8 + _TOKEN_BYTES].rstrip(b"\0").decode(errors="replace") != token:
         return None, "its published copy belongs to another job"
-    ints = np.frombuffer(data, np.int64, _N_INTS, INTS_AT)
-    if ints[BEGIN] != ints[END] or ints[COUNT] != ints[END] or ints[END] <= 0:
+    halves = [data[b : b + SLOT_BYTES] for b in range(0, FILE_BYTES, SLOT_BYTES)]
+    ints = [np.frombuffer(h, np.int64, _N_INTS, INTS_AT) for h in halves]
+    whole = [i for i, v in enumerate(ints) if v[BEGIN] == v[END] == v[COUNT] and v[END] > 0]
+    torn = any(v[BEGIN] != v[END] and (v[BEGIN], v[END]) != (-1, 0) for v in ints)
+    at_step = [i for i in whole if ints[i][STEP] == step]
+    if not at_step and (torn or not whole):  # its newest write, never finished
         return None, "its published copy was being written when it died"
+    pick = at_step[0] if at_step else max(whole, key=lambda i: int(ints[i][COUNT]))
+    return _part(halves[pick], rank)
+
+
+def _part(data: bytes, rank: int) -> tuple[PeerPart | None, str]:
+    """One boundary's half of a copy, read."""
+    ints = np.frombuffer(data, np.int64, _N_INTS, INTS_AT)
     size = int.from_bytes(data[_COLD_AT : _COLD_AT + 8], "little")
     head = json.loads(data[_COLD_AT + 8 : _COLD_AT + 8 + size])
     if "unusable" in head:
