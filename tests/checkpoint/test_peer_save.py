@@ -215,6 +215,29 @@ def test_a_node_lost_whole_costs_no_step(tmp_path, clean, nodes, lost):
     assert_same_end(tmp_path, clean[4], 4, since=AT)
 
 
+def test_a_rank_a_step_ahead_of_the_committer_is_saved_from_its_boundary_before(tmp_path, clean):
+    """Rank 0 raises after step 68's backward (DDP's all-reduce done): its last finished
+    step is 67, while rank 1 finishes step 68 and publishes its boundary before it waits
+    in step 69's all-reduce. Rank 0 saves step 67 and rank 1 never writes its part of it
+    (it saves step 68, whose committer never comes): rank 0 writes rank 1's part from
+    rank 1's copy, which keeps its last two boundaries, 68 and 67. Step 67 is whole,
+    bitwise the uninterrupted run's, and the resume redoes one step, not 17 (back to
+    the periodic save of step 50, as with a copy of the last boundary only)."""
+    more = ("--fault", "forward", "--at", AT, "--rank", 0, "--every", EVERY)
+    code, out = job(tmp_path, 2, "ranks", "a", *more, "--hang-timeout-s", 3, "--save-timeout-s", 15)
+    assert code != 0
+    found = dict(list_checkpoints(tmp_path / "checkpoints"))
+    assert AT in found, out[-4000:]
+    failure = json.loads((found[AT] / "manifest.json").read_text())["failure"]
+    assert failure["missing"] == [] and failure["from_peers"] == [1], failure
+    assert problem(found[AT]) is None
+    assert_same_checkpoint(found[AT], clean[2] / "checkpoints" / f"step_{AT:09d}", 2)
+    code, out = job(tmp_path, 2, "ranks", "b")
+    assert code == 0, out[-4000:]
+    assert f"resumed from {found[AT]} (step {AT}," in out
+    assert_same_end(tmp_path, clean[2], 2, since=AT)
+
+
 def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path, clean):
     """A periodic save of step 67 begun in the background, rank 1 SIGKILLed at the top of
     the next step, before its part of that save is written: the save can never commit,
