@@ -20,20 +20,25 @@ many boundaries' copies reached the partner's mirror.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import subprocess
 import sys
 import tempfile
 import timeit
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 
-def measure(n: int) -> dict[str, float]:
+@contextlib.contextmanager
+def trained_guard() -> Iterator[Any]:
+    """A real guard (one process, a CPU model) after 8 steps, still open: its boundary
+    is what a publish copies."""
     import guardrails
-    from guardrails.guards.checkpointer.peer import PeerSlot
 
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -44,38 +49,37 @@ def measure(n: int) -> dict[str, float]:
                 model(x).sum().backward()
                 opt.step()
                 opt.zero_grad()
-            slot = PeerSlot(Path("/dev/shm"), "bench", 0)
-            cap = g.boundary_capture
-            try:
-                slot.publish(g)  # the cold part, once
-                cap.captured_at = cap.count - 1  # not drawing: torch's generators only
-                quiet = timeit.timeit(lambda: slot.publish(g), number=n) / n
-                cap.captured_at = cap.count  # drawing: python's and numpy's too
-                cap.drawing = True  # (into the boundary's half only: each has its own)
-                drawing = timeit.timeit(lambda: slot.publish(g), number=n) / n
-            finally:
-                slot.close()
+            yield g
+
+
+def measure(n: int) -> dict[str, float]:
+    from guardrails.guards.checkpointer.peer import PeerSlot
+
+    with trained_guard() as g:
+        slot = PeerSlot(Path("/dev/shm"), "bench", 0)
+        cap = g.boundary_capture
+        try:
+            slot.publish(g)  # the cold part, once
+            cap.captured_at = cap.count - 1  # not drawing: torch's generators only
+            quiet = timeit.timeit(lambda: slot.publish(g), number=n) / n
+            cap.captured_at = cap.count  # drawing: python's and numpy's too
+            cap.drawing = True  # (into the boundary's half only: each has its own)
+            drawing = timeit.timeit(lambda: slot.publish(g), number=n) / n
+        finally:
+            slot.close()
     return {"us_per_publish": quiet * 1e6, "us_per_publish_drawing": drawing * 1e6}
 
 
 def measure_partner(n: int) -> dict[str, float]:
     import time
 
-    import guardrails
     from guardrails.guards.checkpointer.partner import PartnerLink
     from guardrails.guards.checkpointer.peer import PeerSlot
 
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = [torch.randn(4, 8) for _ in range(8)]
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out: dict[str, float] = {}
-    with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory() as other:
-        with guardrails.guard(model, opt, data, run_dir=run_dir, progress=False) as g:
-            for x in g:
-                model(x).sum().backward()
-                opt.step()
-                opt.zero_grad()
+    with tempfile.TemporaryDirectory() as other:
+        with trained_guard() as g:
             slot = PeerSlot(Path("/dev/shm"), "bench", 0)
             theirs = PeerSlot(Path(other), "bench", 1)
             sender = PartnerLink(store, slot, Path("/dev/shm"), "bench", 0, (1, 1))

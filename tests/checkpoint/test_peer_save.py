@@ -71,6 +71,18 @@ def assert_same_end(run: Path, clean: Path, world: int, *, since: int) -> None:
         assert x["seen"] == {s: y["seen"][s] for s in x["seen"]}, rank
 
 
+def assert_resumed_whole(run: Path, clean: Path, world: int, saved: Path) -> None:
+    """``saved`` (step AT) is whole and bitwise ``clean``'s save of that step; the same
+    command again (``world`` ranks, each its own process) resumes it, redoing no step, and ends
+    bitwise ``clean``'s end."""
+    assert problem(saved) is None
+    assert_same_checkpoint(saved, clean / "checkpoints" / f"step_{AT:09d}", world)
+    code, out = job(run, world, "ranks", "b")
+    assert code == 0, out[-4000:]
+    assert f"resumed from {saved} (step {AT}," in out
+    assert_same_end(run, clean, world, since=AT)
+
+
 def published(out: Path) -> list[Path]:
     """The copies a job's ranks published (each rank prints its path at start)."""
     text = "".join(f.read_text() for f in out.glob("*.out"))
@@ -230,12 +242,7 @@ def test_a_rank_a_step_ahead_of_the_committer_is_saved_from_its_boundary_before(
     assert AT in found, out[-4000:]
     failure = json.loads((found[AT] / "manifest.json").read_text())["failure"]
     assert failure["missing"] == [] and failure["from_peers"] == [1], failure
-    assert problem(found[AT]) is None
-    assert_same_checkpoint(found[AT], clean[2] / "checkpoints" / f"step_{AT:09d}", 2)
-    code, out = job(tmp_path, 2, "ranks", "b")
-    assert code == 0, out[-4000:]
-    assert f"resumed from {found[AT]} (step {AT}," in out
-    assert_same_end(tmp_path, clean[2], 2, since=AT)
+    assert_resumed_whole(tmp_path, clean[2], 2, found[AT])
 
 
 def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path, clean):
@@ -249,12 +256,7 @@ def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path
     assert code != 0
     found = dict(list_checkpoints(tmp_path / "checkpoints"))
     assert sorted(found) == [AT], out[-4000:]
-    assert problem(found[AT]) is None
-    assert_same_checkpoint(found[AT], clean[2] / "checkpoints" / f"step_{AT:09d}", 2)
-    code, out = job(tmp_path, 2, "ranks", "b")
-    assert code == 0, out[-4000:]
-    assert f"resumed from {found[AT]} (step {AT}," in out
-    assert_same_end(tmp_path, clean[2], 2, since=AT)
+    assert_resumed_whole(tmp_path, clean[2], 2, found[AT])
 
 
 def test_a_copy_is_read_only_whole_and_only_by_its_job(tmp_path):
