@@ -9,6 +9,8 @@ published ``--n`` times into a copy in ``/dev/shm``: per call, for a loop that d
 python's or numpy's stream every step (they are copied at every boundary then) and for
 one that does not (only torch's generators: the common case). Then the same under
 ``strace -f -c``, twice as many publishes against as many: the system calls per publish.
+``us_per_publish_update``: the copy published after each update too (the boundary to
+come's part, read with its own ``get_state()`` calls), when nothing draws.
 
 ``--partner``: the copy also sent to a partner on another node (``partner.py``; here two
 links in this process over loopback, through a real TCPStore): the main thread's time
@@ -61,13 +63,21 @@ def measure(n: int) -> dict[str, float]:
         try:
             slot.publish(g)  # the cold part, once
             cap.captured_at = cap.count - 1  # not drawing: torch's generators only
+            cap.drawing = False
             quiet = timeit.timeit(lambda: slot.publish(g), number=n) / n
+            # After the update, the part of the boundary to come (its own get_state()s).
+            update = timeit.timeit(lambda: slot.publish_update(g), number=n) / n
+            assert slot.exact
             cap.captured_at = cap.count  # drawing: python's and numpy's too
             cap.drawing = True  # (into the boundary's half only: each has its own)
             drawing = timeit.timeit(lambda: slot.publish(g), number=n) / n
         finally:
             slot.close()
-    return {"us_per_publish": quiet * 1e6, "us_per_publish_drawing": drawing * 1e6}
+    return {
+        "us_per_publish": quiet * 1e6,
+        "us_per_publish_update": update * 1e6,
+        "us_per_publish_drawing": drawing * 1e6,
+    }
 
 
 def measure_partner(n: int) -> dict[str, float]:

@@ -23,7 +23,8 @@ rank on another host: ``checkpointer/peer.py``), ``node_lost`` (as ``kill_unpubl
 other rank, then SIGKILL, the way a launcher's teardown can reach the survivors before
 their collective fails), ``start`` (a ValueError before the first step). After the
 update that finished step ``--at`` (the loop's logging, an eval): ``after`` (a
-ValueError), ``sleep_after`` (stuck in Python). ``none``: no fault. At the end (a run
+ValueError), ``sleep_after`` (stuck in Python), ``kill_after`` (SIGKILL). ``none``: no
+fault. At the end (a run
 that finishes) the weights, optimizer state, RNG streams and the batches trained since
 the start (their sums, by step) go to ``DIR/final<rank>.pt``.
 """
@@ -78,6 +79,14 @@ def main() -> None:
     p.add_argument("--hang-timeout-s", type=float, default=60.0)
     p.add_argument("--save-timeout-s", type=float, default=20.0)
     p.add_argument("--rewind", action="store_true")
+    p.add_argument(
+        "--draws",
+        choices=["python", "torch", "torch_after"],
+        default="python",
+        help="the input's scale, drawn every step before the forward from python's stream "
+        "or torch's; torch_after: from torch's, after the update (between it and the "
+        "next step)",
+    )
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -120,18 +129,26 @@ def main() -> None:
             print(f"rank {rank}: published part at {slot.path}", flush=True)
         if faulty and args.fault == "start":
             raise ValueError("boom before the first step")
+        scale = 1.0
         while g.step < args.steps:
             if sampler is not None:
                 sampler.set_epoch(g.epoch)
             for x, y in g:
                 if faulty and g.step == args.at:
                     fault(args.fault, opt, g)
-                scale = 1.0 + 0.1 * random.random()  # python's stream, drawn every step
+                if args.draws == "python":
+                    scale = 1.0 + 0.1 * random.random()  # python's stream, drawn every step
+                elif args.draws == "torch":
+                    scale = 1.0 + 0.1 * float(torch.rand(()))
                 model(x * scale, y).backward()
                 if faulty and g.step == args.at and args.fault == "forward":
                     raise ValueError("boom after the backward")
                 opt.step()
                 seen[g.step] = float(x.sum() + y.sum())
+                if args.draws == "torch_after":
+                    scale = 1.0 + 0.1 * float(torch.rand(()))  # the next step's
+                if faulty and g.step == args.at and args.fault == "kill_after":
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if faulty and g.step == args.at and args.fault == "after":
                     raise ValueError("boom after the update")
                 if faulty and g.step == args.at and args.fault == "sleep_after":

@@ -71,13 +71,13 @@ def assert_same_end(run: Path, clean: Path, world: int, *, since: int) -> None:
         assert x["seen"] == {s: y["seen"][s] for s in x["seen"]}, rank
 
 
-def assert_resumed_whole(run: Path, clean: Path, world: int, saved: Path) -> None:
+def assert_resumed_whole(run: Path, clean: Path, world: int, saved: Path, *more: str) -> None:
     """``saved`` (step AT) is whole and bitwise ``clean``'s save of that step; the same
     command again (``world`` ranks, each its own process) resumes it, redoing no step, and ends
     bitwise ``clean``'s end."""
     assert problem(saved) is None
     assert_same_checkpoint(saved, clean / "checkpoints" / f"step_{AT:09d}", world)
-    code, out = job(run, world, "ranks", "b")
+    code, out = job(run, world, "ranks", "b", *more)
     assert code == 0, out[-4000:]
     assert f"resumed from {saved} (step {AT}," in out
     assert_same_end(run, clean, world, since=AT)
@@ -243,6 +243,35 @@ def test_a_rank_a_step_ahead_of_the_committer_is_saved_from_its_boundary_before(
     failure = json.loads((found[AT] / "manifest.json").read_text())["failure"]
     assert failure["missing"] == [] and failure["from_peers"] == [1], failure
     assert_resumed_whole(tmp_path, clean[2], 2, found[AT])
+
+
+@pytest.mark.parametrize("draws", ["torch", "torch_after"])
+def test_a_rank_killed_after_its_update_leaves_its_part_of_that_step(tmp_path, draws):
+    """Rank 1 SIGKILLed right after the update that finished step 67, before its step
+    boundary (where a loop logs, calls ``loss.item()``, evaluates): rank 0 finishes step
+    67 too and saves it. Rank 1's copy was published after its update as well, and its
+    boundaries found that copy equal to the boundary's every time (the loop draws from
+    torch's RNG only before its forward): step 67 is whole, bitwise the uninterrupted
+    run's save, and the resume redoes no step. ``torch_after``: the loop draws after the
+    update, the boundaries saw it, and the copy after the update is refused, saying why
+    (the save is incomplete, never silently another state)."""
+    more = ("--fault", "kill_after", "--at", AT, "--rank", 1, "--every", EVERY)
+    code, out = job(tmp_path, 2, "ranks", "a", *more, "--draws", draws, "--hang-timeout-s", 3)
+    assert code != 0
+    found = dict(list_checkpoints(tmp_path / "checkpoints"))
+    assert sorted(found) == [EVERY, AT], out[-4000:]
+    failure = json.loads((found[AT] / "manifest.json").read_text())["failure"]
+    if draws == "torch_after":
+        assert failure["missing"] == [1] and "from_peers" not in failure, failure
+        [said] = [e for e in read_events(tmp_path) if e["kind"] == "failure_saved"]
+        assert "of step 66, not 67 (its loop draws from the RNG" in said["message"], said
+        return
+    assert failure["missing"] == [] and failure["from_peers"] == [1], failure
+    clean = tmp_path / "clean"
+    argv = [sys.executable, *args(clean, "--every", AT, "--draws", draws)]
+    ranks = run_ranks(argv, 2, out=clean / "out", timeout_s=120)
+    assert all(r.code == 0 for r in ranks), [r.out[-2000:] for r in ranks]
+    assert_resumed_whole(tmp_path, clean, 2, found[AT], "--draws", draws)
 
 
 def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path, clean):

@@ -582,6 +582,10 @@ class SignalCheckpointer(Component):
 
     def after_step(self, guard: Guard) -> None:
         # Per step: a few attribute reads (tests/test_structure.py pins the frames).
+        if self._peer_slot is not None:  # several ranks: the part after the update
+            self._peer_slot.publish_update(guard)
+            if self._partner is not None:
+                self._partner.sent()
         if self._agreement is None:
             if self.capture.signal is not None and self._stop_at is None:
                 self._stop_at, self._stop_signal = guard.step, self.capture.signal

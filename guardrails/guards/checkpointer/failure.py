@@ -538,7 +538,7 @@ class FailureSave:
         for r in missing:
             got, why = peer.read_peer(self._slots, self._writer.token, r, step=step)
             if got is not None and got.step != step:
-                got, why = None, f"its published copy is of step {got.step}, not {step}"
+                got, why = None, f"its published copy is of step {got.step}, not {step}{got.note}"
             elif got is not None and got.epoch != point.epoch and not self._after_update:
                 got, why = None, "its published copy is of another pass over the loader"
             elif got is not None and not got.streams_fresh and capture.drawing:

@@ -81,7 +81,7 @@ _TOKEN_BYTES = 32
 _WRITER = struct.Struct("<3q")
 _WRITER_AT = 8 + _TOKEN_BYTES
 _PREFIX = "guardrails-peer-"
-INTS_AT, _N_INTS = 64, 16
+INTS_AT, _N_INTS = 64, 18
 _FLOATS_AT = INTS_AT + 8 * _N_INTS
 _PY_AT, _PY_N = 256, 625  # random.getstate()[1]: 624 words and the index
 _NP_AT, _NP_N = _PY_AT + 4 * _PY_N + 12, 624  # np.random.get_state()[1]
@@ -92,6 +92,10 @@ _COLD_BYTES = SLOT_BYTES - _COLD_AT
 # The integers, by index. BEGIN and END frame every write with the boundary count.
 BEGIN, STEP, COUNT, EPOCH, POS_EPOCH, POS_BATCH, HELD, RNG_AT, PY_VERSION = range(9)
 PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END, HOST, GONE = range(9, 16)
+# AT_UPDATE: published after the update, before its boundary (PeerSlot.publish_update);
+# INEXACT: the loop drew from the RNG or moved the data between an update and its
+# boundary at least once, so such a copy is not the boundary's.
+AT_UPDATE, INEXACT = 16, 17
 # One call writes the step's integers, STEP to HELD (a numpy item store each was
 # ~0.1 us), and python's stream (2x faster than a numpy array's store from its tuple).
 _STEP_INTS = struct.Struct("<6q")
@@ -296,6 +300,10 @@ class PeerSlot:
         self._halves: list[_Half] = []
         self._last: _Half | None = None  # the half the last boundary was published in
         self._closed = False
+        #: What :meth:`publish_update` wrote, by boundary count, for that boundary to
+        #: check; and whether every check so far found the boundary the same.
+        self._update: tuple[int, tuple[Tensor, ...], tuple[int, ...]] | None = None
+        self.exact = True
         #: Why the copy cannot stand for this rank's part (the loader's kind, a state
         #: too large), or ``""``.
         self.unusable = ""
@@ -349,8 +357,52 @@ class PeerSlot:
             self._map, half.base + INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch,
             batch, held,
         )  # fmt: skip
+        ints[AT_UPDATE] = 0
         ints[END] = count
         self._last = half
+        update, self._update = self._update, None
+        if update is not None and update[0] == count and self.exact:
+            _, seen, position = update
+            same = position == (guard.step, cap.epoch, epoch, batch, held)
+            if not (same and all(map(torch.equal, seen, states))):
+                self._inexact()
+
+    def publish_update(self, guard: Guard) -> None:
+        """After an update (the engine's ``after_step``): the part the next boundary
+        will hold when nothing draws from the RNG or moves the data in between, so that a
+        rank killed after its update and before that boundary (in the loop's logging, a
+        ``loss.item()``, an eval) still leaves its part of the step the others save. That
+        boundary checks it: a loop that drew or fetched in between marks such copies
+        unusable for the rest of the run (:data:`INEXACT`). Not while python's or numpy's
+        stream is drawn from (reading them costs 40 us), nor at a pass's first step."""
+        cap = guard.boundary_capture
+        if not self._halves or cap.drawing or not self.exact:
+            return
+        count = cap.count + 1
+        half = self._halves[count % 2]
+        states = tuple(g.get_state() for g in cap.generators)
+        if guard.generators:
+            states += tuple(g.get_state() for g in guard.generators.values())
+        epoch, batch, start = guard.data_position.trained()
+        if start is not half.start or len(states) != len(half.views):
+            return  # the boundary writes the pass's part first
+        held = len(guard.data_position.fetched)
+        ints = half.ints
+        ints[BEGIN] = count
+        torch._foreach_copy_(half.views, states)
+        _STEP_INTS.pack_into(
+            self._map, half.base + INTS_AT + 8 * STEP, guard.step, count, guard.epoch, epoch,
+            batch, held,
+        )  # fmt: skip
+        ints[AT_UPDATE] = 1
+        ints[END] = count
+        self._last = half
+        self._update = (count, states, (guard.step, guard.epoch, epoch, batch, held))
+
+    def _inexact(self) -> None:
+        self.exact = False
+        for half in self._halves:
+            half.ints[INEXACT] = 1
 
     def _write_streams(self, half: _Half, python: Any, numpy: Any, count: int) -> None:
         version, internal, gauss = python
@@ -500,6 +552,8 @@ class PeerPart:
     tensors: dict[str, Tensor]
     #: Which copy: the rank's own, or the mirror its partner on another node keeps.
     source: str = "published copy"
+    #: Why the copy may be a step behind the rank: said with a step that is not the save's.
+    note: str = ""
 
 
 _NOT_HERE = "its published copy is not on this host"
@@ -546,6 +600,8 @@ def _read(path: Path, token: str, rank: int, step: int | None) -> tuple[PeerPart
 def _part(data: bytes, rank: int) -> tuple[PeerPart | None, str]:
     """One boundary's half of a copy, read."""
     ints = np.frombuffer(data, np.int64, _N_INTS, INTS_AT)
+    if ints[AT_UPDATE] and ints[INEXACT]:  # written before its boundary found it out
+        return None, _INEXACT
     size = int.from_bytes(data[_COLD_AT : _COLD_AT + 8], "little")
     head = json.loads(data[_COLD_AT + 8 : _COLD_AT + 8 + size])
     if "unusable" in head:
@@ -578,7 +634,14 @@ def _part(data: bytes, rank: int) -> tuple[PeerPart | None, str]:
         streams_fresh=bool(ints[RNG_AT] == ints[COUNT]),
         torch=streams,
         tensors=load_tensors(blob) if blob else {},
+        note=f" ({_INEXACT})" if ints[INEXACT] else "",
     ), ""
+
+
+_INEXACT = (
+    "its loop draws from the RNG or fetches data between an update and the next step, so "
+    "no copy is published after its update: it died there"
+)
 
 
 def stage_peer(guard: Guard, peer: PeerPart, *, step: int, trained_at: Any) -> stage.Part:
