@@ -603,9 +603,12 @@ class SignalCheckpointer(Component):
 
     def on_rewind(self, guard: Guard, from_step: int) -> None:
         """The run is back at an earlier step on every rank: the agreement's next check
-        is the next step, under keys of its own (step numbers repeat)."""
+        is the next step, under keys of its own (step numbers repeat); the copy after
+        the last update is not this boundary's to check."""
         if self._agreement is not None:
             self._agreement.rewound(guard.step)
+        if self._peer_slot is not None:
+            self._peer_slot.rewound()
 
     def _agree(self, guard: Guard, *, at: str) -> None:
         """The ranks' decision at ``at`` (a check step, or ``"end"``): a stop there, a

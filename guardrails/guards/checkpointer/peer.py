@@ -399,6 +399,12 @@ class PeerSlot:
         self._last = half
         self._update = (count, states, (guard.step, guard.epoch, epoch, batch, held))
 
+    def rewound(self) -> None:
+        """The run went back to an earlier step: the copy after the last update is of a
+        step given up, and the boundary to come does not check it. The copy at that
+        boundary is published by it."""
+        self._update = None
+
     def _inexact(self) -> None:
         self.exact = False
         for half in self._halves:
