@@ -680,3 +680,15 @@ def _dumps(obj: Any) -> bytes:
     # allow_nan: a scheduler's best=inf must round-trip exactly; these files are read
     # back by Python's json, which reads Infinity/NaN.
     return json.dumps(obj, indent=1, allow_nan=True).encode()
+
+
+def rerun_text(root: Path, ours: Path | None) -> str:
+    """Which checkpoint of ``root`` a re-run resumes, in words: the newest complete one on
+    disk but ``ours`` (a background save may have committed it without this rank hearing
+    so yet)."""
+    with contextlib.suppress(OSError):
+        for step, ckpt in resume_order(list_checkpoints(root)):
+            with contextlib.suppress(ManifestError):
+                if ckpt != ours and incomplete(ckpt, read_manifest(ckpt)) is None:
+                    return f"a re-run resumes the latest complete checkpoint, {ckpt} (step {step})"
+    return "no complete checkpoint is left, so a re-run starts from scratch"

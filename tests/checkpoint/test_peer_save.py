@@ -105,6 +105,16 @@ def clean(tmp_path_factory) -> dict[int, Path]:
     return runs
 
 
+@pytest.fixture(scope="module")
+def clean6(tmp_path_factory) -> dict[int, Path]:
+    """The uninterrupted run at 6 ranks (three simulated nodes' worth)."""
+    run_dir = tmp_path_factory.mktemp("clean6")
+    argv = [sys.executable, *args(run_dir, "--every", AT)]
+    ranks = run_ranks(argv, 6, out=run_dir / "out", timeout_s=120)
+    assert all(r.code == 0 for r in ranks), [r.out[-2000:] for r in ranks]
+    return {6: run_dir}
+
+
 def job(run_dir: Path, world: int, launcher: str, out: str, *more: object) -> tuple[int, str]:
     """The worker's ranks, by ``launcher``: each rank its own process with rank 0 hosting
     the store (``ranks``), or under torchrun, whose agent hosts it: the exit code
@@ -118,6 +128,7 @@ def job(run_dir: Path, world: int, launcher: str, out: str, *more: object) -> tu
 
 
 TORCHRUN = pytest.mark.slow(reason="a real torchrun job, twice")
+THREE_NODES = pytest.mark.slow(reason="6 ranks twice")
 STORE_LOST = pytest.mark.slow(reason="4 ranks twice, rank 0 and its store SIGKILLed")
 TERM_FIRST = pytest.mark.slow(reason="two 2-rank jobs, one waiting out a signal's teardown")
 
@@ -178,25 +189,31 @@ def test_a_killed_rank_costs_no_step(tmp_path, clean, launcher, world, killed, k
     ("nodes", "lost"),
     [
         (2, [2, 3]),
+        # Three nodes, the middle one lost: its ranks' mirrors are on the third node, not
+        # on the committer's (rank 0); ranks 4 and 5 write ranks 2 and 3's parts.
+        pytest.param(3, [2, 3], marks=THREE_NODES),
         # The first node: rank 0 hosts the store (no torchrun), gone with it; the
         # survivors meet in files (board.py), the first done commits.
         pytest.param(2, [0, 1], marks=STORE_LOST),
         (1, [2, 3]),
     ],
 )
-def test_a_node_lost_whole_costs_no_step(tmp_path, clean, nodes, lost):
+def test_a_node_lost_whole_costs_no_step(request, tmp_path, nodes, lost):
     """Four ranks on two simulated nodes (``LOCAL_WORLD_SIZE=2``: ranks 0-1 and 2-3), one
     lost whole 0.3 s into the step after step 67: its ranks SIGKILLed, their own copies
     and the copies they kept of the other node's ranks gone with the node's memory. Each
-    rank's copy went to a rank on the other node at every boundary (``partner.py``): the
+    rank's copy went to a rank on the next node at every boundary (``partner.py``): the
     failure save of step 67 is whole, bitwise the uninterrupted run's save, and the same
-    command resumes it, redoes no step and ends bitwise. The control, ``nodes=1``
-    (``LOCAL_WORLD_SIZE=4``: one node as far as guardrails knows, so no copy leaves it):
-    the same loss leaves the save incomplete, without ranks 2 and 3."""
+    command resumes it, redoes no step and ends bitwise. Six ranks on three nodes, the
+    middle one lost: the partners on the third node write the lost ranks' parts. The
+    control, ``nodes=1`` (``LOCAL_WORLD_SIZE=4``: one node as far as guardrails knows, so
+    no copy leaves it): the same loss leaves the save incomplete, without ranks 2 and 3."""
+    world = 6 if nodes == 3 else 4
+    clean = request.getfixturevalue("clean6" if world == 6 else "clean")
     more = ("--fault", "node_lost", "--at", AT, "--rank", ",".join(map(str, lost)))
-    env = {"LOCAL_WORLD_SIZE": str(4 // nodes)}
+    env = {"LOCAL_WORLD_SIZE": str(4 if nodes == 1 else 2)}
     argv = [sys.executable, *args(tmp_path, *more, "--every", EVERY, "--hang-timeout-s", 3)]
-    ranks = run_ranks(argv, 4, out=tmp_path / "a", env=env, timeout_s=120)
+    ranks = run_ranks(argv, world, out=tmp_path / "a", env=env, timeout_s=120)
     assert [ranks[r].code for r in lost] == [-9, -9]
     found = dict(list_checkpoints(tmp_path / "checkpoints"))
     assert sorted(found) == [EVERY, AT], [r.out[-3000:] for r in ranks]
@@ -206,6 +223,7 @@ def test_a_node_lost_whole_costs_no_step(tmp_path, clean, nodes, lost):
         assert "incomplete failure save" in problem(found[AT])[1]
         return
     assert failure["missing"] == [] and failure["from_peers"] == lost, failure
+    assert failure.get("by_partner", []) == (lost if nodes == 3 else failure.get("by_partner", []))
     assert problem(found[AT]) is None
     # Their partners saw their connections end without a goodbye: not waited for (the
     # wait for a rank that never begins its part is 10 s).
@@ -215,16 +233,16 @@ def test_a_node_lost_whole_costs_no_step(tmp_path, clean, nodes, lost):
     ]
     assert said["seconds"] < 10, said
     assert all("copies sent to rank" in ranks[r].out for r in lost)
-    assert_same_checkpoint(found[AT], clean[4] / "checkpoints" / f"step_{AT:09d}", 4)
+    assert_same_checkpoint(found[AT], clean[world] / "checkpoints" / f"step_{AT:09d}", world)
     # Nothing left in /dev/shm: no copy, no partner's copy.
     assert not any(p.exists() for p in published(tmp_path / "a"))
     copy = published(tmp_path / "a")[0]
     token = copy.name.rpartition("-rank")[0]
     assert not list(copy.parent.glob(f"{token}-rank*-mirror"))
-    ranks = run_ranks([sys.executable, *args(tmp_path)], 4, out=tmp_path / "b", env=env)
+    ranks = run_ranks([sys.executable, *args(tmp_path)], world, out=tmp_path / "b", env=env)
     assert all(r.code == 0 for r in ranks), [r.out[-3000:] for r in ranks]
     assert f"resumed from {found[AT]} (step {AT}," in ranks[0].out  # no step redone
-    assert_same_end(tmp_path, clean[4], 4, since=AT)
+    assert_same_end(tmp_path, clean[world], world, since=AT)
 
 
 def test_a_rank_a_step_ahead_of_the_committer_is_saved_from_its_boundary_before(tmp_path, clean):

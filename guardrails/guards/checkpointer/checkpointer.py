@@ -395,6 +395,8 @@ class SignalCheckpointer(Component):
             self._peer_slot = self.failure.slot  # published at every boundary (peer.py)
             # ... and sent to a rank on another node (partner.py).
             self._partner = partner.link(guard, self._peer_slot, self.writer.token)
+            if self._partner is not None:  # its failure save writes the kept rank's part
+                self.failure.keeps = self._partner.keeps
         self.resumer = ResumeAtStart(
             resume=self.resume,
             root=self.root,
@@ -509,6 +511,9 @@ class SignalCheckpointer(Component):
             guard, error, stop=self._stop_at, from_thread=True
         ):
             failure.run(guard, error, from_thread=True)
+        if self._partner is not None:  # the mirror as the slot: kept if nothing committed
+            outcome = failure.outcome if failure is not None else None
+            self._partner.close(keep=outcome is None or outcome["path"] is None)
 
     def _preempted_then_failed(self, guard: Guard, signum: int, exc: Exception) -> None:
         """The loop failed after a stop signal, before a stop was agreed. A verdict this

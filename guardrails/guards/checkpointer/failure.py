@@ -61,16 +61,10 @@ from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import CheckpointError, RankFailedError
 from guardrails.checkpoint import commit, stage
-from guardrails.checkpoint.manifest import (
-    ManifestError,
-    incomplete,
-    list_checkpoints,
-    read_manifest,
-    resume_order,
-)
+from guardrails.checkpoint.manifest import rerun_text
 from guardrails.distributed.store import agent_holds_store, stretched, wait_keys
 from guardrails.engine import model, where
-from guardrails.guards.checkpointer import peer
+from guardrails.guards.checkpointer import from_peers, peer
 from guardrails.guards.checkpointer.board import FileBoard
 from guardrails.guards.checkpointer.savepoint import SavePoint, choose
 from guardrails.guards.checkpointer.signals import SignalCapture
@@ -147,8 +141,12 @@ class FailureSave:
         self._key: str | None = None  # the store's keys of the save running
         self._t0 = 0.0
         #: The missing ranks whose part the committer could not write from their
-        #: published copy, and why (said in the event).
+        #: published copy, and why (said in the event); the dead ranks whose part their
+        #: partner wrote; the rank whose copy this one keeps (``partner.py``: set by the
+        #: checkpointer when the job spans nodes).
         self.peer_notes: dict[int, str] = {}
+        self.by_partner: list[int] = []
+        self.keeps: int | None = None
 
     def wanted(
         self,
@@ -375,6 +373,7 @@ class FailureSave:
         said = {**files, _AFTER_UPDATE: True} if self._after_update else files
         self._store.set(f"{key}/files/{self._rank}", json.dumps(said))
         if self._rank != committer:
+            self._file_kept(guard, key, tmp, cancel)
             self._store.add(f"{key}/filed", 1)
             return self._await_commit(key, deadline, dead)
         merged, missing, after = self._gather(key, deadline, dead)
@@ -460,7 +459,8 @@ class FailureSave:
         holds copies of (:meth:`_write_peers`), then the commit; the checkpoint and the
         ranks still missing. The committer and the lost store are passed, not read back:
         the main thread's failure and the watchdog's verdict can each run a save here."""
-        peers = self._write_peers(guard, claim, tmp, files, missing, cancel)
+        peers = dict.fromkeys(self.by_partner, "its partner's copy")
+        peers.update(self._write_peers(guard, claim, tmp, files, missing, cancel))
         missing = [r for r in missing if r not in peers]
         final = self._commit(
             self._step,
@@ -526,39 +526,49 @@ class FailureSave:
         cancel: threading.Event,
     ) -> dict[int, str]:
         """The committer: the parts of the ``missing`` ranks whose copies this host
-        holds (``peer.py``), written into ``tmp`` (``files`` gets their records): the
-        ranks written, and why each other one was not (``self.peer_notes``). ``claim(r)``:
-        whether the committer, not rank ``r`` itself, writes ``r``'s part."""
+        holds (``from_peers.py``), written into ``tmp`` (``files`` gets their records):
+        the ranks written, and why each other one was not (``self.peer_notes``).
+        ``claim(r)``: whether the committer, not rank ``r`` itself, writes ``r``'s part."""
         written: dict[int, str] = {}
         self.peer_notes = {}
         if self._slots is None or self.slot is None:
             return written
-        capture, step, point = guard.boundary_capture, self._step, self._point
+        point = self._point
         assert point is not None  # a committer writing peers saved a point of its own
         for r in missing:
-            got, why = peer.read_peer(self._slots, self._writer.token, r, step=step)
-            if got is not None and got.step != step:
-                got, why = None, f"its published copy is of step {got.step}, not {step}{got.note}"
-            elif got is not None and got.epoch != point.epoch and not self._after_update:
-                got, why = None, "its published copy is of another pass over the loader"
-            elif got is not None and not got.streams_fresh and capture.drawing:
-                # The copy's python / numpy streams are an older boundary's: they are
-                # the last one's when no rank draws from them between checks, which
-                # this rank, running the same loop, tells (engine/boundary.py).
-                got, why = (
-                    None,
-                    "python's or numpy's stream in its published copy is not the last step's",
-                )
+            got, why = from_peers.usable(
+                guard, self._slots, self._writer.token, r, self._step, point, self._after_update
+            )
             if got is not None and not claim(r):
                 got, why = None, "it began to write its own part after the wait for it"
             if got is None:
                 self.peer_notes[r] = why
                 continue
-            part = peer.stage_peer(guard, got, step=step, trained_at=point.position[0])
-            part.cancel = cancel
-            part.write(tmp, files)
+            files.update(from_peers.write(guard, got, point, tmp, cancel))
             written[r] = got.source
         return written
+
+    def _file_kept(self, guard: Guard, key: str, tmp: Path, cancel: threading.Event) -> None:
+        """A partner whose kept rank is gone files that rank's part (``from_peers.py``),
+        before its own is counted: the committer, waiting on the count, waits for it."""
+        r, point = self.keeps, self._point
+        if r is None or point is None or self._slots is None:
+            return
+        if not from_peers.kept_gone(self._slots, self._writer.token, r):
+            return
+        got, _ = from_peers.usable(
+            guard, self._slots, self._writer.token, r, self._step, point, self._after_update
+        )
+        if (
+            got is None
+            or self._store.check([f"{key}/files/{r}"])
+            or not self._claim(key, "peer", r)
+        ):
+            return
+        self._store.add(f"{key}/begun", 1)  # a record like any rank's: begun, then filed
+        files = from_peers.write(guard, got, point, tmp, cancel)
+        self._store.set(f"{key}/files/{r}", json.dumps({**files, _BY_PARTNER: self._rank}))
+        self._store.add(f"{key}/filed", 1)
 
     def _gather(
         self, key: str, deadline: float, dead: int | None
@@ -571,12 +581,12 @@ class FailureSave:
         10,000 ranks' records polled every 50 ms would be 200,000 calls a second,
         twice what one store serves); the records are read once."""
         store, world = self._store, self._world
-        others = [r for r in range(world) if r not in (dead, self._committer)]
+        others = [r for r in range(world) if r != self._committer]  # the dead: its partner's
         begun_by = time.monotonic() + _BEGUN_WAIT_S
         poll_s = stretched(_POLL_S, world)
         while time.monotonic() < deadline:
             filed = int(store.add(f"{key}/filed", 0))
-            if filed >= len(others) - len(self._gone_unfiled(key, others)):
+            if filed >= len(others) - len(self._gone_unfiled(key, others, dead)):
                 break
             # Past the wait for beginners: stop once everyone who began has filed.
             if time.monotonic() > begun_by and int(store.add(f"{key}/begun", 0)) <= filed:
@@ -588,16 +598,16 @@ class FailureSave:
             for r in others
             if store.check([f"{key}/files/{r}"])
         }
-        missing = [] if dead is None or dead == self._committer else [dead]
-        return self._merge(records, others, missing)
+        return self._merge(records, others, [])
 
-    def _gone_unfiled(self, key: str, others: list[int]) -> list[int]:
-        """The ranks of this host whose process ended without filing a part: not waited
+    def _gone_unfiled(self, key: str, others: list[int], dead: int | None) -> list[int]:
+        """The ``dead`` rank and those whose process ended (this host's, and the ranks
+        whose partner's link saw them go) without a part filed (by a partner): not waited
         for (the watchdog that names a dead rank is paused while this save runs, and a
         SIGKILLed peer cost the whole wait for beginners: 10 s of a 22 s recovery)."""
-        if self._slots is None or self.slot is None:
-            return []
-        gone = peer.gone_ranks(self._slots, self._writer.token) & set(others)
+        gone = {dead} & set(others)
+        if self._slots is not None and self.slot is not None:
+            gone |= peer.gone_ranks(self._slots, self._writer.token) & set(others)
         return [r for r in sorted(gone) if not self._store.check([f"{key}/files/{r}"])]
 
     def _merge(
@@ -615,6 +625,8 @@ class FailureSave:
                 continue
             if got.pop(_AFTER_UPDATE, False):
                 after.append(r)
+            if got.pop(_BY_PARTNER, None) is not None:
+                self.by_partner.append(r)
             merged.update(got)
         return merged, sorted(missing), sorted(after)
 
@@ -677,6 +689,8 @@ class FailureSave:
             failure["after_update"] = after if after is not None else [self._rank]
         if peers:
             failure["from_peers"] = sorted(peers)
+        if self.by_partner:  # of those, the ones their partner on the next node wrote
+            failure["by_partner"] = sorted(self.by_partner)
         if committer != 0:
             failure["committed_by"] = committer
         if store_lost:
@@ -697,18 +711,6 @@ class FailureSave:
                 os.unlink(peer.slot_path(self._slots, self._writer.token, r))  # type: ignore[arg-type]
         return final
 
-    def _latest_text(self, ours: Path | None) -> str:
-        """Which checkpoint a re-run resumes, in words: the newest complete one on disk
-        (a background save may have committed it without this rank hearing so yet)."""
-        with contextlib.suppress(OSError):
-            for step, ckpt in resume_order(list_checkpoints(self._writer.root)):
-                with contextlib.suppress(ManifestError):
-                    if ckpt != ours and incomplete(ckpt, read_manifest(ckpt)) is None:
-                        return (
-                            f"a re-run resumes the latest complete checkpoint, {ckpt} (step {step})"
-                        )
-        return "no complete checkpoint is left, so a re-run starts from scratch"
-
     def _said(
         self,
         guard: Guard,
@@ -725,7 +727,7 @@ class FailureSave:
         when = f"after the update of step {step}" if self._after_update else f"in step {step + 1}"
         if self._point is not None and self._point.before is not None:
             when = f"in step {guard.step + 1}, its GPU a step behind at step {step}"
-        notes = self.peer_notes
+        notes, rerun = self.peer_notes, rerun_text(self._writer.root, path)
         if path is not None and not missing:
             message = (
                 f"the run failed {when} ({kind}); the state of step {step}, the "
@@ -738,7 +740,7 @@ class FailureSave:
                 f"the run failed {when} ({kind}); step {step} was saved to {path} "
                 f"without rank(s) {missing} (dead or stuck: their RNG streams and data "
                 f"position are missing{f'; {unreached}' if unreached else ''}), so it is "
-                f"incomplete and resume='auto' will not use it; {self._latest_text(path)}."
+                f"incomplete and resume='auto' will not use it; {rerun}."
             )
         elif self.part_only:
             why = f"rank {committer} had not begun its failure save"
@@ -748,10 +750,7 @@ class FailureSave:
                 f"rank {committer} commits once it fails too."
             )
         else:
-            message = (
-                f"the run failed {when} ({kind}); nothing was saved: {why}; "
-                f"{self._latest_text(path)}."
-            )
+            message = f"the run failed {when} ({kind}); nothing was saved: {why}; {rerun}."
         self.outcome = {
             "cause": cause,
             "path": None if path is None else str(path),
@@ -774,8 +773,9 @@ class FailureSave:
             guard.event("failure_saved", level="warning", message=message, **self.outcome)
 
 
-#: The key of a rank's record that says it saved the state after the failing step's update.
-_AFTER_UPDATE = "_after_update"
+#: The key of a rank's record that says it saved the state after the failing step's update;
+#: of a dead rank's record that its partner on the next node wrote it (``_file_kept``).
+_AFTER_UPDATE, _BY_PARTNER = "_after_update", "_by_partner"
 
 
 def _committer(dead: int | None, world: int) -> int:
