@@ -14,11 +14,10 @@ ranks' part on the next node, where the failure save writes it like a same-host 
   copy (a copy torn by the next boundary's write is dropped: that boundary sends
   its own) and sends it; a slow link sends only the newest. The receiver writes what
   comes into its :class:`~peer.Mirror` (``/dev/shm``).
-* **Where it helps**: the failure save's committer reads the copies its own host holds.
-  With two nodes each node mirrors the other: a lost node's parts are on the
-  committer's host. With more, the first node's mirrors are on the second, whose
-  lowest rank commits, and the last node's on the first; a lost node in between has
-  its mirrors on a node that does not commit, and its part is missing, as before.
+* **Where it helps**: the failure save's committer writes the copies its own host holds;
+  a partner whose kept rank is gone writes that rank's part itself, before its own part
+  counts as filed (``from_peers.py``), so a lost node's parts are whole wherever the next
+  node is. Two nodes lost together, a node and the one after it, lose the first's parts.
 * **What it cannot hold**: the state a rank's copy cannot (``peer.py``); a boundary whose
   copy was not sent yet when the node died (the sender runs within a millisecond of the
   boundary; the step's forward takes longer): the mirror then holds the boundary before,
