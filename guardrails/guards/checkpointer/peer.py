@@ -353,19 +353,22 @@ class PeerSlot:
             for other in self._halves if not cap.drawing else (half,):
                 self._write_streams(other, cap.python, cap.numpy, count)
         held = len(guard.data_position.fetched)  # a prefetch's batches, past the boundary
-        _STEP_INTS.pack_into(
-            self._map, half.base + INTS_AT + 8 * STEP, guard.step, count, cap.epoch, epoch,
-            batch, held,
-        )  # fmt: skip
-        ints[AT_UPDATE] = 0
-        ints[END] = count
-        self._last = half
+        position = (guard.step, cap.epoch, epoch, batch, held)
+        self._seal(half, count, position, at_update=False)
         update, self._update = self._update, None
         if update is not None and update[0] == count and self.exact:
-            _, seen, position = update
-            same = position == (guard.step, cap.epoch, epoch, batch, held)
-            if not (same and all(map(torch.equal, seen, states))):
+            _, seen, expected = update
+            if not (expected == position and all(map(torch.equal, seen, states))):
                 self._inexact()
+
+    def _seal(self, half: _Half, count: int, position: tuple[int, ...], *, at_update: bool) -> None:
+        """The copy's step integers (``position``: the step, the guard's epoch, the data
+        position's epoch and batch, the batches held past it), then END: whole."""
+        at = half.base + INTS_AT + 8 * STEP
+        _STEP_INTS.pack_into(self._map, at, position[0], count, *position[1:])
+        half.ints[AT_UPDATE] = at_update
+        half.ints[END] = count
+        self._last = half
 
     def publish_update(self, guard: Guard) -> None:
         """After an update (the engine's ``after_step``): the part the next boundary
@@ -386,18 +389,11 @@ class PeerSlot:
         epoch, batch, start = guard.data_position.trained()
         if start is not half.start or len(states) != len(half.views):
             return  # the boundary writes the pass's part first
-        held = len(guard.data_position.fetched)
-        ints = half.ints
-        ints[BEGIN] = count
+        position = (guard.step, guard.epoch, epoch, batch, len(guard.data_position.fetched))
+        half.ints[BEGIN] = count
         torch._foreach_copy_(half.views, states)
-        _STEP_INTS.pack_into(
-            self._map, half.base + INTS_AT + 8 * STEP, guard.step, count, guard.epoch, epoch,
-            batch, held,
-        )  # fmt: skip
-        ints[AT_UPDATE] = 1
-        ints[END] = count
-        self._last = half
-        self._update = (count, states, (guard.step, guard.epoch, epoch, batch, held))
+        self._seal(half, count, position, at_update=True)
+        self._update = (count, states, position)
 
     def rewound(self) -> None:
         """The run went back to an earlier step: the copy after the last update is of a
