@@ -30,6 +30,16 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_world_size(world: int) -> int:
+    """How many ranks share this rank's node, as the launcher says (``LOCAL_WORLD_SIZE``:
+    torchrun and most launchers, whose node's ranks are consecutive); ``world`` when it
+    does not say, and 1 for a single process (whatever its shell left in the
+    environment)."""
+    if world <= 1:
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` on this host is alive (a zombie, killed but not yet
     reaped by its launcher, counts as dead)."""

@@ -34,6 +34,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from guardrails.checkpoint.common import log
+from guardrails.distributed.dist import local_world_size
 from guardrails.guards.checkpointer.peer import SLOT_BYTES, Mirror, PeerSlot
 
 if TYPE_CHECKING:
@@ -216,7 +217,7 @@ def link(guard: Any, slot: PeerSlot | None, token: str) -> PartnerLink | None:
     """This rank's link when its copy is published (``slot``) and the job spans several
     nodes; ``None`` otherwise (or when no socket could be opened: said in the log)."""
     store = guard.side_store("checkpoint")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    local_world = local_world_size(guard.world_size)
     partners = partner_ranks(guard.rank, guard.world_size, local_world)
     if slot is None or store is None or partners is None:
         return None

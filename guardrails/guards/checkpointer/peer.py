@@ -287,6 +287,25 @@ def _map_file(path: Path, token: str) -> mmap.mmap:
     return mapped
 
 
+def _loop_generators(guard: Guard) -> tuple[Tensor, ...]:
+    """The loop's own generators (``guard(generators=)``) as a save takes them: where the
+    last step left them (``guard.generator_states``), else as they are."""
+    if not guard.generators:
+        return ()
+    saved = guard.generator_states
+    return tuple(g.get_state() if saved is None else saved[n] for n, g in guard.generators.items())
+
+
+def _holds(half: _Half, count: int, position: tuple[int, ...], states: tuple[Tensor, ...]) -> bool:
+    """Whether ``half`` (written after the update) holds what boundary ``count`` found:
+    the same step integers (``position``, as :meth:`PeerSlot._seal` takes it) and
+    generator states."""
+    ints = tuple(int(v) for v in half.ints[STEP : HELD + 1])
+    if ints != (position[0], count, *position[1:]) or len(states) != len(half.views):
+        return False
+    return all(map(torch.equal, half.views, states))
+
+
 class PeerSlot:
     """This rank's copy of its part (see the module docstring), mapped from
     ``directory`` for the job ``token``: made at the first :meth:`publish` (a guard
@@ -300,9 +319,9 @@ class PeerSlot:
         self._halves: list[_Half] = []
         self._last: _Half | None = None  # the half the last boundary was published in
         self._closed = False
-        #: What :meth:`publish_update` wrote, by boundary count, for that boundary to
-        #: check; and whether every check so far found the boundary the same.
-        self._update: tuple[int, tuple[Tensor, ...], tuple[int, ...]] | None = None
+        #: The boundary count whose half :meth:`publish_update` wrote, for that boundary
+        #: to check; and whether every check so far found the boundary the same.
+        self._update: int | None = None
         self.exact = True
         #: Why the copy cannot stand for this rank's part (the loader's kind, a state
         #: too large), or ``""``.
@@ -335,15 +354,14 @@ class PeerSlot:
         cap = guard.boundary_capture
         count = cap.count
         half = self._halves[count % 2]
-        ints = half.ints
-        ints[BEGIN] = count
-        states = cap.torch
-        if guard.generators:  # the loop's own (guard(generators=)), as a save takes them
-            saved = guard.generator_states
-            states = states + tuple(
-                g.get_state() if saved is None else saved[n] for n, g in guard.generators.items()
-            )
+        states = cap.torch + _loop_generators(guard)
         epoch, batch, start = guard.data_position.trained(cap.trained_at)
+        held = len(guard.data_position.fetched)  # a prefetch's batches, past the boundary
+        position = (guard.step, cap.epoch, epoch, batch, held)
+        if self._update == count and self.exact and not _holds(half, count, position, states):
+            self._inexact()  # the loop drew or fetched between the update and here
+        self._update = None
+        half.ints[BEGIN] = count
         if start is not half.start or len(states) != len(half.views):
             self._write_cold(half, guard, states, start)  # once a pass (and when CUDA starts)
         torch._foreach_copy_(half.views, states)
@@ -352,14 +370,7 @@ class PeerSlot:
             # boundary before holds the same streams, and its own may be older still.
             for other in self._halves if not cap.drawing else (half,):
                 self._write_streams(other, cap.python, cap.numpy, count)
-        held = len(guard.data_position.fetched)  # a prefetch's batches, past the boundary
-        position = (guard.step, cap.epoch, epoch, batch, held)
         self._seal(half, count, position, at_update=False)
-        update, self._update = self._update, None
-        if update is not None and update[0] == count and self.exact:
-            _, seen, expected = update
-            if not (expected == position and all(map(torch.equal, seen, states))):
-                self._inexact()
 
     def _seal(self, half: _Half, count: int, position: tuple[int, ...], *, at_update: bool) -> None:
         """The copy's step integers (``position``: the step, the guard's epoch, the data
@@ -383,9 +394,7 @@ class PeerSlot:
             return
         count = cap.count + 1
         half = self._halves[count % 2]
-        states = tuple(g.get_state() for g in cap.generators)
-        if guard.generators:
-            states += tuple(g.get_state() for g in guard.generators.values())
+        states = tuple(g.get_state() for g in cap.generators) + _loop_generators(guard)
         epoch, batch, start = guard.data_position.trained()
         if start is not half.start or len(states) != len(half.views):
             return  # the boundary writes the pass's part first
@@ -393,7 +402,7 @@ class PeerSlot:
         half.ints[BEGIN] = count
         torch._foreach_copy_(half.views, states)
         self._seal(half, count, position, at_update=True)
-        self._update = (count, states, position)
+        self._update = count
 
     def rewound(self) -> None:
         """The run went back to an earlier step: the copy after the last update is of a

@@ -48,6 +48,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from guardrails.distributed.dist import local_world_size
 from guardrails.engine.where import STACK_FRAMES, data_position
 from guardrails.guards.watchdog.records import (
     _first_line,
@@ -87,7 +88,7 @@ class LivePublisher:
         # torchrun's numbering; a single process is its own node whatever its shell
         # left in the environment (a LOCAL_RANK of a launcher it did not run under).
         env = os.environ if world > 1 else {}
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world) or world)
+        local_world = local_world_size(world)
         local_rank = int(env.get("LOCAL_RANK", rank % local_world) or 0)
         first = rank - local_rank  # torchrun numbers a node's ranks in a row
         self.node = int(env.get("GROUP_RANK", first // max(1, local_world)) or 0)
