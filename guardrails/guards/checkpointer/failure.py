@@ -244,7 +244,7 @@ class FailureSave:
         self._step = guard.step if state is None else state.step
         if state is not None and self._step == self._writer.committed_step:  # GPU behind
             state, why = None, f"step {self._step}, the step its GPU holds, is saved already"
-        self._point, self._staged_s = state, None
+        self._point, self._staged_s, self.by_partner = state, None, []
         self._after_update = state is not None and state.after_update
         # The store's keys of this save, by its committer: a save run again with another
         # committer never reads the first one's records.
@@ -536,9 +536,7 @@ class FailureSave:
         point = self._point
         assert point is not None  # a committer writing peers saved a point of its own
         for r in missing:
-            got, why = from_peers.usable(
-                guard, self._slots, self._writer.token, r, self._step, point, self._after_update
-            )
+            got, why = from_peers.usable(guard, self._slots, self._writer.token, r, point)
             if got is not None and not claim(r):
                 got, why = None, "it began to write its own part after the wait for it"
             if got is None:
@@ -556,9 +554,7 @@ class FailureSave:
             return
         if not from_peers.kept_gone(self._slots, self._writer.token, r):
             return
-        got, _ = from_peers.usable(
-            guard, self._slots, self._writer.token, r, self._step, point, self._after_update
-        )
+        got, _ = from_peers.usable(guard, self._slots, self._writer.token, r, point)
         if (
             got is None
             or self._store.check([f"{key}/files/{r}"])

@@ -26,16 +26,17 @@ _GONE_WAIT_S = 0.2
 
 
 def usable(
-    guard: Guard, directory: Path, token: str, rank: int, step: int, point: SavePoint, after: bool
+    guard: Guard, directory: Path, token: str, rank: int, point: SavePoint
 ) -> tuple[peer.PeerPart | None, str]:
-    """``rank``'s part of ``step`` from a copy in ``directory``, or ``(None, why not)``.
-    ``after``: the save is of the state after the failing step's update."""
+    """``rank``'s part of the save's ``point`` from a copy in ``directory``, or ``(None,
+    why not)``."""
+    step = point.step
     got, why = peer.read_peer(directory, token, rank, step=step)
     if got is None:
         return None, why
     if got.step != step:
         return None, f"its {got.source} is of step {got.step}, not {step}{got.note}"
-    if got.epoch != point.epoch and not after:
+    if got.epoch != point.epoch and not point.after_update:
         return None, f"its {got.source} is of another pass over the loader"
     if not got.streams_fresh and guard.boundary_capture.drawing:
         # The copy's python / numpy streams are an older boundary's: they are the last
@@ -59,11 +60,9 @@ def write(
 def kept_gone(directory: Path, token: str, rank: int) -> bool:
     """Whether the rank this one keeps a mirror of is gone (its link ended without a
     goodbye), waiting a moment for the link to see it."""
-    if not peer.mirror_path(directory, token, rank).exists():
-        return False
     deadline = time.monotonic() + _GONE_WAIT_S
-    while rank not in peer.gone_ranks(directory, token):
+    while (gone := peer.mirror_gone(directory, token, rank)) is False:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)
-    return True
+    return bool(gone)  # None: no mirror here

@@ -184,6 +184,13 @@ def gone_ranks(directory: Path, token: str) -> set[int]:
     return gone
 
 
+def mirror_gone(directory: Path, token: str, rank: int) -> bool | None:
+    """Whether the mirror of ``rank`` kept here says its rank is gone (:meth:`Mirror.gone`);
+    ``None``: no mirror of it here."""
+    flag = _flag(mirror_path(directory, token, rank), GONE)
+    return None if flag is None else flag == 1
+
+
 def _flag(path: Path, index: int) -> int | None:
     """One of a copy's integers, or ``None`` when it cannot be read."""
     try:
