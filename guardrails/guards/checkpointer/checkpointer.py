@@ -491,14 +491,8 @@ class SignalCheckpointer(Component):
                 with guard.pause_watchdog("checkpoint"):
                     self.failure.run(guard, exc, from_thread=False)  # type: ignore[arg-type]
         finally:
-            if self._peer_slot is not None:
-                # Kept when a failure save committed nothing here: a later committer
-                # writes this rank's part from it (peer.sweep removes what is left).
-                outcome = self.failure.outcome if self.failure is not None else None
-                keep = outcome is not None and outcome["path"] is None
-                self._peer_slot.close(keep=keep)
-                if self._partner is not None:
-                    self._partner.close(keep=keep)
+            outcome = self.failure.outcome if self.failure is not None else None
+            self._close_copies(keep=outcome is not None and outcome["path"] is None)
             self.capture.restore()
             self._shield.restore()
             self.writer.close(raise_error=exc is None, stopped=self._stop_at is not None)
@@ -511,9 +505,17 @@ class SignalCheckpointer(Component):
             guard, error, stop=self._stop_at, from_thread=True
         ):
             failure.run(guard, error, from_thread=True)
-        if self._partner is not None:  # the mirror as the slot: kept if nothing committed
-            outcome = failure.outcome if failure is not None else None
-            self._partner.close(keep=outcome is None or outcome["path"] is None)
+        outcome = failure.outcome if failure is not None else None
+        self._close_copies(keep=outcome is None or outcome["path"] is None)
+
+    def _close_copies(self, *, keep: bool) -> None:
+        """This rank's published copy and its partner's mirror, unmapped; removed unless
+        ``keep`` (a failure save that committed nothing here leaves them for a later
+        committer on this host; ``peer.sweep`` removes what is left)."""
+        if self._peer_slot is not None:
+            self._peer_slot.close(keep=keep)
+        if self._partner is not None:
+            self._partner.close(keep=keep)
 
     def _preempted_then_failed(self, guard: Guard, signum: int, exc: Exception) -> None:
         """The loop failed after a stop signal, before a stop was agreed. A verdict this
