@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_behind.sh OUT tests [EXPR]  # GPU tests (-k EXPR); without: + marks' cost
 #   [LOCAL="--local-dir /dev/shm/r"] [EXTRA="--save-timeout-s 60"] bash benchmarks/gpu_behind.sh OUT recovery kill,hang
 #   (DDP over NCCL, 2 GPUs)
+#   bash benchmarks/gpu_behind.sh OUT stuck   # a thread's copy behind a stuck all-reduce
 OUT=${1:?usage: gpu_behind.sh OUT tests|recovery}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -19,6 +20,17 @@ tests)
     2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
   [ -z "$3" ] && timeout 150 python3 benchmarks/update_marks.py 2>&1 | tail -5 \
     | tee "$OUT/update_marks.txt"
+  ;;
+stuck)
+  for how in "part 0.1" "part 10" "pinned 10"; do
+    set -- $how
+    timeout 150 python3 benchmarks/gpu_stuck_copy.py --how $1 --gb $2 2>&1 | tail -150 \
+      | tee "$OUT/stuck_$1_$2.txt"
+  done
+  if grep -q STUCK "$OUT/stuck_part_10.txt"; then
+    CUDA_MODULE_LOADING=EAGER timeout 150 python3 benchmarks/gpu_stuck_copy.py --gb 10 2>&1 \
+      | tail -150 | tee "$OUT/stuck_part_10_eager.txt"
+  fi
   ;;
 recovery)
   for fault in ${3//,/ }; do
