@@ -22,14 +22,16 @@ tests)
     | tee "$OUT/update_marks.txt"
   ;;
 stuck)
-  for how in "part 0.1" "part 10" "pinned 10"; do
-    set -- $how
-    timeout 150 python3 benchmarks/gpu_stuck_copy.py --how $1 --gb $2 2>&1 | tail -150 \
-      | tee "$OUT/stuck_$1_$2.txt"
-  done
+  run() {  # how gb name [env]
+    env $4 timeout 100 python3 benchmarks/gpu_stuck_copy.py --how $1 --gb $2 --limit-s 25 2>&1 \
+      | tail -150 | tee "$OUT/stuck_$3.txt"
+  }
+  run part 0.1 part_small
+  run part 10 part_10
   if grep -q STUCK "$OUT/stuck_part_10.txt"; then
-    CUDA_MODULE_LOADING=EAGER timeout 150 python3 benchmarks/gpu_stuck_copy.py --gb 10 2>&1 \
-      | tail -150 | tee "$OUT/stuck_part_10_eager.txt"
+    run part 10 part_10_eager CUDA_MODULE_LOADING=EAGER
+  else
+    run pinned 10 pinned_10
   fi
   ;;
 recovery)
