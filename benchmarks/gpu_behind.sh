@@ -22,24 +22,21 @@ tests)
     | tee "$OUT/update_marks.txt"
   ;;
 stuck)
-  run() {  # how gb name [env]
-    env $4 timeout 100 python3 benchmarks/gpu_stuck_copy.py --how $1 --gb $2 --limit-s 25 2>&1 \
+  run() {  # how gb name env queue
+    env $4 timeout 100 python3 benchmarks/gpu_stuck_copy.py --how $1 --gb $2 --limit-s 20 \
+      --queue $5 2>&1 \
       | tail -150 | tee "$OUT/stuck_$3.txt"
   }
-  run part 0.1 part_small
-  run part 10 part_10
-  if grep -q STUCK "$OUT/stuck_part_10.txt"; then
-    run part 10 part_10_eager CUDA_MODULE_LOADING=EAGER
-  else
-    run pinned 10 pinned_10
-  fi
+  run part 1 part_q0 "" 0
+  run part 1 part_q20k "" 20000
   ;;
 recovery)
   for fault in ${3//,/ }; do
     timeout 280 python3 benchmarks/recovery_gpu.py --ddp --fault $fault --out "$OUT" $LOCAL $EXTRA \
       2>&1 | tail -60 | tee "$OUT/recovery_$fault${LOCAL:+_local}${EXTRA:+_x}.txt"
-    grep -h '"failure_saved"' /tmp/recovery_gpu/events*.jsonl | cut -c1-900 \
-      | tee "$OUT/failure_saved_$fault${LOCAL:+_local}${EXTRA:+_x}.txt"
+    grep -h '"failure_saved"\|"hang"\|"rank_failed"' /tmp/recovery_gpu/events*.jsonl \
+      | cut -c1-3000 | tee "$OUT/failure_saved_$fault${LOCAL:+_local}${EXTRA:+_x}.txt"
+    cat /tmp/recovery_gpu/stacks_rank*.txt > "$OUT/stacks_$fault.txt" 2>/dev/null
   done
   ;;
 esac

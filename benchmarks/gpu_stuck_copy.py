@@ -22,7 +22,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,18 +37,50 @@ def say(rank: int, what: str, t0: float) -> None:
     os.write(1, f"[rank {rank} +{time.perf_counter() - t0:7.3f} s] {what}\n".encode())
 
 
-def native_stacks(pid: int) -> None:
+def dump_stacks(out: Any = None) -> None:
+    """Every thread of this process: its Python stack, its kernel stack and wait channel
+    (``/proc``, as root), and its native stack where ``gdb`` exists."""
+    out = out or sys.stdout
+    out.flush()
+    faulthandler.dump_traceback(file=out, all_threads=True)
+    for task in sorted(Path("/proc/self/task").iterdir()):
+        parts = []
+        for name in ("comm", "wchan", "stack"):
+            try:
+                parts.append((task / name).read_text().strip())
+            except OSError as e:
+                parts.append(f"({name}: {e.strerror})")
+        print(f"--- task {task.name}: " + " | ".join(parts), file=out, flush=True)
     gdb = shutil.which("gdb")
     if gdb is None:
-        print("no gdb here: native stacks not taken", flush=True)
+        print("no gdb here: native stacks not taken", file=out, flush=True)
         return
-    out = subprocess.run(
-        [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"],
+    got = subprocess.run(
+        [gdb, "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt 30"],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    print(out.stdout[-20000:], flush=True)
+    print(got.stdout[-30000:], file=out, flush=True)
+
+
+def watch(limit_s: float, progress: Callable[[], object], out: Any = None) -> None:
+    """Dump the stacks once (:func:`dump_stacks`) when ``progress()`` has not changed
+    for ``limit_s``: a daemon thread."""
+
+    def run() -> None:
+        last, since = progress(), time.monotonic()
+        while True:
+            time.sleep(0.5)
+            now = progress()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > limit_s:
+                print(f"STACKS: no progress for {limit_s} s", file=out or sys.stdout, flush=True)
+                dump_stacks(out)
+                return
+
+    threading.Thread(target=run, name="stack-watch", daemon=True).start()
 
 
 def worker(rank: int, a: argparse.Namespace) -> None:
@@ -74,17 +108,19 @@ def worker(rank: int, a: argparse.Namespace) -> None:
     if rank == 1:
         time.sleep(a.limit_s + 60)  # never joins the next all-reduce
         os._exit(0)
-    dist.all_reduce(x)  # stuck: rank 1 never comes
-    for t in tensors.values():  # the update, queued behind it
-        t.add_(1)
-    say(rank, "all-reduce and update queued; copying from a thread", t0)
-    done = threading.Event()
+    go, done = threading.Event(), threading.Event()
+    launched = [0]
+    watch(a.limit_s, lambda: (launched[0], done.is_set()))
 
     def copy() -> None:
+        go.wait(3.0)  # the main thread's launches, or 3 s when they block
         t1 = time.perf_counter()
+        say(rank, f"copying from a thread, {launched[0]} kernels launched", t0)
         stream = side.pick()
         found = f"picked a stream: {stream is not None}, {side.blocked} of {side.count} stuck"
         say(rank, found, t1)
+        if stream is None:
+            return
         with stage.own_stream(stream):
             if a.how == "part":
                 part = stage.Part(plain=True)
@@ -100,10 +136,21 @@ def worker(rank: int, a: argparse.Namespace) -> None:
         done.set()
 
     threading.Thread(target=copy, daemon=True).start()
-    if not done.wait(a.limit_s):
-        say(rank, f"STUCK: not copied after {a.limit_s} s; stacks:", t0)
-        faulthandler.dump_traceback(all_threads=True)
-        native_stacks(os.getpid())
+    dist.all_reduce(x)  # stuck: rank 1 never comes
+    say(rank, "the stuck all-reduce is queued", t0)
+    for t in tensors.values():  # the update, queued behind it
+        t.add_(1)
+        launched[0] += 1
+    # Then a step's worth of kernels and more (a 27-layer GPT's forward and backward
+    # launch thousands): a hardware queue holds about so many before a launch blocks.
+    small = torch.ones(16, device=dev)
+    for _ in range(a.queue):
+        small.mul_(1.0001)
+        launched[0] += 1
+    say(rank, f"{launched[0]} kernels queued behind it", t0)
+    go.set()
+    done.wait(a.limit_s + 5)
+    time.sleep(1.0)
     os._exit(0)
 
 
@@ -112,6 +159,7 @@ def main() -> None:
     p.add_argument("--gb", type=float, default=10.0)
     p.add_argument("--how", choices=("part", "pinned", "one"), default="part")
     p.add_argument("--limit-s", type=float, default=30.0)
+    p.add_argument("--queue", type=int, default=0, help="kernels queued after the update")
     p.add_argument("--port", type=int, default=29611)
     a = p.parse_args()
     env = {

@@ -100,6 +100,12 @@ def child(a: argparse.Namespace) -> None:
         watchdog={"hang_timeout_s": a.timeout_s},
     ) as g:
         mark("resumed", step=g.step)
+        if a.stacks_after_s:  # where each thread waits, once a step takes that long
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from gpu_stuck_copy import watch
+
+            stacks = open(a.run_dir / f"stacks_rank{rank}.txt", "w")  # noqa: SIM115
+            watch(a.stacks_after_s, lambda: g.step, stacks)
         first = g.step
         for x, y in g:
             # Stuck at the top of the step after step --hang-at (a loader, a lock, a
@@ -134,6 +140,7 @@ def attempt(a: argparse.Namespace, *, hang: bool) -> dict:
     cmd += ["--ddp"] if a.ddp else []
     cmd += ["--local-dir", a.local_dir] if a.local_dir else []
     cmd += ["--save-timeout-s", str(a.save_timeout_s)]
+    cmd += ["--stacks-after-s", str(a.stacks_after_s)] if hang else []
     launched = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: dict[str, dict] = {}
@@ -165,6 +172,9 @@ def main() -> None:
     p.add_argument("--fault", choices=("hang", "kill"), default="hang")
     p.add_argument("--local-dir", help="checkpoint local_directory (node-local tier)")
     p.add_argument("--save-timeout-s", type=float, default=20.0, help="failure_save_timeout_s")
+    p.add_argument(
+        "--stacks-after-s", type=float, default=0.0, help="dump every thread's stack then"
+    )
     a = p.parse_args()
     if a.child:
         child(a)

@@ -713,6 +713,8 @@ class SideStreams:
         self._probes = [torch.cuda.Event() for _ in self._streams]
         #: How many streams the last :meth:`pick` found stuck (``None``: none asked).
         self.blocked: int | None = None
+        #: The streams whose probe's record never returned (a full hardware queue).
+        self._stuck: set[int] = set()
 
     @property
     def count(self) -> int:
@@ -720,16 +722,36 @@ class SideStreams:
 
     def pick(self, *, within_s: float = 1.0) -> Any | None:
         """A stream whose queue runs now: an event recorded on each, the first one done
-        (asked without waiting, for up to ``within_s``); ``None`` when none is."""
-        for stream, probe in zip(self._streams, self._probes, strict=True):
-            probe.record(stream)
+        (asked without waiting, for up to ``within_s``); ``None`` when none is.
+
+        Each record is pushed from a thread of its own: pushing onto a hardware queue
+        that is full (the training stream's, behind a stuck all-reduce with a step's
+        kernels queued after it) blocks the caller for good. Such a stream is never
+        tried again; its thread is left where it waits."""
+        recorded = {}
+        for i, (stream, probe) in enumerate(zip(self._streams, self._probes, strict=True)):
+            if i in self._stuck:
+                continue
+            recorded[i] = threading.Event()
+            threading.Thread(
+                target=self._record,
+                args=(probe, stream, recorded[i]),
+                name=f"guardrails-probe-{i}",
+                daemon=True,
+            ).start()
         deadline = time.monotonic() + within_s
         while True:
-            done = [probe.query() for probe in self._probes]
-            if True in done or time.monotonic() >= deadline:
-                self.blocked = done.count(False)
-                return self._streams[done.index(True)] if True in done else None
+            done = [i for i, r in recorded.items() if r.is_set() and self._probes[i].query()]
+            if done or time.monotonic() >= deadline:
+                self._stuck |= {i for i, r in recorded.items() if not r.is_set()}
+                self.blocked = len(self._streams) - len(done)
+                return self._streams[done[0]] if done else None
             time.sleep(0.01)
+
+    @staticmethod
+    def _record(probe: Any, stream: Any, recorded: threading.Event) -> None:
+        probe.record(stream)
+        recorded.set()
 
 
 @contextlib.contextmanager
