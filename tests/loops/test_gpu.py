@@ -1301,12 +1301,19 @@ sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 gen = torch.Generator(device=device).manual_seed(rank)
 data = [(torch.randint(0, 65, (8, 64), device=device, generator=gen),) * 2 for _ in range(12)]
 fault = os.environ["MODE"] == "fault"
+wedge = os.environ.get("WEDGE") == "1"
+spare = torch.ones(16, device=device)
 ckpt = {"failure_save_timeout_s": 60} if fault else {"every_n_steps": 5, "keep_last": 5}
 with guardrails.guard(model, opt, data, scheduler=sched, run_dir=os.environ["RUN_DIR"],
                       progress=False, checkpoint=ckpt, watchdog={"hang_timeout_s": 5}) as g:
     for x, y in g:
         if fault and g.step == 5 and rank == 1:
             time.sleep(3600)
+        if fault and wedge and g.step == 6 and rank == 0:
+            # A deep model's step of launches behind the stuck all-reduce, and more: the
+            # GPU's queues fill and the next push blocks (a 27-layer GPT's backward did).
+            for _ in range(200_000):
+                spare.mul_(1.0)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(x, y)
         loss.backward()
@@ -1318,17 +1325,18 @@ dist.destroy_process_group()
 )
 
 
-def _behind_run(tmp_path: Path, mode: str, fused: bool) -> Path:
+def _behind_run(tmp_path: Path, mode: str, fused: bool, *, wedge: bool = False) -> Path:
     from _ranks import torchrun
 
     script = tmp_path / "behind_worker.py"
     script.write_text(BEHIND_WORKER)
-    run_dir = tmp_path / f"{mode}-{int(fused)}"
+    run_dir = tmp_path / f"{mode}-{int(fused)}{'-wedge' if wedge else ''}"
     env = {
         "EXAMPLES": str(Path(__file__).resolve().parents[2] / "examples"),
         "RUN_DIR": str(run_dir),
         "MODE": mode,
         "FUSED": str(int(fused)),
+        "WEDGE": str(int(wedge)),
     }
     res = torchrun([script], 2, out=run_dir / "out", timeout_s=240, env=env)
     assert res.code is not None and (res.code == 0) == (mode == "reference"), (
@@ -1381,3 +1389,31 @@ def test_a_gpu_a_step_behind_its_stuck_host_saves_the_step_it_holds(tmp_path, fu
         want = json.loads((ref / f"rank{r:05d}.json").read_text())["data"]
         have = json.loads((got / f"rank{r:05d}.json").read_text())["data"]
         assert (want["epoch"], want["batch_in_epoch"]) == (have["epoch"], have["batch_in_epoch"])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_a_wedged_gpu_stands_down_and_the_stuck_rank_commits_its_save(tmp_path):
+    """As above, but rank 0's host queues so much behind the stuck all-reduce that its
+    GPU takes no more work from any thread (every push blocks: a 27-layer GPT at 0.835B
+    did this and its save never finished). Rank 0 stands down; rank 1, stuck with its
+    GPU idle at the same step, commits: the replicated state from its own GPU, rank 0's
+    part from rank 0's published copy. Whole, step 5, equal bitwise to a periodic save."""
+    ref = _behind_run(tmp_path, "reference", True) / "checkpoints" / "step_000000005"
+    run = _behind_run(tmp_path, "fault", True, wedge=True)
+    saved = {e["rank"]: e for e in read_events(run) if e["kind"] == "failure_saved"}
+    assert set(saved) == {0, 1}, saved
+    assert saved[0]["copy_streams_blocked"] == 8, saved[0]
+    for r in (0, 1):
+        assert saved[r]["step"] == 5 and saved[r]["complete"], saved[r]
+    got = Path(saved[1]["path"])
+    failure = json.loads((got / "manifest.json").read_text())["failure"]
+    assert failure["committed_by"] == 1 and failure["from_peers"] == [0], failure
+    for name in sorted(p.name for p in ref.glob("*.safetensors")):
+        want, have = _tensors(ref / name), _tensors(got / name)
+        common = want.keys() & have.keys()
+        assert name.startswith("rank") or common == want.keys() == have.keys(), name
+        for k in common:
+            assert torch.equal(want[k], have[k]), (name, k)
+    for name in ["optimizer.json", "scheduler.json"]:
+        want, have = json.loads((ref / name).read_text()), json.loads((got / name).read_text())
+        assert want == have, name

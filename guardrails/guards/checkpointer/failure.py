@@ -43,6 +43,10 @@ Without it every failure but a signal ended each rank with an error and saved no
   limit, 20 s, ends inside that window.
 
 On CUDA a thread's save copies on a stream of its own, behind no stuck work (``SideStreams``).
+A GPU whose host queued a step's kernels behind a collective that never ends takes no
+more work from any thread (every push waits for room in its queues: 2x H200, NCCL, 0.835B
+parameters): its committer stands down, and under DDP the lowest other live rank (the
+stuck one, its GPU idle) commits, writing the wedged rank's part from its copy.
 """
 
 from __future__ import annotations
@@ -59,12 +63,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from guardrails._errors import CheckpointError, RankFailedError
 from guardrails.checkpoint import commit, stage
 from guardrails.checkpoint.manifest import rerun_text
-from guardrails.distributed.store import agent_holds_store, stretched, wait_keys
+from guardrails.distributed.store import stretched, wait_keys
 from guardrails.engine import model, where
-from guardrails.guards.checkpointer import from_peers, peer
+from guardrails.guards.checkpointer import failure_policy, failure_text, from_peers, peer
 from guardrails.guards.checkpointer.board import FileBoard
 from guardrails.guards.checkpointer.savepoint import SavePoint, choose
 from guardrails.guards.checkpointer.signals import SignalCapture
@@ -138,6 +141,10 @@ class FailureSave:
         self._one_at_a_time = threading.Lock()
         self._news: int | None = None  # the dead rank any caller named
         self._dead: int | None = None  # the dead rank the last save knew of
+        #: The live ranks whose GPU takes no more work (said by each: :meth:`_stand_down`),
+        #: and those the last save knew of: none of them commits.
+        self._wedged: set[int] = set()
+        self._wedged_run: frozenset[int] = frozenset()
         self._key: str | None = None  # the store's keys of the save running
         self._t0 = 0.0
         #: The missing ranks whose part the committer could not write from their
@@ -157,38 +164,16 @@ class FailureSave:
         from_thread: bool = False,
         despite_signal: bool = False,
     ) -> bool:
-        """Whether ``error`` ending the run calls for a failure save: an ``Exception``
-        (not a stop: ``SystemExit``, ``KeyboardInterrupt``; not a save's own
-        ``CheckpointError``), after at least one step, not one already saved, and not
-        when a signal ended the run (``stop``: the step a signal's stop was decided at;
-        a signal that came after a verdict, torchrun's teardown once the stuck rank
-        exited, does not count; nor, ``from_thread``, one before a peer's death verdict
-        while the main thread was stuck; ``despite_signal``: the loop failed after a
-        signal, before any stop was agreed, so no signal's save will come)."""
-        if self.outcome is not None or not isinstance(error, Exception) or stop is not None:
-            return False
-        if isinstance(error, CheckpointError):  # a save failed: another would fail alike
-            return False
-        # A failure at start (nothing trained), or a step committed already. A save of
-        # this step only begun is no save: a background write the dead rank never
-        # finished its part of cannot commit (2 ranks, periodic saves every 4 steps,
-        # rank 1 SIGKILLed at the top of step 9: nothing saved, back to step 4).
-        if guard.step == 0 or guard.step == self._writer.committed_step:
-            return False
-        # A peer's death seen from the watchdog's thread, a signal before its verdict
-        # and no stop decided: torchrun's teardown once the peer died (it SIGTERMs the
-        # others at once; they wait for the dead one in a collective and never reach
-        # the boundary a stop saves at, and the verdict takes the hang timeout), so the
-        # failure save is the only save there is. 4 gloo ranks, one SIGKILLed: the
-        # SIGTERM came ~4 s before the verdict, and nothing was saved.
-        dead_peer = (
-            from_thread and isinstance(error, RankFailedError) and error.failed_rank != self._rank
-        )
-        return (
-            despite_signal
-            or not self._capture.received
-            or dead_peer
-            or self._capture.verdict_first(guard)
+        """Whether ``error`` ending the run calls for a failure save
+        (:func:`failure_policy.wanted`); not when this guard's save ran already."""
+        return self.outcome is None and failure_policy.wanted(
+            guard,
+            error,
+            stop=stop,
+            from_thread=from_thread,
+            despite_signal=despite_signal,
+            capture=self._capture,
+            committed_step=self._writer.committed_step,
         )
 
     def run(self, guard: Guard, error: BaseException, *, from_thread: bool) -> None:
@@ -214,10 +199,15 @@ class FailureSave:
             while True:
                 done, news = self.outcome, self._news
                 over = done is not None and (done["complete"] or news in done["missing"])
-                if over or (done is not None and news == self._dead):
+                if over or (done is not None and not self._news_since_run()):
                     return
-                self._dead, self.outcome = news, None
+                self._dead, self._wedged_run, self.outcome = news, frozenset(self._wedged), None
                 self._run(guard, error, dead=news, from_thread=from_thread)
+
+    def _news_since_run(self) -> bool:
+        """Whether a dead rank or a wedged committer was named since the last save
+        began: it runs again with another committer."""
+        return self._news != self._dead or self._wedged != self._wedged_run
 
     def _wake(self, dead: int) -> None:
         """A save waiting for the commit of rank ``dead``, which is dead, stops waiting:
@@ -233,15 +223,20 @@ class FailureSave:
         self, guard: Guard, error: BaseException, *, dead: int | None, from_thread: bool
     ) -> None:
         t0 = time.perf_counter()
-        cause = _cause(error)
+        cause = failure_text.cause(error)
         # A dead rank (the error's, or a verdict's: RankFailedError) is not waited for.
-        self._committer = _committer(dead, self._world)
+        self._committer = failure_policy.committer(dead, self._world, self._wedged_run)
         self._weights = self._writer.stages_weights or self._rank == self._committer
-        state, why = choose(
-            guard, from_thread=from_thread, weights=self._weights, training=self._training
-        )
-        # The step saved: the host's, or the one before when its GPU is a step behind.
-        self._step = guard.step if state is None else state.step
+        if self._rank in self._wedged_run:  # its copies would wait for good: nothing
+            state, why = None, "its GPU takes no more work"
+        else:
+            state, why = choose(
+                guard, from_thread=from_thread, weights=self._weights, training=self._training
+            )
+        # The step saved: the host's, or the one before when its GPU is a step behind
+        # (a wedged rank's: the one it stood down at, which the others save).
+        if self._rank not in self._wedged_run:
+            self._step = guard.step if state is None else state.step
         if state is not None and self._step == self._writer.committed_step:  # GPU behind
             state, why = None, f"step {self._step}, the step its GPU holds, is saved already"
         self._point, self._staged_s, self.by_partner = state, None, []
@@ -305,16 +300,47 @@ class FailureSave:
                 stream = self._side.pick()
                 if stream is None:
                     n = self._side.count
-                    result["why"] = f"none of the GPU's {n} copy streams ran within 1 s"
+                    result["why"] = (
+                        f"its GPU takes no more work (none of its {n} copy streams ran within"
+                        " 1 s: its host queued more behind the stuck collective than the"
+                        " GPU's queues hold)"
+                    )
+                    if self._stand_down():
+                        return  # run again: another rank commits
                     state = None
             if state is None:  # said where the others wait: nothing comes from this rank
                 self._say_none(self._step, result["why"])
+                if self._rank in self._wedged_run and self._key is not None:
+                    deadline = time.monotonic() + self.timeout_s
+                    result["path"], result["missing"] = self._await_commit(
+                        self._key, deadline, dead
+                    )
                 return
             with stage.own_stream(stream):
                 result["path"], result["missing"] = self._save(guard, state, cause, cancel, dead)
         except Exception as e:  # said in the event; the run's own error goes on
             log.debug("guardrails: the failure save failed", exc_info=True)
             result["why"] = f"the save failed: {type(e).__name__}: {e}"
+
+    def _stand_down(self) -> bool:
+        """The committer, its GPU wedged (every push onto it blocks: its host queued a
+        step's kernels behind a collective that never ends, and the driver waits for
+        room in their queue): under DDP another live rank holds the same replicated
+        state, and its GPU may be idle (the stuck rank's, in its loader or a sleep). The
+        ranks waiting for this commit hear so and save again with the lowest rank not
+        wedged as committer, which writes this rank's part from its published copy.
+        Whether it stood down (not without DDP's replicated state or the store)."""
+        if self.slot is None or self._store is None or self.store_lost or self._key is None:
+            return False
+        if self._rank != self._committer:
+            return False
+        wedged = sorted(self._wedged_run | {self._rank})
+        if len(wedged) >= self._world:
+            return False
+        said = {"error": f"rank {self._rank}'s GPU takes no more work", "wedged": wedged}
+        self._store.compare_set(f"{self._key}/commit", "", json.dumps(said))
+        self._wedged.add(self._rank)
+        return True
 
     def _say_none(self, step: int, why: str) -> None:
         """This rank has no consistent state to save: its record says so (rank 0's
@@ -653,6 +679,7 @@ class FailureSave:
         said = json.loads(store.get(commit_key))
         if "dead" in said:  # another rank's verdict: the committer is dead (:meth:`_wake`)
             self._news = said["dead"]
+        self._wedged.update(said.get("wedged", ()))  # its GPU is wedged (:meth:`_stand_down`)
         return (Path(said["path"]), said["missing"]) if "path" in said else (None, [])
 
     def _commit(
@@ -669,28 +696,18 @@ class FailureSave:
         store_lost: bool = False,
     ) -> Path:
         """The committer's commit of the failure save: never counted by retention (an
-        incomplete one must not retire a complete checkpoint). The manifest's
-        ``failure`` says which state (``"live"``: the last finished step's;
-        ``"after_update"``: the failing step's update was over, ``after_update`` names
-        the ranks whose streams and position are those after it), the ranks missing,
-        those whose part a live rank wrote from their published copy (``from_peers``),
-        and the committer when it is not rank 0. The copies written from are removed."""
+        incomplete one must not retire a complete checkpoint), its manifest's ``failure``
+        record from :func:`failure_text.record`. The copies written from are removed."""
         ranks = [r for r in range(self._world) if r not in missing]
-        failure: dict[str, Any] = {
-            "cause": cause,
-            "state": "after_update" if after or self._after_update else "live",
-            "missing": missing,
-        }
-        if after or self._after_update:
-            failure["after_update"] = after if after is not None else [self._rank]
-        if peers:
-            failure["from_peers"] = sorted(peers)
-        if self.by_partner:  # of those, the ones their partner on the next node wrote
-            failure["by_partner"] = sorted(self.by_partner)
-        if committer != 0:
-            failure["committed_by"] = committer
-        if store_lost:
-            failure["store"] = "lost"
+        failure = failure_text.record(
+            cause,
+            missing,
+            after=after if after is not None else ([self._rank] if self._after_update else []),
+            peers=sorted(peers or ()),
+            by_partner=sorted(self.by_partner),
+            committer=committer,
+            store_lost=store_lost,
+        )
         final = commit.commit(
             self._writer.root,
             step,
@@ -723,30 +740,22 @@ class FailureSave:
         when = f"after the update of step {step}" if self._after_update else f"in step {step + 1}"
         if self._point is not None and self._point.before is not None:
             when = f"in step {guard.step + 1}, its GPU a step behind at step {step}"
-        notes, rerun = self.peer_notes, rerun_text(self._writer.root, path)
-        if path is not None and not missing:
-            message = (
-                f"the run failed {when} ({kind}); the state of step {step}, the "
-                f"last finished step, was saved to {path} in {took_s:.1f} s: run the same "
-                "command to continue from it (resume='auto')."
-            )
-        elif path is not None:
-            unreached = "; ".join(f"rank {r}: {why}" for r, why in notes.items())
-            message = (
-                f"the run failed {when} ({kind}); step {step} was saved to {path} "
-                f"without rank(s) {missing} (dead or stuck: their RNG streams and data "
-                f"position are missing{f'; {unreached}' if unreached else ''}), so it is "
-                f"incomplete and resume='auto' will not use it; {rerun}."
-            )
-        elif self.part_only:
+        rerun = rerun_text(self._writer.root, path)
+        if self.part_only:
             why = f"rank {committer} had not begun its failure save"
-            message = (
-                f"the run failed {when} ({kind}); this rank wrote its part of the "
-                f"failure save of step {step} (its RNG streams and data position), which "
-                f"rank {committer} commits once it fails too."
-            )
-        else:
-            message = f"the run failed {when} ({kind}); nothing was saved: {why}; {rerun}."
+        message = failure_text.message(
+            when,
+            kind,
+            step,
+            path,
+            missing,
+            took_s,
+            why=why,
+            notes=self.peer_notes,
+            rerun=rerun,
+            part_only=self.part_only,
+            committer=committer,
+        )
         self.outcome = {
             "cause": cause,
             "path": None if path is None else str(path),
@@ -763,8 +772,8 @@ class FailureSave:
             "complete": path is not None and not missing,
             "missing": missing,
         }
-        if path is None and self._news != self._dead:
-            return  # run again at once with the dead rank (:meth:`run`): that one is said
+        if path is None and self._news_since_run():
+            return  # run again at once with another committer (:meth:`run`): that one is said
         with contextlib.suppress(Exception):  # the events file gone: the error goes on
             guard.event("failure_saved", level="warning", message=message, **self.outcome)
 
@@ -772,24 +781,3 @@ class FailureSave:
 #: The key of a rank's record that says it saved the state after the failing step's update;
 #: of a dead rank's record that its partner on the next node wrote it (``_file_kept``).
 _AFTER_UPDATE, _BY_PARTNER = "_after_update", "_by_partner"
-
-
-def _committer(dead: int | None, world: int) -> int:
-    """The rank that commits a failure save: rank 0 (it holds the replicated state
-    every DDP rank holds too), or, when rank 0 is the dead one and the store is
-    torchrun's agent's (``TORCHELASTIC_USE_AGENT_STORE``: it outlives rank 0), rank 1,
-    the lowest live rank. With the store on rank 0, its death takes the store too:
-    the save meets in files, and the first rank done commits (``board.py``)."""
-    return 1 if dead == 0 and agent_holds_store() and world > 1 else 0
-
-
-#: The most of an error's first line the manifest and the event keep (gloo's run to 300).
-_CAUSE_CHARS = 160
-
-
-def _cause(error: BaseException) -> str:
-    """The error's class and first line: what the manifest and the event say."""
-    first = str(error).splitlines()[0] if str(error) else ""
-    if len(first) > _CAUSE_CHARS:
-        first = first[: _CAUSE_CHARS - 3] + "..."
-    return f"{type(error).__name__}: {first}" if first else type(error).__name__
