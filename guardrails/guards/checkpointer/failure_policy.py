@@ -59,7 +59,7 @@ def committer(dead: int | None, world: int, wedged: frozenset[int] = frozenset()
     the lowest live rank. With the store on rank 0, its death takes the store too:
     the save meets in files, and the first rank done commits (``board.py``). Ranks
     whose GPU is ``wedged`` are alive (the store with them): the lowest other live rank."""
-    if wedged:
+    if wedged:  # none live: rank 0, which has nothing to commit either
         live = [r for r in range(world) if r != dead and r not in wedged]
         return live[0] if live else 0
     return 1 if dead == 0 and agent_holds_store() and world > 1 else 0
