@@ -335,7 +335,7 @@ class FailureSave:
         if self._rank != self._committer:
             return False
         wedged = sorted(self._wedged_run | {self._rank})
-        if failure_policy.committer(self._dead, self._world, frozenset(wedged)) in wedged:
+        if all(r == self._dead or r in wedged for r in range(self._world)):
             return False  # no live rank left to take over (a dead peer, the rest wedged)
         said = {"error": f"rank {self._rank}'s GPU takes no more work", "wedged": wedged}
         self._store.compare_set(f"{self._key}/commit", "", json.dumps(said))
