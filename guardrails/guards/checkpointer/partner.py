@@ -12,8 +12,9 @@ ranks' part on the next node, where the failure save writes it like a same-host 
   the training group, no group that the user's code would count. Per boundary the main
   thread only wakes the sender (an ``Event``); the sender thread copies the 64 KB mapped
   copy (a copy torn by the next boundary's write is dropped: that boundary sends
-  its own) and sends it; a slow link sends only the newest. The receiver writes what
-  comes into its :class:`~peer.Mirror` (``/dev/shm``).
+  its own) and sends it, with the boundary before when it fell behind (at most two: the
+  copy holds the last two boundaries). The receiver writes what comes into its
+  :class:`~peer.Mirror` (``/dev/shm``).
 * **Where it helps**: the failure save's committer writes the copies its own host holds;
   a partner whose kept rank is gone writes that rank's part itself, before its own part
   counts as filed (``from_peers.py``), so a lost node's parts are whole wherever the next
@@ -144,16 +145,21 @@ class PartnerLink:
             self._socks.append(conn)
             conn.settimeout(None)  # a slow partner slows this thread only
             conn.sendall(_HELLO.pack(self._token.encode(), self._rank))
+            last = 0  # the boundary count of the last half sent
             while True:
                 self._wake.wait()
                 self._wake.clear()
                 if self._closed:
                     conn.sendall(_LENGTH.pack(0))  # goodbye: this rank is not dead
                     return
-                data = self._slot.snapshot()
-                if data is not None:
-                    conn.sendall(_LENGTH.pack(len(data)) + data)
-                    self.frames_sent += 1
+                halves = self._slot.snapshot()
+                # The newest always (the copy after an update is rewritten by its
+                # boundary under the same count), and one it skipped when it fell behind.
+                for count, data in halves:
+                    if count > last or count == halves[-1][0]:
+                        conn.sendall(_LENGTH.pack(len(data)) + data)
+                        self.frames_sent += 1
+                last = max([last] + [count for count, _ in halves])
         except OSError as e:  # the partner is gone: its copy of this rank stops here
             if not self._closed:
                 log.debug("guardrails: rank %d's copy no longer goes to rank %d: %s",

@@ -473,23 +473,23 @@ class PeerSlot:
         if not sizes:  # unusable: the generators are not copied
             half.views = [torch.empty(s.numel(), dtype=torch.uint8) for s in states]
 
-    def snapshot(self) -> bytes | None:
-        """The last boundary's half of the copy, for a partner on another node
-        (``partner.py``, from its thread), or ``None`` when none is published or the
-        next boundary's write into that half is under way (that boundary sends its
-        own). A write is framed by the boundary count, BEGIN first and END last: END
-        read before the copy and BEGIN after it are equal only when no write overlapped
-        it."""
-        half, mapped = self._last, self._map
-        if half is None or mapped is None:
-            return None
+    def snapshot(self) -> list[tuple[int, bytes]]:
+        """The halves of the copy, oldest first, as ``(boundary count, bytes)``, for a
+        partner on another node (``partner.py``, from its thread). A half the next
+        boundary is writing is left out (that boundary sends its own). A write is framed
+        by the boundary count, BEGIN first and END last: END read before the copy and
+        BEGIN after it are equal only when no write overlapped it."""
+        halves, mapped, out = list(self._halves), self._map, []
+        if mapped is None:
+            return out
         with contextlib.suppress(ValueError, TypeError):  # closed meanwhile
-            ints = half.ints
-            end = int(ints[END])
-            data = mapped[half.base : half.base + _COLD_AT + int(ints[COLD_LEN])]
-            if int(ints[BEGIN]) == end > 0:
-                return data
-        return None
+            for half in halves:
+                ints = half.ints
+                end = int(ints[END])
+                data = mapped[half.base : half.base + _COLD_AT + int(ints[COLD_LEN])]
+                if int(ints[BEGIN]) == end > 0:
+                    out.append((end, data))
+        return sorted(out, key=lambda got: got[0])
 
     def close(self, *, keep: bool = False) -> None:
         """Removed and unmapped: a run that ends leaves nothing in ``/dev/shm`` (``keep``:
