@@ -27,6 +27,10 @@ ValueError), ``sleep_after`` (stuck in Python), ``kill_after`` (SIGKILL). ``none
 fault. At the end (a run
 that finishes) the weights, optimizer state, RNG streams and the batches trained since
 the start (their sums, by step) go to ``DIR/final<rank>.pt``.
+
+``--prefetch``: nanoGPT's loop instead: an endless loader that draws each batch's rows
+from torch's RNG (``get_batch``: fast-forwarded on resume), and the next batch fetched
+after the forward, held past the step boundary.
 """
 
 from __future__ import annotations
@@ -45,6 +49,18 @@ import torch.distributed as dist
 from torch import nn
 
 import guardrails
+
+
+class GetBatch:
+    """nanoGPT's ``get_batch`` as an iterable: each batch's rows drawn from torch's RNG."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.x, self.y = data.tensors
+
+    def __iter__(self):
+        while True:
+            ix = torch.randint(len(self.x), (8,))
+            yield self.x[ix], self.y[ix]
 
 
 class Net(nn.Module):
@@ -87,6 +103,7 @@ def main() -> None:
         "or torch's; torch_after: from torch's, after the update (between it and the "
         "next step)",
     )
+    p.add_argument("--prefetch", action="store_true", help="nanoGPT's loop (see above)")
     args = p.parse_args()
     run_dir = Path(args.run_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -114,6 +131,8 @@ def main() -> None:
     checkpoint = {"failure_save_timeout_s": args.save_timeout_s}
     if args.every:  # written before training goes on: committed before any fault
         checkpoint.update(every_n_steps=args.every, background=args.background)
+    if args.prefetch:
+        loader = GetBatch(data)
     with guardrails.guard(
         model,
         opt,
@@ -130,7 +149,9 @@ def main() -> None:
         if faulty and args.fault == "start":
             raise ValueError("boom before the first step")
         scale = 1.0
-        while g.step < args.steps:
+        if args.prefetch:
+            prefetching(g, model, opt, args, faulty, seen)
+        while g.step < args.steps and not args.prefetch:
             if sampler is not None:
                 sampler.set_epoch(g.epoch)
             for x, y in g:
@@ -169,6 +190,30 @@ def main() -> None:
     )
     if world > 1:
         dist.destroy_process_group()
+
+
+def prefetching(
+    g: guardrails.Guard,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    faulty: bool,
+    seen: dict[int, float],
+) -> None:
+    """nanoGPT's loop: the next batch fetched after the forward (its ``get_batch``
+    during the forward), so each step boundary holds it."""
+    it = iter(g)
+    x, y = next(it)
+    while g.step < args.steps:
+        if faulty and g.step == args.at:
+            fault(args.fault, opt, g)
+        loss = model(x, y)
+        x_next, y_next = next(it)
+        loss.backward()
+        opt.step()
+        seen[g.step] = float(x.sum() + y.sum())
+        opt.zero_grad()
+        x, y = x_next, y_next
 
 
 def fault(kind: str, opt: torch.optim.Optimizer, g: guardrails.Guard) -> None:

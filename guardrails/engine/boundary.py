@@ -35,11 +35,21 @@ thread can tell which step's weights the device holds, and keeps what the host h
 before its last update (:class:`Before`: that boundary's capture, the step's batches, the
 optimizer's hyperparameters and the schedulers' state), so a save of that step is
 exact. Two event records and one small object a step, on CUDA only.
+
+A loop that fetches its next batch inside the step (nanoGPT's ``get_batch``, nanochat's
+generator) holds that batch at the boundary; a fast-forwarded loader would draw it anew
+on resume. :class:`FetchStates` (asked for by the published copy, ``peer.py``, once it
+sees such a batch) keeps the torch generators' states just before and just after the
+fetch of the first batch past the trained position: a copy that holds the states from
+before that fetch lets a resumed rank fetch the same batch again, when nothing else
+drew from them between the fetch and the boundary (the states after it are the
+boundary's). Two ``get_state`` calls a generator per such fetch.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,9 +77,11 @@ class BoundaryCapture:
         self.generators: tuple[torch.Generator, ...] = (torch.default_generator,)
         #: Their states at the last boundary (``()`` before the first).
         self.torch: tuple[Tensor, ...] = ()
-        #: The data position's ``trained_at`` and the guard's epoch at the last boundary.
+        #: The data position's ``trained_at`` and the guard's epoch at the last boundary,
+        #: and how many batches were held past it (fetched before it: a prefetch's).
         self.trained_at: Any = None
         self.epoch = 0
+        self.held = 0
         #: Boundaries seen since start.
         self.count = 0
         #: Whether python's or numpy's stream changed between two checks: then they are
@@ -85,11 +97,19 @@ class BoundaryCapture:
         self._changed = False  # a change seen since the last periodic check
         #: CUDA: where the device is among the updates (:meth:`follow_device`).
         self.updates: UpdateMarks | None = None
+        #: The generators' states around the fetch of a held batch (:meth:`follow_fetches`).
+        self.fetches: FetchStates | None = None
 
     def follow_device(self) -> None:
         """Record :class:`UpdateMarks` from now on: the failure save asks for them at its
         start, on CUDA with one optimizer."""
         self.updates = UpdateMarks()
+
+    def follow_fetches(self, states: Callable[[], tuple[Tensor, ...]]) -> None:
+        """Record :class:`FetchStates` from now on (``states``: what the copy captures
+        at a boundary, read the same way)."""
+        if self.fetches is None:
+            self.fetches = FetchStates(states)
 
     def check(self) -> None:
         """Capture python's and numpy's streams (and pick up the CUDA generators): at
@@ -122,6 +142,35 @@ class BoundaryCapture:
         return _torch_names(len(self.generators))
 
 
+class FetchStates:
+    """The generators' states around the fetch of the first batch past the trained
+    position (see the module docstring): the engine calls :meth:`before` and
+    :meth:`after` around that fetch, with the boundary count then."""
+
+    def __init__(self, states: Callable[[], tuple[Tensor, ...]]) -> None:
+        self._states = states
+        #: The states just before and just after the fetch, and the boundary count
+        #: the fetch came after (``-1``: none yet).
+        self.pre: tuple[Tensor, ...] = ()
+        self.post: tuple[Tensor, ...] = ()
+        self.at = -1
+
+    def before(self, count: int) -> None:
+        self.pre, self.at = self._states(), count
+
+    def after(self) -> None:
+        self.post = self._states()
+
+    def refetch(self, count: int, states: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
+        """The states before the fetch of the one batch held at boundary ``count``
+        (``states``: that boundary's), or ``None`` when a fresh fetch from them would
+        not leave the boundary's: the fetch came before another boundary, or something
+        drew from the generators after it."""
+        if self.at != count - 1 or len(self.post) != len(states):
+            return None
+        return self.pre if all(map(torch.equal, self.post, states)) else None
+
+
 def _torch_names(n: int) -> list[str]:
     """The checkpoint's names of ``n`` captured torch generators: the CPU one, then each
     CUDA device's."""
@@ -141,6 +190,7 @@ class Before:
         "fresh",
         "generator_states",
         "groups",
+        "held",
         "numpy",
         "python",
         "schedulers",
@@ -155,7 +205,7 @@ class Before:
         self.torch = cap.torch
         self.python, self.numpy = cap.python, cap.numpy
         self.fresh = cap.captured_at == cap.count
-        self.trained_at, self.epoch = cap.trained_at, cap.epoch
+        self.trained_at, self.epoch, self.held = cap.trained_at, cap.epoch, cap.held
         self.batches: list[Any] = guard.step_batches
         self.generator_states = guard.generator_states
         self.groups = [

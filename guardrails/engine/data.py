@@ -269,7 +269,7 @@ class DataPosition:
         )
 
     def save(
-        self, *, boundary: tuple[Any, list[Any]] | None = None
+        self, *, boundary: tuple[Any, list[Any]] | None = None, refetch_from: int | None = None
     ) -> tuple[dict[str, Any], dict[str, Tensor]]:
         """``(position, tensors)`` of the guard's loader at a step boundary: the JSON part
         (with the loader's own ``state_dict()`` when it has one that works) and its
@@ -277,7 +277,10 @@ class DataPosition:
         sampler's own generators as they are now under ``current.*`` (the next pass draws
         from them). ``boundary``: ``(trained_at, batches fetched since)`` of the last step
         boundary, when the loop has moved past it (a failure save inside a step): the
-        batches that step fetched are handed out first on resume, as a prefetch's are."""
+        batches that step fetched are handed out first on resume, as a prefetch's are;
+        ``refetch_from``: those from this index on were fetched after the RNG streams
+        saved with them, and a fast-forwarded loader fetches them again instead (from
+        those streams: the same batches, and the draws they made)."""
         loader = self._guard.loader
         own = self._own_state(loader, held=None if boundary is None else boundary[1])
         if own is not None:
@@ -288,6 +291,8 @@ class DataPosition:
             kind = "fast_forward"
         epoch, batch, start = self.trained(None if boundary is None else boundary[0])
         held = self._held() if boundary is None else boundary[1]
+        if kind == "fast_forward" and refetch_from is not None:
+            held = held[:refetch_from]
         position: dict[str, Any] = {
             "kind": kind,
             "epoch": epoch,

@@ -644,7 +644,7 @@ class Guard(StepState):
                 self.update_began = False
                 cap = self.boundary_capture  # what a failure save inside the next step writes
                 cap.torch = tuple(map(_get_state, cap.generators))
-                cap.trained_at, cap.epoch = pos.trained_at, self.epoch
+                cap.trained_at, cap.epoch, cap.held = pos.trained_at, self.epoch, len(pos.fetched)
                 cap.count += 1
                 if cap.count & _CHECK_MASK == 1 or cap.drawing:
                     cap.check()
@@ -653,6 +653,9 @@ class Guard(StepState):
                 if self.stopping is not None:
                     return
             self.phase = "data"
+            fetches = self.boundary_capture.fetches  # None unless the copy asked
+            if fetches is not None and not pos.fetched:
+                fetches.before(self.boundary_capture.count)
             t0 = clock()
             try:
                 batch = next(it)
@@ -669,6 +672,8 @@ class Guard(StepState):
                 pos.drop -= 1
                 continue
             pos.fetched.append(batch)
+            if fetches is not None and len(pos.fetched) == 1:
+                fetches.after()
             versions = self._arg_versions
             if versions and not self._copy_inputs:
                 # Inline, not a call: this runs at every fetch (see _check_refill).
@@ -747,7 +752,8 @@ class Guard(StepState):
         self.update_began = False
         cap = self.boundary_capture
         cap.torch = tuple(map(_get_state, cap.generators))
-        cap.trained_at, cap.epoch = self.data_position.trained_at, self.epoch
+        pos = self.data_position
+        cap.trained_at, cap.epoch, cap.held = pos.trained_at, self.epoch, len(pos.fetched)
         cap.count += 1
         if cap.count & _CHECK_MASK == 1 or cap.drawing:
             cap.check()

@@ -292,6 +292,34 @@ def test_a_rank_killed_after_its_update_leaves_its_part_of_that_step(tmp_path, d
     assert_resumed_whole(tmp_path, clean, 2, found[AT], "--draws", draws)
 
 
+def test_a_killed_rank_that_prefetched_is_saved_to_fetch_its_batch_again(tmp_path):
+    """nanoGPT's loop (the next batch fetched after the forward, its rows drawn from
+    torch's RNG by a fast-forwarded loader): rank 1 SIGKILLed at the top of the step
+    after step 67, holding the batch it fetched in step 67. Its copy holds torch's
+    state from before that fetch, so its part is written with the batch not yet
+    fetched (rank 0's holds its own batches' bytes): step 67 is whole, and the same
+    command again redoes no step, fetches the same batches and ends bitwise the
+    uninterrupted run's end."""
+    more = ("--prefetch", "--fault", "kill", "--at", AT, "--rank", 1, "--every", EVERY)
+    code, out = job(tmp_path, 2, "ranks", "a", *more, "--hang-timeout-s", 3)
+    assert code != 0
+    found = dict(list_checkpoints(tmp_path / "checkpoints"))
+    assert sorted(found) == [EVERY, AT], out[-4000:]
+    failure = json.loads((found[AT] / "manifest.json").read_text())["failure"]
+    assert failure["missing"] == [] and failure["from_peers"] == [1], failure
+    data = {r: json.loads((found[AT] / f"rank{r:05d}.json").read_text())["data"] for r in (0, 1)}
+    assert data[0]["kind"] == data[1]["kind"] == "fast_forward", data
+    assert data[0]["held"] and "held" not in data[1], data  # rank 1 fetches its own again
+    clean = tmp_path / "clean"
+    argv = [sys.executable, *args(clean, "--prefetch", "--every", AT)]
+    ranks = run_ranks(argv, 2, out=clean / "out", timeout_s=120)
+    assert all(r.code == 0 for r in ranks), [r.out[-2000:] for r in ranks]
+    code, out = job(tmp_path, 2, "ranks", "b", "--prefetch")
+    assert code == 0, out[-4000:]
+    assert f"resumed from {found[AT]} (step {AT}," in out  # no step redone
+    assert_same_end(tmp_path, clean, 2, since=AT)
+
+
 def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path, clean):
     """A periodic save of step 67 begun in the background, rank 1 SIGKILLed at the top of
     the next step, before its part of that save is written: the save can never commit,

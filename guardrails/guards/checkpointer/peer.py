@@ -22,10 +22,17 @@ set): a rank on the same host reads it after the rank is gone.
   the file is named by the job's token (agreed by the ranks at each start, so a file a
   dead earlier job left is never this job's) and holds it, with its rank; its step must
   be the step the failure save saves.
+* **A prefetched batch** (nanoGPT's ``get_batch``, nanochat's generator: the next batch
+  fetched inside the step, held at the boundary): a periodic save holds its bytes
+  (fetched anew from a fast-forwarded loader, it would be drawn anew); the copy holds
+  instead the torch generators' states from just before its fetch, when nothing else
+  drew from them between that fetch and the boundary (``boundary.FetchStates``, asked
+  for once such a batch is seen): the dead rank's part is written from those states
+  with the batch not yet fetched, and the resumed rank fetches the same batch again.
 * **What the copy cannot hold**: a loader with its own ``state_dict()`` (per-rank state
-  of any size), the batches a fast-forwarded loader's rank prefetched before its
-  boundary (a periodic save there holds them: fetched anew, they would be drawn anew),
-  a sharded model or an optimizer whose state differs per rank. A rank's
+  of any size), prefetched batches otherwise (two held, a loop that draws after the
+  fetch, the loop's own generators), a sharded model or an optimizer whose state
+  differs per rank. A rank's
   part is then unreachable, and a failure save without it is incomplete, as before.
   The components' own state (NanGuard's statistics) in the written part is the
   writing rank's, at the same step.
@@ -81,7 +88,7 @@ _TOKEN_BYTES = 32
 _WRITER = struct.Struct("<3q")
 _WRITER_AT = 8 + _TOKEN_BYTES
 _PREFIX = "guardrails-peer-"
-INTS_AT, _N_INTS = 64, 18
+INTS_AT, _N_INTS = 64, 19
 _FLOATS_AT = INTS_AT + 8 * _N_INTS
 _PY_AT, _PY_N = 256, 625  # random.getstate()[1]: 624 words and the index
 _NP_AT, _NP_N = _PY_AT + 4 * _PY_N + 12, 624  # np.random.get_state()[1]
@@ -96,6 +103,9 @@ PY_HAS_GAUSS, NP_POS, NP_HAS_GAUSS, COLD_LEN, END, HOST, GONE = range(9, 16)
 # INEXACT: the loop drew from the RNG or moved the data between an update and its
 # boundary at least once, so such a copy is not the boundary's.
 AT_UPDATE, INEXACT = 16, 17
+# REFETCH: the one batch held past the boundary can be fetched again, from the torch
+# generators' states before its fetch, kept after the boundary's (engine/boundary.py).
+REFETCH = 18
 # One call writes the step's integers, STEP to HELD (a numpy item store each was
 # ~0.1 us), and python's stream (2x faster than a numpy array's store from its tuple).
 _STEP_INTS = struct.Struct("<6q")
@@ -271,6 +281,7 @@ class _Half:
         self.floats = np.frombuffer(mapped, np.float64, 2, base + _FLOATS_AT)
         self.np = np.frombuffer(mapped, np.uint32, _NP_N, base + _NP_AT)
         self.views: list[Tensor] = []  # the generators' states, in the mapped pages
+        self.pre_views: list[Tensor] = []  # their states before a held batch's fetch
         self.start: Any = None  # the pass's RNG states the cold part was written for
 
 
@@ -333,6 +344,7 @@ class PeerSlot:
         #: Why the copy cannot stand for this rank's part (the loader's kind, a state
         #: too large), or ``""``.
         self.unusable = ""
+        self._kind = ""  # the data position's kind (written once a pass)
 
     def _open(self) -> None:
         self._map = _map_file(self.path, self._token)
@@ -372,6 +384,7 @@ class PeerSlot:
         if start is not half.start or len(states) != len(half.views):
             self._write_cold(half, guard, states, start)  # once a pass (and when CUDA starts)
         torch._foreach_copy_(half.views, states)
+        self._write_refetch(half, guard, count, states)
         if cap.captured_at == count:  # python's and numpy's, read at this boundary
             # Into the other half too while nothing draws from them between checks: the
             # boundary before holds the same streams, and its own may be older still.
@@ -408,8 +421,27 @@ class PeerSlot:
         position = (guard.step, guard.epoch, epoch, batch, len(guard.data_position.fetched))
         half.ints[BEGIN] = count
         torch._foreach_copy_(half.views, states)
+        self._write_refetch(half, guard, count, states)
         self._seal(half, count, position, at_update=True)
         self._update = count
+
+    def _write_refetch(
+        self, half: _Half, guard: Guard, count: int, states: tuple[Tensor, ...]
+    ) -> None:
+        """The states before the fetch of the batch held at boundary ``count``, when a
+        fresh fetch from them leaves ``states`` (:data:`REFETCH`). The first held batch
+        of a fast-forwarded loader asks the engine for them (the next ones have them)."""
+        cap, held = guard.boundary_capture, len(guard.data_position.fetched)
+        pre = None
+        if held and self._kind == "fast_forward" and not guard.generators and half.pre_views:
+            cap.follow_fetches(lambda: tuple(g.get_state() for g in cap.generators))
+            if held == 1 and (fetches := cap.fetches) is not None:
+                pre = fetches.refetch(count, states)
+        if pre is not None and len(pre) == len(half.pre_views):
+            torch._foreach_copy_(half.pre_views, pre)
+            half.ints[REFETCH] = 1
+        else:
+            half.ints[REFETCH] = 0
 
     def rewound(self) -> None:
         """The run went back to an earlier step: the copy after the last update is of a
@@ -447,8 +479,12 @@ class PeerSlot:
         names += [f"generator.{n}" for n in guard.generators]
         sizes = [s.numel() for s in states]
         blob = save_tensors({k: v.contiguous() for k, v in tensors.items()}) if tensors else b""
-        head = json.dumps({"kind": position["kind"], "names": names, "sizes": sizes}).encode()
-        self.unusable = ""
+        # Room for the states before a held batch's fetch too (REFETCH), after these.
+        pre = 2 * sum(sizes) <= _TORCH_BYTES
+        head = json.dumps(
+            {"kind": position["kind"], "names": names, "sizes": sizes, "pre": pre}
+        ).encode()
+        self.unusable, self._kind = "", position["kind"]
         if position["kind"] == "state_dict":
             self.unusable = (
                 "its loader is restored by its own state_dict(), which the published copy "
@@ -469,6 +505,16 @@ class PeerSlot:
                 self._map, dtype=torch.uint8, count=n, offset=half.base + _TORCH_AT + int(o)
             )
             for n, o in zip(sizes, offsets, strict=False)
+        ]
+        half.pre_views = [
+            torch.frombuffer(
+                self._map,
+                dtype=torch.uint8,
+                count=n,
+                offset=half.base + _TORCH_AT + int(offsets[-1]) + int(o),
+            )
+            for n, o in zip(sizes, offsets, strict=False)
+            if pre
         ]
         if not sizes:  # unusable: the generators are not copied
             half.views = [torch.empty(s.numel(), dtype=torch.uint8) for s in states]
@@ -624,15 +670,19 @@ def _part(data: bytes, rank: int) -> tuple[PeerPart | None, str]:
     head = json.loads(data[_COLD_AT + 8 : _COLD_AT + 8 + size])
     if "unusable" in head:
         return None, head["unusable"]
-    if head["kind"] == "fast_forward" and ints[HELD]:
-        # A replayed loader hands them out again; a fast-forwarded one would draw anew.
+    # A replayed loader hands held batches out again; a fast-forwarded one would draw
+    # them anew, unless the copy holds the states from before the held batch's fetch.
+    refetch = head["kind"] == "fast_forward" and ints[HELD]
+    if refetch and not (ints[HELD] == 1 and ints[REFETCH] and head.get("pre")):
         return None, (
             "it had fetched a batch past its last step boundary (a prefetch), which the "
-            "published copy does not hold"
+            "published copy does not hold (its loop drew from the RNG after that fetch, "
+            "or fetched more than one)"
         )
     blob = data[_COLD_AT + 8 + size : _COLD_AT + int(ints[COLD_LEN])]
     streams: dict[str, Tensor] = {}
-    at = _TORCH_AT
+    # The states before the held batch's fetch: the resumed rank fetches it again.
+    at = _TORCH_AT + (sum(head["sizes"]) if refetch else 0)
     for name, n in zip(head["names"], head["sizes"], strict=True):
         streams[name] = torch.frombuffer(bytearray(data[at : at + n]), dtype=torch.uint8)
         at += n

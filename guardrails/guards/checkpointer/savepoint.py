@@ -40,7 +40,11 @@ class SavePoint:
     as ``stage.stage_rank`` takes them), ``position`` (``(trained_at, batches fetched
     since)``) and ``epoch`` of its boundary; ``after_update``: the failing step's update
     was over, the streams and position are those after it. ``before``: the device is a
-    step behind the host, whose state before its last update this is."""
+    step behind the host, whose state before its last update this is. ``refetch_from``:
+    of ``position``'s batches, those from this index on were fetched after ``rng`` was
+    taken (inside the failing step): a fast-forwarded loader fetches them again from it
+    (one that draws from the RNG, nanoGPT's ``get_batch``, would otherwise hand them out
+    without their draws); ``None``: all were fetched before."""
 
     step: int
     rng: dict[str, Any]
@@ -49,12 +53,19 @@ class SavePoint:
     after_update: bool = False
     before: Before | None = None
     marks: UpdateMarks | None = None
+    refetch_from: int | None = None
 
     @property
     def generator_states(self) -> dict[str, Any] | None:
         """The loop's own generators (``guard(generators=)``) as the step left them;
         ``None``: as the guard holds them."""
         return None if self.before is None else self.before.generator_states
+
+    @property
+    def position_and_generators(self) -> tuple[Any, int | None, dict[str, Any] | None]:
+        """What a save of this point writes of the data: ``(position, refetch_from,
+        generator_states)``."""
+        return self.position, self.refetch_from, self.generator_states
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
         """``optimizer``'s state dict to save when the device is behind: the device's
@@ -135,7 +146,8 @@ def _host(guard: Guard) -> tuple[SavePoint | None, str]:
         return None, why
     if capture.epoch != guard.epoch:
         return None, "the failing step began a new pass over the loader"
-    return SavePoint(guard.step, rng, (capture.trained_at, batches), capture.epoch), ""
+    position = (capture.trained_at, batches)
+    return SavePoint(guard.step, rng, position, capture.epoch, refetch_from=capture.held), ""
 
 
 def _behind(guard: Guard, before: Before, marks: UpdateMarks) -> tuple[SavePoint | None, str]:
@@ -167,7 +179,9 @@ def _behind(guard: Guard, before: Before, marks: UpdateMarks) -> tuple[SavePoint
     pos = guard.data_position
     later = [] if guard.step_batches is before.batches else guard.step_batches
     position = (before.trained_at, [*before.batches, *later, *pos.fetched])
-    return SavePoint(step, rng, position, before.epoch, before=before, marks=marks), ""
+    return SavePoint(
+        step, rng, position, before.epoch, before=before, marks=marks, refetch_from=before.held
+    ), ""
 
 
 def _on_host(value: Any) -> bool:
