@@ -11,6 +11,9 @@ one that does not (only torch's generators: the common case). Then the same unde
 ``strace -f -c``, twice as many publishes against as many: the system calls per publish.
 ``us_per_publish_update``: the copy published after each update too (the boundary to
 come's part, read with its own ``get_state()`` calls), when nothing draws.
+``us_per_fetch_states``: a loop that prefetches through a fast-forwarded loader, per
+fetch of its held batch: torch's generators' states before and after the fetch
+(``boundary.FetchStates``); ``us_per_refetch_check``: the boundary's check of them.
 
 ``--partner``: the copy also sent to a partner on another node (``partner.py``; here two
 links in this process over loopback, through a real TCPStore): the main thread's time
@@ -68,6 +71,15 @@ def measure(n: int) -> dict[str, float]:
             # After the update, the part of the boundary to come (its own get_state()s).
             update = timeit.timeit(lambda: slot.publish_update(g), number=n) / n
             assert slot.exact
+            from guardrails.engine.boundary import FetchStates
+
+            fetches = FetchStates(lambda: tuple(gen.get_state() for gen in cap.generators))
+            around = timeit.timeit(lambda: (fetches.before(cap.count), fetches.after()), number=n)
+            fetches.before(cap.count - 1)
+            fetches.after()
+            states = tuple(gen.get_state() for gen in cap.generators)
+            check = timeit.timeit(lambda: fetches.refetch(cap.count, states), number=n)
+            assert fetches.refetch(cap.count, states) is not None
             cap.captured_at = cap.count  # drawing: python's and numpy's too
             cap.drawing = True  # (into the boundary's half only: each has its own)
             drawing = timeit.timeit(lambda: slot.publish(g), number=n) / n
@@ -77,6 +89,8 @@ def measure(n: int) -> dict[str, float]:
         "us_per_publish": quiet * 1e6,
         "us_per_publish_update": update * 1e6,
         "us_per_publish_drawing": drawing * 1e6,
+        "us_per_fetch_states": around / n * 1e6,
+        "us_per_refetch_check": check / n * 1e6,
     }
 
 

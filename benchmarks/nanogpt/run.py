@@ -494,16 +494,21 @@ def nodes_lost(b: Bench) -> dict:
     first = b.run(tag, guarded=True, world=world, inject=inject, log=tag + "-1", nodes=nodes)
     second = b.run(tag, guarded=True, world=world, log=tag + "-2", nodes=nodes)
     reasons = [f"ranks 2,3 (node 1) lost at iter {b.fault}: exit codes {first['rank_exit_codes']}"]
+    # The failure save: the checkpoint with a failure record (the resumed run's own
+    # saves come after it).
     saves = [p for p in sorted((b.run_dir(tag) / "checkpoints").glob("step_*")) if p.is_dir()]
-    failure = {}
-    if saves:
-        failure = _json.loads((saves[-1] / "manifest.json").read_text()).get("failure") or {}
+    failed = [
+        (p, f)
+        for p in saves
+        if (f := _json.loads((p / "manifest.json").read_text()).get("failure"))
+    ]
+    saved, failure = failed[-1] if failed else (None, {})
     whole = bool(failure) and failure.get("missing") == [] and failure.get("from_peers") == [2, 3]
     reasons.append(
-        f"failure save {saves[-1].name if saves else 'none'}: missing "
+        f"failure save {saved.name if saved else 'none'}: missing "
         f"{failure.get('missing')}, from_peers {failure.get('from_peers')}"
     )
-    saved_step = int(saves[-1].name.split("_")[1]) if saves else -1
+    saved_step = int(saved.name.split("_")[1]) if saved else -1
     resumed = sorted({(e["rank"], e["step"]) for e in second["resumed"]})
     resumed_ok = resumed == [(r, saved_step) for r in range(world)]
     reasons.append(f"resumed (rank, step): {resumed or 'NOT resumed'}")
