@@ -210,6 +210,8 @@ def prefetching(
         loss = model(x, y)
         x_next, y_next = next(it)
         loss.backward()
+        if faulty and g.step == args.at and args.fault == "forward":
+            raise ValueError("boom after the prefetch and the backward")
         opt.step()
         seen[g.step] = float(x.sum() + y.sum())
         opt.zero_grad()

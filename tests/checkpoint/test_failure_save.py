@@ -91,6 +91,26 @@ def test_exception_in_the_loop_saves_the_last_finished_step(tmp_path, uninterrup
     assert_same_final(tmp_path, uninterrupted)
 
 
+def test_a_failure_after_a_prefetch_fetches_the_step_s_batch_again_on_resume(tmp_path):
+    """nanoGPT's loop (its next batch fetched after the forward, the rows drawn from
+    torch's RNG by a fast-forwarded loader) fails after the prefetch of the step after
+    step 7: the save keeps the batch held at step 7's boundary and not the one the
+    failing step fetched, which the resumed run fetches again from the boundary's
+    streams. Handed out as saved instead, it skipped its draw, and the resumed run
+    trained on other batches from step 10 on."""
+    clean = tmp_path / "clean"
+    done = single(clean, "--prefetch")
+    assert (clean / "final0.pt").exists(), done[-3000:]
+    out = single(tmp_path, "--prefetch", "--fault", "forward", "--at", 7)
+    assert "boom after the prefetch" in out, out[-3000:]
+    [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
+    data = json.loads((ckpt / "rank00000.json").read_text())["data"]
+    assert step == 7 and data["kind"] == "fast_forward" and len(data["held"]) == 1, data
+    resumed = single(tmp_path, "--prefetch")
+    assert "resumed from" in resumed and "step 7" in resumed, resumed
+    assert_same_final(tmp_path, clean)
+
+
 def test_failure_inside_optimizer_step_saves_nothing(tmp_path):
     """(2) An update that failed half-way: the live weights are neither step 7's nor
     step 8's, so nothing is saved, and the event says why."""
