@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -174,6 +175,12 @@ def main() -> None:
                     if a.early_iter and not a.slow_data:
                         time.sleep(1.0)  # unshielded workers' deaths reach it mid-step
                 if g.step == a.crash_at:  # a crash: no signal save, writers cut off
+                    # After a background save committed (the test resumes one): on a
+                    # loaded 2-core machine none had by step 14 (CI).
+                    deadline = time.monotonic() + 60
+                    found = Path(a.run_dir) / "checkpoints"
+                    while not list(found.glob("step_*")) and time.monotonic() < deadline:
+                        time.sleep(0.05)
                     if a.rank == 0 and a.world > 1:
                         # Rank 0 hosts the store here (torchrun's agent would): it goes
                         # last, so a peer still finishing this step's store calls (the

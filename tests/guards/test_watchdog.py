@@ -168,16 +168,16 @@ def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
     t0 = fault_time(results)
     for r, res in enumerate(results):
         assert res.code == 143, res.out[-3000:]
-        # 1 s to the signal, 5 s without progress, about a second to report: well
+        # 1 s to the signal, 8 s without progress, about a second to report: well
         # before torchrun's SIGKILL at 30 s (the bound leaves room for a loaded CI).
-        assert res.ended - t0 < 1 + 5 + 8, res.ended - t0
+        assert res.ended - t0 < 1 + 8 + 8, res.ended - t0
         extra = info(res)
         assert extra["exit_code"] == 143
         line = extra["py_callstack"]
         assert line.startswith("SIGTERM received at step 3")
         assert "exited without a checkpoint; no checkpoint was saved in this run" in line
         if r == 1 or "no progress" in line:  # else rank 1's exit failed its collective
-            assert "but this rank made no progress for 5 s" in line
+            assert "but this rank made no progress for 8 s" in line
             assert "could not reach a step boundary to save" in line
             where = "(fault)" if r == 1 else "(main)"
             assert "hang_worker.py:" in line and where in line, line

@@ -29,10 +29,13 @@ if TYPE_CHECKING:
 # After a stop signal, a rank whose main thread shows no progress (no step, batch, phase
 # or collective) for this long cannot reach a step boundary to save: it is stuck (in a
 # collective waiting for a stuck peer, in its loader, in a C call where Python signal
-# handlers never run) and exits with 128+signum. 5 s: several steps of any model that
-# advertises progress per phase; well inside torchrun's and SLURM's 30 s before SIGKILL,
-# which is what such a rank got before, with nothing written.
-_SIGNAL_STUCK_S = 5.0
+# handlers never run) and exits with 128+signum. 8 s: several steps of any model that
+# advertises progress per phase, and more than the 5 s a DataLoader waits before it
+# checks its workers (``MP_STATUS_CHECK_INTERVAL``: workers the SIGTERM killed reach
+# the loop as an error then, at a boundary that is the stop; at 5 s the two raced and
+# the rank left without its save); well inside torchrun's and SLURM's 30 s before
+# SIGKILL, which is what such a rank got before, with nothing written.
+_SIGNAL_STUCK_S = 8.0
 
 
 class SignalCapture:
