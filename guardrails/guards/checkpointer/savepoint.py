@@ -61,11 +61,11 @@ class SavePoint:
         ``None``: as the guard holds them."""
         return None if self.before is None else self.before.generator_states
 
-    @property
-    def position_and_generators(self) -> tuple[Any, int | None, dict[str, Any] | None]:
-        """What a save of this point writes of the data: ``(position, refetch_from,
-        generator_states)``."""
-        return self.position, self.refetch_from, self.generator_states
+    def data(self, guard: Guard) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The data position a save of this point writes (``DataPosition.save``): of
+        its boundary, the batches fetched after its streams fetched again where the
+        loader allows (:attr:`refetch_from`)."""
+        return guard.data_position.save(boundary=self.position, refetch_from=self.refetch_from)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any] | None:
         """``optimizer``'s state dict to save when the device is behind: the device's

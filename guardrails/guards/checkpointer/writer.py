@@ -365,9 +365,9 @@ class CheckpointWriter:
                 optimizer_state=None if point is None else point.optimizer_state,
                 scheduler_states=None if point is None else point.scheduler_states,
             )
-        at = (None, None, None) if point is None else point.position_and_generators
-        position, tensors = guard.data_position.save(boundary=at[0], refetch_from=at[1])
-        states = guard.generator_states if at[2] is None else at[2]  # the loop's own
+        position, tensors = guard.data_position.save() if point is None else point.data(guard)
+        held = None if point is None else point.generator_states
+        states = guard.generator_states if held is None else held  # the loop's own
         for name, gen in guard.generators.items():  # (generators=), as the step left them
             tensors[f"generator.{name}"] = gen.get_state() if states is None else states[name]
         components = {
