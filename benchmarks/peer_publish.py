@@ -73,7 +73,7 @@ def measure(n: int) -> dict[str, float]:
             assert slot.exact
             from guardrails.engine.boundary import FetchStates
 
-            fetches = FetchStates(lambda: tuple(gen.get_state() for gen in cap.generators))
+            fetches = FetchStates(cap)
             around = timeit.timeit(lambda: (fetches.before(cap.count), fetches.after()), number=n)
             fetches.before(cap.count - 1)
             fetches.after()

@@ -49,7 +49,6 @@ boundary's). Two ``get_state`` calls a generator per such fetch.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -105,11 +104,11 @@ class BoundaryCapture:
         start, on CUDA with one optimizer."""
         self.updates = UpdateMarks()
 
-    def follow_fetches(self, states: Callable[[], tuple[Tensor, ...]]) -> None:
-        """Record :class:`FetchStates` from now on (``states``: what the copy captures
-        at a boundary, read the same way)."""
+    def follow_fetches(self) -> None:
+        """Record :class:`FetchStates` from now on (the published copy asks for them once
+        it sees a held batch)."""
         if self.fetches is None:
-            self.fetches = FetchStates(states)
+            self.fetches = FetchStates(self)
 
     def check(self) -> None:
         """Capture python's and numpy's streams (and pick up the CUDA generators): at
@@ -147,8 +146,8 @@ class FetchStates:
     position (see the module docstring): the engine calls :meth:`before` and
     :meth:`after` around that fetch, with the boundary count then."""
 
-    def __init__(self, states: Callable[[], tuple[Tensor, ...]]) -> None:
-        self._states = states
+    def __init__(self, capture: BoundaryCapture) -> None:
+        self._capture = capture  # its generators: those a boundary captures
         #: The states just before and just after the fetch, and the boundary count
         #: the fetch came after (``-1``: none yet).
         self.pre: tuple[Tensor, ...] = ()
@@ -156,10 +155,10 @@ class FetchStates:
         self.at = -1
 
     def before(self, count: int) -> None:
-        self.pre, self.at = self._states(), count
+        self.pre, self.at = tuple(g.get_state() for g in self._capture.generators), count
 
     def after(self) -> None:
-        self.post = self._states()
+        self.post = tuple(g.get_state() for g in self._capture.generators)
 
     def refetch(self, count: int, states: tuple[Tensor, ...]) -> tuple[Tensor, ...] | None:
         """The states before the fetch of the one batch held at boundary ``count``

@@ -434,7 +434,7 @@ class PeerSlot:
         cap, held = guard.boundary_capture, len(guard.data_position.fetched)
         pre = None
         if held and self._kind == "fast_forward" and not guard.generators and half.pre_views:
-            cap.follow_fetches(lambda: tuple(g.get_state() for g in cap.generators))
+            cap.follow_fetches()
             if held == 1 and (fetches := cap.fetches) is not None:
                 pre = fetches.refetch(count, states)
         if pre is not None and len(pre) == len(half.pre_views):
