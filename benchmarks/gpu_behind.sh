@@ -37,7 +37,7 @@ recovery)
     grep -h '"failure_saved"\|"hang"\|"rank_failed"' /tmp/recovery_gpu/events*.jsonl \
       | cut -c1-3000 | tee "$OUT/failure_saved_$fault${LOCAL:+_local}${EXTRA:+_x}.txt"
     cat /tmp/recovery_gpu/stacks_rank*.txt > "$OUT/stacks_$fault.txt" 2>/dev/null
-    cat /tmp/recovery_gpu/events*.jsonl | cut -c1-600 > "$OUT/events_$fault.jsonl"  # the end
+    cat /tmp/recovery_gpu/events*.jsonl | cut -c1-600 > "$OUT/events_$fault${LOCAL:+_local}.jsonl"
   done
   ;;
 esac

@@ -55,6 +55,12 @@ def child(a: argparse.Namespace) -> None:
         os.write(1, (line + "\n").encode())  # one write: two ranks share the pipe
 
     mark("start", t0=T0)
+    import logging
+
+    # guardrails' warnings with their time (a last word given up, a teardown that did not
+    # end), and the debug line just before the process ends: the exit's parts.
+    logging.basicConfig(format="%(created).3f %(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("guardrails.record").setLevel(logging.DEBUG)
     import torch
     import torch.distributed as dist
 
@@ -145,6 +151,7 @@ def attempt(a: argparse.Namespace, *, hang: bool) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marks: dict[str, dict] = {}
     tail: list[str] = []
+    lines: list[tuple[float, str]] = []  # when each line came: the exit's parts
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("MARK ") and line.endswith("}\n"):
@@ -152,8 +159,16 @@ def attempt(a: argparse.Namespace, *, hang: bool) -> dict:
             marks.setdefault(m["what"], {})[m["rank"]] = m
         else:
             tail = [*tail, line][-30:]
+            lines = [*lines, (time.time(), line.rstrip()[:300])][-200:]
     code = proc.wait()
-    return {"launched": launched, "ended": time.time(), "code": code, "marks": marks, "tail": tail}
+    return {
+        "launched": launched,
+        "ended": time.time(),
+        "code": code,
+        "marks": marks,
+        "tail": tail,
+        "lines": lines,
+    }
 
 
 def main() -> None:
@@ -228,6 +243,15 @@ def main() -> None:
         **{k: None if v is None else round(v, 2) for k, v in parts.items()},
     }
     print(json.dumps(result, indent=1))
+    if seen is not None:  # what the first attempt printed from the verdict to its end
+        told = [f"{t - seen:+7.2f} {line}" for t, line in first["lines"] if t >= seen - 1]
+        told.append(f"{first['ended'] - seen:+7.2f} (torchrun ended)")
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / f"exit_lines_{a.fault}.txt").write_text("\n".join(told) + "\n")
+        else:
+            print("--- first attempt's output after the verdict (s after it):")
+            print("\n".join(told))
     for name, att in (("first", first), ("second", second)):
         ok = (0,) if name == "second" else (1, 83)  # torchrun: 1 when a rank failed
         if att["code"] not in ok or (name == "second" and not resumed):

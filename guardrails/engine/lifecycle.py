@@ -20,6 +20,8 @@ from guardrails.engine import ending, process, rundir, setup
 from guardrails.engine.component import HOOKS, overrides
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from guardrails.engine.guard import Guard
 
 logger = logging.getLogger("guardrails.guard")
@@ -197,16 +199,39 @@ def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:
     events.close()
 
 
-def last_words(guard: Guard, error: BaseException) -> None:
-    """``Guard.die``'s, before the process ends: the components' ``on_abort`` (in
-    reverse order) and the ``end`` event, marked aborted."""
+def abort_saves(guard: Guard, error: BaseException) -> None:
+    """``Guard.die``'s first words, before the process groups are aborted: the
+    components' ``on_abort`` (in reverse order) up to the last one that saves (declares
+    ``abort_s``), with those before it (the efficiency guard puts the sync debug mode
+    back, which the save's copies would trip)."""
     guard._ending_at = time.time()
-    for fn in guard._dispatch["on_abort"]:
+    _run_on_abort(guard, error, _on_abort_split(guard)[0])
+
+
+def last_words(guard: Guard, error: BaseException) -> None:
+    """``Guard.die``'s, after the process groups are aborted: the other components'
+    ``on_abort`` (in reverse order: the metrics the host holds) and the ``end`` event,
+    marked aborted."""
+    if guard._ending_at != guard._ending_at:  # NaN: no save ran before
+        guard._ending_at = time.time()
+    _run_on_abort(guard, error, _on_abort_split(guard)[1])
+    end_event(guard, error, aborted=True)
+
+
+def _on_abort_split(guard: Guard) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]]:
+    """The ``on_abort`` hooks (reverse order) through the last that saves, and the rest."""
+    hooks = guard._dispatch["on_abort"]
+    saves = [i for i, fn in enumerate(hooks) if getattr(fn.__self__, "abort_s", 0.0) > 0]
+    cut = saves[-1] + 1 if saves else 0
+    return hooks[:cut], hooks[cut:]
+
+
+def _run_on_abort(guard: Guard, error: BaseException, hooks: list[Callable[..., Any]]) -> None:
+    for fn in hooks:
         try:
             fn(guard, error)
         except Exception as exc:  # the process ends either way; the rest still run
             logger.debug("guardrails: %r failed while aborting: %s", fn, exc)
-    end_event(guard, error, aborted=True)
 
 
 def close_at_exit(guard: Guard) -> None:

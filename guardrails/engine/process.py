@@ -343,26 +343,36 @@ def die(
     error: BaseException,
     *,
     exit_code: int | None = None,
+    saves: Callable[[BaseException], None] | None = None,
     last_words: Callable[[BaseException], None] | None = None,
     extra_s: float = 0.0,
 ) -> NoReturn:
     """Report ``error`` and end this process at once, whatever the main thread is doing.
 
-    Runs ``last_words(error)`` (the guard's: flush the metrics the host holds, write the
-    ``end`` event), bounded by :data:`_LAST_WORDS_S`; writes the torchelastic error
-    file, prints the summary on stderr, ends the daemonic children (:func:`end_children`),
-    aborts the process groups (bounded, see :func:`release_process_group`) and
-    ``os._exit``\\ s with the error's code. ``os._exit`` and not ``sys.exit``: the main
-    thread may be inside a C++ collective, and interpreter shutdown would wait for it.
-    ``extra_s``: seconds the last words may take beyond :data:`_LAST_WORDS_S` (a
-    failure save, bounded by its own limit: ``Component.abort_s``).
+    Runs ``saves(error)`` (the guard's failure save), bounded by ``extra_s`` (its own
+    limit: ``Component.abort_s``); aborts the process groups (bounded, see
+    :func:`release_process_group`); runs ``last_words(error)`` (the guard's: flush the
+    metrics the host holds, write the ``end`` event), bounded by :data:`_LAST_WORDS_S`;
+    writes the torchelastic error file, prints the summary on stderr, ends the daemonic
+    children (:func:`end_children`) and ``os._exit``\\ s with the error's code.
+    ``os._exit`` and not ``sys.exit``: the main thread may be inside a C++ collective,
+    and interpreter shutdown would wait for it.
+
+    The abort comes after the save, which copies the weights the stuck collective
+    guards (an abort frees the main thread, whose next kernels may change them), and
+    before the last words: on a GPU whose host queued a step behind the stuck
+    collective, every CUDA call waits until the abort ends that collective (2 H200,
+    0.835B: a last word's event query held a rank 14 s past its save, until its bound).
     """
     code = code_for(error) if exit_code is None else exit_code
     if not _lock.acquire(timeout=_TEARDOWN_S + _LAST_WORDS_S + extra_s + 5):
         os._exit(code)  # another thread is already reporting and stuck doing it
     try:
+        if saves is not None and extra_s > 0:  # no component saves: none to wait for
+            _bounded(lambda: saves(error), extra_s, "saving its state")
+        release_process_group(abort=True)
         if last_words is not None:
-            _bounded(lambda: last_words(error), _LAST_WORDS_S + extra_s, "saying its last words")
+            _bounded(lambda: last_words(error), _LAST_WORDS_S, "saying its last words")
         last_failure.write(error, exit_code=code)
         write_error_file(error, with_traceback=False)
         text = summary(error)
@@ -371,7 +381,6 @@ def die(
         sys.stderr.flush()
         sys.stdout.flush()
         end_children()
-        release_process_group(abort=True)
     finally:
         os._exit(code)
 
