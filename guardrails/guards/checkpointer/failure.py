@@ -147,6 +147,9 @@ class FailureSave:
         self._wedged_run: frozenset[int] = frozenset()
         self._key: str | None = None  # the store's keys of the save running
         self._t0 = 0.0
+        #: When each part of the save ended, in seconds from its first try (the event's
+        #: ``phases``: where a slow save's time went).
+        self._phases: dict[str, float] = {}
         #: The missing ranks whose part the committer could not write from their
         #: published copy, and why (said in the event); the dead ranks whose part their
         #: partner wrote; the rank whose copy this one keeps (``partner.py``: set by the
@@ -196,6 +199,7 @@ class FailureSave:
             self._wake(dead)
         with self._one_at_a_time:
             self._t0 = time.perf_counter()  # the event's seconds: from the first try
+            self._phases = {}
             while True:
                 done, news = self.outcome, self._news
                 over = done is not None and (done["complete"] or news in done["missing"])
@@ -275,6 +279,7 @@ class FailureSave:
         if path is not None:  # committed in the local tier (local_directory): copied now
             left = self.timeout_s - (time.perf_counter() - t0)
             self._writer.drain(guard, self._step, path, within_s=left)
+            self._mark("drained")
         self._said(guard, cause, path, missing, why, time.perf_counter() - self._t0)
         if self.slot is not None and path is not None:
             self.slot.close()  # this rank's part is in: not needed
@@ -340,7 +345,13 @@ class FailureSave:
         said = {"error": f"rank {self._rank}'s GPU takes no more work", "wedged": wedged}
         self._store.compare_set(f"{self._key}/commit", "", json.dumps(said))
         self._wedged.add(self._rank)
+        self._mark("stood_down")
         return True
+
+    def _mark(self, phase: str) -> float:
+        """``phase`` ended now: its time from the save's first try, kept for the event."""
+        self._phases[phase] = at = round(time.perf_counter() - self._t0, 3)
+        return at
 
     def _say_none(self, step: int, why: str) -> None:
         """This rank has no consistent state to save: its record says so (rank 0's
@@ -391,6 +402,7 @@ class FailureSave:
             part.write(tmp, files)
             if self._rank == committer != 0:  # rank 0 is dead: its replicated state, ours
                 self._stage_replicated(guard, state, cancel).write(tmp, files)
+            self._mark("written")
             if self._store is None:
                 return self._commit(step, tmp, files, cause, missing=[]), []
         except BaseException:
@@ -403,6 +415,7 @@ class FailureSave:
             self._store.add(f"{key}/filed", 1)
             return self._await_commit(key, deadline, dead)
         merged, missing, after = self._gather(key, deadline, dead)
+        self._mark("gathered")
         merged.update(files)  # the committer's own
         claim = lambda r: self._claim(key, "peer", r)  # noqa: E731
         try:
@@ -414,6 +427,7 @@ class FailureSave:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._store.set(f"{key}/commit", json.dumps({"path": str(final), "missing": missing}))
+        self._mark("committed")
         return final, missing
 
     def _save_on_board(
@@ -515,7 +529,7 @@ class FailureSave:
         from the save's start); refused when the GPU moved past the point's step during
         the copy (the copy may mix two steps)."""
         part = self._writer.stage_boundary(guard, point)
-        self._staged_s = round(time.perf_counter() - self._t0, 3)
+        self._staged_s = self._mark("staged")
         if not point.still_held():
             raise RuntimeError(f"the GPU moved past step {point.step} while it was copied")
         return part
@@ -537,6 +551,7 @@ class FailureSave:
             scheduler_states=point.scheduler_states,
         )
         part.ready()
+        self._mark("staged_replicated")
         if not point.still_held():
             raise RuntimeError(f"the GPU moved past step {point.step} while it was copied")
         part.cancel = cancel
@@ -762,6 +777,7 @@ class FailureSave:
             "step": step,
             "seconds": round(took_s, 3),
             "staged_s": self._staged_s,
+            "phases": dict(self._phases),
             "copy_streams_blocked": None if self._side is None else self._side.blocked,
             "state": (
                 ("after_update" if self._after_update else "live")
