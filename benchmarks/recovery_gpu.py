@@ -216,6 +216,11 @@ def main() -> None:
     def span(begin: float | None, end: float | None) -> float | None:
         return None if begin is None or end is None else end - begin
 
+    def first_at(what: str) -> float | None:
+        got = [m["t"] for m in first["marks"].get(what, {}).values()]
+        return max(got) if got else None
+
+    starts = [m.get("t0") for m in m2.get("start", {}).values() if m.get("t0")]
     parts = {
         "detection_s": span(fault, seen),
         "exit_s": span(seen, first["ended"]),
@@ -224,6 +229,14 @@ def main() -> None:
         "resume_s": span(at("built"), at("resumed")),
         "first_step_s": span(at("resumed"), at("first_step")),
         "fault_to_training_s": span(fault, at("first_step")),
+        # The restart's parts: torchrun to the workers' start, their imports (torch,
+        # the script's, guardrails), CUDA and the process group.
+        "restart_launch_s": span(second["launched"], max(starts) if starts else None),
+        "restart_import_s": span(max(starts) if starts else None, at("imported")),
+        "restart_cuda_s": span(at("imported"), at("cuda")),
+        # The first attempt's first step, from a fresh start: what a first step costs
+        # without a resume (CUDA's lazy loading, NCCL's first connections).
+        "fresh_first_step_s": span(first_at("resumed"), first_at("first_step")),
     }
     resumed = [m["step"] for m in m2.get("resumed", {}).values()]
     result = {
