@@ -14,6 +14,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from guardrails._errors import CheckpointError
-from guardrails.checkpoint import digest
+from guardrails.checkpoint import digest, hostmem
 from guardrails.checkpoint.codec import encode
 from guardrails.checkpoint.common import (
     ALIASES_KEY,
@@ -59,10 +60,10 @@ class Staging:
     model). Here the memory is a few blocks, laid out the same way at every save (the
     state's tensors keep their sizes), so staging is only the copy (~0.5 s for 10 GB at
     PCIe speed). :meth:`prepare` allocates the blocks ahead of the first save, in a
-    thread. Pinned blocks are powers of two (torch's pinned allocator rounds every
-    request up to one, so a 10 GB block would pin 16); a CPU run's staging is one block
-    of the size asked, its pages touched in that thread (the first write of fresh pages
-    is what a save would otherwise pay, ~0.25 s/GB).
+    thread: pinned blocks are plain memory locked in place (:func:`hostmem.page_locked`), which
+    the training thread's kernel launches do not wait for; a CPU run's staging is one
+    block of the size asked, its pages touched in that thread (the first write of fresh
+    pages is what a save would otherwise pay, ~0.25 s/GB).
 
     One save uses it at a time: a save waits for the previous save's writer, which
     reads from these blocks, before it stages.
@@ -78,6 +79,10 @@ class Staging:
         #: (a CPU run: the blocks take the host tensors a save copies).
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._blocks: list[Tensor] = []
+        # The pinned blocks' addresses, unlocked at release() (or when this staging
+        # goes: a block still referenced then is plain memory from there on).
+        self._locked: list[int] = []
+        weakref.finalize(self, hostmem.unlock, self._locked)
         # prepare()'s thread vs a save's place(): held to read or append the block
         # list, never while a block is being allocated (pinning 1 GB takes ~0.1-0.6 s).
         self._lock = threading.Lock()
@@ -151,9 +156,7 @@ class Staging:
             # reference cycle (its Cancelled error's traceback): collected first, or
             # the blocks stayed pinned until the exit (H200, SIGTERM at step 45).
             gc.collect()
-            empty = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.3
-            if empty is not None:
-                empty()
+            hostmem.unlock(self._locked)
 
     def wait(self) -> None:
         """Wait for the ahead-of-time allocation, if one is running."""
@@ -205,7 +208,12 @@ class Staging:
             _, missing = self._plan(sizes)
         new = []
         for size in missing[:at_most]:
-            block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            if self.pinned:
+                block, locked = hostmem.page_locked(size)
+                if locked:
+                    self._locked.append(block.data_ptr())
+            else:
+                block = torch.empty(size, dtype=torch.uint8)
             with self._lock:
                 self._blocks.append(block)
             new.append(block)
@@ -235,29 +243,6 @@ class Staging:
             where.append((block, offset, n))
             offset += self._aligned(n)
         return where, capacity[have:]
-
-
-#: Below this, fresh memory is zeroed by the calling thread alone.
-_FAULT_IN_ALONE_BYTES = 256 << 20
-
-
-def fresh_memory(nbytes: int) -> Tensor:
-    """``nbytes`` of plain host memory, zeroed: its pages faulted in by ``digest.THREADS``
-    threads at once. Written page by page by the copies instead, fresh memory took 0.67
-    s a GB (H200 host); ``torch.zeros`` faults them in from torch's own threads, and
-    torchrun runs each worker with ``OMP_NUM_THREADS=1``: a failure save's 10 GB took
-    5.9 s there, 0.6 s from 16 threads."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes < _FAULT_IN_ALONE_BYTES or digest.THREADS == 1:
-        return buf.zero_()
-    piece = -(-nbytes // digest.THREADS)
-    # zero_() lets go of the GIL: the threads fault their pages in at once.
-    run = [threading.Thread(target=buf[i : i + piece].zero_) for i in range(0, nbytes, piece)]
-    for t in run:
-        t.start()
-    for t in run:
-        t.join()
-    return buf
 
 
 class Part:
@@ -420,7 +405,7 @@ class Part:
         """``sources`` copied into plain host memory allocated now (:attr:`fresh_bytes`),
         each copy waited for on the current stream."""
         sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in sources]
-        plain = fresh_memory(sum(sizes)) if sources else None
+        plain = hostmem.fresh_memory(sum(sizes)) if sources else None
         self.fresh_bytes += sum(t.numel() * t.element_size() for t in sources)
         placed: list[Tensor] = []
         offset = 0

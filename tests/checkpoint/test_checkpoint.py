@@ -650,15 +650,15 @@ def test_every_dtype_round_trips_through_the_header_writer(tmp_path):
 
 @pytest.mark.parametrize("n", [1000, 64 * 1024 + 7, 1 << 20])
 def test_fresh_memory_is_zeroed_to_its_last_byte_by_its_threads(monkeypatch, n):
-    """A failure save's plain host memory (stage.fresh_memory): zeroed whole when its
+    """A failure save's plain host memory (hostmem.fresh_memory): zeroed whole when its
     threads each take a piece, the last piece shorter; here the threshold is lowered
     so that small buffers, which malloc hands out dirty, take the threaded path."""
-    from guardrails.checkpoint import stage
+    from guardrails.checkpoint import hostmem
 
-    monkeypatch.setattr(stage, "_FAULT_IN_ALONE_BYTES", 512)
-    monkeypatch.setattr(stage.digest, "THREADS", 3)
+    monkeypatch.setattr(hostmem, "_FAULT_IN_ALONE_BYTES", 512)
+    monkeypatch.setattr(hostmem.digest, "THREADS", 3)
     dirty = torch.full((n,), 0xFF, dtype=torch.uint8)
     del dirty  # its memory back to malloc, which likely hands it out again below
-    buf = stage.fresh_memory(n)
+    buf = hostmem.fresh_memory(n)
     assert buf.dtype == torch.uint8 and buf.shape == (n,) and buf.is_contiguous()
     assert int(buf.count_nonzero()) == 0
