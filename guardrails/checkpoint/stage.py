@@ -60,8 +60,9 @@ class Staging:
     model). Here the memory is a few blocks, laid out the same way at every save (the
     state's tensors keep their sizes), so staging is only the copy (~0.5 s for 10 GB at
     PCIe speed). :meth:`prepare` allocates the blocks ahead of the first save, in a
-    thread: pinned blocks are plain memory locked in place (:func:`hostmem.page_locked`), which
-    the training thread's kernel launches do not wait for; a CPU run's staging is one
+    thread: pinned blocks are plain memory locked in place (``hostmem.page_locked``),
+    which the training thread's kernel launches do not wait for, sized in powers of two
+    (as torch's pinned allocator, its fallback, rounds them); a CPU run's staging is one
     block of the size asked, its pages touched in that thread (the first write of fresh
     pages is what a save would otherwise pay, ~0.25 s/GB).
 
@@ -157,6 +158,9 @@ class Staging:
             # the blocks stayed pinned until the exit (H200, SIGTERM at step 45).
             gc.collect()
             hostmem.unlock(self._locked)
+            empty = getattr(torch._C, "_host_emptyCache", None)  # torch's pinned blocks
+            if empty is not None:  # (page_locked's fallback), torch >= 2.3
+                empty()
 
     def wait(self) -> None:
         """Wait for the ahead-of-time allocation, if one is running."""
