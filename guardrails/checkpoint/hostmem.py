@@ -52,10 +52,14 @@ def page_locked(nbytes: int) -> tuple[Tensor, bool]:
     first step). Locked in place: 1.5 s, the training thread launching meanwhile (its
     longest wait 6-28 ms)."""
     block = fresh_memory(nbytes)
-    err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0))
+    try:
+        err = int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0))
+    except Exception as e:  # a build without the binding (ROCm's may lack it)
+        err = -1
+        log.debug("guardrails: cudaHostRegister unavailable: %r", e)
     if err == 0:  # cudaSuccess
         return block, True
-    log.debug("guardrails: cudaHostRegister of %d bytes failed (CUDA error %d)", nbytes, err)
+    log.debug("guardrails: cudaHostRegister of %d bytes failed (error %d)", nbytes, err)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False
 
 
