@@ -251,7 +251,10 @@ def restart(prev: Attempt, new: Attempt) -> dict[str, Any]:
         phases[f"{name}_s"] = None if at is None or known is None else max(0.0, at - known)
         known = at if at is not None else known
     load = [float(e["load_s"]) for e in new.resumes if e.get("load_s") is not None]
-    saved = next((e for e in prev.run.events if e.get("kind") == "failure_saved"), None)
+    saves = [e for e in prev.run.events if e.get("kind") == "failure_saved"]
+    # The committer's, whose phases say how long it waited for the others' parts.
+    saved = next((e for e in saves if "committed" in (e.get("phases") or {})), None)
+    saved = saved or (saves[0] if saves else None)
     return {
         "from_run": prev.number,
         "to_run": new.number,
@@ -270,7 +273,8 @@ def restart(prev: Attempt, new: Attempt) -> dict[str, Any]:
         "failure_saved": None
         if saved is None
         else {
-            k: saved.get(k) for k in ("path", "step", "state", "seconds", "rank", "missing", "why")
+            k: saved.get(k)
+            for k in ("path", "step", "state", "seconds", "rank", "missing", "why", "phases")
         },
         "process_started_from": next(
             (e.get("process_started_from") for e in new.starts if e.get("process_started_from")),

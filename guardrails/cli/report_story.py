@@ -375,6 +375,11 @@ def _dur(s: float) -> str:
     return f"{s / 86_400:.1f} days"
 
 
+#: A committer's wait for the other ranks' parts said in the restart line from this long:
+#: ranks that fail together file theirs within about a second.
+_SAID_WAIT_S = 2.0
+
+
 def _failure_save_text(f: dict[str, Any] | None) -> str:
     """The restart line's clause on the failed attempt's failure save: written whole,
     written without some ranks (never resumed from), or not written (and why)."""
@@ -384,6 +389,12 @@ def _failure_save_text(f: dict[str, Any] | None) -> str:
     if f.get("path") is None:
         why = f.get("why")
         return "; no failure save" + (f" ({why})" if why else "")
+    # The committer's wait for the other ranks' parts, when it is most of the save: a
+    # rank that had not heard of the failure (stuck, or waiting in a collective).
+    phases = f.get("phases") or {}
+    waited = phases.get("gathered", 0.0) - phases.get("written", phases.get("gathered", 0.0))
+    if waited >= _SAID_WAIT_S:
+        took += f", {_dur(waited)} of it waiting for the other ranks' parts"
     if f.get("missing"):
         missing = f"rank(s) {f['missing']} missing"
         return f"; incomplete failure save at step {f.get('step')}{took} ({missing})"

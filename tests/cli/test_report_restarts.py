@@ -418,3 +418,41 @@ def test_a_relaunch_after_a_clean_close_says_the_process_failed_after_it(tmp_pat
     (r,) = facts_of(run_dir, capsys)["restarts"]
     assert r["cause"]["kind"] == "after_close" and r["steps_redone"] == 4
     assert r["fault_is"] == "last sign of life" and r["fault_time"] == pytest.approx(T0 + 6.0)
+
+
+def test_a_failure_saves_wait_for_a_rank_is_said_from_the_committers_phases(tmp_path, capsys):
+    """Two ranks fail on a hang; rank 1's failure_saved comes first but rank 0 committed
+    (its phases: written at 0.5 s, the others' parts gathered at 10.5 s). The restart
+    reports the committer's save, and its line says the 10 s it spent waiting."""
+    run_dir = tmp_path / "run"
+    hang = "HangError: rank 1 is stuck at step 11 in the loop body"
+    saved = {"kind": "failure_saved", "step": 10, "path": "ckpt/step_10", "state": "live"}
+    committed = {"written": 0.5, "gathered": 10.5, "committed": 10.6}
+    for rank, events in (
+        (1, [{"time": T0 + 42.0, **saved, "seconds": 0.2, "phases": {"written": 0.1}}]),
+        (0, [{"time": T0 + 42.0, "step": 10, "kind": "hang", "level": "error", "message": hang}]),
+        (0, [{"time": T0 + 53.0, **saved, "seconds": 10.6, "phases": committed}]),
+        (0, [{"time": T0 + 54.0, "step": 10, "kind": "end", "error": hang, "closing_s": 11.5}]),
+        (1, [{"time": T0 + 54.0, "step": 10, "kind": "end", "error": hang, "closing_s": 11.5}]),
+    ):
+        write_attempt(run_dir, events, [], started_at=0, rank=rank)
+    lines = (run_dir / "events.jsonl").read_text()
+    starts = [{**start("a", 2.0, 0.0, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in starts) + lines)
+    write_attempt(run_dir, [], [(s, T0 + 2.0 + s, 1.0) for s in range(1, 11)], started_at=T0 + 2.0)
+    again = [{**start("b", 62.0, 60.0, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
+    resumed = {"time": T0 + 63.0, "step": 10, "kind": "resumed", "path": "ckpt/step_10"}
+    write_attempt(run_dir, [*again, resumed], [(11, T0 + 64.0, 1.0)], started_at=T0 + 62.0)
+
+    facts = facts_of(run_dir, capsys)
+    (r,) = facts["restarts"]
+    assert r["failure_saved"]["rank"] == 0 and r["failure_saved"]["seconds"] == 10.6
+    assert r["failure_saved"]["phases"]["gathered"] == 10.5
+    from guardrails.cli import report as cli_report
+
+    args = argparse.Namespace(run_dir=run_dir, png=None, no_png=True, all=False, json=False)
+    assert cli_report.main(args) == 0
+    text = capsys.readouterr().out
+    assert (
+        "failure save at step 10 in 10.6 s, 10 s of it waiting for the other ranks' parts" in text
+    ), text
