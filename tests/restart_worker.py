@@ -13,6 +13,12 @@ import os
 import signal
 import time
 
+# Each attempt's start, for the test's clock: before torch's import, which a rank that
+# refuses a restart first may not let the other finish (torchrun SIGTERMs it).
+if int(os.environ.get("RANK", "0")) == 0:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    print(f"launched attempt {restart} at {time.time():.3f}", flush=True)
+
 import torch
 import torch.distributed as dist
 
@@ -59,8 +65,6 @@ def train() -> None:
 
 
 if __name__ == "__main__":
-    if int(os.environ.get("RANK", "0")) == 0:  # for the test's clock: each attempt's start
-        print(f"launched attempt {ATTEMPT} at {time.time():.3f}", flush=True)
     if os.environ.get("RECORD") == "0":
         train()
     else:

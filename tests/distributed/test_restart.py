@@ -80,9 +80,14 @@ def test_an_unfixable_failure_is_refused_on_the_restart_at_once(tmp_path):
     ended = time.time()
     text = result.out + result.err
     assert result.code != 0
-    # Attempt 0 fails with the desync; each restart refuses it, same class and code.
-    assert text.count("failed with CollectiveMismatchError (exit code 82)") == 6, text[-6000:]
-    assert text.count("this failure recurs on every restart; fix it and relaunch") == 4
+    # Attempt 0 fails with the desync on both ranks; each restart refuses it, same class
+    # and code. In a restart the first rank to refuse ends the attempt: torchrun then
+    # SIGTERMs the other, which on a loaded machine may still be importing torch (CI, 2
+    # cores: rank 0 was killed before its first line in both restarts), so each restart
+    # is said by at least one rank, and torchrun's own report names exit code 82.
+    assert text.count("failed with CollectiveMismatchError (exit code 82)") >= 4, text[-6000:]
+    assert text.count("this failure recurs on every restart; fix it and relaunch") >= 2
+    assert re.search(r"exitcode\s*: 82", text), text[-3000:]
     assert "attempt 1: start" not in text and "attempt 2: start" not in text
     assert "a restart will fail the same way" in text
     record = json.loads((tmp_path / "run" / last_failure.FILE_NAME).read_text())
