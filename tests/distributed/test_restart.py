@@ -64,12 +64,18 @@ def test_a_dead_rank_is_dated_by_the_survivors_step(tmp_path):
     result, _ = _torchrun(tmp_path, "kill", restarts=1)
     text = result.out + result.err
     assert result.code == 0, text[-4000:]  # the restart trains to the end
-    # The survivor's report says the step rank 1 died in, not its first heartbeat's.
-    assert "rank 1 died during step 20 (this rank was waiting for it" in text, text[-4000:]
-    # Its only heartbeat was its start's: not told as its step (it said "was at step 0").
-    assert "it sent no heartbeat after its start" in text and "was at step 0" not in text
+    # The survivor's report says the step rank 1 died in, not its first heartbeat's: from
+    # its own all-reduce it waits in, or, when its watchdog saw the pid gone before this
+    # rank reached that all-reduce (2 loaded cores), as the step this rank is at.
+    dated = ("rank 1 died during step 20 (this rank was waiting for it", "this rank is at step 20")
+    assert any(d in text for d in dated), text[-4000:]
+    # Its start's record is never told as its step (it said "was at step 0"): "no heartbeat
+    # after its start", or the heartbeat it sent when a slow first step made a rank suspect.
+    assert "was at step 0" not in text, text[-4000:]
+    said = ("it sent no heartbeat after its start", "its last heartbeat, ")
+    assert any(s in text for s in said), text[-4000:]
     events = json.dumps(read_events(tmp_path / "run"))
-    assert "rank 1 died during step 20" in events  # the end event of rank 0's run
+    assert any(d in events for d in dated)  # the end event of rank 0's run
 
 
 @pytest.mark.slow(reason="torchrun, 2 ranks, a desync, up to 3 attempts")
