@@ -369,6 +369,31 @@ def test_a_launcher_restart_without_a_checkpoint_redoes_every_step(tmp_path, cap
     assert facts["restarts"] == [] and facts["job"] is None
 
 
+def two_rank_restart(
+    run_dir: Path,
+    failed: list[tuple[int, dict]],
+    *,
+    first: tuple[float, float, int],
+    again: tuple[float, float, int],
+) -> None:
+    """A 2-rank attempt that failed, then its requeue: the ``failed`` events (rank,
+    event) after both ranks' starts; ``first`` = (its start, its processes' start, the
+    steps rank 0 ran, one a second); ``again`` = (the requeue's start, its processes'
+    start, the step it resumed at, trained once 1 s after its start)."""
+    for rank, event in failed:
+        write_attempt(run_dir, [event], [], started_at=0, rank=rank)
+    at, process, steps = first
+    lines = (run_dir / "events.jsonl").read_text()
+    starts = [{**start("a", at, process, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in starts) + lines)
+    rows = [(s, T0 + at + s, 1.0) for s in range(1, steps + 1)]
+    write_attempt(run_dir, [], rows, started_at=T0 + at)
+    at, process, step = again
+    starts = [{**start("b", at, process, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
+    resumed = {"time": T0 + at + 0.5, "step": step, "kind": "resumed", "path": f"ckpt/step_{step}"}
+    write_attempt(run_dir, [*starts, resumed], [(step + 1, T0 + at + 1.0, 0.5)], started_at=T0 + at)
+
+
 def test_the_launchers_sigterm_after_a_rank_error_is_not_the_cause(tmp_path, capsys):
     """Rank 1 raises after step 6; torchrun then SIGTERMs rank 0, which stops at its
     step boundary and saves: the cause is rank 1's error, seen by rank 0 when its stop
@@ -376,20 +401,12 @@ def test_the_launchers_sigterm_after_a_rank_error_is_not_the_cause(tmp_path, cap
     run_dir = tmp_path / "run"
     error = "ValueError: bad shape"
     stop = {"kind": "stopped", "signal": "SIGTERM", "path": "ckpt/step_6", "level": "warning"}
-    for rank, events in (
-        (1, [{"time": T0 + 7.5, "step": 6, "kind": "end", "error": error, "closing_s": 0.5}]),
-        (0, [{"time": T0 + 8.0, "step": 6, **stop}]),
-        (0, [{"time": T0 + 9.0, "step": 6, "kind": "end", "error": "SystemExit: 143"}]),
-    ):
-        write_attempt(run_dir, events, [], started_at=0, rank=rank)
-    # The attempt's starts and its rank 0 rows, then the requeued attempt.
-    lines = (run_dir / "events.jsonl").read_text()
-    starts = [{**start("a", 1.0, 0.5, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in starts) + lines)
-    write_attempt(run_dir, [], [(s, T0 + 1.0 + s, 1.0) for s in range(1, 7)], started_at=T0 + 1.0)
-    again = [{**start("b", 12.0, 11.0, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
-    resumed = {"time": T0 + 12.5, "step": 6, "kind": "resumed", "path": "ckpt/step_6"}
-    write_attempt(run_dir, [*again, resumed], [(7, T0 + 13.0, 0.5)], started_at=T0 + 12.0)
+    failed = [
+        (1, {"time": T0 + 7.5, "step": 6, "kind": "end", "error": error, "closing_s": 0.5}),
+        (0, {"time": T0 + 8.0, "step": 6, **stop}),
+        (0, {"time": T0 + 9.0, "step": 6, "kind": "end", "error": "SystemExit: 143"}),
+    ]
+    two_rank_restart(run_dir, failed, first=(1.0, 0.5, 6), again=(12.0, 11.0, 6))
 
     facts = facts_of(run_dir, capsys)
     (r,) = facts["restarts"]
@@ -428,21 +445,14 @@ def test_a_failure_saves_wait_for_a_rank_is_said_from_the_committers_phases(tmp_
     hang = "HangError: rank 1 is stuck at step 11 in the loop body"
     saved = {"kind": "failure_saved", "step": 10, "path": "ckpt/step_10", "state": "live"}
     committed = {"written": 0.5, "gathered": 10.5, "committed": 10.6}
-    for rank, events in (
-        (1, [{"time": T0 + 42.0, **saved, "seconds": 0.2, "phases": {"written": 0.1}}]),
-        (0, [{"time": T0 + 42.0, "step": 10, "kind": "hang", "level": "error", "message": hang}]),
-        (0, [{"time": T0 + 53.0, **saved, "seconds": 10.6, "phases": committed}]),
-        (0, [{"time": T0 + 54.0, "step": 10, "kind": "end", "error": hang, "closing_s": 11.5}]),
-        (1, [{"time": T0 + 54.0, "step": 10, "kind": "end", "error": hang, "closing_s": 11.5}]),
-    ):
-        write_attempt(run_dir, events, [], started_at=0, rank=rank)
-    lines = (run_dir / "events.jsonl").read_text()
-    starts = [{**start("a", 2.0, 0.0, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in starts) + lines)
-    write_attempt(run_dir, [], [(s, T0 + 2.0 + s, 1.0) for s in range(1, 11)], started_at=T0 + 2.0)
-    again = [{**start("b", 62.0, 60.0, restart=0), "world_size": 2, "rank": r} for r in (0, 1)]
-    resumed = {"time": T0 + 63.0, "step": 10, "kind": "resumed", "path": "ckpt/step_10"}
-    write_attempt(run_dir, [*again, resumed], [(11, T0 + 64.0, 1.0)], started_at=T0 + 62.0)
+    failed = [
+        (1, {"time": T0 + 42.0, **saved, "seconds": 0.2, "phases": {"written": 0.1}}),
+        (0, {"time": T0 + 42.0, "step": 10, "kind": "hang", "level": "error", "message": hang}),
+        (0, {"time": T0 + 53.0, **saved, "seconds": 10.6, "phases": committed}),
+        (0, {"time": T0 + 54.0, "step": 10, "kind": "end", "error": hang, "closing_s": 11.5}),
+        (1, {"time": T0 + 54.0, "step": 10, "kind": "end", "error": hang, "closing_s": 11.5}),
+    ]
+    two_rank_restart(run_dir, failed, first=(2.0, 0.0, 10), again=(62.0, 60.0, 10))
 
     facts = facts_of(run_dir, capsys)
     (r,) = facts["restarts"]
