@@ -125,11 +125,8 @@ class Staging:
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)
             while not self._stopped.is_set():
-                block = self._grow(sizes, at_most=1)
-                if not block:
+                if not self._grow(sizes, at_most=1):
                     return
-                if not self.pinned:
-                    block[0].zero_()  # fault its pages in now, not in the save
 
         self._thread = threading.Thread(target=grow, name="guardrails-checkpoint-pin", daemon=True)
         self._thread.start()
@@ -216,8 +213,8 @@ class Staging:
                 block, locked = hostmem.page_locked(size)
                 if locked:
                     self._locked.append(block.data_ptr())
-            else:
-                block = torch.empty(size, dtype=torch.uint8)
+            else:  # its pages faulted in now, not by the save's copies
+                block = hostmem.fresh_memory(size)
             with self._lock:
                 self._blocks.append(block)
             new.append(block)

@@ -392,9 +392,10 @@ def _failure_save_text(f: dict[str, Any] | None) -> str:
     # The committer's wait for the other ranks' parts, when it is most of the save: a
     # rank that had not heard of the failure (stuck, or waiting in a collective).
     phases = f.get("phases") or {}
-    waited = phases.get("gathered", 0.0) - phases.get("written", phases.get("gathered", 0.0))
-    if waited >= _SAID_WAIT_S:
-        took += f", {_dur(waited)} of it waiting for the other ranks' parts"
+    if {"gathered", "written"} <= phases.keys():
+        waited = phases["gathered"] - phases["written"]
+        if waited >= _SAID_WAIT_S:
+            took += f", {_dur(waited)} of it waiting for the other ranks' parts"
     if f.get("missing"):
         missing = f"rank(s) {f['missing']} missing"
         return f"; incomplete failure save at step {f.get('step')}{took} ({missing})"

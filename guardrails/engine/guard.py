@@ -428,21 +428,9 @@ class Guard(StepState):
     def die(self, error: BaseException, *, exit_code: int | None = None) -> None:
         """From a background thread, when the main thread cannot be reached (stuck in a
         collective, a C call, a loader): end the process now with ``error`` reported,
-        after the components' last words (:meth:`Component.on_abort`: a failure save,
-        then the metrics the host holds) and the ``end`` event, so a run guardrails
-        ends never looks like one the OOM killer took. The saves get the longest
-        ``abort_s`` a component declares (a failure save's limit)."""
-        extra_s = max((c.abort_s for c in self.components), default=0.0)
-        process.die(
-            error,
-            exit_code=exit_code,
-            saves=self._abort_saves,
-            last_words=self._last_words,
-            extra_s=extra_s,
-        )
-
-    def _abort_saves(self, error: BaseException) -> None:
-        lifecycle.abort_saves(self, error)
+        after the components' last words (``lifecycle.die``), so a run guardrails ends
+        never looks like one the OOM killer took."""
+        lifecycle.die(self, error, exit_code=exit_code)
 
     def _last_words(self, error: BaseException) -> None:
         lifecycle.last_words(self, error)

@@ -199,6 +199,21 @@ def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:
     events.close()
 
 
+def die(guard: Guard, error: BaseException, *, exit_code: int | None) -> None:
+    """``Guard.die``: the process ends with ``error`` after the components' failure
+    saves (:func:`abort_saves`, given the longest ``abort_s`` a component declares: a
+    failure save's limit), the process groups' abort, and the rest of their last words
+    with the ``end`` event (:func:`last_words`); see ``process.die`` for the order."""
+    extra_s = max((c.abort_s for c in guard.components), default=0.0)
+    process.die(
+        error,
+        exit_code=exit_code,
+        saves=lambda e: abort_saves(guard, e),
+        last_words=guard._last_words,
+        extra_s=extra_s,
+    )
+
+
 def abort_saves(guard: Guard, error: BaseException) -> None:
     """``Guard.die``'s first words, before the process groups are aborted: the
     components' ``on_abort`` (in reverse order) up to the last one that saves (declares
