@@ -218,16 +218,12 @@ def main() -> None:
     seen = min((e["time"] for e in hangs), default=None)
     m2 = second["marks"]
 
-    def at(what: str) -> float | None:
-        got = [m["t"] for m in m2.get(what, {}).values()]
+    def at(what: str, marks: dict = m2) -> float | None:
+        got = [m["t"] for m in marks.get(what, {}).values()]
         return max(got) if got else None  # the later rank: the job waits for it
 
     def span(begin: float | None, end: float | None) -> float | None:
         return None if begin is None or end is None else end - begin
-
-    def first_at(what: str) -> float | None:
-        got = [m["t"] for m in first["marks"].get(what, {}).values()]
-        return max(got) if got else None
 
     starts = [m.get("t0") for m in m2.get("start", {}).values() if m.get("t0")]
     parts = {
@@ -245,7 +241,7 @@ def main() -> None:
         "restart_cuda_s": span(at("imported"), at("cuda")),
         # The first attempt's first step, from a fresh start: what a first step costs
         # without a resume (CUDA's lazy loading, NCCL's first connections).
-        "fresh_first_step_s": span(first_at("resumed"), first_at("first_step")),
+        "fresh_first_step_s": span(at("resumed", first["marks"]), at("first_step", first["marks"])),
     }
     resumed = [m["step"] for m in m2.get("resumed", {}).values()]
     result = {
