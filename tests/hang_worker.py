@@ -15,6 +15,8 @@ collective that would fail: only its watchdog can tell), ``raise`` (a ValueError
 ``slowfirst`` (rank 1's first step takes 1.7x the timeout, like a compilation),
 ``firstbatch`` (rank 1's loader never yields its first batch), ``unevennext`` (as
 ``uneven``, with a loop that calls ``next()`` by hand),
+``closeslow`` (rank 0 raises and its close takes 6 s; rank 1 is SIGKILLed 1 s into
+it), ``closestuck`` (rank 0 ends its loop and its close never ends; rank 1 is SIGKILLed),
 ``extra`` (rank 1 issues an all_reduce of 3 elements that rank 0 never issues: it
 pairs with rank 0's next gradient bucket), ``swap`` (both ranks issue two all_reduces
 of different sizes, in opposite orders), ``workerstuck`` (rank 1's DataLoader worker
@@ -128,6 +130,23 @@ def stuck_rank_exits_after_verdict(g: guardrails.Guard, out: Path, delay_s: floa
     threading.Thread(target=send, daemon=True).start()
 
 
+class SlowClose(guardrails.Component):
+    """A close that takes seconds (the failure save of a large model: ``close_s``) or
+    never ends (a closing collective that waits for a dead peer: ``close_s=None``)."""
+
+    name = "slow_close"
+
+    def __init__(self, out: Path, close_s: float | None) -> None:
+        self.out, self.close_s = out, close_s
+
+    def on_end(self, guard: guardrails.Guard, exc: BaseException | None) -> None:
+        (self.out / "close_began").write_text(repr(time.time()))
+        if self.close_s is None:
+            threading.Event().wait()
+        time.sleep(self.close_s)
+        (self.out / "close_done").write_text(repr(time.time()))
+
+
 def never_yields(out: Path):
     """A loader whose first batch never comes (a data directory it cannot read, a
     shard server that never answers): stuck before the first step."""
@@ -182,6 +201,8 @@ def main() -> None:
         )
     if kind == "sigterm":
         sigterm_after_fault(out, delay_s=1.0)
+    closing = kind in ("closeslow", "closestuck")
+    extra = [SlowClose(out, 6.0 if kind == "closeslow" else None)] if closing and rank == 0 else []
     with guardrails.guard(
         model,
         opt,
@@ -189,6 +210,8 @@ def main() -> None:
         run_dir=out / "run",
         watchdog={"hang_timeout_s": args.hang_timeout_s},
         metrics=args.metrics or kind in ("sigterm", "sleep"),
+        checkpoint=not closing,  # no failure save: the close is SlowClose's alone
+        components=extra,
         progress=False,
     ) as g:
         if kind == "hangsigterm" and rank == 0:
@@ -206,6 +229,14 @@ def main() -> None:
                 if rank == 1 and g.step == 4:
                     (out / "fault_time").write_text(repr(time.time()))
         for x, y in g if kind != "unevennext" else ():
+            if closing and g.step == FAULT_STEP:
+                if rank == 1:
+                    time.sleep(1.0)  # rank 0 is closing by now
+                    os.kill(os.getpid(), signal.SIGKILL)
+                (out / "fault_time").write_text(repr(time.time()))
+                if kind == "closeslow":
+                    raise ValueError("boom: a bug on rank 0, then rank 1 died")
+                break
             at = 0 if kind == "slowfirst" else FAULT_STEP
             if rank == fault_rank and g.step == at and kind not in ("workerstuck",):
                 stuck = "pipe" if kind in ("sigterm", "hangsigterm") else kind

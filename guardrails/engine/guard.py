@@ -310,6 +310,7 @@ class Guard(StepState):
         self.world_size = 1
         self.events: EventLog | None = None
         self._state = "new"  # new -> started -> closed
+        self._closing = False  # close() is running: its components' on_end
         # Held by rank 0 from start to close: one run per run_dir, and per directory
         # outside it a component writes into (rundir.py).
         self._run_locks: list[rundir.RunLock] = []
@@ -413,9 +414,11 @@ class Guard(StepState):
         if failing:
             process.hold_signals()
         self._ending_at = time.time()  # the time of the open step's row (open_row())
+        self._closing = True
         try:
             lifecycle.close(self, exc)
         finally:
+            self._closing = False
             locks, self._run_locks = self._run_locks, []
             for held in locks:  # after the last save: the run_dir is free
                 held.release()
@@ -576,7 +579,11 @@ class Guard(StepState):
         launcher tears the job down instead of waiting for NCCL's timeout.
 
         Returns whether ``error`` was taken: ``False`` when another error is already on
-        its way (the first one is the diagnosis) or the guard is not running."""
+        its way (the first one is the diagnosis) or the guard is not running. While the
+        guard closes, ``error`` ends the process only if the close does not finish
+        (``lifecycle.end_a_stuck_close``)."""
+        if self._closing:
+            lifecycle.end_a_stuck_close(self, error, after_s=abort_after_s)
         if self._pending is not None or self._state != "started":
             return False
         self._pending = error

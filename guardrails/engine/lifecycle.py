@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,6 +177,30 @@ def close(guard: Guard, exc: BaseException | None) -> None:
         raise replacement from exc
     if exc is None and guard.exit_code is not None:  # a signal save at the last step
         raise process.stop_exit(guard.exit_code, guard.stopping or "stopped by a signal")
+
+
+# What a close may take beside its failure save: the auditor's and the watchdog's reads
+# of the other ranks' last records (1 s and 3 heartbeats + 1 s with the defaults) and
+# the joins of their threads, which stop within a tick.
+_CLOSE_WAITS_S = 10.0
+
+
+def end_a_stuck_close(guard: Guard, error: BaseException, *, after_s: float) -> None:
+    """``Guard.fail_from_thread`` while the guard closes (a peer died during the
+    close): end the process with ``error`` unless the close finishes within
+    ``after_s`` plus what a close takes on its own (its failure save's limit, the
+    longest ``abort_s``, and its waits for the other ranks' last records). A close
+    stuck in a collective with the dead peer ends; one still saving, or explaining an
+    error of its own, finishes and keeps its own outcome."""
+    bound_s = after_s + max((c.abort_s for c in guard.components), default=0.0)
+
+    def last_resort() -> None:
+        if guard._closing:
+            guard.die(error)
+
+    timer = threading.Timer(bound_s + _CLOSE_WAITS_S, last_resort)
+    timer.daemon = True
+    timer.start()
 
 
 def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:

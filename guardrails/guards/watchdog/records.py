@@ -108,6 +108,16 @@ def _from_peer(exc: BaseException) -> bool:
     )
 
 
+def _own_failure(exc: BaseException | None) -> bool:
+    """Whether a loop ended with an error of its own: not a collective a peer broke,
+    not a stop (a signal's exit, Ctrl-C), not the end of its data."""
+    return (
+        isinstance(exc, Exception)
+        and not _from_peer(exc)
+        and not isinstance(exc.__cause__ or exc, StopIteration)
+    )
+
+
 def _host_id() -> str:
     """Hostname plus the PID namespace: two ranks may check each other's pids only when
     both match (containers on one host share a hostname but not pids)."""

@@ -85,6 +85,7 @@ from guardrails.guards.watchdog.records import (
     _host_id,
     _in_collective,
     _jsonable,
+    _own_failure,
     _past,
     _position,
     _where,
@@ -189,7 +190,7 @@ class Watchdog(Component):
             now=time.monotonic(),
         )
         self._stop.clear()
-        self._closed = threading.Event()
+        self._during_close = False  # this rank's verdict came after its loop ended
         # The thread's period: the heartbeat's; alone, the live view's, once a second at
         # most (a short hang timeout shortens the heartbeat; one process has no hang).
         self._tick_s = self.heartbeat_every_s
@@ -237,12 +238,16 @@ class Watchdog(Component):
                 self._finish(guard, exc)
         finally:
             self._live.close(guard, self._clock.cpu, self.error or exc)  # the diagnosis
-            self._closed.set()
             self._guard = None
             self._store = None
 
     def _finish(self, guard: Guard, exc: BaseException | None) -> None:
         """Announce how this rank's loop ended, and explain an error caused by a peer."""
+        if self.error is not None and self._during_close and _own_failure(exc):
+            # The loop had ended with an error of its own before a peer was found dead
+            # (torchrun ends the others once one rank exits): that error is this rank's
+            # diagnosis, not the death that followed it.
+            self.error = None
         if self.error is not None:
             # Our own verdict: the main thread may have raised something else meanwhile
             # (gloo's "Connection reset by peer" when the failed rank exited), or closed
@@ -682,23 +687,14 @@ class Watchdog(Component):
             guard.event(kind, level="error", message=error.message.splitlines()[0], ends_run=True)
         except Exception:
             pass
+        # Inside close() (the loop has ended), the engine ends the process only if the
+        # close does not finish: one stuck in a closing collective with the dead peer.
+        self._during_close = not guard.running
         taken = guard.fail_from_thread(error, abort_after_s=self.abort_after_s)
         if not taken and guard.running:
             # Another component's error is already on its way (the auditor's
             # mismatch): that one is the diagnosis, this watchdog stands aside.
             self.error = None
-            return
-        if not guard.running:
-            # The main thread is inside close() (fail_from_thread's last resort only
-            # covers a running loop): maybe blocked in another component's closing
-            # collective. End the process ourselves unless close() finishes first.
-            def last_resort() -> None:
-                if not self._closed.is_set():
-                    guard.die(error)
-
-            timer = threading.Timer(self.abort_after_s, last_resort)
-            timer.daemon = True
-            timer.start()
 
     def _store_down(
         self, guard: Guard, exc: Exception, *, at_once: bool = False
