@@ -41,6 +41,7 @@ import random
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,9 @@ def main() -> None:
     p.add_argument("--background", action="store_true", help="periodic saves written behind")
     p.add_argument("--hang-timeout-s", type=float, default=60.0)
     p.add_argument("--save-timeout-s", type=float, default=20.0)
+    p.add_argument(
+        "--pg-timeout-s", type=float, default=None, help="gloo's, shorter than the hang's"
+    )
     p.add_argument("--rewind", action="store_true")
     p.add_argument(
         "--draws",
@@ -108,7 +112,8 @@ def main() -> None:
     run_dir = Path(args.run_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("gloo")
+        timeout = None if args.pg_timeout_s is None else timedelta(seconds=args.pg_timeout_s)
+        dist.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(0)
     random.seed(0)

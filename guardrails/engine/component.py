@@ -35,6 +35,10 @@ engine calls, in this order::
                                  in a collective, a C call or its loader): save what
                                  the host already holds, from this thread, within
                                  seconds, touching neither the device nor a collective
+    on_news(guard, error)        while the guard closes (on_end running), a background
+                                 thread's verdict: a peer died, a hang; news for a
+                                 component still at work (a failure save waiting for
+                                 a dead rank's commit), not the run's diagnosis
 
 Hooks a component does not override are never called (the engine dispatches only to
 overridden methods), so a component that is not needed costs nothing per step.
@@ -91,6 +95,7 @@ HOOKS = (
     "on_rewind",
     "on_end",
     "on_abort",
+    "on_news",
 )
 
 
@@ -151,6 +156,11 @@ class Component:
         """The process is about to end with ``error`` from a background thread while the
         main thread is stuck: write what the host holds (no device work, no collective,
         no lock the main thread may hold); the process exits right after."""
+
+    def on_news(self, guard: Guard, error: BaseException) -> None:
+        """While the guard closes, a background thread's verdict (``error``: a peer died,
+        a hang), which does not replace the loop's own error: a component still at work
+        in its ``on_end`` may use it. Called from that thread."""
 
     def state_dict(self) -> dict[str, Any] | None:
         """What this component keeps across a resume (JSON values), or ``None``."""

@@ -580,10 +580,10 @@ class Guard(StepState):
 
         Returns whether ``error`` was taken: ``False`` when another error is already on
         its way (the first one is the diagnosis) or the guard is not running. While the
-        guard closes, ``error`` ends the process only if the close does not finish
-        (``lifecycle.end_a_stuck_close``)."""
+        guard closes, ``error`` is news to the closing components, and ends the process
+        only if the close does not finish (``lifecycle.during_close``)."""
         if self._closing:
-            lifecycle.end_a_stuck_close(self, error, after_s=abort_after_s)
+            lifecycle.during_close(self, error, after_s=abort_after_s)
         if self._pending is not None or self._state != "started":
             return False
         self._pending = error

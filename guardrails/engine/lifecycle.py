@@ -106,6 +106,7 @@ def install(guard: Guard) -> None:
     # started (like nested `with` blocks): on_end never sees half-made state.
     guard._dispatch["on_end"] = []
     guard._dispatch["on_abort"] = []
+    guard._dispatch["on_news"] = []
     guard._live = guard._dispatch
     # Trainable parameters no optimizer updates: told once, by rank 0.
     warning = setup.coverage_warning(guard.model, guard.optimizers) if guard.rank == 0 else None
@@ -128,6 +129,8 @@ def install(guard: Guard) -> None:
             guard._dispatch["on_end"].insert(0, c.on_end)  # reverse order
         if overrides(c, "on_abort"):
             guard._dispatch["on_abort"].insert(0, c.on_abort)
+        if overrides(c, "on_news"):
+            guard._dispatch["on_news"].insert(0, c.on_news)
     if guard.benchmark:
         from guardrails.engine.benchmark_mode import StepBenchmark
 
@@ -185,13 +188,14 @@ def close(guard: Guard, exc: BaseException | None) -> None:
 _CLOSE_WAITS_S = 10.0
 
 
-def end_a_stuck_close(guard: Guard, error: BaseException, *, after_s: float) -> None:
+def during_close(guard: Guard, error: BaseException, *, after_s: float) -> None:
     """``Guard.fail_from_thread`` while the guard closes (a peer died during the
-    close): end the process with ``error`` unless the close finishes within
-    ``after_s`` plus what a close takes on its own (its failure save's limit, the
-    longest ``abort_s``, and its waits for the other ranks' last records). A close
-    stuck in a collective with the dead peer ends; one still saving, or explaining an
-    error of its own, finishes and keeps its own outcome."""
+    close): ``error`` is news to the components still closing (``on_news``: a failure
+    save waiting for that rank's commit), not the run's diagnosis, and it ends the
+    process only if the close does not finish within ``after_s`` plus what a close
+    takes on its own (its failure save's limit, the longest ``abort_s``, and its waits
+    for the other ranks' last records). A close stuck in a collective with the dead
+    peer ends; one still saving, or explaining an error of its own, finishes."""
     bound_s = after_s + max((c.abort_s for c in guard.components), default=0.0)
 
     def last_resort() -> None:
@@ -200,7 +204,12 @@ def end_a_stuck_close(guard: Guard, error: BaseException, *, after_s: float) -> 
 
     timer = threading.Timer(bound_s + _CLOSE_WAITS_S, last_resort)
     timer.daemon = True
-    timer.start()
+    timer.start()  # first: a component may act on the news from this thread (a save)
+    for fn in list(guard._dispatch["on_news"]):
+        try:
+            fn(guard, error)
+        except Exception as exc:  # news only: the close goes on either way
+            logger.debug("guardrails: %r failed on news: %s", fn, exc)
 
 
 def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:

@@ -211,6 +211,30 @@ def test_hang_saves_from_the_watchdog_thread(tmp_path, uninterrupted_ddp):
         assert_same_final(tmp_path, uninterrupted_ddp, rank)
 
 
+def test_a_stuck_rank_that_has_not_heard_is_written_from_its_copy_without_the_long_wait(
+    tmp_path, uninterrupted_ddp
+):
+    """Rank 1 stuck in a sleep in the step after step 7; rank 0's gloo timeout (3 s) is
+    shorter than the watchdog's (30 s), so rank 0 fails on its own and saves while rank
+    1 has heard of nothing (it hears once rank 0 has ended). Rank 0 holds rank 1's copy
+    (the same host): it writes rank 1's part from it after 2 s instead of waiting 10 s
+    for rank 1 to begin. Step 7 is whole and the resume is bitwise the clean run."""
+    args = ("--fault", "sleep", "--at", 7, "--rank", 1, "--hang-timeout-s", 30)
+    ranks = ddp(tmp_path, *args, "--pg-timeout-s", 3)
+    assert all(r.code != 0 for r in ranks)
+    [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
+    assert step == 7, [r.out for r in ranks]
+    failure = manifest(ckpt)["failure"]
+    assert failure["missing"] == [] and failure["from_peers"] == [1], failure
+    [said] = [e for e in events(tmp_path, "failure_saved") if e["rank"] == 0]
+    waited_s = said["phases"]["gathered"] - said["phases"]["written"]
+    assert 2.0 <= waited_s < 8.0, said["phases"]  # the wait for a copy held, not 10 s
+    ranks = ddp(tmp_path)
+    assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
+    for rank in (0, 1):
+        assert_same_final(tmp_path, uninterrupted_ddp, rank)
+
+
 def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninterrupted_ddp):
     """(4) Rank 1 SIGKILLed in the step after step 7 (periodic saves every 5 steps),
     its published part gone with it (as on another host: ``test_peer_save.py`` has the
@@ -234,7 +258,7 @@ def test_killed_rank_makes_an_incomplete_save_that_resume_skips(tmp_path, uninte
         [sys.executable, "-m", "guardrails", "inspect", tmp_path / "checkpoints"], timeout_s=30
     ).stdout
     assert "step_000000007 is an incomplete failure save" in shown and "rank(s) [1]" in shown
-    assert said["seconds"] < 10 + 3  # failure.py's _BEGUN_WAIT_S, and the commit
+    assert said["seconds"] < 10 + 3  # gather.py's BEGUN_WAIT_S, and the commit
     ranks = ddp(tmp_path)
     assert all(r.code == 0 for r in ranks), [r.out for r in ranks]
     assert "skipped checkpoint step_000000007" in ranks[0].out

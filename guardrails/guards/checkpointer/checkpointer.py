@@ -32,42 +32,34 @@ What it does, and where the cost goes:
   (device to pinned host memory, one sync), then a writer thread serialises, fsyncs
   and commits while training goes on. The next save waits for the previous one; a
   writer error is raised in the main thread at the next step boundary. Sharded state
-  (FSDP2) is staged into pinned memory the same way and written in DCP's format by the
-  writer thread (``sharded.ShardWriter``). The signal save is synchronous (the
-  process is about to exit), and a periodic save still being written when it comes
-  is abandoned: its files go to disk a piece at a time, so it stops within a piece.
-* **Grace period**: torchrun and SLURM send SIGKILL 30 s after SIGTERM. Every save is
-  timed; when one (staging + write + commit) takes more than 80% of ``grace_s`` a
-  warning event says so at that save, long before the pre-emption that would lose it.
+  (FSDP2): the same, written in DCP's format (``sharded.ShardWriter``). The signal
+  save is synchronous (the process is about to exit); a periodic save still being
+  written when it comes is abandoned within a piece (its files go a piece at a time).
+* **Grace period**: torchrun and SLURM send SIGKILL 30 s after SIGTERM. A save (staging
+  + write + commit) over 80% of ``grace_s`` is a warning at that save, long before it.
 * **Multi-rank commit**: every rank writes its own files (RNG streams, data position)
   into one temp directory (``run_dir`` must be on a disk every rank sees), publishes
   their sizes and checksums through the side store, and rank 0 writes the manifest and
   renames: one atomic commit for the whole job (see ``checkpoint/commit.py``).
 * **A save that cannot be written** (a full disk, a read-only remount, permissions) is
-  a :class:`~guardrails.CheckpointError` naming the cause and the fix; what happens
-  then depends on what it would cost:
+  a :class:`~guardrails.CheckpointError` naming the cause and the fix; then:
 
-  - a periodic save: a warning (``checkpoint_failed``, repeated at most every 10 min
-    while saves keep failing) and training goes on; the previous checkpoint stays the
-    latest and the next periodic save retries. Stopping would throw away every step
-    since that checkpoint, which continuing keeps, and the cause is most often
-    transient (another job filled the disk, a quota, a network file system's hiccup).
-    Except when this run has no checkpoint to fall back on: then a run_dir that takes
-    no checkpoint at all (read-only, no permission, a file in the way) is a setup
-    mistake, raised at the first save rather than found hours later;
-  - the save at a normal end (progress since the last save) and ``g.save_checkpoint()``:
-    raised (nothing is left to retry it);
-  - the signal save, whatever made it fail (a value in ``g.state`` that no checkpoint
-    stores too): the process still exits ``128 + signum`` (143 for SIGTERM), with
-    one message saying that nothing new was saved and which checkpoint (path, step) is
-    the latest, and no traceback: the launcher is about to SIGKILL it anyway.
+  - a periodic save: a warning (``checkpoint_failed``, at most every 10 min while saves
+    keep failing) and training goes on, the previous checkpoint the latest, the next
+    save a retry: stopping would throw away every step since that checkpoint, and the
+    cause is most often transient (a full disk, a quota, a network file system). But
+    with no checkpoint to fall back on, a run_dir that takes none at all (read-only,
+    no permission, a file in the way) is a setup mistake, raised at the first save;
+  - the save at a normal end and ``g.save_checkpoint()``: raised (nothing retries it);
+  - the signal save, whatever made it fail (a value in ``g.state`` no checkpoint
+    stores too): the process still exits ``128 + signum`` (143 for SIGTERM), saying
+    that nothing new was saved and which checkpoint is the latest, no traceback.
 * **Runs kept apart**: every checkpoint carries this run's id (new for a fresh start,
-  the resumed checkpoint's after a resume). Retention counts only this run's
-  checkpoints, and ``resume="auto"`` continues the run that saved last.
-* **Resume** (``resume="auto"``): at start, the newest valid checkpoint, in
-  ``run_dir/checkpoints`` or the node-local tier (``local.py``), picked by rank 0,
-  restores model, optimizer, scheduler, scaler, ``g.state``, ``g.step``, every RNG,
-  the components' own statistics and the data position.
+  the resumed one's after a resume): retention counts only this run's checkpoints.
+* **Resume** (``resume="auto"``): the newest valid checkpoint of the run that saved
+  last, in ``run_dir/checkpoints`` or the node-local tier (``local.py``), picked by
+  rank 0, restores model, optimizer, scheduler, scaler, ``g.state``, ``g.step``, every
+  RNG, the components' own statistics and the data position.
 
 How it is built: the component keeps the hooks and decides when to save and when to
 stop; the work is done by objects it owns, each with its inputs given when it is built
@@ -507,6 +499,14 @@ class SignalCheckpointer(Component):
             failure.run(guard, error, from_thread=True)
         outcome = failure.outcome if failure is not None else None
         self._close_copies(keep=outcome is None or outcome["path"] is None)
+
+    def on_news(self, guard: Guard, error: BaseException) -> None:
+        """A peer's death named while this rank closes: a failure save that ran without
+        it runs again, from here, if the news changes who commits (``FailureSave.run``)."""
+        if self.failure is not None:
+            self.failure.take_news(error)
+            if self.failure.began:
+                self.failure.run(guard, error, from_thread=True)
 
     def _close_copies(self, *, keep: bool) -> None:
         """This rank's published copy and its partner's mirror, unmapped; removed unless

@@ -65,9 +65,9 @@ from typing import TYPE_CHECKING, Any
 
 from guardrails.checkpoint import commit, stage
 from guardrails.checkpoint.manifest import rerun_text
-from guardrails.distributed.store import stretched, wait_keys
+from guardrails.distributed.store import wait_keys
 from guardrails.engine import model, where
-from guardrails.guards.checkpointer import failure_policy, failure_text, from_peers, peer
+from guardrails.guards.checkpointer import failure_policy, failure_text, from_peers, gather, peer
 from guardrails.guards.checkpointer.board import FileBoard
 from guardrails.guards.checkpointer.savepoint import SavePoint, choose
 from guardrails.guards.checkpointer.signals import SignalCapture
@@ -78,18 +78,6 @@ if TYPE_CHECKING:
     from guardrails.engine.guard import Guard
 
 log = logging.getLogger("guardrails.checkpoint")
-
-#: How often rank 0 reads the counters of the other ranks' records (stretched with N).
-_POLL_S = 0.05
-
-#: How long one rank waits for another to begin its failure save. Ranks that fail
-#: together on one verdict begin within ~1 s of each other, but a rank stuck in a sleep
-#: or a C call learns of a peer's failure only at its watchdog's next poll (1 s), gives a
-#: failure raised everywhere a beat (3 s) and its main thread ``abort_after_s`` (2 s)
-#: before its thread saves: 6.7 s was seen on a loaded 2-core host with 4 ranks, where 3 s
-#: left the hang's save incomplete. Past it rank 0 waits no more for a rank not begun (a
-#: dead one; one that failed alone left, and rank 0 commits its part when it fails too).
-_BEGUN_WAIT_S = 10.0
 
 
 class FailureSave:
@@ -125,6 +113,8 @@ class FailureSave:
         self.outcome: dict[str, Any] | None = None
         #: This rank (not 0) wrote its part and left before rank 0 began to commit.
         self.part_only = False
+        #: :meth:`run` was called (it may be running now).
+        self.began = False
         #: The rank that commits: 0, or the lowest live one when rank 0 is the dead one
         #: and the store outlives it (:func:`_committer`). Set when the save runs.
         self._committer = 0
@@ -193,11 +183,9 @@ class FailureSave:
         verdict on the same death: the same step twice): under torchrun with rank 0 dead,
         the loop's error waits for rank 0's commit; the verdict names rank 0, and rank 1
         commits. The thread that holds the save holds the process until it is done."""
-        dead = getattr(error, "failed_rank", None)
-        if dead is not None:
-            self._news = dead
-            self._wake(dead)
+        self.take_news(error)
         with self._one_at_a_time:
+            self.began = True
             self._t0 = time.perf_counter()  # the event's seconds: from the first try
             self._phases = {}
             while True:
@@ -207,6 +195,14 @@ class FailureSave:
                     return
                 self._dead, self._wedged_run, self.outcome = news, frozenset(self._wedged), None
                 self._run(guard, error, dead=news, from_thread=from_thread)
+
+    def take_news(self, error: BaseException) -> None:
+        """``error`` names a dead rank (``RankFailedError``): a running save that did not
+        know it runs again without it; one waiting for its commit stops waiting."""
+        dead = getattr(error, "failed_rank", None)
+        if dead is not None:
+            self._news = dead
+            self._wake(dead)
 
     def _news_since_run(self) -> bool:
         """Whether a dead rank or a wedged committer was named since the last save
@@ -414,13 +410,23 @@ class FailureSave:
             self._file_kept(guard, key, tmp, cancel)
             self._store.add(f"{key}/filed", 1)
             return self._await_commit(key, deadline, dead)
-        merged, missing, after = self._gather(key, deadline, dead)
+        merged, missing, after = self._gather(guard, key, deadline, dead)
         self._mark("gathered")
         merged.update(files)  # the committer's own
         claim = lambda r: self._claim(key, "peer", r)  # noqa: E731
+        fetch_late = lambda ranks: gather.late(self._store, key, ranks, deadline, world=self._world)  # noqa: E731
         try:
             final, missing = self._complete(
-                guard, claim, tmp, merged, cause, cancel, missing, after, committer
+                guard,
+                claim,
+                tmp,
+                merged,
+                cause,
+                cancel,
+                missing,
+                after,
+                committer,
+                fetch_late=fetch_late,
             )
         except BaseException as e:
             self._store.set(f"{key}/commit", json.dumps({"error": repr(e)}))
@@ -465,10 +471,10 @@ class FailureSave:
         self._committer = self._rank
         if self._rank != 0:  # rank 0's part holds the replicated state; ours, here
             self._stage_replicated(guard, state, cancel).write(tmp, files)
-        # The others file within a few seconds (_BEGUN_WAIT_S), the dead and the gone
+        # The others file within a few seconds (gather.BEGUN_WAIT_S), the dead and the gone
         # (partner.py) aside; 2 s of the limit are left to write their parts and commit.
         gone = peer.gone_ranks(self.slot.path.parent, writer.token) | {dead, self._rank}
-        wait_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic() - 2.0))
+        wait_s = max(0.0, min(gather.BEGUN_WAIT_S, deadline - time.monotonic() - 2.0))
         records = board.gather(wait_s=wait_s, ranks=set(range(self._world)) - gone)
         others = [r for r in range(self._world) if r != self._rank]
         merged, missing, after = self._merge(records, others, [])
@@ -494,6 +500,7 @@ class FailureSave:
         committer: int,
         *,
         lost: bool = False,
+        fetch_late: Callable[[list[int]], dict[int, dict[str, Any]]] | None = None,
     ) -> tuple[Path, list[int]]:
         """The committer, once the others' records are in: the missing ranks' parts it
         holds copies of (:meth:`_write_peers`), then the commit; the checkpoint and the
@@ -502,6 +509,12 @@ class FailureSave:
         peers = dict.fromkeys(self.by_partner, "its partner's copy")
         peers.update(self._write_peers(guard, claim, tmp, files, missing, cancel))
         missing = [r for r in missing if r not in peers]
+        late = [r for r in missing if self.peer_notes.get(r) == from_peers.LATE]
+        if late and fetch_late is not None:  # their records are on their way: taken
+            got, still, late_after = self._merge(fetch_late(late), late, [])
+            files.update(got)
+            missing = [r for r in missing if r not in late or r in still]
+            after = sorted(set(after) | set(late_after))
         final = self._commit(
             self._step,
             tmp,
@@ -566,25 +579,15 @@ class FailureSave:
         missing: list[int],
         cancel: threading.Event,
     ) -> dict[int, str]:
-        """The committer: the parts of the ``missing`` ranks whose copies this host
-        holds (``from_peers.py``), written into ``tmp`` (``files`` gets their records):
-        the ranks written, and why each other one was not (``self.peer_notes``).
-        ``claim(r)``: whether the committer, not rank ``r`` itself, writes ``r``'s part."""
-        written: dict[int, str] = {}
+        """The committer: the ``missing`` ranks' parts whose copies this host holds
+        (``from_peers.write_missing``); why each other one was not: ``self.peer_notes``."""
         self.peer_notes = {}
         if self._slots is None or self.slot is None:
-            return written
-        point = self._point
-        assert point is not None  # a committer writing peers saved a point of its own
-        for r in missing:
-            got, why = from_peers.usable(guard, self._slots, self._writer.token, r, point)
-            if got is not None and not claim(r):
-                got, why = None, "it began to write its own part after the wait for it"
-            if got is None:
-                self.peer_notes[r] = why
-                continue
-            files.update(from_peers.write(guard, got, point, tmp, cancel))
-            written[r] = got.source
+            return {}
+        assert self._point is not None  # a committer writing peers saved a point of its own
+        written, self.peer_notes = from_peers.write_missing(
+            guard, self._slots, self._writer.token, self._point, missing, claim, tmp, files, cancel
+        )
         return written
 
     def _file_kept(self, guard: Guard, key: str, tmp: Path, cancel: threading.Event) -> None:
@@ -608,33 +611,20 @@ class FailureSave:
         self._store.add(f"{key}/filed", 1)
 
     def _gather(
-        self, key: str, deadline: float, dead: int | None
+        self, guard: Guard, key: str, deadline: float, dead: int | None
     ) -> tuple[dict[str, Any], list[int], list[int]]:
-        """The committer: the other ranks' records in by ``deadline`` (``dead``: not
-        waited for; nor a rank that has not begun its failure save within
-        :data:`_BEGUN_WAIT_S`), merged, the ranks without one (or with nothing to
-        save), and those that saved the state after the update. While it waits it
-        reads two counters a poll, not a key per rank (the poll stretched with N:
-        10,000 ranks' records polled every 50 ms would be 200,000 calls a second,
-        twice what one store serves); the records are read once."""
-        store, world = self._store, self._world
-        others = [r for r in range(world) if r != self._committer]  # the dead: its partner's
-        begun_by = time.monotonic() + _BEGUN_WAIT_S
-        poll_s = stretched(_POLL_S, world)
-        while time.monotonic() < deadline:
-            filed = int(store.add(f"{key}/filed", 0))
-            if filed >= len(others) - len(self._gone_unfiled(key, others, dead)):
-                break
-            # Past the wait for beginners: stop once everyone who began has filed.
-            if time.monotonic() > begun_by and int(store.add(f"{key}/begun", 0)) <= filed:
-                break
-            time.sleep(poll_s)
-        # A rank without a record is dead, stuck, or waiting in a collective for rank 0.
-        records = {
-            r: json.loads(store.get(f"{key}/files/{r}"))
-            for r in others
-            if store.check([f"{key}/files/{r}"])
-        }
+        """The committer: the other ranks' records (``gather.records``; ``dead`` is not
+        waited for), merged, the ranks without one (or with nothing to save), and those
+        that saved the state after the update."""
+        others = [r for r in range(self._world) if r != self._committer]  # the dead: its partner's
+
+        def held() -> set[int]:
+            if self._slots is None or self._point is None:
+                return set()
+            return from_peers.held(guard, self._slots, self._writer.token, self._point, others)
+
+        gone = lambda: self._gone_unfiled(key, others, dead)  # noqa: E731
+        records = gather.records(self._store, key, others, deadline, gone=gone, held=held)
         return self._merge(records, others, [])
 
     def _gone_unfiled(self, key: str, others: list[int], dead: int | None) -> list[int]:
@@ -673,13 +663,13 @@ class FailureSave:
         """A rank other than 0: rank 0's commit, waited for until ``deadline`` once rank
         0 has begun its failure save (this rank's exit would get it SIGTERMed by torchrun
         mid-commit); not when rank 0 is the ``dead`` one, nor when it has not begun
-        within :data:`_BEGUN_WAIT_S` (it may be waiting in a collective for this rank,
+        within :data:`gather.BEGUN_WAIT_S` (it may be waiting in a collective for this rank,
         and will commit this rank's part when this rank's exit fails it). Blocking waits
         on a store client of their own (``wait_keys``): no poll, whatever N."""
         if dead == self._committer:
             return None, []
         store, commit_key = self._store, f"{key}/commit"
-        first_s = max(0.0, min(_BEGUN_WAIT_S, deadline - time.monotonic()))
+        first_s = max(0.0, min(gather.BEGUN_WAIT_S, deadline - time.monotonic()))
         try:
             wait_keys(store, [commit_key], timedelta(seconds=first_s), world=self._world)
         except TimeoutError:

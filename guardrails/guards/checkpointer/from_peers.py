@@ -16,6 +16,7 @@ from guardrails.guards.checkpointer import peer
 
 if TYPE_CHECKING:
     import threading
+    from collections.abc import Callable
 
     from guardrails.engine.guard import Guard
     from guardrails.guards.checkpointer.savepoint import SavePoint
@@ -44,6 +45,48 @@ def usable(
         # the same loop, tells (engine/boundary.py).
         return None, f"python's or numpy's stream in its {got.source} is not the last step's"
     return got, ""
+
+
+#: Why the committer did not write a rank's part it holds a copy of: the rank claimed
+#: it first, and its own record is on its way.
+LATE = "it began to write its own part after the wait for it"
+
+
+def held(guard: Guard, directory: Path, token: str, point: SavePoint, ranks: list[int]) -> set[int]:
+    """Of ``ranks``, those whose part of ``point`` a copy in ``directory`` holds (their
+    own copies on this host, the mirrors their partners keep here): the committer can
+    write them without waiting for their ranks."""
+    here = peer.ranks_with_copies(directory, token) & set(ranks)
+    return {r for r in here if usable(guard, directory, token, r, point)[0] is not None}
+
+
+def write_missing(
+    guard: Guard,
+    directory: Path,
+    token: str,
+    point: SavePoint,
+    missing: list[int],
+    claim: Callable[[int], bool],
+    tmp: Path,
+    files: dict[str, Any],
+    cancel: threading.Event,
+) -> tuple[dict[int, str], dict[int, str]]:
+    """The committer: the parts of the ``missing`` ranks whose copies ``directory``
+    holds, written into ``tmp`` (``files`` gets their records): the ranks written (by
+    the copy's source) and why each other one was not. ``claim(r)``: whether the
+    committer, not rank ``r`` itself, writes ``r``'s part (:data:`LATE` when not)."""
+    written: dict[int, str] = {}
+    notes: dict[int, str] = {}
+    for r in missing:
+        got, why = usable(guard, directory, token, r, point)
+        if got is not None and not claim(r):
+            got, why = None, LATE
+        if got is None:
+            notes[r] = why
+            continue
+        files.update(write(guard, got, point, tmp, cancel))
+        written[r] = got.source
+    return written, notes
 
 
 def write(

@@ -194,6 +194,18 @@ def gone_ranks(directory: Path, token: str) -> set[int]:
     return gone
 
 
+def ranks_with_copies(directory: Path, token: str) -> set[int]:
+    """The ranks of job ``token`` with a copy in ``directory``: their own (this host's
+    ranks) or a mirror their partner keeps here. A listing: only a few ranks per host."""
+    ranks: set[int] = set()
+    with contextlib.suppress(OSError):
+        for path in directory.glob(f"{_PREFIX}{token}-rank*"):
+            rank = path.name.rpartition("-rank")[2].removesuffix("-mirror")
+            if rank.isdigit():
+                ranks.add(int(rank))
+    return ranks
+
+
 def mirror_gone(directory: Path, token: str, rank: int) -> bool | None:
     """Whether the mirror of ``rank`` kept here says its rank is gone (:meth:`Mirror.gone`);
     ``None``: no mirror of it here."""
