@@ -114,7 +114,7 @@ def sigterm_after_fault(out: Path, delay_s: float) -> None:
 
 def stuck_rank_exits_after_verdict(g: guardrails.Guard, out: Path, delay_s: float) -> None:
     """Rank 0, once the watchdog's verdict is in the store: what happens when the stuck
-    rank ends first (it reached its own end of grace sooner): torchrun SIGTERMs every
+    rank ends first (its save was the smaller): torchrun SIGTERMs every
     other rank, and this rank's collective fails, the peer gone. Here: SIGTERM to
     itself, then rank 1 SIGKILLed (its pid in ``OUT/pid1``)."""
     store = g.side_store("watchdog")

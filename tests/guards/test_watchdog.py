@@ -190,17 +190,19 @@ def test_a_stuck_rank_obeys_its_launchers_sigterm_within_seconds(runs):
 @jobs_test
 def test_a_signal_after_the_verdict_does_not_replace_it(runs):
     """Rank 1 is blocked in a C read and the watchdog's verdict is a HangError; then,
-    while rank 0 is still inside its grace before it ends itself, the stuck rank is gone
-    and SIGTERM comes (torchrun's teardown once one rank has exited): rank 0's
-    collective fails for the missing peer. Rank 0 reports the HangError it adopted
-    (exit 83), not a pre-emption (143)."""
+    while rank 0 is still ending itself (its failure save), SIGTERM comes and the stuck
+    rank is gone (torchrun's teardown once one rank has exited): rank 0's collective
+    fails for the missing peer. Rank 0 reports the HangError it adopted (exit 83), not
+    a pre-emption (143)."""
     res = runs["hangsigterm"][0]
     assert res.code == EXIT_CODES[guardrails.HangError] == 83, res.out[-3000:]
     extra = info(res)
     assert extra["error_class"] == "HangError", extra["py_callstack"]
     assert (extra["rank"], extra["fields"]["stuck_ranks"]) == (0, [1])
     assert "SIGTERM received" not in extra["py_callstack"]
-    assert runs["hangsigterm"][1].code == -9  # the stuck rank, killed
+    # The stuck rank ends itself at once after a hang's verdict (83), or is SIGKILLed
+    # 0.8 s after it, before its own end (-9).
+    assert runs["hangsigterm"][1].code in (-9, 83)
 
 
 @jobs_test

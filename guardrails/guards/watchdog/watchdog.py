@@ -36,16 +36,16 @@ The first rank to conclude claims the verdict in the store (``add`` returns 1 to
 caller) and posts it as news; every other rank adopts it within a period, so all ranks
 report the same diagnosis, each with its own rank in the message. Then
 ``guard.fail_from_thread``: the main thread raises the error at its next step boundary if it
-gets there within ``abort_after_s``; if not (stuck in a collective or a C call that Python
-cannot interrupt) the process reports and exits (``engine/process.die``), so the launcher
-tears the job down. A peer on this machine that its live record says runs while its pid is
-gone (SIGKILL, the OOM killer) is dead at the next tick, no store call (``live.py``). Death
-of a peer and the end of a peer's loop are announced at once (its end record, the first
-failure kept under one key, and news), so an exception on one rank ends the others in about
-a period, not after the timeout. A rank whose loader runs out puts its record under the
-pass's ``len`` key (``compare_set``: the first one stays); a rank still fetching past that
-length sees it with the news and claims ``UnevenDataError``; when every rank ran out of the
-same pass, nobody waits.
+gets there within ``abort_after_s`` (none for a hang); if not (stuck in a collective or a C
+call that Python cannot interrupt) the process reports and exits (``engine/process.die``),
+so the launcher tears the job down. A peer on this machine that its live record says runs
+while its pid is gone (SIGKILL, the OOM killer) is dead at the next tick, no store call
+(``live.py``). Death of a peer and the end of a peer's loop are announced at once (its end
+record, the first failure kept under one key, and news), so an exception on one rank ends
+the others in about a period, not after the timeout. A rank whose loader runs out puts its
+record under the pass's ``len`` key (``compare_set``: the first one stays); a rank still
+fetching past that length sees it with the news and claims ``UnevenDataError``; when every
+rank ran out of the same pass, nobody waits.
 
 Not a hang: a rank inside ``g.pause_watchdog(...)`` (and everyone waiting for it); the
 first step (``torch.compile``, cuDNN autotuning, NCCL's lazy communicator setup take
@@ -136,9 +136,11 @@ class Watchdog(Component):
                 600 s (NCCL's own timeout), or ``hang_timeout_s`` if that is longer.
             heartbeat_every_s: how often the thread samples and publishes. Default 1 s,
                 or a quarter of ``hang_timeout_s`` when that is under 4 s.
-            abort_after_s: after a verdict, how long the main thread gets to raise it at
-                a step boundary before the process reports and exits by itself. Default
-                2 s: a rank idle for the whole timeout is not about to reach a boundary.
+            abort_after_s: after a verdict other than a hang (a peer that failed or
+                died, uneven data), how long the main thread gets to raise it at a step
+                boundary before the process reports and exits by itself. Default 2 s.
+                After a hang's, none: a rank idle for the whole timeout, and those
+                waiting for it, are not about to reach a boundary.
         """
 
         hang_timeout_s: float | None = None
@@ -690,7 +692,11 @@ class Watchdog(Component):
         # Inside close() (the loop has ended), the engine ends the process only if the
         # close does not finish: one stuck in a closing collective with the dead peer.
         self._during_close = not guard.running
-        taken = guard.fail_from_thread(error, abort_after_s=self.abort_after_s)
+        # A hang: no rank moved for the timeout, and the waiting ones wait for the stuck
+        # one, so none reaches a boundary: the process ends (its failure save begins)
+        # now, not abort_after_s later (2 s of every hang's recovery).
+        after_s = 0.0 if isinstance(error, HangError) else self.abort_after_s
+        taken = guard.fail_from_thread(error, abort_after_s=after_s)
         if not taken and guard.running:
             # Another component's error is already on its way (the auditor's
             # mismatch): that one is the diagnosis, this watchdog stands aside.
