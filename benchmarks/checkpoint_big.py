@@ -182,6 +182,9 @@ def run_variant(
         "exit_code": code,
         "sigterm_to_exit_s": None if t_signal is None else t_exit - t_signal,
         "median_step_ms": median,
+        # Steps 1-10 over the median: the staging memory is allocated ahead, in a
+        # thread, after step 1 (pinning it can hold up the training thread's launches).
+        "first_steps_ms": {k: round(steps[k] - median) for k in range(1, 11) if k in steps},
         "periodic_stall_ms": stalls,
         "after_ms": after,
         "skipped": skipped,
@@ -272,6 +275,8 @@ def show(path: str) -> None:
                 f"stall of each periodic save (ms over the median) {stalls}, "
                 f"skipped {r['skipped']}, {r['bytes_per_save'] / 1e9:.2f} GB per save"
             )
+            if "first_steps_ms" in r:
+                print(f"    steps 1-10 over the median (ms): {r['first_steps_ms']}")
             for e in r["signal_saves"]:
                 keys = ("bytes", "seconds", "stage_s", "stage_fresh_bytes", "write_s", "fsync_s")
                 keys += ("commit_s", "sharded")

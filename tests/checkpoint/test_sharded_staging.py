@@ -59,18 +59,32 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 return ("Tensor", tuple(obj.shape), obj.dtype, obj.device.type)
             return obj
 
-        copied = _copy_state_dict(state, ours)
-        same = all(
-            torch.equal(
-                a._local_tensor if isinstance(a, DTensor) else a,
-                b._local_tensor if isinstance(b, DTensor) else b,
+        def local(t):
+            return t._local_tensor if isinstance(t, DTensor) else t
+
+        def equal(copied):
+            return all(
+                torch.equal(local(a), local(b))
+                for a, b in zip(_leaves(state), _leaves(copied), strict=True)
             )
-            for a, b in zip(_leaves(state), _leaves(copied), strict=True)
-        )
+
+        # Pinned, the tensors are views of one block locked in place; CUDA cannot lock
+        # pages here, so the block is plain memory (hostmem.page_locked's CPU stand-in).
+        from guardrails.checkpoint import hostmem
+
+        hostmem.page_locked = lambda n: (torch.zeros(n, dtype=torch.uint8), True)
+        locked: list[int] = []
+        carved = _empty_pinned(state, locked=locked)
+        staged = [local(t) for t in _leaves(carved) if t.dim() and local(t).numel()]
+        blocks = {t.untyped_storage().data_ptr() for t in staged}
         result = {
             "ours": describe(ours),
             "theirs": describe(theirs),
-            "copied_equal": same,
+            "carved": describe(carved),
+            "copied_equal": equal(_copy_state_dict(state, ours)),
+            "carved_equal": equal(_copy_state_dict(state, carved)),
+            "blocks": len(blocks),
+            "locked": len(locked),
             "n": len(_leaves(state)),
         }
     finally:
@@ -90,8 +104,9 @@ def test_staging_allocated_ahead_matches_dcps_and_takes_the_copy(tmp_path):
     spawn(_worker, (2, free_port(), str(tmp_path)))
     for rank in (0, 1):
         res = pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes())
-        assert res["ours"] == res["theirs"]
+        assert res["ours"] == res["theirs"] == res["carved"]
         assert res["copied_equal"] and res["n"] >= 3 * 6  # weights, exp_avg(_sq), steps
+        assert res["carved_equal"] and res["blocks"] == res["locked"] == 1, res
 
 
 def _writer_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -228,7 +228,7 @@ class CheckpointWriter:
             # background one stages into DCP's own memory, prepared once it exists.
             if guard.step >= 1 and background_saves and self._shard_writer is not None:
                 self._dcp_prepared = sharded.prepare_staging(
-                    self._shard_writer.stager, bare, guard.optimizer, self._dcp_stats
+                    self._shard_writer, bare, guard.optimizer, self._dcp_stats
                 )
             return
         try:
