@@ -160,7 +160,8 @@ class Component:
     def on_news(self, guard: Guard, error: BaseException) -> None:
         """While the guard closes, a background thread's verdict (``error``: a peer died,
         a hang), which does not replace the loop's own error: a component still at work
-        in its ``on_end`` may use it. Called from that thread."""
+        in its ``on_end`` may use it. Called from a thread of its own, which the close
+        waits for (bounded by the longest ``abort_s`` + 10 s)."""
 
     def state_dict(self) -> dict[str, Any] | None:
         """What this component keeps across a resume (JSON values), or ``None``."""

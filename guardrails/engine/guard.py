@@ -311,6 +311,7 @@ class Guard(StepState):
         self.events: EventLog | None = None
         self._state = "new"  # new -> started -> closed
         self._closing = False  # close() is running: its components' on_end
+        self._news_threads: list[threading.Thread] = []  # on_news calls during the close
         # Held by rank 0 from start to close: one run per run_dir, and per directory
         # outside it a component writes into (rundir.py).
         self._run_locks: list[rundir.RunLock] = []

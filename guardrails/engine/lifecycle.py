@@ -156,6 +156,11 @@ def close(guard: Guard, exc: BaseException | None) -> None:
             errors.append(err)
             if not isinstance(err, GuardrailsError):  # ours are raised on purpose
                 logger.exception("guardrails: %r failed while closing", fn)
+    # What a thread's news set off during the close (on_news: a failure save run again
+    # with another committer) ends before the guard does, within a save's bound.
+    bound_s = max((c.abort_s for c in guard.components), default=0.0) + _CLOSE_WAITS_S
+    for thread in guard._news_threads:
+        thread.join(bound_s)
     guard._wrappers.remove()
     for handle in guard._handles:
         handle.remove()
@@ -204,12 +209,21 @@ def during_close(guard: Guard, error: BaseException, *, after_s: float) -> None:
 
     timer = threading.Timer(bound_s + _CLOSE_WAITS_S, last_resort)
     timer.daemon = True
-    timer.start()  # first: a component may act on the news from this thread (a save)
-    for fn in list(guard._dispatch["on_news"]):
-        try:
-            fn(guard, error)
-        except Exception as exc:  # news only: the close goes on either way
-            logger.debug("guardrails: %r failed on news: %s", fn, exc)
+    timer.start()
+
+    def tell() -> None:
+        for fn in list(guard._dispatch["on_news"]):
+            try:
+                fn(guard, error)
+            except Exception as exc:  # news only: the close goes on either way
+                logger.debug("guardrails: %r failed on news: %s", fn, exc)
+
+    # In a thread of its own, which the close waits for (:func:`close`): a component
+    # may act on the news for seconds (a failure save run again), and the caller, the
+    # watchdog's thread, is joined by the close with a bound of its own.
+    thread = threading.Thread(target=tell, name="guardrails-news", daemon=True)
+    guard._news_threads.append(thread)
+    thread.start()
 
 
 def end_event(guard: Guard, error: BaseException | None, **fields: Any) -> None:
