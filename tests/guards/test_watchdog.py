@@ -323,39 +323,50 @@ def test_a_rank_computing_past_the_timeout_is_told_from_a_blocked_one(tmp_path):
         assert extra["fields"]["cpu"]["1"] >= 0.25
 
 
-@pytest.mark.slow(reason="2 real ranks, one SIGKILLed while the other closes")
-def test_a_peer_that_dies_during_a_close_neither_cuts_it_short_nor_replaces_its_error(tmp_path):
+@pytest.fixture(scope="module")
+def closes(tmp_path_factory) -> dict[str, list[RankResult]]:
+    """The two jobs whose rank 1 is SIGKILLed while rank 0 closes, side by side (4
+    processes: with the 27 of ``runs`` a 3 s timeout saw false hangs on 2 cores)."""
+    base = tmp_path_factory.mktemp("closes")
+    jobs = {name: start(name, base / name) for name in ("closeslow", "closestuck")}
+    wait_all(jobs, timeout_s=60.0, fail=False)
+    return {name: job.results() for name, job in jobs.items()}
+
+
+closes_test = pytest.mark.slow(
+    reason="2 jobs of 2 real ranks, one rank SIGKILLed while the other closes"
+)
+
+
+@closes_test
+def test_a_peer_that_dies_during_a_close_neither_cuts_it_short_nor_replaces_its_error(closes):
     """Rank 0 raises and its close takes 6 s (a large failure save); rank 1 is SIGKILLed
     1 s into it (torchrun ends the other ranks once one exits). Rank 0's watchdog sees
     the pid gone: the close still finishes, and rank 0's own error stays its report.
     Before, the watchdog ended the process 2 s after the death, mid-close, as
     RankFailedError (the test then found no ``close_done``, exit 84)."""
-    cmd = [sys.executable, WORKER, "closeslow", "--hang-timeout-s", TIMEOUT_S, "--out", tmp_path]
-    with launch(cmd, out=tmp_path, error_files=True) as job:
-        r0, r1 = job.wait(patience(60.0))
+    r0, r1 = closes["closeslow"]
     assert r1.code == -9
-    assert (tmp_path / "close_done").exists(), r0.out[-3000:]
+    assert (r0.dir / "close_done").exists(), r0.out[-3000:]
     assert r0.code == 1, r0.out[-3000:]
     assert "ValueError: boom: a bug on rank 0" in r0.out
     assert "RankFailedError" not in r0.out, r0.out[-3000:]
-    ended = [e for e in read_events(tmp_path / "run") if e["kind"] == "end"]
+    ended = [e for e in read_events(r0.dir / "run") if e["kind"] == "end"]
     assert [e["error_type"] for e in ended] == ["ValueError"], ended
 
 
-@pytest.mark.slow(reason="2 real ranks, one SIGKILLed while the other's close is stuck")
-def test_a_close_stuck_after_a_peer_died_still_ends_the_process(tmp_path):
+@closes_test
+def test_a_close_stuck_after_a_peer_died_still_ends_the_process(closes):
     """Rank 0 ends its loop and its close never ends (a closing collective waiting for
     a dead peer); rank 1 is SIGKILLed. The watchdog's verdict ends rank 0 once the
     close has had its own bound (2 s + no failure save + 10 s), as RankFailedError."""
-    cmd = [sys.executable, WORKER, "closestuck", "--hang-timeout-s", TIMEOUT_S, "--out", tmp_path]
-    with launch(cmd, out=tmp_path, error_files=True) as job:
-        r0, r1 = job.wait(patience(60.0))
+    r0, r1 = closes["closestuck"]
     assert r1.code == -9
     assert r0.code == EXIT_CODES[guardrails.RankFailedError], r0.out[-3000:]
     extra = info(r0)
     assert extra["fields"]["failed_rank"] == 1 and extra["fields"]["reason"] == "killed"
-    assert (tmp_path / "close_began").exists() and not (tmp_path / "close_done").exists()
-    began = float((tmp_path / "close_began").read_text())
+    assert (r0.dir / "close_began").exists() and not (r0.dir / "close_done").exists()
+    began = float((r0.dir / "close_began").read_text())
     assert r0.ended is not None and r0.ended - began >= 12.0  # the close's bound, not 2 s
     assert r0.ended - began < patience(30.0), r0.ended - began
 
