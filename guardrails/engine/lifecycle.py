@@ -157,10 +157,9 @@ def close(guard: Guard, exc: BaseException | None) -> None:
             if not isinstance(err, GuardrailsError):  # ours are raised on purpose
                 logger.exception("guardrails: %r failed while closing", fn)
     # What a thread's news set off during the close (on_news: a failure save run again
-    # with another committer) ends before the guard does, within a save's bound.
-    bound_s = max((c.abort_s for c in guard.components), default=0.0) + _CLOSE_WAITS_S
+    # with another committer) ends before the guard does, within a close's own bound.
     for thread in guard._news_threads:
-        thread.join(bound_s)
+        thread.join(_close_bound_s(guard))
     guard._wrappers.remove()
     for handle in guard._handles:
         handle.remove()
@@ -193,6 +192,12 @@ def close(guard: Guard, exc: BaseException | None) -> None:
 _CLOSE_WAITS_S = 10.0
 
 
+def _close_bound_s(guard: Guard) -> float:
+    """What a close may take on its own: its failure save's limit (the longest
+    ``abort_s``) and its waits for the other ranks' last records."""
+    return max((c.abort_s for c in guard.components), default=0.0) + _CLOSE_WAITS_S
+
+
 def during_close(guard: Guard, error: BaseException, *, after_s: float) -> None:
     """``Guard.fail_from_thread`` while the guard closes (a peer died during the
     close): ``error`` is news to the components still closing (``on_news``: a failure
@@ -201,13 +206,12 @@ def during_close(guard: Guard, error: BaseException, *, after_s: float) -> None:
     takes on its own (its failure save's limit, the longest ``abort_s``, and its waits
     for the other ranks' last records). A close stuck in a collective with the dead
     peer ends; one still saving, or explaining an error of its own, finishes."""
-    bound_s = after_s + max((c.abort_s for c in guard.components), default=0.0)
 
     def last_resort() -> None:
         if guard._closing:
             guard.die(error)
 
-    timer = threading.Timer(bound_s + _CLOSE_WAITS_S, last_resort)
+    timer = threading.Timer(after_s + _close_bound_s(guard), last_resort)
     timer.daemon = True
     timer.start()
 

@@ -71,11 +71,11 @@ def records(
             if copies is None:
                 copies = held()
             unfiled = [r for r in sorted(copies) if r not in lost]
-            unfiled = [r for r in unfiled if not store.check([f"{key}/files/{r}"])]
+            unfiled = [r for r in unfiled if not store.check([f"{key}/files/{r}"])]  # a host's
             if filed + len(lost) + len(unfiled) >= len(others):
                 break
         time.sleep(poll_s)
-    return {r: json.loads(store.get(f"{key}/files/{r}")) for r in others if filed_by(store, key, r)}
+    return _read(store, key, others)
 
 
 def late(
@@ -87,9 +87,10 @@ def late(
     wait_s = max(0.0, deadline - time.monotonic() - 1.0)
     with contextlib.suppress(TimeoutError):
         wait_keys(store, keys, timedelta(seconds=wait_s), world=world)
-    return {r: json.loads(store.get(f"{key}/files/{r}")) for r in ranks if filed_by(store, key, r)}
+    return _read(store, key, ranks)
 
 
-def filed_by(store: Any, key: str, rank: int) -> bool:
-    """Whether ``rank``'s record of the save ``key`` is in."""
-    return bool(store.check([f"{key}/files/{rank}"]))
+def _read(store: Any, key: str, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    """The records of ``ranks`` that are in, read once (a check and a get each)."""
+    keys = {r: f"{key}/files/{r}" for r in ranks}
+    return {r: json.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
