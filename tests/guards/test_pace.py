@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -113,11 +114,19 @@ def test_a_slowdown_while_other_processes_hold_the_cpu_is_the_machines():
     message = judge.busy_message(0, w(0.040, 0.0076, 0.0318), best, share, 41)
     for words in ("not at fault", "machine is busy", "19% of the CPU time", "taskset"):
         assert words in message, message
-    # The loop's own: 3x the work a step (on a busy machine too); a sleep (or a wait for
-    # a loader or a GPU) that gives the CPU up: no wait for a CPU.
+    # The loop's own: 3x the work a step on a quiet machine; a sleep (or a wait for a
+    # loader or a GPU) that gives the CPU up: no wait for a CPU.
     assert judge.machine_busy(w(0.021, 0.0207, 0.0001), best) is None
-    assert judge.machine_busy(w(0.060, 0.0205, 0.0390), best) is None
     assert judge.machine_busy(w(0.107, 0.0068, 0.0001), best) is None
+    # 3x the CPU time on a busy machine: the wait carries it, and the work's growth is
+    # said, not denied (a shared core costs work itself: 1.2-2.2x measured).
+    busy_and_more = w(0.060, 0.0205, 0.0390)
+    share = judge.machine_busy(busy_and_more, best)
+    assert share == pytest.approx(0.0205 / 0.0595)
+    message = judge.busy_message(0, busy_and_more, best, share, 41)
+    for words in ("its own work grew too", "20.5 ms of CPU time", "machine is busy"):
+        assert words in message, message
+    assert "not at fault" not in message
     # A platform with no schedstat: no verdict, the slowdown is reported as before.
     assert judge.machine_busy(window(0, 0.040), window(0, 0.007)) is None
 
@@ -139,10 +148,12 @@ class _Work(nn.Module):
         return (self.lin(x) - h).pow(2).mean()
 
 
-def _slowed_run(run_dir: Path, change) -> tuple[list[dict], Pace]:
-    """54 steps of :class:`_Work` on one core (this process pinned to it), windows of
-    10 steps; ``change(model, core)`` at step 30 (the processes it starts are killed
-    after step 50, the second window of it: the run ends at its pace)."""
+def _slowed_run(
+    run_dir: Path, changes: dict[int, Callable[[_Work, int], list]], steps: int = 54
+) -> tuple[list[dict], Pace]:
+    """``steps`` steps of :class:`_Work` on one core (this process pinned to it), windows
+    of 10 steps; ``changes[s](model, core)`` at step ``s``: the processes one starts are
+    killed at the next change (or the run's end)."""
     torch.manual_seed(0)
     model = _Work()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -159,14 +170,13 @@ def _slowed_run(run_dir: Path, change) -> tuple[list[dict], Pace]:
 
     knobs = {"window_steps": 10, "compare_every_s": 0.0, "slowdown_factor": 2.0}
     try:
-        with guardrails.guard(model, opt, [x] * 54, run_dir=run_dir, pace=knobs) as g:
+        with guardrails.guard(model, opt, [x] * steps, run_dir=run_dir, pace=knobs) as g:
             for batch in g:
                 if g.step == 0:
                     os.sched_setaffinity(0, {core})
-                elif g.step == 30:
-                    started = change(model, core)
-                elif g.step == 50:
+                elif g.step in changes:
                     stop()
+                    started.extend(changes[g.step](model, core))
                 model(batch).backward()
                 opt.step()
                 opt.zero_grad()
@@ -194,17 +204,21 @@ def _more_work(model: nn.Module, core: int) -> list[subprocess.Popen]:
     return []
 
 
+def _quiet(model: nn.Module, core: int) -> list[subprocess.Popen]:
+    return []
+
+
 @pytest.mark.skipif(not os.path.exists(Usage.PATH), reason="needs the kernel's schedstat")
 @pytest.mark.slow(reason="54 steps on one core, 20 of them shared with 4 busy processes (~3 s)")
 def test_a_machine_made_busy_is_not_blamed_on_the_loop(tmp_path):
-    # From step 30, four processes burn the training process's core. Its step time
-    # rises ~5x; the loop's work did not change. Either nothing is said, or the
-    # machine is named: never the loop.
-    events, pace = _slowed_run(tmp_path, _burners)
+    # From step 30 to 50, four processes burn the training process's core. Its step
+    # time rises ~5x (its own CPU time 1.2-2.2x: the switches' cost); the loop's work did
+    # not change. Either nothing is said, or the machine is named: never the loop.
+    events, pace = _slowed_run(tmp_path, {30: _burners, 50: _quiet})
     for e in events:
         assert e["cause"] == "machine_busy" and e["level"] == "info", e
         assert "The machine is busy" in e["message"] and "time went to" not in e["message"]
-        assert e["cpu_share"] < 0.5 and e["cpu_step_s"] < 1.6 * e["best_cpu_step_s"]
+        assert e["cpu_share"] < 0.5, e
     # Not vacuous: once they ran, the loop thread waited for its core more than it ran.
     busy = pace.windows[-1]
     assert (busy.first, busy.last) == (41, 50), pace.windows
@@ -214,12 +228,24 @@ def test_a_machine_made_busy_is_not_blamed_on_the_loop(tmp_path):
 @pytest.mark.skipif(not os.path.exists(Usage.PATH), reason="needs the kernel's schedstat")
 @pytest.mark.slow(reason="54 steps, 20 of them 6x longer (~5 s)")
 def test_a_loop_that_does_6x_the_work_a_step_is_named(tmp_path):
-    events, _ = _slowed_run(tmp_path, _more_work)
+    events, _ = _slowed_run(tmp_path, {30: _more_work})
     (e,) = events
     assert e["cause"] == "loop" and e["level"] == "warning" and e["phase"] == "forward", e
     assert e["since_step"] == 31 and e["cpu_step_s"] > 2 * e["best_cpu_step_s"]
     for words in ("got slower", "the time went to its forward", "slowdown_factor"):
         assert words in e["message"], e["message"]
+
+
+@pytest.mark.skipif(not os.path.exists(Usage.PATH), reason="needs the kernel's schedstat")
+@pytest.mark.slow(reason="74 steps on one core: 20 shared, 20 6x longer (~6 s)")
+def test_a_loop_slowed_while_the_machine_was_busy_is_named_once_it_is_quiet(tmp_path):
+    # Busy from step 30 (the machine's, info, or nothing), then from step 50 quiet and
+    # 6x the work: the machine's report does not use up the loop's.
+    events, _ = _slowed_run(tmp_path, {30: _burners, 50: _more_work}, steps=74)
+    *busy, loop = events
+    assert all(e["cause"] == "machine_busy" and e["level"] == "info" for e in busy), busy
+    assert loop["cause"] == "loop" and loop["level"] == "warning", loop
+    assert loop["since_step"] == 51 and loop["phase"] == "forward", loop
 
 
 def test_comms_bound_needs_real_bytes_and_agreement_with_the_window():

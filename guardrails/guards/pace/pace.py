@@ -124,7 +124,7 @@ class Pace(Component):
         #: Each judged window of this rank (newest last, at most 100).
         self.windows: deque[judge.Window] = deque(maxlen=100)
         #: The fields of each event reported, by kind (``straggler``, ``slowdown``,
-        #: ``comms_bound``).
+        #: ``comms_bound``; a busy machine's ``slowdown`` under ``machine_busy``).
         self.reported: dict[str, dict[str, Any]] = {}
         #: DDP's all-reduce timings read so far, one per sampled iteration (newest last).
         self.comm_samples: deque[judge.CommStats] = deque(maxlen=100)
@@ -274,12 +274,15 @@ class Pace(Component):
         share = None if found is None else judge.machine_busy(window, best)
         cause = None if found is None else "loop" if share is None else "machine_busy"
         since, count = self._streak("slowdown", found and (found[0], cause), window)
-        if found is None or count < self.persist_windows:
+        # A busy machine is reported once, under a key of its own: the loop's own
+        # slowdown, seen once the machine is quiet, is still reported after it.
+        key = "slowdown" if cause == "loop" else "machine_busy"
+        if found is None or count < self.persist_windows or key in self.reported:
             return
         phase, extra = found
         if self.reported.get("straggler", {}).get("phase") == phase:
             return  # the straggler report said it, with the neighbours' numbers
-        if not self._claim("slowdown"):
+        if not self._claim(key):
             return
         fields = {
             "rank": self._rank,
@@ -296,7 +299,7 @@ class Pace(Component):
             "wait_step_s": window.wait_step_s,
             "best_wait_step_s": best.wait_step_s,
         }
-        self.reported["slowdown"] = fields
+        self.reported[key] = fields
         if share is not None:
             # True of the machine, not of the loop: information, worded as such.
             message = judge.busy_message(self._rank, window, best, share, since)
