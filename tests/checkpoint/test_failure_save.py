@@ -218,10 +218,17 @@ def test_a_stuck_rank_that_has_not_heard_is_written_from_its_copy_without_the_lo
     shorter than the watchdog's (30 s), so rank 0 fails on its own and saves while rank
     1 has heard of nothing (it hears once rank 0 has ended). Rank 0 holds rank 1's copy
     (the same host): it writes rank 1's part from it after 2 s instead of waiting 10 s
-    for rank 1 to begin. Step 7 is whole and the resume is bitwise the clean run."""
+    for rank 1 to begin. Step 7 is whole and the resume is bitwise the clean run.
+    Rank 1 learns of rank 0's end from its exit (rank 0 hosted the store, on this host):
+    within a few heartbeats, not after the store's 30 s."""
     args = ("--fault", "sleep", "--at", 7, "--rank", 1, "--hang-timeout-s", 30)
     ranks = ddp(tmp_path, *args, "--pg-timeout-s", 3)
     assert all(r.code != 0 for r in ranks)
+    ended = {e["rank"]: e for e in events(tmp_path, "end")}
+    [heard] = events(tmp_path, "rank_failed")
+    assert heard["rank"] == 1 and heard["time"] - ended[0]["time"] < 10, (heard, ended)
+    said = heard["message"]
+    assert "rank 0 (it hosts the TCPStore) has exited at step 7 (" in said and "Timed out" in said
     [(step, ckpt)] = list_checkpoints(tmp_path / "checkpoints")
     assert step == 7, [r.out for r in ranks]
     failure = manifest(ckpt)["failure"]

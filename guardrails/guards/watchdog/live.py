@@ -244,6 +244,15 @@ class LivePublisher:
             if r != self.rank and rec.get("state") == "running" and gone_here(rec, self.host)
         }
 
+    def exited(self, r: int) -> dict[str, Any] | None:
+        """Rank ``r``'s last record when it ran on this node and its process is gone,
+        whatever its state (``running``: killed; ``failed`` or ``closed``: it ended);
+        ``None`` otherwise. One file read, no store call."""
+        if r == self.rank or r not in self.node_ranks:
+            return None
+        rec = files.read_json(self._shm / f"rank{r}.json")
+        return rec if rec is not None and gone_here(rec, self.host) else None
+
     def _write_node(self, records: dict[int, dict[str, Any]] | None = None) -> None:
         records = self._node_records() if records is None else records
         node = {"node": self.node, "time": time.time(), "ranks": records}

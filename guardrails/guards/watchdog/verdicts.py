@@ -320,17 +320,23 @@ def hang(
     )
 
 
-def store_down(exc: Exception, down_s: float, *, rank: int, step: int) -> RankFailedError:
+def store_down(
+    exc: Exception, down_s: float, *, rank: int, step: int, host: dict[str, Any] | None = None
+) -> RankFailedError:
     """The job's store stopped answering this rank for ``down_s``: its host is gone.
     With torchrun the store lives in the agent (TORCHELASTIC_USE_AGENT_STORE), else on
-    rank 0."""
+    rank 0; ``host``: rank 0's last record, when it ran on this node and has exited."""
     agent = agent_holds_store()
-    host = "the torchrun agent" if agent else "rank 0 (it hosts the TCPStore)"
+    who = "the torchrun agent" if agent else "rank 0 (it hosts the TCPStore)"
     how_long = f" for {down_s:.0f} s" if down_s >= 1 else ""
+    ended = "died or lost the network"
+    if host is not None:
+        how = "closed" if host.get("state") == "closed" else host.get("error") or "killed"
+        ended = f"exited at step {host.get('step')} ({how})"
     return RankFailedError(
         f"the job's key-value store stopped answering ({type(exc).__name__}: "
-        f"{_first_line(exc)}){how_long}: {host} has "
-        "died or lost the network. This rank cannot reach the others any more.",
+        f"{_first_line(exc)}){how_long}: {who} has {ended}. This rank cannot reach the "
+        "others any more.",
         rank=rank,
         step=step,
         failed_rank=None if agent else 0,

@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 from guardrails._errors import GuardrailsError, HangError, RankFailedError
 from guardrails.distributed import store as _store
-from guardrails.distributed.store import claim_verdict, read_verdict
+from guardrails.distributed.store import agent_holds_store, claim_verdict, read_verdict
 from guardrails.engine.component import Component
 from guardrails.engine.config import configure
 from guardrails.engine.where import data_position, thread_stack
@@ -711,11 +711,14 @@ class Watchdog(Component):
         if self._store_down_since is None:
             self._store_down_since = now
             log.debug("guardrails: watchdog store call failed: %s", exc)
-        # Unreachable for as long as a hang would take: its host is gone.
+        # Unreachable for as long as a hang would take: its host is gone. Rank 0 on this
+        # node with its process gone is that answer now (it may have ended a beat after
+        # publishing its end, before this rank read it).
         down_s = now - self._store_down_since
-        if not at_once and down_s < min(self._timeout(guard), 30.0):
+        host = None if agent_holds_store() else self._live.exited(0)
+        if not at_once and host is None and down_s < min(self._timeout(guard), 30.0):
             return None
-        return verdicts.store_down(exc, down_s, rank=self._rank, step=guard.step)
+        return verdicts.store_down(exc, down_s, rank=self._rank, step=guard.step, host=host)
 
     def _check_ended_peers(
         self, guard: Guard, finished: dict[int, dict[str, Any]], idle: float
