@@ -6,7 +6,7 @@ Most of the suite's CPU went into the processes the tests start importing torch 
 CPU-s). This server imports torch once (``PRELOAD``) and then, for each request, forks a
 child that becomes what ``subprocess.Popen([sys.executable, SCRIPT, *ARGS],
 start_new_session=True, stdin=DEVNULL, stdout=..., stderr=...)`` would start (or
-of ``[sys.executable, "-c", CODE, *ARGS]``):
+of ``[sys.executable, "-c", CODE, *ARGS]``, ``[sys.executable, "-m", MODULE, *ARGS]``):
 
 - its own pid and its own session and process group (signals, ``killpg`` and SIGKILL
   reach it and only it, as before);
@@ -46,6 +46,7 @@ import io
 import json
 import os
 import resource
+import runpy
 import select
 import signal
 import socket
@@ -231,12 +232,17 @@ def _text_out(fd: int, *, unbuffered: bool, line: bool) -> io.TextIOWrapper:
 
 
 def _run_script(argv: list[str]) -> NoReturn:
-    """``python SCRIPT ARGS`` (or ``python -c CODE ARGS``): the code as a new
-    ``__main__``, an uncaught exception reported as Python reports it (without this
-    file's frames), then Python's exit."""
+    """``python SCRIPT ARGS`` (or ``python -c CODE ARGS``, ``python -m MODULE ARGS``):
+    the code as a new ``__main__``, an uncaught exception reported as Python reports it
+    (without this file's frames), then Python's exit."""
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
-    if argv[1] == "-c":
+    module = None
+    if argv[1] == "-m":  # as Python's -m: the directory first, runpy runs the module
+        module, source, filename = argv[2], "", "<run_module>"
+        sys.argv = ["-m", *argv[3:]]
+        sys.path[:] = _search_path(os.getcwd())
+    elif argv[1] == "-c":
         source, filename = argv[2], "<string>"
         sys.argv = ["-c", *argv[3:]]
         sys.path[:] = _search_path("")
@@ -251,7 +257,10 @@ def _run_script(argv: list[str]) -> NoReturn:
         main.__loader__ = importlib.machinery.SourceFileLoader("__main__", filename)
     sys.modules["__main__"] = main
     try:
-        exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
+        if module is not None:
+            runpy._run_module_as_main(module, alter_argv=True)  # type: ignore[attr-defined]
+        else:
+            exec(compile(source, filename, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as stop:
         _exit(_exit_code(stop))
     except BaseException as exc:  # Python's own top level

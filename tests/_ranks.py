@@ -416,13 +416,14 @@ class ForkServer:
 
     @staticmethod
     def serves(cmd: Sequence[str]) -> bool:
-        """A command of the form ``python SCRIPT.py ...`` or ``python -c CODE ...``
-        (this interpreter, no other flag), unless ``GUARDRAILS_TEST_FORKSERVER=0``."""
+        """A command of the form ``python SCRIPT.py ...``, ``python -c CODE ...`` or
+        ``python -m MODULE ...`` (this interpreter, no other flag), unless
+        ``GUARDRAILS_TEST_FORKSERVER=0``."""
         if os.environ.get(FORKSERVER_VAR, "1").strip() == "0":
             return False
         if len(cmd) < 2 or cmd[0] != sys.executable:
             return False
-        return cmd[1].endswith(".py") or (cmd[1] == "-c" and len(cmd) > 2)
+        return cmd[1].endswith(".py") or (cmd[1] in ("-c", "-m") and len(cmd) > 2)
 
     def start(
         self, cmd: list[str], env: dict, cwd: Path, out_fd: int, err_fd: int

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from _ranks import patience
+from _ranks import run_script
 from conftest import read_events
 
 import guardrails
@@ -228,13 +228,8 @@ def test_each_part_logs_to_its_own_logger_so_one_can_be_quieted(tmp_path):
     seen = {}
     for i, quiet in enumerate(("none", "guardrails.nan", "guardrails.checkpoint")):
         run_dir = tmp_path / f"run{i}"
-        proc = subprocess.run(
-            [sys.executable, str(script), str(run_dir), quiet],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=patience(120),
-            cwd=ROOT,
+        proc = run_script(
+            [sys.executable, str(script), str(run_dir), quiet], timeout_s=120, env=env, cwd=ROOT
         )
         assert proc.returncode == 0, proc.stderr
         seen[quiet] = (nan_says in proc.stderr, ckpt_says in proc.stderr)

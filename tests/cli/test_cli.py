@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks import patience
+from _ranks import patience, run_script
 from conftest import events_path, read_events
 
 import guardrails
@@ -32,13 +32,8 @@ def cli(*args, env=None, ok=True, timeout=120, cwd=None):
     for name in ("NCCL_DEBUG", "NCCL_P2P_DISABLE", "MASTER_PORT", "WORLD_SIZE", "RANK"):
         if name not in (env or {}):
             full.pop(name, None)  # the developer's shell must not change the assertions
-    proc = subprocess.run(
-        [sys.executable, "-m", "guardrails", *args],
-        capture_output=True,
-        text=True,
-        timeout=patience(timeout),
-        env=full,
-        cwd=cwd or ROOT,
+    proc = run_script(
+        [sys.executable, "-m", "guardrails", *args], timeout_s=timeout, env=full, cwd=cwd or ROOT
     )
     assert (proc.returncode == 0) == ok, proc.stdout + proc.stderr
     return proc
@@ -218,11 +213,9 @@ def nan_run(tmp_path_factory):
     """The example with a NaN planted in sample row 3 of step 10's batch."""
     tmp = tmp_path_factory.mktemp("nan_run")
     args = ["--steps", "20", "--batch-size", "8", "--sample", "0", "--inject", "bad_sample"]
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(EXAMPLE), "--run-dir", str(tmp / "run"), *args],
-        capture_output=True,
-        text=True,
-        timeout=patience(300),
+        timeout_s=300,
         env={**os.environ, "OMP_NUM_THREADS": "2"},
         cwd=tmp,
     )
@@ -301,11 +294,9 @@ def crashed_run(tmp_path: Path, write_every_s: float) -> Path:
     script = tmp_path / "crash.py"
     script.write_text(CRASH.format(tests=str(ROOT / "tests")))
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(script), str(run_dir), str(write_every_s)],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
+        timeout_s=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == -9, proc.stdout + proc.stderr  # it really died by SIGKILL
@@ -484,14 +475,7 @@ def preempted(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
 
     def run():
-        return subprocess.run(
-            [sys.executable, *args],
-            capture_output=True,
-            text=True,
-            timeout=patience(300),
-            env=env,
-            cwd=tmp,
-        )
+        return run_script([sys.executable, *args], timeout_s=300, env=env, cwd=tmp)
 
     first = run()
     assert first.returncode == 143, first.stdout + first.stderr
@@ -697,13 +681,7 @@ def test_a_run_ends_with_one_line_naming_its_report(tmp_path):
     code, err = _on_a_terminal([sys.executable, str(script), str(run_dir), "plain"], env)
     assert code == 0 and err.count(line) == 1 and err.strip() == line, err
     # Not on a pipe (a test runner, a benchmark loop, a log file): quiet.
-    proc = subprocess.run(
-        [sys.executable, str(script), str(run_dir), "plain"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=patience(120),
-    )
+    proc = run_script([sys.executable, str(script), str(run_dir), "plain"], timeout_s=120, env=env)
     assert proc.returncode == 0 and "guardrails report" not in proc.stderr, proc.stderr
     # Where the user's logging shows INFO, it is logged there (once, not also printed).
     code, err = _on_a_terminal([sys.executable, str(script), str(run_dir), "info"], env)

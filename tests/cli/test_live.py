@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _ranks import ROOT, Job, base_env, launch, patience
+from _ranks import ROOT, Job, base_env, launch, patience, run_script
 
 from guardrails.cli.stacks import ranges
 from guardrails.metrics import live
@@ -31,11 +31,9 @@ def start(scenario: str, world: int, out: Path, *extra: str) -> Job:
 
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return run_script(
         [sys.executable, "-m", "guardrails", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=patience(60),
+        timeout_s=60,
         env=base_env(),
         cwd=ROOT,
     )

@@ -11,7 +11,6 @@ import logging
 import math
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 
@@ -266,13 +265,13 @@ def test_a_resumed_run_sees_the_failed_runs_last_rows_once(tmp_path):
     with pytest.raises(RuntimeError, match="optimizer failed"):
         _resumable(tmp_path, fail_at=12)
     _resumable(tmp_path, fail_at=None)
-    out = subprocess.run(
+    proc = run_script(
         [sys.executable, "-m", "guardrails", "report", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
+        timeout_s=120,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    ).stdout
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
     story = json.loads(out)
     at = story["resumed"]["step"]
     assert at in (5, 10)

@@ -206,11 +206,9 @@ def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
     target = "flat_train" if launch[-1] == "-m" else str(tmp_path / "flat_train.py")
     error_file = tmp_path / "error.json"
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, *launch, target, str(tmp_path / "run"), "nan"],
-        capture_output=True,
-        text=True,
-        timeout=patience(120),
+        timeout_s=120,
         env=env,
         cwd=tmp_path,
     )
@@ -226,11 +224,8 @@ def test_a_flat_script_runs_under_record_through_the_launcher(tmp_path, launch):
 
 @pytest.mark.slow(reason="a process importing torch")
 def test_the_launcher_says_what_it_needs(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "guardrails.run", str(tmp_path / "missing.py")],
-        capture_output=True,
-        text=True,
-        timeout=patience(60),
+    proc = run_script(
+        [sys.executable, "-m", "guardrails.run", str(tmp_path / "missing.py")], timeout_s=60
     )
     assert proc.returncode == 1 and "no such script" in proc.stderr and "usage:" in proc.stderr
 

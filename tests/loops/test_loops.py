@@ -138,11 +138,8 @@ def test_zero_redundancy_optimizer_skips_and_saves_every_ranks_shard(tmp_path):
     (bad / "manifest.json").write_text(json.dumps(manifest))
     why = verify_checkpoint(bad)
     assert why is not None and "rank(s) [1]" in why and "optimizer" in why, why
-    out = subprocess.run(
-        [sys.executable, "-m", "guardrails", "inspect", str(bad)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    out = run_script(
+        [sys.executable, "-m", "guardrails", "inspect", str(bad)], timeout_s=120, cwd=ROOT
     )
     assert out.returncode == 1 and "rank(s) [1]" in out.stdout, out.stdout
 
