@@ -374,6 +374,25 @@ def _retain(
     _perms.fsync_path(root)
 
 
+def save_error(final: Path, step: int, e: BaseException) -> BaseException:
+    """A storage error of a save as :func:`write_error`'s :class:`CheckpointError`, the
+    latest checkpoint not said (the checkpointer, which knows this run's, says it);
+    anything else as it is."""
+    if storage.is_storage_error(e):
+        return write_error(final, step, e, latest=False)
+    return e
+
+
+def discard(tmp: Path, *, trash: bool) -> None:
+    """A temp directory of a save that failed: deleted, or, for a save abandoned by a
+    stop (``trash``), renamed into the trash for the next start to delete."""
+    if trash:
+        with contextlib.suppress(OSError):
+            to_trash(tmp)
+            return
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def to_trash(path: Path) -> Path:
     """Rename a directory to ``.trash-*`` beside it (atomic: a crash never leaves it
     half-deleted, and its name tells every later look that it is garbage), for

@@ -325,12 +325,16 @@ def test_a_rank_killed_while_its_periodic_save_is_written_costs_no_step(tmp_path
     the next step, before its part of that save is written: the save can never commit,
     and the failure save of the same step must not count it as saved (it did: nothing
     was saved, and the run went back to its previous checkpoint). Step 67 is whole,
-    bitwise the uninterrupted run's, and the same command resumes it."""
+    bitwise the uninterrupted run's, and the same command resumes it. Rank 0 ends once
+    its failure save is written: the periodic save it supersedes, waiting for rank 1's
+    files, is abandoned (rank 0 waited for it until its close's bound, 35 s)."""
     more = ("--fault", "kill", "--at", AT, "--rank", 1, "--every", AT, "--background")
     code, out = job(tmp_path, 2, "ranks", "a", *more, "--hang-timeout-s", 3)
     assert code != 0
     found = dict(list_checkpoints(tmp_path / "checkpoints"))
     assert sorted(found) == [AT], out[-4000:]
+    said = {e["kind"]: e for e in read_events(tmp_path) if e["rank"] == 0}
+    assert said["end"]["time"] - said["failure_saved"]["time"] < 10, out[-4000:]
     assert_resumed_whole(tmp_path, clean[2], 2, found[AT])
 
 

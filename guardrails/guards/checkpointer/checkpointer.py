@@ -294,8 +294,7 @@ class SignalCheckpointer(Component):
     #: the steps every rank expects them.
     essential = True
     # Last among the defaults: it resumes after the others started (their statistics
-    # are restored into them) and it closes first (its final save sees every
-    # component open).
+    # are restored into them) and closes first (its final save sees them all open).
     after = ("explain", "gc", "memory", "nan", "watchdog", "audit", "telemetry", "preflight")
 
     def __init__(self, config: SignalCheckpointer.Config | None = None, /, **knobs: Any) -> None:
@@ -325,8 +324,7 @@ class SignalCheckpointer(Component):
         self.abort_s = self.failure_save_timeout_s + 2.0 if self.save_on_failure else 0.0
         self.resumer: ResumeAtStart | None = None
         self._agreement: Agreement | None = None
-        # What the manifest's "run" records (the config and the optimizer settings as
-        # the code built them, the run's id).
+        # The manifest's "run": the config and optimizer settings as built, the run's id.
         self._run: dict[str, Any] = {}
         # The stop: the step it was decided at, and the signal that decided it.
         self._stop_at: int | None = None
@@ -487,7 +485,9 @@ class SignalCheckpointer(Component):
             self._close_copies(keep=outcome is not None and outcome["path"] is None)
             self.capture.restore()
             self._shield.restore()
-            self.writer.close(raise_error=exc is None, stopped=self._stop_at is not None)
+            wrote = None if outcome is None or outcome["state"] == "none" else outcome["step"]
+            stopped = self._stop_at is not None
+            self.writer.close(raise_error=exc is None, stopped=stopped, superseded_at=wrote)
 
     def on_abort(self, guard: Guard, error: BaseException) -> None:
         """A thread ends the process (a hang verdict, a peer's death) while the main

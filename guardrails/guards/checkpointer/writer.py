@@ -67,15 +67,6 @@ def _writer_failed(error: BaseException, root: Path, step: int | None = None) ->
     return failed
 
 
-def _write_error(final: Path, step: int, e: BaseException) -> BaseException:
-    """A storage error of a save as a :class:`CheckpointError` with the fix (the
-    latest checkpoint is said by the checkpointer, which knows this run's); anything
-    else as it is."""
-    if storage.is_storage_error(e):
-        return commit.write_error(final, step, e, latest=False)
-    return e
-
-
 def agree_token(store: Any, rank: int) -> str:
     """One name per guard for this run's temp directories, the same on every rank
     (``store``: the checkpoint's side store, ``None`` in a single process)."""
@@ -275,6 +266,7 @@ class CheckpointWriter:
                     target=self._write_safely,
                     args=(guard, step, part, t0),
                     name="guardrails-checkpoint-writer",
+                    daemon=True,  # an abandoned one waits for no exit (see close)
                 )
                 self._writer.start()
                 return self.root / f"step_{step:09d}"
@@ -317,7 +309,7 @@ class CheckpointWriter:
                 self._dcp_stats["waited_s"] = round(time.perf_counter() - t_wait, 3)
             return (writer, writer.stage(bare, guard.optimizer))
         except BaseException as e:
-            error = _write_error(self.root / f"step_{step:09d}", step, e)
+            error = commit.save_error(self.root / f"step_{step:09d}", step, e)
             if error is not e:
                 raise error from e
             raise
@@ -485,7 +477,7 @@ class CheckpointWriter:
         except BaseException as e:  # the manifest or the rename failed: nothing committed
             if self._store is None:
                 shutil.rmtree(tmp, ignore_errors=True)
-            error = _write_error(final, step, e)
+            error = commit.save_error(final, step, e)
             if error is not e:
                 raise error from e
             raise
@@ -552,14 +544,14 @@ class CheckpointWriter:
                 files.update({f"{sharded.DCP_DIR}/{n}": r for n, r in records.items()})
             part.write_s += time.perf_counter() - t_shards
         except BaseException as e:
-            error = _write_error(root / f"step_{step:09d}", step, e)
+            error = commit.save_error(root / f"step_{step:09d}", step, e)
             if store is not None:  # so rank 0 does not wait for files that never come
                 said = error.message if isinstance(error, CheckpointError) else repr(e)
                 store.set(f"{key}/files/{rank}", json.dumps({"error": said}))
                 if rank == 0:  # nor the other ranks for a commit that never comes
                     store.set(f"{key}/commit", json.dumps({"error": said}))
             if tmp is not None and rank == 0:
-                _discard(tmp, to_trash=part.cancel.is_set())
+                commit.discard(tmp, trash=part.cancel.is_set())
             if error is not e:
                 raise error from e
             raise
@@ -591,7 +583,7 @@ class CheckpointWriter:
             merged = self._gather_files(key, step, tmp)
             final = self._commit(step, tmp, merged, world=world)
         except BaseException as e:
-            error = _write_error(self.root / f"step_{step:09d}", step, e)
+            error = commit.save_error(self.root / f"step_{step:09d}", step, e)
             said = f"{type(e).__name__}: {e}"
             if isinstance(error, CheckpointError):
                 said = error.message
@@ -772,11 +764,20 @@ class CheckpointWriter:
                 raise error
             raise _writer_failed(error, self.root) from error
 
-    def close(self, *, raise_error: bool, stopped: bool) -> None:
+    def close(self, *, raise_error: bool, stopped: bool, superseded_at: int | None = None) -> None:
         """At the guard's end: the writer thread joined (its error raised when
         ``raise_error``), the staging ahead and the sharded writer's memory let go, and
-        the trash emptied unless the run ``stopped`` on a signal (the next start does)."""
+        the trash emptied unless the run ``stopped`` on a signal (the next start does).
+        ``superseded_at``: the step a failure save wrote; a write of it or an older step
+        is abandoned, not waited for (a dead rank's files never come: a 10-minute wait),
+        its temp directory left for the next start."""
         try:
+            writing, self._writing = self._writing, None
+            if writing is not None and superseded_at is not None and writing[0] <= superseded_at:
+                writing[1].cancel.set()
+                if self._writer is not None:
+                    self._writer.join(timeout=1.0)  # past a piece it stops; else it waits on
+                    self._writer, self.error = None, None
             self._wait_writer(raise_error=raise_error)
         finally:
             if self._dcp_prepared is not None:
@@ -788,13 +789,3 @@ class CheckpointWriter:
             if self._emptying is not None and not stopped:
                 self._emptying.join()  # a normal end leaves no trash (a stop: the next start)
                 self._emptying = None
-
-
-def _discard(tmp: Path, *, to_trash: bool) -> None:
-    """A temp directory of a save that failed: deleted, or, for a save abandoned by a
-    stop (``to_trash``), renamed into the trash for the next start to delete."""
-    if to_trash:
-        with contextlib.suppress(OSError):
-            commit.to_trash(tmp)
-            return
-    shutil.rmtree(tmp, ignore_errors=True)
