@@ -273,7 +273,9 @@ class Pace(Component):
         found = judge.slowdown(window, best, synced, factor=self.slowdown_factor)
         share = None if found is None else judge.machine_busy(window, best)
         cause = None if found is None else "loop" if share is None else "machine_busy"
-        since, count = self._streak("slowdown", found and (found[0], cause), window)
+        # The phase's streak, whoever's the cause: on a machine busy by turns the cause
+        # may alternate window by window; the newest window's is the one said.
+        since, count = self._streak("slowdown", found and found[0], window)
         # A busy machine is reported once, under a key of its own: the loop's own
         # slowdown, seen once the machine is quiet, is still reported after it.
         key = "slowdown" if cause == "loop" else "machine_busy"
