@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _ranks import patience, run_script
+from _ranks import ForkServer, patience, run_script
 from conftest import events_path, read_events
 
 import guardrails
@@ -653,8 +653,13 @@ def _on_a_terminal(cmd: list[str], env: dict[str, str]) -> tuple[int, str]:
     import pty
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=slave, env=env, cwd=ROOT)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    # Forked from the fork server (torch imported once) with stderr on the terminal.
+    proc = ForkServer.for_env(env).start(cmd, env, ROOT, devnull, slave)
+    if proc is None:
+        proc = subprocess.Popen(cmd, stdout=devnull, stderr=slave, env=env, cwd=ROOT)
     os.close(slave)
+    os.close(devnull)
     chunks = []
     while True:
         try:
