@@ -260,13 +260,16 @@ def _judged(run_dir: Path, windows: list[tuple[float, float, float]]) -> list[tu
 
 def test_the_machines_report_does_not_use_up_the_loops(tmp_path):
     """Two busy windows (the machine's, info), then two where the loop's own work grew
-    on a quiet machine (the loop's, a warning); and a cause that alternates window by
-    window keeps the phase's streak going (said at the second, by its own cause)."""
+    on a quiet machine (the loop's, a warning, since its own first window); and a cause
+    that alternates window by window keeps the phase's streak going (said at the
+    second window, by its own cause, since that window)."""
     quiet, busy, more = (0.004, 0.004, 0.0), (0.020, 0.005, 0.015), (0.024, 0.024, 0.0)
     said = _judged(tmp_path / "a", [quiet, quiet, quiet, busy, busy, more, more])
-    assert said == [("machine_busy", "info", 31), ("loop", "warning", 31)], said
+    assert said == [("machine_busy", "info", 31), ("loop", "warning", 51)], said
     said = _judged(tmp_path / "b", [quiet, quiet, quiet, more, busy])
-    assert said == [("machine_busy", "info", 31)], said
+    assert said == [("machine_busy", "info", 41)], said
+    said = _judged(tmp_path / "c", [quiet, quiet, busy, more])
+    assert said == [("loop", "warning", 31)], said
 
 
 def test_comms_bound_needs_real_bytes_and_agreement_with_the_window():

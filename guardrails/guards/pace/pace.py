@@ -273,9 +273,11 @@ class Pace(Component):
         found = judge.slowdown(window, best, synced, factor=self.slowdown_factor)
         share = None if found is None else judge.machine_busy(window, best)
         cause = None if found is None else "loop" if share is None else "machine_busy"
-        # The phase's streak, whoever's the cause: on a machine busy by turns the cause
-        # may alternate window by window; the newest window's is the one said.
-        since, count = self._streak("slowdown", found and found[0], window)
+        # The phase's streak, whoever's the cause, is what persists (on a machine busy by
+        # turns the cause may alternate window by window); the newest window's cause is
+        # said, since its own streak began.
+        _, count = self._streak("slowdown", found and found[0], window)
+        since, _ = self._streak("slowdown_cause", found and (found[0], cause), window)
         # A busy machine is reported once, under a key of its own: the loop's own
         # slowdown, seen once the machine is quiet, is still reported after it.
         key = "slowdown" if cause == "loop" else "machine_busy"
