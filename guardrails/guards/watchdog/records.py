@@ -260,6 +260,14 @@ def gone_here(rec: dict[str, Any] | None, host: str) -> bool:
     return not pid_alive(rec["pid"])
 
 
+def alive_here(rec: dict[str, Any] | None, host: str) -> bool:
+    """Whether the process of the rank behind ``rec`` ran on this machine and pid
+    namespace and is alive (see :func:`gone_here`)."""
+    if rec is None or rec.get("host") != host or not isinstance(rec.get("pid"), int):
+        return False
+    return pid_alive(rec["pid"])
+
+
 def last_seen(store: Any, r: int, live: dict[str, Any]) -> dict[str, Any]:
     """Rank ``r``'s record for a death its node's live record showed (``live.py``:
     ``gone_peers``): its first heartbeat (its log, its host; one key) with where the

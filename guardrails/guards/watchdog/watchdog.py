@@ -89,6 +89,7 @@ from guardrails.guards.watchdog.records import (
     _past,
     _position,
     _where,
+    alive_here,
     ddp_wrapped_models,
     gone_here,
     last_seen,
@@ -711,9 +712,8 @@ class Watchdog(Component):
         if self._store_down_since is None:
             self._store_down_since = now
             log.debug("guardrails: watchdog store call failed: %s", exc)
-        # Unreachable for as long as a hang would take: its host is gone. Rank 0 on this
-        # node with its process gone is that answer now (it may have ended a beat after
-        # publishing its end, before this rank read it).
+        # Unreachable for as long as a hang would take: its host is gone. Rank 0 gone from
+        # this node is that answer now (it may exit before its end record is read).
         down_s = now - self._store_down_since
         host = None if agent_holds_store() else self._live.exited(0)
         if not at_once and host is None and down_s < min(self._timeout(guard), 30.0):
@@ -770,10 +770,10 @@ class Watchdog(Component):
         """Ranks whose process is gone: same machine, its pid no longer exists (exact);
         elsewhere, no new heartbeat for ``STALE_PERIODS`` periods and half the timeout (a
         main thread holding the GIL in a long C call starves its watchdog: only that long
-        is it called dead). Plus ranks that never published during a whole timeout."""
+        is it called dead; alive on this machine, a whole timeout more: a starved rank is
+        a hang). Plus ranks that never published during a whole timeout."""
         dead = []
-        # Plus two periods: a peer publishes only once it has seen the news that some
-        # rank is suspect, which takes up to a period (more on a starved host).
+        # + 2 periods: a peer publishes once it sees a rank is suspect (a period, or more).
         stale_after = max(STALE_PERIODS * self._period + 0.5, timeout / 2) + 2 * self._period
         for r, rec in records.items():
             if r == self._rank or r in finished:
@@ -781,7 +781,8 @@ class Watchdog(Component):
             seen = self._peer_seen.get(r)
             if seen is None or seen[0] != rec["seq"]:
                 self._peer_seen[r] = seen = (rec["seq"], now)
-            if gone_here(rec, self._host) or now - seen[1] > stale_after:
+            late = stale_after + (timeout if alive_here(rec, self._host) else 0.0)
+            if gone_here(rec, self._host) or now - seen[1] > late:
                 dead.append(r)
         if self._idle() >= timeout:
             dead += [r for r in range(self._world) if r not in records and r not in finished]
