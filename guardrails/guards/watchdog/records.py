@@ -251,21 +251,18 @@ def read_stacks(store: Any, ranks: list[int]) -> dict[int, str]:
     }
 
 
-def gone_here(rec: dict[str, Any] | None, host: str) -> bool:
-    """Whether the process of the rank behind ``rec`` (a heartbeat or a live record) ran
-    on this machine and pid namespace (``host``: :func:`_host_id`) and is gone: exact, at
-    once; a rank elsewhere is judged by its heartbeats instead."""
+def alive_here(rec: dict[str, Any] | None, host: str) -> bool | None:
+    """Whether the process of the rank behind ``rec`` (a heartbeat or a live record) is
+    alive, when it ran on this machine and pid namespace (``host``: :func:`_host_id`):
+    exact, at once; ``None`` for a rank elsewhere, judged by its heartbeats instead."""
     if rec is None or rec.get("host") != host or not isinstance(rec.get("pid"), int):
-        return False
-    return not pid_alive(rec["pid"])
-
-
-def alive_here(rec: dict[str, Any] | None, host: str) -> bool:
-    """Whether the process of the rank behind ``rec`` ran on this machine and pid
-    namespace and is alive (see :func:`gone_here`)."""
-    if rec is None or rec.get("host") != host or not isinstance(rec.get("pid"), int):
-        return False
+        return None
     return pid_alive(rec["pid"])
+
+
+def gone_here(rec: dict[str, Any] | None, host: str) -> bool:
+    """Whether the process of the rank behind ``rec`` ran on this machine and is gone."""
+    return alive_here(rec, host) is False
 
 
 def last_seen(store: Any, r: int, live: dict[str, Any]) -> dict[str, Any]:

@@ -781,8 +781,8 @@ class Watchdog(Component):
             seen = self._peer_seen.get(r)
             if seen is None or seen[0] != rec["seq"]:
                 self._peer_seen[r] = seen = (rec["seq"], now)
-            late = stale_after + (timeout if alive_here(rec, self._host) else 0.0)
-            if gone_here(rec, self._host) or now - seen[1] > late:
+            alive = alive_here(rec, self._host)  # None: on another machine
+            if alive is False or now - seen[1] > stale_after + (timeout if alive else 0.0):
                 dead.append(r)
         if self._idle() >= timeout:
             dead += [r for r in range(self._world) if r not in records and r not in finished]
